@@ -1,0 +1,120 @@
+// The model-execution interface every backend implements: cpu (fp32 reference), cuda (bf16),
+// and tensor-parallel wrappers of either. One object owns one model's weights and the KV cache
+// of many sequences; one thread drives it.
+//
+// KV model. Each sequence has a committed prefix whose keys and values are cached, and a
+// scratch region of speculative nodes that hang off the end of the prefix as a tree. Forward()
+// appends nodes to the scratch region; each node attends to the whole committed prefix and to
+// its own ancestors in the scratch region (tree attention), and sits at RoPE position
+// committed_length + depth. Commit() keeps the KV of one root-to-node path of scratch nodes,
+// appending it to the prefix, and drops the rest of the scratch region.
+//
+// A prefill is a chain of the prompt followed by Commit() of the whole chain; a decode step is
+// a single node; a verify step is the last accepted token followed by the draft tree.
+#ifndef SPECD_ENGINE_BACKEND_H_
+#define SPECD_ENGINE_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/token_tree.h"
+#include "engine/model_config.h"
+#include "engine/sampling.h"
+
+namespace specd {
+
+using SeqId = int64_t;
+
+// Nodes appended to one sequence's scratch region in one Forward() call.
+struct ForwardItem {
+  SeqId seq = 0;
+  // New tokens.
+  std::vector<int32_t> tokens;
+  // For each new token: the scratch index of its parent, or -1 for a child of the last
+  // committed token. Scratch indices count every node appended since the last Commit(), in
+  // order, including earlier nodes of this same item. Must be less than the node's own index.
+  std::vector<int32_t> parents;
+  // Indices into `tokens` whose next-token logits are wanted, in any order.
+  std::vector<int32_t> logit_rows;
+};
+
+// One verify step of one sequence: feed `pending` (tokens accepted earlier whose KV is not yet
+// cached: the prompt at the first step, the bonus token later; never empty) then the draft
+// tree hanging below the last pending token; sample along the tree, descending while the
+// sampled token is a child; commit the accepted path.
+struct VerifyItem {
+  SeqId seq = 0;
+  std::vector<int32_t> pending;
+  TokenTree tree;
+  SamplingParams sampling;
+};
+
+struct VerifyOutcome {
+  // Accepted draft tokens followed by one token sampled from the target (the bonus), so
+  // never empty. The last one becomes the next step's `pending`.
+  std::vector<int32_t> tokens;
+  int accepted_draft = 0;  // tokens.size() - 1
+  // Tree node index of each accepted draft token, in order (for drafters that reuse KV).
+  std::vector<int32_t> accepted_nodes;
+};
+
+struct KvUsage {
+  int64_t used_tokens = 0;
+  int64_t capacity_tokens = 0;
+  int sequences = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual const ModelConfig& config() const = 0;
+
+  // Sequences. AddSequence fails with ALREADY_EXISTS for a live id and RESOURCE_EXHAUSTED
+  // when no KV capacity is left.
+  virtual absl::Status AddSequence(SeqId seq) = 0;
+  virtual absl::Status RemoveSequence(SeqId seq) = 0;
+  virtual bool HasSequence(SeqId seq) const = 0;
+  virtual absl::StatusOr<int64_t> CommittedLength(SeqId seq) const = 0;
+
+  // One batched forward pass over all items (distinct sequences). `logits` receives
+  // [sum over items of logit_rows.size(), vocab_size] fp32 (host), items in order and rows in
+  // the order each item lists them.
+  virtual absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) = 0;
+
+  // Keeps the scratch nodes of `path` (scratch indices: path[0] a child of the committed end,
+  // each later one a child of the one before) and drops the rest of the scratch region.
+  // An empty path drops the whole scratch region.
+  virtual absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) = 0;
+
+  virtual KvUsage Usage() const = 0;
+
+  // A whole verify step for a batch of sequences. The default runs Forward() then samples on
+  // the host and Commit()s; a GPU backend overrides it to accept on the device.
+  virtual absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items);
+};
+
+// Tree acceptance on the host (DESIGN.md, lossless verification). `rows` holds the logits of
+// the last pending token followed by those of every tree node: [1 + tree.size(), vocab].
+// `first_position` is the absolute position of the token sampled from rows[0].
+VerifyOutcome AcceptTree(const TokenTree& tree, absl::Span<const float> rows, int vocab_size,
+                         const SamplingParams& sampling, int64_t first_position);
+
+struct BackendOptions {
+  std::string device = "cpu";       // "cpu" or "cuda:N"
+  int64_t kv_capacity_tokens = 1 << 20;  // total cached tokens over all sequences
+  int num_threads = 0;              // cpu: 0 = all cores
+};
+
+// Loads the model folder `dir` onto the device named in `options`.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
+                                                      const BackendOptions& options);
+
+}  // namespace specd
+
+#endif  // SPECD_ENGINE_BACKEND_H_

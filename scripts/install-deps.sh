@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages specd builds and tests with (see ../shared/notes/ECOSYSTEM.md).
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compiler-grpc
+      libprotobuf-dev protobuf-compiler libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
+      libbenchmark-dev libre2-dev nlohmann-json3-dev libopenblas-dev python3-grpcio
+      python3-grpc-tools python3-pytest prometheus yamllint)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
