@@ -22,6 +22,17 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
+void ToSequenceError(const absl::Status& status, v1::SequenceError* error) {
+  error->set_code(static_cast<int32_t>(status.code()));
+  error->set_message(std::string(status.message()));
+}
+
+std::string ModelNameFromPath(absl::string_view dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
+  const size_t slash = dir.rfind('/');
+  return std::string(slash == absl::string_view::npos ? dir : dir.substr(slash + 1));
+}
+
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view address, absl::string_view field) {
   HostPort out;
   absl::string_view port;

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "grpcpp/grpcpp.h"
+#include "specd/v1/tree.pb.h"
 
 namespace specd {
 
@@ -19,6 +20,12 @@ namespace specd {
 // numbering).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// A per-sequence error inside a batched reply (code and message of `status`, not OK).
+void ToSequenceError(const absl::Status& status, v1::SequenceError* error);
+
+// The model name services report in GetInfo: the last component of the model folder's path.
+std::string ModelNameFromPath(absl::string_view dir);
 
 struct HostPort {
   std::string host;  // without brackets for IPv6 literals
