@@ -37,8 +37,15 @@ bool SequenceOutput::Push(int32_t token) {
     Finish(v1::FINISH_REASON_STOP_TOKEN);
     return false;
   }
-  held_text_ += decoder_->Next(token);
-  held_tokens_.push_back({token, held_text_.size()});
+  const std::string piece = decoder_->Next(token);
+  held_text_ += piece;
+  if (!piece.empty()) {
+    for (auto it = held_tokens_.rbegin(); it != held_tokens_.rend() && !it->resolved; ++it) {
+      it->end = held_text_.size();
+      it->resolved = true;
+    }
+  }
+  held_tokens_.push_back({token, held_text_.size(), !piece.empty()});
 
   if (!stop_.stop.empty()) {
     // Held text never contains a whole stop string (it would have matched before), so any
@@ -82,6 +89,10 @@ void SequenceOutput::Finish(v1::FinishReason reason) {
   // Whatever is still held back could only have been the start of a stop string that never
   // completed, so it belongs to the output, as does an incomplete last character.
   held_text_ += decoder_->Flush();
+  for (HeldToken& t : held_tokens_) {
+    t.end = held_text_.size();
+    t.resolved = true;
+  }
   Release(held_text_.size());
   finish_ = reason;
 }
@@ -89,7 +100,8 @@ void SequenceOutput::Finish(v1::FinishReason reason) {
 void SequenceOutput::Release(size_t bytes) {
   ready_.text.append(held_text_, 0, bytes);
   held_text_.erase(0, bytes);
-  while (!held_tokens_.empty() && held_tokens_.front().end <= bytes) {
+  while (!held_tokens_.empty() && held_tokens_.front().resolved &&
+         held_tokens_.front().end <= bytes) {
     ready_.token_ids.push_back(held_tokens_.front().id);
     held_tokens_.pop_front();
   }

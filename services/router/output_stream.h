@@ -81,11 +81,14 @@ class SequenceOutput {
   std::string matched_stop_;
 
   // Text not yet released, and the tokens whose text ends inside it, each with the offset in
-  // held_text_ where its text ends.
+  // held_text_ where its text ends. A token that only began a multi-byte character has no
+  // text of its own yet; it is unresolved until the token that completes the character
+  // arrives, and then shares that token's end.
   std::string held_text_;
   struct HeldToken {
     int32_t id;
     size_t end;
+    bool resolved;
   };
   std::deque<HeldToken> held_tokens_;
   OutputChunk ready_;
