@@ -1,7 +1,7 @@
 // specd-router: the public Generation API in front of a draft and a verify service.
 //
-//   specd-router --model models/pycoder-target --verify_address 127.0.0.1:50062 \
-//       --draft_address 127.0.0.1:50061 --address 0.0.0.0:50051 --metrics_port 9101
+//   specd-router --model models/pycoder-target --verify_address 127.0.0.1:50052 \
+//       --draft_address 127.0.0.1:50051 --address 0.0.0.0:50050 --metrics_port 9100
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -23,13 +23,13 @@
 #include "services/router/router_metrics.h"
 #include "services/router/router_service.h"
 
-ABSL_FLAG(std::string, address, "0.0.0.0:50051", "host:port of the public Generation API");
-ABSL_FLAG(int, metrics_port, 9101, "port of the /metrics HTTP listener (0 = pick a free one)");
+ABSL_FLAG(std::string, address, "0.0.0.0:50050", "host:port of the public Generation API");
+ABSL_FLAG(int, metrics_port, 9100, "port of the /metrics HTTP listener (0 = pick a free one)");
 ABSL_FLAG(std::string, model, "",
           "Hugging Face folder of the target model: tokenizer.json, config.json and "
           "generation_config.json (vocabulary, context, EOS); the weights stay with the verify "
           "service");
-ABSL_FLAG(std::string, verify_address, "127.0.0.1:50062", "host:port of specd-verify");
+ABSL_FLAG(std::string, verify_address, "127.0.0.1:50052", "host:port of specd-verify");
 ABSL_FLAG(std::string, draft_address, "",
           "host:port of specd-draft; empty = no draft service (target-only decoding)");
 ABSL_FLAG(int, max_batch, 32, "most sequences in one speculation step");
@@ -148,6 +148,9 @@ int Main() {
   (*server)->SetServing(serving.load());
 
   MetricsServerOptions metrics_options;
+  // Metrics listen where the gRPC API listens (loopback stays loopback).
+  absl::StatusOr<HostPort> api = ParseHostPort(server_options.address, "--address");
+  if (api.ok() && !api->host.empty()) metrics_options.host = api->host;
   metrics_options.port = absl::GetFlag(FLAGS_metrics_port);
   absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
       MetricsServer::Start(metrics_options, registry, [&] { return serving.load(); });
@@ -156,8 +159,8 @@ int Main() {
   }
 
   loop.Start();
-  SPECD_LOG(INFO) << "specd-router listening on port " << (*server)->port()
-                  << ", metrics on port " << (*metrics_server)->port() << ", model " << model_dir
+  SPECD_LOG(INFO) << "specd-router: gRPC on port " << (*server)->port() << ", metrics on port "
+                  << (*metrics_server)->port() << "; model " << model_dir
                   << ", verify " << loop_options.verify_address << ", draft "
                   << (loop_options.draft_address.empty() ? "(none)" : loop_options.draft_address);
 

@@ -21,7 +21,7 @@ size_t PartialStopSuffix(const std::string& text, const std::string& stop) {
 
 }  // namespace
 
-SequenceOutput::SequenceOutput(std::unique_ptr<TokenTextDecoder> decoder, StopConditions stop)
+SequenceOutput::SequenceOutput(std::unique_ptr<TokenTextDecoder> decoder, StreamStopConditions stop)
     : decoder_(std::move(decoder)), stop_(std::move(stop)) {
   for (const std::string& s : stop_.stop) longest_stop_ = std::max(longest_stop_, s.size());
 }

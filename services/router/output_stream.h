@@ -34,7 +34,7 @@ class TokenTextDecoder {
   virtual std::string Flush() = 0;
 };
 
-struct StopConditions {
+struct StreamStopConditions {
   int max_new_tokens = 0;              // > 0
   std::vector<int32_t> eos_token_ids;  // empty when the request sets ignore_eos
   std::vector<int32_t> stop_token_ids;
@@ -52,7 +52,7 @@ struct OutputChunk {
 
 class SequenceOutput {
  public:
-  SequenceOutput(std::unique_ptr<TokenTextDecoder> decoder, StopConditions stop);
+  SequenceOutput(std::unique_ptr<TokenTextDecoder> decoder, StreamStopConditions stop);
 
   // Consumes one generated token. Returns false once the sequence has finished (this token
   // ended it, or an earlier one did and this one was ignored).
@@ -74,7 +74,7 @@ class SequenceOutput {
   void Release(size_t bytes);
 
   std::unique_ptr<TokenTextDecoder> decoder_;
-  StopConditions stop_;
+  StreamStopConditions stop_;
   size_t longest_stop_ = 0;
   int generated_ = 0;
   v1::FinishReason finish_ = v1::FINISH_REASON_UNSPECIFIED;

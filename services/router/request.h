@@ -33,7 +33,7 @@ struct RequestLimits {
   int max_stop_bytes = 256;
 };
 
-struct GenerationRequest {
+struct RouterRequest {
   std::string request_id;
   std::vector<int32_t> prompt;
   int max_new_tokens = 0;

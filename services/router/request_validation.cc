@@ -93,9 +93,9 @@ absl::Status ValidatePrompt(absl::Span<const int32_t> prompt, const char* field,
   return absl::OkStatus();
 }
 
-GenerationRequest ResolveRequest(const v1::GenerateRequest& r, const RequestLimits& limits,
+RouterRequest ResolveRequest(const v1::GenerateRequest& r, const RequestLimits& limits,
                                  uint64_t random_seed) {
-  GenerationRequest out;
+  RouterRequest out;
   out.request_id = r.request_id();
   out.max_new_tokens =
       r.max_new_tokens() > 0 ? static_cast<int>(r.max_new_tokens()) : limits.default_max_new_tokens;

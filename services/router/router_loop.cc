@@ -52,7 +52,7 @@ class StreamDecoder : public TokenTextDecoder {
 
 struct RouterLoop::Sequence {
   uint64_t id = 0;
-  GenerationRequest request;
+  RouterRequest request;
   std::shared_ptr<ResponseSink> sink;
   std::vector<int32_t> tokens;  // prompt, then every token the verifier emitted
   int64_t prompt_len = 0;
@@ -129,6 +129,13 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
         [this](bool up) { metrics_->draft_available.Set(up ? 1 : 0); });
   }
   metrics_->draft_available.Set(0);
+  absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
+      NgramDrafter::Create(options_.limits.vocab_size, options_.ngram);
+  if (ngram.ok()) {
+    local_ngram_ = *std::move(ngram);
+  } else {
+    SPECD_LOG(WARNING) << "local n-gram drafter disabled: " << ngram.status();
+  }
 }
 
 RouterLoop::~RouterLoop() { Stop(); }
@@ -159,7 +166,7 @@ int RouterLoop::max_context() const {
   return max_context_;
 }
 
-absl::Status RouterLoop::Submit(GenerationRequest request, std::shared_ptr<ResponseSink> sink) {
+absl::Status RouterLoop::Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink) {
   if (!verify_->up()) {
     return absl::UnavailableError(absl::StrCat("the verify service at ", options_.verify_address,
                                                " is not available; retry later"));
@@ -249,7 +256,7 @@ void RouterLoop::Admit() {
     seq->sink = std::move(q.sink);
     seq->tokens = seq->request.prompt;
     seq->prompt_len = static_cast<int64_t>(seq->tokens.size());
-    StopConditions stop;
+    StreamStopConditions stop;
     stop.max_new_tokens = seq->request.max_new_tokens;
     if (!seq->request.ignore_eos) stop.eos_token_ids = options_.limits.eos_token_ids;
     stop.stop_token_ids = seq->request.stop_token_ids;
@@ -262,9 +269,10 @@ void RouterLoop::Admit() {
     // What the sequence will speculate with; steps downgrade it to OFF while the draft
     // service is unavailable.
     const v1::Speculation mode = seq->request.speculation;
-    seq->stats.set_mode(mode == v1::SPECULATION_OFF || draft_ == nullptr ? v1::SPECULATION_OFF
-                        : mode == v1::SPECULATION_NGRAM               ? v1::SPECULATION_NGRAM
-                                                                      : v1::SPECULATION_DRAFT_MODEL);
+    seq->stats.set_mode(mode == v1::SPECULATION_OFF                          ? v1::SPECULATION_OFF
+                        : mode == v1::SPECULATION_NGRAM                      ? v1::SPECULATION_NGRAM
+                        : draft_ == nullptr                                  ? v1::SPECULATION_OFF
+                                                                    : v1::SPECULATION_DRAFT_MODEL);
     metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
     metrics_->prompt_tokens.Increment(static_cast<double>(seq->prompt_len));
     if (seq->prompt_len >= max_context) {
@@ -319,6 +327,17 @@ void RouterLoop::DraftStep() {
     const int depth = static_cast<int>(std::min<int64_t>(seq.request.shape.depth, room));
     if (depth <= 0) {
       seq.reason = TargetOnlyReason::kNoDraft;
+      continue;
+    }
+    if (mode == v1::SPECULATION_NGRAM && (!draft_up || seq.draft_failed) &&
+        local_ngram_ != nullptr) {
+      DraftParams params;
+      params.depth = depth;
+      params.top_k = std::max(1, seq.request.shape.top_k);
+      params.max_nodes = std::max(1, seq.request.shape.max_nodes);
+      seq.tree = local_ngram_->Propose(seq.tokens, params);
+      seq.reason = TargetOnlyReason::kNoDraft;  // when the history has no match
+      seq.stats.set_mode(v1::SPECULATION_NGRAM);
       continue;
     }
     if (draft_ == nullptr || seq.draft_failed) {

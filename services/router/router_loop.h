@@ -17,6 +17,9 @@
 // service (the output is unchanged: verification is lossless), specd_draft_available is 0 and
 // a connector thread reconnects with backoff. After a reconnect the new draft stream holds
 // nothing, so each drafting sequence is resynced by sending its whole history as new_tokens.
+// N-gram requests (speculation = ngram) draft in the draft service like the others; while it is
+// unavailable (or when none is configured) the router runs the same prompt-lookup drafter
+// itself: it needs no model and costs microseconds, so there is no reason to lose speculation.
 // Verify service down: every running and queued request fails with UNAVAILABLE, health turns
 // NOT_SERVING, and new requests are refused until it is back.
 #ifndef SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_
@@ -34,6 +37,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/tokenizer.h"
+#include "engine/drafter.h"
 #include "grpcpp/support/status.h"
 #include "services/router/output_stream.h"
 #include "services/router/request.h"
@@ -68,6 +72,7 @@ struct RouterLoopOptions {
   absl::Duration probe_timeout = absl::Seconds(2);
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
+  NgramOptions ngram;  // the local n-gram drafter's
 };
 
 class RouterLoop {
@@ -84,7 +89,7 @@ class RouterLoop {
 
   // Queues a request. RESOURCE_EXHAUSTED when max_queue requests already wait, UNAVAILABLE
   // while the verify service is down. On success the loop owns finishing `sink`.
-  absl::Status Submit(GenerationRequest request, std::shared_ptr<ResponseSink> sink);
+  absl::Status Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink);
 
   // Makes the scheduler look at its queue now (a queued request was cancelled).
   void Wake();
@@ -101,7 +106,7 @@ class RouterLoop {
  private:
   struct Sequence;
   struct Queued {
-    GenerationRequest request;
+    RouterRequest request;
     std::shared_ptr<ResponseSink> sink;
   };
   using DraftUpstream = Upstream<v1::Drafter, v1::DraftStepRequest, v1::DraftStepResponse,
@@ -136,6 +141,7 @@ class RouterLoop {
 
   std::unique_ptr<VerifyUpstream> verify_;
   std::unique_ptr<DraftUpstream> draft_;
+  std::unique_ptr<NgramDrafter> local_ngram_;
 
   mutable absl::Mutex mu_;
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);

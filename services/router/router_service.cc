@@ -109,7 +109,7 @@ class GenerateReactor : public GenerateWriter {
   GenerateReactor(RouterService* service, grpc::CallbackServerContext* context,
                   const v1::GenerateRequest* request)
       : service_(service), sink_(std::make_shared<ReactorSink>(this)) {
-    GenerationRequest prepared;
+    RouterRequest prepared;
     absl::Status status = service->Prepare(*request, &prepared);
     if (status.ok()) {
       prepared.arrival = absl::Now();
@@ -167,7 +167,7 @@ uint64_t RouterService::RandomSeed() {
   return rng_();
 }
 
-absl::Status RouterService::Prepare(const v1::GenerateRequest& request, GenerationRequest* out) {
+absl::Status RouterService::Prepare(const v1::GenerateRequest& request, RouterRequest* out) {
   const RequestLimits limits = CurrentLimits();
   if (absl::Status s = ValidateGenerateRequest(request, limits); !s.ok()) return s;
   *out = ResolveRequest(request, limits, RandomSeed());

@@ -42,7 +42,7 @@ class RouterService final : public v1::Generation::CallbackService {
                                          v1::ModelInfo* response) override;
 
   // Validates and tokenizes a request; on success fills `out` except arrival and deadline.
-  absl::Status Prepare(const v1::GenerateRequest& request, GenerationRequest* out);
+  absl::Status Prepare(const v1::GenerateRequest& request, RouterRequest* out);
 
   RouterLoop* loop() { return loop_; }
   RouterMetrics* metrics() { return metrics_; }
