@@ -1,5 +1,7 @@
 #include "common/metrics.h"
 
+#include <sys/socket.h>
+
 #include <chrono>
 #include <sstream>
 #include <utility>
@@ -88,6 +90,12 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   server->registry_ = std::move(registry);
   server->healthy_ = std::move(healthy);
   server->http_ = std::make_unique<httplib::Server>();
+  // httplib's default also sets SO_REUSEPORT, which would let a second process share the port
+  // and silently take half the scrapes; a busy port must be an error.
+  server->http_->set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   MetricsServer* self = server.get();
   server->http_->Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
     res.set_content(SerializeMetrics(*self->registry_), "text/plain; version=0.0.4; charset=utf-8");

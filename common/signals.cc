@@ -3,6 +3,9 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
+#include <thread>
+
 namespace specd {
 namespace {
 
@@ -14,6 +17,8 @@ sigset_t TerminationSignals() {
   return set;
 }
 
+std::atomic<int> g_signal{0};
+
 }  // namespace
 
 void BlockTerminationSignals() {
@@ -21,12 +26,19 @@ void BlockTerminationSignals() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
-int WaitForTerminationSignal() {
-  const sigset_t set = TerminationSignals();
-  int sig = 0;
-  while (sigwait(&set, &sig) != 0) {
-  }
-  return sig;
+absl::Notification& WatchTerminationSignals() {
+  static absl::Notification* const notification = new absl::Notification();
+  std::thread([] {
+    const sigset_t set = TerminationSignals();
+    int sig = 0;
+    while (sigwait(&set, &sig) != 0) {
+    }
+    g_signal = sig;
+    notification->Notify();
+  }).detach();
+  return *notification;
 }
+
+int TerminationSignal() { return g_signal.load(); }
 
 }  // namespace specd

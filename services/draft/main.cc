@@ -8,6 +8,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -32,6 +34,8 @@ ABSL_FLAG(int, tree_top_k, 4, "children per expanded node when a step leaves it 
 ABSL_FLAG(int, tree_max_nodes, 16, "tree size when a step leaves it 0 (<= 256)");
 ABSL_FLAG(int, ngram_min_n, 1, "n-gram drafter: shortest suffix matched");
 ABSL_FLAG(int, ngram_max_n, 3, "n-gram drafter: longest suffix matched");
+ABSL_FLAG(int, startup_delay_ms, 0,
+          "wait this long before loading the model (to exercise readiness probes in tests)");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
           "on SIGTERM/SIGINT, how long running streams may go on before they are cancelled");
 
@@ -86,6 +90,12 @@ int Main() {
                   << (options.model_dir.empty() ? std::string("n-gram drafter only")
                                                 : options.model_dir);
 
+  absl::Notification& stop = WatchTerminationSignals();
+  if (stop.WaitForNotificationWithTimeout(
+          absl::Milliseconds(absl::GetFlag(FLAGS_startup_delay_ms)))) {
+    (*server)->Shutdown(0);
+    return EXIT_SUCCESS;
+  }
   absl::StatusOr<std::unique_ptr<DraftLoop>> loop = DraftLoop::Create(options, &queue, &metrics);
   if (!loop.ok()) {
     queue.CloseAndFail(absl::UnavailableError("the draft model failed to load"));
@@ -98,8 +108,8 @@ int Main() {
   SPECD_LOG(INFO) << "specd-draft: serving " << (*loop)->info().model() << " on "
                   << options.backend.device;
 
-  const int sig = WaitForTerminationSignal();
-  SPECD_LOG(INFO) << "specd-draft: signal " << sig << ", shutting down";
+  stop.WaitForNotification();
+  SPECD_LOG(INFO) << "specd-draft: signal " << TerminationSignal() << ", shutting down";
   serving = false;
   (*server)->SetServing(false);
   (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace_ms));

@@ -9,6 +9,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "absl/strings/str_split.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
@@ -28,6 +30,8 @@ ABSL_FLAG(int, tensor_parallel, 1, "devices the model is split over (only 1 for 
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
 ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
+ABSL_FLAG(int, startup_delay_ms, 0,
+          "wait this long before loading the model (to exercise readiness probes in tests)");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
           "on SIGTERM/SIGINT, how long running streams may go on before they are cancelled");
 
@@ -87,6 +91,12 @@ int Main() {
   SPECD_LOG(INFO) << "specd-verify: gRPC on port " << (*server)->port() << ", metrics on port "
                   << (*metrics_server)->port() << "; loading " << options.model_dir;
 
+  absl::Notification& stop = WatchTerminationSignals();
+  if (stop.WaitForNotificationWithTimeout(
+          absl::Milliseconds(absl::GetFlag(FLAGS_startup_delay_ms)))) {
+    (*server)->Shutdown(0);
+    return EXIT_SUCCESS;
+  }
   absl::StatusOr<std::unique_ptr<VerifyLoop>> loop =
       VerifyLoop::Create(options, &queue, &metrics);
   if (!loop.ok()) {
@@ -100,8 +110,8 @@ int Main() {
   SPECD_LOG(INFO) << "specd-verify: serving " << (*loop)->info().model() << " on "
                   << options.backend.device;
 
-  const int sig = WaitForTerminationSignal();
-  SPECD_LOG(INFO) << "specd-verify: signal " << sig << ", shutting down";
+  stop.WaitForNotification();
+  SPECD_LOG(INFO) << "specd-verify: signal " << TerminationSignal() << ", shutting down";
   serving = false;
   (*server)->SetServing(false);
   (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace_ms));
