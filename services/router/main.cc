@@ -164,8 +164,8 @@ int Main() {
                   << ", verify " << loop_options.verify_address << ", draft "
                   << (loop_options.draft_address.empty() ? "(none)" : loop_options.draft_address);
 
-  const int sig = WaitForTerminationSignal();
-  SPECD_LOG(INFO) << "signal " << sig << ": shutting down";
+  WatchTerminationSignals().WaitForNotification();
+  SPECD_LOG(INFO) << "specd-router: signal " << TerminationSignal() << ", shutting down";
   server_ptr = nullptr;
   (*server)->SetServing(false);
   // Stop the scheduler first: it ends every open Generate stream, so the server's shutdown
