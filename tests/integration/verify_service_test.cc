@@ -160,7 +160,7 @@ class VerifyServiceTest : public ::testing::Test {
 std::string* VerifyServiceTest::dir_ = nullptr;
 
 TEST_F(VerifyServiceTest, HealthIsNotServingUntilTheModelIsLoaded) {
-  std::unique_ptr<ServiceProcess> p = StartVerify({"--startup_delay_ms=5000"}, false);
+  std::unique_ptr<ServiceProcess> p = StartVerify({"--startup_delay_ms=3000"}, false);
   ASSERT_NE(p, nullptr);
   // The gRPC server is up before the model loads; wait for its first answer.
   absl::StatusOr<HealthStatus> health;

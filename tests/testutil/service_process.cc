@@ -120,7 +120,16 @@ ServiceProcess::~ServiceProcess() {
 }
 
 std::shared_ptr<grpc::Channel> ServiceProcess::channel() {
-  if (channel_ == nullptr) channel_ = CreateServiceChannel(options_.grpc_address);
+  if (channel_ == nullptr) {
+    grpc::ChannelArguments args = ServiceChannelArguments();
+    // The child is usually not listening yet at the first attempt; retry quickly instead of
+    // gRPC's default 1 s backoff.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
+    channel_ = grpc::CreateCustomChannel(options_.grpc_address,
+                                         grpc::InsecureChannelCredentials(), args);
+  }
   return channel_;
 }
 
