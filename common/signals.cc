@@ -1,41 +1,50 @@
 #include "common/signals.h"
 
-#include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <thread>
 
 namespace specd {
 namespace {
 
-sigset_t TerminationSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  return set;
+int g_pipe[2] = {-1, -1};
+std::atomic<int> g_signal{0};
+
+void OnSignal(int sig) {
+  const int saved = errno;
+  const char byte = static_cast<char>(sig);
+  (void)!write(g_pipe[1], &byte, 1);
+  errno = saved;
 }
 
-std::atomic<int> g_signal{0};
+absl::Notification* Install() {
+  auto* notification = new absl::Notification();
+  if (pipe2(g_pipe, O_CLOEXEC) != 0) return notification;
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  std::thread([notification] {
+    char byte = 0;
+    ssize_t n;
+    while ((n = read(g_pipe[0], &byte, 1)) < 0 && errno == EINTR) {
+    }
+    g_signal = n == 1 ? byte : SIGTERM;
+    notification->Notify();
+  }).detach();
+  return notification;
+}
 
 }  // namespace
 
-void BlockTerminationSignals() {
-  const sigset_t set = TerminationSignals();
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-}
-
 absl::Notification& WatchTerminationSignals() {
-  static absl::Notification* const notification = new absl::Notification();
-  std::thread([] {
-    const sigset_t set = TerminationSignals();
-    int sig = 0;
-    while (sigwait(&set, &sig) != 0) {
-    }
-    g_signal = sig;
-    notification->Notify();
-  }).detach();
+  static absl::Notification* const notification = Install();
   return *notification;
 }
 

@@ -1,7 +1,8 @@
-// Clean shutdown on SIGINT/SIGTERM for the service executables: block both signals in every
-// thread (call BlockTerminationSignals() first thing in main, before any thread exists, so the
-// gRPC and HTTP threads inherit the mask), then let one thread sigwait() for them and shut down
-// in order from ordinary code. Nothing runs inside a signal handler.
+// Clean shutdown on SIGINT/SIGTERM for the service executables. The handler only writes the
+// signal number to a pipe (async-signal-safe); a watcher thread reads it and notifies ordinary
+// code, which then shuts down in order. A handler rather than a blocked mask plus sigwait(),
+// because libraries start threads before main (OpenBLAS's pool) that would not inherit the mask
+// and would let the default action kill the process.
 #ifndef SPECD_COMMON_SIGNALS_H_
 #define SPECD_COMMON_SIGNALS_H_
 
@@ -9,14 +10,11 @@
 
 namespace specd {
 
-void BlockTerminationSignals();
-
-// Starts a detached thread that waits for SIGINT or SIGTERM and then notifies the returned
-// notification (process-lifetime). Call once, after BlockTerminationSignals(). A signal that
-// arrives while the model loads is seen once loading returns.
+// Installs the SIGINT/SIGTERM handlers and starts the detached watcher thread on the first call;
+// returns the process-lifetime notification it fires on the first signal.
 absl::Notification& WatchTerminationSignals();
 
-// The signal that notified WatchTerminationSignals()' notification (0 before).
+// The signal that fired WatchTerminationSignals()' notification (0 before).
 int TerminationSignal();
 
 }  // namespace specd

@@ -48,6 +48,7 @@ int Fail(const absl::Status& status) {
 }
 
 int Main() {
+  absl::Notification& stop = WatchTerminationSignals();
   const std::string address = absl::GetFlag(FLAGS_address);
   absl::StatusOr<HostPort> host_port = ParseHostPort(address, "--address");
   if (!host_port.ok()) return Fail(host_port.status());
@@ -90,7 +91,6 @@ int Main() {
                   << (options.model_dir.empty() ? std::string("n-gram drafter only")
                                                 : options.model_dir);
 
-  absl::Notification& stop = WatchTerminationSignals();
   if (stop.WaitForNotificationWithTimeout(
           absl::Milliseconds(absl::GetFlag(FLAGS_startup_delay_ms)))) {
     (*server)->Shutdown(0);
@@ -123,8 +123,6 @@ int Main() {
 }  // namespace specd
 
 int main(int argc, char** argv) {
-  // Before any thread exists, so every thread inherits the mask and only sigwait sees them.
-  specd::BlockTerminationSignals();
   absl::SetProgramUsageMessage(
       "Serves the drafters of a specd cluster (specd.v1.Drafter).\n"
       "  specd-draft --model DIR | --vocab_size N [--address HOST:PORT] [--metrics_port N]");

@@ -44,6 +44,7 @@ int Fail(const absl::Status& status) {
 }
 
 int Main() {
+  absl::Notification& stop = WatchTerminationSignals();
   const std::string address = absl::GetFlag(FLAGS_address);
   absl::StatusOr<HostPort> host_port = ParseHostPort(address, "--address");
   if (!host_port.ok()) return Fail(host_port.status());
@@ -91,7 +92,6 @@ int Main() {
   SPECD_LOG(INFO) << "specd-verify: gRPC on port " << (*server)->port() << ", metrics on port "
                   << (*metrics_server)->port() << "; loading " << options.model_dir;
 
-  absl::Notification& stop = WatchTerminationSignals();
   if (stop.WaitForNotificationWithTimeout(
           absl::Milliseconds(absl::GetFlag(FLAGS_startup_delay_ms)))) {
     (*server)->Shutdown(0);
@@ -125,8 +125,6 @@ int Main() {
 }  // namespace specd
 
 int main(int argc, char** argv) {
-  // Before any thread exists, so every thread inherits the mask and only sigwait sees them.
-  specd::BlockTerminationSignals();
   absl::SetProgramUsageMessage(
       "Serves the target model of a specd cluster (specd.v1.Verifier).\n"
       "  specd-verify --model DIR [--address HOST:PORT] [--metrics_port N] [--device cpu]");

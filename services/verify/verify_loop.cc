@@ -136,7 +136,7 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   item->tree.draft_logprobs.assign(step.tree().draft_logprobs().begin(),
                                    step.tree().draft_logprobs().end());
   if (absl::Status s = ValidateTree(item->tree, config.vocab_size); !s.ok()) {
-    return Prefixed(s, where + ".tree: ");
+    return Prefixed(s, where + ".");
   }
   item->sampling.temperature = step.sampling().temperature();
   item->sampling.top_k = step.sampling().top_k();

@@ -22,7 +22,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/grpc_util.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "tests/testutil/random_checkpoint.h"
@@ -116,7 +120,16 @@ ServiceProcess::~ServiceProcess() {
 }
 
 std::shared_ptr<grpc::Channel> ServiceProcess::channel() {
-  if (channel_ == nullptr) channel_ = CreateServiceChannel(options_.grpc_address);
+  if (channel_ == nullptr) {
+    grpc::ChannelArguments args = ServiceChannelArguments();
+    // The child is usually not listening yet at the first attempt; retry quickly instead of
+    // gRPC's default 1 s backoff.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
+    channel_ = grpc::CreateCustomChannel(options_.grpc_address,
+                                         grpc::InsecureChannelCredentials(), args);
+  }
   return channel_;
 }
 
@@ -124,6 +137,9 @@ absl::StatusOr<HealthStatus> ServiceProcess::Health(const std::string& service) 
   auto stub = grpc::health::v1::Health::NewStub(channel());
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  // Wait for the connection (within the deadline) instead of failing fast while the child
+  // starts or the channel backs off between connection attempts.
+  context.set_wait_for_ready(true);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
@@ -194,6 +210,87 @@ std::string ServiceProcess::Log() const {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+absl::StatusOr<std::vector<std::string>> ListServicesByReflection(
+    std::shared_ptr<grpc::Channel> channel) {
+  // Referencing the plugin keeps libgrpc++_reflection, and so its descriptors, linked in.
+  (void)&grpc::reflection::InitProtoReflectionServerBuilderPlugin;
+  const google::protobuf::DescriptorPool* pool = google::protobuf::DescriptorPool::generated_pool();
+  const google::protobuf::Descriptor* request_type =
+      pool->FindMessageTypeByName("grpc.reflection.v1alpha.ServerReflectionRequest");
+  const google::protobuf::Descriptor* response_type =
+      pool->FindMessageTypeByName("grpc.reflection.v1alpha.ServerReflectionResponse");
+  if (request_type == nullptr || response_type == nullptr) {
+    return absl::FailedPreconditionError("the reflection descriptors are not linked in");
+  }
+  google::protobuf::MessageFactory* factory = google::protobuf::MessageFactory::generated_factory();
+  std::unique_ptr<google::protobuf::Message> request(factory->GetPrototype(request_type)->New());
+  request->GetReflection()->SetString(request.get(), request_type->FindFieldByName("list_services"),
+                                      "*");
+  const std::string bytes = request->SerializeAsString();
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer out(&slice, 1);
+
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call = stub.PrepareCall(
+      &context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  // The operations run one at a time, so each completion is the one just started.
+  auto wait = [&cq]() {
+    void* tag = nullptr;
+    bool ok = false;
+    return cq.Next(&tag, &ok) && ok;
+  };
+  grpc::ByteBuffer in;
+  grpc::Status status;
+  call->StartCall(nullptr);
+  bool ok = wait();
+  if (ok) {
+    call->Write(out, nullptr);
+    ok = wait();
+  }
+  if (ok) {
+    call->WritesDone(nullptr);
+    ok = wait();
+  }
+  bool read = false;
+  if (ok) {
+    call->Read(&in, nullptr);
+    read = wait();
+  }
+  call->Finish(&status, nullptr);
+  wait();
+  cq.Shutdown();
+  while (wait()) {
+  }
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (!read) return absl::UnavailableError("reflection: no response");
+  std::vector<grpc::Slice> slices;
+  if (!in.Dump(&slices).ok()) return absl::InternalError("reflection: unreadable response");
+  std::string response_bytes;
+  for (const grpc::Slice& s : slices) {
+    response_bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  std::unique_ptr<google::protobuf::Message> response(factory->GetPrototype(response_type)->New());
+  if (!response->ParseFromString(response_bytes)) {
+    return absl::InternalError("reflection: cannot parse the response");
+  }
+  const google::protobuf::Reflection* r = response->GetReflection();
+  const google::protobuf::Message& list = r->GetMessage(
+      *response, response_type->FindFieldByName("list_services_response"));
+  const google::protobuf::FieldDescriptor* service_field =
+      list.GetDescriptor()->FindFieldByName("service");
+  std::vector<std::string> names;
+  for (int i = 0; i < list.GetReflection()->FieldSize(list, service_field); ++i) {
+    const google::protobuf::Message& service =
+        list.GetReflection()->GetRepeatedMessage(list, service_field, i);
+    names.push_back(service.GetReflection()->GetString(
+        service, service.GetDescriptor()->FindFieldByName("name")));
+  }
+  return names;
 }
 
 absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path,

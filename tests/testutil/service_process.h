@@ -82,6 +82,11 @@ class ServiceProcess {
   std::shared_ptr<grpc::Channel> channel_;
 };
 
+// The services a server lists through gRPC server reflection (grpc.reflection.v1alpha), using
+// the reflection messages' descriptors that libgrpc++_reflection registers.
+absl::StatusOr<std::vector<std::string>> ListServicesByReflection(
+    std::shared_ptr<grpc::Channel> channel);
+
 // GET http://host:port/path over loopback. Returns the body; `status` receives the HTTP status.
 absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path,
                                     int* status = nullptr);
