@@ -39,8 +39,7 @@ struct UpstreamOptions {
 
 // `Service` is a generated gRPC service (v1::Drafter, v1::Verifier) with
 //   rpc Step(stream StepReq) returns (stream StepResp);  rpc GetInfo(InfoReq) returns (Info);
-template <typename Service, typename StepReq, typename StepResp, typename InfoReq,
-          typename Info>
+template <typename Service, typename StepReq, typename StepResp, typename InfoReq, typename Info>
 class Upstream {
  public:
   // `check` vets a fresh GetInfo answer (e.g. the vocabulary matches the router's); an error
@@ -55,7 +54,9 @@ class Upstream {
 
   ~Upstream() { Stop(); }
 
-  void Start() { connector_ = std::thread([this] { ConnectLoop(); }); }
+  void Start() {
+    connector_ = std::thread([this] { ConnectLoop(); });
+  }
 
   void Stop() {
     {
