@@ -563,6 +563,11 @@ void RouterLoop::Emit(Sequence& seq) {
 
 void RouterLoop::Fail(Sequence& seq, const grpc::Status& status) {
   if (seq.done) return;
+  if (status.error_code() != grpc::StatusCode::CANCELLED &&
+      status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+    SPECD_LOG(WARNING) << "request '" << seq.request.request_id << "' (sequence " << seq.id
+                       << ") failed: " << status.error_message();
+  }
   seq.sink->Finish(status);
   metrics_->CountOutcome(status.error_code());
   Release(seq, /*finished=*/false);
