@@ -213,10 +213,15 @@ struct GreedyCase {
   size_t batch;
 };
 
-std::string CaseName(const ::testing::TestParamInfo<GreedyCase>& info) {
-  const GreedyCase& c = info.param;
+std::string CaseString(const GreedyCase& c) {
   return absl::StrCat(Name(c.kind), "_d", c.shape.depth, "_k", c.shape.top_k, "_n",
                       c.shape.max_nodes, "_b", c.batch);
+}
+
+void PrintTo(const GreedyCase& c, std::ostream* os) { *os << CaseString(c); }
+
+std::string CaseName(const ::testing::TestParamInfo<GreedyCase>& info) {
+  return CaseString(info.param);
 }
 
 class GreedyTest : public ::testing::TestWithParam<GreedyCase> {};
