@@ -189,8 +189,25 @@ std::unique_ptr<Backend> MakeBackend(const std::string& dir, int64_t capacity = 
   return b.ok() ? std::move(*b) : nullptr;
 }
 
+// Model folders written by this test, removed when the test program ends.
+class TempDirs : public ::testing::Environment {
+ public:
+  static std::vector<std::string>& List() {
+    static std::vector<std::string>* list = new std::vector<std::string>;
+    return *list;
+  }
+  void TearDown() override {
+    for (const std::string& d : List()) {
+      std::error_code ec;
+      std::filesystem::remove_all(d, ec);
+    }
+  }
+};
+::testing::Environment* const kTempDirs = ::testing::AddGlobalTestEnvironment(new TempDirs);
+
 std::string WriteModel(const RandomCheckpointSpec& spec) {
   const std::string dir = MakeTempDir("cpu_backend_");
+  TempDirs::List().push_back(dir);
   absl::Status s = WriteRandomCheckpoint(dir, spec);
   EXPECT_TRUE(s.ok()) << s;
   return dir;
@@ -489,51 +506,72 @@ TEST_F(CpuBackendTest, BatchingSequencesTogetherGivesTheSameLogitsAsAlone) {
 
 TEST_F(CpuBackendTest, VerifyWithGreedySamplingReproducesPlainDecoding) {
   Backend& b = *backend_;
-  // Target-only greedy decoding.
   const int kNew = 12;
-  ASSERT_TRUE(b.AddSequence(1).ok());
-  std::vector<float> logits;
-  ASSERT_TRUE(b.Forward({Chain(1, prompt_, false)}, &logits).ok());
-  ASSERT_TRUE(b.Commit(1, Iota(static_cast<int>(prompt_.size()))).ok());
-  std::vector<int32_t> greedy = {Argmax(logits)};
-  while (static_cast<int>(greedy.size()) < kNew) {
-    ASSERT_TRUE(b.Forward({Chain(1, {greedy.back()})}, &logits).ok());
-    ASSERT_TRUE(b.Commit(1, {0}).ok());
-    greedy.push_back(Argmax(logits));
-  }
-  // Speculative: trees mixing right and wrong guesses.
-  ASSERT_TRUE(b.AddSequence(2).ok());
-  std::vector<int32_t> out;
-  std::vector<int32_t> pending = prompt_;
-  int step = 0;
-  while (static_cast<int>(out.size()) < kNew) {
-    const size_t k = out.size();
-    auto g = [&](size_t i) { return i < greedy.size() ? greedy[i] : 0; };
-    VerifyItem item;
-    item.seq = 2;
-    item.pending = pending;
-    if (step % 3 == 0) {
-      // Right chain of 3 with a wrong sibling at each level.
-      item.tree.tokens = {(g(k) + 1) % vocab_, g(k), g(k + 1), (g(k + 1) + 7) % vocab_, g(k + 2)};
-      item.tree.parents = {-1, -1, 1, 1, 2};
-    } else if (step % 3 == 1) {
-      item.tree = ChainTree({(g(k) + 3) % vocab_, g(k + 1)});  // wrong first guess
-    } else {
-      item.tree = ChainTree({g(k)});
+  const std::vector<std::vector<int32_t>> prompts = {prompt_, {257, 3, 1, 4, 1, 5, 9, 2, 6}};
+  // Target-only greedy decoding, one sequence at a time.
+  std::vector<std::vector<int32_t>> greedy(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const SeqId seq = static_cast<SeqId>(i);
+    ASSERT_TRUE(b.AddSequence(seq).ok());
+    std::vector<float> logits;
+    ASSERT_TRUE(b.Forward({Chain(seq, prompts[i], false)}, &logits).ok());
+    ASSERT_TRUE(b.Commit(seq, Iota(static_cast<int>(prompts[i].size()))).ok());
+    greedy[i] = {Argmax(logits)};
+    // Some beyond kNew, so that the last trees' guesses are right too (one sequence may run
+    // ahead of the other by a few tokens).
+    while (static_cast<int>(greedy[i].size()) < kNew + 16) {
+      ASSERT_TRUE(b.Forward({Chain(seq, {greedy[i].back()})}, &logits).ok());
+      ASSERT_TRUE(b.Commit(seq, {0}).ok());
+      greedy[i].push_back(Argmax(logits));
     }
-    item.tree.draft_logprobs.clear();
-    absl::StatusOr<std::vector<VerifyOutcome>> res = b.Verify({item});
-    ASSERT_TRUE(res.ok()) << res.status();
-    const VerifyOutcome& o = (*res)[0];
-    EXPECT_EQ(o.accepted_draft, static_cast<int>(o.tokens.size()) - 1);
-    if (step % 3 == 0) EXPECT_EQ(o.accepted_draft, 3);
-    if (step % 3 == 1) EXPECT_EQ(o.accepted_draft, 0);
-    out.insert(out.end(), o.tokens.begin(), o.tokens.end());
-    pending = {o.tokens.back()};
-    ++step;
   }
-  out.resize(kNew);
-  EXPECT_EQ(out, greedy);
+  // Speculative, both sequences in every Verify call, with trees mixing right and wrong
+  // guesses: a right chain of 3 with wrong siblings (3 accepted), a wrong first guess (none
+  // accepted), a single right guess.
+  std::vector<std::vector<int32_t>> out(prompts.size()), pending = prompts;
+  for (size_t i = 0; i < prompts.size(); ++i) ASSERT_TRUE(b.AddSequence(10 + i).ok());
+  for (int step = 0; static_cast<int>(std::min(out[0].size(), out[1].size())) < kNew; ++step) {
+    std::vector<VerifyItem> items;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const size_t k = out[i].size();
+      auto g = [&](size_t j) { return greedy[i].at(j); };
+      VerifyItem item;
+      item.seq = static_cast<SeqId>(10 + i);
+      item.pending = pending[i];
+      const int kind = (step + static_cast<int>(i)) % 3;
+      if (kind == 0) {
+        item.tree.tokens = {(g(k) + 1) % vocab_, g(k), g(k + 1), (g(k + 1) + 7) % vocab_,
+                            g(k + 2)};
+        item.tree.parents = {-1, -1, 1, 1, 2};
+      } else if (kind == 1) {
+        item.tree = ChainTree({(g(k) + 3) % vocab_, g(k + 1)});
+      } else {
+        item.tree = ChainTree({g(k)});
+      }
+      items.push_back(item);
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> res = b.Verify(items);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_EQ(res->size(), prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const VerifyOutcome& o = (*res)[i];
+      const int kind = (step + static_cast<int>(i)) % 3;
+      EXPECT_EQ(o.accepted_draft, static_cast<int>(o.tokens.size()) - 1);
+      if (kind == 0) EXPECT_EQ(o.accepted_nodes, (std::vector<int32_t>{1, 2, 4}));
+      if (kind == 1) EXPECT_EQ(o.accepted_draft, 0);
+      if (kind == 2) EXPECT_EQ(o.accepted_draft, 1);
+      out[i].insert(out[i].end(), o.tokens.begin(), o.tokens.end());
+      pending[i] = {o.tokens.back()};
+      // The committed length is the prompt plus every emitted token but the pending one.
+      EXPECT_EQ(*b.CommittedLength(10 + i),
+                static_cast<int64_t>(prompts[i].size() + out[i].size() - 1));
+    }
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    out[i].resize(kNew);
+    greedy[i].resize(kNew);
+    EXPECT_EQ(out[i], greedy[i]) << "sequence " << i;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
