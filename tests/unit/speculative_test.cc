@@ -340,6 +340,25 @@ TEST(SpeculativeTest, StopsInsideMultiTokenSteps) {
   }
 }
 
+// Requests that opt out of speculation share steps with speculating ones and decode
+// target-only.
+TEST(SpeculativeTest, MixedBatchWithSpeculationOptOut) {
+  const std::vector<GenerationResult>& want = GreedyBaseline();
+  std::vector<GenerationRequest> requests = Requests({4, 2, 8}, SamplingParams());
+  for (size_t i = 0; i < requests.size(); i += 3) requests[i].speculate = false;
+  const std::vector<GenerationResult> got = GenerateAll(DrafterKind::kRelated, requests, 25);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+    if (requests[i].speculate) {
+      EXPECT_GT(got[i].stats.draft_steps, 0) << i;
+    } else {
+      EXPECT_EQ(got[i].stats.draft_steps, 0) << i;
+      EXPECT_EQ(got[i].stats.target_only_steps, static_cast<int64_t>(got[i].tokens.size()));
+    }
+  }
+}
+
 TEST(SpeculativeTest, RejectsBadRequests) {
   absl::StatusOr<std::unique_ptr<Generator>> gen =
       Generator::Create(M().target.get(), M().related_drafter.get());
