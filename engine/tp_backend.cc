@@ -151,6 +151,17 @@ absl::Status TensorParallelBackend::RunOnRanks(const std::function<absl::Status(
   return absl::OkStatus();
 }
 
+absl::Status TensorParallelBackend::RunStep(const StepLayout& layout,
+                                            const TpRankExecutor::Output& out) {
+  const int64_t blocks = table_.allocated_blocks();
+  const bool grow = blocks > reserved_blocks_;
+  reserved_blocks_ = std::max(reserved_blocks_, blocks);
+  return RunOnRanks([&](int r) {
+    if (grow) executors_[r]->ReserveKvBlocks(blocks);
+    return executors_[r]->Forward(layout, comm_->rank(r), out);
+  });
+}
+
 absl::Status TensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
                                             std::vector<float>* logits) {
   if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
@@ -159,14 +170,97 @@ absl::Status TensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
   if (absl::Status s = table_.PrepareForward(items, &layout); !s.ok()) return s;
   if (items.empty()) return absl::OkStatus();
   logits->assign(layout.logit_tokens.size() * static_cast<size_t>(config_.vocab_size), 0.0f);
-  const int64_t blocks = table_.allocated_blocks();
-  const bool grow = blocks > reserved_blocks_;
-  reserved_blocks_ = std::max(reserved_blocks_, blocks);
-  float* out = logits->data();
-  return RunOnRanks([&](int r) {
-    if (grow) executors_[r]->ReserveKvBlocks(blocks);
-    return executors_[r]->Forward(layout, comm_->rank(r), out);
-  });
+  TpRankExecutor::Output out;
+  out.logits = logits->data();
+  return RunStep(layout, out);
+}
+
+absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
+    absl::Span<const VerifyItem> items) {
+  for (const VerifyItem& it : items) {
+    if (!VocabParallelSamplingSupported(it.sampling)) return Backend::Verify(items);
+  }
+  // The same feed as Backend::Verify: pending tokens as a chain, the tree below the last one,
+  // logits of the last pending token and of every tree node. Each row's token is a pure
+  // function of its logits, sampling and position (engine/sampling.h), so all rows are chosen
+  // up front and the walk below only looks them up.
+  std::vector<ForwardItem> forward(items.size());
+  std::vector<int64_t> first_position(items.size());
+  std::vector<const SamplingParams*> row_sampling;
+  std::vector<int64_t> row_position;
+  for (size_t b = 0; b < items.size(); ++b) {
+    const VerifyItem& it = items[b];
+    if (it.pending.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("verify item ", b, ": no pending token"));
+    }
+    if (absl::Status s = ValidateTree(it.tree, config_.vocab_size); !s.ok()) return s;
+    absl::StatusOr<int64_t> len = CommittedLength(it.seq);
+    if (!len.ok()) return len.status();
+    const int p = static_cast<int>(it.pending.size());
+    ForwardItem& f = forward[b];
+    f.seq = it.seq;
+    f.tokens = it.pending;
+    f.tokens.insert(f.tokens.end(), it.tree.tokens.begin(), it.tree.tokens.end());
+    for (int i = 0; i < p; ++i) f.parents.push_back(i - 1);
+    for (int32_t parent : it.tree.parents) f.parents.push_back(parent < 0 ? p - 1 : parent + p);
+    for (int i = p - 1; i < static_cast<int>(f.tokens.size()); ++i) f.logit_rows.push_back(i);
+    first_position[b] = *len + p;
+    // Row 0 (the last pending token) samples at first_position, a node at depth d (0 for a
+    // child of the root) one further down: first_position + d + 1.
+    std::vector<int64_t> depth(it.tree.size());
+    row_sampling.push_back(&it.sampling);
+    row_position.push_back(first_position[b]);
+    for (int i = 0; i < it.tree.size(); ++i) {
+      const int32_t parent = it.tree.parents[i];
+      depth[i] = parent < 0 ? 0 : depth[parent] + 1;
+      row_sampling.push_back(&it.sampling);
+      row_position.push_back(first_position[b] + depth[i] + 1);
+    }
+  }
+  StepLayout layout;
+  if (absl::Status s = table_.PrepareForward(forward, &layout); !s.ok()) return s;
+  std::vector<VerifyOutcome> outcomes(items.size());
+  if (items.empty()) return outcomes;
+  const int world = plan_.world_size;
+  const size_t rows = layout.logit_tokens.size();
+  std::vector<VocabCandidate> candidates(rows * world);
+  TpRankExecutor::Output out;
+  out.row_sampling = row_sampling.data();
+  out.row_position = row_position.data();
+  out.candidates = candidates.data();
+  if (absl::Status s = RunStep(layout, out); !s.ok()) return s;
+
+  size_t row = 0;
+  for (size_t b = 0; b < items.size(); ++b) {
+    const TokenTree& tree = items[b].tree;
+    const std::vector<std::vector<int32_t>> children = TreeChildren(tree);
+    VerifyOutcome& o = outcomes[b];
+    for (int node = -1;;) {
+      const size_t r = row + static_cast<size_t>(node + 1);
+      const int32_t y =
+          ReduceCandidates(absl::Span<const VocabCandidate>(candidates).subspan(r * world, world))
+              .token;
+      o.tokens.push_back(y);
+      int next = -1;
+      for (int32_t c : children[node < 0 ? tree.size() : node]) {
+        if (tree.tokens[c] == y) {
+          next = c;
+          break;
+        }
+      }
+      if (next < 0) break;
+      o.accepted_nodes.push_back(next);
+      node = next;
+    }
+    o.accepted_draft = static_cast<int>(o.accepted_nodes.size());
+    row += forward[b].logit_rows.size();
+    const int p = static_cast<int>(items[b].pending.size());
+    std::vector<int32_t> path;
+    for (int i = 0; i < p; ++i) path.push_back(i);
+    for (int32_t n : o.accepted_nodes) path.push_back(n + p);
+    if (absl::Status s = Commit(items[b].seq, path); !s.ok()) return s;
+  }
+  return outcomes;
 }
 
 absl::Status TensorParallelBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {

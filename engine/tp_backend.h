@@ -88,10 +88,20 @@ class TpRankExecutor {
   virtual absl::Status Load() = 0;
   // Makes the KV pools hold physical blocks [0, blocks) (kept contents; only grows).
   virtual void ReserveKvBlocks(int64_t blocks) = 0;
-  // One forward step over `layout`. Writes this rank's vocabulary columns of `logits`
-  // ([R, vocab_size] fp32, host, R = layout.logit_tokens.size(); other ranks write the other
-  // columns concurrently), which on the CPU gathers the LM-head shards in place.
-  virtual absl::Status Forward(const StepLayout& layout, TpCommunicator* comm, float* logits) = 0;
+  // One forward step over `layout`, R = layout.logit_tokens.size() requested rows. With
+  // `out.logits`, writes this rank's vocabulary columns of it (other ranks write the other
+  // columns concurrently: the CPU gathers the LM-head shards in place). With `out.candidates`,
+  // reduces each row of its shard to one VocabCandidate instead (engine/tp_plan.h), so the
+  // token choice never needs the full logits.
+  struct Output {
+    float* logits = nullptr;  // [R, vocab_size] fp32, host, or null
+    // Per row: how to choose (VocabParallelSamplingSupported) and the absolute position.
+    const SamplingParams* const* row_sampling = nullptr;  // [R], or null
+    const int64_t* row_position = nullptr;                // [R], or null
+    VocabCandidate* candidates = nullptr;  // [R, world_size]: this rank writes column rank
+  };
+  virtual absl::Status Forward(const StepLayout& layout, TpCommunicator* comm,
+                               const Output& out) = 0;
   // Copies KV slot src[i] to dst[i] in order, in every layer.
   virtual void CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst) = 0;
 };
@@ -117,6 +127,10 @@ class TensorParallelBackend : public Backend {
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_.Usage(); }
+  // When every item's sampling is VocabParallelSamplingSupported (greedy, or temperature
+  // without top-k/top-p), tokens are chosen from per-rank candidates without gathering the
+  // logits, as a GPU group does; otherwise Backend::Verify on gathered logits. Same outcomes.
+  absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
 
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const { return table_.ScratchLength(seq); }
 
@@ -125,6 +139,8 @@ class TensorParallelBackend : public Backend {
                         std::vector<std::unique_ptr<TpRankExecutor>> executors,
                         std::unique_ptr<TpCommGroup> comm, int64_t kv_block_tokens,
                         int64_t kv_capacity_tokens);
+  // One forward step on every rank (growing the KV pools first when the table grew).
+  absl::Status RunStep(const StepLayout& layout, const TpRankExecutor::Output& out);
   // Runs fn(rank) on every rank thread and waits; the first failing rank's status wins.
   absl::Status RunOnRanks(const std::function<absl::Status(int)>& fn);
   void RankLoop(int rank);

@@ -80,7 +80,8 @@ class CpuRankExecutor : public TpRankExecutor {
 
   absl::Status Load() override;
   void ReserveKvBlocks(int64_t blocks) override;
-  absl::Status Forward(const StepLayout& layout, TpCommunicator* comm, float* logits) override;
+  absl::Status Forward(const StepLayout& layout, TpCommunicator* comm,
+                       const Output& out) override;
   void CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst) override;
 
  private:
@@ -221,7 +222,8 @@ void Linear(const float* x, const std::vector<float>& w, const std::vector<float
   LinearCpu(p);
 }
 
-absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm, float* logits) {
+absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
+                                      const Output& out) {
   const int64_t T = l.num_tokens, H = c_.hidden_size, hd = c_.head_dim;
   const int64_t QH = local_q_heads(), KVH = rp_.kv_heads.size();
   const int64_t QD = QH * hd, KVD = KVH * hd, F = rp_.ffn.size(), V = rp_.vocab.size();
@@ -324,8 +326,11 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
   }
 
   // Every rank holds the same residual stream, so each normalises the requested rows itself
-  // and computes the logits of its vocabulary range, written into its columns of `logits`.
+  // and computes the logits of its vocabulary range only.
   const int64_t R = static_cast<int64_t>(l.logit_tokens.size());
+  if (out.candidates != nullptr) {
+    for (int64_t r = 0; r < R; ++r) out.candidates[r * comm->world_size() + comm->rank()] = {};
+  }
   if (V == 0 || R == 0) return absl::OkStatus();
   std::vector<float> last_sub(R * H), last_res(R * H), last_norm(R * H), shard(R * V);
   for (int64_t r = 0; r < R; ++r) {
@@ -335,7 +340,15 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
   Norm(last_sub.data(), last_res.data(), final_norm_, last_norm.data(), R, H);
   Linear(last_norm.data(), lm_head_.empty() ? embed_ : lm_head_, nullptr, shard.data(), R, H, V);
   for (int64_t r = 0; r < R; ++r) {
-    std::memcpy(logits + r * c_.vocab_size + rp_.vocab.begin, &shard[r * V], sizeof(float) * V);
+    const float* row = &shard[r * V];
+    if (out.logits != nullptr) {
+      std::memcpy(out.logits + r * c_.vocab_size + rp_.vocab.begin, row, sizeof(float) * V);
+    }
+    if (out.candidates != nullptr) {
+      out.candidates[r * comm->world_size() + comm->rank()] =
+          ShardCandidate(absl::Span<const float>(row, V), rp_.vocab, *out.row_sampling[r],
+                         out.row_position[r]);
+    }
   }
   return absl::OkStatus();
 }
