@@ -37,7 +37,7 @@ class InProcessCommGroup::Rank : public TpCommunicator {
     g.Barrier();
     // Phase 3: everyone copies the whole result; the next call's first barrier keeps the
     // result alive until all copies are done.
-    std::memcpy(data, result, sizeof(float) * n);
+    if (n > 0) std::memcpy(data, result, sizeof(float) * n);
   }
 
  private:
