@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -29,6 +30,9 @@ namespace {
   } while (0)
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
+constexpr int64_t kInlineAttentionWork = 1 << 16;
 
 absl::Status Read(const TensorStore& store, const std::string& name,
                   std::vector<int64_t> shape, std::vector<float>* out) {
@@ -107,6 +111,26 @@ absl::Status CpuBackend::LoadWeights() {
     SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.gate_proj.weight", {f, h}, &w.gate_proj));
     SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.up_proj.weight", {f, h}, &w.up_proj));
     SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.down_proj.weight", {h, f}, &w.down_proj));
+  }
+  // Every GEMM shape of the model, probed once: the layers share shapes.
+  const LayerWeights& w0 = layers_[0];
+  const struct {
+    const std::vector<float>* w;
+    int64_t out, in;
+  } shapes[] = {{&w0.q_proj, q, h},       {&w0.k_proj, kv, h},   {&w0.o_proj, h, q},
+                {&w0.gate_proj, f, h},    {&w0.down_proj, h, f},
+                {lm_head_.empty() ? &embed_tokens_ : &lm_head_, v, h}};
+  row_block_ = kLinearRowBlock;
+  for (const auto& s : shapes) {
+    if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
+      std::fprintf(stderr,
+                   "specd cpu backend: this BLAS is not row-invariant in blocks of %lld for a "
+                   "[%lld, %lld] weight; using one sgemm per row (slower, still lossless)\n",
+                   static_cast<long long>(kLinearRowBlock), static_cast<long long>(s.out),
+                   static_cast<long long>(s.in));
+      row_block_ = 1;
+      break;
+    }
   }
   return absl::OkStatus();
 }
@@ -250,6 +274,7 @@ void CpuBackend::Linear(const float* x, const std::vector<float>& w,
   p.rows = rows;
   p.in_features = in;
   p.out_features = out;
+  p.row_block = row_block_;
   LinearCpu(p);
 }
 
@@ -361,6 +386,10 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
       key_offsets[t + 1] = static_cast<int32_t>(keys.size());
     }
   }
+  int64_t attention_keys = 0;  // keys summed over queries: the attention's work per head
+  for (int64_t i = 0; i < T; ++i) {
+    attention_keys += prefix_len[i] + key_offsets[i + 1] - key_offsets[i];
+  }
   std::vector<int32_t> block_tables(items.size() * max_blocks_per_seq, 0);
   for (size_t b = 0; b < items.size(); ++b) {
     std::copy(seq_of[b]->blocks.begin(), seq_of[b]->blocks.end(),
@@ -450,9 +479,13 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     ap.block_size = kKvBlockTokens;
     ap.max_blocks_per_seq = max_blocks_per_seq;
     ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    pool_->ParallelFor(T * c.num_heads, 1, [&ap](int64_t begin, int64_t end) {
-      TreeAttentionCpuItems(ap, begin, end);
-    });
+    if (attention_keys * c.num_heads * hd < kInlineAttentionWork) {
+      TreeAttentionCpu(ap);  // waking the pool would cost more than the work
+    } else {
+      pool_->ParallelFor(T * c.num_heads, 1, [&ap](int64_t begin, int64_t end) {
+        TreeAttentionCpuItems(ap, begin, end);
+      });
+    }
 
     Linear(attn.data(), w.o_proj, nullptr, sub.data(), T, QD, H);
     norm(sub.data(), residual.data(), w.post_norm, normed.data(), T, H);

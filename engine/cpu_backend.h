@@ -56,6 +56,10 @@ class CpuBackend : public Backend {
   // Number of scratch nodes appended since the last Commit() (for tests and drafters).
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const;
 
+  // Rows per sgemm call: kLinearRowBlock, or 1 when the load-time probe found this machine's
+  // BLAS not batch-invariant in blocks (see specd/kernels/linear.h).
+  int64_t linear_row_block() const { return row_block_; }
+
  private:
   struct LayerWeights {
     std::vector<float> input_norm, q_proj, k_proj, v_proj, q_bias, k_bias, v_bias, q_norm,
@@ -85,6 +89,7 @@ class CpuBackend : public Backend {
   std::vector<float> inv_freq_;
   std::vector<float> embed_tokens_, final_norm_, lm_head_;  // lm_head_ empty when tied
   std::vector<LayerWeights> layers_;
+  int64_t row_block_ = 0;
 
   int64_t kv_dim_ = 0;
   int64_t max_blocks_ = 0;

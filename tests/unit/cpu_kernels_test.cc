@@ -199,6 +199,31 @@ TEST(LinearCpuTest, EachRowIsBitIdenticalWhateverTheBatch) {
   }
 }
 
+TEST(LinearCpuTest, RowBlockProbeHoldsHereAndTheFallbackIsExact) {
+  // On the machines the suite runs on, blocks of kLinearRowBlock are invariant; if this fails,
+  // the backends still work (they fall back to row_block = 1) but run slower.
+  for (auto [out, in] : {std::pair<int64_t, int64_t>{300, 1000}, {64, 64}, {1024, 384}}) {
+    const std::vector<float> w = Random(out * in, 16, 0.05f);
+    EXPECT_TRUE(LinearRowBlockInvariant(w.data(), out, in)) << out << "x" << in;
+  }
+  const int64_t in = 1000, out = 300, rows = 11;
+  const std::vector<float> w = Random(out * in, 17, 0.05f), x = Random(rows * in, 18);
+  std::vector<float> y(rows * out), one(out), ref(rows * out);
+  LinearParams p = MakeLinear(x, w, nullptr, &y, rows, in, out);
+  p.row_block = 1;
+  LinearCpu(p);
+  LinearNaiveCpu(MakeLinear(x, w, nullptr, &ref, rows, in, out));
+  ExpectClose(y, std::vector<double>(ref.begin(), ref.end()), 1e-5);
+  for (int64_t r = 0; r < rows; ++r) {
+    LinearParams single = p;
+    single.x = x.data() + r * in;
+    single.y = one.data();
+    single.rows = 1;
+    LinearCpu(single);
+    EXPECT_EQ(0, std::memcmp(one.data(), &y[r * out], sizeof(float) * out)) << r;
+  }
+}
+
 TEST(KvCacheCpuTest, WritesAndCopiesSlots) {
   const int64_t kv_dim = 6, slots = 10;
   std::vector<float> kc(slots * kv_dim, 0.0f), vc(slots * kv_dim, 0.0f);
