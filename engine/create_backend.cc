@@ -7,7 +7,7 @@
 namespace specd {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
-                                                      const BackendOptions& options) {
+                                                       const BackendOptions& options) {
   if (options.tensor_parallel < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor_parallel: ", options.tensor_parallel, " must be >= 1"));

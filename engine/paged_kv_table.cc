@@ -86,8 +86,7 @@ KvUsage PagedKvTable::Usage() const {
   return u;
 }
 
-absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items,
-                                          StepLayout* layout) {
+absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items, StepLayout* layout) {
   absl::flat_hash_set<SeqId> seen;
   std::vector<Sequence*> seq_of(items.size());
   std::vector<std::vector<int32_t>> new_depth(items.size());
@@ -122,18 +121,18 @@ absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items,
       }
       const int32_t parent = it.parents[j];
       if (parent < -1 || parent >= base + j) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
-                         " must be -1 or an earlier scratch node (< ", base + j, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
+                                                       " must be -1 or an earlier scratch node (< ",
+                                                       base + j, ")"));
       }
       const int32_t depth =
           parent < 0 ? 0
                      : 1 + (parent < base ? s.scratch_depth[parent] : new_depth[b][parent - base]);
       new_depth[b][j] = depth;
       if (s.committed + depth >= max_positions_) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "items[", b, "].tokens[", j, "]: position ", s.committed + depth,
-            " is beyond the context (max_position_embeddings ", max_positions_, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("items[", b, "].tokens[", j, "]: position ", s.committed + depth,
+                         " is beyond the context (max_position_embeddings ", max_positions_, ")"));
       }
     }
     for (int32_t r : it.logit_rows) {
@@ -146,10 +145,10 @@ absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items,
     total_tokens += n;
   }
   if (blocks_needed > FreeBlocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: the batch needs ", blocks_needed * block_tokens_, " more slots, ",
-        FreeBlocks() * block_tokens_, " are free (capacity ", max_blocks_ * block_tokens_,
-        " tokens)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: the batch needs ", blocks_needed * block_tokens_,
+                     " more slots, ", FreeBlocks() * block_tokens_, " are free (capacity ",
+                     max_blocks_ * block_tokens_, " tokens)"));
   }
 
   StepLayout& l = *layout;
@@ -180,12 +179,18 @@ absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items,
       l.tokens[t] = it.tokens[j];
       l.positions[t] = static_cast<int32_t>(s.committed + new_depth[b][j]);
       l.query_seq[t] = static_cast<int32_t>(b);
-      l.prefix_len[t] = static_cast<int32_t>(s.committed);
       l.slots[t] = PhysicalSlot(s, s.committed + scratch_index);
+      // The keys are the node's ancestors (root first, itself last) after the committed prefix.
+      // A scratch node whose depth equals its index has exactly scratch nodes 0..index as
+      // ancestors, so the leading run of ancestors on that spine extends the prefix run (same
+      // keys, same order; as CpuBackend does) instead of being listed: a prefill chain costs
+      // O(1) metadata per token.
       const size_t start = l.tree_keys.size();
-      for (int32_t a = static_cast<int32_t>(scratch_index); a >= 0; a = s.scratch_parents[a]) {
+      int32_t a = static_cast<int32_t>(scratch_index);
+      for (; a >= 0 && s.scratch_depth[a] != a; a = s.scratch_parents[a]) {
         l.tree_keys.push_back(static_cast<int32_t>(s.committed + a));
       }
+      l.prefix_len[t] = static_cast<int32_t>(s.committed + a + 1);
       std::reverse(l.tree_keys.begin() + start, l.tree_keys.end());
       l.key_offsets[t + 1] = static_cast<int32_t>(l.tree_keys.size());
     }

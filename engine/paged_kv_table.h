@@ -22,15 +22,18 @@ namespace specd {
 // Everything about one Forward() step that does not depend on the weights; T tokens over all
 // items, R requested logits rows.
 struct StepLayout {
-  int64_t num_tokens = 0;             // T
-  int64_t num_seqs = 0;               // items in the batch
-  std::vector<int32_t> tokens;        // [T]
-  std::vector<int32_t> positions;     // [T] absolute RoPE positions
-  std::vector<int64_t> slots;         // [T] physical KV slot each token writes
-  std::vector<int32_t> query_seq;     // [T] row of block_tables
-  std::vector<int32_t> prefix_len;    // [T] committed keys of the token's sequence
-  std::vector<int32_t> key_offsets;   // [T + 1] CSR offsets into tree_keys
-  std::vector<int32_t> tree_keys;     // ancestors' logical slots, root first, self last
+  int64_t num_tokens = 0;          // T
+  int64_t num_seqs = 0;            // items in the batch
+  std::vector<int32_t> tokens;     // [T]
+  std::vector<int32_t> positions;  // [T] absolute RoPE positions
+  std::vector<int64_t> slots;      // [T] physical KV slot each token writes
+  std::vector<int32_t> query_seq;  // [T] row of block_tables
+  // Keys of token t (tree_attention.h): the run of logical slots [0, prefix_len[t]) (the
+  // committed prefix and the leading ancestors that follow it contiguously), then the other
+  // ancestors tree_keys[key_offsets[t] .. key_offsets[t + 1]), root first, itself last.
+  std::vector<int32_t> prefix_len;   // [T]
+  std::vector<int32_t> key_offsets;  // [T + 1] CSR offsets into tree_keys
+  std::vector<int32_t> tree_keys;
   std::vector<int32_t> block_tables;  // [num_seqs, max_blocks_per_seq]
   int64_t max_blocks_per_seq = 0;
   std::vector<int64_t> logit_tokens;  // [R] token index (into T) of each requested row
@@ -38,8 +41,7 @@ struct StepLayout {
 
 class PagedKvTable {
  public:
-  PagedKvTable(int64_t block_tokens, int64_t capacity_tokens, int vocab_size,
-               int max_positions);
+  PagedKvTable(int64_t block_tokens, int64_t capacity_tokens, int vocab_size, int max_positions);
 
   int64_t block_tokens() const { return block_tokens_; }
   // Blocks the pools must hold (physical blocks [0, allocated_blocks())); grows geometrically

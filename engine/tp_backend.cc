@@ -86,15 +86,15 @@ absl::StatusOr<std::unique_ptr<TensorParallelBackend>> TensorParallelBackend::Cr
   std::unique_ptr<TensorParallelBackend> backend(
       new TensorParallelBackend(std::move(config), std::move(plan), std::move(executors),
                                 std::move(comm), kv_block_tokens, kv_capacity_tokens));
-  absl::Status loaded =
-      backend->RunOnRanks([&](int r) { return backend->executors_[r]->Load(); });
+  absl::Status loaded = backend->RunOnRanks([&](int r) { return backend->executors_[r]->Load(); });
   if (!loaded.ok()) return loaded;
   return backend;
 }
 
-TensorParallelBackend::TensorParallelBackend(
-    ModelConfig config, TpPlan plan, std::vector<std::unique_ptr<TpRankExecutor>> executors,
-    std::unique_ptr<TpCommGroup> comm, int64_t kv_block_tokens, int64_t kv_capacity_tokens)
+TensorParallelBackend::TensorParallelBackend(ModelConfig config, TpPlan plan,
+                                             std::vector<std::unique_ptr<TpRankExecutor>> executors,
+                                             std::unique_ptr<TpCommGroup> comm,
+                                             int64_t kv_block_tokens, int64_t kv_capacity_tokens)
     : config_(std::move(config)),
       plan_(std::move(plan)),
       executors_(std::move(executors)),

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -43,10 +44,9 @@ absl::Status ReadShard(const TensorStore& store, const std::string& name,
   absl::StatusOr<const TensorView*> view = store.Get(name);
   if (!view.ok()) return view.status();
   if ((*view)->shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat((*view)->file, ": tensor ", name, " has shape [",
-                                                   absl::StrJoin((*view)->shape, ", "),
-                                                   "], expected [", absl::StrJoin(shape, ", "),
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        (*view)->file, ": tensor ", name, " has shape [", absl::StrJoin((*view)->shape, ", "),
+        "], expected [", absl::StrJoin(shape, ", "), "]"));
   }
   switch (slice) {
     case Slice::kAll: {
@@ -67,6 +67,9 @@ absl::Status ReadShard(const TensorStore& store, const std::string& name,
   return absl::InternalError("unknown slice");
 }
 
+void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
+            int64_t rows, int64_t in, int64_t out, int64_t row_block);
+
 class CpuRankExecutor : public TpRankExecutor {
  public:
   CpuRankExecutor(const ModelConfig& config, const TpPlan& plan, int rank,
@@ -80,31 +83,31 @@ class CpuRankExecutor : public TpRankExecutor {
 
   absl::Status Load() override;
   void ReserveKvBlocks(int64_t blocks) override;
-  absl::Status Forward(const StepLayout& layout, TpCommunicator* comm,
-                       const Output& out) override;
+  absl::Status Forward(const StepLayout& layout, TpCommunicator* comm, const Output& out) override;
   void CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst) override;
 
  private:
   struct LayerShard {
-    std::vector<float> input_norm, post_norm;          // [H], replicated
-    std::vector<float> q_proj, k_proj, v_proj;         // rows of the heads held
-    std::vector<float> q_bias, k_bias, v_bias;         // same rows (Qwen2), else empty
-    std::vector<float> q_norm, k_norm;                 // [head_dim], replicated (Qwen3)
-    std::vector<float> o_proj;                         // [H, local q dim]: input columns
-    std::vector<float> gate_proj, up_proj;             // [local ffn, H]
-    std::vector<float> down_proj;                      // [H, local ffn]
+    std::vector<float> input_norm, post_norm;   // [H], replicated
+    std::vector<float> q_proj, k_proj, v_proj;  // rows of the heads held
+    std::vector<float> q_bias, k_bias, v_bias;  // same rows (Qwen2), else empty
+    std::vector<float> q_norm, k_norm;          // [head_dim], replicated (Qwen3)
+    std::vector<float> o_proj;                  // [H, local q dim]: input columns
+    std::vector<float> gate_proj, up_proj;      // [local ffn, H]
+    std::vector<float> down_proj;               // [H, local ffn]
   };
 
   int64_t local_q_heads() const { return rp_.q_heads.size(); }
   int64_t local_kv_dim() const { return rp_.kv_heads.size() * c_.head_dim; }
-  void Norm(const float* x, float* residual, const std::vector<float>& w, float* out,
-            int64_t rows, int64_t dim) const;
+  void Norm(const float* x, float* residual, const std::vector<float>& w, float* out, int64_t rows,
+            int64_t dim) const;
 
   const ModelConfig c_;
   const int64_t kv_group_;
   const TpRankPlan rp_;
   std::shared_ptr<const TensorStore> store_;
   const int threads_;
+  int64_t row_block_ = kLinearRowBlock;
   std::unique_ptr<ThreadPool> pool_;
   std::vector<float> inv_freq_;
   std::vector<float> embed_, final_norm_, lm_head_;  // embed_ and lm_head_: [local vocab, H]
@@ -117,8 +120,7 @@ absl::Status CpuRankExecutor::Load() {
   // The pool's workers belong to this rank, so they are created on its thread.
   pool_ = std::make_unique<ThreadPool>(threads_);
   const TensorStore& st = *store_;
-  const int64_t h = c_.hidden_size, hd = c_.head_dim, f = c_.intermediate_size,
-                v = c_.vocab_size;
+  const int64_t h = c_.hidden_size, hd = c_.head_dim, f = c_.intermediate_size, v = c_.vocab_size;
   const int64_t q = int64_t{c_.num_heads} * hd, kv = int64_t{c_.num_kv_heads} * hd;
   const TpRange q_rows{rp_.q_heads.begin * hd, rp_.q_heads.end * hd};
   const TpRange kv_rows{rp_.kv_heads.begin * hd, rp_.kv_heads.end * hd};
@@ -136,8 +138,8 @@ absl::Status CpuRankExecutor::Load() {
     LayerShard& w = layers_[l];
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "input_layernorm.weight", {h}, Slice::kAll, none, &w.input_norm));
-    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "post_attention_layernorm.weight", {h}, Slice::kAll,
-                                     none, &w.post_norm));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "post_attention_layernorm.weight", {h}, Slice::kAll, none, &w.post_norm));
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, Slice::kRows, q_rows, &w.q_proj));
     SPECD_RETURN_IF_ERROR_(
@@ -169,6 +171,31 @@ absl::Status CpuRankExecutor::Load() {
   }
   k_pool_.resize(c_.num_layers);
   v_pool_.resize(c_.num_layers);
+  // As CpuBackend: every GEMM shape of this rank's shards is probed once for row invariance in
+  // blocks (specd/kernels/linear.h), falling back to one sgemm per row where it fails.
+  const LayerShard& w0 = layers_[0];
+  const struct {
+    const std::vector<float>* w;
+    int64_t out, in;
+  } shapes[] = {{&w0.q_proj, q_rows.size(), h},
+                {&w0.k_proj, kv_rows.size(), h},
+                {&w0.o_proj, h, q_rows.size()},
+                {&w0.gate_proj, rp_.ffn.size(), h},
+                {&w0.down_proj, h, rp_.ffn.size()},
+                {lm_head_.empty() ? &embed_ : &lm_head_, rp_.vocab.size(), h}};
+  row_block_ = kLinearRowBlock;
+  for (const auto& s : shapes) {
+    if (s.out == 0 || s.in == 0) continue;  // a part this rank does not hold
+    if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
+      std::fprintf(stderr,
+                   "specd tp cpu backend: this BLAS is not row-invariant in blocks of %lld for "
+                   "a [%lld, %lld] weight; using one sgemm per row (slower, still lossless)\n",
+                   static_cast<long long>(kLinearRowBlock), static_cast<long long>(s.out),
+                   static_cast<long long>(s.in));
+      row_block_ = 1;
+      break;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -196,8 +223,8 @@ void CpuRankExecutor::CopyKvSlots(absl::Span<const int64_t> src, absl::Span<cons
   }
 }
 
-void CpuRankExecutor::Norm(const float* x, float* residual, const std::vector<float>& w,
-                           float* out, int64_t rows, int64_t dim) const {
+void CpuRankExecutor::Norm(const float* x, float* residual, const std::vector<float>& w, float* out,
+                           int64_t rows, int64_t dim) const {
   RmsNormParams p;
   p.x = x;
   p.residual = residual;
@@ -210,7 +237,7 @@ void CpuRankExecutor::Norm(const float* x, float* residual, const std::vector<fl
 }
 
 void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
-            int64_t rows, int64_t in, int64_t out) {
+            int64_t rows, int64_t in, int64_t out, int64_t row_block) {
   LinearParams p;
   p.x = x;
   p.w = w.data();
@@ -219,6 +246,7 @@ void Linear(const float* x, const std::vector<float>& w, const std::vector<float
   p.rows = rows;
   p.in_features = in;
   p.out_features = out;
+  p.row_block = row_block;
   LinearCpu(p);
 }
 
@@ -258,9 +286,9 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
     Norm(layer == 0 ? residual.data() : sub.data(), layer == 0 ? nullptr : residual.data(),
          w.input_norm, normed.data(), T, H);
     if (QH > 0) {
-      Linear(normed.data(), w.q_proj, &w.q_bias, q.data(), T, H, QD);
-      Linear(normed.data(), w.k_proj, &w.k_bias, k.data(), T, H, KVD);
-      Linear(normed.data(), w.v_proj, &w.v_bias, v.data(), T, H, KVD);
+      Linear(normed.data(), w.q_proj, &w.q_bias, q.data(), T, H, QD, row_block_);
+      Linear(normed.data(), w.k_proj, &w.k_bias, k.data(), T, H, KVD, row_block_);
+      Linear(normed.data(), w.v_proj, &w.v_bias, v.data(), T, H, KVD, row_block_);
       if (c_.qk_norm) {
         Norm(q.data(), nullptr, w.q_norm, q.data(), T * QH, hd);
         Norm(k.data(), nullptr, w.k_norm, k.data(), T * KVH, hd);
@@ -298,11 +326,10 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
       ap.kv_group = kv_group_;
       ap.q_head_offset = rp_.q_heads.begin;
       ap.kv_head_offset = rp_.kv_heads.begin;
-      pool_->ParallelFor(T * QH, 1, [&ap](int64_t begin, int64_t end) {
-        TreeAttentionCpuItems(ap, begin, end);
-      });
+      pool_->ParallelFor(
+          T * QH, 1, [&ap](int64_t begin, int64_t end) { TreeAttentionCpuItems(ap, begin, end); });
       // Row-parallel o_proj: this rank's heads' share of the output.
-      Linear(attn.data(), w.o_proj, nullptr, sub.data(), T, QD, H);
+      Linear(attn.data(), w.o_proj, nullptr, sub.data(), T, QD, H, row_block_);
     } else {
       std::fill(sub.begin(), sub.end(), 0.0f);
     }
@@ -310,15 +337,15 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
 
     Norm(sub.data(), residual.data(), w.post_norm, normed.data(), T, H);
     if (F > 0) {
-      Linear(normed.data(), w.gate_proj, nullptr, gate.data(), T, H, F);
-      Linear(normed.data(), w.up_proj, nullptr, up.data(), T, H, F);
+      Linear(normed.data(), w.gate_proj, nullptr, gate.data(), T, H, F, row_block_);
+      Linear(normed.data(), w.up_proj, nullptr, up.data(), T, H, F, row_block_);
       SwiGluParams sp;
       sp.gate = gate.data();
       sp.up = up.data();
       sp.out = gate.data();
       sp.n = T * F;
       SwiGluCpu(sp);
-      Linear(gate.data(), w.down_proj, nullptr, sub.data(), T, F, H);
+      Linear(gate.data(), w.down_proj, nullptr, sub.data(), T, F, H, row_block_);
     } else {
       std::fill(sub.begin(), sub.end(), 0.0f);
     }
@@ -338,16 +365,16 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
     std::memcpy(&last_res[r * H], &residual[l.logit_tokens[r] * H], sizeof(float) * H);
   }
   Norm(last_sub.data(), last_res.data(), final_norm_, last_norm.data(), R, H);
-  Linear(last_norm.data(), lm_head_.empty() ? embed_ : lm_head_, nullptr, shard.data(), R, H, V);
+  Linear(last_norm.data(), lm_head_.empty() ? embed_ : lm_head_, nullptr, shard.data(), R, H, V,
+         row_block_);
   for (int64_t r = 0; r < R; ++r) {
     const float* row = &shard[r * V];
     if (out.logits != nullptr) {
       std::memcpy(out.logits + r * c_.vocab_size + rp_.vocab.begin, row, sizeof(float) * V);
     }
     if (out.candidates != nullptr) {
-      out.candidates[r * comm->world_size() + comm->rank()] =
-          ShardCandidate(absl::Span<const float>(row, V), rp_.vocab, *out.row_sampling[r],
-                         out.row_position[r]);
+      out.candidates[r * comm->world_size() + comm->rank()] = ShardCandidate(
+          absl::Span<const float>(row, V), rp_.vocab, *out.row_sampling[r], out.row_position[r]);
     }
   }
   return absl::OkStatus();
@@ -358,8 +385,8 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
 absl::StatusOr<std::unique_ptr<TensorParallelBackend>> CreateTpCpuBackend(
     const std::string& dir, const BackendOptions& options) {
   if (options.kv_capacity_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
   }
   if (options.num_threads < 0) {
     return absl::InvalidArgumentError(
@@ -385,8 +412,8 @@ absl::StatusOr<std::unique_ptr<TensorParallelBackend>> CreateTpCpuBackend(
         std::make_unique<CpuRankExecutor>(*config, *plan, r, shared_store, per_rank));
   }
   absl::StatusOr<std::unique_ptr<TensorParallelBackend>> backend = TensorParallelBackend::Create(
-      *config, *plan, std::move(executors), std::make_unique<InProcessCommGroup>(n),
-      kKvBlockTokens, options.kv_capacity_tokens);
+      *config, *plan, std::move(executors), std::make_unique<InProcessCommGroup>(n), kKvBlockTokens,
+      options.kv_capacity_tokens);
   return backend;
 }
 

@@ -37,9 +37,9 @@ absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
   }
   if (config.num_heads < 1 || config.num_kv_heads < 1 ||
       config.num_heads % config.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_key_value_heads: ", config.num_kv_heads,
-                     " must be >= 1 and divide num_attention_heads (", config.num_heads, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("num_key_value_heads: ", config.num_kv_heads,
+                                                   " must be >= 1 and divide num_attention_heads (",
+                                                   config.num_heads, ")"));
   }
   TpPlan plan;
   plan.world_size = world_size;
@@ -49,7 +49,8 @@ absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
   const std::vector<TpRange> heads = SplitEvenly(config.num_heads, world_size);
   const std::vector<TpRange> ffn =
       SplitEvenly(config.intermediate_size, world_size, options.ffn_align);
-  const std::vector<TpRange> vocab = SplitEvenly(config.vocab_size, world_size, options.vocab_align);
+  const std::vector<TpRange> vocab =
+      SplitEvenly(config.vocab_size, world_size, options.vocab_align);
   for (int r = 0; r < world_size; ++r) {
     TpRankPlan& rp = plan.ranks[r];
     rp.q_heads = heads[r];
@@ -77,8 +78,8 @@ VocabCandidate ShardCandidate(absl::Span<const float> shard, TpRange vocab,
     // The same expression as SampleToken() so scores match it bit for bit.
     double score = shard[i];
     if (!params.greedy()) {
-      const double u = PhiloxUniform01(params.seed, static_cast<uint64_t>(position),
-                                       static_cast<uint32_t>(id));
+      const double u =
+          PhiloxUniform01(params.seed, static_cast<uint64_t>(position), static_cast<uint32_t>(id));
       score = shard[i] * inv_t - std::log(-std::log(u));
     }
     if (best.token < 0 || score > best.score) {
@@ -93,8 +94,7 @@ VocabCandidate ReduceCandidates(absl::Span<const VocabCandidate> candidates) {
   VocabCandidate best;
   for (const VocabCandidate& c : candidates) {
     if (c.token < 0) continue;
-    if (best.token < 0 || c.score > best.score ||
-        (c.score == best.score && c.token < best.token)) {
+    if (best.token < 0 || c.score > best.score || (c.score == best.score && c.token < best.token)) {
       best = c;
     }
   }

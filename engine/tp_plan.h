@@ -81,8 +81,8 @@ absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
 // exactly as the full row would). Top-k / top-p need a global view (the shards' top-k lists at
 // least), so callers gather the logits for those.
 struct VocabCandidate {
-  double score = 0.0;   // logit (greedy) or logit / temperature + Gumbel noise
-  int32_t token = -1;   // global token id; -1 for an empty shard
+  double score = 0.0;  // logit (greedy) or logit / temperature + Gumbel noise
+  int32_t token = -1;  // global token id; -1 for an empty shard
 };
 
 bool VocabParallelSamplingSupported(const SamplingParams& params);

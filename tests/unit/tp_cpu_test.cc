@@ -6,8 +6,6 @@
 // batches, tree verification and KV commits; greedy generation token-identical, speculative
 // and target-only; and the properties verification relies on (a tree node's logits equal the
 // same token decoded after its path, bit for bit, at the same N).
-#include "engine/tp_cpu_backend.h"
-
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -22,6 +20,7 @@
 #include "engine/drafter.h"
 #include "engine/generator.h"
 #include "engine/tp_backend.h"
+#include "engine/tp_cpu_backend.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -259,8 +258,7 @@ std::vector<TpCase> LogitCases() {
 
 INSTANTIATE_TEST_SUITE_P(Models, TpLogitsTest, ::testing::ValuesIn(LogitCases()),
                          [](const ::testing::TestParamInfo<TpCase>& info) {
-                           return absl::StrCat(Name(info.param.family), "_tp",
-                                               info.param.tp);
+                           return absl::StrCat(Name(info.param.family), "_tp", info.param.tp);
                          });
 
 // A rank count of 1 through the tensor-parallel machinery (one rank thread, no-op all-reduce)
@@ -298,8 +296,7 @@ TEST(TpCpuTest, TreeNodesEqualSequentialDecodeBitForBit) {
     }
     // Tree: 0 -> {1, 2}, 2 -> 3. The path 0, 2, 3 is then decoded token by token.
     std::vector<float> tree;
-    ASSERT_TRUE(
-        be->Forward({ForwardItem{1, {7, 8, 9, 11}, {-1, 0, 0, 2}, {0, 2, 3}}}, &tree).ok());
+    ASSERT_TRUE(be->Forward({ForwardItem{1, {7, 8, 9, 11}, {-1, 0, 0, 2}, {0, 2, 3}}}, &tree).ok());
     const std::vector<int32_t> path_tokens = {7, 9, 11};
     for (size_t j = 0; j < path_tokens.size(); ++j) {
       std::vector<float> one;
@@ -312,9 +309,8 @@ TEST(TpCpuTest, TreeNodesEqualSequentialDecodeBitForBit) {
     // Committing the tree's path leaves sequence 1 exactly where sequence 2 is.
     ASSERT_TRUE(be->Commit(1, {0, 2, 3}).ok());
     std::vector<float> next;
-    ASSERT_TRUE(be->Forward({ForwardItem{1, {5}, {-1}, {0}}, ForwardItem{2, {5}, {-1}, {0}}},
-                            &next)
-                    .ok());
+    ASSERT_TRUE(
+        be->Forward({ForwardItem{1, {5}, {-1}, {0}}, ForwardItem{2, {5}, {-1}, {0}}}, &next).ok());
     EXPECT_TRUE(std::equal(next.begin(), next.begin() + vocab, next.begin() + vocab))
         << "TP=" << tp;
   }

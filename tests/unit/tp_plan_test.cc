@@ -64,8 +64,8 @@ TEST(TpPlanTest, EveryHeadFfnColumnAndTokenOwnedOnceWithTheKvHeadsItNeeds) {
       for (size_t i = 0; i < ffns.size(); ++i) {
         const int64_t align = aligns[(i + n) % aligns.size()];
         const int vocab = vocabs[(i + h.q) % vocabs.size()];
-        const std::string what = absl::StrCat("N=", n, " heads ", h.q, "/", h.kv, " ffn ",
-                                              ffns[i], " vocab ", vocab, " align ", align);
+        const std::string what = absl::StrCat("N=", n, " heads ", h.q, "/", h.kv, " ffn ", ffns[i],
+                                              " vocab ", vocab, " align ", align);
         TpPlanOptions options;
         options.ffn_align = align;
         options.vocab_align = align;
@@ -97,7 +97,8 @@ TEST(TpPlanTest, EveryHeadFfnColumnAndTokenOwnedOnceWithTheKvHeadsItNeeds) {
             EXPECT_TRUE(rp.kv_heads.contains(qh / group)) << what << " rank " << r;
           }
           for (int kv = 0; kv < h.kv; ++kv) {
-            EXPECT_EQ(rp.kv_heads.contains(kv), needed[kv]) << what << " rank " << r << " kv " << kv;
+            EXPECT_EQ(rp.kv_heads.contains(kv), needed[kv])
+                << what << " rank " << r << " kv " << kv;
             holders[kv] += rp.kv_heads.contains(kv) ? 1 : 0;
           }
           EXPECT_EQ(rp.q_heads.empty(), rp.kv_heads.empty()) << what << " rank " << r;
@@ -154,8 +155,7 @@ TEST(TpPlanTest, RejectsBadArgumentsByName) {
   EXPECT_THAT(gqa.status().message(), HasSubstr("num_key_value_heads"));
   TpPlanOptions bad;
   bad.ffn_align = 0;
-  EXPECT_THAT(MakeTpPlan(Config(8, 2, 16, 32), 2, bad).status().message(),
-              HasSubstr("ffn_align"));
+  EXPECT_THAT(MakeTpPlan(Config(8, 2, 16, 32), 2, bad).status().message(), HasSubstr("ffn_align"));
 }
 
 // Reducing one candidate per vocabulary shard gives exactly SampleToken() of the whole row,
@@ -187,8 +187,8 @@ TEST(TpPlanTest, VocabParallelCandidatesReproduceSampleToken) {
       for (int n = 1; n <= 9; ++n) {
         std::vector<VocabCandidate> cands;
         for (const TpRange& r : SplitEvenly(vocab, n)) {
-          cands.push_back(ShardCandidate(
-              absl::Span<const float>(logits).subspan(r.begin, r.size()), r, p, trial * 3 + 1));
+          cands.push_back(ShardCandidate(absl::Span<const float>(logits).subspan(r.begin, r.size()),
+                                         r, p, trial * 3 + 1));
         }
         EXPECT_EQ(ReduceCandidates(cands).token, want) << "trial " << trial << " N " << n;
         std::reverse(cands.begin(), cands.end());
