@@ -1,0 +1,57 @@
+// Attention of new tokens over a paged KV cache with a tree mask (SpecInfer / Medusa / EAGLE
+// style verification, and plain prefill and decode as special cases).
+//
+// Query t belongs to one sequence. Its keys are, in this order:
+//   1. the sequence's committed prefix: logical slots [0, prefix_len[t]);
+//   2. its tree ancestors: the logical slots tree_keys[tree_key_offsets[t] ..
+//      tree_key_offsets[t+1]), root first and the query's own slot last.
+// Logical slot j of the sequence lives at physical slot
+//   block_tables[query_seq[t] * max_blocks_per_seq + j / block_size] * block_size + j % block_size
+// (see kv_cache.h). A decode step is a query with one tree key (itself); a prefill chain of n
+// tokens gives token i the keys prefix + slots [L, L + i]. The ancestor lists are explicit (CSR)
+// rather than a bitmask so trees of any size and shape, and several sequences, share one
+// description that the CUDA kernel reads as is.
+//
+// Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
+//
+// Determinism: keys are visited exactly in the order above, so a tree node and the same token
+// decoded after its path was committed (whose keys are then all prefix, in the same order)
+// produce bit-identical outputs.
+#ifndef SPECD_KERNELS_TREE_ATTENTION_H_
+#define SPECD_KERNELS_TREE_ATTENTION_H_
+
+#include <stdint.h>
+
+namespace specd {
+
+struct TreeAttentionParams {
+  const float* q = nullptr;  // [num_queries, num_heads, head_dim] fp32, host (RoPE applied)
+  float* out = nullptr;      // [num_queries, num_heads, head_dim] fp32, host
+  const float* k_cache = nullptr;  // [num_slots, num_kv_heads, head_dim] fp32, host
+  const float* v_cache = nullptr;  // [num_slots, num_kv_heads, head_dim] fp32, host
+  // [num_seqs, max_blocks_per_seq] int32, host: physical block of each logical block.
+  const int32_t* block_tables = nullptr;
+  const int32_t* query_seq = nullptr;         // [num_queries] int32, host: row of block_tables
+  const int32_t* prefix_len = nullptr;        // [num_queries] int32, host: committed keys
+  const int32_t* tree_key_offsets = nullptr;  // [num_queries + 1] int32, host (CSR offsets)
+  const int32_t* tree_keys = nullptr;  // [tree_key_offsets[num_queries]] int32, host: logical slots
+  int64_t num_queries = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;  // divides num_heads
+  int64_t head_dim = 0;
+  int64_t block_size = 0;
+  int64_t max_blocks_per_seq = 0;
+  float scale = 1.0f;  // usually 1 / sqrt(head_dim)
+};
+
+// Computes work items [item_begin, item_end) where item = query * num_heads + head, so callers
+// can split the num_queries * num_heads items across threads. Scores, softmax and the weighted
+// sum of values are fp32, accumulated sequentially in key order.
+void TreeAttentionCpuItems(const TreeAttentionParams& p, int64_t item_begin, int64_t item_end);
+
+// All items on the calling thread.
+void TreeAttentionCpu(const TreeAttentionParams& p);
+
+}  // namespace specd
+
+#endif  // SPECD_KERNELS_TREE_ATTENTION_H_
