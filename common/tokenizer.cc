@@ -95,8 +95,7 @@ size_t TrailingSpaceStart(std::string_view s) {
   while (end > 0) {
     const uint32_t cp = LastChar(s.substr(0, end));
     if (!unicode::IsSpace(cp)) break;
-    std::string enc = CodePointUtf8(cp);
-    end -= enc.size();
+    end -= cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
   }
   return end;
 }
@@ -1494,5 +1493,7 @@ std::string DecodeStream::Flush() {
   if (!text.empty()) at_start_ = false;
   return text;
 }
+
+#undef SPECD_TOK_RETURN_IF_ERROR
 
 }  // namespace specd

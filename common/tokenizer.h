@@ -69,10 +69,9 @@ class Tokenizer {
   std::optional<int32_t> bos_id() const;
   std::optional<int32_t> eos_id() const;
 
-  struct Impl;
-
  private:
   friend class DecodeStream;
+  struct Impl;
   explicit Tokenizer(std::unique_ptr<Impl> impl);
 
   std::unique_ptr<Impl> impl_;

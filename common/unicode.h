@@ -16,6 +16,7 @@ inline constexpr uint8_t kNumber = 2;     // \p{N}
 inline constexpr uint8_t kSpace = 4;      // \s of Oniguruma and Rust: White_Space
 inline constexpr uint8_t kMark = 8;       // \p{M}
 inline constexpr uint8_t kConnector = 16; // \p{Pc}
+inline constexpr uint8_t kWord = 32;      // Rust regex's Unicode \w
 
 // Code point returned for a byte that does not start a valid UTF-8 sequence.
 inline constexpr uint32_t kInvalid = 0xFFFFFFFFu;
@@ -26,10 +27,9 @@ uint8_t CharFlags(uint32_t cp);
 inline bool IsLetter(uint32_t cp) { return CharFlags(cp) & kLetter; }
 inline bool IsNumber(uint32_t cp) { return CharFlags(cp) & kNumber; }
 inline bool IsSpace(uint32_t cp) { return CharFlags(cp) & kSpace; }
-// Approximates Rust regex's Unicode \w: letters, marks, numbers, connector punctuation.
-inline bool IsWordChar(uint32_t cp) {
-  return CharFlags(cp) & (kLetter | kNumber | kMark | kConnector);
-}
+// Rust regex's Unicode \w (Alphabetic, marks, decimal digits, connector punctuation,
+// Join_Control): what tokenizers tests for single_word added tokens.
+inline bool IsWordChar(uint32_t cp) { return CharFlags(cp) & kWord; }
 
 struct DecodedChar {
   uint32_t cp;  // kInvalid for a byte that is not part of a valid sequence

@@ -2,11 +2,21 @@
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/cpu_backend.h"
+#include "engine/tp_cpu_backend.h"
 
 namespace specd {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
-                                                      const BackendOptions& options) {
+                                                       const BackendOptions& options) {
+  if (options.tensor_parallel < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_parallel: ", options.tensor_parallel, " must be >= 1"));
+  }
+  if (options.device == "cpu" && options.tensor_parallel > 1) {
+    absl::StatusOr<std::unique_ptr<TensorParallelBackend>> tp = CreateTpCpuBackend(dir, options);
+    if (!tp.ok()) return tp.status();
+    return std::unique_ptr<Backend>(std::move(*tp));
+  }
   if (options.device == "cpu") {
     absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(dir, options);
     if (!cpu.ok()) return cpu.status();

@@ -6,8 +6,9 @@ tables is the one of the Python that runs this script (printed into the file).
 
 Tables:
   * character classes for the hand-written pre-tokenizer splitters: letter (\\p{L}),
-    number (\\p{N}), whitespace (Oniguruma's and Rust's \\s: White_Space), mark (\\p{M}) and
-    connector punctuation (\\p{Pc}), the last two for the \\w test of single_word added tokens;
+    number (\\p{N}), whitespace (Oniguruma's and Rust's \\s: White_Space), mark (\\p{M}),
+    connector punctuation (\\p{Pc}), and word (Rust regex's Unicode \\w, used by tokenizers
+    for single_word added tokens: Alphabetic, \\p{M}, \\p{Nd}, \\p{Pc}, Join_Control);
   * NFC data: canonical combining classes, full canonical decompositions and primary
     composites (Hangul syllables are algorithmic and not listed).
 
@@ -18,7 +19,12 @@ import unicodedata
 
 MAX_CP = 0x10FFFF
 
-LETTER, NUMBER, SPACE, MARK, CONNECTOR = 1, 2, 4, 8, 16
+LETTER, NUMBER, SPACE, MARK, CONNECTOR, WORD = 1, 2, 4, 8, 16, 32
+# Other_Alphabetic code points that are neither letters nor marks (PropList.txt, Unicode 14/15:
+# circled and squared Latin letters). unicodedata has no property lists, so they are listed.
+ALPHABETIC_SYMBOLS = [(0x24B6, 0x24E9), (0x1F130, 0x1F149), (0x1F150, 0x1F169),
+                      (0x1F170, 0x1F189)]
+JOIN_CONTROL = {0x200C, 0x200D}
 # White_Space: what \s means for Oniguruma (HF tokenizers' regex engine) and Rust.
 EXTRA_SPACE = {0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x85}
 
@@ -42,6 +48,10 @@ def char_class(cp):
         flags |= MARK
     if cat == "Pc":
         flags |= CONNECTOR
+    # Alphabetic = L + Nl + Other_Alphabetic; Other_Alphabetic is otherwise made of marks.
+    if (cat[0] in "LM" or cat in ("Nl", "Nd", "Pc") or cp in JOIN_CONTROL
+            or any(lo <= cp <= hi for lo, hi in ALPHABETIC_SYMBOLS)):
+        flags |= WORD
     return flags
 
 

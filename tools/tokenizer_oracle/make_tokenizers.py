@@ -258,6 +258,12 @@ HARD = [
     "a cat.", "concat", "x [NL] y", "say hello there", "<|x|><|y|>", "<|x|><|x|>",
     "def f(x):\n    return x**2\n", "((()))", "...", "!!!???", "#include <stdio.h>",
     "C:\\path\\to", "tab\there", "mixed中文and English", "Ωmega ω", "ǅemal", "ÅNGSTRÖM",
+    "\ufeffBOM", "\x00 nul \x7f del \x1b[0m", "max \U0010ffff and \uffff", "C1 \x85 \x9f",
+    "mojibake \u00c3\u00a9 \u00e2\u20ac\u2122", "keycap 1\ufe0f\u20e3",
+    "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e",
+    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35", "\u0645\u0631\u062d\u0628\u0627",
+    "word\u2019s", "\u2460\u2461 \u00bd", "o\u0302\u0323 \u1ed9", "\u1100\u1161\u11a8",
+    "\ufffd", "x" * 300, " " * 50 + "y", "\n" * 20,
 ]
 
 FRAGMENTS = [
