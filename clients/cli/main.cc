@@ -323,6 +323,7 @@ int Generate(const Args& args) {
   v1::GenerateResponse last;
   double ttft = -1;
   bool got_last = false;
+  bool streamed_text = false;
   while (reader->Read(&chunk)) {
     const double now =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -336,6 +337,7 @@ int Generate(const Args& args) {
       }
     } else {
       std::fwrite(chunk.text().data(), 1, chunk.text().size(), stdout);
+      streamed_text = streamed_text || !chunk.text().empty();
     }
     std::fflush(stdout);
     if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
@@ -347,7 +349,7 @@ int Generate(const Args& args) {
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!status.ok()) {
-    if (!as_json) std::printf("\n");
+    if (!as_json && streamed_text) std::printf("\n");
     return RpcFailed(status);
   }
   if (!got_last) {
