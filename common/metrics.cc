@@ -42,8 +42,7 @@ prometheus::Histogram& AddHistogram(prometheus::Registry& registry, const std::s
                                     const std::string& help,
                                     const prometheus::Histogram::BucketBoundaries& buckets,
                                     const MetricLabels& labels) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(labels,
-                                                                                     buckets);
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(labels, buckets);
 }
 
 prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& registry,
@@ -69,9 +68,10 @@ prometheus::Family<prometheus::Counter>& FreedFamily(prometheus::Registry& regis
 }  // namespace
 
 ModelServiceMetrics::ModelServiceMetrics(prometheus::Registry& registry)
-    : sequences(AddGauge(registry, "specd_sequences", "Live sequences holding KV in this service.")),
-      kv_cache_usage_ratio(AddGauge(registry, "specd_kv_cache_usage_ratio",
-                                    "Cached tokens / KV capacity.")),
+    : sequences(
+          AddGauge(registry, "specd_sequences", "Live sequences holding KV in this service.")),
+      kv_cache_usage_ratio(
+          AddGauge(registry, "specd_kv_cache_usage_ratio", "Cached tokens / KV capacity.")),
       step_seconds(AddHistogram(registry, "specd_step_seconds",
                                 "One batched step inside the service (draft: tree growth; "
                                 "verify: forward + accept).",

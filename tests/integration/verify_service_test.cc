@@ -63,8 +63,7 @@ class VerifyStream {
  private:
   std::unique_ptr<v1::Verifier::Stub> stub_;
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>>
-      stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>> stream_;
 };
 
 v1::VerifySequenceStep* AddStep(v1::VerifyStepRequest* request, uint64_t seq,
@@ -323,9 +322,9 @@ TEST_F(VerifyServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   SamplingParams negative;
   negative.temperature = -1;
   AddStep(&request, 4, {10}, {}, negative);
-  AddStep(&request, 5, {});                 // no pending token
-  AddStep(&request, 1, {40});               // seq 1 twice in one step
-  AddStep(&request, 6, {-3});               // negative token id
+  AddStep(&request, 5, {});    // no pending token
+  AddStep(&request, 1, {40});  // seq 1 twice in one step
+  AddStep(&request, 6, {-3});  // negative token id
   v1::VerifyStepResponse response = stream.Step(request);
 
   EXPECT_FALSE(response.results(0).has_error());
@@ -361,8 +360,7 @@ TEST_F(VerifyServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
 }
 
 TEST_F(VerifyServiceTest, CapacityLimitsAreResourceExhaustedPerSequence) {
-  std::unique_ptr<ServiceProcess> p =
-      StartVerify({"--max_sequences=2", "--kv_capacity_tokens=64"});
+  std::unique_ptr<ServiceProcess> p = StartVerify({"--max_sequences=2", "--kv_capacity_tokens=64"});
   ASSERT_NE(p, nullptr);
   VerifyStream stream(p->channel());
   v1::VerifyStepRequest request;
@@ -370,7 +368,7 @@ TEST_F(VerifyServiceTest, CapacityLimitsAreResourceExhaustedPerSequence) {
   AddStep(&request, 1, {1, 2, 3});
   AddStep(&request, 2, std::vector<int32_t>(100, 7));  // more than the whole KV cache
   AddStep(&request, 3, {4, 5});
-  AddStep(&request, 4, {6});                           // a third live sequence
+  AddStep(&request, 4, {6});  // a third live sequence
   v1::VerifyStepResponse response = stream.Step(request);
   EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
   EXPECT_EQ(response.results(1).error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
