@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -30,8 +31,11 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-absl::Status Read(const TensorStore& store, const std::string& name,
-                  std::vector<int64_t> shape, std::vector<float>* out) {
+// Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
+constexpr int64_t kInlineAttentionWork = 1 << 16;
+
+absl::Status Read(const TensorStore& store, const std::string& name, std::vector<int64_t> shape,
+                  std::vector<float>* out) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   out->assign(n, 0.0f);
@@ -43,8 +47,8 @@ absl::Status Read(const TensorStore& store, const std::string& name,
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const std::string& dir,
                                                                const BackendOptions& options) {
   if (options.kv_capacity_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
   }
   if (options.num_threads < 0) {
     return absl::InvalidArgumentError(
@@ -108,6 +112,26 @@ absl::Status CpuBackend::LoadWeights() {
     SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.up_proj.weight", {f, h}, &w.up_proj));
     SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.down_proj.weight", {h, f}, &w.down_proj));
   }
+  // Every GEMM shape of the model, probed once: the layers share shapes.
+  const LayerWeights& w0 = layers_[0];
+  const struct {
+    const std::vector<float>* w;
+    int64_t out, in;
+  } shapes[] = {{&w0.q_proj, q, h},    {&w0.k_proj, kv, h},
+                {&w0.o_proj, h, q},    {&w0.gate_proj, f, h},
+                {&w0.down_proj, h, f}, {lm_head_.empty() ? &embed_tokens_ : &lm_head_, v, h}};
+  row_block_ = kLinearRowBlock;
+  for (const auto& s : shapes) {
+    if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
+      std::fprintf(stderr,
+                   "specd cpu backend: this BLAS is not row-invariant in blocks of %lld for a "
+                   "[%lld, %lld] weight; using one sgemm per row (slower, still lossless)\n",
+                   static_cast<long long>(kLinearRowBlock), static_cast<long long>(s.out),
+                   static_cast<long long>(s.in));
+      row_block_ = 1;
+      break;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -155,9 +179,9 @@ absl::Status CpuBackend::AddSequence(SeqId seq) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " already exists"));
   }
   if (FreeBlocks() == 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: no free block for sequence ", seq, " (capacity ",
-        max_blocks_ * kKvBlockTokens, " tokens)"));
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache full: no free block for sequence ",
+                                                     seq, " (capacity ",
+                                                     max_blocks_ * kKvBlockTokens, " tokens)"));
   }
   seqs_.emplace(seq, Sequence{});
   return absl::OkStatus();
@@ -239,9 +263,8 @@ absl::Status CpuBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-void CpuBackend::Linear(const float* x, const std::vector<float>& w,
-                        const std::vector<float>* bias, float* y, int64_t rows, int64_t in,
-                        int64_t out) {
+void CpuBackend::Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
+                        float* y, int64_t rows, int64_t in, int64_t out) {
   LinearParams p;
   p.x = x;
   p.w = w.data();
@@ -250,6 +273,7 @@ void CpuBackend::Linear(const float* x, const std::vector<float>& w,
   p.rows = rows;
   p.in_features = in;
   p.out_features = out;
+  p.row_block = row_block_;
   LinearCpu(p);
 }
 
@@ -269,8 +293,8 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     const ForwardItem& it = items[b];
     auto found = seqs_.find(it.seq);
     if (found == seqs_.end()) {
-      return absl::NotFoundError(absl::StrCat("items[", b, "].seq: sequence ", it.seq,
-                                              " not found"));
+      return absl::NotFoundError(
+          absl::StrCat("items[", b, "].seq: sequence ", it.seq, " not found"));
     }
     if (!seen.insert(it.seq).second) {
       return absl::InvalidArgumentError(
@@ -281,9 +305,8 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     const int64_t n = static_cast<int64_t>(it.tokens.size());
     if (n == 0) return absl::InvalidArgumentError(absl::StrCat("items[", b, "].tokens is empty"));
     if (it.parents.size() != it.tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents has ",
-                                                     it.parents.size(), " entries for ", n,
-                                                     " tokens"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "items[", b, "].parents has ", it.parents.size(), " entries for ", n, " tokens"));
     }
     const int64_t base = static_cast<int64_t>(s.scratch_parents.size());
     new_depth[b].resize(n);
@@ -296,9 +319,9 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
       }
       const int32_t parent = it.parents[j];
       if (parent < -1 || parent >= base + j) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "items[", b, "].parents[", j, "] = ", parent, " must be -1 or an earlier scratch node (< ",
-            base + j, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
+                                                       " must be -1 or an earlier scratch node (< ",
+                                                       base + j, ")"));
       }
       const int32_t depth =
           parent < 0 ? 0
@@ -312,19 +335,20 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     }
     for (int32_t r : it.logit_rows) {
       if (r < 0 || r >= n) {
-        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].logit_rows holds ", r,
-                                                       ", outside [0, ", n, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("items[", b, "].logit_rows holds ", r, ", outside [0, ", n, ")"));
       }
     }
-    blocks_needed += CeilDiv(s.tokens() + n, kKvBlockTokens) - static_cast<int64_t>(s.blocks.size());
+    blocks_needed +=
+        CeilDiv(s.tokens() + n, kKvBlockTokens) - static_cast<int64_t>(s.blocks.size());
     total_tokens += n;
     total_rows += static_cast<int64_t>(it.logit_rows.size());
   }
   if (blocks_needed > FreeBlocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: the batch needs ", blocks_needed * kKvBlockTokens, " more slots, ",
-        FreeBlocks() * kKvBlockTokens, " are free (capacity ", max_blocks_ * kKvBlockTokens,
-        " tokens)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: the batch needs ", blocks_needed * kKvBlockTokens,
+                     " more slots, ", FreeBlocks() * kKvBlockTokens, " are free (capacity ",
+                     max_blocks_ * kKvBlockTokens, " tokens)"));
   }
   if (items.empty()) return absl::OkStatus();
 
@@ -350,16 +374,25 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
       tokens[t] = it.tokens[j];
       positions[t] = static_cast<int32_t>(s.committed + new_depth[b][j]);
       query_seq[t] = static_cast<int32_t>(b);
-      prefix_len[t] = static_cast<int32_t>(s.committed);
       slots[t] = PhysicalSlot(s, s.committed + scratch_index);
-      // Ancestors root first, then the node itself.
+      // The keys are the node's ancestors (root first, itself last) after the committed prefix.
+      // A scratch node whose depth equals its index has exactly scratch nodes 0..index as
+      // ancestors, so the leading run of ancestors on that spine is passed as an extension of
+      // the prefix (same keys, same order) rather than listed: a prefill chain then costs O(1)
+      // metadata per token instead of O(length).
       const size_t start = keys.size();
-      for (int32_t a = static_cast<int32_t>(scratch_index); a >= 0; a = s.scratch_parents[a]) {
+      int32_t a = static_cast<int32_t>(scratch_index);
+      for (; a >= 0 && s.scratch_depth[a] != a; a = s.scratch_parents[a]) {
         keys.push_back(static_cast<int32_t>(s.committed + a));
       }
+      prefix_len[t] = static_cast<int32_t>(s.committed + a + 1);
       std::reverse(keys.begin() + start, keys.end());
       key_offsets[t + 1] = static_cast<int32_t>(keys.size());
     }
+  }
+  int64_t attention_keys = 0;  // keys summed over queries: the attention's work per head
+  for (int64_t i = 0; i < T; ++i) {
+    attention_keys += prefix_len[i] + key_offsets[i + 1] - key_offsets[i];
   }
   std::vector<int32_t> block_tables(items.size() * max_blocks_per_seq, 0);
   for (size_t b = 0; b < items.size(); ++b) {
@@ -450,9 +483,13 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     ap.block_size = kKvBlockTokens;
     ap.max_blocks_per_seq = max_blocks_per_seq;
     ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    pool_->ParallelFor(T * c.num_heads, 1, [&ap](int64_t begin, int64_t end) {
-      TreeAttentionCpuItems(ap, begin, end);
-    });
+    if (attention_keys * c.num_heads * hd < kInlineAttentionWork) {
+      TreeAttentionCpu(ap);  // waking the pool would cost more than the work
+    } else {
+      pool_->ParallelFor(T * c.num_heads, 1, [&ap](int64_t begin, int64_t end) {
+        TreeAttentionCpuItems(ap, begin, end);
+      });
+    }
 
     Linear(attn.data(), w.o_proj, nullptr, sub.data(), T, QD, H);
     norm(sub.data(), residual.data(), w.post_norm, normed.data(), T, H);

@@ -56,10 +56,14 @@ class CpuBackend : public Backend {
   // Number of scratch nodes appended since the last Commit() (for tests and drafters).
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const;
 
+  // Rows per sgemm call: kLinearRowBlock, or 1 when the load-time probe found this machine's
+  // BLAS not batch-invariant in blocks (see specd/kernels/linear.h).
+  int64_t linear_row_block() const { return row_block_; }
+
  private:
   struct LayerWeights {
-    std::vector<float> input_norm, q_proj, k_proj, v_proj, q_bias, k_bias, v_bias, q_norm,
-        k_norm, o_proj, post_norm, gate_proj, up_proj, down_proj;
+    std::vector<float> input_norm, q_proj, k_proj, v_proj, q_bias, k_bias, v_bias, q_norm, k_norm,
+        o_proj, post_norm, gate_proj, up_proj, down_proj;
   };
   struct Sequence {
     int64_t committed = 0;
@@ -76,8 +80,8 @@ class CpuBackend : public Backend {
   int32_t AllocateBlock();
   void ReleaseBlocks(Sequence* s, int64_t keep_blocks);
   int64_t PhysicalSlot(const Sequence& s, int64_t logical) const;
-  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
-              float* y, int64_t rows, int64_t in, int64_t out);
+  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
+              int64_t rows, int64_t in, int64_t out);
 
   ModelConfig config_;
   BackendOptions options_;
@@ -85,6 +89,7 @@ class CpuBackend : public Backend {
   std::vector<float> inv_freq_;
   std::vector<float> embed_tokens_, final_norm_, lm_head_;  // lm_head_ empty when tied
   std::vector<LayerWeights> layers_;
+  int64_t row_block_ = 0;
 
   int64_t kv_dim_ = 0;
   int64_t max_blocks_ = 0;

@@ -59,8 +59,10 @@ class NaiveModel {
       auto k = Proj(x, p + "self_attn.k_proj", nkv * hd);
       auto v = Proj(x, p + "self_attn.v_proj", nkv * hd);
       for (int t = 0; t < n; ++t) {
-        for (int head = 0; head < nh; ++head) HeadOps(&q[t], head, t, inv_freq, p + "self_attn.q_norm.weight");
-        for (int head = 0; head < nkv; ++head) HeadOps(&k[t], head, t, inv_freq, p + "self_attn.k_norm.weight");
+        for (int head = 0; head < nh; ++head)
+          HeadOps(&q[t], head, t, inv_freq, p + "self_attn.q_norm.weight");
+        for (int head = 0; head < nkv; ++head)
+          HeadOps(&k[t], head, t, inv_freq, p + "self_attn.k_norm.weight");
       }
       std::vector<std::vector<double>> attn(n, std::vector<double>(nh * hd, 0.0));
       for (int t = 0; t < n; ++t) {
@@ -189,8 +191,25 @@ std::unique_ptr<Backend> MakeBackend(const std::string& dir, int64_t capacity = 
   return b.ok() ? std::move(*b) : nullptr;
 }
 
+// Model folders written by this test, removed when the test program ends.
+class TempDirs : public ::testing::Environment {
+ public:
+  static std::vector<std::string>& List() {
+    static std::vector<std::string>* list = new std::vector<std::string>;
+    return *list;
+  }
+  void TearDown() override {
+    for (const std::string& d : List()) {
+      std::error_code ec;
+      std::filesystem::remove_all(d, ec);
+    }
+  }
+};
+::testing::Environment* const kTempDirs = ::testing::AddGlobalTestEnvironment(new TempDirs);
+
 std::string WriteModel(const RandomCheckpointSpec& spec) {
   const std::string dir = MakeTempDir("cpu_backend_");
+  TempDirs::List().push_back(dir);
   absl::Status s = WriteRandomCheckpoint(dir, spec);
   EXPECT_TRUE(s.ok()) << s;
   return dir;
@@ -353,8 +372,8 @@ class CpuBackendTest : public ::testing::Test {
   std::string dir_;
   std::unique_ptr<Backend> backend_;
   int vocab_ = 0;
-  const std::vector<int32_t> prompt_ = {257, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110,
-                                        120, 130, 140, 150, 160, 170, 180, 190, 200};
+  const std::vector<int32_t> prompt_ = {257, 10,  20,  30,  40,  50,  60,  70,  80,  90, 100,
+                                        110, 120, 130, 140, 150, 160, 170, 180, 190, 200};
 };
 
 TEST_F(CpuBackendTest, ChainPrefillEqualsTokenByTokenDecodeBitForBit) {
@@ -369,6 +388,29 @@ TEST_F(CpuBackendTest, ChainPrefillEqualsTokenByTokenDecodeBitForBit) {
     ASSERT_TRUE(b.Commit(2, {0}).ok());
     EXPECT_EQ(one, Row(chain, vocab_, static_cast<int>(t))) << "position " << t;
   }
+}
+
+// Long enough that attention runs on the thread pool, and spans many KV blocks.
+TEST_F(CpuBackendTest, LongPromptInPiecesMatchesOnePieceAndTheNaiveForward) {
+  Backend& b = *backend_;
+  std::vector<int32_t> prompt(150);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 37 + 5) % 256);
+  ASSERT_TRUE(b.AddSequence(1).ok());
+  std::vector<float> whole;
+  ASSERT_TRUE(b.Forward({Chain(1, prompt, false)}, &whole).ok());
+  ASSERT_TRUE(b.AddSequence(2).ok());
+  std::vector<float> part;
+  for (auto [begin, end] : {std::pair<int, int>{0, 61}, {61, 149}, {149, 150}}) {
+    ASSERT_TRUE(
+        b.Forward(
+             {Chain(2, std::vector<int32_t>(prompt.begin() + begin, prompt.begin() + end), false)},
+             &part)
+            .ok());
+    ASSERT_TRUE(b.Commit(2, Iota(end - begin)).ok());
+  }
+  EXPECT_EQ(part, whole);
+  NaiveModel ref(dir_);
+  EXPECT_LT(RelError(whole, ref.Forward(prompt).back()), 1e-5);
 }
 
 TEST_F(CpuBackendTest, TreeNodesEqualTheirPathsDecodedAsChains) {
@@ -445,10 +487,9 @@ TEST_F(CpuBackendTest, BatchingSequencesTogetherGivesTheSameLogitsAsAlone) {
   // Alone: each sequence in its own backend (fresh cache, no neighbours).
   const std::vector<std::vector<int32_t>> prompts = {
       {257, 1, 2, 3}, {257, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 33}, {257, 200}};
-  const std::vector<ForwardItem> trees = {
-      {0, {5, 6, 7}, {-1, 0, 0}, {0, 1, 2}},
-      {0, {8}, {-1}, {0}},
-      {0, {11, 12, 13, 14, 15}, {-1, 0, 1, -1, 3}, {4, 2}}};
+  const std::vector<ForwardItem> trees = {{0, {5, 6, 7}, {-1, 0, 0}, {0, 1, 2}},
+                                          {0, {8}, {-1}, {0}},
+                                          {0, {11, 12, 13, 14, 15}, {-1, 0, 1, -1, 3}, {4, 2}}};
   std::vector<std::vector<float>> alone_prefill, alone_tree;
   for (size_t i = 0; i < prompts.size(); ++i) {
     std::unique_ptr<Backend> b = MakeBackend(dir_);
@@ -489,51 +530,70 @@ TEST_F(CpuBackendTest, BatchingSequencesTogetherGivesTheSameLogitsAsAlone) {
 
 TEST_F(CpuBackendTest, VerifyWithGreedySamplingReproducesPlainDecoding) {
   Backend& b = *backend_;
-  // Target-only greedy decoding.
   const int kNew = 12;
-  ASSERT_TRUE(b.AddSequence(1).ok());
-  std::vector<float> logits;
-  ASSERT_TRUE(b.Forward({Chain(1, prompt_, false)}, &logits).ok());
-  ASSERT_TRUE(b.Commit(1, Iota(static_cast<int>(prompt_.size()))).ok());
-  std::vector<int32_t> greedy = {Argmax(logits)};
-  while (static_cast<int>(greedy.size()) < kNew) {
-    ASSERT_TRUE(b.Forward({Chain(1, {greedy.back()})}, &logits).ok());
-    ASSERT_TRUE(b.Commit(1, {0}).ok());
-    greedy.push_back(Argmax(logits));
-  }
-  // Speculative: trees mixing right and wrong guesses.
-  ASSERT_TRUE(b.AddSequence(2).ok());
-  std::vector<int32_t> out;
-  std::vector<int32_t> pending = prompt_;
-  int step = 0;
-  while (static_cast<int>(out.size()) < kNew) {
-    const size_t k = out.size();
-    auto g = [&](size_t i) { return i < greedy.size() ? greedy[i] : 0; };
-    VerifyItem item;
-    item.seq = 2;
-    item.pending = pending;
-    if (step % 3 == 0) {
-      // Right chain of 3 with a wrong sibling at each level.
-      item.tree.tokens = {(g(k) + 1) % vocab_, g(k), g(k + 1), (g(k + 1) + 7) % vocab_, g(k + 2)};
-      item.tree.parents = {-1, -1, 1, 1, 2};
-    } else if (step % 3 == 1) {
-      item.tree = ChainTree({(g(k) + 3) % vocab_, g(k + 1)});  // wrong first guess
-    } else {
-      item.tree = ChainTree({g(k)});
+  const std::vector<std::vector<int32_t>> prompts = {prompt_, {257, 3, 1, 4, 1, 5, 9, 2, 6}};
+  // Target-only greedy decoding, one sequence at a time.
+  std::vector<std::vector<int32_t>> greedy(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const SeqId seq = static_cast<SeqId>(i);
+    ASSERT_TRUE(b.AddSequence(seq).ok());
+    std::vector<float> logits;
+    ASSERT_TRUE(b.Forward({Chain(seq, prompts[i], false)}, &logits).ok());
+    ASSERT_TRUE(b.Commit(seq, Iota(static_cast<int>(prompts[i].size()))).ok());
+    greedy[i] = {Argmax(logits)};
+    // Some beyond kNew, so that the last trees' guesses are right too (one sequence may run
+    // ahead of the other by a few tokens).
+    while (static_cast<int>(greedy[i].size()) < kNew + 16) {
+      ASSERT_TRUE(b.Forward({Chain(seq, {greedy[i].back()})}, &logits).ok());
+      ASSERT_TRUE(b.Commit(seq, {0}).ok());
+      greedy[i].push_back(Argmax(logits));
     }
-    item.tree.draft_logprobs.clear();
-    absl::StatusOr<std::vector<VerifyOutcome>> res = b.Verify({item});
-    ASSERT_TRUE(res.ok()) << res.status();
-    const VerifyOutcome& o = (*res)[0];
-    EXPECT_EQ(o.accepted_draft, static_cast<int>(o.tokens.size()) - 1);
-    if (step % 3 == 0) EXPECT_EQ(o.accepted_draft, 3);
-    if (step % 3 == 1) EXPECT_EQ(o.accepted_draft, 0);
-    out.insert(out.end(), o.tokens.begin(), o.tokens.end());
-    pending = {o.tokens.back()};
-    ++step;
   }
-  out.resize(kNew);
-  EXPECT_EQ(out, greedy);
+  // Speculative, both sequences in every Verify call, with trees mixing right and wrong
+  // guesses: a right chain of 3 with wrong siblings (3 accepted), a wrong first guess (none
+  // accepted), a single right guess.
+  std::vector<std::vector<int32_t>> out(prompts.size()), pending = prompts;
+  for (size_t i = 0; i < prompts.size(); ++i) ASSERT_TRUE(b.AddSequence(10 + i).ok());
+  for (int step = 0; static_cast<int>(std::min(out[0].size(), out[1].size())) < kNew; ++step) {
+    std::vector<VerifyItem> items;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const size_t k = out[i].size();
+      auto g = [&](size_t j) { return greedy[i].at(j); };
+      VerifyItem item;
+      item.seq = static_cast<SeqId>(10 + i);
+      item.pending = pending[i];
+      const int kind = (step + static_cast<int>(i)) % 3;
+      if (kind == 0) {
+        item.tree.tokens = {(g(k) + 1) % vocab_, g(k), g(k + 1), (g(k + 1) + 7) % vocab_, g(k + 2)};
+        item.tree.parents = {-1, -1, 1, 1, 2};
+      } else if (kind == 1) {
+        item.tree = ChainTree({(g(k) + 3) % vocab_, g(k + 1)});
+      } else {
+        item.tree = ChainTree({g(k)});
+      }
+      items.push_back(item);
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> res = b.Verify(items);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_EQ(res->size(), prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const VerifyOutcome& o = (*res)[i];
+      const int kind = (step + static_cast<int>(i)) % 3;
+      EXPECT_EQ(o.accepted_draft, static_cast<int>(o.tokens.size()) - 1);
+      const std::vector<int32_t> want_nodes[] = {{1, 2, 4}, {}, {0}};
+      EXPECT_EQ(o.accepted_nodes, want_nodes[kind]) << "step " << step << " sequence " << i;
+      out[i].insert(out[i].end(), o.tokens.begin(), o.tokens.end());
+      pending[i] = {o.tokens.back()};
+      // The committed length is the prompt plus every emitted token but the pending one.
+      EXPECT_EQ(*b.CommittedLength(10 + i),
+                static_cast<int64_t>(prompts[i].size() + out[i].size() - 1));
+    }
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    out[i].resize(kNew);
+    greedy[i].resize(kNew);
+    EXPECT_EQ(out[i], greedy[i]) << "sequence " << i;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ TEST(RopeCpuTest, MatchesRotationFormulaWithStridedRows) {
   // Position 0 is the identity; the padding past heads * head_dim is untouched.
   for (int64_t i = 0; i < heads * hd; ++i) EXPECT_EQ(x[i], orig[i]);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = heads * hd; i < stride; ++i) EXPECT_EQ(x[t * stride + i], orig[t * stride + i]);
+    for (int64_t i = heads * hd; i < stride; ++i)
+      EXPECT_EQ(x[t * stride + i], orig[t * stride + i]);
   }
 }
 
@@ -199,6 +200,31 @@ TEST(LinearCpuTest, EachRowIsBitIdenticalWhateverTheBatch) {
   }
 }
 
+TEST(LinearCpuTest, RowBlockProbeHoldsHereAndTheFallbackIsExact) {
+  // On the machines the suite runs on, blocks of kLinearRowBlock are invariant; if this fails,
+  // the backends still work (they fall back to row_block = 1) but run slower.
+  for (auto [out, in] : {std::pair<int64_t, int64_t>{300, 1000}, {64, 64}, {1024, 384}}) {
+    const std::vector<float> w = Random(out * in, 16, 0.05f);
+    EXPECT_TRUE(LinearRowBlockInvariant(w.data(), out, in)) << out << "x" << in;
+  }
+  const int64_t in = 1000, out = 300, rows = 11;
+  const std::vector<float> w = Random(out * in, 17, 0.05f), x = Random(rows * in, 18);
+  std::vector<float> y(rows * out), one(out), ref(rows * out);
+  LinearParams p = MakeLinear(x, w, nullptr, &y, rows, in, out);
+  p.row_block = 1;
+  LinearCpu(p);
+  LinearNaiveCpu(MakeLinear(x, w, nullptr, &ref, rows, in, out));
+  ExpectClose(y, std::vector<double>(ref.begin(), ref.end()), 1e-5);
+  for (int64_t r = 0; r < rows; ++r) {
+    LinearParams single = p;
+    single.x = x.data() + r * in;
+    single.y = one.data();
+    single.rows = 1;
+    LinearCpu(single);
+    EXPECT_EQ(0, std::memcmp(one.data(), &y[r * out], sizeof(float) * out)) << r;
+  }
+}
+
 TEST(KvCacheCpuTest, WritesAndCopiesSlots) {
   const int64_t kv_dim = 6, slots = 10;
   std::vector<float> kc(slots * kv_dim, 0.0f), vc(slots * kv_dim, 0.0f);
@@ -247,7 +273,8 @@ std::vector<double> DenseAttention(const std::vector<float>& q, const std::vecto
     std::vector<double> s;
     for (int j : key_list) {
       double dot = 0;
-      for (int64_t i = 0; i < hd; ++i) dot += double{q[h * hd + i]} * keys[(j * kv_heads + kvh) * hd + i];
+      for (int64_t i = 0; i < hd; ++i)
+        dot += double{q[h * hd + i]} * keys[(j * kv_heads + kvh) * hd + i];
       s.push_back(dot / std::sqrt(double(hd)));
     }
     const double mx = *std::max_element(s.begin(), s.end());
@@ -337,6 +364,28 @@ TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
   TreeAttentionCpuItems(p, 0, 13);
   TreeAttentionCpuItems(p, 13, nq * heads);
   EXPECT_EQ(0, std::memcmp(split.data(), out.data(), sizeof(float) * out.size()));
+  // Describing contiguous ancestors as a longer run instead of a list gives the same bits:
+  // B's chain nodes (queries 5, 6) and A's node 1 (path 0 -> 1, slots 9, 10).
+  {
+    std::vector<int32_t> run_prefix = prefix_len, run_offsets = {0}, run_keys;
+    for (int64_t t = 0; t < nq; ++t) {
+      std::vector<int32_t> list(keys.begin() + offsets[t], keys.begin() + offsets[t + 1]);
+      if (t == 1 || t == 5 || t == 6) {
+        run_prefix[t] += static_cast<int32_t>(list.size());
+        list.clear();
+      }
+      run_keys.insert(run_keys.end(), list.begin(), list.end());
+      run_offsets.push_back(static_cast<int32_t>(run_keys.size()));
+    }
+    std::vector<float> run_out(out.size(), NAN);
+    TreeAttentionParams r = p;
+    r.prefix_len = run_prefix.data();
+    r.tree_key_offsets = run_offsets.data();
+    r.tree_keys = run_keys.data();
+    r.out = run_out.data();
+    TreeAttentionCpu(r);
+    EXPECT_EQ(0, std::memcmp(run_out.data(), out.data(), sizeof(float) * out.size()));
+  }
   // A node's output ignores non-ancestors: perturb node 2 of A (sibling of 1) and check node 3
   // (child of 1) is unchanged while node 2 changes.
   const int64_t slot2 = int64_t{tables[(9 + 2) / block]} * block + (9 + 2) % block;
