@@ -504,13 +504,15 @@ TEST_F(VerifyServiceTest, PipelinedStepsAreAnsweredInOrder) {
   std::unique_ptr<ServiceProcess> p = StartVerify();
   ASSERT_NE(p, nullptr);
   VerifyStream stream(p->channel());
-  // Ten steps written before reading any reply; each starts a new sequence.
+  // Ten steps written, and the writing side closed, before reading any reply; each step starts
+  // a new sequence. Every reply still comes, in order, and then the stream ends OK.
   for (int i = 0; i < 10; ++i) {
     v1::VerifyStepRequest request;
     request.set_step_id(i);
     AddStep(&request, i, {i + 1, i + 2});
     ASSERT_TRUE(stream.stream().Write(request));
   }
+  ASSERT_TRUE(stream.stream().WritesDone());
   for (int i = 0; i < 10; ++i) {
     v1::VerifyStepResponse response;
     ASSERT_TRUE(stream.stream().Read(&response));
@@ -519,7 +521,12 @@ TEST_F(VerifyServiceTest, PipelinedStepsAreAnsweredInOrder) {
     EXPECT_EQ(response.results(0).seq_id(), static_cast<uint64_t>(i));
     EXPECT_FALSE(response.results(0).has_error());
   }
-  EXPECT_TRUE(stream.Close().ok());
+  v1::VerifyStepResponse extra;
+  EXPECT_FALSE(stream.stream().Read(&extra));
+  EXPECT_TRUE(stream.stream().Finish().ok());
+  // The ended stream's ten sequences are freed.
+  ExpectMetricSoon("specd_sequences", 0);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 10);
 }
 
 // Every draft/verify metric of docs/metrics.md is served with its documented type, and the
