@@ -61,8 +61,8 @@ namespace {
 
 prometheus::Family<prometheus::Counter>& FreedFamily(prometheus::Registry& registry) {
   return AddCounterFamily(registry, "specd_sequences_freed_total",
-                          "Sequences released, by reason (finished: released by the router; "
-                          "cancelled: deadline passed or the router's stream ended).");
+                          "Sequences released, by reason (finished: release_seq_ids; cancelled: "
+                          "cancel_seq_ids, a passed deadline or the end of the router's stream).");
 }
 
 }  // namespace

@@ -253,6 +253,9 @@ void DraftLoop::ProcessBatch(DraftStepQueue::Batch& batch) {
     for (uint64_t id : request.release_seq_ids()) {
       if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/true);
     }
+    for (uint64_t id : request.cancel_seq_ids()) {
+      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/false);
+    }
     for (int i = 0; i < request.steps_size(); ++i) {
       const v1::DraftSequenceStep& step = request.steps(i);
       v1::DraftSequenceResult* result = response.add_results();

@@ -331,6 +331,13 @@ TEST_F(DraftServiceTest, ReleasesAndStreamEndsFreeSequences) {
   EXPECT_FALSE(b.Step(rb).results(0).has_error());
   EXPECT_EQ(Metric("specd_sequences"), 3);
 
+  v1::DraftStepRequest cancel;  // a client that cancels
+  cancel.set_step_id(3);
+  cancel.add_cancel_seq_ids(3);
+  EXPECT_EQ(a.Step(cancel).results_size(), 0);
+  EXPECT_EQ(Metric("specd_sequences"), 2);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 1);
+
   a.context().TryCancel();  // a router that dies
   ExpectMetricSoon("specd_sequences", 1);
   EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 2);

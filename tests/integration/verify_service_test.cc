@@ -445,11 +445,13 @@ TEST_F(VerifyServiceTest, ReleasesFreeSequences) {
   v1::VerifyStepRequest release;
   release.set_step_id(2);
   release.add_release_seq_ids(1);
-  release.add_release_seq_ids(3);
+  release.add_cancel_seq_ids(3);
   release.add_release_seq_ids(99);  // unknown ids are ignored
+  release.add_cancel_seq_ids(98);
   EXPECT_EQ(stream.Step(release).results_size(), 0);
   EXPECT_EQ(Metric("specd_sequences"), 1);
-  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 2);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 1);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 1);
   EXPECT_LT(Metric("specd_kv_cache_usage_ratio"), usage);
   EXPECT_TRUE(stream.Close().ok());
 }
