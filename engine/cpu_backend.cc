@@ -375,13 +375,18 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
       tokens[t] = it.tokens[j];
       positions[t] = static_cast<int32_t>(s.committed + new_depth[b][j]);
       query_seq[t] = static_cast<int32_t>(b);
-      prefix_len[t] = static_cast<int32_t>(s.committed);
       slots[t] = PhysicalSlot(s, s.committed + scratch_index);
-      // Ancestors root first, then the node itself.
+      // The keys are the node's ancestors (root first, itself last) after the committed prefix.
+      // A scratch node whose depth equals its index has exactly scratch nodes 0..index as
+      // ancestors, so the leading run of ancestors on that spine is passed as an extension of
+      // the prefix (same keys, same order) rather than listed: a prefill chain then costs O(1)
+      // metadata per token instead of O(length).
       const size_t start = keys.size();
-      for (int32_t a = static_cast<int32_t>(scratch_index); a >= 0; a = s.scratch_parents[a]) {
+      int32_t a = static_cast<int32_t>(scratch_index);
+      for (; a >= 0 && s.scratch_depth[a] != a; a = s.scratch_parents[a]) {
         keys.push_back(static_cast<int32_t>(s.committed + a));
       }
+      prefix_len[t] = static_cast<int32_t>(s.committed + a + 1);
       std::reverse(keys.begin() + start, keys.end());
       key_offsets[t + 1] = static_cast<int32_t>(keys.size());
     }

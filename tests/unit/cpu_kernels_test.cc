@@ -362,6 +362,28 @@ TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
   TreeAttentionCpuItems(p, 0, 13);
   TreeAttentionCpuItems(p, 13, nq * heads);
   EXPECT_EQ(0, std::memcmp(split.data(), out.data(), sizeof(float) * out.size()));
+  // Describing contiguous ancestors as a longer run instead of a list gives the same bits:
+  // B's chain nodes (queries 5, 6) and A's node 1 (path 0 -> 1, slots 9, 10).
+  {
+    std::vector<int32_t> run_prefix = prefix_len, run_offsets = {0}, run_keys;
+    for (int64_t t = 0; t < nq; ++t) {
+      std::vector<int32_t> list(keys.begin() + offsets[t], keys.begin() + offsets[t + 1]);
+      if (t == 1 || t == 5 || t == 6) {
+        run_prefix[t] += static_cast<int32_t>(list.size());
+        list.clear();
+      }
+      run_keys.insert(run_keys.end(), list.begin(), list.end());
+      run_offsets.push_back(static_cast<int32_t>(run_keys.size()));
+    }
+    std::vector<float> run_out(out.size(), NAN);
+    TreeAttentionParams r = p;
+    r.prefix_len = run_prefix.data();
+    r.tree_key_offsets = run_offsets.data();
+    r.tree_keys = run_keys.data();
+    r.out = run_out.data();
+    TreeAttentionCpu(r);
+    EXPECT_EQ(0, std::memcmp(run_out.data(), out.data(), sizeof(float) * out.size()));
+  }
   // A node's output ignores non-ancestors: perturb node 2 of A (sibling of 1) and check node 3
   // (child of 1) is unchanged while node 2 changes.
   const int64_t slot2 = int64_t{tables[(9 + 2) / block]} * block + (9 + 2) % block;

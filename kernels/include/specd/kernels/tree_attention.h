@@ -2,13 +2,16 @@
 // style verification, and plain prefill and decode as special cases).
 //
 // Query t belongs to one sequence. Its keys are, in this order:
-//   1. the sequence's committed prefix: logical slots [0, prefix_len[t]);
-//   2. its tree ancestors: the logical slots tree_keys[tree_key_offsets[t] ..
-//      tree_key_offsets[t+1]), root first and the query's own slot last.
+//   1. a contiguous run of logical slots [0, prefix_len[t]): the committed prefix, possibly
+//      extended over leading ancestors that sit in consecutive slots right after it (the
+//      backend does that for chains, so a long prefill does not list O(n^2) keys);
+//   2. its other tree ancestors: the logical slots tree_keys[tree_key_offsets[t] ..
+//      tree_key_offsets[t+1]), root first and the query's own slot last (the query's own slot
+//      is in the run instead when the whole path is contiguous).
 // Logical slot j of the sequence lives at physical slot
 //   block_tables[query_seq[t] * max_blocks_per_seq + j / block_size] * block_size + j % block_size
-// (see kv_cache.h). A decode step is a query with one tree key (itself); a prefill chain of n
-// tokens gives token i the keys prefix + slots [L, L + i]. The ancestor lists are explicit (CSR)
+// (see kv_cache.h). A decode step is a query with a run of L + 1 keys (or a run of L and one
+// tree key: the same keys in the same order); token i of a prefill chain has a run of L + i + 1. The ancestor lists are explicit (CSR)
 // rather than a bitmask so trees of any size and shape, and several sequences, share one
 // description that the CUDA kernel reads as is.
 //
@@ -32,7 +35,7 @@ struct TreeAttentionParams {
   // [num_seqs, max_blocks_per_seq] int32, host: physical block of each logical block.
   const int32_t* block_tables = nullptr;
   const int32_t* query_seq = nullptr;         // [num_queries] int32, host: row of block_tables
-  const int32_t* prefix_len = nullptr;        // [num_queries] int32, host: committed keys
+  const int32_t* prefix_len = nullptr;  // [num_queries] int32, host: length of the key run
   const int32_t* tree_key_offsets = nullptr;  // [num_queries + 1] int32, host (CSR offsets)
   const int32_t* tree_keys = nullptr;  // [tree_key_offsets[num_queries]] int32, host: logical slots
   int64_t num_queries = 0;

@@ -1,0 +1,144 @@
+// SequenceState: the stop and feeding logic the Generator and the router share, driven with
+// hand-made verify outcomes.
+#include "engine/sequence_state.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace specd {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+// An outcome that accepted `tokens.size() - 1` draft nodes (their node indices do not matter
+// here) and ended with a bonus token.
+VerifyOutcome Outcome(std::vector<int32_t> tokens) {
+  VerifyOutcome o;
+  o.tokens = std::move(tokens);
+  o.accepted_draft = static_cast<int>(o.tokens.size()) - 1;
+  for (int i = 0; i < o.accepted_draft; ++i) o.accepted_nodes.push_back(i);
+  return o;
+}
+
+SequenceState Make(std::vector<int32_t> prompt, StopConditions stop) {
+  absl::StatusOr<SequenceState> s = SequenceState::Create(std::move(prompt), stop, 300);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return *std::move(s);
+}
+
+TEST(SequenceStateTest, FeedsTargetAndDrafterWhatTheyHaveNotSeen) {
+  StopConditions stop;
+  stop.max_new_tokens = 100;
+  SequenceState s = Make({1, 2, 3}, stop);
+  EXPECT_THAT(s.TargetPending(), ElementsAre(1, 2, 3));
+  EXPECT_THAT(s.DrafterPending(), ElementsAre(1, 2, 3));
+  s.MarkDrafterFed();
+  EXPECT_THAT(s.DrafterPending(), IsEmpty());
+
+  EXPECT_THAT(s.Apply(Outcome({7, 8, 9}), 5), ElementsAre(7, 8, 9));
+  // The target cached the prompt and the two accepted nodes; the bonus token is pending.
+  EXPECT_THAT(s.TargetPending(), ElementsAre(9));
+  EXPECT_THAT(s.DrafterPending(), ElementsAre(7, 8, 9));
+  // A step without a draft (drafter down): the drafter catches up later with everything.
+  EXPECT_THAT(s.Apply(Outcome({10}), 0), ElementsAre(10));
+  EXPECT_THAT(s.TargetPending(), ElementsAre(10));
+  EXPECT_THAT(s.DrafterPending(), ElementsAre(7, 8, 9, 10));
+  EXPECT_THAT(s.output(), ElementsAre(7, 8, 9, 10));
+  EXPECT_THAT(s.prompt(), ElementsAre(1, 2, 3));
+
+  const SpecStats& st = s.stats();
+  EXPECT_EQ(st.steps, 2);
+  EXPECT_EQ(st.draft_steps, 1);
+  EXPECT_EQ(st.target_only_steps, 1);
+  EXPECT_EQ(st.draft_tokens, 5);
+  EXPECT_EQ(st.accepted_tokens, 2);
+  EXPECT_THAT(st.accepted_per_position, ElementsAre(1, 1));
+}
+
+TEST(SequenceStateTest, StopTokenInsideAStepDropsTheRest) {
+  StopConditions stop;
+  stop.max_new_tokens = 100;
+  stop.eos_token_ids = {256};
+  stop.stop_token_ids = {42};
+  SequenceState s = Make({1}, stop);
+  EXPECT_THAT(s.Apply(Outcome({5, 42, 6, 7}), 4), ElementsAre(5, 42));
+  EXPECT_TRUE(s.finished());
+  EXPECT_EQ(s.finish_reason(), FinishReason::kStop);
+  EXPECT_THAT(s.output(), ElementsAre(5, 42));
+  EXPECT_THAT(s.Apply(Outcome({9}), 0), IsEmpty());  // finished: nothing more is appended
+  EXPECT_EQ(s.stats().steps, 1);
+
+  SequenceState e = Make({1}, stop);
+  EXPECT_THAT(e.Apply(Outcome({256, 6}), 1), ElementsAre(256));
+  EXPECT_EQ(e.finish_reason(), FinishReason::kStop);
+
+  stop.ignore_eos = true;
+  SequenceState i = Make({1}, stop);
+  EXPECT_THAT(i.Apply(Outcome({256, 6}), 1), ElementsAre(256, 6));
+  EXPECT_FALSE(i.finished());
+  EXPECT_THAT(i.Apply(Outcome({42, 1}), 1), ElementsAre(42));  // stop ids still stop
+  EXPECT_EQ(i.finish_reason(), FinishReason::kStop);
+}
+
+TEST(SequenceStateTest, LengthBudgetTruncatesAndBoundsDraftDepth) {
+  StopConditions stop;
+  stop.max_new_tokens = 5;
+  SequenceState s = Make({1, 2}, stop);
+  EXPECT_EQ(s.MaxUsefulDraftDepth(), 4);
+  EXPECT_THAT(s.Apply(Outcome({3, 4, 5}), 3), ElementsAre(3, 4, 5));
+  EXPECT_EQ(s.MaxUsefulDraftDepth(), 1);
+  EXPECT_THAT(s.Apply(Outcome({6, 7, 8}), 2), ElementsAre(6, 7));
+  EXPECT_EQ(s.finish_reason(), FinishReason::kLength);
+  EXPECT_EQ(s.MaxUsefulDraftDepth(), 0);
+
+  // The context limit counts the prompt too.
+  stop.max_new_tokens = 100;
+  stop.max_total_tokens = 6;
+  SequenceState c = Make({1, 2, 3}, stop);
+  EXPECT_EQ(c.MaxUsefulDraftDepth(), 2);
+  EXPECT_THAT(c.Apply(Outcome({4, 5, 6, 7}), 3), ElementsAre(4, 5, 6));
+  EXPECT_EQ(c.finish_reason(), FinishReason::kLength);
+  // A stop token at the last allowed position reports kStop.
+  stop.max_total_tokens = 0;
+  stop.max_new_tokens = 2;
+  stop.stop_token_ids = {9};
+  SequenceState b = Make({1}, stop);
+  EXPECT_THAT(b.Apply(Outcome({8, 9, 10}), 2), ElementsAre(8, 9));
+  EXPECT_EQ(b.finish_reason(), FinishReason::kStop);
+}
+
+TEST(SequenceStateTest, CreateValidates) {
+  StopConditions stop;
+  EXPECT_THAT(SequenceState::Create({}, stop, 300).status().message(), HasSubstr("prompt"));
+  EXPECT_THAT(SequenceState::Create({1, 300}, stop, 300).status().message(),
+              HasSubstr("prompt[1]"));
+  EXPECT_THAT(SequenceState::Create({1, -2}, stop, 300).status().message(),
+              HasSubstr("prompt[1]"));
+  stop.max_new_tokens = 0;
+  EXPECT_THAT(SequenceState::Create({1}, stop, 300).status().message(),
+              HasSubstr("max_new_tokens"));
+  stop.max_new_tokens = 4;
+  stop.max_total_tokens = 2;
+  EXPECT_EQ(SequenceState::Create({1, 2}, stop, 300).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(SequenceState::Create({1}, stop, 300).ok());
+  EXPECT_STREQ(FinishReasonName(FinishReason::kLength), "length");
+}
+
+TEST(SequenceStateTest, StatsAdd) {
+  SpecStats a, b;
+  a.steps = 2;
+  a.accepted_per_position = {2, 1};
+  b.steps = 3;
+  b.accepted_tokens = 4;
+  b.accepted_per_position = {1, 1, 1};
+  a.Add(b);
+  EXPECT_EQ(a.steps, 5);
+  EXPECT_EQ(a.accepted_tokens, 4);
+  EXPECT_THAT(a.accepted_per_position, ElementsAre(3, 2, 1));
+}
+
+}  // namespace
+}  // namespace specd

@@ -1,0 +1,634 @@
+// Lossless speculative decoding (DESIGN.md) end to end on real checkpoint folders and the CPU
+// backend: greedy output token-identical to target-only greedy for many prompts, tree shapes,
+// drafters and batch sizes; seeded sampling token-identical to target-only sampling; stops
+// inside multi-token steps; and chi-square tests that speculative sampling draws the first two
+// tokens from the target's exact distribution.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/backend.h"
+#include "engine/drafter.h"
+#include "engine/generator.h"
+#include "engine/sampling.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testutil/extended_checkpoint.h"
+#include "tests/testutil/random_checkpoint.h"
+
+namespace specd {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kVocab = 300;
+constexpr int kPrompts = 50;
+constexpr int kNewTokens = 12;
+
+std::unique_ptr<Backend> Load(const std::string& dir) {
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(dir, BackendOptions());
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? *std::move(b) : nullptr;
+}
+
+// The models every test shares (written once per process): a draft; a target made of the
+// draft plus one layer with small output projections, so drafts are often right as with a
+// real small/large pair; and an unrelated random draft of another shape and family.
+struct Models {
+  std::string root, draft_dir, target_dir, other_dir;
+  std::unique_ptr<Backend> target, draft, same, other;
+  std::unique_ptr<DraftModelDrafter> related_drafter, same_drafter, other_drafter;
+  std::unique_ptr<NgramDrafter> ngram;
+
+  Models() {
+    root = MakeTempDir("specd_spec_");
+    draft_dir = root + "/draft";
+    target_dir = root + "/target";
+    other_dir = root + "/other";
+    RandomCheckpointSpec spec;
+    spec.vocab_size = kVocab;
+    spec.hidden_size = 32;
+    spec.intermediate_size = 64;
+    spec.num_layers = 1;
+    spec.num_heads = 4;
+    spec.num_kv_heads = 2;
+    spec.init_std = 0.3f;
+    spec.seed = 21;
+    EXPECT_TRUE(WriteRandomCheckpoint(draft_dir, spec).ok());
+    ExtendSpec extend;
+    extend.extra_layers = 1;
+    extend.output_scale = 0.15f;
+    extend.init_std = 0.3f;
+    extend.seed = 22;
+    EXPECT_TRUE(WriteExtendedCheckpoint(draft_dir, target_dir, extend).ok());
+    RandomCheckpointSpec other_spec = spec;
+    other_spec.seed = 77;
+    other_spec.hidden_size = 48;
+    other_spec.num_heads = 6;
+    other_spec.num_kv_heads = 3;
+    other_spec.model_type = "qwen2";
+    EXPECT_TRUE(WriteRandomCheckpoint(other_dir, other_spec).ok());
+    target = Load(target_dir);
+    draft = Load(draft_dir);
+    same = Load(target_dir);  // draft == target: its proposals are the target's favourites
+    other = Load(other_dir);
+    related_drafter = std::make_unique<DraftModelDrafter>(draft.get());
+    same_drafter = std::make_unique<DraftModelDrafter>(same.get());
+    other_drafter = std::make_unique<DraftModelDrafter>(other.get());
+    ngram = *NgramDrafter::Create(kVocab, NgramOptions());
+  }
+  ~Models() {
+    std::error_code ec;
+    std::filesystem::remove_all(root, ec);
+  }
+};
+
+Models& M() {
+  static Models* models = new Models();
+  return *models;
+}
+
+enum class DrafterKind { kNone, kRelated, kSame, kOther, kNgram };
+
+Drafter* GetDrafter(DrafterKind kind) {
+  switch (kind) {
+    case DrafterKind::kNone:
+      return nullptr;
+    case DrafterKind::kRelated:
+      return M().related_drafter.get();
+    case DrafterKind::kSame:
+      return M().same_drafter.get();
+    case DrafterKind::kOther:
+      return M().other_drafter.get();
+    case DrafterKind::kNgram:
+      return M().ngram.get();
+  }
+  return nullptr;
+}
+
+const char* Name(DrafterKind kind) {
+  switch (kind) {
+    case DrafterKind::kNone:
+      return "none";
+    case DrafterKind::kRelated:
+      return "related";
+    case DrafterKind::kSame:
+      return "same";
+    case DrafterKind::kOther:
+      return "other";
+    case DrafterKind::kNgram:
+      return "ngram";
+  }
+  return "?";
+}
+
+// Runs `requests` over the shared target, `batch` requests per Generator::Generate() call (so `batch`
+// sequences share every Draft and Verify call).
+std::vector<GenerationResult> GenerateAll(DrafterKind kind, const std::vector<GenerationRequest>& requests,
+                                  size_t batch, std::vector<std::vector<int32_t>>* streamed =
+                                                    nullptr) {
+  absl::StatusOr<std::unique_ptr<Generator>> gen =
+      Generator::Create(M().target.get(), GetDrafter(kind));
+  EXPECT_TRUE(gen.ok()) << gen.status();
+  if (!gen.ok()) return {};
+  std::vector<GenerationResult> out;
+  if (streamed != nullptr) streamed->assign(requests.size(), {});
+  for (size_t i = 0; i < requests.size(); i += batch) {
+    const size_t n = std::min(batch, requests.size() - i);
+    TokenCallback cb = nullptr;
+    if (streamed != nullptr) {
+      cb = [&, i](size_t index, absl::Span<const int32_t> tokens) {
+        (*streamed)[i + index].insert((*streamed)[i + index].end(), tokens.begin(),
+                                      tokens.end());
+      };
+    }
+    absl::StatusOr<std::vector<GenerationResult>> r =
+        (*gen)->Generate(absl::MakeConstSpan(requests).subspan(i, n), cb);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return {};
+    out.insert(out.end(), r->begin(), r->end());
+  }
+  EXPECT_EQ(M().target->Usage().sequences, 0) << "sequences leaked in the target";
+  return out;
+}
+
+SpecStats Total(const std::vector<GenerationResult>& results) {
+  SpecStats s;
+  for (const GenerationResult& r : results) s.Add(r.stats);
+  return s;
+}
+
+// Prompts of random lengths and contents; every other one repeats a short motif so that
+// n-gram lookup finds matches.
+std::vector<std::vector<int32_t>> MakePrompts(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < n; ++i) {
+    const int len = 1 + rng() % 24;
+    std::vector<int32_t> p;
+    if (i % 2 == 0) {
+      for (int j = 0; j < len; ++j) p.push_back(rng() % 256);
+    } else {
+      std::vector<int32_t> motif(2 + rng() % 4);
+      for (int32_t& t : motif) t = 32 + rng() % 64;
+      for (int j = 0; j < len; ++j) p.push_back(motif[j % motif.size()]);
+    }
+    prompts.push_back(p);
+  }
+  return prompts;
+}
+
+std::vector<GenerationRequest> Requests(const DraftParams& shape, const SamplingParams& sampling,
+                                        int n = kPrompts, uint32_t prompt_seed = 1234) {
+  std::vector<GenerationRequest> requests;
+  for (const std::vector<int32_t>& p : MakePrompts(n, prompt_seed)) {
+    GenerationRequest r;
+    r.prompt = p;
+    r.max_new_tokens = kNewTokens;
+    r.sampling = sampling;
+    r.draft = shape;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+// Target-only greedy outputs, one sequence at a time.
+const std::vector<GenerationResult>& GreedyBaseline() {
+  static const auto* baseline = new std::vector<GenerationResult>(
+      GenerateAll(DrafterKind::kNone, Requests(DraftParams(), SamplingParams()), 1));
+  return *baseline;
+}
+
+struct GreedyCase {
+  DrafterKind kind;
+  DraftParams shape;
+  size_t batch;
+};
+
+std::string CaseString(const GreedyCase& c) {
+  return absl::StrCat(Name(c.kind), "_d", c.shape.depth, "_k", c.shape.top_k, "_n",
+                      c.shape.max_nodes, "_b", c.batch);
+}
+
+void PrintTo(const GreedyCase& c, std::ostream* os) { *os << CaseString(c); }
+
+std::string CaseName(const ::testing::TestParamInfo<GreedyCase>& info) {
+  return CaseString(info.param);
+}
+
+class GreedyTest : public ::testing::TestWithParam<GreedyCase> {};
+
+// Speculative greedy output is token-identical to target-only greedy over 50 prompts.
+TEST_P(GreedyTest, MatchesTargetOnly) {
+  const GreedyCase& c = GetParam();
+  const std::vector<GenerationResult>& want = GreedyBaseline();
+  std::vector<std::vector<int32_t>> streamed;
+  const std::vector<GenerationResult> got =
+      GenerateAll(c.kind, Requests(c.shape, SamplingParams()), c.batch, &streamed);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
+    EXPECT_EQ(got[i].finish_reason, want[i].finish_reason) << "prompt " << i;
+    EXPECT_EQ(streamed[i], got[i].tokens) << "prompt " << i;
+  }
+  const SpecStats s = Total(got);
+  EXPECT_GT(s.draft_steps, 0);
+  EXPECT_LE(s.accepted_tokens, s.draft_tokens);
+  // Speculation saves steps whenever something was accepted.
+  int64_t emitted = 0;
+  for (const GenerationResult& r : got) emitted += r.tokens.size();
+  EXPECT_LE(s.steps, emitted);
+  if (c.kind == DrafterKind::kRelated) {
+    // The related draft agrees with the target often enough to exercise accepted paths.
+    EXPECT_GT(s.accepted_tokens, s.draft_steps / 4)
+        << "accepted " << s.accepted_tokens << " of " << s.draft_tokens << " in "
+        << s.draft_steps << " steps";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GreedyTest,
+    ::testing::Values(
+        // Chains of depth 1..6.
+        GreedyCase{DrafterKind::kRelated, {1, 1, 1}, 10},
+        GreedyCase{DrafterKind::kRelated, {2, 1, 2}, 10},
+        GreedyCase{DrafterKind::kRelated, {3, 1, 3}, 10},
+        GreedyCase{DrafterKind::kRelated, {4, 1, 4}, 10},
+        GreedyCase{DrafterKind::kRelated, {5, 1, 5}, 10},
+        GreedyCase{DrafterKind::kRelated, {6, 1, 6}, 1},
+        // Wide and budgeted trees.
+        GreedyCase{DrafterKind::kRelated, {3, 4, 64}, 10},
+        GreedyCase{DrafterKind::kRelated, {4, 4, 1}, 10},
+        GreedyCase{DrafterKind::kRelated, {3, 2, 7}, 25},
+        GreedyCase{DrafterKind::kRelated, {5, 4, 64}, 50},
+        GreedyCase{DrafterKind::kRelated, {8, 8, 256}, 10},
+        // An unrelated draft model: mostly rejected, still exact.
+        GreedyCase{DrafterKind::kOther, {4, 1, 4}, 10},
+        GreedyCase{DrafterKind::kOther, {3, 4, 64}, 10},
+        GreedyCase{DrafterKind::kOther, {5, 4, 48}, 50},
+        // N-gram prompt lookup.
+        GreedyCase{DrafterKind::kNgram, {1, 1, 1}, 10},
+        GreedyCase{DrafterKind::kNgram, {4, 1, 4}, 10},
+        GreedyCase{DrafterKind::kNgram, {6, 4, 7}, 10},
+        GreedyCase{DrafterKind::kNgram, {8, 4, 64}, 50},
+        GreedyCase{DrafterKind::kNgram, {10, 8, 256}, 10}),
+    CaseName);
+
+// With the draft model equal to the target, every drafted chain token is the target's greedy
+// choice, so (almost) everything is accepted: the tree plumbing works, not just rejection.
+TEST(SpeculativeTest, DraftEqualToTargetIsAccepted) {
+  const std::vector<GenerationResult>& want = GreedyBaseline();
+  for (const DraftParams& shape : {DraftParams{4, 1, 4}, DraftParams{5, 3, 24}}) {
+    SCOPED_TRACE(absl::StrCat("depth ", shape.depth, " top_k ", shape.top_k));
+    const std::vector<GenerationResult> got =
+        GenerateAll(DrafterKind::kSame, Requests(shape, SamplingParams()), 10);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+    const SpecStats s = Total(got);
+    int64_t max_possible = 0;  // each step can accept at most its (clamped) depth
+    for (const GenerationResult& r : got) {
+      max_possible += static_cast<int64_t>(r.tokens.size()) - r.stats.steps;
+    }
+    EXPECT_GE(s.accepted_tokens, max_possible * 95 / 100);
+    ASSERT_EQ(s.accepted_per_position.size(), static_cast<size_t>(shape.depth));
+    EXPECT_GE(s.accepted_per_position[0], s.draft_steps * 95 / 100);
+  }
+}
+
+// A stop token generated in the middle of a multi-token step ends the output right after it;
+// later tokens of the step are neither returned nor streamed. Same for max_new_tokens.
+TEST(SpeculativeTest, StopsInsideMultiTokenSteps) {
+  const std::vector<GenerationResult>& base = GreedyBaseline();
+  std::vector<GenerationRequest> stop_requests = Requests({6, 1, 6}, SamplingParams());
+  std::vector<std::vector<int32_t>> want(stop_requests.size());
+  for (size_t i = 0; i < stop_requests.size(); ++i) {
+    const std::vector<int32_t>& b = base[i].tokens;
+    ASSERT_GT(b.size(), 4u);
+    const int32_t stop = b[3 + i % (b.size() - 4)];
+    stop_requests[i].stop_token_ids = {stop};
+    want[i].assign(b.begin(), std::find(b.begin(), b.end(), stop) + 1);
+  }
+  for (DrafterKind kind : {DrafterKind::kNone, DrafterKind::kSame, DrafterKind::kRelated}) {
+    SCOPED_TRACE(Name(kind));
+    std::vector<std::vector<int32_t>> streamed;
+    const std::vector<GenerationResult> got = GenerateAll(kind, stop_requests, 10, &streamed);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i]) << i;
+      EXPECT_EQ(streamed[i], want[i]) << i;
+      EXPECT_EQ(got[i].finish_reason, FinishReason::kStop) << i;
+    }
+  }
+  std::vector<GenerationRequest> short_requests = Requests({6, 1, 6}, SamplingParams());
+  for (size_t i = 0; i < short_requests.size(); ++i) {
+    short_requests[i].max_new_tokens = 1 + i % 9;
+  }
+  std::vector<std::vector<int32_t>> streamed;
+  const std::vector<GenerationResult> got = GenerateAll(DrafterKind::kSame, short_requests, 10, &streamed);
+  for (size_t i = 0; i < got.size(); ++i) {
+    const std::vector<int32_t>& b = base[i].tokens;
+    const size_t n = std::min<size_t>(short_requests[i].max_new_tokens, b.size());
+    EXPECT_EQ(got[i].tokens, std::vector<int32_t>(b.begin(), b.begin() + n)) << i;
+    EXPECT_EQ(streamed[i], got[i].tokens) << i;
+  }
+}
+
+// Requests that opt out of speculation share steps with speculating ones and decode
+// target-only.
+TEST(SpeculativeTest, MixedBatchWithSpeculationOptOut) {
+  const std::vector<GenerationResult>& want = GreedyBaseline();
+  std::vector<GenerationRequest> requests = Requests({4, 2, 8}, SamplingParams());
+  for (size_t i = 0; i < requests.size(); i += 3) requests[i].speculate = false;
+  const std::vector<GenerationResult> got = GenerateAll(DrafterKind::kRelated, requests, 25);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+    if (requests[i].speculate) {
+      EXPECT_GT(got[i].stats.draft_steps, 0) << i;
+    } else {
+      EXPECT_EQ(got[i].stats.draft_steps, 0) << i;
+      EXPECT_EQ(got[i].stats.target_only_steps, static_cast<int64_t>(got[i].tokens.size()));
+    }
+  }
+}
+
+TEST(SpeculativeTest, RejectsBadRequests) {
+  absl::StatusOr<std::unique_ptr<Generator>> gen =
+      Generator::Create(M().target.get(), M().related_drafter.get());
+  ASSERT_TRUE(gen.ok());
+  GenerationRequest r;
+  r.prompt = {1, 2, 3};
+  r.sampling.top_p = 0;
+  EXPECT_THAT((*gen)->Generate({r}).status().message(), HasSubstr("requests[0].sampling.top_p"));
+  r.sampling = {};
+  r.draft.max_nodes = 300;
+  EXPECT_THAT((*gen)->Generate({r}).status().message(), HasSubstr("requests[0].draft.max_nodes"));
+  r.draft = {};
+  r.prompt = {1, kVocab};
+  EXPECT_THAT((*gen)->Generate({r}).status().message(), HasSubstr("prompt[1]"));
+  r.prompt = {};
+  EXPECT_THAT((*gen)->Generate({r}).status().message(), HasSubstr("prompt"));
+  r.prompt = {1};
+  r.max_new_tokens = 0;
+  EXPECT_THAT((*gen)->Generate({r}).status().message(), HasSubstr("max_new_tokens"));
+  EXPECT_EQ(M().target->Usage().sequences, 0);
+
+  absl::StatusOr<std::unique_ptr<NgramDrafter>> small = NgramDrafter::Create(100, {});
+  ASSERT_TRUE(small.ok());
+  EXPECT_THAT(Generator::Create(M().target.get(), small->get()).status().message(),
+              HasSubstr("vocab_size"));
+}
+
+// Seeded sampling: speculation on or off gives exactly the same tokens, for every drafter,
+// temperature, top-k and top-p (position-keyed Philox noise).
+TEST(SpeculativeTest, SeededSamplingMatchesTargetOnlyTokenForToken) {
+  struct Config {
+    float temperature;
+    int top_k;
+    float top_p;
+  };
+  const std::vector<Config> configs = {{0.6f, 0, 1.0f}, {1.0f, 0, 1.0f}, {1.4f, 0, 1.0f},
+                                       {1.0f, 8, 1.0f}, {1.0f, 0, 0.7f}, {0.8f, 20, 0.9f}};
+  int64_t accepted = 0;
+  for (size_t c = 0; c < configs.size(); ++c) {
+    std::vector<GenerationRequest> requests = Requests({4, 3, 16}, {}, 20, 99 + c);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      requests[i].sampling.temperature = configs[c].temperature;
+      requests[i].sampling.top_k = configs[c].top_k;
+      requests[i].sampling.top_p = configs[c].top_p;
+      requests[i].sampling.seed = 1000 * c + i;
+    }
+    const std::vector<GenerationResult> want = GenerateAll(DrafterKind::kNone, requests, 20);
+    for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated, DrafterKind::kNgram}) {
+      SCOPED_TRACE(absl::StrCat(Name(kind), " config ", c));
+      const std::vector<GenerationResult> got = GenerateAll(kind, requests, 7);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+      accepted += Total(got).accepted_tokens;
+    }
+    // Different seeds give different samples (the seed is really used).
+    for (GenerationRequest& r : requests) r.sampling.seed += 12345;
+    const std::vector<GenerationResult> reseeded = GenerateAll(DrafterKind::kNone, requests, 20);
+    int differ = 0;
+    for (size_t i = 0; i < want.size(); ++i) differ += reseeded[i].tokens != want[i].tokens;
+    EXPECT_GT(differ, 10);
+  }
+  EXPECT_GT(accepted, 500);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Distribution tests.
+
+// Exact probability of each (first, second) generated token pair after `prompt`, from the
+// target's logits (on a fresh backend) and TargetDistribution.
+std::map<std::pair<int32_t, int32_t>, double> ExactJoint(const std::vector<int32_t>& prompt,
+                                                         const SamplingParams& sampling) {
+  std::unique_ptr<Backend> target = Load(M().target_dir);
+  auto forward = [&](const std::vector<std::vector<int32_t>>& contexts) {
+    std::vector<ForwardItem> items(contexts.size());
+    for (size_t i = 0; i < contexts.size(); ++i) {
+      EXPECT_TRUE(target->AddSequence(i).ok());
+      items[i].seq = i;
+      items[i].tokens = contexts[i];
+      items[i].parents.resize(contexts[i].size());
+      std::iota(items[i].parents.begin(), items[i].parents.end(), -1);
+      items[i].logit_rows = {static_cast<int32_t>(contexts[i].size()) - 1};
+    }
+    std::vector<float> logits;
+    EXPECT_TRUE(target->Forward(items, &logits).ok());
+    for (size_t i = 0; i < contexts.size(); ++i) EXPECT_TRUE(target->RemoveSequence(i).ok());
+    return logits;
+  };
+  const std::vector<float> first = forward({prompt});
+  const std::vector<double> p1 = TargetDistribution(first, sampling);
+  std::vector<int32_t> support;
+  std::vector<std::vector<int32_t>> contexts;
+  for (int32_t t = 0; t < kVocab; ++t) {
+    if (p1[t] <= 0) continue;
+    support.push_back(t);
+    contexts.push_back(prompt);
+    contexts.back().push_back(t);
+  }
+  const std::vector<float> second = forward(contexts);
+  std::map<std::pair<int32_t, int32_t>, double> joint;
+  for (size_t i = 0; i < support.size(); ++i) {
+    const std::vector<double> p2 = TargetDistribution(
+        absl::MakeConstSpan(second).subspan(i * kVocab, kVocab), sampling);
+    for (int32_t t = 0; t < kVocab; ++t) {
+      if (p2[t] > 0) joint[{support[i], t}] = p1[support[i]] * p2[t];
+    }
+  }
+  return joint;
+}
+
+// The first two tokens of `n` generations after `prompt`, seeds seed0, seed0 + 7, ... Three
+// tokens are generated so that the draft tree is two deep (the generator drafts no deeper
+// than the budget allows) and both counted tokens can come from accepted draft nodes.
+std::map<std::pair<int32_t, int32_t>, int> Sample(DrafterKind kind,
+                                                  const std::vector<int32_t>& prompt,
+                                                  SamplingParams sampling, int n, uint64_t seed0,
+                                                  SpecStats* stats) {
+  std::vector<GenerationRequest> requests(n);
+  for (int i = 0; i < n; ++i) {
+    requests[i].prompt = prompt;
+    requests[i].max_new_tokens = 3;
+    requests[i].ignore_eos = true;
+    requests[i].sampling = sampling;
+    requests[i].sampling.seed = seed0 + 7 * static_cast<uint64_t>(i);
+    requests[i].draft = {2, 3, 8};
+  }
+  const std::vector<GenerationResult> results = GenerateAll(kind, requests, 500);
+  std::map<std::pair<int32_t, int32_t>, int> counts;
+  for (const GenerationResult& r : results) {
+    EXPECT_EQ(r.tokens.size(), 3u);
+    if (r.tokens.size() >= 2) ++counts[{r.tokens[0], r.tokens[1]}];
+  }
+  *stats = Total(results);
+  return counts;
+}
+
+// Chi-square critical value at p = 0.001 (Wilson-Hilferty approximation, good to a few
+// percent for df >= 3).
+double ChiSquareCritical001(int df) {
+  const double z = 3.090232;  // standard normal quantile at 0.999
+  const double a = 2.0 / (9.0 * df);
+  return df * std::pow(1 - a + z * std::sqrt(a), 3);
+}
+
+// Bins: every outcome expected at least 5 times on its own, the rest pooled into one bin
+// (merged into the smallest bin if the pool is itself expected fewer than 5 times).
+struct Bins {
+  std::map<std::pair<int32_t, int32_t>, int> of;  // outcome -> bin; absent -> pool
+  std::vector<double> expected;                   // per bin, for n samples
+  int pool = -1;
+
+  Bins(const std::map<std::pair<int32_t, int32_t>, double>& joint, int n) {
+    double pooled = 0;
+    for (const auto& [outcome, p] : joint) {
+      if (p * n >= 5) {
+        of[outcome] = static_cast<int>(expected.size());
+        expected.push_back(p * n);
+      } else {
+        pooled += p * n;
+      }
+    }
+    if (pooled >= 5 || expected.empty()) {
+      pool = static_cast<int>(expected.size());
+      expected.push_back(pooled);
+    } else {
+      pool = static_cast<int>(std::min_element(expected.begin(), expected.end()) -
+                              expected.begin());
+      expected[pool] += pooled;
+    }
+  }
+
+  std::vector<int> Observed(const std::map<std::pair<int32_t, int32_t>, int>& counts) const {
+    std::vector<int> o(expected.size(), 0);
+    for (const auto& [outcome, c] : counts) {
+      const auto it = of.find(outcome);
+      o[it == of.end() ? pool : it->second] += c;
+    }
+    return o;
+  }
+
+  // Goodness of fit against the exact distribution.
+  double Statistic(const std::vector<int>& o) const {
+    double chi2 = 0;
+    for (size_t b = 0; b < o.size(); ++b) {
+      if (expected[b] <= 0) {
+        if (o[b] > 0) return INFINITY;  // an outcome the target cannot produce
+        continue;
+      }
+      chi2 += (o[b] - expected[b]) * (o[b] - expected[b]) / expected[b];
+    }
+    return chi2;
+  }
+  int df() const { return static_cast<int>(expected.size()) - 1; }
+};
+
+// Two equal-sized samples from one distribution: sum (a - b)^2 / (a + b), chi-square with
+// (non-empty bins - 1) degrees of freedom.
+std::pair<double, int> TwoSample(const std::vector<int>& a, const std::vector<int>& b) {
+  double chi2 = 0;
+  int bins = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] + b[i] == 0) continue;
+    ++bins;
+    chi2 += static_cast<double>(a[i] - b[i]) * (a[i] - b[i]) / (a[i] + b[i]);
+  }
+  return {chi2, bins - 1};
+}
+
+class DistributionTest : public ::testing::TestWithParam<std::tuple<float, int, float>> {};
+
+// Speculative sampling with a drafter that proposes the target's most likely tokens (the
+// draft model equals the target) and with a related draft, each run with seeds unrelated to
+// the target-only run's, matches the exact distribution of the first two tokens, as does
+// target-only sampling; and the samples match each other.
+TEST_P(DistributionTest, FirstTwoTokensFollowTheTarget) {
+  const auto [temperature, top_k, top_p] = GetParam();
+  SamplingParams sampling;
+  sampling.temperature = temperature;
+  sampling.top_k = top_k;
+  sampling.top_p = top_p;
+  const std::vector<int32_t> prompt = {72, 105, 33, 32};
+  const int n = 4000;
+  const auto joint = ExactJoint(prompt, sampling);
+  const Bins bins(joint, n);
+  ASSERT_GE(bins.df(), 20) << "too few bins for a meaningful test";
+  const double critical = ChiSquareCritical001(bins.df());
+
+  SpecStats stats;
+  const std::vector<int> plain = bins.Observed(Sample(DrafterKind::kNone, prompt, sampling, n,
+                                                      1, &stats));
+  EXPECT_EQ(stats.draft_steps, 0);
+  EXPECT_LT(bins.Statistic(plain), critical) << "target-only sampling, df " << bins.df();
+
+  uint64_t seed0 = 1;
+  for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated}) {
+    SCOPED_TRACE(Name(kind));
+    seed0 += 1000003;  // seeds unrelated to the other runs'
+    const std::vector<int> spec = bins.Observed(Sample(kind, prompt, sampling, n, seed0, &stats));
+    // The drafts were really used: most first tokens came from an accepted draft node.
+    EXPECT_GT(stats.accepted_tokens, n / (kind == DrafterKind::kSame ? 2 : 8))
+        << "accepted " << stats.accepted_tokens;
+    EXPECT_LT(bins.Statistic(spec), critical) << "speculative sampling, df " << bins.df();
+    const auto [chi2, df] = TwoSample(plain, spec);
+    EXPECT_LT(chi2, ChiSquareCritical001(df)) << "speculative vs target-only, df " << df;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sampling, DistributionTest,
+                         ::testing::Values(std::make_tuple(1.0f, 0, 1.0f),
+                                           std::make_tuple(0.8f, 12, 0.9f)),
+                         [](const auto& info) {
+                           return absl::StrCat(
+                               "t", static_cast<int>(std::get<0>(info.param) * 100), "_k",
+                               std::get<1>(info.param), "_p",
+                               static_cast<int>(std::get<2>(info.param) * 100));
+                         });
+
+// The statistic has power: sampling at a moderately wrong temperature is rejected.
+TEST(DistributionPowerTest, DetectsABiasedSampler) {
+  SamplingParams sampling;
+  sampling.temperature = 1.0f;
+  const std::vector<int32_t> prompt = {72, 105, 33, 32};
+  const int n = 4000;
+  const Bins bins(ExactJoint(prompt, sampling), n);
+  SamplingParams hotter = sampling;
+  hotter.temperature = 1.25f;
+  SpecStats stats;
+  const std::vector<int> wrong =
+      bins.Observed(Sample(DrafterKind::kNone, prompt, hotter, n, 1, &stats));
+  EXPECT_GT(bins.Statistic(wrong), ChiSquareCritical001(bins.df()));
+}
+
+}  // namespace
+}  // namespace specd
