@@ -111,7 +111,13 @@ void BM_VerifyTree(benchmark::State& state) {
   state.counters["nodes/s"] = benchmark::Counter(static_cast<double>(nodes) * state.iterations(),
                                                  benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_VerifyTree)->Arg(1)->Arg(8)->Arg(32)->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_VerifyTree)
+    ->Arg(1)
+    ->Arg(8)
+    ->Arg(32)
+    ->Arg(64)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 }  // namespace specd

@@ -34,8 +34,8 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
 constexpr int64_t kInlineAttentionWork = 1 << 16;
 
-absl::Status Read(const TensorStore& store, const std::string& name,
-                  std::vector<int64_t> shape, std::vector<float>* out) {
+absl::Status Read(const TensorStore& store, const std::string& name, std::vector<int64_t> shape,
+                  std::vector<float>* out) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   out->assign(n, 0.0f);
@@ -47,8 +47,8 @@ absl::Status Read(const TensorStore& store, const std::string& name,
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const std::string& dir,
                                                                const BackendOptions& options) {
   if (options.kv_capacity_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
   }
   if (options.num_threads < 0) {
     return absl::InvalidArgumentError(
@@ -117,9 +117,9 @@ absl::Status CpuBackend::LoadWeights() {
   const struct {
     const std::vector<float>* w;
     int64_t out, in;
-  } shapes[] = {{&w0.q_proj, q, h},       {&w0.k_proj, kv, h},   {&w0.o_proj, h, q},
-                {&w0.gate_proj, f, h},    {&w0.down_proj, h, f},
-                {lm_head_.empty() ? &embed_tokens_ : &lm_head_, v, h}};
+  } shapes[] = {{&w0.q_proj, q, h},    {&w0.k_proj, kv, h},
+                {&w0.o_proj, h, q},    {&w0.gate_proj, f, h},
+                {&w0.down_proj, h, f}, {lm_head_.empty() ? &embed_tokens_ : &lm_head_, v, h}};
   row_block_ = kLinearRowBlock;
   for (const auto& s : shapes) {
     if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
@@ -179,9 +179,9 @@ absl::Status CpuBackend::AddSequence(SeqId seq) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " already exists"));
   }
   if (FreeBlocks() == 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: no free block for sequence ", seq, " (capacity ",
-        max_blocks_ * kKvBlockTokens, " tokens)"));
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache full: no free block for sequence ",
+                                                     seq, " (capacity ",
+                                                     max_blocks_ * kKvBlockTokens, " tokens)"));
   }
   seqs_.emplace(seq, Sequence{});
   return absl::OkStatus();
@@ -263,9 +263,8 @@ absl::Status CpuBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-void CpuBackend::Linear(const float* x, const std::vector<float>& w,
-                        const std::vector<float>* bias, float* y, int64_t rows, int64_t in,
-                        int64_t out) {
+void CpuBackend::Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
+                        float* y, int64_t rows, int64_t in, int64_t out) {
   LinearParams p;
   p.x = x;
   p.w = w.data();
@@ -294,8 +293,8 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     const ForwardItem& it = items[b];
     auto found = seqs_.find(it.seq);
     if (found == seqs_.end()) {
-      return absl::NotFoundError(absl::StrCat("items[", b, "].seq: sequence ", it.seq,
-                                              " not found"));
+      return absl::NotFoundError(
+          absl::StrCat("items[", b, "].seq: sequence ", it.seq, " not found"));
     }
     if (!seen.insert(it.seq).second) {
       return absl::InvalidArgumentError(
@@ -306,9 +305,8 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     const int64_t n = static_cast<int64_t>(it.tokens.size());
     if (n == 0) return absl::InvalidArgumentError(absl::StrCat("items[", b, "].tokens is empty"));
     if (it.parents.size() != it.tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents has ",
-                                                     it.parents.size(), " entries for ", n,
-                                                     " tokens"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "items[", b, "].parents has ", it.parents.size(), " entries for ", n, " tokens"));
     }
     const int64_t base = static_cast<int64_t>(s.scratch_parents.size());
     new_depth[b].resize(n);
@@ -321,9 +319,9 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
       }
       const int32_t parent = it.parents[j];
       if (parent < -1 || parent >= base + j) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "items[", b, "].parents[", j, "] = ", parent, " must be -1 or an earlier scratch node (< ",
-            base + j, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
+                                                       " must be -1 or an earlier scratch node (< ",
+                                                       base + j, ")"));
       }
       const int32_t depth =
           parent < 0 ? 0
@@ -337,19 +335,20 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
     }
     for (int32_t r : it.logit_rows) {
       if (r < 0 || r >= n) {
-        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].logit_rows holds ", r,
-                                                       ", outside [0, ", n, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("items[", b, "].logit_rows holds ", r, ", outside [0, ", n, ")"));
       }
     }
-    blocks_needed += CeilDiv(s.tokens() + n, kKvBlockTokens) - static_cast<int64_t>(s.blocks.size());
+    blocks_needed +=
+        CeilDiv(s.tokens() + n, kKvBlockTokens) - static_cast<int64_t>(s.blocks.size());
     total_tokens += n;
     total_rows += static_cast<int64_t>(it.logit_rows.size());
   }
   if (blocks_needed > FreeBlocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: the batch needs ", blocks_needed * kKvBlockTokens, " more slots, ",
-        FreeBlocks() * kKvBlockTokens, " are free (capacity ", max_blocks_ * kKvBlockTokens,
-        " tokens)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: the batch needs ", blocks_needed * kKvBlockTokens,
+                     " more slots, ", FreeBlocks() * kKvBlockTokens, " are free (capacity ",
+                     max_blocks_ * kKvBlockTokens, " tokens)"));
   }
   if (items.empty()) return absl::OkStatus();
 

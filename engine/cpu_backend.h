@@ -62,8 +62,8 @@ class CpuBackend : public Backend {
 
  private:
   struct LayerWeights {
-    std::vector<float> input_norm, q_proj, k_proj, v_proj, q_bias, k_bias, v_bias, q_norm,
-        k_norm, o_proj, post_norm, gate_proj, up_proj, down_proj;
+    std::vector<float> input_norm, q_proj, k_proj, v_proj, q_bias, k_bias, v_bias, q_norm, k_norm,
+        o_proj, post_norm, gate_proj, up_proj, down_proj;
   };
   struct Sequence {
     int64_t committed = 0;
@@ -80,8 +80,8 @@ class CpuBackend : public Backend {
   int32_t AllocateBlock();
   void ReleaseBlocks(Sequence* s, int64_t keep_blocks);
   int64_t PhysicalSlot(const Sequence& s, int64_t logical) const;
-  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
-              float* y, int64_t rows, int64_t in, int64_t out);
+  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
+              int64_t rows, int64_t in, int64_t out);
 
   ModelConfig config_;
   BackendOptions options_;

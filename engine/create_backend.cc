@@ -11,7 +11,7 @@
 namespace specd {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
-                                                      const BackendOptions& options) {
+                                                       const BackendOptions& options) {
   if (options.device == "cpu") {
     absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(dir, options);
     if (!cpu.ok()) return cpu.status();

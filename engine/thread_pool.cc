@@ -45,8 +45,8 @@ void ThreadPool::ParallelFor(int64_t n, int64_t min_chunk,
                              const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   const int64_t threads = num_threads();
-  const int64_t chunk = std::max<int64_t>(std::max<int64_t>(1, min_chunk),
-                                          (n + threads - 1) / threads);
+  const int64_t chunk =
+      std::max<int64_t>(std::max<int64_t>(1, min_chunk), (n + threads - 1) / threads);
   if (workers_.empty() || chunk >= n) {
     fn(0, n);
     return;

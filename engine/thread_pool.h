@@ -26,8 +26,7 @@ class ThreadPool {
   // Calls fn(begin, end) on disjoint ranges covering [0, n), in parallel, and returns when all
   // are done. Ranges are contiguous and at least `min_chunk` long (except the last). Not
   // reentrant: fn must not call ParallelFor.
-  void ParallelFor(int64_t n, int64_t min_chunk,
-                   const std::function<void(int64_t, int64_t)>& fn);
+  void ParallelFor(int64_t n, int64_t min_chunk, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
   void WorkerLoop(int index);

@@ -13,8 +13,8 @@ void LinearCpu(const LinearParams& p) {
   const int64_t full = p.rows / block * block;
   // Whole blocks run in place on the caller's rows; each call has exactly `block` rows.
   for (int64_t r = 0; r < full; r += block) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, block, n, k, 1.0f, p.x + r * k, k, p.w,
-                k, 0.0f, p.y + r * n, n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, block, n, k, 1.0f, p.x + r * k, k, p.w, k,
+                0.0f, p.y + r * n, n);
   }
   // The tail is padded with zero rows to a whole block, so it takes the same sgemm path.
   if (const int64_t tail = p.rows - full; tail > 0) {

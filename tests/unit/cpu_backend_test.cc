@@ -59,8 +59,10 @@ class NaiveModel {
       auto k = Proj(x, p + "self_attn.k_proj", nkv * hd);
       auto v = Proj(x, p + "self_attn.v_proj", nkv * hd);
       for (int t = 0; t < n; ++t) {
-        for (int head = 0; head < nh; ++head) HeadOps(&q[t], head, t, inv_freq, p + "self_attn.q_norm.weight");
-        for (int head = 0; head < nkv; ++head) HeadOps(&k[t], head, t, inv_freq, p + "self_attn.k_norm.weight");
+        for (int head = 0; head < nh; ++head)
+          HeadOps(&q[t], head, t, inv_freq, p + "self_attn.q_norm.weight");
+        for (int head = 0; head < nkv; ++head)
+          HeadOps(&k[t], head, t, inv_freq, p + "self_attn.k_norm.weight");
       }
       std::vector<std::vector<double>> attn(n, std::vector<double>(nh * hd, 0.0));
       for (int t = 0; t < n; ++t) {
@@ -370,8 +372,8 @@ class CpuBackendTest : public ::testing::Test {
   std::string dir_;
   std::unique_ptr<Backend> backend_;
   int vocab_ = 0;
-  const std::vector<int32_t> prompt_ = {257, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110,
-                                        120, 130, 140, 150, 160, 170, 180, 190, 200};
+  const std::vector<int32_t> prompt_ = {257, 10,  20,  30,  40,  50,  60,  70,  80,  90, 100,
+                                        110, 120, 130, 140, 150, 160, 170, 180, 190, 200};
 };
 
 TEST_F(CpuBackendTest, ChainPrefillEqualsTokenByTokenDecodeBitForBit) {
@@ -399,10 +401,11 @@ TEST_F(CpuBackendTest, LongPromptInPiecesMatchesOnePieceAndTheNaiveForward) {
   ASSERT_TRUE(b.AddSequence(2).ok());
   std::vector<float> part;
   for (auto [begin, end] : {std::pair<int, int>{0, 61}, {61, 149}, {149, 150}}) {
-    ASSERT_TRUE(b.Forward({Chain(2, std::vector<int32_t>(prompt.begin() + begin,
-                                                         prompt.begin() + end), false)},
-                          &part)
-                    .ok());
+    ASSERT_TRUE(
+        b.Forward(
+             {Chain(2, std::vector<int32_t>(prompt.begin() + begin, prompt.begin() + end), false)},
+             &part)
+            .ok());
     ASSERT_TRUE(b.Commit(2, Iota(end - begin)).ok());
   }
   EXPECT_EQ(part, whole);
@@ -484,10 +487,9 @@ TEST_F(CpuBackendTest, BatchingSequencesTogetherGivesTheSameLogitsAsAlone) {
   // Alone: each sequence in its own backend (fresh cache, no neighbours).
   const std::vector<std::vector<int32_t>> prompts = {
       {257, 1, 2, 3}, {257, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 33}, {257, 200}};
-  const std::vector<ForwardItem> trees = {
-      {0, {5, 6, 7}, {-1, 0, 0}, {0, 1, 2}},
-      {0, {8}, {-1}, {0}},
-      {0, {11, 12, 13, 14, 15}, {-1, 0, 1, -1, 3}, {4, 2}}};
+  const std::vector<ForwardItem> trees = {{0, {5, 6, 7}, {-1, 0, 0}, {0, 1, 2}},
+                                          {0, {8}, {-1}, {0}},
+                                          {0, {11, 12, 13, 14, 15}, {-1, 0, 1, -1, 3}, {4, 2}}};
   std::vector<std::vector<float>> alone_prefill, alone_tree;
   for (size_t i = 0; i < prompts.size(); ++i) {
     std::unique_ptr<Backend> b = MakeBackend(dir_);
@@ -562,8 +564,7 @@ TEST_F(CpuBackendTest, VerifyWithGreedySamplingReproducesPlainDecoding) {
       item.pending = pending[i];
       const int kind = (step + static_cast<int>(i)) % 3;
       if (kind == 0) {
-        item.tree.tokens = {(g(k) + 1) % vocab_, g(k), g(k + 1), (g(k + 1) + 7) % vocab_,
-                            g(k + 2)};
+        item.tree.tokens = {(g(k) + 1) % vocab_, g(k), g(k + 1), (g(k + 1) + 7) % vocab_, g(k + 2)};
         item.tree.parents = {-1, -1, 1, 1, 2};
       } else if (kind == 1) {
         item.tree = ChainTree({(g(k) + 3) % vocab_, g(k + 1)});

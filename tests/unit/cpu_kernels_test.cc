@@ -129,7 +129,8 @@ TEST(RopeCpuTest, MatchesRotationFormulaWithStridedRows) {
   // Position 0 is the identity; the padding past heads * head_dim is untouched.
   for (int64_t i = 0; i < heads * hd; ++i) EXPECT_EQ(x[i], orig[i]);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = heads * hd; i < stride; ++i) EXPECT_EQ(x[t * stride + i], orig[t * stride + i]);
+    for (int64_t i = heads * hd; i < stride; ++i)
+      EXPECT_EQ(x[t * stride + i], orig[t * stride + i]);
   }
 }
 
@@ -272,7 +273,8 @@ std::vector<double> DenseAttention(const std::vector<float>& q, const std::vecto
     std::vector<double> s;
     for (int j : key_list) {
       double dot = 0;
-      for (int64_t i = 0; i < hd; ++i) dot += double{q[h * hd + i]} * keys[(j * kv_heads + kvh) * hd + i];
+      for (int64_t i = 0; i < hd; ++i)
+        dot += double{q[h * hd + i]} * keys[(j * kv_heads + kvh) * hd + i];
       s.push_back(dot / std::sqrt(double(hd)));
     }
     const double mx = *std::max_element(s.begin(), s.end());

@@ -12,10 +12,10 @@
 namespace specd {
 
 struct KvCacheWriteParams {
-  const float* k = nullptr;      // [num_tokens, kv_dim] fp32, host (RoPE already applied)
-  const float* v = nullptr;      // [num_tokens, kv_dim] fp32, host
-  float* k_cache = nullptr;      // [num_slots, kv_dim] fp32, host
-  float* v_cache = nullptr;      // [num_slots, kv_dim] fp32, host
+  const float* k = nullptr;        // [num_tokens, kv_dim] fp32, host (RoPE already applied)
+  const float* v = nullptr;        // [num_tokens, kv_dim] fp32, host
+  float* k_cache = nullptr;        // [num_slots, kv_dim] fp32, host
+  float* v_cache = nullptr;        // [num_slots, kv_dim] fp32, host
   const int64_t* slots = nullptr;  // [num_tokens] int64, host: physical slot of token t
   int64_t num_tokens = 0;
   int64_t kv_dim = 0;  // num_kv_heads * head_dim

@@ -10,7 +10,7 @@
 namespace specd {
 
 struct RmsNormParams {
-  const float* x = nullptr;    // [rows, dim] fp32, host; may alias `out`
+  const float* x = nullptr;  // [rows, dim] fp32, host; may alias `out`
   // [rows, dim] fp32, host, or null. When set: residual = x + residual (in place) and the norm
   // is taken of the updated residual, so the caller keeps the residual stream in one buffer.
   float* residual = nullptr;

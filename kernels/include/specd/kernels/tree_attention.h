@@ -11,9 +11,9 @@
 // Logical slot j of the sequence lives at physical slot
 //   block_tables[query_seq[t] * max_blocks_per_seq + j / block_size] * block_size + j % block_size
 // (see kv_cache.h). A decode step is a query with a run of L + 1 keys (or a run of L and one
-// tree key: the same keys in the same order); token i of a prefill chain has a run of L + i + 1. The ancestor lists are explicit (CSR)
-// rather than a bitmask so trees of any size and shape, and several sequences, share one
-// description that the CUDA kernel reads as is.
+// tree key: the same keys in the same order); token i of a prefill chain has a run of L + i + 1.
+// The ancestor lists are explicit (CSR) rather than a bitmask so trees of any size and shape, and
+// several sequences, share one description that the CUDA kernel reads as is.
 //
 // Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
 //
@@ -28,14 +28,14 @@
 namespace specd {
 
 struct TreeAttentionParams {
-  const float* q = nullptr;  // [num_queries, num_heads, head_dim] fp32, host (RoPE applied)
-  float* out = nullptr;      // [num_queries, num_heads, head_dim] fp32, host
+  const float* q = nullptr;        // [num_queries, num_heads, head_dim] fp32, host (RoPE applied)
+  float* out = nullptr;            // [num_queries, num_heads, head_dim] fp32, host
   const float* k_cache = nullptr;  // [num_slots, num_kv_heads, head_dim] fp32, host
   const float* v_cache = nullptr;  // [num_slots, num_kv_heads, head_dim] fp32, host
   // [num_seqs, max_blocks_per_seq] int32, host: physical block of each logical block.
   const int32_t* block_tables = nullptr;
   const int32_t* query_seq = nullptr;         // [num_queries] int32, host: row of block_tables
-  const int32_t* prefix_len = nullptr;  // [num_queries] int32, host: length of the key run
+  const int32_t* prefix_len = nullptr;        // [num_queries] int32, host: length of the key run
   const int32_t* tree_key_offsets = nullptr;  // [num_queries + 1] int32, host (CSR offsets)
   const int32_t* tree_keys = nullptr;  // [tree_key_offsets[num_queries]] int32, host: logical slots
   int64_t num_queries = 0;
