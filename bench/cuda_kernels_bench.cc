@@ -123,8 +123,8 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes) {
   int32_t *d_qs = Upload(query_seq), *d_end = Upload(kv_end), *d_mb = Upload(mask_begin);
   uint32_t* d_mask = Upload(mask);
   int32_t *d_tb = Upload(plan.tile_begin), *d_te = Upload(plan.tile_end);
-  float* ws = Alloc<float>(cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries,
-                                                              kHeads, kHeadDim));
+  float* ws = Alloc<float>(
+      cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries, kHeads, kHeadDim));
   cudaStream_t stream;
   cudaStreamCreate(&stream);
   cuda::TreeAttentionParams p;
@@ -159,11 +159,9 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes) {
   state.counters["ctas"] = double(plan.tile_begin.size()) * kKvHeads * plan.num_splits;
   cudaStreamDestroy(stream);
   for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q),
-                    static_cast<void*>(out), static_cast<void*>(d_tables),
-                    static_cast<void*>(d_qs), static_cast<void*>(d_end),
-                    static_cast<void*>(d_mb), static_cast<void*>(d_mask),
-                    static_cast<void*>(d_tb), static_cast<void*>(d_te),
-                    static_cast<void*>(ws)}) {
+                    static_cast<void*>(out), static_cast<void*>(d_tables), static_cast<void*>(d_qs),
+                    static_cast<void*>(d_end), static_cast<void*>(d_mb), static_cast<void*>(d_mask),
+                    static_cast<void*>(d_tb), static_cast<void*>(d_te), static_cast<void*>(ws)}) {
     cudaFree(ptr);
   }
 }

@@ -28,9 +28,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
     if (!gpu.ok()) return gpu.status();
     return std::unique_ptr<Backend>(std::move(*gpu));
 #else
-    return absl::UnimplementedError(absl::StrCat(
-        "device \"", options.device, "\": this build has no CUDA backend (configure with nvcc "
-        "available, SPECD_CUDA=AUTO or ON)"));
+    return absl::UnimplementedError(
+        absl::StrCat("device \"", options.device,
+                     "\": this build has no CUDA backend (configure with nvcc "
+                     "available, SPECD_CUDA=AUTO or ON)"));
 #endif
   }
   return absl::UnimplementedError(

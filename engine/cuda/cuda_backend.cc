@@ -29,13 +29,13 @@ namespace {
     if (!_s.ok()) return _s;         \
   } while (0)
 
-#define SPECD_CUDA_RETURN_(expr, what)                                                      \
-  do {                                                                                      \
-    const cudaError_t _e = (expr);                                                          \
-    if (_e != cudaSuccess) {                                                                \
+#define SPECD_CUDA_RETURN_(expr, what)                                                            \
+  do {                                                                                            \
+    const cudaError_t _e = (expr);                                                                \
+    if (_e != cudaSuccess) {                                                                      \
       return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ", cudaGetErrorName(_e), \
-                                              " (", cudaGetErrorString(_e), ")"));          \
-    }                                                                                       \
+                                              " (", cudaGetErrorString(_e), ")"));                \
+    }                                                                                             \
   } while (0)
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -87,25 +87,24 @@ absl::Status Read(const TensorStore& store, const std::string& name, std::vector
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const std::string& dir,
-                                                                 int device,
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const std::string& dir, int device,
                                                                  const BackendOptions& options) {
   if (options.kv_capacity_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   if (device < 0 || device >= count) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "device cuda:", device, " is not available: this machine has ", count, " CUDA device",
-        count == 1 ? "" : "s"));
+    return absl::FailedPreconditionError(absl::StrCat("device cuda:", device,
+                                                      " is not available: this machine has ", count,
+                                                      " CUDA device", count == 1 ? "" : "s"));
   }
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok()) return config.status();
   if (config->head_dim != 64 && config->head_dim != 128) {
-    return absl::UnimplementedError(absl::StrCat(
-        "cuda backend: head_dim ", config->head_dim, " is not supported (64 or 128)"));
+    return absl::UnimplementedError(
+        absl::StrCat("cuda backend: head_dim ", config->head_dim, " is not supported (64 or 128)"));
   }
   if (config->num_heads % config->num_kv_heads != 0 ||
       config->num_heads / config->num_kv_heads > cuda::kTreeAttentionTileRows) {
@@ -170,7 +169,8 @@ absl::Status CudaBackend::Init() {
                      "reading the multiprocessor count");
   if (cublasStatus_t st = cuda::Gemm::Create(size_t{32} << 20, &gemm_);
       st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));
+    return absl::InternalError(
+        absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));
   }
 
   absl::StatusOr<std::unique_ptr<TensorStore>> opened = TensorStore::OpenFolder(config_.dir);
@@ -244,7 +244,8 @@ absl::Status CudaBackend::Init() {
         free_bytes >> 20, " MiB free)"));
   }
   if (num_blocks_ < CeilDiv(options_.kv_capacity_tokens, kKvBlockTokens)) {
-    std::fprintf(stderr, "specd cuda backend: KV capacity clamped to %lld tokens by device memory\n",
+    std::fprintf(stderr,
+                 "specd cuda backend: KV capacity clamped to %lld tokens by device memory\n",
                  static_cast<long long>(num_blocks_ * kKvBlockTokens));
   }
   layer_stride_ = num_blocks_ * kKvBlockTokens * kv_dim_;
@@ -382,8 +383,8 @@ absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const Forwar
     const ForwardItem& it = items[b];
     auto found = seqs_.find(it.seq);
     if (found == seqs_.end()) {
-      return absl::NotFoundError(absl::StrCat("items[", b, "].seq: sequence ", it.seq,
-                                              " not found"));
+      return absl::NotFoundError(
+          absl::StrCat("items[", b, "].seq: sequence ", it.seq, " not found"));
     }
     if (!seen.insert(it.seq).second) {
       return absl::InvalidArgumentError(
@@ -394,9 +395,8 @@ absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const Forwar
     const int64_t n = static_cast<int64_t>(it.tokens.size());
     if (n == 0) return absl::InvalidArgumentError(absl::StrCat("items[", b, "].tokens is empty"));
     if (it.parents.size() != it.tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents has ",
-                                                     it.parents.size(), " entries for ", n,
-                                                     " tokens"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "items[", b, "].parents has ", it.parents.size(), " entries for ", n, " tokens"));
     }
     const int64_t base = static_cast<int64_t>(s.scratch_parents.size());
     // Parents and depths of the old and new scratch nodes together, to find each new node's
@@ -413,9 +413,9 @@ absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const Forwar
       }
       const int32_t parent = it.parents[j];
       if (parent < -1 || parent >= base + j) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
-                         " must be -1 or an earlier scratch node (< ", base + j, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
+                                                       " must be -1 or an earlier scratch node (< ",
+                                                       base + j, ")"));
       }
       const int32_t d = parent < 0 ? 0 : 1 + depth[parent];
       if (s.committed + d >= c.max_position_embeddings) {
@@ -439,8 +439,8 @@ absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const Forwar
     }
     for (int32_t r : it.logit_rows) {
       if (r < 0 || r >= n) {
-        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].logit_rows holds ", r,
-                                                       ", outside [0, ", n, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("items[", b, "].logit_rows holds ", r, ", outside [0, ", n, ")"));
       }
     }
     blocks_needed +=
@@ -449,16 +449,16 @@ absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const Forwar
     batch.rows += static_cast<int64_t>(it.logit_rows.size());
   }
   if (blocks_needed > static_cast<int64_t>(free_blocks_.size())) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: the batch needs ", blocks_needed * kKvBlockTokens, " more slots, ",
-        free_blocks_.size() * kKvBlockTokens, " are free (capacity ",
-        num_blocks_ * kKvBlockTokens, " tokens)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: the batch needs ", blocks_needed * kKvBlockTokens,
+                     " more slots, ", free_blocks_.size() * kKvBlockTokens, " are free (capacity ",
+                     num_blocks_ * kKvBlockTokens, " tokens)"));
   }
   return batch;
 }
 
-absl::Status CudaBackend::Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y,
-                               bool y_fp32, int64_t m, int64_t n, int64_t k) {
+absl::Status CudaBackend::Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32,
+                               int64_t m, int64_t n, int64_t k) {
   cuda::GemmParams p;
   p.x = x;
   p.w = w;
@@ -469,8 +469,8 @@ absl::Status CudaBackend::Gemm(const bf16* x, const bf16* w, const bf16* bias, v
   p.n = n;
   p.k = k;
   if (cublasStatus_t st = gemm_->Run(p, stream_); st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(absl::StrCat("cuda backend: GEMM [", m, ", ", k, "] x [", n, ", ",
-                                            k, "]^T: ", cublasLtGetStatusString(st)));
+    return absl::InternalError(absl::StrCat("cuda backend: GEMM [", m, ", ", k, "] x [", n, ", ", k,
+                                            "]^T: ", cublasLtGetStatusString(st)));
   }
   return absl::OkStatus();
 }
@@ -548,11 +548,10 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
   SPECD_RETURN_IF_ERROR_(Ensure(&gate_up_, T * 2 * F * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&act_, T * F * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&last_, std::max<int64_t>(R, 1) * H * sizeof(bf16)));
-  SPECD_RETURN_IF_ERROR_(
-      Ensure(&logits_, std::max<int64_t>(R, 1) * c.vocab_size * sizeof(float)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&logits_, std::max<int64_t>(R, 1) * c.vocab_size * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(
-      &attn_ws_, std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, T,
-                                                                          c.num_heads, hd)) *
+      &attn_ws_, std::max<int64_t>(
+                     1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, T, c.num_heads, hd)) *
                      sizeof(float)));
   float* residual = static_cast<float*>(residual_.ptr);
   bf16* x = static_cast<bf16*>(x_.ptr);
@@ -669,12 +668,11 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
   gather.vocab_size = T;
   gather.hidden = H;
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_), "gathering logit rows");
-  return Gemm(static_cast<bf16*>(last_.ptr), lm_head_, nullptr, logits_.ptr, true, R,
-              c.vocab_size, H);
+  return Gemm(static_cast<bf16*>(last_.ptr), lm_head_, nullptr, logits_.ptr, true, R, c.vocab_size,
+              H);
 }
 
-absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items,
-                                  std::vector<float>* logits) {
+absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) {
   if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
   logits->clear();
   absl::StatusOr<Batch> batch = Validate(items);
@@ -692,8 +690,7 @@ absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items,
 // ---------------------------------------------------------------------------------------------
 // Verify on the device.
 
-absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(
-    absl::Span<const VerifyItem> items) {
+absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(absl::Span<const VerifyItem> items) {
   const int vocab = config_.vocab_size;
   std::vector<ForwardItem> forward(items.size());
   std::vector<int64_t> committed(items.size());
@@ -706,8 +703,8 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(
     if (absl::Status s = ValidateSamplingParams(it.sampling); !s.ok()) return s;
     auto found = seqs_.find(it.seq);
     if (found == seqs_.end()) {
-      return absl::NotFoundError(absl::StrCat("verify item ", b, ": sequence ", it.seq,
-                                              " not found"));
+      return absl::NotFoundError(
+          absl::StrCat("verify item ", b, ": sequence ", it.seq, " not found"));
     }
     // The tree's KV slots follow the pending tokens right after the committed prefix.
     if (!found->second.scratch_parents.empty()) {
@@ -772,9 +769,9 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(
   const size_t o_out = pack.Add(std::vector<int32_t>(num_seqs * (1 + 2 * out_stride)));
   const size_t out_bytes = static_cast<size_t>(num_seqs) * (1 + 2 * out_stride) * sizeof(int32_t);
   SPECD_RETURN_IF_ERROR_(Ensure(&verify_, pack.bytes().size()));
-  SPECD_CUDA_RETURN_(cudaMemcpyAsync(verify_.ptr, pack.bytes().data(), o_sampled,
-                                     cudaMemcpyHostToDevice, stream_),
-                     "uploading verify metadata");
+  SPECD_CUDA_RETURN_(
+      cudaMemcpyAsync(verify_.ptr, pack.bytes().data(), o_sampled, cudaMemcpyHostToDevice, stream_),
+      "uploading verify metadata");
   int32_t* accepted = At<int32_t>(verify_.ptr, o_out);
   int32_t* out_tokens = accepted + num_seqs;
   int32_t* out_nodes = out_tokens + num_seqs * out_stride;
@@ -820,9 +817,9 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(
   SPECD_CUDA_RETURN_(cuda::KvCacheCompactCuda(cp, stream_), "KV compaction");
 
   std::vector<int32_t> out(static_cast<size_t>(num_seqs) * (1 + 2 * out_stride));
-  SPECD_CUDA_RETURN_(cudaMemcpyAsync(out.data(), accepted, out_bytes, cudaMemcpyDeviceToHost,
-                                     stream_),
-                     "copying verify outcomes");
+  SPECD_CUDA_RETURN_(
+      cudaMemcpyAsync(out.data(), accepted, out_bytes, cudaMemcpyDeviceToHost, stream_),
+      "copying verify outcomes");
   SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "verify step");
 
   std::vector<VerifyOutcome> outcomes(num_seqs);

@@ -105,8 +105,8 @@ class CudaBackend : public Backend {
   absl::Status RunForward(absl::Span<const ForwardItem> items, const Batch& batch);
   void ReleaseBlocks(Sequence* s, int64_t keep_blocks);
   int64_t PhysicalSlot(const Sequence& s, int64_t logical) const;
-  absl::Status Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32,
-                    int64_t m, int64_t n, int64_t k);
+  absl::Status Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32, int64_t m,
+                    int64_t n, int64_t k);
 
   ModelConfig config_;
   int device_ = 0;
@@ -119,7 +119,7 @@ class CudaBackend : public Backend {
   float* inv_freq_ = nullptr;  // [head_dim / 2] fp32
   bf16* embed_ = nullptr;      // [vocab, hidden]
   bf16* final_norm_ = nullptr;
-  bf16* lm_head_ = nullptr;    // embed_ when tied
+  bf16* lm_head_ = nullptr;  // embed_ when tied
   std::vector<LayerWeights> layers_;
 
   int64_t kv_dim_ = 0;

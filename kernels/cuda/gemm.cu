@@ -88,8 +88,8 @@ cublasStatus_t Gemm::MakePlan(const Key& key, Plan* plan) {
                                        sizeof(ay));
   cublasLtMatmulHeuristicResult_t result = {};
   int returned = 0;
-  st = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b, plan->d, plan->d,
-                                      pref, 1, &result, &returned);
+  st = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b, plan->d, plan->d, pref,
+                                      1, &result, &returned);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) return st;
   if (returned == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -103,8 +103,8 @@ cublasStatus_t Gemm::Run(const GemmParams& p, cudaStream_t stream) {
   }
   if (p.m == 0) return CUBLAS_STATUS_SUCCESS;
   if (p.x == nullptr || p.w == nullptr || p.y == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  const Key key{p.m, p.n, p.k, p.y_fp32, p.bias != nullptr, Alignment(p.x), Alignment(p.w),
-                Alignment(p.y)};
+  const Key key{
+      p.m, p.n, p.k, p.y_fp32, p.bias != nullptr, Alignment(p.x), Alignment(p.w), Alignment(p.y)};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     auto plan = std::make_unique<Plan>();

@@ -123,11 +123,11 @@ cudaError_t KvCacheCopyCuda(const KvCacheCopyParams& p, cudaStream_t stream) {
                    IsAligned(p.v_cache, 16);
   const int threads = 128;
   if (vec) {
-    KvCacheCopyKernel<8><<<ColumnGrid(p.kv_dim, 8, threads, p.num_layers, 1), threads, 0,
-                           stream>>>(p);
+    KvCacheCopyKernel<8>
+        <<<ColumnGrid(p.kv_dim, 8, threads, p.num_layers, 1), threads, 0, stream>>>(p);
   } else {
-    KvCacheCopyKernel<1><<<ColumnGrid(p.kv_dim, 1, threads, p.num_layers, 1), threads, 0,
-                           stream>>>(p);
+    KvCacheCopyKernel<1>
+        <<<ColumnGrid(p.kv_dim, 1, threads, p.num_layers, 1), threads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -148,11 +148,11 @@ cudaError_t KvCacheCompactCuda(const KvCacheCompactParams& p, cudaStream_t strea
                    IsAligned(p.v_cache, 16);
   const int threads = 128;
   if (vec) {
-    KvCacheCompactKernel<8><<<ColumnGrid(p.kv_dim, 8, threads, p.num_layers, p.num_seqs), threads,
-                              0, stream>>>(p);
+    KvCacheCompactKernel<8>
+        <<<ColumnGrid(p.kv_dim, 8, threads, p.num_layers, p.num_seqs), threads, 0, stream>>>(p);
   } else {
-    KvCacheCompactKernel<1><<<ColumnGrid(p.kv_dim, 1, threads, p.num_layers, p.num_seqs), threads,
-                              0, stream>>>(p);
+    KvCacheCompactKernel<1>
+        <<<ColumnGrid(p.kv_dim, 1, threads, p.num_layers, p.num_seqs), threads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -29,8 +29,14 @@ __global__ void RmsNormKernel(RmsNormParams p) {
         float4* rv = reinterpret_cast<float4*>(res + i);
         if (!p.residual_init) {
           const float4 a = rv[0], b = rv[1];
-          h[0] += a.x; h[1] += a.y; h[2] += a.z; h[3] += a.w;
-          h[4] += b.x; h[5] += b.y; h[6] += b.z; h[7] += b.w;
+          h[0] += a.x;
+          h[1] += a.y;
+          h[2] += a.z;
+          h[3] += a.w;
+          h[4] += b.x;
+          h[5] += b.y;
+          h[6] += b.z;
+          h[7] += b.w;
         }
         rv[0] = make_float4(h[0], h[1], h[2], h[3]);
         rv[1] = make_float4(h[4], h[5], h[6], h[7]);
@@ -56,8 +62,14 @@ __global__ void RmsNormKernel(RmsNormParams p) {
       if (res != nullptr) {
         const float4* rv = reinterpret_cast<const float4*>(res + i);
         const float4 a = rv[0], b = rv[1];
-        h[0] = a.x; h[1] = a.y; h[2] = a.z; h[3] = a.w;
-        h[4] = b.x; h[5] = b.y; h[6] = b.z; h[7] = b.w;
+        h[0] = a.x;
+        h[1] = a.y;
+        h[2] = a.z;
+        h[3] = a.w;
+        h[4] = b.x;
+        h[5] = b.y;
+        h[6] = b.z;
+        h[7] = b.w;
       } else {
         Bf16x8ToFloat(*reinterpret_cast<const uint4*>(x + i), h);
       }

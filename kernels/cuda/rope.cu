@@ -6,7 +6,7 @@ namespace specd {
 namespace cuda {
 namespace {
 
-constexpr int kMaxHalf = 256;      // head_dim <= 512
+constexpr int kMaxHalf = 256;  // head_dim <= 512
 constexpr int kPairsPerLane = kMaxHalf / 32;
 constexpr int kWarps = 4;
 

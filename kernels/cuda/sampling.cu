@@ -37,7 +37,8 @@ __device__ __forceinline__ uint32_t OrderedBits(float x) {
 
 // The host's sort order (logit descending, id ascending) as one descending 64-bit key.
 __device__ __forceinline__ uint64_t SortKey(float logit, int id) {
-  return (static_cast<uint64_t>(OrderedBits(logit)) << 32) | (0xffffffffu - static_cast<uint32_t>(id));
+  return (static_cast<uint64_t>(OrderedBits(logit)) << 32) |
+         (0xffffffffu - static_cast<uint32_t>(id));
 }
 
 __device__ __forceinline__ int KeyId(uint64_t key) {
@@ -256,8 +257,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p) {
   const bool use_p = rp.top_p < 1.0f;
   uint64_t lower = 0;  // kept: keys >= lower (every key is > 0)
   if (use_k) {
-    lower = Descend<false>(logits, vocab, 0, static_cast<uint32_t>(rp.top_k), 0.0, 0.0, 0.0, 0.0,
-                           s);
+    lower =
+        Descend<false>(logits, vocab, 0, static_cast<uint32_t>(rp.top_k), 0.0, 0.0, 0.0, 0.0, s);
   }
   if (use_p) {
     double total = 0.0;
@@ -266,8 +267,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p) {
       if (SortKey(x, id) >= lower) total += exp((static_cast<double>(x) - max_logit) * inv_t);
     }
     total = BlockSumF64(total, s);
-    lower = Descend<true>(logits, vocab, lower, 0, static_cast<double>(rp.top_p), max_logit,
-                          inv_t, total, s);
+    lower = Descend<true>(logits, vocab, lower, 0, static_cast<double>(rp.top_p), max_logit, inv_t,
+                          total, s);
   }
 
   // Gumbel-max over the kept tokens inside the window: screen in fp32, then score the
@@ -275,8 +276,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p) {
   auto screen = [&](int id, float x, float* score) {
     if (SortKey(x, id) < lower) return false;
     if ((static_cast<double>(x) - max_logit) * inv_t < -kGumbelWindow) return false;
-    const double u = PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position),
-                                     static_cast<uint32_t>(id));
+    const double u =
+        PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
     *score = static_cast<float>(static_cast<double>(x) * inv_t) + GumbelScreen(u);
     return true;
   };
@@ -293,8 +294,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p) {
     const float x = logits[id];
     float sc;
     if (!screen(id, x, &sc) || !(sc >= cutoff)) continue;
-    const double u = PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position),
-                                     static_cast<uint32_t>(id));
+    const double u =
+        PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
     const double score = static_cast<double>(x) * inv_t - log(-log(u));
     if (best_id < 0 || score > best) {
       best = score;

@@ -47,8 +47,8 @@ cudaError_t SwiGluCuda(const SwiGluParams& p, cudaStream_t stream) {
   const bool vec = p.dim % 8 == 0 && IsAligned(p.gate_up, 16) && IsAligned(p.out, 16);
   const int64_t items = p.rows * (vec ? p.dim / 8 : p.dim);
   const int threads = 256;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads,
-                                                                  1 << 16));
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 1 << 16));
   if (vec) {
     SwiGluKernel<8><<<blocks, threads, 0, stream>>>(p);
   } else {

@@ -15,7 +15,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // one m16 MMA row block per warp
 static_assert(kRows == kTreeAttentionTileRows, "tile rows");
-constexpr int kKeys = 64;          // keys per shared-memory chunk
+constexpr int kKeys = 64;  // keys per shared-memory chunk
 constexpr int kMaskWords = kTreeAttentionMaskWords;
 constexpr int kMinKeysPerSplit = 256;
 constexpr int kMaxSplits = 64;
@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
   const int q0 = p.tile_begin[tile];
   const int nq = p.tile_end[tile] - q0;
   const int rows = nq * group;
-  const int32_t* table = p.block_tables + static_cast<int64_t>(p.query_seq[q0]) * p.max_blocks_per_seq;
+  const int32_t* table =
+      p.block_tables + static_cast<int64_t>(p.query_seq[q0]) * p.max_blocks_per_seq;
   const int64_t kv_dim = p.num_kv_heads * HD;
 
   if (tid < nq) {
@@ -95,8 +96,7 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
     range_end = max(range_end, s.kv_end[i]);
     full_end = min(full_end, s.mask_begin[i]);
   }
-  const int per_split =
-      ((range_end + p.num_splits - 1) / p.num_splits + kKeys - 1) / kKeys * kKeys;
+  const int per_split = ((range_end + p.num_splits - 1) / p.num_splits + kKeys - 1) / kKeys * kKeys;
   const int key_begin = split * per_split;
   const int key_end = min(range_end, key_begin + per_split);
 
@@ -265,8 +265,8 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
             make_float2(o[j][2 * hr] * inv, o[j][2 * hr + 1] * inv);
       }
       if (t4 == 0) {
-        float* lse = p.workspace + static_cast<int64_t>(p.num_splits) * p.num_queries *
-                                       p.num_heads * HD;
+        float* lse =
+            p.workspace + static_cast<int64_t>(p.num_splits) * p.num_queries * p.num_heads * HD;
         lse[item] = l[hr] > 0.0f ? m[hr] + log2f(l[hr]) : -INFINITY;
       }
     }
@@ -328,8 +328,8 @@ TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_
   int32_t max_kv = 0;
   for (int64_t i = 0; i < num_queries; ++i) {
     max_kv = std::max(max_kv, kv_end[i]);
-    const bool fresh = i == 0 || query_seq[i] != query_seq[i - 1] ||
-                       i - plan.tile_begin.back() == per_tile;
+    const bool fresh =
+        i == 0 || query_seq[i] != query_seq[i - 1] || i - plan.tile_begin.back() == per_tile;
     if (fresh) {
       if (i > 0) plan.tile_end.push_back(static_cast<int32_t>(i));
       plan.tile_begin.push_back(static_cast<int32_t>(i));
@@ -355,8 +355,8 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
   if (p.num_queries < 0 || p.num_tiles < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
       p.num_kv_heads > 65535 || p.num_heads % p.num_kv_heads != 0 ||
       p.num_heads / p.num_kv_heads > kRows || (p.head_dim != 64 && p.head_dim != 128) ||
-      p.num_splits < 1 || p.num_splits > 65535 || p.block_size <= 0 ||
-      p.max_blocks_per_seq <= 0 || p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
+      p.num_splits < 1 || p.num_splits > 65535 || p.block_size <= 0 || p.max_blocks_per_seq <= 0 ||
+      p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
       p.out_stride < p.num_heads * p.head_dim || p.out_stride % 2 != 0 ||
       (p.mask == nullptr) != (p.mask_begin == nullptr)) {
     return cudaErrorInvalidValue;

@@ -189,8 +189,8 @@ TEST_F(CudaBackendTest, DeviceVerifyMatchesHostVerify) {
       std::vector<int32_t> path(feed.size());
       for (size_t j = 0; j < path.size(); ++j) path[j] = static_cast<int32_t>(j);
       ASSERT_TRUE(gpu->Commit(99, path).ok());
-      const int32_t tok = static_cast<int32_t>(
-          std::max_element(logits.begin(), logits.end()) - logits.begin());
+      const int32_t tok =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
       greedy.push_back(tok);
       feed = {tok};
     }

@@ -36,7 +36,8 @@ TEST_F(ElementwiseCudaTest, EmbeddingGathersRows) {
   std::mt19937_64 rng(11);
   for (int hidden : {136, 37}) {  // 16-byte vector path and scalar path
     const int vocab = 1001, n = 97;
-    const std::vector<float> table = RoundBf16(RandomNormal(static_cast<size_t>(vocab) * hidden, rng));
+    const std::vector<float> table =
+        RoundBf16(RandomNormal(static_cast<size_t>(vocab) * hidden, rng));
     std::vector<int32_t> tokens(n);
     std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
     for (int32_t& t : tokens) t = pick(rng);
@@ -138,7 +139,8 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     ASSERT_EQ(inv_freq.size(), static_cast<size_t>(c.head_dim / 2));
     const int q_dim = c.q_heads * c.head_dim, k_dim = c.k_heads * c.head_dim;
     const int stride = q_dim + 2 * k_dim;  // q | k | v, as the fused projection writes them
-    const std::vector<float> qkv = RoundBf16(RandomNormal(static_cast<size_t>(c.tokens) * stride, rng));
+    const std::vector<float> qkv =
+        RoundBf16(RandomNormal(static_cast<size_t>(c.tokens) * stride, rng));
     std::vector<int32_t> positions(c.tokens);
     std::uniform_int_distribution<int32_t> pos(0, 200000);
     for (int32_t& x : positions) x = pos(rng);
@@ -170,14 +172,16 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     Sync();
 
     // Reference: RmsNormCpu over [tokens * heads, head_dim] (when fused), then RopeCpu.
-    std::vector<float> q(static_cast<size_t>(c.tokens) * q_dim), k(static_cast<size_t>(c.tokens) * k_dim);
+    std::vector<float> q(static_cast<size_t>(c.tokens) * q_dim),
+        k(static_cast<size_t>(c.tokens) * k_dim);
     for (int t = 0; t < c.tokens; ++t) {
       std::copy_n(&qkv[static_cast<size_t>(t) * stride], q_dim, &q[static_cast<size_t>(t) * q_dim]);
-      std::copy_n(&qkv[static_cast<size_t>(t) * stride + q_dim], k_dim, &k[static_cast<size_t>(t) * k_dim]);
+      std::copy_n(&qkv[static_cast<size_t>(t) * stride + q_dim], k_dim,
+                  &k[static_cast<size_t>(t) * k_dim]);
     }
     if (c.qk_norm) {
-      for (auto [buf, heads, weight] : {std::make_tuple(&q, c.q_heads, &q_norm),
-                                        std::make_tuple(&k, c.k_heads, &k_norm)}) {
+      for (auto [buf, heads, weight] :
+           {std::make_tuple(&q, c.q_heads, &q_norm), std::make_tuple(&k, c.k_heads, &k_norm)}) {
         RmsNormParams n;
         n.x = buf->data();
         n.weight = weight->data();
@@ -202,8 +206,10 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     const std::vector<float> got = ToFloat(d_qkv.Download());
     std::vector<float> got_q(q.size()), got_k(k.size()), got_v, want_v;
     for (int t = 0; t < c.tokens; ++t) {
-      std::copy_n(&got[static_cast<size_t>(t) * stride], q_dim, &got_q[static_cast<size_t>(t) * q_dim]);
-      std::copy_n(&got[static_cast<size_t>(t) * stride + q_dim], k_dim, &got_k[static_cast<size_t>(t) * k_dim]);
+      std::copy_n(&got[static_cast<size_t>(t) * stride], q_dim,
+                  &got_q[static_cast<size_t>(t) * q_dim]);
+      std::copy_n(&got[static_cast<size_t>(t) * stride + q_dim], k_dim,
+                  &got_k[static_cast<size_t>(t) * k_dim]);
       for (int i = q_dim + k_dim; i < stride; ++i) {
         got_v.push_back(got[static_cast<size_t>(t) * stride + i]);
         want_v.push_back(qkv[static_cast<size_t>(t) * stride + i]);
@@ -221,7 +227,8 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
 TEST_F(ElementwiseCudaTest, SwiGluMatchesReference) {
   std::mt19937_64 rng(14);
   for (auto [rows, dim] : {std::pair{5, 1000}, std::pair{3, 77}, std::pair{64, 2816}}) {
-    const std::vector<float> gate_up = RoundBf16(RandomNormal(static_cast<size_t>(rows) * 2 * dim, rng, 3.0f));
+    const std::vector<float> gate_up =
+        RoundBf16(RandomNormal(static_cast<size_t>(rows) * 2 * dim, rng, 3.0f));
     DeviceBuffer<bf16> d_in(ToBf16(gate_up));
     DeviceBuffer<bf16> d_out(static_cast<size_t>(rows) * dim);
     cuda::SwiGluParams p;
@@ -231,10 +238,13 @@ TEST_F(ElementwiseCudaTest, SwiGluMatchesReference) {
     p.dim = dim;
     SPECD_CUDA_OK(cuda::SwiGluCuda(p, stream_));
     Sync();
-    std::vector<float> gate(static_cast<size_t>(rows) * dim), up(static_cast<size_t>(rows) * dim), want(static_cast<size_t>(rows) * dim);
+    std::vector<float> gate(static_cast<size_t>(rows) * dim), up(static_cast<size_t>(rows) * dim),
+        want(static_cast<size_t>(rows) * dim);
     for (int r = 0; r < rows; ++r) {
-      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim], dim, &gate[static_cast<size_t>(r) * dim]);
-      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim + dim], dim, &up[static_cast<size_t>(r) * dim]);
+      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim], dim,
+                  &gate[static_cast<size_t>(r) * dim]);
+      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim + dim], dim,
+                  &up[static_cast<size_t>(r) * dim]);
     }
     SwiGluParams ref;
     ref.gate = gate.data();

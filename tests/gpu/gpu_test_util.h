@@ -41,9 +41,9 @@ class GpuTest : public ::testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
-#define SPECD_CUDA_OK(expr)                                                      \
-  do {                                                                           \
-    const cudaError_t specd_err_ = (expr);                                       \
+#define SPECD_CUDA_OK(expr)                                                                \
+  do {                                                                                     \
+    const cudaError_t specd_err_ = (expr);                                                 \
     ASSERT_EQ(specd_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(specd_err_); \
   } while (0)
 
@@ -135,10 +135,10 @@ inline ::testing::AssertionResult AllClose(const std::vector<float>& actual,
     }
   }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << bad << " of " << actual.size()
-                                       << " elements differ (worst |err| " << worst << " at "
-                                       << worst_i << "):\n"
-                                       << first.str();
+  return ::testing::AssertionFailure()
+         << bad << " of " << actual.size() << " elements differ (worst |err| " << worst << " at "
+         << worst_i << "):\n"
+         << first.str();
 }
 
 }  // namespace gpu_test

@@ -28,13 +28,15 @@ TEST_F(KvCacheCudaTest, WriteMatchesReference) {
     const int kv_dim = kv_heads * head_dim, num_slots = 200, tokens = 37;
     // Tokens come from a fused QKV output: k and v are column ranges of wider rows.
     const int stride = 3 * kv_dim + 8;
-    const std::vector<float> qkv = RoundBf16(RandomNormal(static_cast<size_t>(tokens) * stride, rng));
+    const std::vector<float> qkv =
+        RoundBf16(RandomNormal(static_cast<size_t>(tokens) * stride, rng));
     std::vector<int64_t> slots(num_slots);
     std::iota(slots.begin(), slots.end(), 0);
     std::shuffle(slots.begin(), slots.end(), rng);
     slots.resize(tokens);
     slots[4] = -1;  // skipped
-    const std::vector<float> cache0 = RoundBf16(RandomNormal(static_cast<size_t>(num_slots) * kv_dim, rng));
+    const std::vector<float> cache0 =
+        RoundBf16(RandomNormal(static_cast<size_t>(num_slots) * kv_dim, rng));
 
     DeviceBuffer<bf16> d_qkv(ToBf16(qkv));
     DeviceBuffer<bf16> d_k(ToBf16(cache0)), d_v(ToBf16(cache0));
@@ -58,7 +60,8 @@ TEST_F(KvCacheCudaTest, WriteMatchesReference) {
     for (int t = 0; t < tokens; ++t) {
       if (slots[t] < 0) continue;
       ref_slots.push_back(slots[t]);
-      k.insert(k.end(), &qkv[static_cast<size_t>(t) * stride + kv_dim], &qkv[static_cast<size_t>(t) * stride + 2 * kv_dim]);
+      k.insert(k.end(), &qkv[static_cast<size_t>(t) * stride + kv_dim],
+               &qkv[static_cast<size_t>(t) * stride + 2 * kv_dim]);
       v.insert(v.end(), &qkv[static_cast<size_t>(t) * stride + 2 * kv_dim],
                &qkv[static_cast<size_t>(t) * stride + 3 * kv_dim]);
     }

@@ -101,9 +101,9 @@ TEST_F(SamplingCudaTest, TokensMatchHostSampler) {
       s.seed = rng();
       const int64_t pos = position(rng);
       params.push_back(RowParams(s, pos));
-      want.push_back(SampleToken(
-          absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], static_cast<size_t>(vocab)), s,
-          pos));
+      want.push_back(SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab],
+                                                         static_cast<size_t>(vocab)),
+                                 s, pos));
     }
     const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params);
     ASSERT_EQ(got.size(), want.size());
@@ -112,8 +112,7 @@ TEST_F(SamplingCudaTest, TokensMatchHostSampler) {
       if (got[r] != want[r] && ++mismatches <= 5) {
         const cuda::SampleRowParams& p = params[r];
         ADD_FAILURE() << "vocab " << vocab << " row " << r << " (t " << p.temperature << " k "
-                      << p.top_k << " p " << p.top_p << "): gpu " << got[r] << " host "
-                      << want[r];
+                      << p.top_k << " p " << p.top_p << "): gpu " << got[r] << " host " << want[r];
       }
     }
     EXPECT_EQ(mismatches, 0) << "vocab " << vocab;
@@ -142,8 +141,9 @@ TEST_F(SamplingCudaTest, TiesFollowTheHostOrder) {
     s.top_k = params[r].top_k;
     s.top_p = params[r].top_p;
     s.seed = params[r].seed;
-    EXPECT_EQ(got[r], SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], vocab), s,
-                                  params[r].position))
+    EXPECT_EQ(got[r],
+              SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], vocab),
+                          s, params[r].position))
         << "row " << r;
   }
   EXPECT_EQ(got[0], 12);
@@ -264,16 +264,18 @@ TEST_F(SamplingCudaTest, AcceptedPathsMatchHost) {
   for (int b = 0; b < num_seqs; ++b) {
     const Seq& s = seqs[b];
     const int rows = s.tree.size() + 1;
-    const VerifyOutcome want = AcceptTree(
-        s.tree,
-        absl::Span<const float>(&logits[static_cast<size_t>(sample_offset[b]) * vocab],
-                                static_cast<size_t>(rows) * vocab),
-        vocab, s.sampling, s.first_position);
+    const VerifyOutcome want =
+        AcceptTree(s.tree,
+                   absl::Span<const float>(&logits[static_cast<size_t>(sample_offset[b]) * vocab],
+                                           static_cast<size_t>(rows) * vocab),
+                   vocab, s.sampling, s.first_position);
     ASSERT_EQ(accepted[b], want.accepted_draft) << "sequence " << b;
-    const std::vector<int32_t> got_tokens(&out_tokens[static_cast<size_t>(b) * out_stride],
-                                          &out_tokens[static_cast<size_t>(b) * out_stride] + accepted[b] + 1);
-    const std::vector<int32_t> got_nodes(&out_nodes[static_cast<size_t>(b) * out_stride],
-                                         &out_nodes[static_cast<size_t>(b) * out_stride] + accepted[b]);
+    const std::vector<int32_t> got_tokens(
+        &out_tokens[static_cast<size_t>(b) * out_stride],
+        &out_tokens[static_cast<size_t>(b) * out_stride] + accepted[b] + 1);
+    const std::vector<int32_t> got_nodes(
+        &out_nodes[static_cast<size_t>(b) * out_stride],
+        &out_nodes[static_cast<size_t>(b) * out_stride] + accepted[b]);
     EXPECT_EQ(got_tokens, want.tokens) << "sequence " << b;
     EXPECT_EQ(got_nodes, want.accepted_nodes) << "sequence " << b;
     if (want.accepted_draft >= 3) ++long_paths;

@@ -144,9 +144,11 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
 
     // CPU reference (packed q).
-    std::vector<float> q_packed(static_cast<size_t>(num_queries) * q_dim), want(static_cast<size_t>(num_queries) * q_dim);
+    std::vector<float> q_packed(static_cast<size_t>(num_queries) * q_dim),
+        want(static_cast<size_t>(num_queries) * q_dim);
     for (int t = 0; t < num_queries; ++t) {
-      std::copy_n(&q[static_cast<size_t>(t) * q_stride], q_dim, &q_packed[static_cast<size_t>(t) * q_dim]);
+      std::copy_n(&q[static_cast<size_t>(t) * q_stride], q_dim,
+                  &q_packed[static_cast<size_t>(t) * q_dim]);
     }
     TreeAttentionParams ref;
     ref.q = q_packed.data();
@@ -170,31 +172,29 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     const int64_t workers = std::max(1u, std::thread::hardware_concurrency());
     std::vector<std::thread> threads;
     for (int64_t w = 0; w < workers; ++w) {
-      threads.emplace_back([&, w] {
-        TreeAttentionCpuItems(ref, items * w / workers, items * (w + 1) / workers);
-      });
+      threads.emplace_back(
+          [&, w] { TreeAttentionCpuItems(ref, items * w / workers, items * (w + 1) / workers); });
     }
     for (std::thread& t : threads) t.join();
-    for (int force_splits : splits) RunGpu(sh, force_splits, q, q_stride, k_cache, v_cache,
-                                           tables, max_blocks, query_seq, kv_end, mask_begin,
-                                           mask, scale, want);
+    for (int force_splits : splits)
+      RunGpu(sh, force_splits, q, q_stride, k_cache, v_cache, tables, max_blocks, query_seq, kv_end,
+             mask_begin, mask, scale, want);
   }
 
-  void RunGpu(const Shape& sh, int force_splits,
-              const std::vector<float>& q, int q_stride, const std::vector<float>& k_cache,
-              const std::vector<float>& v_cache, const std::vector<int32_t>& tables,
-              int max_blocks, const std::vector<int32_t>& query_seq,
-              const std::vector<int32_t>& kv_end, const std::vector<int32_t>& mask_begin,
-              const std::vector<uint32_t>& mask, float scale, const std::vector<float>& want) {
+  void RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q, int q_stride,
+              const std::vector<float>& k_cache, const std::vector<float>& v_cache,
+              const std::vector<int32_t>& tables, int max_blocks,
+              const std::vector<int32_t>& query_seq, const std::vector<int32_t>& kv_end,
+              const std::vector<int32_t>& mask_begin, const std::vector<uint32_t>& mask,
+              float scale, const std::vector<float>& want) {
     const int num_queries = static_cast<int>(query_seq.size());
     const int q_dim = sh.num_heads * sh.head_dim;
 
     // GPU.
     int num_sms = 0;
     SPECD_CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-    cuda::TreeAttentionPlan plan =
-        cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), num_queries, sh.num_heads,
-                                sh.num_kv_heads, num_sms);
+    cuda::TreeAttentionPlan plan = cuda::PlanTreeAttention(
+        query_seq.data(), kv_end.data(), num_queries, sh.num_heads, sh.num_kv_heads, num_sms);
     if (force_splits > 0) plan.num_splits = force_splits;
     DeviceBuffer<bf16> d_q(ToBf16(q)), d_k(ToBf16(k_cache)), d_v(ToBf16(v_cache));
     const int out_stride = q_dim + 6;
@@ -202,9 +202,9 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     DeviceBuffer<int32_t> d_tables(tables), d_query_seq(query_seq), d_kv_end(kv_end),
         d_mask_begin(mask_begin), d_tile_begin(plan.tile_begin), d_tile_end(plan.tile_end);
     DeviceBuffer<uint32_t> d_mask(mask);
-    DeviceBuffer<float> d_ws(std::max<int64_t>(
-        1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries, sh.num_heads,
-                                              sh.head_dim)));
+    DeviceBuffer<float> d_ws(
+        std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries,
+                                                                sh.num_heads, sh.head_dim)));
     cuda::TreeAttentionParams p;
     p.q = d_q.get();
     p.q_stride = q_stride;
@@ -234,7 +234,8 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     const std::vector<float> out = ToFloat(d_out.Download());
     std::vector<float> got(static_cast<size_t>(num_queries) * q_dim);
     for (int t = 0; t < num_queries; ++t) {
-      std::copy_n(&out[static_cast<size_t>(t) * out_stride], q_dim, &got[static_cast<size_t>(t) * q_dim]);
+      std::copy_n(&out[static_cast<size_t>(t) * out_stride], q_dim,
+                  &got[static_cast<size_t>(t) * q_dim]);
     }
     // Outputs are convex combinations of N(0, 1) values; bf16 probabilities in the P.V product
     // and the bf16 output each add about 2^-9 relative error.
