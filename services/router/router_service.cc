@@ -175,6 +175,13 @@ absl::Status RouterService::Prepare(const v1::GenerateRequest& request, RouterRe
     out->prompt.assign(request.prompt_ids().ids().begin(), request.prompt_ids().ids().end());
     return absl::OkStatus();
   }
+  // No tokenizer makes tokens of more than a few dozen bytes, so a text this long cannot fit
+  // the context; refusing it up front keeps a huge prompt from tying up a reactor thread.
+  if (request.prompt().size() > static_cast<size_t>(limits.max_context) * 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt: ", request.prompt().size(), " bytes cannot fit the context of ",
+                     limits.max_context, " tokens"));
+  }
   out->prompt = tokenizer_->Encode(request.prompt(), /*add_special_tokens=*/true);
   return ValidatePrompt(out->prompt, "prompt", limits);
 }

@@ -99,11 +99,13 @@ class Cluster {
     if (options.draft) {
       c->draft_metrics = PickFreePort();
       draft_address = absl::StrCat("127.0.0.1:", PickFreePort());
-      absl::StatusOr<std::unique_ptr<ServiceProcess>> draft = ServiceProcess::Spawn(
-          {SpecdBinary("specd-draft"),
-           {"--address=" + draft_address, absl::StrCat("--metrics_port=", c->draft_metrics),
-            "--model=" + models.draft, "--num_threads=1"},
-           draft_address});
+      c->draft_options = {SpecdBinary("specd-draft"),
+                          {"--address=" + draft_address,
+                           absl::StrCat("--metrics_port=", c->draft_metrics),
+                           "--model=" + models.draft, "--num_threads=1"},
+                          draft_address};
+      absl::StatusOr<std::unique_ptr<ServiceProcess>> draft =
+          ServiceProcess::Spawn(c->draft_options);
       EXPECT_TRUE(draft.ok()) << draft.status();
       if (!draft.ok()) return nullptr;
       c->draft = *std::move(draft);
@@ -178,7 +180,7 @@ class Cluster {
     return false;
   }
 
-  ServiceProcessOptions verify_options;
+  ServiceProcessOptions verify_options, draft_options;
   std::unique_ptr<ServiceProcess> verify, draft, router;
   int verify_metrics = 0, draft_metrics = 0, router_metrics = 0;
   std::string router_address;
@@ -449,6 +451,20 @@ TEST(RouterClusterTest, KilledDraftServiceFallsBackToTargetOnly) {
   ASSERT_TRUE(after.status.ok());
   EXPECT_EQ(after.tokens,
             std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 16));
+  EXPECT_EQ(after.last.speculation().mode(), v1::SPECULATION_OFF);
+
+  // A new draft process on the same address: the router reconnects and speculates again.
+  c->draft.reset();
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> draft = ServiceProcess::Start(c->draft_options);
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  c->draft = *std::move(draft);
+  ASSERT_TRUE(c->WaitForMetric(c->router_metrics, "specd_draft_available", {}, 1));
+  const Result again = c->Generate(Greedy("class Node:", 64, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(again.status.ok());
+  EXPECT_EQ(again.tokens,
+            std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 64));
+  EXPECT_EQ(again.last.speculation().mode(), v1::SPECULATION_DRAFT_MODEL);
+  EXPECT_GT(again.last.speculation().steps(), 0u);
 }
 
 // Runs specd-cli and returns its stdout lines.
