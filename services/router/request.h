@@ -41,7 +41,9 @@ struct RouterRequest {
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop;
   bool ignore_eos = false;
-  v1::Speculation speculation = v1::SPECULATION_AUTO;  // never AUTO's default left unresolved
+  // AUTO only when the router's default is AUTO too: the draft model while the draft service
+  // is up, else target-only.
+  v1::Speculation speculation = v1::SPECULATION_AUTO;
   DraftShape shape;
   absl::Time arrival;
   absl::Time deadline = absl::InfiniteFuture();

@@ -58,7 +58,6 @@ struct RouterLoop::Sequence {
   int64_t prompt_len = 0;
   std::unique_ptr<SequenceOutput> output;
   v1::SpeculationStats stats;
-  absl::Time admitted;
   absl::Time last_emit;
   bool streamed_any = false;
   bool done = false;
@@ -265,7 +264,6 @@ void RouterLoop::Admit() {
     stop.prompt_tokens = seq->prompt_len;
     seq->output = std::make_unique<SequenceOutput>(std::make_unique<StreamDecoder>(tokenizer_),
                                                    std::move(stop));
-    seq->admitted = now;
     // What the sequence will speculate with; steps downgrade it to OFF while the draft
     // service is unavailable.
     const v1::Speculation mode = seq->request.speculation;
