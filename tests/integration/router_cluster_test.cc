@@ -60,6 +60,11 @@ const Models& TestModels() {
     if (std::system(cmd.c_str()) != 0) {
       ADD_FAILURE() << "failed: " << cmd;
     }
+    // The services are stopped by then (each test's Cluster is gone before exit).
+    std::atexit([] {
+      std::error_code ec;
+      fs::remove_all(TestModels().dir, ec);
+    });
     return m;
   }();
   return *models;

@@ -1,6 +1,7 @@
 // SequenceOutput: stop conditions and streamed text, over the real tokenizer of a random
 // checkpoint (byte-level BPE without merges: one token per byte, so every multi-byte stop
 // string or character is split across tokens).
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,8 @@ class RouterOutputTest : public ::testing::Test {
     const std::string dir = MakeTempDir("router_output_test");
     ASSERT_TRUE(WriteRandomCheckpoint(dir, RandomCheckpointSpec()).ok());
     absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::FromModelDir(dir);
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
     ASSERT_TRUE(t.ok()) << t.status();
     tokenizer_ = t->release();
   }
