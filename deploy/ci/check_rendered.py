@@ -119,6 +119,8 @@ def check(docs, profile):
                              f"{where}: /dev/shm must be a memory-backed emptyDir")
                 gpus = gpu_count(ct, "limits")
                 device = arg_value(args, "--device")
+                if component(w) == "verify" and arg_value(args, "--devices"):
+                    device = arg_value(args, "--devices").split(",")[0]
                 if gpus:
                     c.expect(device == "cuda:0", f"{where}: has GPUs but --device={device}")
                     c.expect(any(t.get("key") == GPU for t in spec.get("tolerations", [])),
@@ -133,8 +135,10 @@ def check(docs, profile):
                         c.expect(tp == str(gpus),
                                  f"{where}: --tensor_parallel={tp} but {gpus} GPUs")
                         c.expect(arg_value(args, "--devices") ==
-                                 ",".join(str(i) for i in range(gpus)),
-                                 f"{where}: --devices does not list GPUs 0..{gpus - 1}")
+                                 ",".join(f"cuda:{i}" for i in range(gpus)),
+                                 f"{where}: --devices does not list cuda:0..cuda:{gpus - 1}")
+                        c.expect(arg_value(args, "--device") is None,
+                                 f"{where}: --devices replaces --device")
                     else:
                         c.expect(tp is None, f"{where}: --tensor_parallel on the CPU")
 

@@ -275,13 +275,13 @@ multicast (see DESIGN.md), and NCCL's NVLS setup fails on hosts without it confi
 {{- end }}
 
 {{/*
-Devices flag for tensor parallel verify: "0,1,...,N-1" (the GPUs the device plugin gave the
-container are numbered from 0 inside it).
+Devices flag for tensor-parallel verify: "cuda:0,cuda:1,...,cuda:N-1", one device per rank (the
+GPUs the device plugin gives the container are numbered from 0 inside it).
 */}}
 {{- define "specd.deviceList" -}}
 {{- $ids := list }}
 {{- range $i := until (int .) }}
-{{- $ids = append $ids (toString $i) }}
+{{- $ids = append $ids (printf "cuda:%d" $i) }}
 {{- end }}
 {{- join "," $ids }}
 {{- end }}
