@@ -2,8 +2,8 @@
 Python integration tests (Prometheus scraping, the Python SDK).
 
 The executables come from $SPECD_BIN_DIR (the CMake build's bin/), the model writer from
-$SPECD_RANDOM_MODEL; ctest sets both (tests/deploy/CMakeLists.txt). require_binaries() ends the
-test run with exit code 77, which ctest reports as skipped, when they are not built.
+$SPECD_RANDOM_MODEL; ctest sets both (tests/deploy/CMakeLists.txt) and skips the tests
+(run_pytest.py --cluster, exit code 77) when they are not built.
 """
 
 import os
@@ -30,14 +30,6 @@ def missing_binaries():
     names.append(os.environ.get("SPECD_RANDOM_MODEL", ""))
     return [n for n in names if not (n and os.path.isfile(n) and os.access(n, os.X_OK))]
 
-
-def require_binaries():
-    import pytest
-    missing = missing_binaries()
-    if missing:
-        pytest.exit("SKIPPED: specd executables not built: " + ", ".join(missing) +
-                    " (build specd-router, specd-draft, specd-verify, specd-cli and "
-                    "specd_write_random_model; run through ctest)", returncode=SKIP)
 
 
 def free_port():

@@ -24,7 +24,6 @@ sys.path.insert(0, HERE)
 import specd_cluster  # noqa: E402
 import specd_metrics  # noqa: E402
 
-specd_cluster.require_binaries()
 if shutil.which("prometheus") is None:
     pytest.exit("prometheus not found: install Debian's prometheus package "
                 "(scripts/install-deps.sh)", returncode=1)

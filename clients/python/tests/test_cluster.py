@@ -9,7 +9,6 @@ import pytest
 import specd
 import specd_cluster  # tests/deploy, on PYTHONPATH through ctest
 
-specd_cluster.require_binaries()
 
 
 @pytest.fixture(scope="module")
