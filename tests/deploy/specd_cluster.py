@@ -7,6 +7,7 @@ $SPECD_RANDOM_MODEL; ctest sets both (tests/deploy/CMakeLists.txt) and skips the
 """
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -87,7 +88,24 @@ class Cluster:
                     + self.router_args)
         for name in SERVICES:
             self.wait_serving(name, timeout)
+        self.wait_draft_available(timeout)
         return self
+
+    def wait_draft_available(self, timeout=60):
+        """The router connects to the draft service in the background (and reconnects with
+        backoff); until then it decodes target-only. Wait for its specd_draft_available."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if re.search(r"^specd_draft_available(\{\})? 1(\.0*)?$",
+                             self.scrape("specd-router"), re.M):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router never reached the draft service:\n"
+                                   + self.log("specd-router"))
+            time.sleep(0.1)
 
     def _spawn(self, name, args):
         log = open(os.path.join(self.dir, f"{name}.log"), "wb")
@@ -104,6 +122,8 @@ class Cluster:
         self.procs[name] = subprocess.Popen(old.args, stdout=open(self.logs[name], "ab"),
                                             stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_serving(name, timeout)
+        if name == "specd-router":
+            self.wait_draft_available(timeout)
 
     def wait_serving(self, name, timeout=60):
         deadline = time.monotonic() + timeout
