@@ -1,0 +1,199 @@
+"""What the sync and asyncio clients share: request building, message conversion, channel
+credentials, retry policy."""
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
+
+import grpc
+
+from .types import Chunk, GenerateResult, ModelInfo, SpeculationStats, Usage
+
+try:
+    from .v1 import generation_pb2, generation_pb2_grpc  # noqa: F401  (generated)
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "specd's generated gRPC stubs (specd.v1.generation_pb2) are missing: build them with "
+        "`python3 clients/python/gen_protos.py` (or build the CMake target specd_python_stubs, "
+        "which writes them to <build>/python)") from e
+
+pb = generation_pb2
+
+SPECULATION = {
+    "auto": pb.SPECULATION_AUTO,
+    "off": pb.SPECULATION_OFF,
+    "draft_model": pb.SPECULATION_DRAFT_MODEL,
+    "ngram": pb.SPECULATION_NGRAM,
+}
+_SPECULATION_NAMES = {v: k for k, v in SPECULATION.items()}
+_FINISH = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_EOS: "eos",
+    pb.FINISH_REASON_STOP_TOKEN: "stop_token",
+    pb.FINISH_REASON_STOP_STRING: "stop_string",
+    pb.FINISH_REASON_CONTEXT: "context",
+}
+
+Metadata = Union[None, Mapping[str, str], Sequence[Tuple[str, str]]]
+
+
+@dataclass(frozen=True)
+class TLS:
+    """TLS settings. `tls=True` on a client means TLS with the system's root certificates;
+    pass a TLS for custom roots, mutual TLS (client key and certificate chain, PEM bytes) or a
+    server name override."""
+
+    root_certificates: Optional[bytes] = None
+    private_key: Optional[bytes] = None
+    certificate_chain: Optional[bytes] = None
+    server_name: Optional[str] = None
+
+
+def channel_credentials(tls):
+    """(credentials or None for plaintext, extra channel options)."""
+    if tls is None or tls is False:
+        return None, []
+    if tls is True:
+        tls = TLS()
+    if not isinstance(tls, TLS):
+        raise TypeError("tls must be a bool or a specd.TLS")
+    creds = grpc.ssl_channel_credentials(tls.root_certificates, tls.private_key,
+                                         tls.certificate_chain)
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return creds, options
+
+
+def merge_metadata(base: Metadata, extra: Metadata):
+    out = []
+    for md in (base, extra):
+        if md is None:
+            continue
+        items = md.items() if isinstance(md, Mapping) else md
+        for k, v in items:
+            out.append((str(k).lower(), v))
+    return tuple(out) or None
+
+
+def build_request(prompt=None, *, prompt_ids=None, max_new_tokens=0, temperature=None,
+                  top_p=None, top_k=None, seed=None, stop: Iterable[str] = (),
+                  stop_token_ids: Iterable[int] = (), ignore_eos=False, speculation="auto",
+                  draft_depth=0, draft_top_k=0, draft_max_nodes=0, request_id=""):
+    """A GenerateRequest. Exactly one of prompt (text) and prompt_ids (token ids). Range checks
+    are the router's: it answers a bad value with INVALID_ARGUMENT naming the field."""
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of prompt and prompt_ids")
+    if isinstance(stop, str):
+        stop = [stop]
+    if speculation not in SPECULATION:
+        raise ValueError(f"speculation must be one of {sorted(SPECULATION)}, "
+                         f"got {speculation!r}")
+    req = pb.GenerateRequest(
+        max_new_tokens=max_new_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos, speculation=SPECULATION[speculation], draft_depth=draft_depth,
+        draft_top_k=draft_top_k, draft_max_nodes=draft_max_nodes, request_id=request_id)
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.prompt_ids.ids.extend(prompt_ids)
+    if temperature is not None:
+        req.temperature = temperature
+    if top_p is not None:
+        req.top_p = top_p
+    if top_k is not None:
+        req.top_k = top_k
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def to_chunk(resp) -> Chunk:
+    last = resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    return Chunk(
+        token_ids=list(resp.token_ids), text=resp.text,
+        finish_reason=_FINISH.get(resp.finish_reason, "unspecified") if last else None,
+        usage=Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens) if last else None,
+        speculation=to_stats(resp.speculation) if last else None,
+        matched_stop=resp.matched_stop or None)
+
+
+def to_stats(s) -> SpeculationStats:
+    return SpeculationStats(steps=s.steps, draft_tokens=s.draft_tokens,
+                            accepted_tokens=s.accepted_tokens,
+                            accepted_per_position=list(s.accepted_per_position),
+                            target_only_steps=s.target_only_steps,
+                            mode=_SPECULATION_NAMES.get(s.mode, "auto"))
+
+
+class ResultBuilder:
+    """Joins chunks into a GenerateResult."""
+
+    def __init__(self):
+        self.text, self.ids, self.last = [], [], None
+
+    def add(self, chunk: Chunk):
+        self.text.append(chunk.text)
+        self.ids.extend(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            self.last = chunk
+
+    def result(self) -> GenerateResult:
+        if self.last is None:
+            raise RuntimeError("the stream ended without a last chunk (no finish reason)")
+        return GenerateResult(text="".join(self.text), token_ids=self.ids,
+                              finish_reason=self.last.finish_reason, usage=self.last.usage,
+                              speculation=self.last.speculation,
+                              matched_stop=self.last.matched_stop)
+
+
+def to_model_info(m) -> ModelInfo:
+    return ModelInfo(target_model=m.target_model, draft_model=m.draft_model,
+                     vocab_size=m.vocab_size, max_context=m.max_context,
+                     eos_token_ids=list(m.eos_token_ids),
+                     max_new_tokens_limit=m.max_new_tokens_limit,
+                     draft_available=m.draft_available)
+
+
+# grpc.health.v1.Health/Check, encoded by hand so that no health stubs are needed:
+# HealthCheckRequest {string service = 1}, HealthCheckResponse {ServingStatus status = 1}.
+HEALTH_METHOD = "/grpc.health.v1.Health/Check"
+_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def encode_health_request(service: str) -> bytes:
+    data = service.encode()
+    if not data:
+        return b""
+    if len(data) > 127:
+        raise ValueError("health service name too long")
+    return b"\x0a" + bytes([len(data)]) + data
+
+
+def decode_health_response(data: bytes) -> str:
+    if not data:
+        return _HEALTH_STATUS[0]
+    if data[0] != 0x08 or len(data) < 2:
+        raise ValueError(f"unexpected health response {data!r}")
+    return _HEALTH_STATUS.get(data[1], f"STATUS_{data[1]}")
+
+
+class RetryPolicy:
+    """Retries only what cannot duplicate or lose output: a call that failed with UNAVAILABLE
+    (the router was unreachable or restarting) before any response arrived. Tokenize,
+    Detokenize and GetModelInfo are idempotent; Generate is retried only until its first chunk
+    arrives, never mid-stream (the client has already seen part of the output)."""
+
+    RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+    def __init__(self, max_attempts=3, initial_backoff=0.1, max_backoff=2.0):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        self.max_attempts = max_attempts
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+
+    def backoff(self, attempt):
+        return min(self.max_backoff, self.initial_backoff * (2 ** attempt))
+
+    def should_retry(self, code, attempt, received_any, time_left):
+        return (code in self.RETRYABLE and not received_any and
+                attempt + 1 < self.max_attempts and
+                (time_left is None or time_left > self.backoff(attempt)))

@@ -1,0 +1,116 @@
+"""The Python SDK against the real specd services (specd-verify, specd-draft, specd-router
+started from the build on loopback with a random-weight model). ctest reports it skipped when
+the executables are not built."""
+
+import asyncio
+
+import pytest
+
+import specd
+import specd_cluster  # tests/deploy, on PYTHONPATH through ctest
+
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with specd_cluster.Cluster() as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with specd.Client(cluster.address, timeout=60) as c:
+        yield c
+
+
+def test_model_info_and_health(client):
+    info = client.model_info()
+    assert info.vocab_size == 320  # tests/testutil/random_checkpoint.h's default
+    assert info.draft_available
+    assert info.max_new_tokens_limit > 0 and info.eos_token_ids
+    assert client.health() == "SERVING"
+
+
+def test_tokenize_detokenize_round_trip(client):
+    ids = client.tokenize("def f(x):\n    return x + 1\n")
+    assert ids and all(0 <= i < 320 for i in ids)
+    assert client.detokenize(ids) == "def f(x):\n    return x + 1\n"
+
+
+def test_generate_returns_text_ids_and_stats(client):
+    r = client.generate("def fib(n):", max_new_tokens=16, ignore_eos=True,
+                        speculation="draft_model")
+    assert len(r.token_ids) == 16 and r.finish_reason == "length"
+    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens > 0
+    assert r.speculation.steps > 0 and r.speculation.draft_tokens > 0
+    assert 0 <= r.speculation.accepted_tokens <= r.speculation.draft_tokens
+    # Streamed text leaves special tokens out, like detokenize with skip_special_tokens.
+    assert r.text == client.detokenize(r.token_ids, skip_special_tokens=True)
+
+
+def test_stream_equals_generate_and_speculation_is_lossless(client):
+    kw = dict(max_new_tokens=20, ignore_eos=True)
+    whole = client.generate("import os", speculation="draft_model", **kw)
+    chunks = list(client.generate_stream("import os", speculation="draft_model", **kw))
+    assert [i for c in chunks for i in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None
+                                                        for c in chunks[:-1])
+    off = client.generate("import os", speculation="off", **kw)
+    assert off.token_ids == whole.token_ids  # greedy: identical with speculation on or off
+    assert off.speculation.steps == 0
+
+
+def test_invalid_argument_names_the_field(client):
+    with pytest.raises(specd.InvalidArgumentError) as info:
+        client.generate("x", temperature=-1.0)
+    assert "temperature" in info.value.details
+    with pytest.raises(specd.InvalidArgumentError):
+        client.generate(prompt_ids=[10**6])
+    assert client.generate("x", max_new_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+
+
+def test_deadline_exceeded(client):
+    with pytest.raises(specd.DeadlineExceededError):
+        client.generate("x", max_new_tokens=4000, ignore_eos=True, timeout=0.05)
+
+
+def test_leaving_a_stream_early_leaves_the_cluster_serving(client):
+    stream = client.generate_stream("while True:", max_new_tokens=500, ignore_eos=True)
+    next(stream)
+    stream.close()
+    assert len(client.generate("x", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_async_client_matches_sync(cluster, client):
+    want = client.generate("class A:", max_new_tokens=12, ignore_eos=True).token_ids
+
+    async def run():
+        async with specd.AsyncClient(cluster.address, timeout=60) as c:
+            r = await c.generate("class A:", max_new_tokens=12, ignore_eos=True)
+            ids = []
+            async for chunk in c.generate_stream("class A:", max_new_tokens=12,
+                                                 ignore_eos=True):
+                ids += chunk.token_ids
+            assert (await c.model_info()).vocab_size == 320
+            results = await asyncio.gather(*[
+                c.generate("class A:", max_new_tokens=12, ignore_eos=True) for _ in range(4)])
+            return r.token_ids, ids, [x.token_ids for x in results]
+
+    r_ids, stream_ids, concurrent = asyncio.run(run())
+    assert r_ids == want and stream_ids == want
+    assert all(ids == want for ids in concurrent)
+
+
+def test_router_killed_mid_stream_raises_without_retry():
+    with specd_cluster.Cluster() as c, specd.Client(
+            c.address, retry=specd.RetryPolicy(5, 0.05)) as client:
+        stream = client.generate_stream("for", max_new_tokens=4000, ignore_eos=True)
+        got = [next(stream)]
+        c.kill("specd-router")
+        with pytest.raises(specd.UnavailableError):
+            for chunk in stream:
+                got.append(chunk)
+        # Before any chunk, UNAVAILABLE is retried: the router comes back during the retries.
+        c.restart("specd-router")
+        assert len(client.generate("x", max_new_tokens=2, ignore_eos=True).token_ids) == 2

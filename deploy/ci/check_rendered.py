@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Checks what `helm template` rendered from helm/specd beyond schema validity: that the parts
+fit together (Service and PodDisruptionBudget selectors match pods, the HPA targets the router,
+the router reaches the draft and verify Services, the ServiceMonitor finds the metrics
+Services) and that each values file gets what it asks for (GPU counts, tensor-parallel flags,
+/dev/shm, NCCL_NVLS_ENABLE=0, no GPU anywhere in the CPU install).
+
+  check_rendered.py --profile 8gpu-tp7 rendered.yaml --json-out manifests.json
+
+--json-out writes the documents as [{"source", "doc"}] for validate-manifests.mjs.
+"""
+
+import argparse
+import json
+import re
+import sys
+
+import yaml
+
+GPU = "nvidia.com/gpu"
+
+
+class Checker:
+    def __init__(self):
+        self.problems = []
+
+    def expect(self, cond, msg):
+        if not cond:
+            self.problems.append(msg)
+        return cond
+
+
+def load(path):
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    for chunk in re.split(r"^---\s*$", text, flags=re.M):
+        m = re.search(r"^# Source: (.*)$", chunk, flags=re.M)
+        doc = yaml.safe_load(chunk)
+        if doc is None:
+            continue
+        docs.append({"source": m.group(1) if m else "?", "doc": doc})
+    return docs
+
+
+def component(doc):
+    return doc["metadata"]["labels"].get("app.kubernetes.io/component")
+
+
+def matches(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def arg_value(args, flag):
+    for a in args:
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def gpu_count(container, kind):
+    return int(container.get("resources", {}).get(kind, {}).get(GPU, 0))
+
+
+def check(docs, profile):
+    c = Checker()
+    by_kind = {}
+    for d in docs:
+        by_kind.setdefault(d["doc"]["kind"], []).append(d["doc"])
+    workloads = by_kind.get("Deployment", []) + by_kind.get("StatefulSet", [])
+    services = by_kind.get("Service", [])
+    comps = {component(w): w for w in workloads}
+
+    for w in workloads:
+        name = w["metadata"]["name"]
+        tpl = w["spec"]["template"]
+        pod_labels = tpl["metadata"]["labels"]
+        c.expect(matches(w["spec"]["selector"]["matchLabels"], pod_labels),
+                 f"{name}: selector does not match its pod labels")
+        for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance",
+                  "app.kubernetes.io/component"):
+            c.expect(k in w["spec"]["selector"]["matchLabels"], f"{name}: selector lacks {k}")
+        spec = tpl["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for ct in spec["containers"]:
+            where = f"{name}/{ct['name']}"
+            ports = {p["name"]: p["containerPort"] for p in ct.get("ports", [])}
+            c.expect({"grpc", "metrics"} <= set(ports), f"{where}: needs grpc and metrics ports")
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                p = ct.get(probe, {})
+                c.expect(p.get("grpc", {}).get("port") == ports.get("grpc"),
+                         f"{where}: {probe} must be a gRPC probe on the grpc port")
+            args = ct.get("args", [])
+            c.expect(ct.get("command") == [f"specd-{component(w)}"],
+                     f"{where}: command must be specd-{component(w)} (the images serve several)")
+            c.expect(arg_value(args, "--address") == f"0.0.0.0:{ports.get('grpc')}",
+                     f"{where}: --address does not listen on the grpc port")
+            c.expect(arg_value(args, "--metrics_port") == str(ports.get("metrics")),
+                     f"{where}: --metrics_port is not the metrics port")
+            c.expect(arg_value(args, "--model") is not None, f"{where}: no --model")
+            req = ct.get("resources", {}).get("requests", {})
+            c.expect("cpu" in req and "memory" in req, f"{where}: needs cpu and memory requests")
+            c.expect(gpu_count(ct, "limits") == gpu_count(ct, "requests"),
+                     f"{where}: GPU requests and limits differ")
+            sc = ct.get("securityContext", {})
+            c.expect(sc.get("allowPrivilegeEscalation") is False,
+                     f"{where}: allowPrivilegeEscalation must be false")
+            mounts = {m["mountPath"]: m["name"] for m in ct.get("volumeMounts", [])}
+            for path, vol in mounts.items():
+                c.expect(vol in volumes, f"{where}: mounts {vol} at {path}, no such volume")
+            if component(w) in ("draft", "verify"):
+                env = {e["name"]: e.get("value") for e in ct.get("env", [])}
+                c.expect(env.get("NCCL_NVLS_ENABLE") == "0",
+                         f"{where}: NCCL_NVLS_ENABLE=0 must always be set")
+                if component(w) == "verify":
+                    c.expect("/dev/shm" in mounts and
+                             volumes.get(mounts["/dev/shm"], {}).get("emptyDir", {})
+                             .get("medium") == "Memory",
+                             f"{where}: /dev/shm must be a memory-backed emptyDir")
+                gpus = gpu_count(ct, "limits")
+                device = arg_value(args, "--device")
+                if component(w) == "verify" and arg_value(args, "--devices"):
+                    device = arg_value(args, "--devices").split(",")[0]
+                if gpus:
+                    c.expect(device == "cuda:0", f"{where}: has GPUs but --device={device}")
+                    c.expect(any(t.get("key") == GPU for t in spec.get("tolerations", [])),
+                             f"{where}: GPU pod without the {GPU} toleration")
+                    c.expect(w["spec"].get("strategy", {}).get("type") != "RollingUpdate",
+                             f"{where}: a GPU Deployment must not surge (use Recreate)")
+                else:
+                    c.expect(device == "cpu", f"{where}: no GPU but --device={device}")
+                if component(w) == "verify":
+                    tp = arg_value(args, "--tensor_parallel")
+                    if gpus:
+                        c.expect(tp == str(gpus),
+                                 f"{where}: --tensor_parallel={tp} but {gpus} GPUs")
+                        c.expect(arg_value(args, "--devices") ==
+                                 ",".join(f"cuda:{i}" for i in range(gpus)),
+                                 f"{where}: --devices does not list cuda:0..cuda:{gpus - 1}")
+                        c.expect(arg_value(args, "--device") is None,
+                                 f"{where}: --devices replaces --device")
+                    else:
+                        c.expect(tp is None, f"{where}: --tensor_parallel on the CPU")
+
+    for s in services:
+        name = s["metadata"]["name"]
+        sel = s["spec"].get("selector", {})
+        targets = [w for w in workloads
+                   if matches(sel, w["spec"]["template"]["metadata"]["labels"])]
+        c.expect(len(targets) == 1, f"Service {name} selects {len(targets)} workloads, not 1")
+        for p in s["spec"]["ports"]:
+            for w in targets:
+                names = {pp["name"] for ct in w["spec"]["template"]["spec"]["containers"]
+                         for pp in ct.get("ports", [])}
+                c.expect(p["targetPort"] in names,
+                         f"Service {name}: targetPort {p['targetPort']} is no container port")
+
+    for pdb in by_kind.get("PodDisruptionBudget", []):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        c.expect(any(matches(sel, w["spec"]["template"]["metadata"]["labels"])
+                     for w in workloads),
+                 f"PodDisruptionBudget {pdb['metadata']['name']} selects no pods")
+
+    for hpa in by_kind.get("HorizontalPodAutoscaler", []):
+        ref = hpa["spec"]["scaleTargetRef"]
+        c.expect(any(w["kind"] == ref["kind"] and w["metadata"]["name"] == ref["name"]
+                     for w in workloads),
+                 f"HPA {hpa['metadata']['name']} targets a missing {ref['kind']}")
+        router = comps.get("router")
+        c.expect(router is not None and "replicas" not in router["spec"],
+                 "the router Deployment must leave replicas to the HPA")
+
+    router = comps.get("router")
+    if c.expect(router is not None, "no router Deployment"):
+        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+        for flag, comp in (("--verify_address", "verify"), ("--draft_address", "draft")):
+            addr = arg_value(args, flag)
+            if comp not in comps:
+                c.expect(addr is None, f"router: {flag} set but no {comp} workload")
+                continue
+            host, _, port = (addr or "").rpartition(":")
+            c.expect(any(s["metadata"]["name"] == host and
+                         any(str(p["port"]) == port and p["name"] == "grpc"
+                             for p in s["spec"]["ports"])
+                         for s in services),
+                     f"router: {flag}={addr} is no Service's grpc port")
+
+    metric_services = [s for s in services
+                       if s["metadata"]["labels"].get("specd.io/metrics") == "true"]
+    c.expect(sorted(s["metadata"]["labels"]["specd.io/job"] for s in metric_services) ==
+             sorted(f"specd-{k}" for k in comps),
+             "one metrics Service per component, labelled with its job")
+    for sm in by_kind.get("ServiceMonitor", []):
+        sel = sm["spec"]["selector"]["matchLabels"]
+        chosen = [s for s in services if matches(sel, s["metadata"]["labels"])]
+        c.expect(sorted(s["metadata"]["name"] for s in chosen) ==
+                 sorted(s["metadata"]["name"] for s in metric_services),
+                 f"ServiceMonitor selects {[s['metadata']['name'] for s in chosen]}, "
+                 f"not the metrics Services")
+        for ep in sm["spec"]["endpoints"]:
+            c.expect(all(any(p["name"] == ep["port"] for p in s["spec"]["ports"])
+                         for s in chosen), f"ServiceMonitor port {ep['port']} not on Services")
+
+    gpus = {k: sum(gpu_count(ct, "limits") for ct in w["spec"]["template"]["spec"]["containers"])
+            for k, w in comps.items()}
+    kinds = set(by_kind)
+    if profile == "default":
+        c.expect(gpus == {"router": 0, "draft": 1, "verify": 1}, f"GPUs {gpus}")
+        c.expect("HorizontalPodAutoscaler" in kinds, "default install has an HPA")
+        c.expect("ServiceMonitor" not in kinds, "ServiceMonitor is off by default")
+    elif profile == "cpu":
+        c.expect(all(v == 0 for v in gpus.values()), f"CPU install asks for GPUs: {gpus}")
+        c.expect(GPU not in json.dumps([d["doc"] for d in docs]),
+                 f"CPU install mentions {GPU}")
+        for w in workloads:
+            for ct in w["spec"]["template"]["spec"]["containers"]:
+                c.expect("specd-cpu" in ct["image"], f"{ct['name']}: not the CPU image")
+    elif profile == "8gpu-tp7":
+        c.expect(gpus == {"router": 0, "draft": 1, "verify": 7}, f"GPUs {gpus}")
+        c.expect(sum(gpus.values()) == 8, "draft + verify fill the 8-GPU host")
+        c.expect("ServiceMonitor" in kinds, "the 8-GPU example enables the ServiceMonitor")
+    elif profile == "variant":
+        # models.source=initContainer, no draft service, ServiceMonitor on.
+        c.expect("draft" not in comps, "draft.enabled=false leaves no draft workload")
+        for w in workloads:
+            inits = w["spec"]["template"]["spec"].get("initContainers", [])
+            c.expect(len(inits) == 1 and any(m["name"] == "models"
+                                             for m in inits[0]["volumeMounts"]),
+                     f"{w['metadata']['name']}: no model init container")
+    else:
+        c.expect(False, f"unknown profile {profile}")
+    return c.problems
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rendered")
+    ap.add_argument("--profile", required=True,
+                    choices=["default", "cpu", "8gpu-tp7", "variant"])
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    docs = load(args.rendered)
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(docs, f)
+    problems = check(docs, args.profile)
+    if problems:
+        print(f"check_rendered ({args.profile}): FAILED", file=sys.stderr)
+        for p in problems:
+            print("  " + p, file=sys.stderr)
+        return 1
+    print(f"check_rendered ({args.profile}): {len(docs)} documents fit together")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
