@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compiler-grpc
       libprotobuf-dev protobuf-compiler libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
-      libbenchmark-dev libre2-dev nlohmann-json3-dev libopenblas-dev python3-grpcio
+      libbenchmark-dev libre2-dev nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev python3-grpcio
       python3-grpc-tools python3-pytest prometheus yamllint)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# specd in one command: installs the Debian packages, builds (Release, into build/), starts
+# specd-verify, specd-draft and specd-router on free loopback ports on the CPU, streams one
+# completion with specd-cli, then runs the same prompts with speculation off, with the draft
+# model and with n-gram lookup and prints acceptance rate, mean accepted length and tokens/s for
+# each. Everything it starts is stopped when it exits, however it exits.
+#
+# Models: models/pycoder-target and models/pycoder-draft when they exist (the project's
+# reference models), else a small random pair made by specd-make-test-model (its output is
+# gibberish; the numbers only show the machinery).
+#
+#   ./scripts/demo.sh                 # BUILD=dir to build elsewhere, MAX_NEW_TOKENS=n
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+./scripts/install-deps.sh
+BUILD=${BUILD:-build}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}
+echo "== building into $BUILD/ (the first build takes a few minutes)"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$BUILD" -j"$(nproc)" --target specd-verify specd-draft specd-router specd-cli \
+  specd-make-test-model | tail -n 1
+BIN="$ROOT/$BUILD/bin"
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/specd-demo.XXXXXX")
+PIDS=()
+cleanup() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+if [ -f models/pycoder-target/config.json ] && [ -f models/pycoder-draft/config.json ]; then
+  TARGET="$ROOT/models/pycoder-target"
+  DRAFT="$ROOT/models/pycoder-draft"
+  echo "== models: $TARGET (target), $DRAFT (draft)"
+else
+  TARGET="$WORK/target"
+  DRAFT="$WORK/draft"
+  echo "== models: models/pycoder-* not found; generating a small random pair"
+  "$BIN/specd-make-test-model" --target_dir "$TARGET" --draft_dir "$DRAFT"
+fi
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+VERIFY=127.0.0.1:$(free_port)
+DRAFT_ADDR=127.0.0.1:$(free_port)
+ROUTER=127.0.0.1:$(free_port)
+VERIFY_METRICS=$(free_port)
+DRAFT_METRICS=$(free_port)
+ROUTER_METRICS=$(free_port)
+
+# The cores are shared by two model services here; one thread each keeps them from fighting.
+THREADS=$(( $(nproc) > 2 ? $(nproc) / 2 : 1 ))
+"$BIN/specd-verify" --address "$VERIFY" --metrics_port "$VERIFY_METRICS" --model "$TARGET" \
+  --num_threads "$THREADS" >"$WORK/verify.log" 2>&1 &
+PIDS+=($!)
+"$BIN/specd-draft" --address "$DRAFT_ADDR" --metrics_port "$DRAFT_METRICS" --model "$DRAFT" \
+  --num_threads "$THREADS" >"$WORK/draft.log" 2>&1 &
+PIDS+=($!)
+"$BIN/specd-router" --address "$ROUTER" --metrics_port "$ROUTER_METRICS" --model "$TARGET" \
+  --verify_address "$VERIFY" --draft_address "$DRAFT_ADDR" >"$WORK/router.log" 2>&1 &
+PIDS+=($!)
+
+echo "== waiting for the services (router $ROUTER, verify $VERIFY, draft $DRAFT_ADDR)"
+ready=0
+for _ in $(seq 1 600); do
+  for pid in "${PIDS[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "a service exited; its logs:" >&2
+      tail -n 20 "$WORK"/*.log >&2
+      exit 1
+    fi
+  done
+  if "$BIN/specd-cli" info --server "$ROUTER" 2>/dev/null | grep -q '"draft_available":true' &&
+     "$BIN/specd-cli" generate --server "$ROUTER" --prompt x --max-new-tokens 1 >/dev/null 2>&1; then
+    ready=1
+    break
+  fi
+  sleep 0.2
+done
+if [ "$ready" != 1 ]; then
+  echo "the services did not become ready in 120 s; logs:" >&2
+  tail -n 20 "$WORK"/*.log >&2
+  exit 1
+fi
+echo "   metrics: http://127.0.0.1:$ROUTER_METRICS/metrics (router)," \
+  "http://127.0.0.1:$VERIFY_METRICS/metrics (verify), http://127.0.0.1:$DRAFT_METRICS/metrics (draft)"
+
+PROMPTS=(
+  $'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+  $'import os\nimport sys\n\n\ndef main():\n'
+  $'class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n'
+  $'def read_lines(path):\n    with open(path) as f:\n'
+)
+
+echo
+echo "== specd-cli generate --prompt <first prompt> --max-new-tokens $MAX_NEW_TOKENS"
+echo "----------------------------------------------------------------------"
+printf '%s' "${PROMPTS[0]}"
+"$BIN/specd-cli" generate --server "$ROUTER" --prompt "${PROMPTS[0]}" \
+  --max-new-tokens "$MAX_NEW_TOKENS"
+echo "----------------------------------------------------------------------"
+
+echo
+echo "== the same ${#PROMPTS[@]} prompts, greedy, $MAX_NEW_TOKENS new tokens each, one at a time"
+for mode in off draft_model ngram; do
+  for p in "${PROMPTS[@]}"; do
+    "$BIN/specd-cli" generate --server "$ROUTER" --prompt "$p" --max-new-tokens "$MAX_NEW_TOKENS" \
+      --speculation "$mode" --json | tail -n 1 | sed "s/^/$mode /"
+  done
+done >"$WORK/stats.txt"
+python3 - "$WORK/stats.txt" <<'EOF'
+import json, sys
+rows = {}
+for line in open(sys.argv[1]):
+    mode, _, doc = line.partition(" ")
+    s = json.loads(doc)
+    r = rows.setdefault(mode, dict(tokens=0, seconds=0.0, steps=0, draft=0, accepted=0))
+    r["tokens"] += s["usage"]["completion_tokens"]
+    r["seconds"] += s["elapsed_seconds"]
+    r["steps"] += s["speculation"]["steps"]
+    r["draft"] += s["speculation"]["draft_tokens"]
+    r["accepted"] += s["speculation"]["accepted_tokens"]
+print(f"{'speculation':<12} {'tokens':>7} {'tokens/s':>9} {'acceptance':>11} {'mean accepted length':>21}")
+base = rows.get("off", {}).get("tokens", 0) / max(rows.get("off", {}).get("seconds", 1), 1e-9)
+for mode, r in rows.items():
+    tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+    acc = f"{r['accepted'] / r['draft']:.2f}" if r["draft"] else "-"
+    mal = f"{1 + r['accepted'] / r['steps']:.2f}" if r["steps"] else "-"
+    speedup = f"  ({tps / base:.2f}x)" if base else ""
+    print(f"{mode:<12} {r['tokens']:>7} {tps:>9.1f} {acc:>11} {mal:>21}{speedup}")
+EOF
+echo
+echo "acceptance = accepted draft tokens / draft tokens proposed; mean accepted length ="
+echo "tokens emitted per speculative step, bonus token included. Timings are wall-clock on this"
+echo "machine with all three services sharing its cores; they are not benchmarks (bench/ has those)."
+echo "== stopping the services"

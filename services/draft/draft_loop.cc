@@ -1,0 +1,346 @@
+#include "services/draft/draft_loop.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+
+namespace specd {
+namespace {
+
+// How often an idle loop looks for sequences whose deadline passed.
+constexpr absl::Duration kIdleTick = absl::Milliseconds(200);
+
+absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
+  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOptions& options,
+                                                             DraftStepQueue* queue,
+                                                             ModelServiceMetrics* metrics) {
+  if (options.max_sequences < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_sequences: ", options.max_sequences, " must be at least 1"));
+  }
+  if (absl::Status s = ValidateDraftParams(options.defaults); !s.ok()) {
+    return Prefixed(s, "default tree shape: ");
+  }
+  std::unique_ptr<Backend> model;
+  std::unique_ptr<DraftModelDrafter> model_drafter;
+  int vocab_size = options.vocab_size;
+  if (!options.model_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<Backend>> backend =
+        CreateBackend(options.model_dir, options.backend);
+    if (!backend.ok()) {
+      return absl::Status(backend.status().code(),
+                          absl::StrCat("loading the draft model from ", options.model_dir, ": ",
+                                       backend.status().message()));
+    }
+    model = std::move(*backend);
+    if (vocab_size != 0 && vocab_size != model->config().vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "vocab_size: ", vocab_size, " differs from the draft model's ",
+          model->config().vocab_size));
+    }
+    vocab_size = model->config().vocab_size;
+    model_drafter = std::make_unique<DraftModelDrafter>(model.get());
+  } else if (vocab_size < 1) {
+    return absl::InvalidArgumentError(
+        "vocab_size: needed (>= 1) when no draft model is given (n-gram drafting only)");
+  }
+  absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
+      NgramDrafter::Create(vocab_size, options.ngram);
+  if (!ngram.ok()) return Prefixed(ngram.status(), "n-gram drafter: ");
+  return std::unique_ptr<DraftLoop>(new DraftLoop(options, std::move(model),
+                                                  std::move(model_drafter), std::move(*ngram),
+                                                  queue, metrics));
+}
+
+DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> model,
+                     std::unique_ptr<DraftModelDrafter> model_drafter,
+                     std::unique_ptr<NgramDrafter> ngram, DraftStepQueue* queue,
+                     ModelServiceMetrics* metrics)
+    : options_(options),
+      model_(std::move(model)),
+      model_drafter_(std::move(model_drafter)),
+      ngram_(std::move(ngram)),
+      queue_(queue),
+      metrics_(metrics) {
+  info_.set_model(model_ != nullptr ? ModelNameFromPath(options.model_dir) : "ngram");
+  info_.set_vocab_size(ngram_->vocab_size());
+  UpdateGauges();
+  thread_ = std::thread([this] { Run(); });
+}
+
+DraftLoop::~DraftLoop() { Stop(); }
+
+void DraftLoop::Stop() {
+  if (!thread_.joinable()) return;
+  queue_->Close();
+  thread_.join();
+}
+
+void DraftLoop::Run() {
+  for (;;) {
+    DraftStepQueue::Batch batch = queue_->Pop(kIdleTick);
+    ProcessBatch(batch);
+    if (batch.closed) break;
+  }
+  for (int64_t seq : table_.RemoveAll()) Free(seq, /*finished=*/false);
+  UpdateGauges();
+}
+
+void DraftLoop::Free(int64_t seq, bool finished) {
+  auto it = sequences_.find(seq);
+  if (it != sequences_.end()) {
+    for (int d : {kModel, kNgram}) {
+      if (!it->second.added[d]) continue;
+      if (absl::Status s = drafter(d)->Release(seq); !s.ok()) {
+        SPECD_LOG(WARNING) << "releasing draft sequence " << seq << ": " << s;
+      }
+    }
+    sequences_.erase(it);
+  }
+  (finished ? metrics_->freed_finished : metrics_->freed_cancelled).Increment();
+}
+
+void DraftLoop::Drop(StreamId stream, uint64_t seq_id, const Slot& slot) {
+  table_.Remove(stream, seq_id);
+  auto it = sequences_.find(slot.seq);
+  if (it == sequences_.end()) return;
+  for (int d : {kModel, kNgram}) {
+    if (it->second.added[d]) drafter(d)->Release(slot.seq).IgnoreError();
+  }
+  sequences_.erase(it);
+}
+
+void DraftLoop::UpdateGauges() {
+  metrics_->sequences.Set(table_.size());
+  double ratio = 0.0;
+  if (model_ != nullptr) {
+    const KvUsage usage = model_->Usage();
+    if (usage.capacity_tokens > 0) {
+      ratio = static_cast<double>(usage.used_tokens) / static_cast<double>(usage.capacity_tokens);
+    }
+  }
+  metrics_->kv_cache_usage_ratio.Set(ratio);
+}
+
+absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
+                              int64_t* kv_budget, Slot* slot, bool* empty_tree) {
+  const std::string where = absl::StrCat("steps[", index, "]");
+  const int vocab = ngram_->vocab_size();
+  std::optional<int64_t> live = table_.Find(stream, step.seq_id());
+  if (!live.has_value() && table_.IsTombstoned(stream, step.seq_id())) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("sequence ", step.seq_id(), " was freed when its deadline passed"));
+  }
+  if (step.deadline_unix_ms() != 0 && step.deadline_unix_ms() < absl::ToUnixMillis(absl::Now())) {
+    if (live.has_value()) {
+      table_.Remove(stream, step.seq_id());
+      Free(*live, /*finished=*/false);
+      table_.Tombstone(stream, step.seq_id());
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat(where, ".deadline_unix_ms: ", step.deadline_unix_ms(), " has passed"));
+  }
+  if (step.new_tokens().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".new_tokens: empty (send the prompt at the first step, then the emitted tokens)"));
+  }
+  for (int j = 0; j < step.new_tokens_size(); ++j) {
+    const int32_t t = step.new_tokens(j);
+    if (t < 0 || t >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".new_tokens[", j, "]: token id ", t,
+                                                     " is outside the vocabulary [0, ", vocab,
+                                                     ")"));
+    }
+  }
+  switch (step.method()) {
+    case v1::DRAFT_METHOD_MODEL:
+      if (model_drafter_ == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            where, ".method: DRAFT_METHOD_MODEL, but this draft service has no draft model "
+                   "(started without --model); use DRAFT_METHOD_NGRAM"));
+      }
+      slot->drafter = kModel;
+      break;
+    case v1::DRAFT_METHOD_NGRAM:
+      slot->drafter = kNgram;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".method: unknown value ", static_cast<int>(step.method())));
+  }
+  DraftParams& params = slot->request.params;
+  params.depth = step.depth() != 0 ? static_cast<int>(step.depth()) : options_.defaults.depth;
+  params.top_k = step.top_k() != 0 ? static_cast<int>(step.top_k()) : options_.defaults.top_k;
+  params.max_nodes =
+      step.max_nodes() != 0 ? static_cast<int>(std::min<uint32_t>(step.max_nodes(), 1 << 20))
+                            : options_.defaults.max_nodes;
+  if (absl::Status s = ValidateDraftParams(params); !s.ok()) return Prefixed(s, where + ".");
+
+  if (!live.has_value()) {
+    if (table_.size() >= options_.max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          where, ": this draft service already holds max_sequences = ", options_.max_sequences,
+          " sequences"));
+    }
+    live = table_.Add(stream, step.seq_id());
+    sequences_[*live] = Sequence();
+    slot->created = true;
+  }
+  table_.SetDeadline(stream, step.seq_id(), step.deadline_unix_ms());
+  slot->seq = *live;
+  Sequence& seq = sequences_[*live];
+  seq.history.insert(seq.history.end(), step.new_tokens().begin(), step.new_tokens().end());
+
+  const int d = slot->drafter;
+  if (!seq.added[d]) {
+    if (absl::Status s = drafter(d)->AddSequence(*live); !s.ok()) return Prefixed(s, where + ": ");
+    seq.added[d] = true;
+  }
+  slot->request.seq = *live;
+  slot->request.new_tokens.assign(seq.history.begin() + seq.fed[d], seq.history.end());
+  if (d == kModel) {
+    const int64_t reach = static_cast<int64_t>(seq.history.size()) + params.depth;
+    if (reach > model_->config().max_position_embeddings) {
+      *empty_tree = true;  // past the draft model's context: nothing to propose
+      return absl::OkStatus();
+    }
+    const int64_t need = static_cast<int64_t>(slot->request.new_tokens.size()) + params.max_nodes;
+    if (need > *kv_budget) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(where, ": the draft KV cache has no room for ", need, " more tokens"));
+    }
+    *kv_budget -= need;
+  }
+  if (absl::Status s = drafter(d)->CheckRequest(slot->request); !s.ok()) {
+    return Prefixed(s, where + ": ");
+  }
+  return absl::OkStatus();
+}
+
+void DraftLoop::ProcessBatch(DraftStepQueue::Batch& batch) {
+  for (StreamId stream : batch.ended_streams) {
+    for (int64_t seq : table_.RemoveStream(stream)) Free(seq, /*finished=*/false);
+  }
+  for (int64_t seq : table_.RemoveExpired(absl::ToUnixMillis(absl::Now()))) {
+    Free(seq, /*finished=*/false);
+  }
+  if (batch.steps.empty()) {
+    UpdateGauges();
+    return;
+  }
+
+  std::vector<v1::DraftStepResponse> responses(batch.steps.size());
+  std::array<std::vector<Slot>, 2> slots;  // per drafter
+  int64_t kv_budget = INT64_MAX;
+  if (model_ != nullptr) {
+    const KvUsage usage = model_->Usage();
+    kv_budget = usage.capacity_tokens - usage.used_tokens;
+  }
+  for (size_t b = 0; b < batch.steps.size(); ++b) {
+    const StreamId stream = batch.steps[b].stream;
+    const v1::DraftStepRequest& request = batch.steps[b].request;
+    v1::DraftStepResponse& response = responses[b];
+    response.set_step_id(request.step_id());
+    for (uint64_t id : request.release_seq_ids()) {
+      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/true);
+    }
+    for (int i = 0; i < request.steps_size(); ++i) {
+      const v1::DraftSequenceStep& step = request.steps(i);
+      v1::DraftSequenceResult* result = response.add_results();
+      result->set_seq_id(step.seq_id());
+      bool duplicate = false;
+      for (int j = 0; j < i; ++j) duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
+      if (duplicate) {
+        ToSequenceError(absl::InvalidArgumentError(absl::StrCat(
+                            "steps[", i, "].seq_id: ", step.seq_id(),
+                            " appears more than once in this step")),
+                        result->mutable_error());
+        continue;
+      }
+      Slot slot;
+      slot.step = b;
+      slot.result = i;
+      bool empty_tree = false;
+      absl::Status status = Admit(stream, i, step, &kv_budget, &slot, &empty_tree);
+      if (!status.ok()) {
+        if (slot.created) Drop(stream, step.seq_id(), slot);
+        ToSequenceError(status, result->mutable_error());
+        continue;
+      }
+      if (empty_tree) {
+        result->mutable_tree();  // present and empty: target-only for this step
+        continue;
+      }
+      slots[slot.drafter].push_back(std::move(slot));
+    }
+  }
+
+  const absl::Time start = absl::Now();
+  int64_t batch_size = 0;
+  int64_t tokens = 0;
+  for (int d : {kModel, kNgram}) {
+    std::vector<Slot>& group = slots[d];
+    if (group.empty()) continue;
+    batch_size += group.size();
+    std::vector<DraftRequest> requests;
+    requests.reserve(group.size());
+    for (const Slot& slot : group) requests.push_back(slot.request);
+    std::vector<absl::StatusOr<TokenTree>> trees(group.size());
+    absl::StatusOr<std::vector<TokenTree>> all = drafter(d)->Draft(requests);
+    if (all.ok()) {
+      for (size_t k = 0; k < group.size(); ++k) trees[k] = std::move((*all)[k]);
+    } else {
+      // A failed Draft() leaves every sequence as it was, so each can be retried alone.
+      SPECD_LOG(WARNING) << "batched draft of " << group.size()
+                         << " sequences failed, retrying one by one: " << all.status();
+      for (size_t k = 0; k < group.size(); ++k) {
+        absl::StatusOr<std::vector<TokenTree>> one =
+            drafter(d)->Draft(absl::MakeConstSpan(&requests[k], 1));
+        if (one.ok()) {
+          trees[k] = std::move((*one)[0]);
+        } else {
+          trees[k] = one.status();
+        }
+      }
+    }
+    for (size_t k = 0; k < group.size(); ++k) {
+      const Slot& slot = group[k];
+      const StreamId stream = batch.steps[slot.step].stream;
+      v1::DraftSequenceResult* result = responses[slot.step].mutable_results(slot.result);
+      if (!trees[k].ok()) {
+        if (slot.created) Drop(stream, result->seq_id(), slot);
+        ToSequenceError(trees[k].status(), result->mutable_error());
+        continue;
+      }
+      Sequence& seq = sequences_[slot.seq];
+      seq.fed[d] = seq.history.size();
+      const TokenTree& tree = *trees[k];
+      if (d == kModel) tokens += slot.request.new_tokens.size() + tree.size();
+      v1::TokenTree* out = result->mutable_tree();
+      out->mutable_tokens()->Add(tree.tokens.begin(), tree.tokens.end());
+      out->mutable_parents()->Add(tree.parents.begin(), tree.parents.end());
+      out->mutable_draft_logprobs()->Add(tree.draft_logprobs.begin(), tree.draft_logprobs.end());
+    }
+  }
+  if (batch_size > 0) {
+    metrics_->step_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    metrics_->step_batch_size.Observe(static_cast<double>(batch_size));
+    metrics_->step_tokens.Increment(static_cast<double>(tokens));
+  }
+  UpdateGauges();
+  for (size_t b = 0; b < batch.steps.size(); ++b) {
+    batch.steps[b].reply(std::move(responses[b]));
+  }
+}
+
+}  // namespace specd

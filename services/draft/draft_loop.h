@@ -1,0 +1,117 @@
+// The thread that owns the draft model in specd-draft. It takes batched steps from the Step
+// streams (StepQueue), grows one token tree per sequence with the drafter each sequence asks
+// for (the standalone draft model or n-gram prompt lookup), batching all waiting streams into
+// one Draft() call per drafter, and replies per stream.
+//
+// Per-sequence state. The loop keeps every sequence's token history, so a sequence may switch
+// method between steps: a drafter that has not seen some of the history is fed it first (the
+// catch-up rule of engine/drafter.h).
+//
+// Errors are per sequence (SequenceError) and leave the others served:
+//   INVALID_ARGUMENT, FAILED_PRECONDITION (no draft model loaded): nothing changes; the step's
+//     new_tokens are not recorded, so the router resends them or releases the sequence.
+//   DEADLINE_EXCEEDED: the sequence is freed; later steps for it get DEADLINE_EXCEEDED until
+//     the router releases the id.
+//   RESOURCE_EXHAUSTED (max_sequences, KV cache) and drafting failures: new_tokens are recorded
+//     (the router need not resend them) but no tree is proposed; a new sequence is not kept.
+// A sequence whose prefix no longer fits the draft model's context gets an empty tree.
+#ifndef SPECD_SERVICES_DRAFT_DRAFT_LOOP_H_
+#define SPECD_SERVICES_DRAFT_DRAFT_LOOP_H_
+
+#include <array>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "common/metrics.h"
+#include "common/sequence_table.h"
+#include "common/step_stream.h"
+#include "engine/backend.h"
+#include "engine/drafter.h"
+#include "specd/v1/draft.pb.h"
+
+namespace specd {
+
+using DraftStepQueue = StepQueue<v1::DraftStepRequest, v1::DraftStepResponse>;
+
+struct DraftLoopOptions {
+  // Hugging Face folder of the draft model; empty serves n-gram drafting only, which then
+  // needs vocab_size.
+  std::string model_dir;
+  int vocab_size = 0;      // without a model: the target's vocabulary size
+  BackendOptions backend;  // device, KV capacity, threads (draft model only)
+  NgramOptions ngram;
+  // Tree shape for fields a step leaves 0.
+  DraftParams defaults;
+  int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
+};
+
+class DraftLoop {
+ public:
+  // Loads the draft model if any (errors name the folder and what is wrong) and starts the
+  // loop thread, from then on the only user of the model and drafters. `queue` and `metrics`
+  // must outlive the loop.
+  static absl::StatusOr<std::unique_ptr<DraftLoop>> Create(const DraftLoopOptions& options,
+                                                          DraftStepQueue* queue,
+                                                          ModelServiceMetrics* metrics);
+  ~DraftLoop();
+
+  // What GetInfo answers; fixed once loaded.
+  const v1::DraftInfo& info() const { return info_; }
+
+  // Answers what is queued, frees every sequence and joins the thread. Call after the gRPC
+  // server has shut down.
+  void Stop();
+
+ private:
+  static constexpr int kModel = 0;  // index of the draft-model drafter (DRAFT_METHOD_MODEL)
+  static constexpr int kNgram = 1;  // DRAFT_METHOD_NGRAM
+
+  struct Sequence {
+    std::vector<int32_t> history;     // every token the router sent, in order
+    std::array<size_t, 2> fed{0, 0};  // history prefix each drafter has consumed
+    std::array<bool, 2> added{false, false};
+  };
+
+  // One sequence of one step on its way through a batch.
+  struct Slot {
+    size_t step = 0;     // index into the batch's steps
+    int result = 0;      // index into that step's response results
+    int64_t seq = 0;     // model-side id
+    int drafter = kModel;
+    bool created = false;  // the sequence was registered in this batch
+    DraftRequest request;
+  };
+
+  DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> model,
+            std::unique_ptr<DraftModelDrafter> model_drafter, std::unique_ptr<NgramDrafter> ngram,
+            DraftStepQueue* queue, ModelServiceMetrics* metrics);
+
+  void Run();
+  void ProcessBatch(DraftStepQueue::Batch& batch);
+  absl::Status Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
+                     int64_t* kv_budget, Slot* slot, bool* empty_tree);
+  void Drop(StreamId stream, uint64_t seq_id, const Slot& slot);
+  void Free(int64_t seq, bool finished);
+  void UpdateGauges();
+  Drafter* drafter(int index) {
+    return index == kModel ? static_cast<Drafter*>(model_drafter_.get()) : ngram_.get();
+  }
+
+  DraftLoopOptions options_;
+  v1::DraftInfo info_;
+  std::unique_ptr<Backend> model_;  // null without a draft model
+  std::unique_ptr<DraftModelDrafter> model_drafter_;
+  std::unique_ptr<NgramDrafter> ngram_;
+  DraftStepQueue* queue_;
+  ModelServiceMetrics* metrics_;
+  SequenceTable table_;
+  absl::flat_hash_map<int64_t, Sequence> sequences_;
+  std::thread thread_;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_DRAFT_DRAFT_LOOP_H_

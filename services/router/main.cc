@@ -1,0 +1,188 @@
+// specd-router: the public Generation API in front of a draft and a verify service.
+//
+//   specd-router --model models/pycoder-target --verify_address 127.0.0.1:50052 \
+//       --draft_address 127.0.0.1:50051 --address 0.0.0.0:50050 --metrics_port 9100
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "common/signals.h"
+#include "common/token_tree.h"
+#include "common/tokenizer.h"
+#include "engine/model_config.h"
+#include "services/router/router_loop.h"
+#include "services/router/router_metrics.h"
+#include "services/router/router_service.h"
+
+ABSL_FLAG(std::string, address, "0.0.0.0:50050", "host:port of the public Generation API");
+ABSL_FLAG(int, metrics_port, 9100, "port of the /metrics HTTP listener (0 = pick a free one)");
+ABSL_FLAG(std::string, model, "",
+          "Hugging Face folder of the target model: tokenizer.json, config.json and "
+          "generation_config.json (vocabulary, context, EOS); the weights stay with the verify "
+          "service");
+ABSL_FLAG(std::string, verify_address, "127.0.0.1:50052", "host:port of specd-verify");
+ABSL_FLAG(std::string, draft_address, "",
+          "host:port of specd-draft; empty = no draft service (target-only decoding)");
+ABSL_FLAG(int, max_batch, 32, "most sequences in one speculation step");
+ABSL_FLAG(int, max_queue, 256,
+          "most requests waiting to start; more are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_new_tokens_limit, 4096, "largest max_new_tokens a request may ask for");
+ABSL_FLAG(int, default_max_new_tokens, 256, "max_new_tokens of requests that set none");
+ABSL_FLAG(int, draft_depth, 4, "default draft tree depth");
+ABSL_FLAG(int, draft_top_k, 4, "default children per expanded draft node");
+ABSL_FLAG(int, draft_max_nodes, 16, "default nodes per draft tree (<= 256)");
+ABSL_FLAG(std::string, default_speculation, "auto",
+          "what SPECULATION_AUTO requests use: auto (the draft model when the draft service "
+          "is up), off, draft_model or ngram");
+
+namespace specd {
+namespace {
+
+int Fail(const std::string& message) {
+  SPECD_LOG(ERROR) << message;
+  return 1;
+}
+
+int Main() {
+  const std::string model_dir = absl::GetFlag(FLAGS_model);
+  if (model_dir.empty()) return Fail("--model: required (the target model's folder)");
+  const int max_batch = absl::GetFlag(FLAGS_max_batch);
+  const int max_queue = absl::GetFlag(FLAGS_max_queue);
+  const int limit = absl::GetFlag(FLAGS_max_new_tokens_limit);
+  const int default_new = absl::GetFlag(FLAGS_default_max_new_tokens);
+  if (max_batch < 1) return Fail("--max_batch: must be >= 1");
+  if (max_queue < 0) return Fail("--max_queue: must be >= 0");
+  if (limit < 1) return Fail("--max_new_tokens_limit: must be >= 1");
+  if (default_new < 1 || default_new > limit) {
+    return Fail("--default_max_new_tokens: must be in [1, --max_new_tokens_limit]");
+  }
+  DraftShape shape;
+  shape.depth = absl::GetFlag(FLAGS_draft_depth);
+  shape.top_k = absl::GetFlag(FLAGS_draft_top_k);
+  shape.max_nodes = absl::GetFlag(FLAGS_draft_max_nodes);
+  if (shape.depth < 1 || shape.depth > kMaxTreeNodes) return Fail("--draft_depth: 1..256");
+  if (shape.top_k < 1 || shape.top_k > kMaxTreeNodes) return Fail("--draft_top_k: 1..256");
+  if (shape.max_nodes < 1 || shape.max_nodes > kMaxTreeNodes) {
+    return Fail("--draft_max_nodes: 1..256");
+  }
+  const std::string spec = absl::AsciiStrToLower(absl::GetFlag(FLAGS_default_speculation));
+  v1::Speculation default_speculation;
+  if (spec == "auto") {
+    default_speculation = v1::SPECULATION_AUTO;
+  } else if (spec == "off") {
+    default_speculation = v1::SPECULATION_OFF;
+  } else if (spec == "draft_model") {
+    default_speculation = v1::SPECULATION_DRAFT_MODEL;
+  } else if (spec == "ngram") {
+    default_speculation = v1::SPECULATION_NGRAM;
+  } else {
+    return Fail("--default_speculation: one of auto, off, draft_model, ngram");
+  }
+
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
+  if (!config.ok()) return Fail(absl::StrCat("--model: ", config.status().ToString()));
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(model_dir);
+  if (!tokenizer.ok()) return Fail(absl::StrCat("--model: ", tokenizer.status().ToString()));
+
+  RequestLimits limits;
+  limits.vocab_size = config->vocab_size;
+  limits.max_context = config->max_position_embeddings;
+  limits.eos_token_ids = config->eos_token_ids;
+  if (limits.eos_token_ids.empty() && (*tokenizer)->eos_id().has_value()) {
+    limits.eos_token_ids.push_back(*(*tokenizer)->eos_id());
+  }
+  limits.max_new_tokens_limit = limit;
+  limits.default_max_new_tokens = default_new;
+  limits.default_shape = shape;
+  limits.default_speculation = default_speculation;
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  RouterMetrics metrics(*registry);
+
+  RouterLoopOptions loop_options;
+  loop_options.verify_address = absl::GetFlag(FLAGS_verify_address);
+  loop_options.draft_address = absl::GetFlag(FLAGS_draft_address);
+  loop_options.max_batch = max_batch;
+  loop_options.max_queue = max_queue;
+  loop_options.limits = limits;
+  if (absl::StatusOr<HostPort> hp = ParseHostPort(loop_options.verify_address, "--verify_address");
+      !hp.ok()) {
+    return Fail(hp.status().ToString());
+  }
+  if (!loop_options.draft_address.empty()) {
+    if (absl::StatusOr<HostPort> hp = ParseHostPort(loop_options.draft_address, "--draft_address");
+        !hp.ok()) {
+      return Fail(hp.status().ToString());
+    }
+  }
+
+  // The health status follows the verify service: without it nothing can be generated.
+  std::atomic<GrpcServer*> server_ptr{nullptr};
+  std::atomic<bool> serving{false};
+  RouterLoop loop(loop_options, tokenizer->get(), &metrics, [&](bool up) {
+    serving = up;
+    if (GrpcServer* s = server_ptr.load()) s->SetServing(up);
+  });
+
+  RouterServiceOptions service_options;
+  service_options.limits = limits;
+  service_options.target_model = model_dir;
+  RouterService service(service_options, tokenizer->get(), &loop, &metrics);
+
+  GrpcServerOptions server_options;
+  server_options.address = absl::GetFlag(FLAGS_address);
+  server_options.services = {&service};
+  server_options.health_service_names = {v1::Generation::service_full_name()};
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(server_options);
+  if (!server.ok()) return Fail(absl::StrCat("--address: ", server.status().ToString()));
+  server_ptr = server->get();
+  (*server)->SetServing(serving.load());
+
+  MetricsServerOptions metrics_options;
+  // Metrics listen where the gRPC API listens (loopback stays loopback).
+  absl::StatusOr<HostPort> api = ParseHostPort(server_options.address, "--address");
+  if (api.ok() && !api->host.empty()) metrics_options.host = api->host;
+  metrics_options.port = absl::GetFlag(FLAGS_metrics_port);
+  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
+      MetricsServer::Start(metrics_options, registry, [&] { return serving.load(); });
+  if (!metrics_server.ok()) {
+    return Fail(absl::StrCat("--metrics_port: ", metrics_server.status().ToString()));
+  }
+
+  loop.Start();
+  SPECD_LOG(INFO) << "specd-router: gRPC on port " << (*server)->port() << ", metrics on port "
+                  << (*metrics_server)->port() << "; model " << model_dir
+                  << ", verify " << loop_options.verify_address << ", draft "
+                  << (loop_options.draft_address.empty() ? "(none)" : loop_options.draft_address);
+
+  WatchTerminationSignals().WaitForNotification();
+  SPECD_LOG(INFO) << "specd-router: signal " << TerminationSignal() << ", shutting down";
+  server_ptr = nullptr;
+  (*server)->SetServing(false);
+  // Stop the scheduler first: it ends every open Generate stream, so the server's shutdown
+  // does not wait on them.
+  loop.Stop();
+  (*server)->Shutdown(/*grace_ms=*/2000);
+  (*metrics_server)->Stop();
+  return 0;
+}
+
+}  // namespace
+}  // namespace specd
+
+int main(int argc, char** argv) {
+  specd::BlockTerminationSignals();
+  absl::SetProgramUsageMessage(
+      "specd-router --model DIR --verify_address HOST:PORT [--draft_address HOST:PORT]");
+  absl::ParseCommandLine(argc, argv);
+  return specd::Main();
+}

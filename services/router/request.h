@@ -1,0 +1,52 @@
+// A generation request as the router's scheduler sees it: validated, tokenized, with every
+// default resolved. Built by request_validation from the public GenerateRequest.
+#ifndef SPECD_SERVICES_ROUTER_REQUEST_H_
+#define SPECD_SERVICES_ROUTER_REQUEST_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "engine/sampling.h"
+#include "specd/v1/generation.pb.h"
+
+namespace specd {
+
+struct DraftShape {
+  int depth = 4;
+  int top_k = 4;
+  int max_nodes = 16;
+};
+
+// What a request may ask for; from the router's flags and the target model.
+struct RequestLimits {
+  int vocab_size = 0;
+  int max_context = 0;  // tokens of prompt + output the target holds
+  std::vector<int32_t> eos_token_ids;
+  int max_new_tokens_limit = 4096;
+  int default_max_new_tokens = 256;
+  DraftShape default_shape;
+  v1::Speculation default_speculation = v1::SPECULATION_AUTO;
+  // Bounds on the stop strings a request may carry (they are matched on every token).
+  int max_stop_strings = 16;
+  int max_stop_bytes = 256;
+};
+
+struct RouterRequest {
+  std::string request_id;
+  std::vector<int32_t> prompt;
+  int max_new_tokens = 0;
+  SamplingParams sampling;  // seed already drawn for unseeded sampling requests
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+  v1::Speculation speculation = v1::SPECULATION_AUTO;  // never AUTO's default left unresolved
+  DraftShape shape;
+  absl::Time arrival;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_ROUTER_REQUEST_H_

@@ -1,0 +1,604 @@
+#include "services/router/router_loop.h"
+
+#include <algorithm>
+#include <random>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+#include "common/token_tree.h"
+
+namespace specd {
+namespace {
+
+int64_t ToUnixMillisOrZero(absl::Time t) {
+  return t == absl::InfiniteFuture() ? 0 : absl::ToUnixMillis(t);
+}
+
+TokenTree FromProto(const v1::TokenTree& p) {
+  TokenTree t;
+  t.tokens.assign(p.tokens().begin(), p.tokens().end());
+  t.parents.assign(p.parents().begin(), p.parents().end());
+  t.draft_logprobs.assign(p.draft_logprobs().begin(), p.draft_logprobs().end());
+  return t;
+}
+
+void ToProto(const TokenTree& t, v1::TokenTree* p) {
+  p->mutable_tokens()->Assign(t.tokens.begin(), t.tokens.end());
+  p->mutable_parents()->Assign(t.parents.begin(), t.parents.end());
+  p->mutable_draft_logprobs()->Assign(t.draft_logprobs.begin(), t.draft_logprobs.end());
+}
+
+int TreeDepth(const TokenTree& t) {
+  int depth = 0;
+  for (int d : TreeDepths(t)) depth = std::max(depth, d + 1);
+  return depth;
+}
+
+class StreamDecoder : public TokenTextDecoder {
+ public:
+  explicit StreamDecoder(const Tokenizer* tokenizer)
+      : stream_(tokenizer, /*skip_special_tokens=*/true) {}
+  std::string Next(int32_t token) override { return stream_.Push(token); }
+  std::string Flush() override { return stream_.Flush(); }
+
+ private:
+  DecodeStream stream_;
+};
+
+}  // namespace
+
+struct RouterLoop::Sequence {
+  uint64_t id = 0;
+  RouterRequest request;
+  std::shared_ptr<ResponseSink> sink;
+  std::vector<int32_t> tokens;  // prompt, then every token the verifier emitted
+  int64_t prompt_len = 0;
+  std::unique_ptr<SequenceOutput> output;
+  v1::SpeculationStats stats;
+  absl::Time admitted;
+  absl::Time last_emit;
+  bool streamed_any = false;
+  bool done = false;
+
+  // Verify service state: how many of `tokens` it holds KV for, under which stream epoch.
+  int64_t verify_cached = 0;
+  uint64_t verify_epoch = 0;  // 0: not held
+  // Draft service state, likewise. After a draft reconnect the epoch differs and the whole
+  // history is sent again.
+  int64_t draft_cached = 0;
+  uint64_t draft_epoch = 0;
+  bool draft_failed = false;  // the draft service rejected this sequence: stop drafting it
+
+  // This step.
+  TokenTree tree;
+  TargetOnlyReason reason = TargetOnlyReason::kNoDraft;
+};
+
+RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
+                       RouterMetrics* metrics, std::function<void(bool)> on_serving)
+    : options_(std::move(options)),
+      tokenizer_(tokenizer),
+      metrics_(metrics),
+      on_serving_(std::move(on_serving)),
+      // Draft and verify services may serve several routers; a random high half keeps this
+      // router's sequence ids apart from theirs (and positive as a signed 64-bit id).
+      seq_id_base_((std::random_device{}() & 0x7fffffffULL) << 32) {
+  max_context_ = options_.limits.max_context;
+  UpstreamOptions vo;
+  vo.name = "verify";
+  vo.address = options_.verify_address;
+  vo.probe_timeout = options_.probe_timeout;
+  vo.initial_backoff = options_.initial_backoff;
+  vo.max_backoff = options_.max_backoff;
+  verify_ = std::make_unique<VerifyUpstream>(
+      vo,
+      [this](const v1::VerifyInfo& info) -> absl::Status {
+        if (static_cast<int>(info.vocab_size()) != options_.limits.vocab_size) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the verify service's model has a vocabulary of ", info.vocab_size(),
+              " tokens; the router's tokenizer and config have ", options_.limits.vocab_size));
+        }
+        absl::MutexLock lock(&mu_);
+        if (info.max_context() > 0) {
+          max_context_ =
+              std::min(options_.limits.max_context, static_cast<int>(info.max_context()));
+        }
+        return absl::OkStatus();
+      },
+      [this](bool up) {
+        if (up) Wake();
+        if (on_serving_) on_serving_(up);
+      });
+  if (!options_.draft_address.empty()) {
+    UpstreamOptions dopt = vo;
+    dopt.name = "draft";
+    dopt.address = options_.draft_address;
+    draft_ = std::make_unique<DraftUpstream>(
+        dopt,
+        [this](const v1::DraftInfo& info) -> absl::Status {
+          if (static_cast<int>(info.vocab_size()) != options_.limits.vocab_size) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("the draft model has a vocabulary of ", info.vocab_size(),
+                             " tokens; the target's has ", options_.limits.vocab_size));
+          }
+          return absl::OkStatus();
+        },
+        [this](bool up) { metrics_->draft_available.Set(up ? 1 : 0); });
+  }
+  metrics_->draft_available.Set(0);
+  absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
+      NgramDrafter::Create(options_.limits.vocab_size, options_.ngram);
+  if (ngram.ok()) {
+    local_ngram_ = *std::move(ngram);
+  } else {
+    SPECD_LOG(WARNING) << "local n-gram drafter disabled: " << ngram.status();
+  }
+}
+
+RouterLoop::~RouterLoop() { Stop(); }
+
+void RouterLoop::Start() {
+  verify_->Start();
+  if (draft_ != nullptr) draft_->Start();
+  thread_ = std::thread([this] { Run(); });
+}
+
+void RouterLoop::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  verify_->Stop();
+  if (draft_ != nullptr) draft_->Stop();
+}
+
+v1::DraftInfo RouterLoop::draft_info() const {
+  return draft_ != nullptr ? draft_->info() : v1::DraftInfo();
+}
+
+int RouterLoop::max_context() const {
+  absl::MutexLock lock(&mu_);
+  return max_context_;
+}
+
+absl::Status RouterLoop::Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink) {
+  if (!verify_->up()) {
+    return absl::UnavailableError(absl::StrCat("the verify service at ", options_.verify_address,
+                                               " is not available; retry later"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the router is shutting down");
+  if (static_cast<int>(queue_.size()) >= options_.max_queue) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the router's queue is full (", options_.max_queue, " requests waiting); retry later"));
+  }
+  queue_.push_back({std::move(request), std::move(sink)});
+  metrics_->requests_waiting.Set(queue_.size());
+  wake_ = true;
+  return absl::OkStatus();
+}
+
+void RouterLoop::Wake() {
+  absl::MutexLock lock(&mu_);
+  wake_ = true;
+}
+
+void RouterLoop::Run() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) break;
+      if (running_.empty() && verify_releases_.empty() && draft_releases_.empty()) {
+        // Idle: sleep until a request arrives, something is cancelled, or a service changes
+        // state; the timeout bounds how long a cancelled queued request can linger.
+        auto woken = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return wake_ || stopping_; };
+        mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Milliseconds(100));
+        wake_ = false;
+        if (stopping_) break;
+      }
+    }
+    if (!verify_->up()) {
+      FailEverything(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                  absl::StrCat("the verify service at ", options_.verify_address,
+                                               " is not available")));
+      // The old verify stream (and every sequence on it) is gone with it.
+      verify_releases_.clear();
+      continue;
+    }
+    Admit();
+    Step();
+  }
+  FailEverything(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down"));
+  verify_->CloseGracefully();
+  if (draft_ != nullptr) draft_->CloseGracefully();
+}
+
+void RouterLoop::Admit() {
+  std::vector<Queued> expired;
+  std::vector<Queued> admitted;
+  const absl::Time now = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->sink->Cancelled() || now >= it->request.deadline) {
+        expired.push_back(std::move(*it));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    while (static_cast<int>(running_.size() + admitted.size()) < options_.max_batch &&
+           !queue_.empty()) {
+      admitted.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    metrics_->requests_waiting.Set(queue_.size());
+  }
+  for (Queued& q : expired) {
+    const grpc::Status status =
+        now >= q.request.deadline
+            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                           "the deadline passed while the request was queued")
+            : grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+    q.sink->Finish(status);
+    metrics_->CountOutcome(status.error_code());
+  }
+  const int max_context = this->max_context();
+  for (Queued& q : admitted) {
+    auto seq = std::make_unique<Sequence>();
+    seq->id = seq_id_base_ | (next_seq_++ & 0xffffffffULL);
+    seq->request = std::move(q.request);
+    seq->sink = std::move(q.sink);
+    seq->tokens = seq->request.prompt;
+    seq->prompt_len = static_cast<int64_t>(seq->tokens.size());
+    StreamStopConditions stop;
+    stop.max_new_tokens = seq->request.max_new_tokens;
+    if (!seq->request.ignore_eos) stop.eos_token_ids = options_.limits.eos_token_ids;
+    stop.stop_token_ids = seq->request.stop_token_ids;
+    stop.stop = seq->request.stop;
+    stop.max_total_tokens = max_context;
+    stop.prompt_tokens = seq->prompt_len;
+    seq->output = std::make_unique<SequenceOutput>(std::make_unique<StreamDecoder>(tokenizer_),
+                                                   std::move(stop));
+    seq->admitted = now;
+    // What the sequence will speculate with; steps downgrade it to OFF while the draft
+    // service is unavailable.
+    const v1::Speculation mode = seq->request.speculation;
+    seq->stats.set_mode(mode == v1::SPECULATION_OFF                          ? v1::SPECULATION_OFF
+                        : mode == v1::SPECULATION_NGRAM                      ? v1::SPECULATION_NGRAM
+                        : draft_ == nullptr                                  ? v1::SPECULATION_OFF
+                                                                    : v1::SPECULATION_DRAFT_MODEL);
+    metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
+    metrics_->prompt_tokens.Increment(static_cast<double>(seq->prompt_len));
+    if (seq->prompt_len >= max_context) {
+      // The verify service reported a smaller context than the router's config.
+      Fail(*seq, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("prompt: ", seq->prompt_len,
+                                           " tokens leave no room in the context of ",
+                                           max_context)));
+      continue;
+    }
+    running_.push_back(std::move(seq));
+  }
+  UpdateGauges();
+}
+
+void RouterLoop::Step() {
+  const absl::Time now = absl::Now();
+  for (auto& seq : running_) {
+    if (now >= seq->request.deadline) {
+      Fail(*seq, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the deadline passed"));
+    } else if (seq->sink->Cancelled()) {
+      Fail(*seq, grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+    }
+  }
+  RemoveDone();
+  DraftStep();
+  VerifyStep();
+  RemoveDone();
+  UpdateGauges();
+}
+
+void RouterLoop::DraftStep() {
+  const bool draft_up = this->draft_up();
+  const uint64_t epoch = draft_up ? draft_->epoch() : 0;
+  const int max_context = this->max_context();
+  v1::DraftStepRequest request;
+  absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  for (auto& s : running_) {
+    Sequence& seq = *s;
+    seq.tree = TokenTree();
+    const v1::Speculation mode = seq.request.speculation;
+    if (mode == v1::SPECULATION_OFF) {
+      seq.reason = TargetOnlyReason::kOff;
+      continue;
+    }
+    // Tree nodes sit at positions tokens.size() .. tokens.size() + depth - 1, which must fit
+    // the context; and drafting past the last token the request may still produce is waste
+    // (the bonus token alone covers it).
+    const int64_t room = std::min<int64_t>(
+        max_context - static_cast<int64_t>(seq.tokens.size()),
+        seq.request.max_new_tokens - seq.output->generated() - 1);
+    const int depth = static_cast<int>(std::min<int64_t>(seq.request.shape.depth, room));
+    if (depth <= 0) {
+      seq.reason = TargetOnlyReason::kNoDraft;
+      continue;
+    }
+    if (mode == v1::SPECULATION_NGRAM && (!draft_up || seq.draft_failed) &&
+        local_ngram_ != nullptr) {
+      DraftParams params;
+      params.depth = depth;
+      params.top_k = std::max(1, seq.request.shape.top_k);
+      params.max_nodes = std::max(1, seq.request.shape.max_nodes);
+      seq.tree = local_ngram_->Propose(seq.tokens, params);
+      seq.reason = TargetOnlyReason::kNoDraft;  // when the history has no match
+      seq.stats.set_mode(v1::SPECULATION_NGRAM);
+      continue;
+    }
+    if (draft_ == nullptr || seq.draft_failed) {
+      seq.reason = TargetOnlyReason::kNoDraft;
+      continue;
+    }
+    if (!draft_up) {
+      seq.reason = TargetOnlyReason::kDraftUnavailable;
+      seq.stats.set_mode(v1::SPECULATION_OFF);
+      continue;
+    }
+    const int64_t from = seq.draft_epoch == epoch ? seq.draft_cached : 0;
+    v1::DraftSequenceStep* step = request.add_steps();
+    step->set_seq_id(seq.id);
+    step->mutable_new_tokens()->Assign(seq.tokens.begin() + from, seq.tokens.end());
+    step->set_method(mode == v1::SPECULATION_NGRAM ? v1::DRAFT_METHOD_NGRAM
+                                                   : v1::DRAFT_METHOD_MODEL);
+    step->set_depth(depth);
+    step->set_top_k(seq.request.shape.top_k);
+    step->set_max_nodes(seq.request.shape.max_nodes);
+    step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+    seq.draft_epoch = epoch;
+    seq.draft_cached = static_cast<int64_t>(seq.tokens.size());
+    seq.reason = TargetOnlyReason::kNoDraft;  // until a tree arrives
+    seq.stats.set_mode(mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM
+                                                     : v1::SPECULATION_DRAFT_MODEL);
+    by_id[seq.id] = &seq;
+  }
+  if (epoch != draft_epoch_) {
+    // Sequences named here lived on a stream that is gone; the service freed them with it.
+    draft_epoch_ = epoch;
+    draft_releases_.clear();
+  }
+  if (!draft_up) return;
+  if (request.steps_size() == 0 && draft_releases_.empty()) return;
+  request.set_step_id(next_step_);
+  draft_releases_.MoveInto(&request);
+  v1::DraftStepResponse response;
+  const absl::Time start = absl::Now();
+  const absl::Status status = draft_->RoundTrip(request, &response);
+  if (request.steps_size() > 0) {
+    metrics_->draft_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  if (!status.ok()) {
+    SPECD_LOG(WARNING) << status.message() << "; continuing target-only";
+    for (auto& [id, seq] : by_id) {
+      seq->reason = TargetOnlyReason::kDraftUnavailable;
+      seq->stats.set_mode(v1::SPECULATION_OFF);
+    }
+    return;
+  }
+  for (const v1::DraftSequenceResult& result : response.results()) {
+    auto it = by_id.find(result.seq_id());
+    if (it == by_id.end()) continue;
+    Sequence& seq = *it->second;
+    if (result.has_error() && result.error().code() != 0) {
+      SPECD_LOG(WARNING) << "draft service rejected sequence " << seq.id << " (request '"
+                         << seq.request.request_id << "'): " << result.error().message()
+                         << "; it continues target-only";
+      seq.draft_failed = true;
+      draft_releases_.cancelled.push_back(seq.id);
+      seq.draft_epoch = 0;
+      continue;
+    }
+    TokenTree tree = FromProto(result.tree());
+    if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size); !valid.ok()) {
+      SPECD_LOG(WARNING) << "draft service sent a bad tree for sequence " << seq.id << ": "
+                         << valid.message();
+      continue;
+    }
+    seq.tree = std::move(tree);
+  }
+  // Trees deeper than what was asked would run past the context: drop them.
+  for (const v1::DraftSequenceStep& step : request.steps()) {
+    Sequence& seq = *by_id[step.seq_id()];
+    if (!seq.tree.empty() && TreeDepth(seq.tree) > static_cast<int>(step.depth())) {
+      SPECD_LOG(WARNING) << "draft tree deeper than " << step.depth() << " dropped";
+      seq.tree = TokenTree();
+    }
+  }
+}
+
+void RouterLoop::VerifyStep() {
+  const uint64_t epoch = verify_->epoch();
+  if (epoch != verify_epoch_) {
+    verify_epoch_ = epoch;
+    verify_releases_.clear();  // released with the old stream
+  }
+  v1::VerifyStepRequest request;
+  absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  for (auto& s : running_) {
+    Sequence& seq = *s;
+    v1::VerifySequenceStep* step = request.add_steps();
+    step->set_seq_id(seq.id);
+    step->mutable_pending()->Assign(seq.tokens.begin() + seq.verify_cached, seq.tokens.end());
+    if (!seq.tree.empty()) ToProto(seq.tree, step->mutable_tree());
+    v1::SamplingParams* sampling = step->mutable_sampling();
+    sampling->set_temperature(seq.request.sampling.temperature);
+    sampling->set_top_k(seq.request.sampling.top_k);
+    sampling->set_top_p(seq.request.sampling.top_p);
+    sampling->set_seed(seq.request.sampling.seed);
+    step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+    seq.verify_epoch = epoch;
+    by_id[seq.id] = &seq;
+  }
+  if (request.steps_size() == 0 && verify_releases_.empty()) return;
+  request.set_step_id(next_step_++);
+  verify_releases_.MoveInto(&request);
+  v1::VerifyStepResponse response;
+  const absl::Time start = absl::Now();
+  const absl::Status status = verify_->RoundTrip(request, &response);
+  if (request.steps_size() > 0) {
+    metrics_->verify_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  if (!status.ok()) {
+    SPECD_LOG(ERROR) << status.message();
+    FailEverything(ToGrpcStatus(status));
+    return;
+  }
+  for (const v1::VerifySequenceResult& result : response.results()) {
+    auto it = by_id.find(result.seq_id());
+    if (it == by_id.end()) continue;
+    Sequence& seq = *it->second;
+    by_id.erase(it);
+    if (result.has_error() && result.error().code() != 0) {
+      Fail(seq, grpc::Status(static_cast<grpc::StatusCode>(result.error().code()),
+                             absl::StrCat("verify service: ", result.error().message())));
+      continue;
+    }
+    ApplyVerifyResult(seq, result);
+  }
+  for (auto& [id, seq] : by_id) {
+    Fail(*seq, grpc::Status(grpc::StatusCode::INTERNAL,
+                            "the verify service's reply has no result for this sequence"));
+  }
+}
+
+void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result) {
+  const int accepted = static_cast<int>(result.accepted_draft());
+  if (result.tokens_size() != accepted + 1 ||
+      (seq.tree.empty() ? accepted != 0 : accepted > TreeDepth(seq.tree))) {
+    Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL,
+                           absl::StrCat("the verify service returned ", result.tokens_size(),
+                                        " tokens with ", accepted, " accepted drafts")));
+    return;
+  }
+  for (int32_t t : result.tokens()) {
+    if (t < 0 || t >= options_.limits.vocab_size) {
+      Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL,
+                             absl::StrCat("the verify service returned token ", t,
+                                          " outside the vocabulary")));
+      return;
+    }
+  }
+  if (!seq.tree.empty()) {
+    seq.stats.set_steps(seq.stats.steps() + 1);
+    seq.stats.set_draft_tokens(seq.stats.draft_tokens() + seq.tree.size());
+    seq.stats.set_accepted_tokens(seq.stats.accepted_tokens() + accepted);
+    while (seq.stats.accepted_per_position_size() < accepted) {
+      seq.stats.add_accepted_per_position(0);
+    }
+    for (int i = 0; i < accepted; ++i) {
+      seq.stats.set_accepted_per_position(i, seq.stats.accepted_per_position(i) + 1);
+    }
+    metrics_->spec_decode_steps.Increment();
+    metrics_->spec_decode_draft_tokens.Increment(seq.tree.size());
+    metrics_->spec_decode_accepted_tokens.Increment(accepted);
+    metrics_->CountAcceptedPositions(accepted);
+  } else {
+    seq.stats.set_target_only_steps(seq.stats.target_only_steps() + 1);
+    metrics_->CountTargetOnlyStep(seq.reason);
+  }
+  // The verifier now holds KV for the pending tokens and the accepted drafts; the bonus token
+  // is the next step's pending token.
+  seq.verify_cached = static_cast<int64_t>(seq.tokens.size()) + accepted;
+  for (int32_t t : result.tokens()) {
+    seq.tokens.push_back(t);
+    if (!seq.output->Push(t)) break;  // tokens after a stop are dropped
+  }
+  Emit(seq);
+}
+
+void RouterLoop::Emit(Sequence& seq) {
+  OutputChunk chunk = seq.output->TakeReady();
+  const bool finished = seq.output->finished();
+  if (chunk.empty() && !finished) return;
+  const absl::Time now = absl::Now();
+  v1::GenerateResponse response;
+  response.mutable_token_ids()->Assign(chunk.token_ids.begin(), chunk.token_ids.end());
+  response.set_text(std::move(chunk.text));
+  const int n = static_cast<int>(chunk.token_ids.size());
+  if (n > 0) {
+    if (!seq.streamed_any) {
+      metrics_->time_to_first_token.Observe(absl::ToDoubleSeconds(now - seq.request.arrival));
+      seq.streamed_any = true;
+    } else {
+      // Tokens accepted together arrive together; spread the gap over them, as a client
+      // reading tokens/s would.
+      const double per_token = absl::ToDoubleSeconds(now - seq.last_emit) / n;
+      for (int i = 0; i < n; ++i) metrics_->inter_token_latency.Observe(per_token);
+    }
+    seq.last_emit = now;
+    metrics_->generation_tokens.Increment(n);
+  }
+  if (finished) {
+    response.set_finish_reason(seq.output->finish_reason());
+    response.mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(seq.prompt_len));
+    response.mutable_usage()->set_completion_tokens(seq.output->generated());
+    *response.mutable_speculation() = seq.stats;
+    if (seq.output->finish_reason() == v1::FINISH_REASON_STOP_STRING) {
+      response.set_matched_stop(seq.output->matched_stop());
+    }
+    seq.sink->Write(std::move(response));
+    seq.sink->Finish(grpc::Status::OK);
+    metrics_->CountOutcome(grpc::StatusCode::OK);
+    metrics_->e2e_request_latency.Observe(absl::ToDoubleSeconds(now - seq.request.arrival));
+    Release(seq, /*finished=*/true);
+    return;
+  }
+  seq.sink->Write(std::move(response));
+}
+
+void RouterLoop::Fail(Sequence& seq, const grpc::Status& status) {
+  if (seq.done) return;
+  seq.sink->Finish(status);
+  metrics_->CountOutcome(status.error_code());
+  Release(seq, /*finished=*/false);
+}
+
+void RouterLoop::Release(Sequence& seq, bool finished) {
+  seq.done = true;
+  if (seq.verify_epoch != 0 && seq.verify_epoch == verify_->epoch()) {
+    (finished ? verify_releases_.finished : verify_releases_.cancelled).push_back(seq.id);
+  }
+  if (draft_ != nullptr && seq.draft_epoch != 0 && seq.draft_epoch == draft_->epoch()) {
+    (finished ? draft_releases_.finished : draft_releases_.cancelled).push_back(seq.id);
+  }
+}
+
+void RouterLoop::FailEverything(const grpc::Status& status) {
+  for (auto& seq : running_) Fail(*seq, status);
+  RemoveDone();
+  std::deque<Queued> queued;
+  {
+    absl::MutexLock lock(&mu_);
+    queued.swap(queue_);
+    metrics_->requests_waiting.Set(0);
+  }
+  for (Queued& q : queued) {
+    q.sink->Finish(status);
+    metrics_->CountOutcome(status.error_code());
+  }
+  UpdateGauges();
+}
+
+void RouterLoop::RemoveDone() {
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [](const std::unique_ptr<Sequence>& s) { return s->done; }),
+                 running_.end());
+}
+
+void RouterLoop::UpdateGauges() { metrics_->requests_running.Set(running_.size()); }
+
+}  // namespace specd

@@ -1,0 +1,181 @@
+// The router's scheduler: one thread that runs continuous batching over every active sequence.
+//
+// Each iteration (one speculation step):
+//   1. admits queued requests while fewer than max_batch sequences run, and ends sequences
+//      whose client cancelled or whose deadline passed;
+//   2. sends ONE draft Step message for every sequence that speculates through the draft
+//      service (its new tokens since its last draft step, the tree shape), with the ids of
+//      sequences to free;
+//   3. sends ONE verify Step message for every running sequence (pending tokens and the draft
+//      tree, an empty tree for target-only sequences), with the ids to free;
+//   4. feeds each sequence's emitted tokens through its SequenceOutput (stop conditions, text
+//      deltas) and streams what is ready.
+// The draft and verify services hold state per sequence and per stream, so a sequence that
+// ends is named in release_seq_ids of the next message to each service that holds it.
+//
+// Failures. Draft service down: every sequence continues target-only through the verify
+// service (the output is unchanged: verification is lossless), specd_draft_available is 0 and
+// a connector thread reconnects with backoff. After a reconnect the new draft stream holds
+// nothing, so each drafting sequence is resynced by sending its whole history as new_tokens.
+// N-gram requests (speculation = ngram) draft in the draft service like the others; while it is
+// unavailable (or when none is configured) the router runs the same prompt-lookup drafter
+// itself: it needs no model and costs microseconds, so there is no reason to lose speculation.
+// Verify service down: every running and queued request fails with UNAVAILABLE, health turns
+// NOT_SERVING, and new requests are refused until it is back.
+#ifndef SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_
+#define SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/tokenizer.h"
+#include "engine/drafter.h"
+#include "grpcpp/support/status.h"
+#include "services/router/output_stream.h"
+#include "services/router/request.h"
+#include "services/router/router_metrics.h"
+#include "services/router/upstream.h"
+#include "specd/v1/draft.grpc.pb.h"
+#include "specd/v1/generation.pb.h"
+#include "specd/v1/verify.grpc.pb.h"
+
+namespace specd {
+
+// Where a request's chunks go: implemented by the Generate reactor. Thread-safe.
+class ResponseSink {
+ public:
+  virtual ~ResponseSink() = default;
+  // Queues one chunk for the client; ignored after Finish.
+  virtual void Write(v1::GenerateResponse chunk) = 0;
+  // Ends the RPC once every queued chunk is written. Only the first call counts.
+  virtual void Finish(const grpc::Status& status) = 0;
+  // True once the client cancelled or the RPC's deadline passed.
+  virtual bool Cancelled() const = 0;
+};
+
+struct RouterLoopOptions {
+  std::string verify_address;
+  std::string draft_address;  // empty: no draft service, every step is target-only
+  int max_batch = 32;         // sequences per step
+  int max_queue = 256;        // requests waiting to start
+  // vocab_size, max_context, eos ids. max_context is lowered to the verify service's when it
+  // reports a smaller one.
+  RequestLimits limits;
+  absl::Duration probe_timeout = absl::Seconds(2);
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+  NgramOptions ngram;  // the local n-gram drafter's
+};
+
+class RouterLoop {
+ public:
+  // `tokenizer` and `metrics` must outlive the loop. `on_serving` is told whether the router
+  // can serve (the verify service is up); called from internal threads.
+  RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer, RouterMetrics* metrics,
+             std::function<void(bool serving)> on_serving);
+  ~RouterLoop();
+
+  void Start();
+  // Fails whatever is still running or queued with UNAVAILABLE and joins the threads.
+  void Stop();
+
+  // Queues a request. RESOURCE_EXHAUSTED when max_queue requests already wait, UNAVAILABLE
+  // while the verify service is down. On success the loop owns finishing `sink`.
+  absl::Status Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink);
+
+  // Makes the scheduler look at its queue now (a queued request was cancelled).
+  void Wake();
+
+  bool verify_up() const { return verify_->up(); }
+  bool draft_up() const { return draft_ != nullptr && draft_->up(); }
+  bool has_draft() const { return draft_ != nullptr; }
+  v1::VerifyInfo verify_info() const { return verify_->info(); }
+  v1::DraftInfo draft_info() const;
+  // Context length in force: the smaller of the router's model config and the verify
+  // service's.
+  int max_context() const;
+
+ private:
+  struct Sequence;
+  struct Queued {
+    RouterRequest request;
+    std::shared_ptr<ResponseSink> sink;
+  };
+  using DraftUpstream = Upstream<v1::Drafter, v1::DraftStepRequest, v1::DraftStepResponse,
+                                 v1::DraftInfoRequest, v1::DraftInfo>;
+  using VerifyUpstream = Upstream<v1::Verifier, v1::VerifyStepRequest, v1::VerifyStepResponse,
+                                  v1::VerifyInfoRequest, v1::VerifyInfo>;
+
+  void Run();
+  // Moves queued requests into running_ (and ends cancelled or expired queued ones). Returns
+  // false when there is nothing to do and the loop should wait.
+  void Admit();
+  void Step();
+  void DraftStep();
+  void VerifyStep();
+  void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);
+  // Streams what the sequence has ready; on finish also sends the last chunk and ends the RPC.
+  void Emit(Sequence& seq);
+  // Ends the sequence's RPC with `status` (not OK) and schedules its release.
+  void Fail(Sequence& seq, const grpc::Status& status);
+  // Schedules freeing the sequence in the services that hold it; `finished` tells them whether
+  // it ended normally (release_seq_ids) or was cut short (cancel_seq_ids).
+  void Release(Sequence& seq, bool finished);
+  void FailEverything(const grpc::Status& status);
+  void RemoveDone();
+  void UpdateGauges();
+
+  const RouterLoopOptions options_;
+  const Tokenizer* const tokenizer_;
+  RouterMetrics* const metrics_;
+  const std::function<void(bool)> on_serving_;
+  const uint64_t seq_id_base_;
+
+  std::unique_ptr<VerifyUpstream> verify_;
+  std::unique_ptr<DraftUpstream> draft_;
+  std::unique_ptr<NgramDrafter> local_ngram_;
+
+  mutable absl::Mutex mu_;
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  int max_context_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Scheduler thread only.
+  std::thread thread_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+  // Sequences to name in the next Step message to each service.
+  struct Releases {
+    std::vector<uint64_t> finished;
+    std::vector<uint64_t> cancelled;
+    bool empty() const { return finished.empty() && cancelled.empty(); }
+    void clear() {
+      finished.clear();
+      cancelled.clear();
+    }
+    template <typename Request>
+    void MoveInto(Request* request) {
+      request->mutable_release_seq_ids()->Assign(finished.begin(), finished.end());
+      request->mutable_cancel_seq_ids()->Assign(cancelled.begin(), cancelled.end());
+      clear();
+    }
+  };
+  Releases verify_releases_;
+  Releases draft_releases_;
+  uint64_t next_seq_ = 1;
+  uint64_t next_step_ = 1;
+  uint64_t verify_epoch_ = 0;
+  uint64_t draft_epoch_ = 0;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_

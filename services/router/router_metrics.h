@@ -1,0 +1,56 @@
+// The router's metrics, exactly the "router" table of docs/metrics.md. Updated from the
+// scheduler thread and from gRPC reactors; prometheus-cpp metrics are internally synchronised.
+#ifndef SPECD_SERVICES_ROUTER_ROUTER_METRICS_H_
+#define SPECD_SERVICES_ROUTER_ROUTER_METRICS_H_
+
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/support/status.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace specd {
+
+enum class TargetOnlyReason { kOff, kDraftUnavailable, kNoDraft };
+
+class RouterMetrics {
+ public:
+  explicit RouterMetrics(prometheus::Registry& registry);
+
+  // specd_requests_total{outcome} for a request that ended with `code`.
+  void CountOutcome(grpc::StatusCode code);
+  // specd_spec_decode_accepted_tokens_per_pos_total{position} for positions [0, accepted).
+  void CountAcceptedPositions(int accepted);
+  void CountTargetOnlyStep(TargetOnlyReason reason);
+
+  prometheus::Gauge& requests_running;
+  prometheus::Gauge& requests_waiting;
+  prometheus::Histogram& time_to_first_token;
+  prometheus::Histogram& inter_token_latency;
+  prometheus::Histogram& e2e_request_latency;
+  prometheus::Histogram& queue_time;
+  prometheus::Counter& prompt_tokens;
+  prometheus::Counter& generation_tokens;
+  prometheus::Counter& spec_decode_steps;
+  prometheus::Counter& spec_decode_draft_tokens;
+  prometheus::Counter& spec_decode_accepted_tokens;
+  prometheus::Gauge& draft_available;
+  prometheus::Histogram& draft_latency;
+  prometheus::Histogram& verify_latency;
+
+ private:
+  prometheus::Family<prometheus::Counter>& outcomes_;
+  prometheus::Family<prometheus::Counter>& accepted_per_pos_;
+  prometheus::Family<prometheus::Counter>& target_only_;
+  absl::Mutex mu_;
+  // Children of accepted_per_pos_ by position, created on first use.
+  std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_ROUTER_ROUTER_METRICS_H_

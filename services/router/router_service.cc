@@ -1,0 +1,236 @@
+#include "services/router/router_service.h"
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+#include "services/router/request_validation.h"
+
+namespace specd {
+namespace {
+
+using GenerateWriter = grpc::ServerWriteReactor<v1::GenerateResponse>;
+
+// The scheduler's handle on one Generate RPC. It outlives the reactor (the scheduler may still
+// hold it after the RPC is done), so the reactor pointer is cleared in OnDone. gRPC allows one
+// outstanding write per stream, so chunks queue here and are written one after another.
+// Reactor methods are called outside the mutex: gRPC may run reactions inline.
+class ReactorSink : public ResponseSink {
+ public:
+  explicit ReactorSink(GenerateWriter* reactor) : reactor_(reactor) {}
+
+  void Write(v1::GenerateResponse chunk) override {
+    const v1::GenerateResponse* next = nullptr;
+    GenerateWriter* reactor = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finish_requested_ || reactor_ == nullptr) return;
+      queue_.push_back(std::move(chunk));  // deque: references to queued chunks stay valid
+      if (!writing_) {
+        writing_ = true;
+        next = &queue_.front();
+        reactor = reactor_;
+      }
+    }
+    if (next != nullptr) reactor->StartWrite(next);
+  }
+
+  void Finish(const grpc::Status& status) override {
+    GenerateWriter* reactor = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finish_requested_) return;
+      finish_requested_ = true;
+      final_status_ = status;
+      if (writing_ || reactor_ == nullptr) return;  // OnWriteDone finishes
+      reactor = reactor_;
+    }
+    reactor->Finish(status);
+  }
+
+  bool Cancelled() const override { return cancelled_.load(std::memory_order_relaxed); }
+
+  void OnWriteDone(bool ok) {
+    const v1::GenerateResponse* next = nullptr;
+    bool finish = false;
+    grpc::Status status;
+    GenerateWriter* reactor = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      queue_.pop_front();
+      if (!ok) {
+        // The stream is broken (client gone); nothing more can be written.
+        cancelled_.store(true, std::memory_order_relaxed);
+        queue_.clear();
+      }
+      reactor = reactor_;
+      if (!queue_.empty()) {
+        next = &queue_.front();
+      } else {
+        writing_ = false;
+        if (finish_requested_) {
+          finish = true;
+          status = final_status_;
+        }
+      }
+    }
+    if (next != nullptr) {
+      reactor->StartWrite(next);
+    } else if (finish) {
+      reactor->Finish(status);
+    }
+  }
+
+  void OnCancel() { cancelled_.store(true, std::memory_order_relaxed); }
+
+  void OnDone() {
+    absl::MutexLock lock(&mu_);
+    reactor_ = nullptr;
+  }
+
+ private:
+  absl::Mutex mu_;
+  GenerateWriter* reactor_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_requested_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status final_status_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> cancelled_{false};
+};
+
+class GenerateReactor : public GenerateWriter {
+ public:
+  GenerateReactor(RouterService* service, grpc::CallbackServerContext* context,
+                  const v1::GenerateRequest* request)
+      : service_(service), sink_(std::make_shared<ReactorSink>(this)) {
+    RouterRequest prepared;
+    absl::Status status = service->Prepare(*request, &prepared);
+    if (status.ok()) {
+      prepared.arrival = absl::Now();
+      const auto deadline = context->deadline();
+      // gRPC reports "no deadline" as a far-future time point.
+      if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365 * 10)) {
+        prepared.deadline = absl::FromChrono(deadline);
+      }
+      status = service->loop()->Submit(std::move(prepared), sink_);
+    }
+    if (!status.ok()) {
+      if (status.code() != absl::StatusCode::kInvalidArgument) {
+        SPECD_LOG(INFO) << "request '" << request->request_id() << "' refused: " << status;
+      }
+      service->metrics()->CountOutcome(static_cast<grpc::StatusCode>(status.code()));
+      sink_->Finish(ToGrpcStatus(status));
+    }
+  }
+
+  void OnWriteDone(bool ok) override { sink_->OnWriteDone(ok); }
+
+  void OnCancel() override {
+    sink_->OnCancel();
+    service_->loop()->Wake();
+  }
+
+  void OnDone() override {
+    sink_->OnDone();
+    delete this;
+  }
+
+ private:
+  RouterService* const service_;
+  const std::shared_ptr<ReactorSink> sink_;
+};
+
+}  // namespace
+
+RouterService::RouterService(RouterServiceOptions options, const Tokenizer* tokenizer,
+                             RouterLoop* loop, RouterMetrics* metrics)
+    : options_(std::move(options)),
+      tokenizer_(tokenizer),
+      loop_(loop),
+      metrics_(metrics),
+      rng_(std::random_device{}()) {}
+
+RequestLimits RouterService::CurrentLimits() const {
+  RequestLimits limits = options_.limits;
+  limits.max_context = loop_->max_context();
+  return limits;
+}
+
+uint64_t RouterService::RandomSeed() {
+  absl::MutexLock lock(&rng_mu_);
+  return rng_();
+}
+
+absl::Status RouterService::Prepare(const v1::GenerateRequest& request, RouterRequest* out) {
+  const RequestLimits limits = CurrentLimits();
+  if (absl::Status s = ValidateGenerateRequest(request, limits); !s.ok()) return s;
+  *out = ResolveRequest(request, limits, RandomSeed());
+  if (request.input_case() == v1::GenerateRequest::kPromptIds) {
+    out->prompt.assign(request.prompt_ids().ids().begin(), request.prompt_ids().ids().end());
+    return absl::OkStatus();
+  }
+  out->prompt = tokenizer_->Encode(request.prompt(), /*add_special_tokens=*/true);
+  return ValidatePrompt(out->prompt, "prompt", limits);
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  return new GenerateReactor(this, context, request);
+}
+
+grpc::ServerUnaryReactor* RouterService::Tokenize(grpc::CallbackServerContext* context,
+                                                  const v1::TokenizeRequest* request,
+                                                  v1::TokenizeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const std::vector<int32_t> ids =
+      tokenizer_->Encode(request->text(), request->add_special_tokens());
+  response->mutable_ids()->Assign(ids.begin(), ids.end());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterService::Detokenize(grpc::CallbackServerContext* context,
+                                                    const v1::DetokenizeRequest* request,
+                                                    v1::DetokenizeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  for (int i = 0; i < request->ids_size(); ++i) {
+    const int32_t id = request->ids(i);
+    if (id < 0 || id >= options_.limits.vocab_size) {
+      reactor->Finish(grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("ids[", i, "]: token id ", id, " is outside the vocabulary [0, ",
+                       options_.limits.vocab_size, ")")));
+      return reactor;
+    }
+  }
+  response->set_text(tokenizer_->Decode(
+      std::vector<int32_t>(request->ids().begin(), request->ids().end()),
+      request->skip_special_tokens()));
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                      const v1::GetModelInfoRequest* /*request*/,
+                                                      v1::ModelInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const v1::VerifyInfo verify = loop_->verify_info();
+  response->set_target_model(verify.model().empty() ? options_.target_model : verify.model());
+  if (loop_->has_draft()) response->set_draft_model(loop_->draft_info().model());
+  response->set_vocab_size(options_.limits.vocab_size);
+  response->set_max_context(loop_->max_context());
+  response->mutable_eos_token_ids()->Assign(options_.limits.eos_token_ids.begin(),
+                                            options_.limits.eos_token_ids.end());
+  response->set_max_new_tokens_limit(options_.limits.max_new_tokens_limit);
+  response->set_draft_available(loop_->draft_up());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace specd

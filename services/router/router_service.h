@@ -1,0 +1,64 @@
+// specd.v1.Generation, the public API, on the gRPC callback API. Generate validates and
+// tokenizes in its reactor (bounded CPU work, no waiting) and hands the request to the
+// RouterLoop, which streams the chunks back through the reactor; nothing here blocks.
+#ifndef SPECD_SERVICES_ROUTER_ROUTER_SERVICE_H_
+#define SPECD_SERVICES_ROUTER_ROUTER_SERVICE_H_
+
+#include <cstdint>
+#include <random>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "common/tokenizer.h"
+#include "grpcpp/grpcpp.h"
+#include "services/router/request.h"
+#include "services/router/router_loop.h"
+#include "services/router/router_metrics.h"
+#include "specd/v1/generation.grpc.pb.h"
+
+namespace specd {
+
+struct RouterServiceOptions {
+  RequestLimits limits;
+  std::string target_model;  // reported by GetModelInfo when the verify service names none
+};
+
+class RouterService final : public v1::Generation::CallbackService {
+ public:
+  // All pointers must outlive the service.
+  RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, RouterLoop* loop,
+                RouterMetrics* metrics);
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const v1::TokenizeRequest* request,
+                                     v1::TokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* context,
+                                       const v1::DetokenizeRequest* request,
+                                       v1::DetokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+
+  // Validates and tokenizes a request; on success fills `out` except arrival and deadline.
+  absl::Status Prepare(const v1::GenerateRequest& request, RouterRequest* out);
+
+  RouterLoop* loop() { return loop_; }
+  RouterMetrics* metrics() { return metrics_; }
+
+ private:
+  RequestLimits CurrentLimits() const;
+  uint64_t RandomSeed();
+
+  const RouterServiceOptions options_;
+  const Tokenizer* const tokenizer_;
+  RouterLoop* const loop_;
+  RouterMetrics* const metrics_;
+  absl::Mutex rng_mu_;
+  std::mt19937_64 rng_ ABSL_GUARDED_BY(rng_mu_);
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_ROUTER_ROUTER_SERVICE_H_

@@ -1,0 +1,206 @@
+// The router's connection to one internal service (draft or verify): one long-lived
+// bidirectional Step stream, one request message and one reply per speculation step, plus a
+// background thread that (re)connects with exponential backoff.
+//
+// "Up" means: GetInfo answered (the service has loaded its model) and no step has failed since.
+// A failed step tears the stream down and marks the upstream down; the connector thread then
+// probes GetInfo with backoff and, once it answers, the next step opens a fresh stream. Each
+// time the upstream comes up, epoch() increases: the service keeps sequence state per stream,
+// so state held under an older epoch is gone.
+#ifndef SPECD_SERVICES_ROUTER_UPSTREAM_H_
+#define SPECD_SERVICES_ROUTER_UPSTREAM_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+#include "grpcpp/grpcpp.h"
+
+namespace specd {
+
+struct UpstreamOptions {
+  std::string name;     // "draft" or "verify", for logs and errors
+  std::string address;  // host:port
+  absl::Duration probe_timeout = absl::Seconds(2);
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+};
+
+// `Service` is a generated gRPC service (v1::Drafter, v1::Verifier) with
+//   rpc Step(stream StepReq) returns (stream StepResp);  rpc GetInfo(InfoReq) returns (Info);
+template <typename Service, typename StepReq, typename StepResp, typename InfoReq,
+          typename Info>
+class Upstream {
+ public:
+  // `check` vets a fresh GetInfo answer (e.g. the vocabulary matches the router's); an error
+  // keeps the upstream down and is logged. `on_change` is called with the new state whenever
+  // the upstream goes up or down (from the connector or the stepping thread).
+  Upstream(UpstreamOptions options, std::function<absl::Status(const Info&)> check,
+           std::function<void(bool up)> on_change)
+      : options_(std::move(options)),
+        check_(std::move(check)),
+        on_change_(std::move(on_change)),
+        stub_(Service::NewStub(CreateServiceChannel(options_.address))) {}
+
+  ~Upstream() { Stop(); }
+
+  void Start() { connector_ = std::thread([this] { ConnectLoop(); }); }
+
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    if (connector_.joinable()) connector_.join();
+    CloseStream(/*cancel=*/true);
+  }
+
+  const std::string& address() const { return options_.address; }
+
+  bool up() const {
+    absl::MutexLock lock(&mu_);
+    return up_;
+  }
+  uint64_t epoch() const {
+    absl::MutexLock lock(&mu_);
+    return epoch_;
+  }
+  Info info() const {
+    absl::MutexLock lock(&mu_);
+    return info_;
+  }
+
+  // One step: writes `request` and reads its reply. Called from one thread only. On failure
+  // the upstream is down and the error is UNAVAILABLE naming the service and the cause.
+  absl::Status RoundTrip(const StepReq& request, StepResp* response) {
+    if (!up()) {
+      return absl::UnavailableError(
+          absl::StrCat(options_.name, " service at ", options_.address, " is not connected"));
+    }
+    if (stream_ == nullptr) {
+      context_ = std::make_unique<grpc::ClientContext>();
+      stream_ = stub_->Step(context_.get());
+    }
+    std::string cause;
+    if (!stream_->Write(request)) {
+      cause = "stream closed while sending";
+    } else if (!stream_->Read(response)) {
+      cause = "stream closed while receiving";
+    } else if (response->step_id() != request.step_id()) {
+      cause = absl::StrCat("reply to step ", response->step_id(), " where ", request.step_id(),
+                           " was expected");
+    } else {
+      return absl::OkStatus();
+    }
+    const grpc::Status status = CloseStream(/*cancel=*/true);
+    if (!status.ok()) absl::StrAppend(&cause, ": ", status.error_message());
+    SetDown();
+    return absl::UnavailableError(
+        absl::StrCat(options_.name, " service at ", options_.address, " failed: ", cause));
+  }
+
+  // Half-closes the stream so the service frees the stream's sequences; for shutdown.
+  void CloseGracefully() {
+    if (stream_ != nullptr) {
+      stream_->WritesDone();
+      CloseStream(/*cancel=*/false);
+    }
+  }
+
+ private:
+  grpc::Status CloseStream(bool cancel) {
+    grpc::Status status;
+    if (stream_ != nullptr) {
+      if (cancel) context_->TryCancel();
+      status = stream_->Finish();
+      stream_.reset();
+      context_.reset();
+    }
+    return status;
+  }
+
+  void SetDown() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!up_) return;
+      up_ = false;
+    }
+    SPECD_LOG(WARNING) << options_.name << " service at " << options_.address
+                       << " is down; reconnecting in the background";
+    if (on_change_) on_change_(false);
+  }
+
+  void ConnectLoop() {
+    absl::Duration backoff = options_.initial_backoff;
+    std::string last_error;
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto wanted = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !up_; };
+        mu_.Await(absl::Condition(&wanted));
+        if (stopping_) return;
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.probe_timeout));
+      InfoReq req;
+      Info info;
+      const grpc::Status status = stub_->GetInfo(&ctx, req, &info);
+      absl::Status ok = FromGrpcStatus(status);
+      if (ok.ok() && check_) ok = check_(info);
+      if (ok.ok()) {
+        {
+          absl::MutexLock lock(&mu_);
+          info_ = info;
+          up_ = true;
+          ++epoch_;
+        }
+        SPECD_LOG(INFO) << options_.name << " service at " << options_.address << " is up";
+        last_error.clear();
+        backoff = options_.initial_backoff;
+        if (on_change_) on_change_(true);
+        continue;
+      }
+      if (ok.ToString() != last_error) {
+        last_error = ok.ToString();
+        SPECD_LOG(WARNING) << options_.name << " service at " << options_.address
+                           << " not ready: " << last_error;
+      }
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), backoff);
+      backoff = std::min(backoff * 2, options_.max_backoff);
+    }
+  }
+
+  const UpstreamOptions options_;
+  const std::function<absl::Status(const Info&)> check_;
+  const std::function<void(bool)> on_change_;
+  std::unique_ptr<typename Service::Stub> stub_;
+
+  mutable absl::Mutex mu_;
+  bool up_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  Info info_ ABSL_GUARDED_BY(mu_);
+  std::thread connector_;
+
+  // Owned by the stepping thread.
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<StepReq, StepResp>> stream_;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_ROUTER_UPSTREAM_H_

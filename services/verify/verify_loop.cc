@@ -1,0 +1,294 @@
+#include "services/verify/verify_loop.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+
+namespace specd {
+namespace {
+
+// How often an idle loop looks for sequences whose deadline passed.
+constexpr absl::Duration kIdleTick = absl::Milliseconds(200);
+
+absl::Status CheckTokenIds(const google::protobuf::RepeatedField<int32_t>& tokens, int vocab,
+                           const std::string& field) {
+  for (int j = 0; j < tokens.size(); ++j) {
+    if (tokens[j] < 0 || tokens[j] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", j, "]: token id ", tokens[j],
+                                                      " is outside the vocabulary [0, ", vocab,
+                                                      ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
+  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopOptions& options,
+                                                               VerifyStepQueue* queue,
+                                                               ModelServiceMetrics* metrics) {
+  if (options.tensor_parallel != 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "tensor_parallel: ", options.tensor_parallel,
+        " is not supported yet; this build runs the target model on one device"));
+  }
+  if (options.max_sequences < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_sequences: ", options.max_sequences, " must be at least 1"));
+  }
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      CreateBackend(options.model_dir, options.backend);
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(),
+                        absl::StrCat("loading the target model from ", options.model_dir, ": ",
+                                     backend.status().message()));
+  }
+  return std::unique_ptr<VerifyLoop>(
+      new VerifyLoop(std::move(*backend), queue, options, metrics));
+}
+
+VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
+                       const VerifyLoopOptions& options, ModelServiceMetrics* metrics)
+    : backend_(std::move(backend)), queue_(queue), options_(options), metrics_(metrics) {
+  const ModelConfig& config = backend_->config();
+  info_.set_model(ModelNameFromPath(options.model_dir));
+  info_.set_vocab_size(config.vocab_size);
+  info_.set_max_context(config.max_position_embeddings);
+  info_.mutable_eos_token_ids()->Add(config.eos_token_ids.begin(), config.eos_token_ids.end());
+  info_.set_tensor_parallel(options.tensor_parallel);
+  UpdateGauges();
+  thread_ = std::thread([this] { Run(); });
+}
+
+VerifyLoop::~VerifyLoop() { Stop(); }
+
+void VerifyLoop::Stop() {
+  if (!thread_.joinable()) return;
+  queue_->Close();
+  thread_.join();
+}
+
+void VerifyLoop::Run() {
+  for (;;) {
+    VerifyStepQueue::Batch batch = queue_->Pop(kIdleTick);
+    ProcessBatch(batch);
+    if (batch.closed) break;
+  }
+  // Shutting down: nothing can reach these sequences any more.
+  for (int64_t seq : table_.RemoveAll()) Free(seq, /*finished=*/false);
+  UpdateGauges();
+}
+
+void VerifyLoop::Free(int64_t seq, bool finished) {
+  if (absl::Status s = backend_->RemoveSequence(seq); !s.ok()) {
+    SPECD_LOG(WARNING) << "freeing sequence " << seq << ": " << s;
+  }
+  (finished ? metrics_->freed_finished : metrics_->freed_cancelled).Increment();
+}
+
+void VerifyLoop::UpdateGauges() {
+  const KvUsage usage = backend_->Usage();
+  metrics_->sequences.Set(table_.size());
+  metrics_->kv_cache_usage_ratio.Set(
+      usage.capacity_tokens > 0
+          ? static_cast<double>(usage.used_tokens) / static_cast<double>(usage.capacity_tokens)
+          : 0.0);
+}
+
+absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySequenceStep& step,
+                               int64_t* kv_budget, VerifyItem* item, Slot* slot) {
+  const ModelConfig& config = backend_->config();
+  const std::string where = absl::StrCat("steps[", index, "]");
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  std::optional<int64_t> live = table_.Find(stream, step.seq_id());
+  if (!live.has_value() && table_.IsTombstoned(stream, step.seq_id())) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("sequence ", step.seq_id(), " was freed when its deadline passed"));
+  }
+  if (step.deadline_unix_ms() != 0 && step.deadline_unix_ms() < now_ms) {
+    if (live.has_value()) {
+      table_.Remove(stream, step.seq_id());
+      Free(*live, /*finished=*/false);
+      table_.Tombstone(stream, step.seq_id());
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat(where, ".deadline_unix_ms: ", step.deadline_unix_ms(), " has passed"));
+  }
+  if (step.pending().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".pending: empty (send the prompt at the first step, then the bonus token)"));
+  }
+  if (absl::Status s = CheckTokenIds(step.pending(), config.vocab_size, where + ".pending");
+      !s.ok()) {
+    return s;
+  }
+  item->tree.tokens.assign(step.tree().tokens().begin(), step.tree().tokens().end());
+  item->tree.parents.assign(step.tree().parents().begin(), step.tree().parents().end());
+  item->tree.draft_logprobs.assign(step.tree().draft_logprobs().begin(),
+                                   step.tree().draft_logprobs().end());
+  if (absl::Status s = ValidateTree(item->tree, config.vocab_size); !s.ok()) {
+    return Prefixed(s, where + ".");
+  }
+  item->sampling.temperature = step.sampling().temperature();
+  item->sampling.top_k = step.sampling().top_k();
+  // proto3 cannot tell an unset top_p from 0, and 0 is outside (0, 1]: read it as "no limit".
+  item->sampling.top_p = step.sampling().top_p() == 0.0f ? 1.0f : step.sampling().top_p();
+  item->sampling.seed = step.sampling().seed();
+  if (absl::Status s = ValidateSamplingParams(item->sampling); !s.ok()) {
+    return Prefixed(s, where + ".sampling.");
+  }
+  int64_t committed = 0;
+  if (live.has_value()) {
+    absl::StatusOr<int64_t> len = backend_->CommittedLength(*live);
+    if (!len.ok()) return len.status();
+    committed = *len;
+  }
+  int depth = 0;
+  for (int d : TreeDepths(item->tree)) depth = std::max(depth, d + 1);
+  // The bonus token after the deepest accepted node must still have a position.
+  const int64_t reach = committed + step.pending_size() + depth + 1;
+  if (reach > config.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the sequence would reach ", reach, " tokens, beyond the model's context of ",
+        config.max_position_embeddings));
+  }
+  const int64_t need = step.pending_size() + item->tree.size();
+  if (need > *kv_budget) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(where, ": the KV cache has no room for ", need, " more tokens"));
+  }
+  if (!live.has_value()) {
+    if (table_.size() >= options_.max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          where, ": this verify service already holds max_sequences = ", options_.max_sequences,
+          " sequences"));
+    }
+    const int64_t seq = table_.Add(stream, step.seq_id());
+    if (absl::Status s = backend_->AddSequence(seq); !s.ok()) {
+      table_.Remove(stream, step.seq_id());
+      return Prefixed(s, where + ": ");
+    }
+    live = seq;
+    slot->created = true;
+  }
+  table_.SetDeadline(stream, step.seq_id(), step.deadline_unix_ms());
+  *kv_budget -= need;
+  slot->seq = *live;
+  item->seq = *live;
+  item->pending.assign(step.pending().begin(), step.pending().end());
+  return absl::OkStatus();
+}
+
+void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
+  for (StreamId stream : batch.ended_streams) {
+    for (int64_t seq : table_.RemoveStream(stream)) Free(seq, /*finished=*/false);
+  }
+  for (int64_t seq : table_.RemoveExpired(absl::ToUnixMillis(absl::Now()))) {
+    Free(seq, /*finished=*/false);
+  }
+  if (batch.steps.empty()) {
+    UpdateGauges();
+    return;
+  }
+
+  std::vector<v1::VerifyStepResponse> responses(batch.steps.size());
+  std::vector<VerifyItem> items;
+  std::vector<Slot> slots;
+  const KvUsage usage = backend_->Usage();
+  int64_t kv_budget = usage.capacity_tokens - usage.used_tokens;
+  for (size_t b = 0; b < batch.steps.size(); ++b) {
+    const StreamId stream = batch.steps[b].stream;
+    const v1::VerifyStepRequest& request = batch.steps[b].request;
+    v1::VerifyStepResponse& response = responses[b];
+    response.set_step_id(request.step_id());
+    for (uint64_t id : request.release_seq_ids()) {
+      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/true);
+    }
+    for (int i = 0; i < request.steps_size(); ++i) {
+      const v1::VerifySequenceStep& step = request.steps(i);
+      v1::VerifySequenceResult* result = response.add_results();
+      result->set_seq_id(step.seq_id());
+      bool duplicate = false;
+      for (int j = 0; j < i; ++j) duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
+      absl::Status status;
+      VerifyItem item;
+      Slot slot{b, i, 0, false};
+      if (duplicate) {
+        status = absl::InvalidArgumentError(absl::StrCat(
+            "steps[", i, "].seq_id: ", step.seq_id(), " appears more than once in this step"));
+      } else {
+        status = Admit(stream, i, step, &kv_budget, &item, &slot);
+      }
+      if (!status.ok()) {
+        ToSequenceError(status, result->mutable_error());
+        continue;
+      }
+      items.push_back(std::move(item));
+      slots.push_back(slot);
+    }
+  }
+
+  if (!items.empty()) {
+    int64_t tokens = 0;
+    for (const VerifyItem& item : items) tokens += item.pending.size() + item.tree.size();
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<VerifyOutcome>> outcomes = backend_->Verify(items);
+    std::vector<absl::StatusOr<VerifyOutcome>> each(items.size());
+    if (outcomes.ok()) {
+      for (size_t k = 0; k < items.size(); ++k) each[k] = std::move((*outcomes)[k]);
+    } else {
+      // One bad sequence must not fail the others: drop whatever the failed batch left in the
+      // scratch regions and run every sequence alone.
+      SPECD_LOG(WARNING) << "batched verify of " << items.size()
+                         << " sequences failed, retrying one by one: " << outcomes.status();
+      for (size_t k = 0; k < items.size(); ++k) {
+        (void)backend_->Commit(items[k].seq, {});
+        absl::StatusOr<std::vector<VerifyOutcome>> one =
+            backend_->Verify(absl::MakeConstSpan(&items[k], 1));
+        if (one.ok()) {
+          each[k] = std::move((*one)[0]);
+        } else {
+          (void)backend_->Commit(items[k].seq, {});
+          each[k] = one.status();
+        }
+      }
+    }
+    metrics_->step_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    metrics_->step_batch_size.Observe(static_cast<double>(items.size()));
+    metrics_->step_tokens.Increment(static_cast<double>(tokens));
+
+    for (size_t k = 0; k < items.size(); ++k) {
+      const Slot& slot = slots[k];
+      v1::VerifySequenceResult* result = responses[slot.step].mutable_results(slot.result);
+      if (!each[k].ok()) {
+        if (slot.created) {
+          // A sequence whose first step failed holds nothing worth keeping.
+          table_.Remove(batch.steps[slot.step].stream, result->seq_id());
+          (void)backend_->RemoveSequence(slot.seq);
+        }
+        ToSequenceError(each[k].status(), result->mutable_error());
+        continue;
+      }
+      const VerifyOutcome& outcome = *each[k];
+      result->mutable_tokens()->Add(outcome.tokens.begin(), outcome.tokens.end());
+      result->set_accepted_draft(outcome.accepted_draft);
+      result->mutable_accepted_nodes()->Add(outcome.accepted_nodes.begin(),
+                                            outcome.accepted_nodes.end());
+    }
+  }
+  UpdateGauges();
+  for (size_t b = 0; b < batch.steps.size(); ++b) {
+    batch.steps[b].reply(std::move(responses[b]));
+  }
+}
+
+}  // namespace specd

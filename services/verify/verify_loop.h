@@ -1,0 +1,80 @@
+// The thread that owns the target model in specd-verify. It takes batched steps from the Step
+// streams (StepQueue), merges the steps of all streams that are waiting into one
+// Backend::Verify call, and replies per stream. Every per-sequence problem (bad token ids, an
+// invalid tree, no KV left, a passed deadline) becomes that sequence's SequenceError; the other
+// sequences of the batch are served.
+#ifndef SPECD_SERVICES_VERIFY_VERIFY_LOOP_H_
+#define SPECD_SERVICES_VERIFY_VERIFY_LOOP_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/metrics.h"
+#include "common/sequence_table.h"
+#include "common/step_stream.h"
+#include "engine/backend.h"
+#include "specd/v1/verify.pb.h"
+
+namespace specd {
+
+using VerifyStepQueue = StepQueue<v1::VerifyStepRequest, v1::VerifyStepResponse>;
+
+struct VerifyLoopOptions {
+  std::string model_dir;    // Hugging Face folder of the target model
+  BackendOptions backend;   // device, KV capacity, threads
+  int tensor_parallel = 1;  // devices the model is split over (1 until TP lands)
+  int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
+};
+
+class VerifyLoop {
+ public:
+  // Loads the model (errors name the folder and what is wrong with it) and starts the loop
+  // thread, which from then on is the only user of the model. `queue` and `metrics` must
+  // outlive the loop.
+  static absl::StatusOr<std::unique_ptr<VerifyLoop>> Create(const VerifyLoopOptions& options,
+                                                           VerifyStepQueue* queue,
+                                                           ModelServiceMetrics* metrics);
+  ~VerifyLoop();
+
+  // What GetInfo answers; fixed once loaded.
+  const v1::VerifyInfo& info() const { return info_; }
+
+  // Answers what is queued, frees every sequence and joins the thread. Call after the gRPC
+  // server has shut down, so no reactor waits on a step that will never run.
+  void Stop();
+
+ private:
+  // One sequence of one step on its way through a batch.
+  struct Slot {
+    size_t step = 0;    // index into the batch's steps
+    int result = 0;     // index into that step's response results
+    int64_t seq = 0;    // model-side id
+    bool created = false;  // AddSequence ran in this batch
+  };
+
+  void Run();
+  void ProcessBatch(VerifyStepQueue::Batch& batch);
+  // Validates one sequence's step and registers it; returns the error to report, or OK with
+  // `*item` filled and `slot->seq` set.
+  absl::Status Admit(StreamId stream, int index, const v1::VerifySequenceStep& step,
+                     int64_t* kv_budget, VerifyItem* item, Slot* slot);
+  void Free(int64_t seq, bool finished);
+  void UpdateGauges();
+
+  VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
+             const VerifyLoopOptions& options, ModelServiceMetrics* metrics);
+
+  v1::VerifyInfo info_;
+  std::unique_ptr<Backend> backend_;
+  VerifyStepQueue* queue_;
+  VerifyLoopOptions options_;
+  ModelServiceMetrics* metrics_;
+  SequenceTable table_;
+  std::thread thread_;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_VERIFY_VERIFY_LOOP_H_

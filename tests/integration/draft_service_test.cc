@@ -1,0 +1,378 @@
+// specd-draft as a real process on loopback: health, reflection and GetInfo; batched Step
+// streams whose trees are valid and equal to the drafters run in this process on the same
+// checkpoint (draft model and n-gram, switching between them), per-sequence errors, releases
+// and stream ends freeing sequences (seen in /metrics), startup errors.
+#include <signal.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_util.h"
+#include "engine/backend.h"
+#include "engine/drafter.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "specd/v1/draft.grpc.pb.h"
+#include "tests/testutil/random_checkpoint.h"
+#include "tests/testutil/service_process.h"
+
+namespace specd {
+namespace {
+
+using ::testing::Contains;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+constexpr int kVocab = 300;
+
+class DraftStream {
+ public:
+  explicit DraftStream(std::shared_ptr<grpc::Channel> channel)
+      : stub_(v1::Drafter::NewStub(channel)), stream_(stub_->Step(&context_)) {}
+
+  v1::DraftStepResponse Step(const v1::DraftStepRequest& request) {
+    v1::DraftStepResponse response;
+    EXPECT_TRUE(stream_->Write(request));
+    EXPECT_TRUE(stream_->Read(&response));
+    EXPECT_EQ(response.step_id(), request.step_id());
+    EXPECT_EQ(response.results_size(), request.steps_size());
+    return response;
+  }
+
+  grpc::Status Close() {
+    stream_->WritesDone();
+    return stream_->Finish();
+  }
+
+  grpc::ClientContext& context() { return context_; }
+
+ private:
+  std::unique_ptr<v1::Drafter::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DraftStepRequest, v1::DraftStepResponse>> stream_;
+};
+
+v1::DraftSequenceStep* AddStep(v1::DraftStepRequest* request, uint64_t seq,
+                               const std::vector<int32_t>& new_tokens, v1::DraftMethod method,
+                               const DraftParams& params) {
+  v1::DraftSequenceStep* step = request->add_steps();
+  step->set_seq_id(seq);
+  step->mutable_new_tokens()->Add(new_tokens.begin(), new_tokens.end());
+  step->set_method(method);
+  step->set_depth(params.depth);
+  step->set_top_k(params.top_k);
+  step->set_max_nodes(params.max_nodes);
+  return step;
+}
+
+TokenTree FromProto(const v1::TokenTree& t) {
+  TokenTree tree;
+  tree.tokens.assign(t.tokens().begin(), t.tokens().end());
+  tree.parents.assign(t.parents().begin(), t.parents().end());
+  tree.draft_logprobs.assign(t.draft_logprobs().begin(), t.draft_logprobs().end());
+  return tree;
+}
+
+class DraftServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(MakeTempDir("specd-draft-it"));
+    RandomCheckpointSpec spec;
+    spec.vocab_size = kVocab;
+    spec.hidden_size = 32;
+    spec.intermediate_size = 64;
+    spec.num_layers = 1;
+    spec.init_std = 0.3f;
+    spec.seed = 5;
+    spec.max_position_embeddings = 128;
+    ASSERT_TRUE(WriteRandomCheckpoint(*dir_, spec).ok());
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(*dir_, ec);
+    delete dir_;
+  }
+
+  // Starts specd-draft on free loopback ports: with the draft model unless `model_args`
+  // replaces it (e.g. {"--vocab_size=300"} for n-gram only).
+  std::unique_ptr<ServiceProcess> StartDraft(std::vector<std::string> model_args = {},
+                                             std::vector<std::string> extra = {}) {
+    grpc_port_ = PickFreePort();
+    metrics_port_ = PickFreePort();
+    std::vector<std::string> args = {absl::StrCat("--address=127.0.0.1:", grpc_port_),
+                                     absl::StrCat("--metrics_port=", metrics_port_),
+                                     "--num_threads=1", "--shutdown_grace_ms=500"};
+    if (model_args.empty()) model_args = {"--model=" + *dir_};
+    args.insert(args.end(), model_args.begin(), model_args.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Start(
+        {SpecdBinary("specd-draft"), args, absl::StrCat("127.0.0.1:", grpc_port_)});
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  }
+
+  double Metric(const std::string& name, const std::map<std::string, std::string>& labels = {}) {
+    absl::StatusOr<std::string> text = HttpGet("127.0.0.1", metrics_port_, "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    if (!text.ok()) return -1;
+    absl::StatusOr<double> v = MetricValue(*text, name, labels);
+    EXPECT_TRUE(v.ok()) << v.status();
+    return v.ok() ? *v : -1;
+  }
+
+  void ExpectMetricSoon(const std::string& name, double want,
+                        const std::map<std::string, std::string>& labels = {}) {
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    double got = -1;
+    while (absl::Now() < end) {
+      got = Metric(name, labels);
+      if (got == want) return;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ADD_FAILURE() << name << " is " << got << ", want " << want;
+  }
+
+  static std::string* dir_;
+  int grpc_port_ = 0;
+  int metrics_port_ = 0;
+};
+
+std::string* DraftServiceTest::dir_ = nullptr;
+
+TEST_F(DraftServiceTest, HealthReflectionAndInfo) {
+  std::unique_ptr<ServiceProcess> p = StartDraft();
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(*p->Health("specd.v1.Drafter"), grpc::health::v1::HealthCheckResponse::SERVING);
+  absl::StatusOr<std::vector<std::string>> services = ListServicesByReflection(p->channel());
+  ASSERT_TRUE(services.ok()) << services.status();
+  EXPECT_THAT(*services, Contains("specd.v1.Drafter"));
+  auto stub = v1::Drafter::NewStub(p->channel());
+  grpc::ClientContext context;
+  v1::DraftInfo info;
+  ASSERT_TRUE(stub->GetInfo(&context, v1::DraftInfoRequest(), &info).ok());
+  EXPECT_EQ(info.model(), std::filesystem::path(*dir_).filename().string());
+  EXPECT_EQ(info.vocab_size(), static_cast<uint32_t>(kVocab));
+}
+
+// Model and n-gram sequences in the same steps, some switching method midway: every tree is
+// valid, within its shape limits, and equal to what the drafters give in this process when fed
+// the same history.
+TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
+  std::unique_ptr<ServiceProcess> p = StartDraft();
+  ASSERT_NE(p, nullptr);
+  absl::StatusOr<std::unique_ptr<Backend>> model = CreateBackend(*dir_, BackendOptions());
+  ASSERT_TRUE(model.ok()) << model.status();
+  DraftModelDrafter model_drafter(model->get());
+  absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram = NgramDrafter::Create(kVocab, {});
+  ASSERT_TRUE(ngram.ok());
+
+  struct Seq {
+    uint64_t id;
+    std::vector<int32_t> history;
+    size_t model_fed = 0;  // history prefix the in-process model drafter has seen
+    bool model_added = false;
+  };
+  std::vector<Seq> seqs = {{1, {10, 20, 30, 40, 50}},
+                           {2, {7, 8, 9, 7, 8, 9, 7, 8}},
+                           {3, {100, 101, 102, 100, 101}}};
+  const DraftParams params{3, 2, 6};
+  const std::vector<std::vector<v1::DraftMethod>> methods = {
+      {v1::DRAFT_METHOD_MODEL, v1::DRAFT_METHOD_NGRAM, v1::DRAFT_METHOD_NGRAM},
+      {v1::DRAFT_METHOD_MODEL, v1::DRAFT_METHOD_NGRAM, v1::DRAFT_METHOD_MODEL},
+      {v1::DRAFT_METHOD_MODEL, v1::DRAFT_METHOD_MODEL, v1::DRAFT_METHOD_MODEL}};
+  DraftStream stream(p->channel());
+  std::vector<std::vector<int32_t>> pending(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) pending[i] = seqs[i].history;
+  int nonempty_ngram = 0;
+  for (int step = 0; step < 3; ++step) {
+    v1::DraftStepRequest request;
+    request.set_step_id(step);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      AddStep(&request, seqs[i].id, pending[i], methods[step][i], params);
+    }
+    const v1::DraftStepResponse response = stream.Step(request);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const v1::DraftSequenceResult& r = response.results(i);
+      ASSERT_EQ(r.seq_id(), seqs[i].id);
+      ASSERT_FALSE(r.has_error()) << r.error().message();
+      const TokenTree tree = FromProto(r.tree());
+      EXPECT_TRUE(ValidateTree(tree, kVocab).ok());
+      EXPECT_LE(tree.size(), params.max_nodes);
+      for (int d : TreeDepths(tree)) EXPECT_LT(d, params.depth);
+
+      TokenTree want;
+      Seq& s = seqs[i];
+      if (methods[step][i] == v1::DRAFT_METHOD_MODEL) {
+        if (!s.model_added) ASSERT_TRUE(model_drafter.AddSequence(s.id).ok());
+        s.model_added = true;
+        std::vector<int32_t> feed(s.history.begin() + s.model_fed, s.history.end());
+        absl::StatusOr<std::vector<TokenTree>> trees =
+            model_drafter.Draft({DraftRequest{static_cast<SeqId>(s.id), feed, params}});
+        ASSERT_TRUE(trees.ok()) << trees.status();
+        want = (*trees)[0];
+        s.model_fed = s.history.size();
+        EXPECT_FALSE(tree.empty());
+      } else {
+        want = (*ngram)->Propose(s.history, params);
+        nonempty_ngram += tree.empty() ? 0 : 1;
+      }
+      EXPECT_EQ(tree.tokens, want.tokens) << "step " << step << " seq " << i;
+      EXPECT_EQ(tree.parents, want.parents) << "step " << step << " seq " << i;
+      EXPECT_EQ(tree.draft_logprobs, want.draft_logprobs) << "step " << step << " seq " << i;
+      // The "verifier" accepts the first root-to-leaf chain's first token and adds a bonus.
+      std::vector<int32_t> emitted;
+      if (!tree.empty()) emitted.push_back(tree.tokens[0]);
+      emitted.push_back(static_cast<int32_t>((step * 31 + i * 7) % 256));
+      s.history.insert(s.history.end(), emitted.begin(), emitted.end());
+      pending[i] = emitted;
+    }
+  }
+  EXPECT_GT(nonempty_ngram, 0) << "the repeating prompts must give n-gram proposals";
+  EXPECT_EQ(Metric("specd_sequences"), 3);
+  EXPECT_GT(Metric("specd_kv_cache_usage_ratio"), 0);
+  EXPECT_EQ(Metric("specd_step_batch_size_count"), 3);
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(DraftServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
+  std::unique_ptr<ServiceProcess> p = StartDraft();
+  ASSERT_NE(p, nullptr);
+  DraftStream stream(p->channel());
+  const DraftParams params{2, 2, 4};
+  v1::DraftStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {1, 2, 3}, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&request, 2, {1, kVocab, 3}, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&request, 3, {}, v1::DRAFT_METHOD_NGRAM, params);
+  AddStep(&request, 4, {1}, v1::DRAFT_METHOD_MODEL, {2, 2, 300});  // max_nodes > 256
+  AddStep(&request, 5, {1}, static_cast<v1::DraftMethod>(9), params);
+  AddStep(&request, 6, {1}, v1::DRAFT_METHOD_NGRAM, params)
+      ->set_deadline_unix_ms(absl::ToUnixMillis(absl::Now()) - 10);
+  const v1::DraftStepResponse response = stream.Step(request);
+  EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
+  EXPECT_FALSE(response.results(0).tree().tokens().empty());
+  auto expect_error = [&](int i, grpc::StatusCode code, const std::string& text) {
+    const v1::DraftSequenceResult& r = response.results(i);
+    EXPECT_EQ(r.error().code(), code) << i << ": " << r.error().message();
+    EXPECT_THAT(r.error().message(), HasSubstr(text)) << i;
+    EXPECT_EQ(r.tree().tokens_size(), 0) << i;
+  };
+  expect_error(1, grpc::StatusCode::INVALID_ARGUMENT, "steps[1].new_tokens[1]: token id 300");
+  expect_error(2, grpc::StatusCode::INVALID_ARGUMENT, "steps[2].new_tokens: empty");
+  expect_error(3, grpc::StatusCode::INVALID_ARGUMENT, "steps[3].max_nodes");
+  expect_error(4, grpc::StatusCode::INVALID_ARGUMENT, "steps[4].method");
+  expect_error(5, grpc::StatusCode::DEADLINE_EXCEEDED, "deadline");
+  EXPECT_EQ(Metric("specd_sequences"), 1);
+
+  // Still serving: seq 1 continues, seq 2 starts with valid tokens.
+  v1::DraftStepRequest next;
+  next.set_step_id(2);
+  AddStep(&next, 1, {response.results(0).tree().tokens(0), 9}, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&next, 2, {1, 2, 3}, v1::DRAFT_METHOD_MODEL, params);
+  const v1::DraftStepResponse second = stream.Step(next);
+  EXPECT_FALSE(second.results(0).has_error()) << second.results(0).error().message();
+  EXPECT_FALSE(second.results(1).has_error()) << second.results(1).error().message();
+  // Same prompt, same deterministic drafter: seq 2's tree equals seq 1's first tree.
+  EXPECT_THAT(second.results(1).tree().tokens(),
+              ElementsAreArray(response.results(0).tree().tokens()));
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(DraftServiceTest, NgramOnlyServiceRefusesModelDrafting) {
+  std::unique_ptr<ServiceProcess> p = StartDraft({absl::StrCat("--vocab_size=", kVocab)});
+  ASSERT_NE(p, nullptr);
+  DraftStream stream(p->channel());
+  v1::DraftStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {5, 6, 7, 5, 6}, v1::DRAFT_METHOD_NGRAM, {3, 2, 8});
+  AddStep(&request, 2, {5, 6, 7}, v1::DRAFT_METHOD_MODEL, {3, 2, 8});
+  const v1::DraftStepResponse response = stream.Step(request);
+  EXPECT_FALSE(response.results(0).has_error());
+  // "5 6" occurred before, followed by "7 5 6".
+  EXPECT_THAT(response.results(0).tree().tokens(), ElementsAreArray({7, 5, 6}));
+  EXPECT_EQ(response.results(1).error().code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(response.results(1).error().message(), HasSubstr("no draft model"));
+  EXPECT_EQ(Metric("specd_kv_cache_usage_ratio"), 0);
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(DraftServiceTest, ReleasesAndStreamEndsFreeSequences) {
+  std::unique_ptr<ServiceProcess> p = StartDraft({}, {"--max_sequences=3"});
+  ASSERT_NE(p, nullptr);
+  DraftStream a(p->channel());
+  DraftStream b(p->channel());
+  const DraftParams params{2, 2, 4};
+  v1::DraftStepRequest ra;
+  ra.set_step_id(1);
+  for (uint64_t s = 1; s <= 3; ++s) {
+    AddStep(&ra, s, {static_cast<int32_t>(s), 2, 3}, v1::DRAFT_METHOD_MODEL, params);
+  }
+  const v1::DraftStepResponse first = a.Step(ra);
+  for (const auto& r : first.results()) EXPECT_FALSE(r.has_error()) << r.error().message();
+  EXPECT_EQ(Metric("specd_sequences"), 3);
+  const double usage = Metric("specd_kv_cache_usage_ratio");
+
+  // The service is full: another stream's sequence is refused.
+  v1::DraftStepRequest rb;
+  rb.set_step_id(1);
+  AddStep(&rb, 1, {4, 5}, v1::DRAFT_METHOD_NGRAM, params);
+  EXPECT_EQ(b.Step(rb).results(0).error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+
+  v1::DraftStepRequest release;
+  release.set_step_id(2);
+  release.add_release_seq_ids(2);
+  EXPECT_EQ(a.Step(release).results_size(), 0);
+  EXPECT_EQ(Metric("specd_sequences"), 2);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 1);
+  EXPECT_LT(Metric("specd_kv_cache_usage_ratio"), usage);
+  EXPECT_FALSE(b.Step(rb).results(0).has_error());
+  EXPECT_EQ(Metric("specd_sequences"), 3);
+
+  a.context().TryCancel();  // a router that dies
+  ExpectMetricSoon("specd_sequences", 1);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 2);
+  EXPECT_TRUE(b.Close().ok());
+  ExpectMetricSoon("specd_sequences", 0);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 3);
+  EXPECT_EQ(Metric("specd_kv_cache_usage_ratio"), 0);
+}
+
+TEST_F(DraftServiceTest, StartupErrorsAndSigterm) {
+  const std::string empty = MakeTempDir("specd-no-draft-model");
+  const int port = PickFreePort();
+  const std::vector<std::string> base = {absl::StrCat("--address=127.0.0.1:", port),
+                                         absl::StrCat("--metrics_port=", PickFreePort())};
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  for (const Case& c : std::vector<Case>{{{"--model=" + empty}, "config.json"},
+                                         {{}, "--vocab_size"},
+                                         {{"--model=" + *dir_, "--vocab_size=7"}, "vocab_size"},
+                                         {{"--vocab_size=300", "--tree_max_nodes=999"},
+                                          "max_nodes"}}) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
+        {SpecdBinary("specd-draft"), args, absl::StrCat("127.0.0.1:", port)});
+    ASSERT_TRUE(p.ok());
+    absl::StatusOr<int> code = (*p)->WaitForExit(absl::Seconds(30));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 1) << c.message;
+    EXPECT_THAT((*p)->Log(), HasSubstr(c.message));
+  }
+
+  std::unique_ptr<ServiceProcess> p = StartDraft();
+  ASSERT_NE(p, nullptr);
+  absl::StatusOr<int> code = p->Stop(SIGINT, absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_THAT(p->Log(), HasSubstr("specd-draft: stopped"));
+}
+
+}  // namespace
+}  // namespace specd

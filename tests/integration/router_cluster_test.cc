@@ -1,0 +1,634 @@
+// The whole cluster as a user runs it: specd-verify, specd-draft and specd-router started as
+// processes on loopback, spoken to over gRPC (and with the real specd-cli), checked through
+// their /metrics. Models are small random checkpoints written by specd-make-test-model (a draft
+// that is the target's first layer, so drafts are partly accepted).
+//
+// Each test starts its own cluster, so metric deltas belong to that test alone and ctest can run
+// the tests in parallel.
+#include <signal.h>
+#include <stdio.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/tokenizer.h"
+#include "engine/backend.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "specd/v1/generation.grpc.pb.h"
+#include "tests/testutil/random_checkpoint.h"
+#include "tests/testutil/service_process.h"
+
+namespace specd {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr int kMaxContext = 2048;
+
+// The models, written once per test process.
+struct Models {
+  std::string dir;
+  std::string target;
+  std::string draft;
+};
+
+const Models& TestModels() {
+  static const Models* models = [] {
+    auto* m = new Models();
+    m->dir = MakeTempDir("router_cluster_test");
+    m->target = m->dir + "/target";
+    m->draft = m->dir + "/draft";
+    const std::string cmd =
+        absl::StrCat(SpecdBinary("specd-make-test-model"), " --target_dir=", m->target,
+                     " --draft_dir=", m->draft,
+                     " --hidden_size=64 --intermediate_size=128 --num_layers=4 --draft_layers=1"
+                     " --max_position_embeddings=",
+                     kMaxContext, " > /dev/null");
+    if (std::system(cmd.c_str()) != 0) {
+      ADD_FAILURE() << "failed: " << cmd;
+    }
+    return m;
+  }();
+  return *models;
+}
+
+struct Result {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  std::string text;
+  int chunks = 0;
+  v1::GenerateResponse last;  // the chunk with the finish reason
+};
+
+struct ClusterOptions {
+  bool draft = true;
+  std::vector<std::string> router_args;
+};
+
+class Cluster {
+ public:
+  static std::unique_ptr<Cluster> Start(const ClusterOptions& options = {}) {
+    const Models& models = TestModels();
+    auto c = std::make_unique<Cluster>();
+    c->verify_metrics = PickFreePort();
+    const std::string verify_address = absl::StrCat("127.0.0.1:", PickFreePort());
+    c->verify_options = {SpecdBinary("specd-verify"),
+                         {"--address=" + verify_address,
+                          absl::StrCat("--metrics_port=", c->verify_metrics),
+                          "--model=" + models.target, "--num_threads=1"},
+                         verify_address};
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> verify =
+        ServiceProcess::Spawn(c->verify_options);
+    EXPECT_TRUE(verify.ok()) << verify.status();
+    if (!verify.ok()) return nullptr;
+    c->verify = *std::move(verify);
+    std::string draft_address;
+    if (options.draft) {
+      c->draft_metrics = PickFreePort();
+      draft_address = absl::StrCat("127.0.0.1:", PickFreePort());
+      absl::StatusOr<std::unique_ptr<ServiceProcess>> draft = ServiceProcess::Spawn(
+          {SpecdBinary("specd-draft"),
+           {"--address=" + draft_address, absl::StrCat("--metrics_port=", c->draft_metrics),
+            "--model=" + models.draft, "--num_threads=1"},
+           draft_address});
+      EXPECT_TRUE(draft.ok()) << draft.status();
+      if (!draft.ok()) return nullptr;
+      c->draft = *std::move(draft);
+    }
+    c->router_metrics = PickFreePort();
+    c->router_address = absl::StrCat("127.0.0.1:", PickFreePort());
+    std::vector<std::string> args = {
+        "--address=" + c->router_address, absl::StrCat("--metrics_port=", c->router_metrics),
+        "--model=" + models.target, "--verify_address=" + verify_address,
+        "--draft_address=" + draft_address, "--max_new_tokens_limit=4000"};
+    args.insert(args.end(), options.router_args.begin(), options.router_args.end());
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> router =
+        ServiceProcess::Spawn({SpecdBinary("specd-router"), args, c->router_address});
+    EXPECT_TRUE(router.ok()) << router.status();
+    if (!router.ok()) return nullptr;
+    c->router = *std::move(router);
+    for (ServiceProcess* p : {c->verify.get(), c->draft.get(), c->router.get()}) {
+      if (p == nullptr) continue;
+      const absl::Status s = p->WaitUntilServing(absl::Seconds(60));
+      EXPECT_TRUE(s.ok()) << s << "\n" << p->Log();
+      if (!s.ok()) return nullptr;
+    }
+    c->stub = v1::Generation::NewStub(c->router->channel());
+    if (options.draft) {
+      // The router probes the draft service in the background; wait until it is in use.
+      EXPECT_TRUE(c->WaitForMetric(c->router_metrics, "specd_draft_available", {}, 1));
+    }
+    return c;
+  }
+
+  Result Generate(const v1::GenerateRequest& request,
+                  absl::Duration timeout = absl::Seconds(120)) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    return Read(&ctx, request);
+  }
+
+  Result Read(grpc::ClientContext* ctx, const v1::GenerateRequest& request,
+              const std::function<void(int chunk)>& on_chunk = nullptr) {
+    Result r;
+    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
+        stub->Generate(ctx, request);
+    v1::GenerateResponse chunk;
+    while (reader->Read(&chunk)) {
+      r.tokens.insert(r.tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      r.text += chunk.text();
+      ++r.chunks;
+      if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) r.last = chunk;
+      if (on_chunk) on_chunk(r.chunks);
+    }
+    r.status = reader->Finish();
+    return r;
+  }
+
+  static double Metric(int port, const std::string& name,
+                       const std::map<std::string, std::string>& labels = {}) {
+    absl::StatusOr<std::string> text = HttpGet("127.0.0.1", port, "/metrics");
+    if (!text.ok()) return NAN;
+    absl::StatusOr<double> v = MetricValue(*text, name, labels);
+    return v.ok() ? *v : NAN;
+  }
+
+  // Polls until the metric equals `want` (10 s).
+  bool WaitForMetric(int port, const std::string& name,
+                     const std::map<std::string, std::string>& labels, double want) {
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    double v = NAN;
+    while (absl::Now() < end) {
+      v = Metric(port, name, labels);
+      if (v == want) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ADD_FAILURE() << name << " is " << v << ", want " << want;
+    return false;
+  }
+
+  ServiceProcessOptions verify_options;
+  std::unique_ptr<ServiceProcess> verify, draft, router;
+  int verify_metrics = 0, draft_metrics = 0, router_metrics = 0;
+  std::string router_address;
+  std::unique_ptr<v1::Generation::Stub> stub;
+};
+
+v1::GenerateRequest Greedy(const std::string& prompt, int max_new_tokens,
+                           v1::Speculation speculation) {
+  v1::GenerateRequest r;
+  r.set_prompt(prompt);
+  r.set_max_new_tokens(max_new_tokens);
+  r.set_ignore_eos(true);
+  r.set_speculation(speculation);
+  return r;
+}
+
+std::vector<std::string> Prompts(int n) {
+  const std::vector<std::string> seeds = {
+      "def fibonacci(n):",   "import numpy as np\n", "class Stack:\n    def", "for i in range(",
+      "Hello, world",        "The quick brown fox",  "return x * y + z",      "SELECT * FROM",
+      "#include <stdio.h>",  "while True:\n",        "if __name__ ==",        "x = [1, 2, 3]",
+      "async def fetch(url)", "lambda a, b: a",      "print('hi')",           "try:\n    pass",
+      "{\"key\": \"value\"", "a",                    "<html><body>",          "0123456789",
+      "    yield from",       "Zebra"};
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back(seeds[i % seeds.size()]);
+  return out;
+}
+
+// Target-only greedy decoding in this process, straight on the engine.
+std::vector<int32_t> EngineGreedy(Backend* target, const std::vector<int32_t>& prompt, int n,
+                                  SeqId seq) {
+  std::vector<int32_t> out;
+  EXPECT_TRUE(target->AddSequence(seq).ok());
+  VerifyItem item;
+  item.seq = seq;
+  item.pending = prompt;
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<std::vector<VerifyOutcome>> o = target->Verify({item});
+    EXPECT_TRUE(o.ok()) << o.status();
+    if (!o.ok()) break;
+    out.push_back((*o)[0].tokens[0]);
+    item.pending = {(*o)[0].tokens[0]};
+  }
+  EXPECT_TRUE(target->RemoveSequence(seq).ok());
+  return out;
+}
+
+TEST(RouterClusterTest, GreedyOutputIsIdenticalWithAndWithoutSpeculation) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const std::vector<std::string> prompts = Prompts(22);
+  const int kTokens = 24;
+  std::vector<Result> off(prompts.size()), on(prompts.size()), ngram(prompts.size());
+  // Four client threads, so requests are also batched with each other.
+  std::vector<std::thread> threads;
+  std::atomic<size_t> next{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (size_t i; (i = next++) < prompts.size();) {
+        off[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_OFF));
+        on[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_DRAFT_MODEL));
+        ngram[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_NGRAM));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  uint64_t accepted = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(prompts[i]);
+    ASSERT_TRUE(off[i].status.ok()) << off[i].status.error_message();
+    ASSERT_TRUE(on[i].status.ok()) << on[i].status.error_message();
+    ASSERT_TRUE(ngram[i].status.ok()) << ngram[i].status.error_message();
+    EXPECT_EQ(off[i].tokens.size(), static_cast<size_t>(kTokens));
+    EXPECT_EQ(on[i].tokens, off[i].tokens);
+    EXPECT_EQ(on[i].text, off[i].text);
+    EXPECT_EQ(ngram[i].tokens, off[i].tokens);
+    EXPECT_EQ(off[i].last.finish_reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(off[i].last.speculation().steps(), 0u);
+    EXPECT_EQ(off[i].last.speculation().mode(), v1::SPECULATION_OFF);
+    EXPECT_GT(on[i].last.speculation().steps(), 0u);
+    EXPECT_EQ(on[i].last.speculation().mode(), v1::SPECULATION_DRAFT_MODEL);
+    EXPECT_EQ(ngram[i].last.speculation().mode(), v1::SPECULATION_NGRAM);
+    accepted += on[i].last.speculation().accepted_tokens();
+  }
+  // The draft is the target's first layer: some drafts must have been accepted, or the test
+  // would not exercise multi-token steps at all.
+  EXPECT_GT(accepted, 0u);
+
+  // Both equal the engine's own target-only greedy decoding, in this process.
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+      Tokenizer::FromModelDir(TestModels().target);
+  ASSERT_TRUE(tokenizer.ok());
+  BackendOptions bo;
+  bo.num_threads = 1;
+  absl::StatusOr<std::unique_ptr<Backend>> target = CreateBackend(TestModels().target, bo);
+  ASSERT_TRUE(target.ok()) << target.status();
+  for (size_t i = 0; i < 4; ++i) {
+    const std::vector<int32_t> prompt = (*tokenizer)->Encode(prompts[i], true);
+    EXPECT_EQ(EngineGreedy(target->get(), prompt, kTokens, static_cast<SeqId>(i + 1)),
+              off[i].tokens)
+        << prompts[i];
+  }
+}
+
+TEST(RouterClusterTest, SeededSamplingIsIdenticalWithAndWithoutSpeculation) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  for (const std::string& prompt : Prompts(5)) {
+    v1::GenerateRequest r = Greedy(prompt, 20, v1::SPECULATION_OFF);
+    r.set_temperature(0.9f);
+    r.set_top_p(0.95f);
+    r.set_seed(42);
+    const Result off = c->Generate(r);
+    r.set_speculation(v1::SPECULATION_DRAFT_MODEL);
+    const Result on = c->Generate(r);
+    ASSERT_TRUE(off.status.ok() && on.status.ok());
+    EXPECT_EQ(on.tokens, off.tokens) << prompt;
+  }
+}
+
+TEST(RouterClusterTest, BadInputsAreInvalidArgumentNamingTheField) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  struct Case {
+    std::string field;
+    std::function<void(v1::GenerateRequest*)> mutate;
+  };
+  const std::vector<Case> cases = {
+      {"prompt", [](v1::GenerateRequest* r) { r->set_prompt(""); }},
+      {"temperature", [](v1::GenerateRequest* r) { r->set_temperature(-1); }},
+      {"temperature", [](v1::GenerateRequest* r) { r->set_temperature(NAN); }},
+      {"top_p", [](v1::GenerateRequest* r) { r->set_top_p(0); }},
+      {"top_p", [](v1::GenerateRequest* r) { r->set_top_p(1.01f); }},
+      {"top_k", [](v1::GenerateRequest* r) { r->set_top_k(-3); }},
+      {"max_new_tokens", [](v1::GenerateRequest* r) { r->set_max_new_tokens(4001); }},
+      {"prompt_ids.ids[1]",
+       [](v1::GenerateRequest* r) {
+         r->mutable_prompt_ids()->add_ids(5);
+         r->mutable_prompt_ids()->add_ids(320);
+       }},
+      {"stop_token_ids[0]", [](v1::GenerateRequest* r) { r->add_stop_token_ids(-1); }},
+      {"stop[0]", [](v1::GenerateRequest* r) { r->add_stop(""); }},
+      {"prompt", [](v1::GenerateRequest* r) { r->set_prompt(std::string(kMaxContext, 'x')); }},
+      {"draft_max_nodes", [](v1::GenerateRequest* r) { r->set_draft_max_nodes(257); }},
+      {"speculation",
+       [](v1::GenerateRequest* r) { r->set_speculation(static_cast<v1::Speculation>(42)); }},
+  };
+  for (const Case& k : cases) {
+    v1::GenerateRequest r = Greedy("def f(x):", 8, v1::SPECULATION_AUTO);
+    k.mutate(&r);
+    const Result res = c->Generate(r);
+    EXPECT_EQ(res.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << k.field << ": " << res.status.error_message();
+    EXPECT_EQ(res.status.error_message().rfind(k.field + ":", 0), 0u)
+        << "want the message to start with '" << k.field
+        << ":', got: " << res.status.error_message();
+  }
+  EXPECT_EQ(Cluster::Metric(c->router_metrics, "specd_requests_total",
+                            {{"outcome", "invalid_argument"}}),
+            cases.size());
+  // Still serving.
+  const Result ok = c->Generate(Greedy("def f(x):", 8, v1::SPECULATION_AUTO));
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(ok.tokens.size(), 8u);
+  EXPECT_TRUE(c->verify->Running() && c->draft->Running() && c->router->Running());
+}
+
+TEST(RouterClusterTest, QueueBoundGivesResourceExhausted) {
+  ClusterOptions o;
+  o.router_args = {"--max_batch=1", "--max_queue=1"};
+  std::unique_ptr<Cluster> c = Cluster::Start(o);
+  ASSERT_NE(c, nullptr);
+  // A long request runs, a second waits, a third finds the queue full.
+  grpc::ClientContext first_ctx, second_ctx;
+  Result first, second;
+  std::thread t1([&] { first = c->Read(&first_ctx, Greedy("a", 3000, v1::SPECULATION_OFF)); });
+  ASSERT_TRUE(c->WaitForMetric(c->router_metrics, "specd_requests_running", {}, 1));
+  std::thread t2([&] { second = c->Read(&second_ctx, Greedy("b", 5, v1::SPECULATION_OFF)); });
+  ASSERT_TRUE(c->WaitForMetric(c->router_metrics, "specd_requests_waiting", {}, 1));
+  const Result third = c->Generate(Greedy("c", 5, v1::SPECULATION_OFF));
+  EXPECT_EQ(third.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << third.status.error_message();
+  first_ctx.TryCancel();
+  t1.join();
+  t2.join();
+  EXPECT_EQ(first.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(Cluster::Metric(c->router_metrics, "specd_requests_total",
+                            {{"outcome", "resource_exhausted"}}),
+            1);
+}
+
+TEST(RouterClusterTest, CancellationFreesTheSequenceInDraftAndVerify) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  grpc::ClientContext ctx;
+  std::atomic<bool> streaming{false};
+  Result r;
+  std::thread t([&] {
+    r = c->Read(&ctx, Greedy("def main():", 3000, v1::SPECULATION_DRAFT_MODEL),
+                [&](int) { streaming = true; });
+  });
+  while (!streaming) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(Cluster::Metric(c->verify_metrics, "specd_sequences"), 1);
+  EXPECT_EQ(Cluster::Metric(c->draft_metrics, "specd_sequences"), 1);
+  ctx.TryCancel();
+  t.join();
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_GT(r.tokens.size(), 0u);
+  EXPECT_TRUE(c->WaitForMetric(c->verify_metrics, "specd_sequences", {}, 0));
+  EXPECT_TRUE(c->WaitForMetric(c->draft_metrics, "specd_sequences", {}, 0));
+  EXPECT_TRUE(c->WaitForMetric(c->verify_metrics, "specd_sequences_freed_total",
+                               {{"reason", "cancelled"}}, 1));
+  EXPECT_TRUE(c->WaitForMetric(c->draft_metrics, "specd_sequences_freed_total",
+                               {{"reason", "cancelled"}}, 1));
+  EXPECT_TRUE(
+      c->WaitForMetric(c->router_metrics, "specd_requests_total", {{"outcome", "cancelled"}}, 1));
+  EXPECT_EQ(Cluster::Metric(c->router_metrics, "specd_requests_running"), 0);
+}
+
+TEST(RouterClusterTest, DeadlineMidStreamIsDeadlineExceededAndFrees) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(400));
+  const Result r = c->Read(&ctx, Greedy("import os", 3000, v1::SPECULATION_DRAFT_MODEL));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_GT(r.tokens.size(), 0u) << "the deadline should pass mid-stream";
+  EXPECT_LT(r.tokens.size(), 3000u);
+  EXPECT_TRUE(c->WaitForMetric(c->verify_metrics, "specd_sequences", {}, 0));
+  EXPECT_TRUE(c->WaitForMetric(c->draft_metrics, "specd_sequences", {}, 0));
+  EXPECT_TRUE(c->WaitForMetric(c->router_metrics, "specd_requests_total",
+                               {{"outcome", "deadline_exceeded"}}, 1));
+}
+
+TEST(RouterClusterTest, KilledDraftServiceFallsBackToTargetOnly) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 1500;
+  const Result reference = c->Generate(Greedy("class Node:", kTokens, v1::SPECULATION_OFF));
+  ASSERT_TRUE(reference.status.ok());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+  bool killed = false;
+  const Result r = c->Read(&ctx, Greedy("class Node:", kTokens, v1::SPECULATION_DRAFT_MODEL),
+                           [&](int) {
+                             if (!killed) {
+                               killed = true;
+                               ::kill(c->draft->pid(), SIGKILL);
+                             }
+                           });
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, reference.tokens);
+  EXPECT_EQ(r.text, reference.text);
+  // It really ran target-only after the kill (had it finished first, this would be 0).
+  EXPECT_GT(Cluster::Metric(c->router_metrics, "specd_target_only_steps_total",
+                            {{"reason", "draft_unavailable"}}),
+            0);
+  EXPECT_GT(r.last.speculation().target_only_steps(), 0u);
+  EXPECT_EQ(Cluster::Metric(c->router_metrics, "specd_draft_available"), 0);
+  // And keeps serving new requests.
+  const Result after = c->Generate(Greedy("class Node:", 16, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(after.status.ok());
+  EXPECT_EQ(after.tokens,
+            std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 16));
+}
+
+// Runs specd-cli and returns its stdout lines.
+std::vector<std::string> RunCli(const std::string& args, int* exit_code) {
+  const std::string cmd = SpecdBinary("specd-cli") + " " + args + " 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return absl::StrSplit(out, '\n', absl::SkipEmpty());
+}
+
+TEST(RouterClusterTest, RouterMetricsAgreeWithCliStats) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const int port = c->router_metrics;
+  const double steps0 = Cluster::Metric(port, "specd_spec_decode_steps_total");
+  const double draft0 = Cluster::Metric(port, "specd_spec_decode_draft_tokens_total");
+  const double acc0 = Cluster::Metric(port, "specd_spec_decode_accepted_tokens_total");
+  const double gen0 = Cluster::Metric(port, "specd_generation_tokens_total");
+  int code = 0;
+  const std::vector<std::string> lines = RunCli(
+      absl::StrCat("generate --server ", c->router_address,
+                   " --prompt 'def add(a, b):' --max-new-tokens 40 --ignore-eos"
+                   " --speculation draft_model --json"),
+      &code);
+  ASSERT_EQ(code, 0);
+  ASSERT_GE(lines.size(), 2u);
+  std::vector<int32_t> streamed;
+  for (size_t i = 0; i + 1 < lines.size(); ++i) {
+    const json chunk = json::parse(lines[i]);
+    for (int32_t id : chunk["token_ids"]) streamed.push_back(id);
+  }
+  const json last = json::parse(lines.back());
+  EXPECT_EQ(last["finish_reason"], "length");
+  EXPECT_EQ(last["usage"]["completion_tokens"], 40);
+  EXPECT_EQ(streamed.size(), 40u);
+  const json& spec = last["speculation"];
+  EXPECT_GT(spec["steps"].get<double>(), 0);
+  EXPECT_EQ(Cluster::Metric(port, "specd_spec_decode_steps_total") - steps0,
+            spec["steps"].get<double>());
+  EXPECT_EQ(Cluster::Metric(port, "specd_spec_decode_draft_tokens_total") - draft0,
+            spec["draft_tokens"].get<double>());
+  EXPECT_EQ(Cluster::Metric(port, "specd_spec_decode_accepted_tokens_total") - acc0,
+            spec["accepted_tokens"].get<double>());
+  EXPECT_EQ(Cluster::Metric(port, "specd_generation_tokens_total") - gen0, 40);
+  const double steps = spec["steps"], accepted = spec["accepted_tokens"],
+               drafted = spec["draft_tokens"];
+  EXPECT_DOUBLE_EQ(spec["acceptance_rate"].get<double>(), accepted / drafted);
+  EXPECT_DOUBLE_EQ(spec["mean_accepted_length"].get<double>(), 1 + accepted / steps);
+
+  // Errors: the gRPC code name on stderr and a non-zero exit.
+  const std::string err = c->router_address;
+  std::string cmd = SpecdBinary("specd-cli") + " generate --server " + err +
+                    " --prompt x --temperature -1 2>&1 >/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[512] = {0};
+  fread(buf, 1, sizeof(buf) - 1, p);
+  const int status = pclose(p);
+  EXPECT_NE(WEXITSTATUS(status), 0);
+  EXPECT_NE(std::string(buf).find("INVALID_ARGUMENT: temperature"), std::string::npos) << buf;
+}
+
+TEST(RouterClusterTest, StopStringSplitAcrossTokensIsNotEmitted) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const Result plain = c->Generate(Greedy("for i in range(", 48, v1::SPECULATION_OFF));
+  ASSERT_TRUE(plain.status.ok());
+  // Characters 4..6 of the output as the stop string: each character comes from at least one
+  // byte token (no merges in this tokenizer), so the stop string spans several tokens.
+  std::vector<size_t> starts;  // byte offset of each UTF-8 character
+  for (size_t i = 0; i < plain.text.size(); ++i) {
+    if ((static_cast<unsigned char>(plain.text[i]) & 0xC0) != 0x80) starts.push_back(i);
+  }
+  ASSERT_GE(starts.size(), 8u) << plain.text;
+  const std::string stop = plain.text.substr(starts[4], starts[7] - starts[4]);
+  const size_t at = plain.text.find(stop);
+  for (v1::Speculation s : {v1::SPECULATION_OFF, v1::SPECULATION_DRAFT_MODEL}) {
+    v1::GenerateRequest r = Greedy("for i in range(", 48, s);
+    r.add_stop(stop);
+    const Result got = c->Generate(r);
+    ASSERT_TRUE(got.status.ok());
+    EXPECT_EQ(got.text, plain.text.substr(0, at));
+    EXPECT_EQ(got.text.find(stop), std::string::npos);
+    EXPECT_EQ(got.last.finish_reason(), v1::FINISH_REASON_STOP_STRING);
+    EXPECT_EQ(got.last.matched_stop(), stop);
+  }
+}
+
+TEST(RouterClusterTest, ConcurrentRequestsShareSteps) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  std::vector<std::thread> threads;
+  std::vector<Result> results(4);
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = c->Generate(Greedy(Prompts(4)[i], 200, v1::SPECULATION_DRAFT_MODEL));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const Result& r : results) ASSERT_TRUE(r.status.ok());
+  // Steps that carried more than one sequence: all steps minus those in the le="1" bucket.
+  for (int port : {c->verify_metrics, c->draft_metrics}) {
+    const double all = Cluster::Metric(port, "specd_step_batch_size_count");
+    const double single = Cluster::Metric(port, "specd_step_batch_size_bucket", {{"le", "1"}});
+    EXPECT_GT(all - single, 0) << "no batched step seen on port " << port;
+  }
+}
+
+TEST(RouterClusterTest, TokenizeDetokenizeAndModelInfo) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  grpc::ClientContext c1, c2, c3, c4;
+  v1::TokenizeRequest tr;
+  tr.set_text("héllo");
+  v1::TokenizeResponse tokens;
+  ASSERT_TRUE(c->stub->Tokenize(&c1, tr, &tokens).ok());
+  EXPECT_EQ(tokens.ids_size(), 6);  // byte-level: é is two bytes
+  v1::DetokenizeRequest dr;
+  *dr.mutable_ids() = tokens.ids();
+  v1::DetokenizeResponse text;
+  ASSERT_TRUE(c->stub->Detokenize(&c2, dr, &text).ok());
+  EXPECT_EQ(text.text(), "héllo");
+  dr.add_ids(100000);
+  EXPECT_EQ(c->stub->Detokenize(&c3, dr, &text).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::ModelInfo info;
+  ASSERT_TRUE(c->stub->GetModelInfo(&c4, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.vocab_size(), 320u);
+  EXPECT_EQ(info.max_context(), static_cast<uint32_t>(kMaxContext));
+  EXPECT_EQ(info.max_new_tokens_limit(), 4000u);
+  EXPECT_TRUE(info.draft_available());
+  ASSERT_EQ(info.eos_token_ids_size(), 1);
+  EXPECT_EQ(info.eos_token_ids(0), 256);
+}
+
+TEST(RouterClusterTest, VerifyFailureIsUnavailableAndRecovers) {
+  std::unique_ptr<Cluster> c = Cluster::Start({/*draft=*/false, {}});
+  ASSERT_NE(c, nullptr);
+  // Without a draft service everything is target-only, and says why.
+  const Result plain = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(plain.status.ok());
+  EXPECT_EQ(plain.last.speculation().mode(), v1::SPECULATION_OFF);
+  EXPECT_EQ(plain.last.speculation().target_only_steps(), 8u);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  bool killed = false;
+  const Result r = c->Read(&ctx, Greedy("y", 3000, v1::SPECULATION_OFF), [&](int) {
+    if (!killed) {
+      killed = true;
+      ::kill(c->verify->pid(), SIGKILL);
+    }
+  });
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("verify"), std::string::npos);
+  // NOT_SERVING until the verify service is back.
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<HealthStatus> health;
+  while (absl::Now() < end) {
+    health = c->router->Health();
+    if (health.ok() && *health == grpc::health::v1::HealthCheckResponse::NOT_SERVING) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  const Result refused = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+
+  // A new verify process on the same address: the router reconnects and serves again.
+  c->verify.reset();
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> verify =
+      ServiceProcess::Start(c->verify_options);
+  ASSERT_TRUE(verify.ok()) << verify.status();
+  c->verify = *std::move(verify);
+  ASSERT_TRUE(c->router->WaitUntilServing(absl::Seconds(20)).ok());
+  const Result again = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.tokens, plain.tokens);
+}
+
+}  // namespace
+}  // namespace specd

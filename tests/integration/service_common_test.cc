@@ -1,0 +1,193 @@
+// The shared service plumbing on its own: the /metrics listener over real HTTP on loopback,
+// the Prometheus text it serves (checked by promtool when installed), status mapping, address
+// parsing, and the metric-text parser the integration tests rely on.
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <utility>
+#include <memory>
+#include <string>
+
+#include "common/grpc_util.h"
+#include "common/metrics.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testutil/random_checkpoint.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/testutil/service_process.h"
+
+namespace specd {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Runs `promtool check metrics` on `text`; returns promtool's output, or nullopt without
+// promtool.
+std::optional<std::pair<int, std::string>> PromtoolCheck(const std::string& text) {
+  if (std::system("command -v promtool >/dev/null 2>&1") != 0) return std::nullopt;
+  const std::string dir = MakeTempDir("specd-promtool");
+  const std::string in = dir + "/metrics.txt";
+  const std::string out = dir + "/out.txt";
+  FILE* f = std::fopen(in.c_str(), "w");
+  std::fwrite(text.data(), 1, text.size(), f);
+  std::fclose(f);
+  const int rc = std::system(("promtool check metrics < " + in + " > " + out + " 2>&1").c_str());
+  FILE* g = std::fopen(out.c_str(), "r");
+  std::string output;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), g)) > 0;) output.append(buf, n);
+  std::fclose(g);
+  return std::make_pair(rc, output);
+}
+
+TEST(MetricsServer, ServesRegistryAndHealthOverHttp) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  ModelServiceMetrics metrics(*registry);
+  metrics.sequences.Set(3);
+  metrics.step_seconds.Observe(0.004);
+  metrics.step_batch_size.Observe(5);
+  metrics.step_tokens.Increment(17);
+  metrics.freed_finished.Increment(2);
+  std::atomic<bool> healthy{false};
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start({"127.0.0.1", 0}, registry, [&] { return healthy.load(); });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  ASSERT_GT(port, 0);
+
+  int status = 0;
+  absl::StatusOr<std::string> text = HttpGet("127.0.0.1", port, "/metrics", &status);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(*MetricValue(*text, "specd_sequences"), 3);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_tokens_total"), 17);
+  EXPECT_EQ(*MetricValue(*text, "specd_sequences_freed_total", {{"reason", "finished"}}), 2);
+  EXPECT_EQ(*MetricValue(*text, "specd_sequences_freed_total", {{"reason", "cancelled"}}), 0);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_count"), 1);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_bucket", {{"le", "0.005"}}), 1);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_bucket", {{"le", "0.0025"}}), 0);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_batch_size_bucket", {{"le", "4"}}), 0);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_batch_size_bucket", {{"le", "8"}}), 1);
+  EXPECT_THAT(*text, HasSubstr("# TYPE specd_kv_cache_usage_ratio gauge"));
+  if (auto check = PromtoolCheck(*text)) {
+    EXPECT_EQ(check->first, 0) << check->second;
+  }
+
+  HttpGet("127.0.0.1", port, "/health", &status).IgnoreError();
+  EXPECT_EQ(status, 503);
+  healthy = true;
+  HttpGet("127.0.0.1", port, "/health", &status).IgnoreError();
+  EXPECT_EQ(status, 200);
+  HttpGet("127.0.0.1", port, "/nope", &status).IgnoreError();
+  EXPECT_EQ(status, 404);
+
+  (*server)->Stop();
+  EXPECT_FALSE(HttpGet("127.0.0.1", port, "/metrics").ok());
+}
+
+TEST(MetricsServer, BusyPortIsAnError) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  absl::StatusOr<std::unique_ptr<MetricsServer>> first =
+      MetricsServer::Start({"127.0.0.1", 0}, registry);
+  ASSERT_TRUE(first.ok());
+  absl::StatusOr<std::unique_ptr<MetricsServer>> second =
+      MetricsServer::Start({"127.0.0.1", (*first)->port()}, registry);
+  ASSERT_FALSE(second.ok());
+  EXPECT_THAT(second.status().message(), HasSubstr("cannot listen"));
+}
+
+TEST(Buckets, LatencyBucketsSpan100MicrosecondsTo60Seconds) {
+  const auto b = LatencyBuckets();
+  ASSERT_FALSE(b.empty());
+  EXPECT_DOUBLE_EQ(b.front(), 1e-4);
+  EXPECT_DOUBLE_EQ(b.back(), 60.0);
+  for (size_t i = 1; i < b.size(); ++i) EXPECT_LT(b[i - 1], b[i]);
+  const auto s = BatchSizeBuckets();
+  EXPECT_DOUBLE_EQ(s.front(), 1);
+  for (size_t i = 1; i < s.size(); ++i) EXPECT_LT(s[i - 1], s[i]);
+}
+
+TEST(GrpcUtil, StatusMappingKeepsCodeAndMessage) {
+  const absl::Status s = absl::ResourceExhaustedError("kv full");
+  const grpc::Status g = ToGrpcStatus(s);
+  EXPECT_EQ(g.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(g.error_message(), "kv full");
+  EXPECT_EQ(FromGrpcStatus(g), s);
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  EXPECT_EQ(FromGrpcStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "x")),
+            absl::InvalidArgumentError("x"));
+  v1::SequenceError e;
+  ToSequenceError(absl::DeadlineExceededError("late"), &e);
+  EXPECT_EQ(e.code(), static_cast<int>(grpc::StatusCode::DEADLINE_EXCEEDED));
+  EXPECT_EQ(e.message(), "late");
+}
+
+TEST(GrpcUtil, ParseHostPort) {
+  absl::StatusOr<HostPort> a = ParseHostPort("localhost:50051");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->host, "localhost");
+  EXPECT_EQ(a->port, 50051);
+  absl::StatusOr<HostPort> b = ParseHostPort("[::1]:7");
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->host, "::1");
+  EXPECT_EQ(b->port, 7);
+  absl::StatusOr<HostPort> c = ParseHostPort(":0");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->host, "");
+  EXPECT_EQ(c->port, 0);
+  EXPECT_THAT(ParseHostPort("nohost", "--server").status().message(), HasSubstr("--server"));
+  EXPECT_FALSE(ParseHostPort("h:70000").ok());
+  EXPECT_FALSE(ParseHostPort("h:-1").ok());
+  EXPECT_FALSE(ParseHostPort("h:").ok());
+  EXPECT_FALSE(ParseHostPort("::1:80").ok());
+  EXPECT_FALSE(ParseHostPort("[::1]80").ok());
+  EXPECT_EQ(ModelNameFromPath("/models/llama-3/"), "llama-3");
+  EXPECT_EQ(ModelNameFromPath("tiny"), "tiny");
+}
+
+TEST(GrpcUtil, ServerStartsNotServingThenServes) {
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
+      GrpcServer::Start({"127.0.0.1:0", {}, {"specd.v1.Verifier"}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = CreateServiceChannel(absl::StrCat("127.0.0.1:", (*server)->port()));
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  auto check = [&](const std::string& service) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status st = stub->Check(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return resp.status();
+  };
+  EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(check("specd.v1.Verifier"), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  (*server)->SetServing(true);
+  EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(check("specd.v1.Verifier"), grpc::health::v1::HealthCheckResponse::SERVING);
+  (*server)->Shutdown(0);
+}
+
+TEST(GrpcUtil, BusyAddressIsAnError) {
+  absl::StatusOr<std::unique_ptr<GrpcServer>> first = GrpcServer::Start({"127.0.0.1:0", {}, {}});
+  ASSERT_TRUE(first.ok());
+  absl::StatusOr<std::unique_ptr<GrpcServer>> second =
+      GrpcServer::Start({absl::StrCat("127.0.0.1:", (*first)->port()), {}, {}});
+  EXPECT_FALSE(second.ok());
+}
+
+TEST(MetricValue, ParsesLabelsAndEscapes) {
+  const std::string text =
+      "# HELP a x\n# TYPE a counter\na 1\nb{x=\"q\\\"uote\",y=\"2\"} 3.5\nb{y=\"1\"} 4\n"
+      "c_bucket{le=\"+Inf\"} 7\n";
+  EXPECT_EQ(*MetricValue(text, "a"), 1);
+  EXPECT_EQ(*MetricValue(text, "b", {{"y", "2"}, {"x", "q\"uote"}}), 3.5);
+  EXPECT_EQ(*MetricValue(text, "b", {{"y", "1"}}), 4);
+  EXPECT_EQ(*MetricValue(text, "c_bucket", {{"le", "+Inf"}}), 7);
+  EXPECT_EQ(MetricValue(text, "b").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(MetricValue(text, "nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace specd

@@ -1,0 +1,602 @@
+// specd-verify as a real process on loopback: health and reflection, batched Step streams whose
+// results equal Backend::Verify run in this process on the same checkpoint, per-sequence
+// errors, capacity limits, deadlines, releases and stream ends freeing sequences (seen in
+// /metrics), the metrics contract, startup errors and SIGTERM.
+#include <signal.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/grpc_util.h"
+#include "engine/backend.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "specd/v1/verify.grpc.pb.h"
+#include "tests/testutil/random_checkpoint.h"
+#include "tests/testutil/service_process.h"
+
+namespace specd {
+namespace {
+
+using ::testing::Contains;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+using HealthResponse = grpc::health::v1::HealthCheckResponse;
+
+constexpr int kVocab = 320;
+
+// A client end of one Verifier.Step stream (sync API: the test thread blocks, the server may
+// not).
+class VerifyStream {
+ public:
+  explicit VerifyStream(std::shared_ptr<grpc::Channel> channel)
+      : stub_(v1::Verifier::NewStub(channel)), stream_(stub_->Step(&context_)) {}
+
+  v1::VerifyStepResponse Step(const v1::VerifyStepRequest& request) {
+    v1::VerifyStepResponse response;
+    EXPECT_TRUE(stream_->Write(request));
+    EXPECT_TRUE(stream_->Read(&response));
+    EXPECT_EQ(response.step_id(), request.step_id());
+    EXPECT_EQ(response.results_size(), request.steps_size());
+    return response;
+  }
+
+  grpc::Status Close() {
+    stream_->WritesDone();
+    return stream_->Finish();
+  }
+
+  grpc::ClientContext& context() { return context_; }
+  grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>& stream() {
+    return *stream_;
+  }
+
+ private:
+  std::unique_ptr<v1::Verifier::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>>
+      stream_;
+};
+
+v1::VerifySequenceStep* AddStep(v1::VerifyStepRequest* request, uint64_t seq,
+                                const std::vector<int32_t>& pending, const TokenTree& tree = {},
+                                const SamplingParams& sampling = {}) {
+  v1::VerifySequenceStep* step = request->add_steps();
+  step->set_seq_id(seq);
+  step->mutable_pending()->Add(pending.begin(), pending.end());
+  step->mutable_tree()->mutable_tokens()->Add(tree.tokens.begin(), tree.tokens.end());
+  step->mutable_tree()->mutable_parents()->Add(tree.parents.begin(), tree.parents.end());
+  step->mutable_sampling()->set_temperature(sampling.temperature);
+  step->mutable_sampling()->set_top_k(sampling.top_k);
+  step->mutable_sampling()->set_top_p(sampling.top_p);
+  step->mutable_sampling()->set_seed(sampling.seed);
+  return step;
+}
+
+std::vector<int32_t> Tokens(const v1::VerifySequenceResult& r) {
+  return {r.tokens().begin(), r.tokens().end()};
+}
+
+class VerifyServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(MakeTempDir("specd-verify-it"));
+    RandomCheckpointSpec spec;
+    spec.vocab_size = kVocab;
+    spec.init_std = 0.3f;  // peaky enough that greedy continuations are not all one token
+    spec.seed = 7;
+    spec.max_position_embeddings = 256;
+    ASSERT_TRUE(WriteRandomCheckpoint(*dir_, spec).ok());
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(*dir_, ec);
+    delete dir_;
+  }
+
+  // Starts specd-verify on free loopback ports with `extra` flags after the defaults.
+  std::unique_ptr<ServiceProcess> StartVerify(std::vector<std::string> extra = {},
+                                              bool wait_serving = true) {
+    grpc_port_ = PickFreePort();
+    metrics_port_ = PickFreePort();
+    std::vector<std::string> args = {absl::StrCat("--address=127.0.0.1:", grpc_port_),
+                                     absl::StrCat("--metrics_port=", metrics_port_),
+                                     "--model=" + *dir_, "--num_threads=1",
+                                     "--shutdown_grace_ms=500"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ServiceProcessOptions options{SpecdBinary("specd-verify"), args,
+                                  absl::StrCat("127.0.0.1:", grpc_port_)};
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> p =
+        wait_serving ? ServiceProcess::Start(options) : ServiceProcess::Spawn(options);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  }
+
+  std::string Metrics() {
+    absl::StatusOr<std::string> text = HttpGet("127.0.0.1", metrics_port_, "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    return text.ok() ? *text : "";
+  }
+
+  double Metric(const std::string& name, const std::map<std::string, std::string>& labels = {}) {
+    absl::StatusOr<double> v = MetricValue(Metrics(), name, labels);
+    EXPECT_TRUE(v.ok()) << v.status();
+    return v.ok() ? *v : -1;
+  }
+
+  // Polls until Metric(name) == want (stream ends are handled asynchronously).
+  void ExpectMetricSoon(const std::string& name, double want,
+                        const std::map<std::string, std::string>& labels = {}) {
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    double got = -1;
+    while (absl::Now() < end) {
+      got = Metric(name, labels);
+      if (got == want) return;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ADD_FAILURE() << name << " is " << got << ", want " << want;
+  }
+
+  std::unique_ptr<Backend> InProcessBackend() {
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(*dir_, BackendOptions());
+    EXPECT_TRUE(b.ok()) << b.status();
+    return b.ok() ? std::move(*b) : nullptr;
+  }
+
+  static std::string* dir_;
+  int grpc_port_ = 0;
+  int metrics_port_ = 0;
+};
+
+std::string* VerifyServiceTest::dir_ = nullptr;
+
+TEST_F(VerifyServiceTest, HealthIsNotServingUntilTheModelIsLoaded) {
+  std::unique_ptr<ServiceProcess> p = StartVerify({"--startup_delay_ms=3000"}, false);
+  ASSERT_NE(p, nullptr);
+  // The gRPC server is up before the model loads; wait for its first answer.
+  absl::StatusOr<HealthStatus> health;
+  for (int i = 0; i < 20 && !(health = p->Health()).ok(); ++i) {
+  }
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, HealthResponse::NOT_SERVING);
+  EXPECT_EQ(*p->Health("specd.v1.Verifier"), HealthResponse::NOT_SERVING);
+  int http = 0;
+  HttpGet("127.0.0.1", metrics_port_, "/health", &http).IgnoreError();
+  EXPECT_EQ(http, 503);
+  {
+    auto stub = v1::Verifier::NewStub(p->channel());
+    grpc::ClientContext context;
+    v1::VerifyInfo info;
+    EXPECT_EQ(stub->GetInfo(&context, v1::VerifyInfoRequest(), &info).error_code(),
+              grpc::StatusCode::UNAVAILABLE);
+  }
+
+  ASSERT_TRUE(p->WaitUntilServing().ok());
+  EXPECT_EQ(*p->Health("specd.v1.Verifier"), HealthResponse::SERVING);
+  HttpGet("127.0.0.1", metrics_port_, "/health", &http).IgnoreError();
+  EXPECT_EQ(http, 200);
+}
+
+TEST_F(VerifyServiceTest, ReflectionListsTheServices) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  absl::StatusOr<std::vector<std::string>> services = ListServicesByReflection(p->channel());
+  ASSERT_TRUE(services.ok()) << services.status();
+  EXPECT_THAT(*services, Contains("specd.v1.Verifier"));
+  EXPECT_THAT(*services, Contains("grpc.health.v1.Health"));
+}
+
+TEST_F(VerifyServiceTest, GetInfoDescribesTheModel) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  auto stub = v1::Verifier::NewStub(p->channel());
+  grpc::ClientContext context;
+  v1::VerifyInfo info;
+  ASSERT_TRUE(stub->GetInfo(&context, v1::VerifyInfoRequest(), &info).ok());
+  EXPECT_EQ(info.model(), std::filesystem::path(*dir_).filename().string());
+  EXPECT_EQ(info.vocab_size(), static_cast<uint32_t>(kVocab));
+  EXPECT_EQ(info.max_context(), 256u);
+  EXPECT_THAT(info.eos_token_ids(), ElementsAreArray({256}));
+  EXPECT_EQ(info.tensor_parallel(), 1u);
+}
+
+// Several sequences per step, over several steps, with trees that partly match the target's
+// own continuation: every result equals Backend::Verify in this process on the same items.
+TEST_F(VerifyServiceTest, BatchedStepsMatchInProcessVerify) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  std::unique_ptr<Backend> reference = InProcessBackend();
+  std::unique_ptr<Backend> oracle = InProcessBackend();  // greedy continuations for the trees
+  ASSERT_NE(reference, nullptr);
+  ASSERT_NE(oracle, nullptr);
+
+  struct Seq {
+    uint64_t id;
+    std::vector<int32_t> pending;
+    SamplingParams sampling;
+    std::vector<int32_t> history;
+  };
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_k = 20;
+  sampled.top_p = 0.9f;
+  sampled.seed = 1234;
+  std::vector<Seq> seqs = {{11, {72, 101, 108, 108, 111}, {}, {}},
+                           {12, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, {}, {}},
+                           {13, {200, 13, 200, 13}, sampled, {}}};
+  for (Seq& s : seqs) s.history = s.pending;
+
+  // Greedy next tokens after `history`, decoded one by one on the oracle backend.
+  SeqId oracle_id = 1;
+  auto greedy = [&](const std::vector<int32_t>& history, int n) {
+    const SeqId id = oracle_id++;
+    EXPECT_TRUE(oracle->AddSequence(id).ok());
+    std::vector<int32_t> out;
+    VerifyItem item{id, history, {}, {}};
+    for (int i = 0; i < n; ++i) {
+      absl::StatusOr<std::vector<VerifyOutcome>> o = oracle->Verify({item});
+      EXPECT_TRUE(o.ok()) << o.status();
+      out.push_back((*o)[0].tokens[0]);
+      item.pending = {out.back()};
+    }
+    EXPECT_TRUE(oracle->RemoveSequence(id).ok());
+    return out;
+  };
+
+  VerifyStream stream(p->channel());
+  int accepted_total = 0;
+  for (int step = 0; step < 4; ++step) {
+    v1::VerifyStepRequest request;
+    request.set_step_id(100 + step);
+    std::vector<VerifyItem> items;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& s = seqs[i];
+      TokenTree tree;
+      if (step > 0) {
+        // A chain of the true greedy continuation (3 deep) plus a wrong sibling at each level;
+        // for the sampled sequence the same shape, accepted only where the samples agree.
+        const std::vector<int32_t> next = greedy(s.history, 3);
+        int parent = -1;
+        for (int d = 0; d < 3; ++d) {
+          tree.tokens.push_back((next[d] + 1) % kVocab);
+          tree.parents.push_back(parent);
+          tree.tokens.push_back(next[d]);
+          tree.parents.push_back(parent);
+          parent = tree.size() - 1;
+        }
+      }
+      AddStep(&request, s.id, s.pending, tree, s.sampling);
+      items.push_back({static_cast<SeqId>(1000 + i), s.pending, tree, s.sampling});
+      if (step == 0) ASSERT_TRUE(reference->AddSequence(1000 + i).ok());
+    }
+    const v1::VerifyStepResponse response = stream.Step(request);
+    absl::StatusOr<std::vector<VerifyOutcome>> want = reference->Verify(items);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const v1::VerifySequenceResult& r = response.results(i);
+      ASSERT_EQ(r.seq_id(), seqs[i].id);
+      ASSERT_FALSE(r.has_error()) << r.error().message();
+      EXPECT_EQ(Tokens(r), (*want)[i].tokens) << "step " << step << " seq " << i;
+      EXPECT_EQ(r.accepted_draft(), static_cast<uint32_t>((*want)[i].accepted_draft));
+      EXPECT_THAT(r.accepted_nodes(), ElementsAreArray((*want)[i].accepted_nodes));
+      if (!seqs[i].sampling.greedy() || step == 0) {
+        accepted_total += 0;
+      } else {
+        EXPECT_EQ(r.accepted_draft(), 3u) << "the greedy chain must be accepted whole";
+      }
+      accepted_total += r.accepted_draft();
+      std::vector<int32_t> emitted = Tokens(r);
+      seqs[i].history.insert(seqs[i].history.end(), emitted.begin(), emitted.end());
+      seqs[i].pending = {emitted.back()};
+    }
+  }
+  EXPECT_GE(accepted_total, 18);
+  EXPECT_EQ(Metric("specd_sequences"), 3);
+  EXPECT_EQ(Metric("specd_step_batch_size_count"), 4);
+  EXPECT_GT(Metric("specd_kv_cache_usage_ratio"), 0);
+  // Prefill 5 + 12 + 4 tokens, then 1 pending + 6 tree nodes per sequence and step.
+  EXPECT_EQ(Metric("specd_step_tokens_total"), 21 + 3 * 3 * 7);
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(VerifyServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {10, 20, 30});
+  AddStep(&request, 2, {10, kVocab + 5, 30});  // token id outside the vocabulary
+  TokenTree bad_tree;
+  bad_tree.tokens = {5, 6};
+  bad_tree.parents = {-1, 1};  // a node cannot be its own parent
+  AddStep(&request, 3, {10}, bad_tree);
+  SamplingParams negative;
+  negative.temperature = -1;
+  AddStep(&request, 4, {10}, {}, negative);
+  AddStep(&request, 5, {});                 // no pending token
+  AddStep(&request, 1, {40});               // seq 1 twice in one step
+  AddStep(&request, 6, {-3});               // negative token id
+  v1::VerifyStepResponse response = stream.Step(request);
+
+  EXPECT_FALSE(response.results(0).has_error());
+  EXPECT_EQ(response.results(0).tokens_size(), 1);
+  auto expect_error = [&](int i, grpc::StatusCode code, const std::string& text) {
+    const v1::VerifySequenceResult& r = response.results(i);
+    EXPECT_TRUE(r.has_error()) << i;
+    EXPECT_EQ(r.error().code(), code) << i << ": " << r.error().message();
+    EXPECT_THAT(r.error().message(), HasSubstr(text)) << i;
+    EXPECT_EQ(r.tokens_size(), 0) << i;
+  };
+  expect_error(1, grpc::StatusCode::INVALID_ARGUMENT, "steps[1].pending[1]: token id 325");
+  expect_error(2, grpc::StatusCode::INVALID_ARGUMENT, "steps[2].tree.parents[1]");
+  expect_error(3, grpc::StatusCode::INVALID_ARGUMENT, "temperature");
+  expect_error(4, grpc::StatusCode::INVALID_ARGUMENT, "steps[4].pending: empty");
+  expect_error(5, grpc::StatusCode::INVALID_ARGUMENT, "appears more than once");
+  expect_error(6, grpc::StatusCode::INVALID_ARGUMENT, "token id -3");
+  // Rejected sequences were never created.
+  EXPECT_EQ(Metric("specd_sequences"), 1);
+
+  // The stream and the service go on: seq 1 continues, seq 2 starts over with valid tokens.
+  v1::VerifyStepRequest next;
+  next.set_step_id(2);
+  AddStep(&next, 1, {response.results(0).tokens(0)});
+  AddStep(&next, 2, {10, 20, 30});
+  v1::VerifyStepResponse second = stream.Step(next);
+  EXPECT_FALSE(second.results(0).has_error()) << second.results(0).error().message();
+  EXPECT_FALSE(second.results(1).has_error()) << second.results(1).error().message();
+  // Same prompt, same greedy model: seq 2's first token equals seq 1's.
+  EXPECT_EQ(second.results(1).tokens(0), response.results(0).tokens(0));
+  EXPECT_EQ(Metric("specd_sequences"), 2);
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(VerifyServiceTest, CapacityLimitsAreResourceExhaustedPerSequence) {
+  std::unique_ptr<ServiceProcess> p =
+      StartVerify({"--max_sequences=2", "--kv_capacity_tokens=64"});
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {1, 2, 3});
+  AddStep(&request, 2, std::vector<int32_t>(100, 7));  // more than the whole KV cache
+  AddStep(&request, 3, {4, 5});
+  AddStep(&request, 4, {6});                           // a third live sequence
+  v1::VerifyStepResponse response = stream.Step(request);
+  EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
+  EXPECT_EQ(response.results(1).error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(response.results(1).error().message(), HasSubstr("KV cache"));
+  EXPECT_FALSE(response.results(2).has_error()) << response.results(2).error().message();
+  EXPECT_EQ(response.results(3).error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(response.results(3).error().message(), HasSubstr("max_sequences"));
+
+  // Releasing one makes room for another.
+  v1::VerifyStepRequest next;
+  next.set_step_id(2);
+  next.add_release_seq_ids(1);
+  AddStep(&next, 4, {6});
+  response = stream.Step(next);
+  EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(VerifyServiceTest, PassedDeadlinesFreeSequences) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  const int64_t now = absl::ToUnixMillis(absl::Now());
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {1, 2, 3});
+  AddStep(&request, 2, {1, 2, 3})->set_deadline_unix_ms(now + 600);
+  AddStep(&request, 3, {1, 2, 3})->set_deadline_unix_ms(now - 1000);  // already passed
+  v1::VerifyStepResponse response = stream.Step(request);
+  EXPECT_FALSE(response.results(0).has_error());
+  EXPECT_FALSE(response.results(1).has_error());
+  EXPECT_EQ(response.results(2).error().code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(Metric("specd_sequences"), 2);
+
+  // Seq 2's deadline passes while the stream is idle: the loop frees it on its own.
+  ExpectMetricSoon("specd_sequences", 1);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 1);
+
+  // A later step for it is refused rather than silently restarted from one token...
+  v1::VerifyStepRequest next;
+  next.set_step_id(2);
+  AddStep(&next, 2, {response.results(1).tokens(0)});
+  // ...and a live sequence whose new deadline has passed is freed right away.
+  AddStep(&next, 1, {response.results(0).tokens(0)})->set_deadline_unix_ms(now - 1);
+  response = stream.Step(next);
+  EXPECT_EQ(response.results(0).error().code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(response.results(0).error().message(), HasSubstr("deadline"));
+  EXPECT_EQ(response.results(1).error().code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(Metric("specd_sequences"), 0);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 2);
+
+  // Once the router releases the id, it may start a new sequence under it.
+  v1::VerifyStepRequest restart;
+  restart.set_step_id(3);
+  restart.add_release_seq_ids(2);
+  AddStep(&restart, 2, {1, 2, 3});
+  response = stream.Step(restart);
+  EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(VerifyServiceTest, ReleasesFreeSequences) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  for (uint64_t s = 1; s <= 3; ++s) AddStep(&request, s, std::vector<int32_t>(20, 40 + s));
+  stream.Step(request);
+  EXPECT_EQ(Metric("specd_sequences"), 3);
+  const double usage = Metric("specd_kv_cache_usage_ratio");
+  EXPECT_GT(usage, 0);
+
+  v1::VerifyStepRequest release;
+  release.set_step_id(2);
+  release.add_release_seq_ids(1);
+  release.add_release_seq_ids(3);
+  release.add_release_seq_ids(99);  // unknown ids are ignored
+  EXPECT_EQ(stream.Step(release).results_size(), 0);
+  EXPECT_EQ(Metric("specd_sequences"), 1);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 2);
+  EXPECT_LT(Metric("specd_kv_cache_usage_ratio"), usage);
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+TEST_F(VerifyServiceTest, EndingOrCancellingAStreamFreesItsSequences) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  // Two streams from two "routers" that both number their sequences from 1.
+  VerifyStream a(p->channel());
+  VerifyStream b(p->channel());
+  v1::VerifyStepRequest ra;
+  ra.set_step_id(1);
+  AddStep(&ra, 1, {5, 6, 7});
+  AddStep(&ra, 2, {8, 9});
+  v1::VerifyStepRequest rb;
+  rb.set_step_id(1);
+  AddStep(&rb, 1, {100, 101, 102, 103});
+  const v1::VerifyStepResponse resp_a = a.Step(ra);
+  const v1::VerifyStepResponse resp_b = b.Step(rb);
+  for (const auto* r : {&resp_a, &resp_b}) {
+    for (const auto& result : r->results()) EXPECT_FALSE(result.has_error());
+  }
+  EXPECT_EQ(Metric("specd_sequences"), 3);
+
+  // Stream a closes cleanly: its two sequences go, b's stays.
+  EXPECT_TRUE(a.Close().ok());
+  ExpectMetricSoon("specd_sequences", 1);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 2);
+
+  // b's sequence 1 is intact: its next step equals a fresh in-process run of its prompt.
+  std::unique_ptr<Backend> reference = InProcessBackend();
+  ASSERT_TRUE(reference->AddSequence(1).ok());
+  absl::StatusOr<std::vector<VerifyOutcome>> first =
+      reference->Verify({VerifyItem{1, {100, 101, 102, 103}, {}, {}}});
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(resp_b.results(0).tokens(0), (*first)[0].tokens[0]);
+  absl::StatusOr<std::vector<VerifyOutcome>> second =
+      reference->Verify({VerifyItem{1, {(*first)[0].tokens[0]}, {}, {}}});
+  v1::VerifyStepRequest rb2;
+  rb2.set_step_id(2);
+  AddStep(&rb2, 1, {resp_b.results(0).tokens(0)});
+  EXPECT_EQ(b.Step(rb2).results(0).tokens(0), (*second)[0].tokens[0]);
+
+  // Stream b is cancelled mid-flight (a router that dies): its sequence goes too.
+  b.context().TryCancel();
+  ExpectMetricSoon("specd_sequences", 0);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 3);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 0);
+}
+
+TEST_F(VerifyServiceTest, PipelinedStepsAreAnsweredInOrder) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  // Ten steps written before reading any reply; each starts a new sequence.
+  for (int i = 0; i < 10; ++i) {
+    v1::VerifyStepRequest request;
+    request.set_step_id(i);
+    AddStep(&request, i, {i + 1, i + 2});
+    ASSERT_TRUE(stream.stream().Write(request));
+  }
+  for (int i = 0; i < 10; ++i) {
+    v1::VerifyStepResponse response;
+    ASSERT_TRUE(stream.stream().Read(&response));
+    EXPECT_EQ(response.step_id(), static_cast<uint64_t>(i));
+    ASSERT_EQ(response.results_size(), 1);
+    EXPECT_EQ(response.results(0).seq_id(), static_cast<uint64_t>(i));
+    EXPECT_FALSE(response.results(0).has_error());
+  }
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+// Every draft/verify metric of docs/metrics.md is served with its documented type, and the
+// text passes promtool when it is installed.
+TEST_F(VerifyServiceTest, MetricsFollowTheContract) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  std::ifstream doc("docs/metrics.md");
+  ASSERT_TRUE(doc.good()) << "run from the source tree";
+  std::string line;
+  bool in_section = false;
+  int rows = 0;
+  const std::string text = Metrics();
+  while (std::getline(doc, line)) {
+    if (line.rfind("## ", 0) == 0) in_section = line.find("verify") != std::string::npos;
+    if (!in_section || line.rfind("| specd_", 0) != 0) continue;
+    std::vector<std::string> cells = absl::StrSplit(line, '|');
+    const std::string name(absl::StripAsciiWhitespace(cells[1]));
+    const std::string type(absl::StripAsciiWhitespace(cells[2]));
+    // prometheus-cpp names the TYPE line after the family, counters included (…_total).
+    EXPECT_THAT(text, HasSubstr(absl::StrCat("# TYPE ", name, " ", type))) << name;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 6);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 0);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 0);
+  if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
+    const std::string path = MakeTempDir("specd-verify-metrics") + "/metrics.txt";
+    std::ofstream(path) << text;
+    EXPECT_EQ(std::system(("promtool check metrics < " + path).c_str()), 0);
+  }
+}
+
+TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
+  const std::string empty = MakeTempDir("specd-no-model");
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const int port = PickFreePort();
+  const std::string address = absl::StrCat("--address=127.0.0.1:", port);
+  const std::string metrics = absl::StrCat("--metrics_port=", PickFreePort());
+  for (const Case& c : std::vector<Case>{
+           {{address, metrics, "--model=" + empty}, "config.json"},
+           {{address, metrics}, "--model: required"},
+           {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2"}, "--tensor_parallel"},
+           {{"--address=nonsense", metrics, "--model=" + *dir_}, "--address"},
+           {{address, metrics, "--model=" + *dir_, "--devices=cpu,cpu"}, "--devices"}}) {
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
+        {SpecdBinary("specd-verify"), c.args, absl::StrCat("127.0.0.1:", port)});
+    ASSERT_TRUE(p.ok());
+    absl::StatusOr<int> code = (*p)->WaitForExit(absl::Seconds(30));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 1) << c.message;
+    EXPECT_THAT((*p)->Log(), HasSubstr(c.message));
+  }
+}
+
+TEST_F(VerifyServiceTest, SigtermShutsDownCleanlyWithAnOpenStream) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {1, 2, 3});
+  EXPECT_FALSE(stream.Step(request).results(0).has_error());
+  absl::StatusOr<int> code = p->Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_THAT(p->Log(), HasSubstr("specd-verify: stopped"));
+  // The open stream was ended by the server, not left hanging.
+  v1::VerifyStepResponse response;
+  EXPECT_FALSE(stream.stream().Read(&response));
+  EXPECT_FALSE(stream.stream().Finish().ok());
+}
+
+}  // namespace
+}  // namespace specd
