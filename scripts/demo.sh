@@ -18,9 +18,14 @@ ROOT=$(pwd)
 BUILD=${BUILD:-build}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}
 echo "== building into $BUILD/ (the first build takes a few minutes)"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$BUILD" -j"$(nproc)" --target specd-verify specd-draft specd-router specd-cli \
-  specd-make-test-model | tail -n 1
+mkdir -p "$BUILD"
+if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release &&
+       cmake --build "$BUILD" -j"$(nproc)" --target specd-verify specd-draft specd-router \
+         specd-cli specd-make-test-model; } >"$BUILD/demo-build.log" 2>&1; then
+  tail -n 40 "$BUILD/demo-build.log" >&2
+  echo "build failed; the whole log is $BUILD/demo-build.log" >&2
+  exit 1
+fi
 BIN="$ROOT/$BUILD/bin"
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/specd-demo.XXXXXX")

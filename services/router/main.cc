@@ -180,7 +180,8 @@ int Main() {
 }  // namespace specd
 
 int main(int argc, char** argv) {
-  specd::BlockTerminationSignals();
+  // Before any thread starts, so a signal during startup is not lost.
+  specd::WatchTerminationSignals();
   absl::SetProgramUsageMessage(
       "specd-router --model DIR --verify_address HOST:PORT [--draft_address HOST:PORT]");
   absl::ParseCommandLine(argc, argv);

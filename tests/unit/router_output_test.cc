@@ -34,7 +34,7 @@ class RouterOutputTest : public ::testing::Test {
     tokenizer_ = t->release();
   }
 
-  std::unique_ptr<SequenceOutput> Make(StopConditions stop) {
+  std::unique_ptr<SequenceOutput> Make(StreamStopConditions stop) {
     if (stop.max_new_tokens == 0) stop.max_new_tokens = 1000;
     return std::make_unique<SequenceOutput>(std::make_unique<Decoder>(tokenizer_), stop);
   }
@@ -70,7 +70,7 @@ TEST_F(RouterOutputTest, StreamsEveryTokenWithoutStopStrings) {
 }
 
 TEST_F(RouterOutputTest, StopStringSplitAcrossTokensIsNotEmitted) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.stop = {"END"};
   auto out = Make(stop);
   OutputChunk got = Run(*out, "hello ENDworld");
@@ -83,7 +83,7 @@ TEST_F(RouterOutputTest, StopStringSplitAcrossTokensIsNotEmitted) {
 }
 
 TEST_F(RouterOutputTest, HoldsBackAPossibleStopPrefixUntilResolved) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.stop = {"END"};
   auto out = Make(stop);
   for (int32_t id : Ids("ab E")) ASSERT_TRUE(out->Push(id));
@@ -100,7 +100,7 @@ TEST_F(RouterOutputTest, HoldsBackAPossibleStopPrefixUntilResolved) {
 }
 
 TEST_F(RouterOutputTest, EarliestOfSeveralStopStringsWins) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.stop = {"world", "lo w"};
   auto out = Make(stop);
   OutputChunk got = Run(*out, "hello world");
@@ -109,7 +109,7 @@ TEST_F(RouterOutputTest, EarliestOfSeveralStopStringsWins) {
 }
 
 TEST_F(RouterOutputTest, StopStringInsideAMultiByteCharacterRun) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.stop = {"é!"};  // three bytes, so three byte tokens
   auto out = Make(stop);
   OutputChunk got = Run(*out, "café!x");
@@ -133,7 +133,7 @@ TEST_F(RouterOutputTest, MultiByteCharacterIsEmittedWhole) {
 }
 
 TEST_F(RouterOutputTest, EosEndsAndIsNotStreamed) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.eos_token_ids = {256};
   auto out = Make(stop);
   for (int32_t id : Ids("ab")) ASSERT_TRUE(out->Push(id));
@@ -153,7 +153,7 @@ TEST_F(RouterOutputTest, IgnoredEosIsJustAToken) {
 }
 
 TEST_F(RouterOutputTest, StopTokenIdEnds) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.stop_token_ids = {Ids("z")[0]};
   auto out = Make(stop);
   OutputChunk got = Run(*out, "xyzw");
@@ -162,7 +162,7 @@ TEST_F(RouterOutputTest, StopTokenIdEnds) {
 }
 
 TEST_F(RouterOutputTest, LengthReleasesHeldText) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.stop = {"END"};
   stop.max_new_tokens = 4;
   auto out = Make(stop);
@@ -172,7 +172,7 @@ TEST_F(RouterOutputTest, LengthReleasesHeldText) {
 }
 
 TEST_F(RouterOutputTest, ContextFullEnds) {
-  StopConditions stop;
+  StreamStopConditions stop;
   stop.prompt_tokens = 10;
   stop.max_total_tokens = 13;
   auto out = Make(stop);

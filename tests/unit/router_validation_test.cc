@@ -115,7 +115,7 @@ TEST(RouterValidationTest, DefaultsAndSeedsAreResolved) {
   v1::GenerateRequest r = Valid();
   r.set_max_new_tokens(0);
   r.set_temperature(0.8f);
-  GenerationRequest g = ResolveRequest(r, l, /*random_seed=*/1234);
+  RouterRequest g = ResolveRequest(r, l, /*random_seed=*/1234);
   EXPECT_EQ(g.max_new_tokens, 10);
   EXPECT_EQ(g.sampling.seed, 1234u);
   EXPECT_EQ(g.sampling.top_p, 1.0f);
