@@ -13,9 +13,12 @@ using nlohmann::json;
 
 const char* ChatFormatName(ChatFormat format) {
   switch (format) {
-    case ChatFormat::kChatMl: return "chatml";
-    case ChatFormat::kLlama3: return "llama3";
-    case ChatFormat::kPlain: break;
+    case ChatFormat::kChatMl:
+      return "chatml";
+    case ChatFormat::kLlama3:
+      return "llama3";
+    case ChatFormat::kPlain:
+      break;
   }
   return "plain";
 }
@@ -47,8 +50,8 @@ absl::StatusOr<ChatFormat> ChatFormatFromModelDir(const std::string& model_dir) 
   // Some models ship several named templates: [{"name": "default", "template": "..."}, ...].
   if (it->is_array()) {
     for (const json& entry : *it) {
-      if (entry.is_object() && entry.value("name", "") == "default" &&
-          entry.contains("template") && entry["template"].is_string()) {
+      if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
+          entry["template"].is_string()) {
         return ChatFormatFromTemplate(entry["template"].get<std::string>());
       }
     }
@@ -98,7 +101,8 @@ absl::StatusOr<std::string> RenderChat(const json& messages, ChatFormat format) 
   for (size_t i = 0; i < messages.size(); ++i) {
     const json& m = messages[i];
     const std::string field = absl::StrCat("messages[", i, "]");
-    if (!m.is_object()) return absl::InvalidArgumentError(absl::StrCat(field, ": must be an object"));
+    if (!m.is_object())
+      return absl::InvalidArgumentError(absl::StrCat(field, ": must be an object"));
     const auto role_it = m.find("role");
     if (role_it == m.end() || !role_it->is_string()) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".role: must be a string"));
@@ -131,9 +135,15 @@ absl::StatusOr<std::string> RenderChat(const json& messages, ChatFormat format) 
     }
   }
   switch (format) {
-    case ChatFormat::kChatMl: out += "<|im_start|>assistant\n"; break;
-    case ChatFormat::kLlama3: out += "<|start_header_id|>assistant<|end_header_id|>\n\n"; break;
-    case ChatFormat::kPlain: out += "assistant:"; break;
+    case ChatFormat::kChatMl:
+      out += "<|im_start|>assistant\n";
+      break;
+    case ChatFormat::kLlama3:
+      out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      break;
+    case ChatFormat::kPlain:
+      out += "assistant:";
+      break;
   }
   return out;
 }

@@ -306,8 +306,8 @@ absl::Status CheckModel(const json& body, const ProtocolOptions& options) {
   for (const std::string& alias : options.model_aliases) {
     if (name == alias) return absl::OkStatus();
   }
-  return absl::NotFoundError(absl::StrCat("model: '", name, "' is not served here; this server serves '",
-                                          options.model_name, "'"));
+  return absl::NotFoundError(absl::StrCat(
+      "model: '", name, "' is not served here; this server serves '", options.model_name, "'"));
 }
 
 // The field a message's "name: reason" prefix names, or "" when the message has no such prefix.
@@ -329,8 +329,9 @@ std::string HttpParamName(const std::string& field, Endpoint endpoint) {
   const bool chat = endpoint == Endpoint::kChatCompletions;
   if (base == "prompt" || base == "prompt_ids") return chat ? "messages" : "prompt";
   if (base == "max_new_tokens") return "max_tokens";
-  if (base == "speculation" || base == "draft_depth" || base == "draft_top_k" ||
-      base == "draft_max_nodes") {
+  // "speculation" is not renamed: the HTTP request has a top-level field of that name too, and
+  // the router only rejects values this edge never sends.
+  if (base == "draft_depth" || base == "draft_top_k" || base == "draft_max_nodes") {
     return "specd." + base;
   }
   if (base == "stop" || base == "stop_token_ids") return base;
@@ -339,18 +340,30 @@ std::string HttpParamName(const std::string& field, Endpoint endpoint) {
 
 const char* CodeName(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kCancelled: return "cancelled";
-    case absl::StatusCode::kInvalidArgument: return "invalid_argument";
-    case absl::StatusCode::kDeadlineExceeded: return "deadline_exceeded";
-    case absl::StatusCode::kNotFound: return "not_found";
-    case absl::StatusCode::kPermissionDenied: return "permission_denied";
-    case absl::StatusCode::kResourceExhausted: return "resource_exhausted";
-    case absl::StatusCode::kFailedPrecondition: return "failed_precondition";
-    case absl::StatusCode::kOutOfRange: return "out_of_range";
-    case absl::StatusCode::kUnimplemented: return "unimplemented";
-    case absl::StatusCode::kUnavailable: return "unavailable";
-    case absl::StatusCode::kUnauthenticated: return "unauthenticated";
-    default: return "internal";
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    case absl::StatusCode::kInvalidArgument:
+      return "invalid_argument";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "deadline_exceeded";
+    case absl::StatusCode::kNotFound:
+      return "not_found";
+    case absl::StatusCode::kPermissionDenied:
+      return "permission_denied";
+    case absl::StatusCode::kResourceExhausted:
+      return "resource_exhausted";
+    case absl::StatusCode::kFailedPrecondition:
+      return "failed_precondition";
+    case absl::StatusCode::kOutOfRange:
+      return "out_of_range";
+    case absl::StatusCode::kUnimplemented:
+      return "unimplemented";
+    case absl::StatusCode::kUnavailable:
+      return "unavailable";
+    case absl::StatusCode::kUnauthenticated:
+      return "unauthenticated";
+    default:
+      return "internal";
   }
 }
 
@@ -362,21 +375,31 @@ json UsageJson(const v1::Usage& usage) {
 
 const char* SpeculationName(v1::Speculation s) {
   switch (s) {
-    case v1::SPECULATION_OFF: return "off";
-    case v1::SPECULATION_DRAFT_MODEL: return "draft_model";
-    case v1::SPECULATION_NGRAM: return "ngram";
-    default: return "auto";
+    case v1::SPECULATION_OFF:
+      return "off";
+    case v1::SPECULATION_DRAFT_MODEL:
+      return "draft_model";
+    case v1::SPECULATION_NGRAM:
+      return "ngram";
+    default:
+      return "auto";
   }
 }
 
 const char* FinishDetail(v1::FinishReason reason) {
   switch (reason) {
-    case v1::FINISH_REASON_LENGTH: return "length";
-    case v1::FINISH_REASON_EOS: return "eos";
-    case v1::FINISH_REASON_STOP_TOKEN: return "stop_token";
-    case v1::FINISH_REASON_STOP_STRING: return "stop_string";
-    case v1::FINISH_REASON_CONTEXT: return "context";
-    default: return "unspecified";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_STOP_TOKEN:
+      return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING:
+      return "stop_string";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    default:
+      return "unspecified";
   }
 }
 
@@ -503,7 +526,8 @@ ApiError ToApiError(const absl::Status& status, Endpoint endpoint) {
       e.type = "server_error";
       break;
   }
-  if (e.http_status < 500) {
+  // Only a request's own content has a field at fault.
+  if (e.http_status == 400 || e.http_status == 404) {
     const std::string field = MessageField(e.message);
     if (!field.empty()) e.param = HttpParamName(field, endpoint);
     if (status.code() == absl::StatusCode::kNotFound && e.param == "model") {
@@ -536,9 +560,8 @@ json SpeculationJson(const v1::SpeculationStats& s) {
               {"steps", s.steps()},
               {"draft_tokens", s.draft_tokens()},
               {"accepted_tokens", s.accepted_tokens()},
-              {"accepted_per_position",
-               std::vector<uint64_t>(s.accepted_per_position().begin(),
-                                     s.accepted_per_position().end())},
+              {"accepted_per_position", std::vector<uint64_t>(s.accepted_per_position().begin(),
+                                                              s.accepted_per_position().end())},
               {"target_only_steps", s.target_only_steps()}};
   out["acceptance_rate"] =
       s.draft_tokens() > 0
@@ -596,12 +619,9 @@ json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& identity, absl::
 }
 
 json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& identity, const v1::Usage& usage) {
-  return {{"id", identity.id},
-          {"object", ObjectName(endpoint, /*chunk=*/true)},
-          {"created", identity.created},
-          {"model", identity.model},
-          {"choices", json::array()},
-          {"usage", UsageJson(usage)}};
+  return {{"id", identity.id},           {"object", ObjectName(endpoint, /*chunk=*/true)},
+          {"created", identity.created}, {"model", identity.model},
+          {"choices", json::array()},    {"usage", UsageJson(usage)}};
 }
 
 std::string DumpJson(const json& value) {

@@ -83,7 +83,7 @@ struct Completion {
 
 // Identity of one response, shared by all its chunks.
 struct ResponseIdentity {
-  std::string id;  // cmpl-... or chatcmpl-...
+  std::string id;       // cmpl-... or chatcmpl-...
   int64_t created = 0;  // Unix seconds
   std::string model;
 };

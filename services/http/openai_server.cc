@@ -119,7 +119,8 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
     return hp.status();
   }
   if (options.port < 0 || options.port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("port ", options.port, " is outside [0, 65535]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("port ", options.port, " is outside [0, 65535]"));
   }
   if (options.threads < 1) return absl::InvalidArgumentError("threads: must be >= 1");
   std::unique_ptr<OpenAiServer> server(new OpenAiServer(options));
@@ -128,8 +129,8 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // gRPC's reconnect backoff grows to 120 s; an edge that lost its router should find it again
   // within seconds of its return, or /health and every request keep failing meanwhile.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
-  self->channel_ = grpc::CreateCustomChannel(options.router_address,
-                                             grpc::InsecureChannelCredentials(), args);
+  self->channel_ =
+      grpc::CreateCustomChannel(options.router_address, grpc::InsecureChannelCredentials(), args);
   self->stub_ = v1::Generation::NewStub(self->channel_);
   self->health_stub_ = grpc::health::v1::Health::NewStub(self->channel_);
   {
@@ -189,24 +190,24 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // OpenAI error object too; handlers that already wrote a body keep it.
   http.set_error_handler(httplib::Server::HandlerWithResponse(
       [self](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    ApiError e;
-    e.http_status = res.status;
-    e.type = "invalid_request_error";
-    if (res.status == 404) {
-      e.message = absl::StrCat("no route for ", req.method, " ", req.path);
-      e.code = "not_found";
-    } else if (res.status == 413) {
-      e.message = absl::StrCat("the request body exceeds ", self->options_.max_body_bytes,
-                               " bytes");
-      e.code = "payload_too_large";
-    } else {
-      e.message = absl::StrCat("HTTP ", res.status);
-      e.code = "http_error";
-    }
-    self->SendError(e, res);
-    return httplib::Server::HandlerResponse::Handled;
-  }));
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        ApiError e;
+        e.http_status = res.status;
+        e.type = "invalid_request_error";
+        if (res.status == 404) {
+          e.message = absl::StrCat("no route for ", req.method, " ", req.path);
+          e.code = "not_found";
+        } else if (res.status == 413) {
+          e.message =
+              absl::StrCat("the request body exceeds ", self->options_.max_body_bytes, " bytes");
+          e.code = "payload_too_large";
+        } else {
+          e.message = absl::StrCat("HTTP ", res.status);
+          e.code = "http_error";
+        }
+        self->SendError(e, res);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
 
   http.Post("/v1/completions", [self](const httplib::Request& req, httplib::Response& res) {
     self->HandleGenerate(Endpoint::kCompletions, req, res);
@@ -214,15 +215,12 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   http.Post("/v1/chat/completions", [self](const httplib::Request& req, httplib::Response& res) {
     self->HandleGenerate(Endpoint::kChatCompletions, req, res);
   });
-  http.Get("/v1/models", [self](const httplib::Request&, httplib::Response& res) {
-    self->HandleModels(res);
-  });
-  http.Get("/health", [self](const httplib::Request&, httplib::Response& res) {
-    self->HandleHealth(res);
-  });
-  http.Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
-    self->HandleMetrics(res);
-  });
+  http.Get("/v1/models",
+           [self](const httplib::Request&, httplib::Response& res) { self->HandleModels(res); });
+  http.Get("/health",
+           [self](const httplib::Request&, httplib::Response& res) { self->HandleHealth(res); });
+  http.Get("/metrics",
+           [self](const httplib::Request&, httplib::Response& res) { self->HandleMetrics(res); });
 
   if (options.port == 0) {
     self->port_ = http.bind_to_any_port(options.host);
@@ -343,11 +341,11 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
   }
   ProtocolOptions protocol = CurrentProtocolOptions();
   if (protocol.model_name.empty()) {
-    SendError(ToApiError(absl::UnavailableError(absl::StrCat(
-                             "the router at ", options_.router_address,
-                             " does not answer GetModelInfo")),
-                         endpoint),
-              res);
+    SendError(
+        ToApiError(absl::UnavailableError(absl::StrCat("the router at ", options_.router_address,
+                                                       " does not answer GetModelInfo")),
+                   endpoint),
+        res);
     return;
   }
   absl::StatusOr<ParsedRequest> parsed = ParseRequest(endpoint, req.body, protocol);
@@ -456,10 +454,10 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
             // down, the deadline passed). Headers are gone, so the error is an event, then the
             // usual end marker so clients stop reading.
             const grpc::Status status = (*s.call)->status();
-            const ApiError error = ToApiError(
-                status.ok() ? absl::InternalError("the router ended the stream early")
-                            : FromGrpcStatus(status),
-                s.endpoint);
+            const ApiError error =
+                ToApiError(status.ok() ? absl::InternalError("the router ended the stream early")
+                                       : FromGrpcStatus(status),
+                           s.endpoint);
             std::string out = absl::StrCat(SseEvent(ErrorJson(error)), kSseDone);
             if (!sink.write(out.data(), out.size())) return false;
             sink.done();
@@ -486,11 +484,11 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
 void OpenAiServer::HandleModels(httplib::Response& res) {
   const ProtocolOptions protocol = CurrentProtocolOptions();
   if (protocol.model_name.empty()) {
-    SendError(ToApiError(absl::UnavailableError(absl::StrCat(
-                             "the router at ", options_.router_address,
-                             " does not answer GetModelInfo")),
-                         Endpoint::kCompletions),
-              res);
+    SendError(
+        ToApiError(absl::UnavailableError(absl::StrCat("the router at ", options_.router_address,
+                                                       " does not answer GetModelInfo")),
+                   Endpoint::kCompletions),
+        res);
     return;
   }
   uint32_t max_context;
@@ -498,10 +496,8 @@ void OpenAiServer::HandleModels(httplib::Response& res) {
     absl::MutexLock lock(&model_mu_);
     max_context = max_context_;
   }
-  json model = {{"id", protocol.model_name},
-                {"object", "model"},
-                {"created", 0},
-                {"owned_by", "specd"}};
+  json model = {
+      {"id", protocol.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "specd"}};
   if (max_context > 0) model["max_model_len"] = max_context;
   res.set_content(DumpJson({{"object", "list"}, {"data", json::array({model})}}),
                   "application/json");

@@ -44,7 +44,7 @@ class GenerateCall;
 
 struct OpenAiServerOptions {
   std::string host = "0.0.0.0";
-  int port = 8000;  // 0: pick a free port; OpenAiServer::port() tells which
+  int port = 8000;             // 0: pick a free port; OpenAiServer::port() tells which
   std::string router_address;  // "host:port" of specd-router's Generation API
   // Reported by /v1/models and accepted in requests' "model". Empty: the last path component of
   // the router's GetModelInfo target_model, fetched on first use.

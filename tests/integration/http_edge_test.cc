@@ -47,12 +47,12 @@ const Models& TestModels() {
     const std::string dir = MakeTempDir("http_edge_test");
     m->target = dir + "/target";
     m->draft = dir + "/draft";
-    const std::string cmd = absl::StrCat(
-        SpecdBinary("specd-make-test-model"), " --target_dir=", m->target,
-        " --draft_dir=", m->draft,
-        " --hidden_size=64 --intermediate_size=128 --num_layers=3 --draft_layers=1"
-        " --max_position_embeddings=",
-        kMaxContext, " > /dev/null");
+    const std::string cmd =
+        absl::StrCat(SpecdBinary("specd-make-test-model"), " --target_dir=", m->target,
+                     " --draft_dir=", m->draft,
+                     " --hidden_size=64 --intermediate_size=128 --num_layers=3 --draft_layers=1"
+                     " --max_position_embeddings=",
+                     kMaxContext, " > /dev/null");
     if (std::system(cmd.c_str()) != 0) ADD_FAILURE() << "failed: " << cmd;
     m->chatml_dir = dir + "/chatml";
     std::filesystem::create_directories(m->chatml_dir);
@@ -279,8 +279,12 @@ TEST(HttpEdgeTest, CompletionMatchesGrpcGenerateAndStreamingMatchesNonStreaming)
   };
   std::vector<Case> cases;
   {
-    Case greedy{"greedy", {{"prompt", "def add(a, b):"}, {"max_tokens", 24},
-                           {"temperature", 0}, {"ignore_eos", true}}, {}};
+    Case greedy{"greedy",
+                {{"prompt", "def add(a, b):"},
+                 {"max_tokens", 24},
+                 {"temperature", 0},
+                 {"ignore_eos", true}},
+                {}};
     greedy.grpc.set_prompt("def add(a, b):");
     greedy.grpc.set_max_new_tokens(24);
     greedy.grpc.set_temperature(0);
@@ -326,8 +330,7 @@ TEST(HttpEdgeTest, CompletionMatchesGrpcGenerateAndStreamingMatchesNonStreaming)
     EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
     EXPECT_EQ(r["usage"]["completion_tokens"], want.tokens.size());
     EXPECT_EQ(r["usage"]["prompt_tokens"], want.last.usage().prompt_tokens());
-    EXPECT_EQ(r["usage"]["total_tokens"],
-              want.tokens.size() + want.last.usage().prompt_tokens());
+    EXPECT_EQ(r["usage"]["total_tokens"], want.tokens.size() + want.last.usage().prompt_tokens());
     EXPECT_TRUE(r["specd"]["speculation"].contains("steps"));
 
     json stream_body = k.body;
@@ -362,11 +365,23 @@ TEST(HttpEdgeTest, CompletionMatchesGrpcGenerateAndStreamingMatchesNonStreaming)
   const GrpcResult full = c->Generate(base);
   ASSERT_TRUE(full.status.ok());
   ASSERT_GE(full.text.size(), 4u);
-  const std::string stop = full.text.substr(full.text.size() / 2, 2);
-  const HttpReply stopped = Post(http.port, "/v1/completions",
-                                 json({{"prompt", "def add(a, b):"}, {"max_tokens", 24},
-                                       {"ignore_eos", true}, {"stop", stop}})
-                                     .dump());
+  // Two whole UTF-8 characters from the middle of the text (random models emit any bytes).
+  auto is_start = [&](size_t i) {
+    return i >= full.text.size() || (static_cast<unsigned char>(full.text[i]) & 0xC0) != 0x80;
+  };
+  size_t begin = full.text.size() / 2;
+  while (!is_start(begin)) --begin;
+  size_t end = begin;
+  int chars = 0;
+  do {
+    ++end;
+    if (is_start(end)) ++chars;
+  } while (chars < 2 && end < full.text.size());
+  const std::string stop = full.text.substr(begin, end - begin);
+  const HttpReply stopped = Post(
+      http.port, "/v1/completions",
+      json({{"prompt", "def add(a, b):"}, {"max_tokens", 24}, {"ignore_eos", true}, {"stop", stop}})
+          .dump());
   ASSERT_EQ(stopped.status, 200) << stopped.body;
   const json sj = ParseJson(stopped.body);
   EXPECT_EQ(sj["choices"][0]["finish_reason"], "stop");
@@ -400,10 +415,8 @@ TEST(HttpEdgeTest, ChatCompletionsPlainAndChatMl) {
     const GrpcResult want = c->Generate(g);
     ASSERT_TRUE(want.status.ok()) << want.status.error_message();
 
-    const json body = {{"model", "target"},
-                       {"messages", messages},
-                       {"max_tokens", 16},
-                       {"ignore_eos", true}};
+    const json body = {
+        {"model", "target"}, {"messages", messages}, {"max_tokens", 16}, {"ignore_eos", true}};
     const HttpReply reply = Post(k.http->port, "/v1/chat/completions", body.dump());
     ASSERT_EQ(reply.status, 200) << reply.body;
     const json r = ParseJson(reply.body);
@@ -448,8 +461,7 @@ TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {
       {kC, R"({"prompt": "x", "top_p": 2})", 400, "top_p"},
       {kC, R"({"prompt": "x", "max_tokens": 5000})", 400, "max_tokens"},
       {kC, R"({"prompt": [1, 2, 100000]})", 400, "prompt"},
-      {kC, R"({"prompt": "x", "specd": {"draft_max_nodes": 1000}})", 400,
-       "specd.draft_max_nodes"},
+      {kC, R"({"prompt": "x", "specd": {"draft_max_nodes": 1000}})", 400, "specd.draft_max_nodes"},
       {kC, R"({"prompt": "", "max_tokens": 3})", 400, "prompt"},
       // Checked here.
       {kC, R"({"prompt": "x", "n": 2})", 400, "n"},
@@ -460,8 +472,7 @@ TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {
       {kC, R"({"prompt": "x", "model": "gpt-4"})", 404, "model"},
       // A streaming request that fails up front gets a plain JSON error, not a stream.
       {kC, R"({"prompt": "x", "temperature": -1, "stream": true})", 400, "temperature"},
-      {"/v1/chat/completions", R"({"messages": [{"role": "user"}]})", 400,
-       "messages[0].content"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user"}]})", 400, "messages[0].content"},
       {"/v1/chat/completions", R"({"messages": "hi"})", 400, "messages"},
   };
   for (const Case& k : cases) {
@@ -500,9 +511,8 @@ TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {
   EXPECT_EQ(Cluster::WaitForMetric(http_port, "specd_http_requests_total",
                                    {{"endpoint", "other"}, {"status", "404"}}, 1),
             1);
-  EXPECT_EQ(Cluster::WaitForMetric(http_port, "specd_http_requests_in_flight", {{"endpoint", kC}},
-                                   0),
-            0);
+  EXPECT_EQ(
+      Cluster::WaitForMetric(http_port, "specd_http_requests_in_flight", {{"endpoint", kC}}, 0), 0);
   // The seven cases above that only the router can judge reached it.
   EXPECT_EQ(Cluster::WaitForMetric(c->router_metrics, "specd_requests_total",
                                    {{"outcome", "invalid_argument"}}, 7),
@@ -581,9 +591,9 @@ int SendRaw(int port, const std::string& path, const std::string& body) {
     close(fd);
     return -1;
   }
-  const std::string request =
-      absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n",
-                   "Content-Length: ", body.size(), "\r\n\r\n", body);
+  const std::string request = absl::StrCat(
+      "POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n",
+      "Content-Length: ", body.size(), "\r\n\r\n", body);
   if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
       static_cast<ssize_t>(request.size())) {
     close(fd);
