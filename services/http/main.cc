@@ -98,6 +98,7 @@ int Main() {
   SPECD_LOG(INFO) << "specd-http: signal " << TerminationSignal() << ", shutting down";
   (*server)->Stop();
   if (metrics_server) metrics_server->Stop();
+  SPECD_LOG(INFO) << "specd-http: stopped";
   return 0;
 }
 
