@@ -12,14 +12,12 @@ namespace specd {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 void ToSequenceError(const absl::Status& status, v1::SequenceError* error) {
@@ -105,8 +103,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   for (grpc::Service* service : options.services) builder.RegisterService(service);
   out->server_ = builder.BuildAndStart();
   if (out->server_ == nullptr || out->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address,
-                                               " (address in use or not local?)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.address, " (address in use or not local?)"));
   }
   out->service_names_ = options.health_service_names;
   out->SetServing(false);

@@ -44,12 +44,11 @@ struct Voidify {
 #define SPECD_LOG_LEVEL_WARNING ::specd::LogLevel::kWarning
 #define SPECD_LOG_LEVEL_ERROR ::specd::LogLevel::kError
 
-#define SPECD_LOG(severity)                                                      \
-  (SPECD_LOG_LEVEL_##severity < ::specd::MinLogLevel())                          \
-      ? (void)0                                                                  \
-      : ::specd::logging_internal::Voidify() &                                   \
-            ::specd::logging_internal::LogMessage(SPECD_LOG_LEVEL_##severity,    \
-                                                  __FILE__, __LINE__)            \
+#define SPECD_LOG(severity)                                                                       \
+  (SPECD_LOG_LEVEL_##severity < ::specd::MinLogLevel())                                           \
+      ? (void)0                                                                                   \
+      : ::specd::logging_internal::Voidify() &                                                    \
+            ::specd::logging_internal::LogMessage(SPECD_LOG_LEVEL_##severity, __FILE__, __LINE__) \
                 .stream()
 
 #endif  // SPECD_COMMON_LOGGING_H_

@@ -42,8 +42,7 @@ prometheus::Histogram& AddHistogram(prometheus::Registry& registry, const std::s
                                     const std::string& help,
                                     const prometheus::Histogram::BucketBoundaries& buckets,
                                     const MetricLabels& labels) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(labels,
-                                                                                     buckets);
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(labels, buckets);
 }
 
 prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& registry,
@@ -62,16 +61,17 @@ namespace {
 
 prometheus::Family<prometheus::Counter>& FreedFamily(prometheus::Registry& registry) {
   return AddCounterFamily(registry, "specd_sequences_freed_total",
-                          "Sequences released, by reason (finished: released by the router; "
-                          "cancelled: deadline passed or the router's stream ended).");
+                          "Sequences released, by reason (finished: release_seq_ids; cancelled: "
+                          "cancel_seq_ids, a passed deadline or the end of the router's stream).");
 }
 
 }  // namespace
 
 ModelServiceMetrics::ModelServiceMetrics(prometheus::Registry& registry)
-    : sequences(AddGauge(registry, "specd_sequences", "Live sequences holding KV in this service.")),
-      kv_cache_usage_ratio(AddGauge(registry, "specd_kv_cache_usage_ratio",
-                                    "Cached tokens / KV capacity.")),
+    : sequences(
+          AddGauge(registry, "specd_sequences", "Live sequences holding KV in this service.")),
+      kv_cache_usage_ratio(
+          AddGauge(registry, "specd_kv_cache_usage_ratio", "Cached tokens / KV capacity.")),
       step_seconds(AddHistogram(registry, "specd_step_seconds",
                                 "One batched step inside the service (draft: tree growth; "
                                 "verify: forward + accept).",

@@ -62,7 +62,7 @@ std::string SerializeMetrics(prometheus::Registry& registry);
 struct ModelServiceMetrics {
   explicit ModelServiceMetrics(prometheus::Registry& registry);
 
-  prometheus::Gauge& sequences;            // specd_sequences
+  prometheus::Gauge& sequences;             // specd_sequences
   prometheus::Gauge& kv_cache_usage_ratio;  // specd_kv_cache_usage_ratio
   prometheus::Histogram& step_seconds;      // specd_step_seconds
   prometheus::Histogram& step_batch_size;   // specd_step_batch_size

@@ -381,6 +381,30 @@ absl::Status TensorStore::ReadRowsF32(const std::string& name, int64_t row_begin
   return absl::OkStatus();
 }
 
+absl::Status TensorStore::ReadColsF32(const std::string& name, int64_t col_begin,
+                                      int64_t col_end, float* out) const {
+  absl::StatusOr<const TensorView*> v = Get(name);
+  if (!v.ok()) return v.status();
+  const TensorView& view = **v;
+  if (absl::Status s = CheckFloat(view); !s.ok()) return s;
+  if (view.shape.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(view.file, ": tensor ", name, " of shape ",
+                                                   ShapeString(view.shape),
+                                                   " is not 2-D, so it has no column slices"));
+  }
+  const int64_t rows = view.shape[0], cols = view.shape[1];
+  if (col_begin < 0 || col_end > cols || col_begin > col_end) {
+    return absl::InvalidArgumentError(absl::StrCat(view.file, ": tensor ", name, " of shape ",
+                                                   ShapeString(view.shape), " has no columns [",
+                                                   col_begin, ", ", col_end, ")"));
+  }
+  const int64_t width = col_end - col_begin;
+  for (int64_t r = 0; r < rows && width > 0; ++r) {
+    ConvertToF32(view, r * cols + col_begin, width, out + r * width);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();

@@ -73,6 +73,11 @@ class TensorStore {
   // sliced as rows) as fp32; used by tensor-parallel ranks to read only their slices.
   absl::Status ReadRowsF32(const std::string& name, int64_t row_begin, int64_t row_end,
                            float* out) const;
+  // Reads columns [col_begin, col_end) of every row of a 2-D tensor [rows, cols] as fp32 into
+  // `out` ([rows, col_end - col_begin] fp32, host): the input slice of a row-parallel weight
+  // ([out_features, in_features] sliced along in_features, e.g. o_proj and down_proj).
+  absl::Status ReadColsF32(const std::string& name, int64_t col_begin, int64_t col_end,
+                           float* out) const;
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

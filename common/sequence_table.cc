@@ -1,5 +1,7 @@
 #include "common/sequence_table.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace specd {
 
 std::optional<int64_t> SequenceTable::Find(uint64_t stream, uint64_t seq_id) const {
@@ -40,7 +42,7 @@ std::vector<int64_t> SequenceTable::RemoveStream(uint64_t stream) {
     }
   }
   for (auto it = tombstones_.begin(); it != tombstones_.end();) {
-    if (it->first == stream) {
+    if (it->first.first == stream) {
       tombstones_.erase(it++);
     } else {
       ++it;
@@ -69,17 +71,23 @@ std::vector<int64_t> SequenceTable::RemoveExpired(int64_t now_unix_ms) {
   for (const Key& key : expired) {
     ids.push_back(live_[key].id);
     live_.erase(key);
-    Tombstone(key.first, key.second);
+    SetTombstone(key.first, key.second, absl::StatusCode::kDeadlineExceeded);
   }
   return ids;
 }
 
-bool SequenceTable::IsTombstoned(uint64_t stream, uint64_t seq_id) const {
-  return tombstones_.contains(Key(stream, seq_id));
+absl::Status SequenceTable::Tombstone(uint64_t stream, uint64_t seq_id) const {
+  auto it = tombstones_.find(Key(stream, seq_id));
+  if (it == tombstones_.end()) return absl::OkStatus();
+  return absl::Status(it->second, absl::StrCat("sequence ", seq_id, " was freed by this service (",
+                                               it->second == absl::StatusCode::kDeadlineExceeded
+                                                   ? "its deadline passed"
+                                                   : "a step failed and lost its state",
+                                               "); release the id before reusing it"));
 }
 
-void SequenceTable::Tombstone(uint64_t stream, uint64_t seq_id) {
-  if (!tombstones_.insert(Key(stream, seq_id)).second) return;
+void SequenceTable::SetTombstone(uint64_t stream, uint64_t seq_id, absl::StatusCode reason) {
+  if (!tombstones_.emplace(Key(stream, seq_id), reason).second) return;
   tombstone_order_.push_back(Key(stream, seq_id));
   while (tombstone_order_.size() > kMaxTombstones) {
     tombstones_.erase(tombstone_order_.front());

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 
 namespace specd {
 
@@ -45,9 +45,10 @@ class SequenceTable {
   // returns their model-side ids.
   std::vector<int64_t> RemoveExpired(int64_t now_unix_ms);
 
-  // Whether the service freed this id on its own and the router has not released it since.
-  bool IsTombstoned(uint64_t stream, uint64_t seq_id) const;
-  void Tombstone(uint64_t stream, uint64_t seq_id);
+  // If the service freed this id on its own and the router has not released it since, the
+  // error later steps for it get (the reason it was freed, e.g. DEADLINE_EXCEEDED); else OK.
+  absl::Status Tombstone(uint64_t stream, uint64_t seq_id) const;
+  void SetTombstone(uint64_t stream, uint64_t seq_id, absl::StatusCode reason);
 
   int size() const { return static_cast<int>(live_.size()); }
 
@@ -60,7 +61,7 @@ class SequenceTable {
   static constexpr size_t kMaxTombstones = 1 << 16;
 
   absl::flat_hash_map<Key, Entry> live_;
-  absl::flat_hash_set<Key> tombstones_;
+  absl::flat_hash_map<Key, absl::StatusCode> tombstones_;
   std::deque<Key> tombstone_order_;
   int64_t next_id_ = 1;
 };

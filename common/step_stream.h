@@ -157,8 +157,8 @@ class StepStreamReactor : public grpc::ServerBidiReactor<Request, Response> {
     std::optional<Request> request;
     {
       absl::MutexLock lock(&mu_);
-      reading_ = false;
       if (!ok || finished_) {
+        reading_ = false;
         read_closed_ = true;
       } else {
         ++in_flight_;
@@ -167,9 +167,13 @@ class StepStreamReactor : public grpc::ServerBidiReactor<Request, Response> {
       }
     }
     if (request.has_value()) {
-      // Outside the lock: a closed queue replies at once, and the reply locks mu_.
+      // Outside the lock: a closed queue replies at once, and the reply locks mu_. reading_
+      // stays set until the step is queued, so no other thread starts the next read and
+      // queues a later step first.
       queue_->Submit(stream_, std::move(*request),
                      [this](absl::StatusOr<Response> response) { OnReply(std::move(response)); });
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
     }
     Pump();
   }

@@ -1,16 +1,53 @@
 // CreateBackend: picks the backend named by BackendOptions::device.
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/cpu_backend.h"
+#include "engine/tp_cpu_backend.h"
+#ifdef SPECD_WITH_CUDA
+#include "engine/cuda/cuda_backend.h"
+#endif
 
 namespace specd {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
                                                        const BackendOptions& options) {
+  if (options.tensor_parallel < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_parallel: ", options.tensor_parallel, " must be >= 1"));
+  }
+  if (options.device == "cpu" && options.tensor_parallel > 1) {
+    absl::StatusOr<std::unique_ptr<TensorParallelBackend>> tp = CreateTpCpuBackend(dir, options);
+    if (!tp.ok()) return tp.status();
+    return std::unique_ptr<Backend>(std::move(*tp));
+  }
   if (options.device == "cpu") {
     absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(dir, options);
     if (!cpu.ok()) return cpu.status();
     return std::unique_ptr<Backend>(std::move(*cpu));
+  }
+  if (options.device == "cuda" || absl::StartsWith(options.device, "cuda:")) {
+    int device = 0;
+    if (options.device != "cuda" && !absl::SimpleAtoi(options.device.substr(5), &device)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device \"", options.device, "\": expected cuda:N with N a GPU index"));
+    }
+    if (options.tensor_parallel > 1) {
+      return absl::UnimplementedError(absl::StrCat(
+          "tensor_parallel: ", options.tensor_parallel,
+          " is not yet supported on CUDA devices (the CPU backend supports any degree)"));
+    }
+#ifdef SPECD_WITH_CUDA
+    absl::StatusOr<std::unique_ptr<CudaBackend>> gpu = CudaBackend::Create(dir, device, options);
+    if (!gpu.ok()) return gpu.status();
+    return std::unique_ptr<Backend>(std::move(*gpu));
+#else
+    return absl::UnimplementedError(
+        absl::StrCat("device \"", options.device,
+                     "\": this build has no CUDA backend (configure with nvcc "
+                     "available, SPECD_CUDA=AUTO or ON)"));
+#endif
   }
   return absl::UnimplementedError(
       absl::StrCat("device \"", options.device, "\" is not supported by this build (try \"cpu\")"));

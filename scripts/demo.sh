@@ -98,9 +98,9 @@ echo "   metrics: http://127.0.0.1:$ROUTER_METRICS/metrics (router)," \
   "http://127.0.0.1:$VERIFY_METRICS/metrics (verify), http://127.0.0.1:$DRAFT_METRICS/metrics (draft)"
 
 PROMPTS=(
+  $'class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n'
   $'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
   $'import os\nimport sys\n\n\ndef main():\n'
-  $'class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n'
   $'def read_lines(path):\n    with open(path) as f:\n'
 )
 

@@ -16,12 +16,12 @@
 // Flags are parsed here rather than with absl flags so that they can be spelled with dashes
 // and repeated (--stop), as users of other serving CLIs expect.
 #include <chrono>
-#include <type_traits>
 #include <cstdio>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -53,44 +53,72 @@ const char* kUsage =
 
 const char* CodeName(grpc::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
   }
 }
 
 const char* FinishReasonName(v1::FinishReason reason) {
   switch (reason) {
-    case v1::FINISH_REASON_LENGTH: return "length";
-    case v1::FINISH_REASON_EOS: return "eos";
-    case v1::FINISH_REASON_STOP_TOKEN: return "stop_token";
-    case v1::FINISH_REASON_STOP_STRING: return "stop";
-    case v1::FINISH_REASON_CONTEXT: return "context";
-    default: return "unspecified";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_STOP_TOKEN:
+      return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING:
+      return "stop";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    default:
+      return "unspecified";
   }
 }
 
 const char* SpeculationName(v1::Speculation s) {
   switch (s) {
-    case v1::SPECULATION_OFF: return "off";
-    case v1::SPECULATION_DRAFT_MODEL: return "draft_model";
-    case v1::SPECULATION_NGRAM: return "ngram";
-    default: return "auto";
+    case v1::SPECULATION_OFF:
+      return "off";
+    case v1::SPECULATION_DRAFT_MODEL:
+      return "draft_model";
+    case v1::SPECULATION_NGRAM:
+      return "ngram";
+    default:
+      return "auto";
   }
 }
 
@@ -115,13 +143,27 @@ class Args {
   bool Parse(int argc, char** argv, int first, std::string* error) {
     static const std::map<std::string, bool> kFlags = {
         // name -> takes a value
-        {"server", true},          {"prompt", true},        {"prompt-ids", true},
-        {"max-new-tokens", true},  {"temperature", true},   {"top-p", true},
-        {"top-k", true},           {"seed", true},          {"speculation", true},
-        {"stop", true},            {"stop-token-id", true}, {"ignore-eos", false},
-        {"draft-depth", true},     {"draft-top-k", true},   {"draft-max-nodes", true},
-        {"timeout-ms", true},      {"request-id", true},    {"json", false},
-        {"text", true},            {"ids", true},           {"add-special-tokens", false},
+        {"server", true},
+        {"prompt", true},
+        {"prompt-ids", true},
+        {"max-new-tokens", true},
+        {"temperature", true},
+        {"top-p", true},
+        {"top-k", true},
+        {"seed", true},
+        {"speculation", true},
+        {"stop", true},
+        {"stop-token-id", true},
+        {"ignore-eos", false},
+        {"draft-depth", true},
+        {"draft-top-k", true},
+        {"draft-max-nodes", true},
+        {"timeout-ms", true},
+        {"request-id", true},
+        {"json", false},
+        {"text", true},
+        {"ids", true},
+        {"add-special-tokens", false},
         {"skip-special-tokens", false},
     };
     for (int i = first; i < argc; ++i) {
@@ -201,9 +243,8 @@ bool ParseIds(const std::string& text, const std::string& name, std::vector<int3
 }
 
 std::unique_ptr<v1::Generation::Stub> Connect(const Args& args) {
-  return v1::Generation::NewStub(
-      grpc::CreateCustomChannel(args.Get("server"), grpc::InsecureChannelCredentials(),
-                                ServiceChannelArguments()));
+  return v1::Generation::NewStub(grpc::CreateCustomChannel(
+      args.Get("server"), grpc::InsecureChannelCredentials(), ServiceChannelArguments()));
 }
 
 void SetTimeout(int64_t timeout_ms, grpc::ClientContext* ctx) {
@@ -282,18 +323,21 @@ int Generate(const Args& args) {
   v1::GenerateResponse last;
   double ttft = -1;
   bool got_last = false;
+  bool streamed_text = false;
   while (reader->Read(&chunk)) {
-    const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double now =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (ttft < 0 && chunk.token_ids_size() > 0) ttft = now;
     if (as_json) {
       if (chunk.token_ids_size() > 0 || !chunk.text().empty()) {
-        json line = {{"token_ids", std::vector<int32_t>(chunk.token_ids().begin(),
-                                                        chunk.token_ids().end())},
-                     {"text", chunk.text()}};
+        json line = {
+            {"token_ids", std::vector<int32_t>(chunk.token_ids().begin(), chunk.token_ids().end())},
+            {"text", chunk.text()}};
         std::printf("%s\n", Dump(line).c_str());
       }
     } else {
       std::fwrite(chunk.text().data(), 1, chunk.text().size(), stdout);
+      streamed_text = streamed_text || !chunk.text().empty();
     }
     std::fflush(stdout);
     if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
@@ -305,17 +349,17 @@ int Generate(const Args& args) {
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!status.ok()) {
-    if (!as_json) std::printf("\n");
+    if (!as_json && streamed_text) std::printf("\n");
     return RpcFailed(status);
   }
   if (!got_last) {
-    return RpcFailed(grpc::Status(grpc::StatusCode::INTERNAL,
-                                  "the stream ended without a finish reason"));
+    return RpcFailed(
+        grpc::Status(grpc::StatusCode::INTERNAL, "the stream ended without a finish reason"));
   }
   const v1::SpeculationStats& spec = last.speculation();
-  const double acceptance =
-      spec.draft_tokens() > 0 ? static_cast<double>(spec.accepted_tokens()) / spec.draft_tokens()
-                              : 0.0;
+  const double acceptance = spec.draft_tokens() > 0
+                                ? static_cast<double>(spec.accepted_tokens()) / spec.draft_tokens()
+                                : 0.0;
   // Tokens per speculative step, bonus included (docs/metrics.md).
   const double mean_accepted_length =
       spec.steps() > 0 ? 1.0 + static_cast<double>(spec.accepted_tokens()) / spec.steps() : 0.0;
@@ -351,8 +395,7 @@ int Generate(const Args& args) {
                  "speculation %s: %llu steps, acceptance %.2f, mean accepted length %.2f]\n",
                  FinishReasonName(last.finish_reason()), last.usage().prompt_tokens(), completion,
                  elapsed, tokens_per_second, SpeculationName(spec.mode()),
-                 static_cast<unsigned long long>(spec.steps()), acceptance,
-                 mean_accepted_length);
+                 static_cast<unsigned long long>(spec.steps()), acceptance, mean_accepted_length);
   }
   return 0;
 }
@@ -367,9 +410,9 @@ int Tokenize(const Args& args) {
   v1::TokenizeResponse response;
   const grpc::Status status = stub->Tokenize(&ctx, request, &response);
   if (!status.ok()) return RpcFailed(status);
-  std::printf("%s\n",
-              Dump(json(std::vector<int32_t>(response.ids().begin(), response.ids().end())))
-                  .c_str());
+  std::printf(
+      "%s\n",
+      Dump(json(std::vector<int32_t>(response.ids().begin(), response.ids().end()))).c_str());
   return 0;
 }
 

@@ -9,7 +9,7 @@ namespace specd {
 
 void TreeAttentionCpuItems(const TreeAttentionParams& p, int64_t item_begin, int64_t item_end) {
   const int64_t d = p.head_dim;
-  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t group = p.kv_group > 0 ? p.kv_group : p.num_heads / p.num_kv_heads;
   const int64_t kv_stride = p.num_kv_heads * d;
   std::vector<int64_t> slots;  // physical slot of each key, in visiting order
   std::vector<float> scores;
@@ -17,7 +17,7 @@ void TreeAttentionCpuItems(const TreeAttentionParams& p, int64_t item_begin, int
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int64_t t = item / p.num_heads;
     const int64_t h = item % p.num_heads;
-    const int64_t kvh = h / group;
+    const int64_t kvh = (p.q_head_offset + h) / group - p.kv_head_offset;
     const int32_t* table = p.block_tables + p.query_seq[t] * p.max_blocks_per_seq;
     const auto physical = [&](int64_t logical) {
       return static_cast<int64_t>(table[logical / p.block_size]) * p.block_size +

@@ -44,9 +44,9 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
     }
     model = std::move(*backend);
     if (vocab_size != 0 && vocab_size != model->config().vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "vocab_size: ", vocab_size, " differs from the draft model's ",
-          model->config().vocab_size));
+      return absl::InvalidArgumentError(absl::StrCat("vocab_size: ", vocab_size,
+                                                     " differs from the draft model's ",
+                                                     model->config().vocab_size));
     }
     vocab_size = model->config().vocab_size;
     model_drafter = std::make_unique<DraftModelDrafter>(model.get());
@@ -57,9 +57,8 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
   absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
       NgramDrafter::Create(vocab_size, options.ngram);
   if (!ngram.ok()) return Prefixed(ngram.status(), "n-gram drafter: ");
-  return std::unique_ptr<DraftLoop>(new DraftLoop(options, std::move(model),
-                                                  std::move(model_drafter), std::move(*ngram),
-                                                  queue, metrics));
+  return std::unique_ptr<DraftLoop>(new DraftLoop(
+      options, std::move(model), std::move(model_drafter), std::move(*ngram), queue, metrics));
 }
 
 DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> model,
@@ -137,15 +136,14 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   const std::string where = absl::StrCat("steps[", index, "]");
   const int vocab = ngram_->vocab_size();
   std::optional<int64_t> live = table_.Find(stream, step.seq_id());
-  if (!live.has_value() && table_.IsTombstoned(stream, step.seq_id())) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("sequence ", step.seq_id(), " was freed when its deadline passed"));
+  if (!live.has_value()) {
+    if (absl::Status freed = table_.Tombstone(stream, step.seq_id()); !freed.ok()) return freed;
   }
   if (step.deadline_unix_ms() != 0 && step.deadline_unix_ms() < absl::ToUnixMillis(absl::Now())) {
     if (live.has_value()) {
       table_.Remove(stream, step.seq_id());
       Free(*live, /*finished=*/false);
-      table_.Tombstone(stream, step.seq_id());
+      table_.SetTombstone(stream, step.seq_id(), absl::StatusCode::kDeadlineExceeded);
     }
     return absl::DeadlineExceededError(
         absl::StrCat(where, ".deadline_unix_ms: ", step.deadline_unix_ms(), " has passed"));
@@ -165,9 +163,10 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   switch (step.method()) {
     case v1::DRAFT_METHOD_MODEL:
       if (model_drafter_ == nullptr) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            where, ".method: DRAFT_METHOD_MODEL, but this draft service has no draft model "
-                   "(started without --model); use DRAFT_METHOD_NGRAM"));
+        return absl::FailedPreconditionError(
+            absl::StrCat(where,
+                         ".method: DRAFT_METHOD_MODEL, but this draft service has no draft model "
+                         "(started without --model); use DRAFT_METHOD_NGRAM"));
       }
       slot->drafter = kModel;
       break;
@@ -181,9 +180,9 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   DraftParams& params = slot->request.params;
   params.depth = step.depth() != 0 ? static_cast<int>(step.depth()) : options_.defaults.depth;
   params.top_k = step.top_k() != 0 ? static_cast<int>(step.top_k()) : options_.defaults.top_k;
-  params.max_nodes =
-      step.max_nodes() != 0 ? static_cast<int>(std::min<uint32_t>(step.max_nodes(), 1 << 20))
-                            : options_.defaults.max_nodes;
+  params.max_nodes = step.max_nodes() != 0
+                         ? static_cast<int>(std::min<uint32_t>(step.max_nodes(), 1 << 20))
+                         : options_.defaults.max_nodes;
   if (absl::Status s = ValidateDraftParams(params); !s.ok()) return Prefixed(s, where + ".");
 
   if (!live.has_value()) {
@@ -254,17 +253,21 @@ void DraftLoop::ProcessBatch(DraftStepQueue::Batch& batch) {
     for (uint64_t id : request.release_seq_ids()) {
       if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/true);
     }
+    for (uint64_t id : request.cancel_seq_ids()) {
+      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/false);
+    }
     for (int i = 0; i < request.steps_size(); ++i) {
       const v1::DraftSequenceStep& step = request.steps(i);
       v1::DraftSequenceResult* result = response.add_results();
       result->set_seq_id(step.seq_id());
       bool duplicate = false;
-      for (int j = 0; j < i; ++j) duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
+      for (int j = 0; j < i; ++j)
+        duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
       if (duplicate) {
-        ToSequenceError(absl::InvalidArgumentError(absl::StrCat(
-                            "steps[", i, "].seq_id: ", step.seq_id(),
-                            " appears more than once in this step")),
-                        result->mutable_error());
+        ToSequenceError(
+            absl::InvalidArgumentError(absl::StrCat("steps[", i, "].seq_id: ", step.seq_id(),
+                                                    " appears more than once in this step")),
+            result->mutable_error());
         continue;
       }
       Slot slot;

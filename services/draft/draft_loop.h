@@ -54,8 +54,8 @@ class DraftLoop {
   // loop thread, from then on the only user of the model and drafters. `queue` and `metrics`
   // must outlive the loop.
   static absl::StatusOr<std::unique_ptr<DraftLoop>> Create(const DraftLoopOptions& options,
-                                                          DraftStepQueue* queue,
-                                                          ModelServiceMetrics* metrics);
+                                                           DraftStepQueue* queue,
+                                                           ModelServiceMetrics* metrics);
   ~DraftLoop();
 
   // What GetInfo answers; fixed once loaded.
@@ -77,9 +77,9 @@ class DraftLoop {
 
   // One sequence of one step on its way through a batch.
   struct Slot {
-    size_t step = 0;     // index into the batch's steps
-    int result = 0;      // index into that step's response results
-    int64_t seq = 0;     // model-side id
+    size_t step = 0;  // index into the batch's steps
+    int result = 0;   // index into that step's response results
+    int64_t seq = 0;  // model-side id
     int drafter = kModel;
     bool created = false;  // the sequence was registered in this batch
     DraftRequest request;

@@ -14,8 +14,8 @@ grpc::ServerBidiReactor<v1::DraftStepRequest, v1::DraftStepResponse>* DraftServi
 }
 
 grpc::ServerUnaryReactor* DraftService::GetInfo(grpc::CallbackServerContext* context,
-                                                 const v1::DraftInfoRequest* /*request*/,
-                                                 v1::DraftInfo* response) {
+                                                const v1::DraftInfoRequest* /*request*/,
+                                                v1::DraftInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   bool loaded;
   {
@@ -23,8 +23,9 @@ grpc::ServerUnaryReactor* DraftService::GetInfo(grpc::CallbackServerContext* con
     loaded = loaded_;
     if (loaded) *response = info_;
   }
-  reactor->Finish(loaded ? grpc::Status::OK
-                         : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading"));
+  reactor->Finish(loaded
+                      ? grpc::Status::OK
+                      : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading"));
   return reactor;
 }
 

@@ -79,8 +79,8 @@ int Main() {
   ModelServiceMetrics metrics(*registry);
   std::atomic<bool> serving{false};
 
-  absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(
-      {address, {&service}, {v1::Drafter::service_full_name()}});
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
+      GrpcServer::Start({address, {&service}, {v1::Drafter::service_full_name()}});
   if (!server.ok()) return Fail(server.status());
   absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
       {host_port->host.empty() ? "0.0.0.0" : host_port->host, absl::GetFlag(FLAGS_metrics_port)},

@@ -160,8 +160,8 @@ int Main() {
 
   loop.Start();
   SPECD_LOG(INFO) << "specd-router: gRPC on port " << (*server)->port() << ", metrics on port "
-                  << (*metrics_server)->port() << "; model " << model_dir
-                  << ", verify " << loop_options.verify_address << ", draft "
+                  << (*metrics_server)->port() << "; model " << model_dir << ", verify "
+                  << loop_options.verify_address << ", draft "
                   << (loop_options.draft_address.empty() ? "(none)" : loop_options.draft_address);
 
   WatchTerminationSignals().WaitForNotification();

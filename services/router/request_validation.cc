@@ -50,19 +50,17 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
   if (r.has_top_k() && r.top_k() < 0) {
     return Invalid(absl::StrCat("top_k: must be >= 0 (0 = no limit), got ", r.top_k()));
   }
-  if (absl::Status s = CheckIds(r.stop_token_ids(), "stop_token_ids", limits.vocab_size);
-      !s.ok()) {
+  if (absl::Status s = CheckIds(r.stop_token_ids(), "stop_token_ids", limits.vocab_size); !s.ok()) {
     return s;
   }
   if (r.stop_size() > limits.max_stop_strings) {
-    return Invalid(absl::StrCat("stop: at most ", limits.max_stop_strings,
-                                " stop strings, got ", r.stop_size()));
+    return Invalid(absl::StrCat("stop: at most ", limits.max_stop_strings, " stop strings, got ",
+                                r.stop_size()));
   }
   for (int i = 0; i < r.stop_size(); ++i) {
     if (r.stop(i).empty()) return Invalid(absl::StrCat("stop[", i, "]: must not be empty"));
     if (r.stop(i).size() > static_cast<size_t>(limits.max_stop_bytes)) {
-      return Invalid(absl::StrCat("stop[", i, "]: longer than ", limits.max_stop_bytes,
-                                  " bytes"));
+      return Invalid(absl::StrCat("stop[", i, "]: longer than ", limits.max_stop_bytes, " bytes"));
     }
   }
   if (!v1::Speculation_IsValid(r.speculation())) {
@@ -94,7 +92,7 @@ absl::Status ValidatePrompt(absl::Span<const int32_t> prompt, const char* field,
 }
 
 RouterRequest ResolveRequest(const v1::GenerateRequest& r, const RequestLimits& limits,
-                                 uint64_t random_seed) {
+                             uint64_t random_seed) {
   RouterRequest out;
   out.request_id = r.request_id();
   out.max_new_tokens =
@@ -110,10 +108,10 @@ RouterRequest ResolveRequest(const v1::GenerateRequest& r, const RequestLimits& 
   out.ignore_eos = r.ignore_eos();
   out.speculation =
       r.speculation() == v1::SPECULATION_AUTO ? limits.default_speculation : r.speculation();
-  out.shape.depth = r.draft_depth() > 0 ? static_cast<int>(r.draft_depth())
-                                        : limits.default_shape.depth;
-  out.shape.top_k = r.draft_top_k() > 0 ? static_cast<int>(r.draft_top_k())
-                                        : limits.default_shape.top_k;
+  out.shape.depth =
+      r.draft_depth() > 0 ? static_cast<int>(r.draft_depth()) : limits.default_shape.depth;
+  out.shape.top_k =
+      r.draft_top_k() > 0 ? static_cast<int>(r.draft_top_k()) : limits.default_shape.top_k;
   out.shape.max_nodes = r.draft_max_nodes() > 0 ? static_cast<int>(r.draft_max_nodes())
                                                 : limits.default_shape.max_nodes;
   return out;

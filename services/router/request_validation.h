@@ -30,7 +30,7 @@ absl::Status ValidatePrompt(absl::Span<const int32_t> prompt, const char* field,
 // Builds the scheduler's request from a validated one; `random_seed` is used when the request
 // samples without a seed. Does not fill prompt, arrival or deadline.
 RouterRequest ResolveRequest(const v1::GenerateRequest& request, const RequestLimits& limits,
-                                 uint64_t random_seed);
+                             uint64_t random_seed);
 
 }  // namespace specd
 

@@ -203,9 +203,9 @@ void RouterLoop::Run() {
       }
     }
     if (!verify_->up()) {
-      FailEverything(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                  absl::StrCat("the verify service at ", options_.verify_address,
-                                               " is not available")));
+      FailEverything(grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          absl::StrCat("the verify service at ", options_.verify_address, " is not available")));
       // The old verify stream (and every sequence on it) is gone with it.
       verify_releases_.clear();
       continue;
@@ -269,18 +269,18 @@ void RouterLoop::Admit() {
     // What the sequence will speculate with; steps downgrade it to OFF while the draft
     // service is unavailable.
     const v1::Speculation mode = seq->request.speculation;
-    seq->stats.set_mode(mode == v1::SPECULATION_OFF                          ? v1::SPECULATION_OFF
-                        : mode == v1::SPECULATION_NGRAM                      ? v1::SPECULATION_NGRAM
-                        : draft_ == nullptr                                  ? v1::SPECULATION_OFF
-                                                                    : v1::SPECULATION_DRAFT_MODEL);
+    seq->stats.set_mode(mode == v1::SPECULATION_OFF     ? v1::SPECULATION_OFF
+                        : mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM
+                        : draft_ == nullptr             ? v1::SPECULATION_OFF
+                                                        : v1::SPECULATION_DRAFT_MODEL);
     metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
     metrics_->prompt_tokens.Increment(static_cast<double>(seq->prompt_len));
     if (seq->prompt_len >= max_context) {
       // The verify service reported a smaller context than the router's config.
-      Fail(*seq, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              absl::StrCat("prompt: ", seq->prompt_len,
-                                           " tokens leave no room in the context of ",
-                                           max_context)));
+      Fail(*seq,
+           grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("prompt: ", seq->prompt_len,
+                                     " tokens leave no room in the context of ", max_context)));
       continue;
     }
     running_.push_back(std::move(seq));
@@ -318,12 +318,13 @@ void RouterLoop::DraftStep() {
       seq.reason = TargetOnlyReason::kOff;
       continue;
     }
-    // Tree nodes sit at positions tokens.size() .. tokens.size() + depth - 1, which must fit
-    // the context; and drafting past the last token the request may still produce is waste
-    // (the bonus token alone covers it).
-    const int64_t room = std::min<int64_t>(
-        max_context - static_cast<int64_t>(seq.tokens.size()),
-        seq.request.max_new_tokens - seq.output->generated() - 1);
+    // Tree nodes sit at positions tokens.size() .. tokens.size() + depth - 1 and the bonus
+    // token after the deepest one at tokens.size() + depth, which must all fit the context;
+    // and drafting past the last token the request may still produce is waste (the bonus
+    // token alone covers it).
+    const int64_t room =
+        std::min<int64_t>(max_context - static_cast<int64_t>(seq.tokens.size()) - 1,
+                          seq.request.max_new_tokens - seq.output->generated() - 1);
     const int depth = static_cast<int>(std::min<int64_t>(seq.request.shape.depth, room));
     if (depth <= 0) {
       seq.reason = TargetOnlyReason::kNoDraft;
@@ -562,6 +563,11 @@ void RouterLoop::Emit(Sequence& seq) {
 
 void RouterLoop::Fail(Sequence& seq, const grpc::Status& status) {
   if (seq.done) return;
+  if (status.error_code() != grpc::StatusCode::CANCELLED &&
+      status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+    SPECD_LOG(WARNING) << "request '" << seq.request.request_id << "' (sequence " << seq.id
+                       << ") failed: " << status.error_message();
+  }
   seq.sink->Finish(status);
   metrics_->CountOutcome(status.error_code());
   Release(seq, /*finished=*/false);

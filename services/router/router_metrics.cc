@@ -18,31 +18,29 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                                        LatencyBuckets())),
       e2e_request_latency(AddHistogram(r, "specd_e2e_request_latency_seconds",
                                        "Request arrival to last chunk.", LatencyBuckets())),
-      queue_time(AddHistogram(r, "specd_queue_time_seconds",
-                              "Time waiting before the first step.", LatencyBuckets())),
-      prompt_tokens(AddCounter(r, "specd_prompt_tokens_total",
-                               "Prompt tokens of started requests.")),
+      queue_time(AddHistogram(r, "specd_queue_time_seconds", "Time waiting before the first step.",
+                              LatencyBuckets())),
+      prompt_tokens(
+          AddCounter(r, "specd_prompt_tokens_total", "Prompt tokens of started requests.")),
       generation_tokens(
           AddCounter(r, "specd_generation_tokens_total", "Generated tokens streamed.")),
       spec_decode_steps(AddCounter(r, "specd_spec_decode_steps_total",
                                    "Verify steps that carried a non-empty draft tree.")),
       spec_decode_draft_tokens(AddCounter(r, "specd_spec_decode_draft_tokens_total",
                                           "Draft tree nodes sent to verify.")),
-      spec_decode_accepted_tokens(
-          AddCounter(r, "specd_spec_decode_accepted_tokens_total",
-                     "Draft tokens accepted (bonus tokens not counted).")),
+      spec_decode_accepted_tokens(AddCounter(r, "specd_spec_decode_accepted_tokens_total",
+                                             "Draft tokens accepted (bonus tokens not counted).")),
       draft_available(AddGauge(r, "specd_draft_available",
                                "1 while the draft service answers, 0 while the router falls "
                                "back to target-only decoding.")),
       draft_latency(AddHistogram(r, "specd_draft_latency_seconds",
                                  "Router-observed draft round trip per step.", LatencyBuckets())),
       verify_latency(AddHistogram(r, "specd_verify_latency_seconds",
-                                  "Router-observed verify round trip per step.",
-                                  LatencyBuckets())),
+                                  "Router-observed verify round trip per step.", LatencyBuckets())),
       outcomes_(AddCounterFamily(r, "specd_requests_total", "Finished requests by outcome.")),
-      accepted_per_pos_(AddCounterFamily(
-          r, "specd_spec_decode_accepted_tokens_per_pos_total",
-          "Speculative steps whose accepted path reached depth position+1.")),
+      accepted_per_pos_(
+          AddCounterFamily(r, "specd_spec_decode_accepted_tokens_per_pos_total",
+                           "Speculative steps whose accepted path reached depth position+1.")),
       target_only_(AddCounterFamily(r, "specd_target_only_steps_total",
                                     "Verify steps without a draft tree, by reason.")) {
   // Zero-valued children up front, so dashboards and alerts see every series from the start.
@@ -58,12 +56,23 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
 void RouterMetrics::CountOutcome(grpc::StatusCode code) {
   const char* outcome = "error";
   switch (code) {
-    case grpc::StatusCode::OK: outcome = "ok"; break;
-    case grpc::StatusCode::INVALID_ARGUMENT: outcome = "invalid_argument"; break;
-    case grpc::StatusCode::CANCELLED: outcome = "cancelled"; break;
-    case grpc::StatusCode::DEADLINE_EXCEEDED: outcome = "deadline_exceeded"; break;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: outcome = "resource_exhausted"; break;
-    default: break;
+    case grpc::StatusCode::OK:
+      outcome = "ok";
+      break;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      outcome = "invalid_argument";
+      break;
+    case grpc::StatusCode::CANCELLED:
+      outcome = "cancelled";
+      break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      outcome = "deadline_exceeded";
+      break;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      outcome = "resource_exhausted";
+      break;
+    default:
+      break;
   }
   outcomes_.Add({{"outcome", outcome}}).Increment();
 }
@@ -72,14 +81,13 @@ void RouterMetrics::CountAcceptedPositions(int accepted) {
   if (accepted <= 0) return;
   absl::MutexLock lock(&mu_);
   while (static_cast<int>(per_pos_.size()) < accepted) {
-    per_pos_.push_back(
-        &accepted_per_pos_.Add({{"position", std::to_string(per_pos_.size())}}));
+    per_pos_.push_back(&accepted_per_pos_.Add({{"position", std::to_string(per_pos_.size())}}));
   }
   for (int i = 0; i < accepted; ++i) per_pos_[i]->Increment();
 }
 
 void RouterMetrics::CountTargetOnlyStep(TargetOnlyReason reason) {
-  const char* label = reason == TargetOnlyReason::kOff               ? "off"
+  const char* label = reason == TargetOnlyReason::kOff                ? "off"
                       : reason == TargetOnlyReason::kDraftUnavailable ? "draft_unavailable"
                                                                       : "no_draft";
   target_only_.Add({{"reason", label}}).Increment();

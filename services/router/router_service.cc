@@ -209,9 +209,9 @@ grpc::ServerUnaryReactor* RouterService::Detokenize(grpc::CallbackServerContext*
       return reactor;
     }
   }
-  response->set_text(tokenizer_->Decode(
-      std::vector<int32_t>(request->ids().begin(), request->ids().end()),
-      request->skip_special_tokens()));
+  response->set_text(
+      tokenizer_->Decode(std::vector<int32_t>(request->ids().begin(), request->ids().end()),
+                         request->skip_special_tokens()));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

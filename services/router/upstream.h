@@ -39,8 +39,7 @@ struct UpstreamOptions {
 
 // `Service` is a generated gRPC service (v1::Drafter, v1::Verifier) with
 //   rpc Step(stream StepReq) returns (stream StepResp);  rpc GetInfo(InfoReq) returns (Info);
-template <typename Service, typename StepReq, typename StepResp, typename InfoReq,
-          typename Info>
+template <typename Service, typename StepReq, typename StepResp, typename InfoReq, typename Info>
 class Upstream {
  public:
   // `check` vets a fresh GetInfo answer (e.g. the vocabulary matches the router's); an error
@@ -51,11 +50,13 @@ class Upstream {
       : options_(std::move(options)),
         check_(std::move(check)),
         on_change_(std::move(on_change)),
-        stub_(Service::NewStub(CreateServiceChannel(options_.address))) {}
+        stub_(Service::NewStub(CreateChannel(options_))) {}
 
   ~Upstream() { Stop(); }
 
-  void Start() { connector_ = std::thread([this] { ConnectLoop(); }); }
+  void Start() {
+    connector_ = std::thread([this] { ConnectLoop(); });
+  }
 
   void Stop() {
     {
@@ -120,6 +121,18 @@ class Upstream {
   }
 
  private:
+  // The usual service channel, but gRPC's own reconnect backoff (1 s initial, growing to 120 s)
+  // would hide a restarted service for longer than our probes' backoff: cap it at ours.
+  static std::shared_ptr<grpc::Channel> CreateChannel(const UpstreamOptions& options) {
+    grpc::ChannelArguments args = ServiceChannelArguments();
+    const int initial_ms = static_cast<int>(absl::ToInt64Milliseconds(options.initial_backoff));
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, initial_ms);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, initial_ms);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(options.max_backoff)));
+    return grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  }
+
   grpc::Status CloseStream(bool cancel) {
     grpc::Status status;
     if (stream_ != nullptr) {

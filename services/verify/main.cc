@@ -9,9 +9,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "absl/strings/str_split.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -66,9 +66,9 @@ int Main() {
   if (const std::string devices = absl::GetFlag(FLAGS_devices); !devices.empty()) {
     std::vector<std::string> list = absl::StrSplit(devices, ',', absl::SkipEmpty());
     if (static_cast<int>(list.size()) != options.tensor_parallel) {
-      return Fail(absl::InvalidArgumentError(
-          absl::StrCat("--devices: lists ", list.size(), " devices but --tensor_parallel is ",
-                       options.tensor_parallel)));
+      return Fail(absl::InvalidArgumentError(absl::StrCat("--devices: lists ", list.size(),
+                                                          " devices but --tensor_parallel is ",
+                                                          options.tensor_parallel)));
     }
     options.backend.device = list[0];
   }
@@ -82,8 +82,8 @@ int Main() {
   ModelServiceMetrics metrics(*registry);
   std::atomic<bool> serving{false};
 
-  absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(
-      {address, {&service}, {v1::Verifier::service_full_name()}});
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
+      GrpcServer::Start({address, {&service}, {v1::Verifier::service_full_name()}});
   if (!server.ok()) return Fail(server.status());
   absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
       {host_port->host.empty() ? "0.0.0.0" : host_port->host, absl::GetFlag(FLAGS_metrics_port)},
@@ -97,8 +97,7 @@ int Main() {
     (*server)->Shutdown(0);
     return EXIT_SUCCESS;
   }
-  absl::StatusOr<std::unique_ptr<VerifyLoop>> loop =
-      VerifyLoop::Create(options, &queue, &metrics);
+  absl::StatusOr<std::unique_ptr<VerifyLoop>> loop = VerifyLoop::Create(options, &queue, &metrics);
   if (!loop.ok()) {
     queue.CloseAndFail(absl::UnavailableError("the model failed to load"));
     (*server)->Shutdown(0);

@@ -19,9 +19,8 @@ absl::Status CheckTokenIds(const google::protobuf::RepeatedField<int32_t>& token
                            const std::string& field) {
   for (int j = 0; j < tokens.size(); ++j) {
     if (tokens[j] < 0 || tokens[j] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", j, "]: token id ", tokens[j],
-                                                      " is outside the vocabulary [0, ", vocab,
-                                                      ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", j, "]: token id ", tokens[j], " is outside the vocabulary [0, ", vocab, ")"));
     }
   }
   return absl::OkStatus();
@@ -37,9 +36,9 @@ absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopO
                                                                VerifyStepQueue* queue,
                                                                ModelServiceMetrics* metrics) {
   if (options.tensor_parallel != 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "tensor_parallel: ", options.tensor_parallel,
-        " is not supported yet; this build runs the target model on one device"));
+    return absl::UnimplementedError(
+        absl::StrCat("tensor_parallel: ", options.tensor_parallel,
+                     " is not supported yet; this build runs the target model on one device"));
   }
   if (options.max_sequences < 1) {
     return absl::InvalidArgumentError(
@@ -52,8 +51,7 @@ absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopO
                         absl::StrCat("loading the target model from ", options.model_dir, ": ",
                                      backend.status().message()));
   }
-  return std::unique_ptr<VerifyLoop>(
-      new VerifyLoop(std::move(*backend), queue, options, metrics));
+  return std::unique_ptr<VerifyLoop>(new VerifyLoop(std::move(*backend), queue, options, metrics));
 }
 
 VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
@@ -98,10 +96,10 @@ void VerifyLoop::Free(int64_t seq, bool finished) {
 void VerifyLoop::UpdateGauges() {
   const KvUsage usage = backend_->Usage();
   metrics_->sequences.Set(table_.size());
-  metrics_->kv_cache_usage_ratio.Set(
-      usage.capacity_tokens > 0
-          ? static_cast<double>(usage.used_tokens) / static_cast<double>(usage.capacity_tokens)
-          : 0.0);
+  metrics_->kv_cache_usage_ratio.Set(usage.capacity_tokens > 0
+                                         ? static_cast<double>(usage.used_tokens) /
+                                               static_cast<double>(usage.capacity_tokens)
+                                         : 0.0);
 }
 
 absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySequenceStep& step,
@@ -110,15 +108,14 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   const std::string where = absl::StrCat("steps[", index, "]");
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
   std::optional<int64_t> live = table_.Find(stream, step.seq_id());
-  if (!live.has_value() && table_.IsTombstoned(stream, step.seq_id())) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("sequence ", step.seq_id(), " was freed when its deadline passed"));
+  if (!live.has_value()) {
+    if (absl::Status freed = table_.Tombstone(stream, step.seq_id()); !freed.ok()) return freed;
   }
   if (step.deadline_unix_ms() != 0 && step.deadline_unix_ms() < now_ms) {
     if (live.has_value()) {
       table_.Remove(stream, step.seq_id());
       Free(*live, /*finished=*/false);
-      table_.Tombstone(stream, step.seq_id());
+      table_.SetTombstone(stream, step.seq_id(), absl::StatusCode::kDeadlineExceeded);
     }
     return absl::DeadlineExceededError(
         absl::StrCat(where, ".deadline_unix_ms: ", step.deadline_unix_ms(), " has passed"));
@@ -157,9 +154,9 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   // The bonus token after the deepest accepted node must still have a position.
   const int64_t reach = committed + step.pending_size() + depth + 1;
   if (reach > config.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": the sequence would reach ", reach, " tokens, beyond the model's context of ",
-        config.max_position_embeddings));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the sequence would reach ", reach,
+                                                   " tokens, beyond the model's context of ",
+                                                   config.max_position_embeddings));
   }
   const int64_t need = step.pending_size() + item->tree.size();
   if (need > *kv_budget) {
@@ -213,18 +210,22 @@ void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
     for (uint64_t id : request.release_seq_ids()) {
       if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/true);
     }
+    for (uint64_t id : request.cancel_seq_ids()) {
+      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/false);
+    }
     for (int i = 0; i < request.steps_size(); ++i) {
       const v1::VerifySequenceStep& step = request.steps(i);
       v1::VerifySequenceResult* result = response.add_results();
       result->set_seq_id(step.seq_id());
       bool duplicate = false;
-      for (int j = 0; j < i; ++j) duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
+      for (int j = 0; j < i; ++j)
+        duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
       absl::Status status;
       VerifyItem item;
       Slot slot{b, i, 0, false};
       if (duplicate) {
-        status = absl::InvalidArgumentError(absl::StrCat(
-            "steps[", i, "].seq_id: ", step.seq_id(), " appears more than once in this step"));
+        status = absl::InvalidArgumentError(absl::StrCat("steps[", i, "].seq_id: ", step.seq_id(),
+                                                         " appears more than once in this step"));
       } else {
         status = Admit(stream, i, step, &kv_budget, &item, &slot);
       }
@@ -240,18 +241,32 @@ void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
   if (!items.empty()) {
     int64_t tokens = 0;
     for (const VerifyItem& item : items) tokens += item.pending.size() + item.tree.size();
+    // Committed lengths before the step tell, if the batch fails, which sequences it had
+    // already advanced (the default Verify commits item by item).
+    std::vector<int64_t> committed_before(items.size());
+    for (size_t k = 0; k < items.size(); ++k) {
+      committed_before[k] = backend_->CommittedLength(items[k].seq).value_or(-1);
+    }
     const absl::Time start = absl::Now();
     absl::StatusOr<std::vector<VerifyOutcome>> outcomes = backend_->Verify(items);
     std::vector<absl::StatusOr<VerifyOutcome>> each(items.size());
     if (outcomes.ok()) {
       for (size_t k = 0; k < items.size(); ++k) each[k] = std::move((*outcomes)[k]);
     } else {
-      // One bad sequence must not fail the others: drop whatever the failed batch left in the
-      // scratch regions and run every sequence alone.
+      // One bad sequence must not fail the others (the usual cause is KV blocks running out
+      // sooner than the token count predicts): drop whatever the failed batch left in the
+      // scratch regions and run every sequence alone. A sequence the failed batch already
+      // committed cannot be replayed; it fails and is freed.
       SPECD_LOG(WARNING) << "batched verify of " << items.size()
                          << " sequences failed, retrying one by one: " << outcomes.status();
       for (size_t k = 0; k < items.size(); ++k) {
         (void)backend_->Commit(items[k].seq, {});
+        if (backend_->CommittedLength(items[k].seq).value_or(-1) != committed_before[k]) {
+          each[k] =
+              absl::InternalError(absl::StrCat("the sequence's state was lost in a failed batch (",
+                                               outcomes.status().message(), "); it was freed"));
+          continue;
+        }
         absl::StatusOr<std::vector<VerifyOutcome>> one =
             backend_->Verify(absl::MakeConstSpan(&items[k], 1));
         if (one.ok()) {
@@ -270,10 +285,15 @@ void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
       const Slot& slot = slots[k];
       v1::VerifySequenceResult* result = responses[slot.step].mutable_results(slot.result);
       if (!each[k].ok()) {
-        if (slot.created) {
-          // A sequence whose first step failed holds nothing worth keeping.
-          table_.Remove(batch.steps[slot.step].stream, result->seq_id());
+        if (slot.created || each[k].status().code() == absl::StatusCode::kInternal) {
+          // A sequence whose first step failed holds nothing worth keeping, and one whose
+          // state was lost cannot go on.
+          const StreamId stream = batch.steps[slot.step].stream;
+          table_.Remove(stream, result->seq_id());
           (void)backend_->RemoveSequence(slot.seq);
+          if (!slot.created) {
+            table_.SetTombstone(stream, result->seq_id(), absl::StatusCode::kInternal);
+          }
         }
         ToSequenceError(each[k].status(), result->mutable_error());
         continue;

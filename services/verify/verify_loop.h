@@ -34,8 +34,8 @@ class VerifyLoop {
   // thread, which from then on is the only user of the model. `queue` and `metrics` must
   // outlive the loop.
   static absl::StatusOr<std::unique_ptr<VerifyLoop>> Create(const VerifyLoopOptions& options,
-                                                           VerifyStepQueue* queue,
-                                                           ModelServiceMetrics* metrics);
+                                                            VerifyStepQueue* queue,
+                                                            ModelServiceMetrics* metrics);
   ~VerifyLoop();
 
   // What GetInfo answers; fixed once loaded.
@@ -48,9 +48,9 @@ class VerifyLoop {
  private:
   // One sequence of one step on its way through a batch.
   struct Slot {
-    size_t step = 0;    // index into the batch's steps
-    int result = 0;     // index into that step's response results
-    int64_t seq = 0;    // model-side id
+    size_t step = 0;       // index into the batch's steps
+    int result = 0;        // index into that step's response results
+    int64_t seq = 0;       // model-side id
     bool created = false;  // AddSequence ran in this batch
   };
 

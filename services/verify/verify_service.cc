@@ -23,8 +23,9 @@ grpc::ServerUnaryReactor* VerifyService::GetInfo(grpc::CallbackServerContext* co
     loaded = loaded_;
     if (loaded) *response = info_;
   }
-  reactor->Finish(loaded ? grpc::Status::OK
-                         : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading"));
+  reactor->Finish(loaded
+                      ? grpc::Status::OK
+                      : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading"));
   return reactor;
 }
 

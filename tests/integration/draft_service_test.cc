@@ -176,9 +176,8 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
     size_t model_fed = 0;  // history prefix the in-process model drafter has seen
     bool model_added = false;
   };
-  std::vector<Seq> seqs = {{1, {10, 20, 30, 40, 50}},
-                           {2, {7, 8, 9, 7, 8, 9, 7, 8}},
-                           {3, {100, 101, 102, 100, 101}}};
+  std::vector<Seq> seqs = {
+      {1, {10, 20, 30, 40, 50}}, {2, {7, 8, 9, 7, 8, 9, 7, 8}}, {3, {100, 101, 102, 100, 101}}};
   const DraftParams params{3, 2, 6};
   const std::vector<std::vector<v1::DraftMethod>> methods = {
       {v1::DRAFT_METHOD_MODEL, v1::DRAFT_METHOD_NGRAM, v1::DRAFT_METHOD_NGRAM},
@@ -332,6 +331,13 @@ TEST_F(DraftServiceTest, ReleasesAndStreamEndsFreeSequences) {
   EXPECT_FALSE(b.Step(rb).results(0).has_error());
   EXPECT_EQ(Metric("specd_sequences"), 3);
 
+  v1::DraftStepRequest cancel;  // a client that cancels
+  cancel.set_step_id(3);
+  cancel.add_cancel_seq_ids(3);
+  EXPECT_EQ(a.Step(cancel).results_size(), 0);
+  EXPECT_EQ(Metric("specd_sequences"), 2);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 1);
+
   a.context().TryCancel();  // a router that dies
   ExpectMetricSoon("specd_sequences", 1);
   EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 2);
@@ -350,15 +356,15 @@ TEST_F(DraftServiceTest, StartupErrorsAndSigterm) {
     std::vector<std::string> args;
     std::string message;
   };
-  for (const Case& c : std::vector<Case>{{{"--model=" + empty}, "config.json"},
-                                         {{}, "--vocab_size"},
-                                         {{"--model=" + *dir_, "--vocab_size=7"}, "vocab_size"},
-                                         {{"--vocab_size=300", "--tree_max_nodes=999"},
-                                          "max_nodes"}}) {
+  for (const Case& c :
+       std::vector<Case>{{{"--model=" + empty}, "config.json"},
+                         {{}, "--vocab_size"},
+                         {{"--model=" + *dir_, "--vocab_size=7"}, "vocab_size"},
+                         {{"--vocab_size=300", "--tree_max_nodes=999"}, "max_nodes"}}) {
     std::vector<std::string> args = base;
     args.insert(args.end(), c.args.begin(), c.args.end());
-    absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
-        {SpecdBinary("specd-draft"), args, absl::StrCat("127.0.0.1:", port)});
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> p =
+        ServiceProcess::Spawn({SpecdBinary("specd-draft"), args, absl::StrCat("127.0.0.1:", port)});
     ASSERT_TRUE(p.ok());
     absl::StatusOr<int> code = (*p)->WaitForExit(absl::Seconds(30));
     ASSERT_TRUE(code.ok()) << code.status();

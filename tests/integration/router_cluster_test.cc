@@ -85,11 +85,11 @@ class Cluster {
     auto c = std::make_unique<Cluster>();
     c->verify_metrics = PickFreePort();
     const std::string verify_address = absl::StrCat("127.0.0.1:", PickFreePort());
-    c->verify_options = {SpecdBinary("specd-verify"),
-                         {"--address=" + verify_address,
-                          absl::StrCat("--metrics_port=", c->verify_metrics),
-                          "--model=" + models.target, "--num_threads=1"},
-                         verify_address};
+    c->verify_options = {
+        SpecdBinary("specd-verify"),
+        {"--address=" + verify_address, absl::StrCat("--metrics_port=", c->verify_metrics),
+         "--model=" + models.target, "--num_threads=1"},
+        verify_address};
     absl::StatusOr<std::unique_ptr<ServiceProcess>> verify =
         ServiceProcess::Spawn(c->verify_options);
     EXPECT_TRUE(verify.ok()) << verify.status();
@@ -111,8 +111,8 @@ class Cluster {
     c->router_metrics = PickFreePort();
     c->router_address = absl::StrCat("127.0.0.1:", PickFreePort());
     std::vector<std::string> args = {
-        "--address=" + c->router_address, absl::StrCat("--metrics_port=", c->router_metrics),
-        "--model=" + models.target, "--verify_address=" + verify_address,
+        "--address=" + c->router_address,   absl::StrCat("--metrics_port=", c->router_metrics),
+        "--model=" + models.target,         "--verify_address=" + verify_address,
         "--draft_address=" + draft_address, "--max_new_tokens_limit=4000"};
     args.insert(args.end(), options.router_args.begin(), options.router_args.end());
     absl::StatusOr<std::unique_ptr<ServiceProcess>> router =
@@ -134,8 +134,7 @@ class Cluster {
     return c;
   }
 
-  Result Generate(const v1::GenerateRequest& request,
-                  absl::Duration timeout = absl::Seconds(120)) {
+  Result Generate(const v1::GenerateRequest& request, absl::Duration timeout = absl::Seconds(120)) {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     return Read(&ctx, request);
@@ -144,8 +143,7 @@ class Cluster {
   Result Read(grpc::ClientContext* ctx, const v1::GenerateRequest& request,
               const std::function<void(int chunk)>& on_chunk = nullptr) {
     Result r;
-    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
-        stub->Generate(ctx, request);
+    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub->Generate(ctx, request);
     v1::GenerateResponse chunk;
     while (reader->Read(&chunk)) {
       r.tokens.insert(r.tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
@@ -198,13 +196,17 @@ v1::GenerateRequest Greedy(const std::string& prompt, int max_new_tokens,
 }
 
 std::vector<std::string> Prompts(int n) {
-  const std::vector<std::string> seeds = {
-      "def fibonacci(n):",   "import numpy as np\n", "class Stack:\n    def", "for i in range(",
-      "Hello, world",        "The quick brown fox",  "return x * y + z",      "SELECT * FROM",
-      "#include <stdio.h>",  "while True:\n",        "if __name__ ==",        "x = [1, 2, 3]",
-      "async def fetch(url)", "lambda a, b: a",      "print('hi')",           "try:\n    pass",
-      "{\"key\": \"value\"", "a",                    "<html><body>",          "0123456789",
-      "    yield from",       "Zebra"};
+  const std::vector<std::string> seeds = {"def fibonacci(n):",     "import numpy as np\n",
+                                          "class Stack:\n    def", "for i in range(",
+                                          "Hello, world",          "The quick brown fox",
+                                          "return x * y + z",      "SELECT * FROM",
+                                          "#include <stdio.h>",    "while True:\n",
+                                          "if __name__ ==",        "x = [1, 2, 3]",
+                                          "async def fetch(url)",  "lambda a, b: a",
+                                          "print('hi')",           "try:\n    pass",
+                                          "{\"key\": \"value\"",   "a",
+                                          "<html><body>",          "0123456789",
+                                          "    yield from",        "Zebra"};
   std::vector<std::string> out;
   for (int i = 0; i < n; ++i) out.push_back(seeds[i % seeds.size()]);
   return out;
@@ -339,9 +341,9 @@ TEST(RouterClusterTest, BadInputsAreInvalidArgumentNamingTheField) {
         << "want the message to start with '" << k.field
         << ":', got: " << res.status.error_message();
   }
-  EXPECT_EQ(Cluster::Metric(c->router_metrics, "specd_requests_total",
-                            {{"outcome", "invalid_argument"}}),
-            cases.size());
+  EXPECT_EQ(
+      Cluster::Metric(c->router_metrics, "specd_requests_total", {{"outcome", "invalid_argument"}}),
+      cases.size());
   // Still serving.
   const Result ok = c->Generate(Greedy("def f(x):", 8, v1::SPECULATION_AUTO));
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
@@ -426,13 +428,13 @@ TEST(RouterClusterTest, KilledDraftServiceFallsBackToTargetOnly) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
   bool killed = false;
-  const Result r = c->Read(&ctx, Greedy("class Node:", kTokens, v1::SPECULATION_DRAFT_MODEL),
-                           [&](int) {
-                             if (!killed) {
-                               killed = true;
-                               ::kill(c->draft->pid(), SIGKILL);
-                             }
-                           });
+  const Result r =
+      c->Read(&ctx, Greedy("class Node:", kTokens, v1::SPECULATION_DRAFT_MODEL), [&](int) {
+        if (!killed) {
+          killed = true;
+          ::kill(c->draft->pid(), SIGKILL);
+        }
+      });
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, reference.tokens);
   EXPECT_EQ(r.text, reference.text);
@@ -471,11 +473,11 @@ TEST(RouterClusterTest, RouterMetricsAgreeWithCliStats) {
   const double acc0 = Cluster::Metric(port, "specd_spec_decode_accepted_tokens_total");
   const double gen0 = Cluster::Metric(port, "specd_generation_tokens_total");
   int code = 0;
-  const std::vector<std::string> lines = RunCli(
-      absl::StrCat("generate --server ", c->router_address,
-                   " --prompt 'def add(a, b):' --max-new-tokens 40 --ignore-eos"
-                   " --speculation draft_model --json"),
-      &code);
+  const std::vector<std::string> lines =
+      RunCli(absl::StrCat("generate --server ", c->router_address,
+                          " --prompt 'def add(a, b):' --max-new-tokens 40 --ignore-eos"
+                          " --speculation draft_model --json"),
+             &code);
   ASSERT_EQ(code, 0);
   ASSERT_GE(lines.size(), 2u);
   std::vector<int32_t> streamed;
@@ -513,7 +515,7 @@ TEST(RouterClusterTest, RouterMetricsAgreeWithCliStats) {
   EXPECT_NE(std::string(buf).find("INVALID_ARGUMENT: temperature"), std::string::npos) << buf;
 }
 
-TEST(RouterClusterTest, StopStringSplitAcrossTokensIsNotEmitted) {
+TEST(RouterClusterTest, StopsAtSplitStopStringsAndAtTheContextEnd) {
   std::unique_ptr<Cluster> c = Cluster::Start();
   ASSERT_NE(c, nullptr);
   const Result plain = c->Generate(Greedy("for i in range(", 48, v1::SPECULATION_OFF));
@@ -537,6 +539,19 @@ TEST(RouterClusterTest, StopStringSplitAcrossTokensIsNotEmitted) {
     EXPECT_EQ(got.last.finish_reason(), v1::FINISH_REASON_STOP_STRING);
     EXPECT_EQ(got.last.matched_stop(), stop);
   }
+
+  // A prompt 10 tokens short of the context: generation ends there, drafts are cut to fit, and
+  // the output is still the target-only one.
+  std::vector<Result> near_end;
+  for (v1::Speculation s : {v1::SPECULATION_OFF, v1::SPECULATION_DRAFT_MODEL}) {
+    v1::GenerateRequest r = Greedy("", 50, s);
+    for (int i = 0; i < kMaxContext - 10; ++i) r.mutable_prompt_ids()->add_ids(97 + i % 26);
+    near_end.push_back(c->Generate(r));
+    ASSERT_TRUE(near_end.back().status.ok()) << near_end.back().status.error_message();
+    EXPECT_EQ(near_end.back().last.finish_reason(), v1::FINISH_REASON_CONTEXT);
+    EXPECT_EQ(near_end.back().tokens.size(), 10u);
+  }
+  EXPECT_EQ(near_end[0].tokens, near_end[1].tokens);
 }
 
 TEST(RouterClusterTest, ConcurrentRequestsShareSteps) {
@@ -620,8 +635,7 @@ TEST(RouterClusterTest, VerifyFailureIsUnavailableAndRecovers) {
 
   // A new verify process on the same address: the router reconnects and serves again.
   c->verify.reset();
-  absl::StatusOr<std::unique_ptr<ServiceProcess>> verify =
-      ServiceProcess::Start(c->verify_options);
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> verify = ServiceProcess::Start(c->verify_options);
   ASSERT_TRUE(verify.ok()) << verify.status();
   c->verify = *std::move(verify);
   ASSERT_TRUE(c->router->WaitUntilServing(absl::Seconds(20)).ok());

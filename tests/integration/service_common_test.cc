@@ -4,17 +4,17 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
-#include <utility>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/testutil/random_checkpoint.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/testutil/service_process.h"
 
 namespace specd {

@@ -63,8 +63,7 @@ class VerifyStream {
  private:
   std::unique_ptr<v1::Verifier::Stub> stub_;
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>>
-      stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>> stream_;
 };
 
 v1::VerifySequenceStep* AddStep(v1::VerifyStepRequest* request, uint64_t seq,
@@ -323,9 +322,9 @@ TEST_F(VerifyServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   SamplingParams negative;
   negative.temperature = -1;
   AddStep(&request, 4, {10}, {}, negative);
-  AddStep(&request, 5, {});                 // no pending token
-  AddStep(&request, 1, {40});               // seq 1 twice in one step
-  AddStep(&request, 6, {-3});               // negative token id
+  AddStep(&request, 5, {});    // no pending token
+  AddStep(&request, 1, {40});  // seq 1 twice in one step
+  AddStep(&request, 6, {-3});  // negative token id
   v1::VerifyStepResponse response = stream.Step(request);
 
   EXPECT_FALSE(response.results(0).has_error());
@@ -361,8 +360,7 @@ TEST_F(VerifyServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
 }
 
 TEST_F(VerifyServiceTest, CapacityLimitsAreResourceExhaustedPerSequence) {
-  std::unique_ptr<ServiceProcess> p =
-      StartVerify({"--max_sequences=2", "--kv_capacity_tokens=64"});
+  std::unique_ptr<ServiceProcess> p = StartVerify({"--max_sequences=2", "--kv_capacity_tokens=64"});
   ASSERT_NE(p, nullptr);
   VerifyStream stream(p->channel());
   v1::VerifyStepRequest request;
@@ -370,7 +368,7 @@ TEST_F(VerifyServiceTest, CapacityLimitsAreResourceExhaustedPerSequence) {
   AddStep(&request, 1, {1, 2, 3});
   AddStep(&request, 2, std::vector<int32_t>(100, 7));  // more than the whole KV cache
   AddStep(&request, 3, {4, 5});
-  AddStep(&request, 4, {6});                           // a third live sequence
+  AddStep(&request, 4, {6});  // a third live sequence
   v1::VerifyStepResponse response = stream.Step(request);
   EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
   EXPECT_EQ(response.results(1).error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -447,11 +445,13 @@ TEST_F(VerifyServiceTest, ReleasesFreeSequences) {
   v1::VerifyStepRequest release;
   release.set_step_id(2);
   release.add_release_seq_ids(1);
-  release.add_release_seq_ids(3);
+  release.add_cancel_seq_ids(3);
   release.add_release_seq_ids(99);  // unknown ids are ignored
+  release.add_cancel_seq_ids(98);
   EXPECT_EQ(stream.Step(release).results_size(), 0);
   EXPECT_EQ(Metric("specd_sequences"), 1);
-  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 2);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 1);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 1);
   EXPECT_LT(Metric("specd_kv_cache_usage_ratio"), usage);
   EXPECT_TRUE(stream.Close().ok());
 }
@@ -506,13 +506,15 @@ TEST_F(VerifyServiceTest, PipelinedStepsAreAnsweredInOrder) {
   std::unique_ptr<ServiceProcess> p = StartVerify();
   ASSERT_NE(p, nullptr);
   VerifyStream stream(p->channel());
-  // Ten steps written before reading any reply; each starts a new sequence.
+  // Ten steps written, and the writing side closed, before reading any reply; each step starts
+  // a new sequence. Every reply still comes, in order, and then the stream ends OK.
   for (int i = 0; i < 10; ++i) {
     v1::VerifyStepRequest request;
     request.set_step_id(i);
     AddStep(&request, i, {i + 1, i + 2});
     ASSERT_TRUE(stream.stream().Write(request));
   }
+  ASSERT_TRUE(stream.stream().WritesDone());
   for (int i = 0; i < 10; ++i) {
     v1::VerifyStepResponse response;
     ASSERT_TRUE(stream.stream().Read(&response));
@@ -521,7 +523,12 @@ TEST_F(VerifyServiceTest, PipelinedStepsAreAnsweredInOrder) {
     EXPECT_EQ(response.results(0).seq_id(), static_cast<uint64_t>(i));
     EXPECT_FALSE(response.results(0).has_error());
   }
-  EXPECT_TRUE(stream.Close().ok());
+  v1::VerifyStepResponse extra;
+  EXPECT_FALSE(stream.stream().Read(&extra));
+  EXPECT_TRUE(stream.stream().Finish().ok());
+  // The ended stream's ten sequences are freed.
+  ExpectMetricSoon("specd_sequences", 0);
+  EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 10);
 }
 
 // Every draft/verify metric of docs/metrics.md is served with its documented type, and the

@@ -127,8 +127,8 @@ std::shared_ptr<grpc::Channel> ServiceProcess::channel() {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
-    channel_ = grpc::CreateCustomChannel(options_.grpc_address,
-                                         grpc::InsecureChannelCredentials(), args);
+    channel_ =
+        grpc::CreateCustomChannel(options_.grpc_address, grpc::InsecureChannelCredentials(), args);
   }
   return channel_;
 }
@@ -153,8 +153,8 @@ absl::Status ServiceProcess::WaitUntilServing(absl::Duration timeout) {
   absl::Status last = absl::UnavailableError("no health check answered yet");
   while (absl::Now() < end) {
     if (!Running()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          options_.binary, " exited with code ", exit_code_, " before serving"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(options_.binary, " exited with code ", exit_code_, " before serving"));
     }
     absl::StatusOr<HealthStatus> health = Health();
     if (health.ok() && *health == grpc::health::v1::HealthCheckResponse::SERVING) {
@@ -163,9 +163,8 @@ absl::Status ServiceProcess::WaitUntilServing(absl::Duration timeout) {
     last = health.ok() ? absl::UnavailableError("NOT_SERVING") : health.status();
     absl::SleepFor(absl::Milliseconds(50));
   }
-  return absl::DeadlineExceededError(absl::StrCat(options_.binary, " not SERVING after ",
-                                                  absl::FormatDuration(timeout), ": ",
-                                                  last.message()));
+  return absl::DeadlineExceededError(absl::StrCat(
+      options_.binary, " not SERVING after ", absl::FormatDuration(timeout), ": ", last.message()));
 }
 
 bool ServiceProcess::Running() {
@@ -185,8 +184,8 @@ absl::StatusOr<int> ServiceProcess::WaitForExit(absl::Duration timeout) {
   const absl::Time end = absl::Now() + timeout;
   while (Running()) {
     if (absl::Now() >= end) {
-      return absl::DeadlineExceededError(absl::StrCat(options_.binary, " still running after ",
-                                                      absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat(options_.binary, " still running after ", absl::FormatDuration(timeout)));
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -200,9 +199,9 @@ absl::StatusOr<int> ServiceProcess::Stop(int sig, absl::Duration timeout) {
   if (code.ok()) return code;
   kill(pid_, SIGKILL);
   (void)WaitForExit(absl::Seconds(10));
-  return absl::DeadlineExceededError(
-      absl::StrCat(options_.binary, " ignored signal ", sig, " for ",
-                   absl::FormatDuration(timeout), " and was killed"));
+  return absl::DeadlineExceededError(absl::StrCat(options_.binary, " ignored signal ", sig, " for ",
+                                                  absl::FormatDuration(timeout),
+                                                  " and was killed"));
 }
 
 std::string ServiceProcess::Log() const {
@@ -279,8 +278,8 @@ absl::StatusOr<std::vector<std::string>> ListServicesByReflection(
     return absl::InternalError("reflection: cannot parse the response");
   }
   const google::protobuf::Reflection* r = response->GetReflection();
-  const google::protobuf::Message& list = r->GetMessage(
-      *response, response_type->FindFieldByName("list_services_response"));
+  const google::protobuf::Message& list =
+      r->GetMessage(*response, response_type->FindFieldByName("list_services_response"));
   const google::protobuf::FieldDescriptor* service_field =
       list.GetDescriptor()->FindFieldByName("service");
   std::vector<std::string> names;

@@ -1,14 +1,13 @@
 // SequenceOutput: stop conditions and streamed text, over the real tokenizer of a random
 // checkpoint (byte-level BPE without merges: one token per byte, so every multi-byte stop
 // string or character is split across tokens).
-#include "services/router/output_stream.h"
-
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/tokenizer.h"
 #include "gtest/gtest.h"
+#include "services/router/output_stream.h"
 #include "tests/testutil/random_checkpoint.h"
 
 namespace specd {

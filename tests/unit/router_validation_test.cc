@@ -1,12 +1,11 @@
 // Every bad GenerateRequest field is refused with INVALID_ARGUMENT naming the field.
-#include "services/router/request_validation.h"
-
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <string>
 
 #include "gtest/gtest.h"
+#include "services/router/request_validation.h"
 
 namespace specd {
 namespace {
@@ -79,7 +78,8 @@ TEST(RouterValidationTest, EachBadFieldIsNamed) {
        }},
       {"stop[0]", [](v1::GenerateRequest* r) { r->add_stop(""); }},
       {"stop[0]", [](v1::GenerateRequest* r) { r->add_stop(std::string(300, 'x')); }},
-      {"stop", [](v1::GenerateRequest* r) {
+      {"stop",
+       [](v1::GenerateRequest* r) {
          for (int i = 0; i < 17; ++i) r->add_stop("x");
        }},
       {"speculation",

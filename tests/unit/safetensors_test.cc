@@ -115,6 +115,44 @@ TEST(SafetensorsTest, TruncatedAndMalformedFilesGiveClearErrors) {
   EXPECT_THAT(unknown.status().message(), HasSubstr("tensor w"));
 }
 
+// Row-parallel tensor-parallel weights are read as column slices of [out, in] tensors.
+TEST(SafetensorsTest, ReadsColumnSlicesAndRejectsBadOnesByName) {
+  const std::string dir = MakeTempDir("st_");
+  std::vector<float> w(3 * 5);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i) * 0.5f - 3.0f;
+  TensorToWrite bf{"wb", DType::kBF16, {3, 5}, {}};
+  for (float v : w) {
+    const uint16_t x = F32ToBF16(v);
+    bf.data.insert(bf.data.end(), reinterpret_cast<const uint8_t*>(&x),
+                   reinterpret_cast<const uint8_t*>(&x) + 2);
+  }
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
+                               {{"w", DType::kF32, {3, 5}, F32Bytes(w)}, bf,
+                                {"v", DType::kF32, {5}, F32Bytes({1, 2, 3, 4, 5})}})
+                  .ok());
+  auto store = TensorStore::OpenFolder(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (const char* name : {"w", "wb"}) {
+    std::vector<float> out(3 * 3, -1.0f);
+    ASSERT_TRUE((*store)->ReadColsF32(name, 1, 4, out.data()).ok());
+    for (int r = 0; r < 3; ++r) {
+      for (int c = 0; c < 3; ++c) EXPECT_EQ(out[r * 3 + c], w[r * 5 + 1 + c]) << name;
+    }
+  }
+  std::vector<float> none(1, 7.0f);
+  EXPECT_TRUE((*store)->ReadColsF32("w", 2, 2, none.data()).ok());
+  EXPECT_EQ(none[0], 7.0f);  // an empty slice writes nothing
+  std::vector<float> out(16);
+  absl::Status s = (*store)->ReadColsF32("w", 3, 6, out.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("tensor w"));
+  EXPECT_THAT(s.message(), HasSubstr("[3, 6)"));
+  s = (*store)->ReadColsF32("v", 0, 1, out.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("tensor v"));
+  EXPECT_EQ((*store)->ReadColsF32("nope", 0, 1, out.data()).code(), absl::StatusCode::kNotFound);
+}
+
 TEST(SafetensorsTest, ShardedFolderWithIndex) {
   const std::string dir = MakeTempDir("ckpt_");
   RandomCheckpointSpec spec;

@@ -101,7 +101,8 @@ absl::Status Make() {
       t.dtype = DType::kF32;
       t.shape = (*view)->shape;
       t.data.resize((*view)->numel() * sizeof(float));
-      if (absl::Status s = (*store)->ReadF32(name, t.shape, reinterpret_cast<float*>(t.data.data()));
+      if (absl::Status s =
+              (*store)->ReadF32(name, t.shape, reinterpret_cast<float*>(t.data.data()));
           !s.ok()) {
         return s;
       }
@@ -141,8 +142,8 @@ absl::Status Make() {
   out << config.dump(2);
   if (!out) return absl::InternalError(absl::StrCat(draft_dir, "/config.json: write failed"));
   out.close();
-  if (absl::Status s = WriteSafetensors((fs::path(draft_dir) / "model.safetensors").string(),
-                                        draft, {{"format", "pt"}});
+  if (absl::Status s = WriteSafetensors((fs::path(draft_dir) / "model.safetensors").string(), draft,
+                                        {{"format", "pt"}});
       !s.ok()) {
     return s;
   }

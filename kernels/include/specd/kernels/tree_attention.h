@@ -15,7 +15,13 @@
 // The ancestor lists are explicit (CSR) rather than a bitmask so trees of any size and shape, and
 // several sequences, share one description that the CUDA kernel reads as is.
 //
-// Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
+// Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads). A
+// tensor-parallel rank holds a contiguous slice of the model's query heads and the KV heads
+// they read, and a slice's query heads need not split evenly over its KV heads (64 query heads
+// over 7 ranks: a rank with global heads 6..15 and group 8 reads KV head 0 for two of them and
+// KV head 1 for eight). So the mapping is stated in global terms: local query head h is global
+// head q_head_offset + h, reads global KV head (q_head_offset + h) / kv_group, which is local
+// KV head (q_head_offset + h) / kv_group - kv_head_offset.
 //
 // Determinism: keys are visited exactly in the order above, so a tree node and the same token
 // decoded after its path was committed (whose keys are then all prefix, in the same order)
@@ -40,11 +46,17 @@ struct TreeAttentionParams {
   const int32_t* tree_keys = nullptr;  // [tree_key_offsets[num_queries]] int32, host: logical slots
   int64_t num_queries = 0;
   int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;  // divides num_heads
+  int64_t num_kv_heads = 0;  // divides num_heads unless kv_group is set
   int64_t head_dim = 0;
   int64_t block_size = 0;
   int64_t max_blocks_per_seq = 0;
   float scale = 1.0f;  // usually 1 / sqrt(head_dim)
+  // Tensor-parallel slices (see above): query heads per KV head in the whole model (0: the
+  // unsliced num_heads / num_kv_heads, with both offsets 0), and the global indices of this
+  // slice's first query head and first KV head.
+  int64_t kv_group = 0;
+  int64_t q_head_offset = 0;
+  int64_t kv_head_offset = 0;
 };
 
 // Computes work items [item_begin, item_end) where item = query * num_heads + head, so callers

@@ -1,0 +1,296 @@
+// GPU kernel micro-benchmarks at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128,
+// hidden 4096, vocab 128256, KV block 16): decode and tree-verify attention over the paged
+// cache, RMSNorm with residual, sampling, and the cuBLASLt GEMMs of one decode step. Times are
+// CUDA-event times of back-to-back launches on one stream (launch overhead included, as in an
+// eager forward pass), reported per launch. Run: build/bench/cuda_kernels_bench
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "specd/kernels/cuda/gemm.h"
+#include "specd/kernels/cuda/rmsnorm.h"
+#include "specd/kernels/cuda/sampling.h"
+#include "specd/kernels/cuda/tree_attention.h"
+
+namespace specd {
+namespace {
+
+using cuda::bf16;
+
+constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 128, kBlock = 16, kHidden = 4096;
+constexpr int kVocab = 128256;
+constexpr int kLaunches = 20;  // launches per timed iteration
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::abort();
+  }
+}
+
+template <typename T>
+T* Alloc(size_t n, int byte = 0) {
+  void* p = nullptr;
+  Check(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc");
+  Check(cudaMemset(p, byte, std::max<size_t>(n, 1) * sizeof(T)), "cudaMemset");
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+T* Upload(const std::vector<T>& v) {
+  T* p = Alloc<T>(v.size());
+  Check(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return p;
+}
+
+// Times `launch` (which enqueues on the stream) with CUDA events; returns the mean seconds per
+// launch (Google Benchmark's rate counters divide by CPU time, which is not the GPU's).
+template <typename F>
+double TimeLaunches(benchmark::State& state, cudaStream_t stream, F&& launch) {
+  double total = 0;
+  int64_t launches = 0;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int i = 0; i < 3; ++i) launch();  // warm-up (and cuBLASLt plan creation)
+  Check(cudaStreamSynchronize(stream), "warm-up");
+  for (auto _ : state) {
+    cudaEventRecord(start, stream);
+    for (int i = 0; i < kLaunches; ++i) launch();
+    cudaEventRecord(stop, stream);
+    Check(cudaEventSynchronize(stop), "timing");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms / 1e3 / kLaunches);
+    total += ms / 1e3;
+    launches += kLaunches;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return launches > 0 ? total / launches : 0.0;
+}
+
+// Attention of `batch` sequences of `context` committed tokens plus, per sequence, a chain of
+// one token (decode) or a tree of `nodes` random-parent nodes below one pending token.
+void RunAttention(benchmark::State& state, int batch, int context, int nodes) {
+  std::mt19937_64 rng(1);
+  const int per_seq_keys = context + 1 + nodes;
+  const int blocks_per_seq = (per_seq_keys + kBlock - 1) / kBlock;
+  const int num_blocks = batch * blocks_per_seq;
+  std::vector<int32_t> pool(num_blocks);
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  std::vector<int32_t> query_seq, kv_end, mask_begin;
+  std::vector<uint32_t> mask;
+  for (int s = 0; s < batch; ++s) {
+    query_seq.push_back(s);
+    kv_end.push_back(context + 1);
+    mask_begin.push_back(context + 1);
+    mask.insert(mask.end(), cuda::kTreeAttentionMaskWords, 0u);
+    std::vector<std::vector<int>> anc(nodes);
+    for (int j = 0; j < nodes; ++j) {
+      const int parent = j == 0 ? -1 : static_cast<int>(rng() % j);
+      if (parent >= 0) anc[j] = anc[parent];
+      anc[j].push_back(j);
+      std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
+      for (int a : anc[j]) bits[a / 32] |= 1u << (a % 32);
+      query_seq.push_back(s);
+      kv_end.push_back(context + 1 + j + 1);
+      mask_begin.push_back(context + 1);
+      mask.insert(mask.end(), bits.begin(), bits.end());
+    }
+  }
+  const int num_queries = static_cast<int>(query_seq.size());
+  int num_sms = 0;
+  cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+  const cuda::TreeAttentionPlan plan = cuda::PlanTreeAttention(
+      query_seq.data(), kv_end.data(), num_queries, kHeads, kKvHeads, num_sms);
+  const int64_t kv_dim = kKvHeads * kHeadDim;
+  const int64_t slots = int64_t{num_blocks} * kBlock;
+  // 0x3c3c is bf16 0.0115: finite data of no consequence for timing.
+  bf16* k = Alloc<bf16>(slots * kv_dim, 0x3c);
+  bf16* v = Alloc<bf16>(slots * kv_dim, 0x3c);
+  bf16* q = Alloc<bf16>(size_t(num_queries) * kHeads * kHeadDim, 0x3c);
+  bf16* out = Alloc<bf16>(size_t(num_queries) * kHeads * kHeadDim);
+  int32_t* d_tables = Upload(pool);
+  int32_t *d_qs = Upload(query_seq), *d_end = Upload(kv_end), *d_mb = Upload(mask_begin);
+  uint32_t* d_mask = Upload(mask);
+  int32_t *d_tb = Upload(plan.tile_begin), *d_te = Upload(plan.tile_end);
+  float* ws = Alloc<float>(
+      cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries, kHeads, kHeadDim));
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cuda::TreeAttentionParams p;
+  p.q = q;
+  p.q_stride = kHeads * kHeadDim;
+  p.out = out;
+  p.out_stride = kHeads * kHeadDim;
+  p.k_cache = k;
+  p.v_cache = v;
+  p.block_tables = d_tables;
+  p.max_blocks_per_seq = blocks_per_seq;
+  p.block_size = kBlock;
+  p.query_seq = d_qs;
+  p.kv_end = d_end;
+  p.mask_begin = d_mb;
+  p.mask = d_mask;
+  p.tile_begin = d_tb;
+  p.tile_end = d_te;
+  p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
+  p.num_splits = plan.num_splits;
+  p.workspace = ws;
+  p.num_queries = num_queries;
+  p.num_heads = kHeads;
+  p.num_kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.scale = 0.088f;
+  const double sec =
+      TimeLaunches(state, stream, [&] { Check(cuda::TreeAttentionCuda(p, stream), "attention"); });
+  const double kv_bytes = double(batch) * per_seq_keys * kv_dim * 2 * sizeof(bf16);
+  state.counters["kv_GBps"] = kv_bytes / 1e9 / sec;
+  state.counters["splits"] = plan.num_splits;
+  state.counters["ctas"] = double(plan.tile_begin.size()) * kKvHeads * plan.num_splits;
+  cudaStreamDestroy(stream);
+  for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q),
+                    static_cast<void*>(out), static_cast<void*>(d_tables), static_cast<void*>(d_qs),
+                    static_cast<void*>(d_end), static_cast<void*>(d_mb), static_cast<void*>(d_mask),
+                    static_cast<void*>(d_tb), static_cast<void*>(d_te), static_cast<void*>(ws)}) {
+    cudaFree(ptr);
+  }
+}
+
+void BM_DecodeAttention(benchmark::State& state) {
+  RunAttention(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(1)), 0);
+}
+BENCHMARK(BM_DecodeAttention)
+    ->ArgNames({"batch", "context"})
+    ->ArgsProduct({{1, 8, 32}, {512, 2048, 8192}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+void BM_VerifyAttention(benchmark::State& state) {
+  RunAttention(state, 1, static_cast<int>(state.range(1)), static_cast<int>(state.range(0)));
+}
+BENCHMARK(BM_VerifyAttention)
+    ->ArgNames({"nodes", "context"})
+    ->ArgsProduct({{16, 64, 256}, {2048, 8192}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+void BM_RmsNormResidual(benchmark::State& state) {
+  const int rows = static_cast<int>(state.range(0));
+  bf16* x = Alloc<bf16>(size_t(rows) * kHidden, 0x3c);
+  bf16* w = Alloc<bf16>(kHidden, 0x3c);
+  bf16* out = Alloc<bf16>(size_t(rows) * kHidden);
+  float* res = Alloc<float>(size_t(rows) * kHidden);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cuda::RmsNormParams p;
+  p.x = x;
+  p.residual = res;
+  p.weight = w;
+  p.out = out;
+  p.rows = rows;
+  p.dim = kHidden;
+  const double sec =
+      TimeLaunches(state, stream, [&] { Check(cuda::RmsNormCuda(p, stream), "rmsnorm"); });
+  // x and out bf16, residual fp32 read and written.
+  const double bytes = double(rows) * kHidden * (2 + 2 + 8);
+  state.counters["GBps"] = bytes / 1e9 / sec;
+  cudaStreamDestroy(stream);
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(out);
+  cudaFree(res);
+}
+BENCHMARK(BM_RmsNormResidual)->Arg(1)->Arg(64)->Arg(257)->UseManualTime()->MinTime(0.05);
+
+// mode 0: greedy; 1: temperature 1; 2: temperature 0.8, top-k 50, top-p 0.9; 3: top-p 0.9.
+void BM_Sample(benchmark::State& state) {
+  const int rows = static_cast<int>(state.range(0));
+  const int mode = static_cast<int>(state.range(1));
+  std::mt19937_64 rng(2);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> logits(size_t(rows) * kVocab);
+  for (float& x : logits) x = normal(rng);
+  std::vector<cuda::SampleRowParams> params(rows);
+  for (int r = 0; r < rows; ++r) {
+    params[r].seed = 42;
+    params[r].position = 1000 + r;
+    params[r].temperature = mode == 0 ? 0.0f : mode == 2 ? 0.8f : 1.0f;
+    params[r].top_k = mode == 2 ? 50 : 0;
+    params[r].top_p = mode >= 2 ? 0.9f : 1.0f;
+  }
+  float* d_logits = Upload(logits);
+  cuda::SampleRowParams* d_params = Upload(params);
+  int32_t* d_tokens = Alloc<int32_t>(rows);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cuda::SampleParams p;
+  p.logits = d_logits;
+  p.logits_stride = kVocab;
+  p.rows = d_params;
+  p.tokens = d_tokens;
+  p.num_rows = rows;
+  p.vocab_size = kVocab;
+  TimeLaunches(state, stream, [&] { Check(cuda::SampleCuda(p, stream), "sample"); });
+  cudaStreamDestroy(stream);
+  cudaFree(d_logits);
+  cudaFree(d_params);
+  cudaFree(d_tokens);
+}
+BENCHMARK(BM_Sample)
+    ->ArgNames({"rows", "mode"})
+    ->ArgsProduct({{1, 65, 257}, {0, 1, 2, 3}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+// One GEMM of a decode step: [m, 4096] x [n, 4096]^T, n = 6144 (QKV), 28672 (gate+up),
+// 4096 (O), and the LM head (n = 128256, fp32 out) of the last row.
+void BM_Gemm(benchmark::State& state) {
+  const int m = static_cast<int>(state.range(0));
+  const int n = static_cast<int>(state.range(1));
+  const bool lm_head = n == kVocab;
+  bf16* x = Alloc<bf16>(size_t(m) * kHidden, 0x3c);
+  bf16* w = Alloc<bf16>(size_t(n) * kHidden, 0x3c);
+  void* y = lm_head ? static_cast<void*>(Alloc<float>(size_t(m) * n))
+                    : static_cast<void*>(Alloc<bf16>(size_t(m) * n));
+  std::unique_ptr<cuda::Gemm> gemm;
+  if (cuda::Gemm::Create(32 << 20, &gemm) != CUBLAS_STATUS_SUCCESS) std::abort();
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cuda::GemmParams p;
+  p.x = x;
+  p.w = w;
+  p.y = y;
+  p.y_fp32 = lm_head;
+  p.m = m;
+  p.n = n;
+  p.k = kHidden;
+  const double sec = TimeLaunches(state, stream, [&] {
+    if (gemm->Run(p, stream) != CUBLAS_STATUS_SUCCESS) std::abort();
+  });
+  state.counters["weight_GBps"] = double(n) * kHidden * 2 / 1e9 / sec;
+  cudaStreamDestroy(stream);
+  gemm.reset();
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(y);
+}
+BENCHMARK(BM_Gemm)
+    ->ArgNames({"m", "n"})
+    ->ArgsProduct({{1, 64, 257}, {6144, 28672, 4096, kVocab}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+}  // namespace
+}  // namespace specd
+
+BENCHMARK_MAIN();

@@ -1,0 +1,32 @@
+// RMSNorm with a fused residual add on the GPU (the CPU reference is specd/kernels/rmsnorm.h
+// RmsNormCpu): out = h / sqrt(mean(h^2) + eps) * weight, where h = x, or, with a residual
+// stream, h = residual = x + residual. The residual stream stays fp32 across layers so that
+// summing dozens of sublayer outputs does not round to bf16 at every step; only the normalised
+// output, the next GEMM's input, is bf16.
+#ifndef SPECD_KERNELS_CUDA_RMSNORM_H_
+#define SPECD_KERNELS_CUDA_RMSNORM_H_
+
+#include "specd/kernels/cuda/common.h"
+
+namespace specd {
+namespace cuda {
+
+struct RmsNormParams {
+  const bf16* x = nullptr;  // [rows, dim] bf16, device (a sublayer's output, or the embedding)
+  // [rows, dim] fp32, device, or null (plain norm of x). When set it is updated in place to
+  // x + residual, or set to x when residual_init (the first layer), and the norm is taken of it.
+  float* residual = nullptr;
+  bool residual_init = false;
+  const bf16* weight = nullptr;  // [dim] bf16, device
+  bf16* out = nullptr;           // [rows, dim] bf16, device; may alias x
+  int64_t rows = 0;
+  int64_t dim = 0;
+  float eps = 1e-5f;
+};
+
+cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace specd
+
+#endif  // SPECD_KERNELS_CUDA_RMSNORM_H_

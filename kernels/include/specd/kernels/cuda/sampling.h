@@ -1,0 +1,47 @@
+// Token sampling on the GPU with exactly the semantics of engine/sampling.h SampleToken, so a
+// seeded request draws the same tokens on either backend: greedy is the argmax with the lowest
+// id on ties; otherwise Gumbel-max over the tokens kept by top-k and then top-p of
+// softmax(logits / temperature), with noise from Philox keyed by (seed, position, token id)
+// (specd/kernels/philox.h), decided in fp64 like the host.
+//
+// One CTA per row. Top-k and top-p thresholds are found by a radix descent over 64-bit keys
+// (orderable logit, inverted id), i.e. the host's sort order, 4 bits per pass with per-thread
+// histograms, stopping as soon as the boundary element is unique. The Gumbel pass only draws
+// noise for tokens that can still win (noise lies in [-3.7, 37.5], so a token more than 41.2
+// below the best scaled logit cannot), screens them in fp32 and re-scores the near-best in
+// fp64. Top-p's cumulative mass is summed in parallel, so on a boundary closer than ~1e-15 to
+// top_p the kept set may differ from the host's sequential sum.
+#ifndef SPECD_KERNELS_CUDA_SAMPLING_H_
+#define SPECD_KERNELS_CUDA_SAMPLING_H_
+
+#include "specd/kernels/cuda/common.h"
+
+namespace specd {
+namespace cuda {
+
+// One logits row's sampling parameters: engine/sampling.h SamplingParams plus the absolute
+// position of the token it draws.
+struct SampleRowParams {
+  uint64_t seed = 0;
+  int64_t position = 0;
+  float temperature = 0.0f;  // <= 0: greedy
+  float top_p = 1.0f;        // (0, 1]
+  int32_t top_k = 0;         // 0: no limit
+  int32_t reserved = 0;
+};
+
+struct SampleParams {
+  const float* logits = nullptr;  // [num_rows, logits_stride] fp32, device
+  int64_t logits_stride = 0;
+  const SampleRowParams* rows = nullptr;  // [num_rows] device
+  int32_t* tokens = nullptr;              // [num_rows] int32, device: the sampled token ids
+  int64_t num_rows = 0;
+  int64_t vocab_size = 0;
+};
+
+cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace specd
+
+#endif  // SPECD_KERNELS_CUDA_SAMPLING_H_

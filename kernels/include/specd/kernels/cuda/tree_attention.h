@@ -1,0 +1,92 @@
+// Attention of new tokens over the paged KV cache with a tree mask, on the GPU: prefill (a
+// causal chain), single-token decode and tree verification are one kernel. The CPU reference is
+// specd/kernels/tree_attention.h TreeAttentionCpu, which lists each query's tree ancestors
+// explicitly; here a query's visible keys are described by three numbers and a bitmask, which
+// a kernel can test per key without walking a list:
+//   keys [0, mask_begin) are all visible (the committed prefix, and for a chain the earlier
+//   tokens of the chain); keys [mask_begin, kv_end) are visible where the mask has bit
+//   (key - mask_begin) set (the tree's ancestors of the query, itself included); nothing at or
+//   after kv_end is visible. kv_end - mask_begin <= kTreeAttentionMaskBits.
+// A decode step or a chain token t has mask_begin = kv_end = committed + t + 1 (no mask).
+// A tree hanging below a chain has mask_begin = the tree's first slot for each tree node.
+//
+// Keys are logical slots of the query's sequence, mapped to physical slots through its block
+// table (specd/kernels/kv_cache.h layout). Grouped-query attention: query head h reads KV head
+// h / (num_heads / num_kv_heads).
+//
+// Work decomposition (PlanTreeAttention): a CTA takes one KV head and one tile of up to
+// kTreeAttentionTileRows (query, head) rows -- consecutive queries of one sequence times the
+// query heads that share the KV head -- so each KV block read from memory serves every query
+// and head of the tile; scores and the weighted sum use bf16 tensor-core MMAs with fp32
+// accumulation and an online softmax. Long contexts with few tiles are split over the key range
+// (flash-decoding); a second kernel merges the partial results through their log-sum-exps.
+#ifndef SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
+#define SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
+
+#include <vector>
+
+#include "specd/kernels/cuda/common.h"
+
+namespace specd {
+namespace cuda {
+
+inline constexpr int kTreeAttentionMaskBits = 256;  // DESIGN.md: at most 256 tree nodes
+inline constexpr int kTreeAttentionMaskWords = kTreeAttentionMaskBits / 32;
+inline constexpr int kTreeAttentionTileRows = 64;
+
+struct TreeAttentionParams {
+  // [num_queries, q_stride] bf16, device (RoPE applied): head h of query t at
+  // q + t * q_stride + h * head_dim. q_stride is even.
+  const bf16* q = nullptr;
+  int64_t q_stride = 0;
+  bf16* out = nullptr;  // [num_queries, out_stride] bf16, device, same layout; even stride
+  int64_t out_stride = 0;
+  const bf16* k_cache = nullptr;  // [num_slots, num_kv_heads * head_dim] bf16, device (one layer)
+  const bf16* v_cache = nullptr;  // [num_slots, num_kv_heads * head_dim] bf16, device
+  const int32_t* block_tables = nullptr;  // [*, max_blocks_per_seq] int32, device
+  int64_t max_blocks_per_seq = 0;
+  int64_t block_size = 0;
+  const int32_t* query_seq = nullptr;   // [num_queries] int32, device: block-table row
+  const int32_t* kv_end = nullptr;      // [num_queries] int32, device
+  const int32_t* mask_begin = nullptr;  // [num_queries] int32, device; null: no masks
+  // [num_queries, kTreeAttentionMaskWords] uint32, device; bit b of word b / 32 is slot
+  // mask_begin + b. Null exactly when mask_begin is.
+  const uint32_t* mask = nullptr;
+  // [num_tiles] int32, device: query ranges [tile_begin, tile_end) from PlanTreeAttention.
+  const int32_t* tile_begin = nullptr;
+  const int32_t* tile_end = nullptr;
+  int64_t num_tiles = 0;
+  int num_splits = 1;
+  // [TreeAttentionWorkspaceFloats(...)] fp32, device; needed when num_splits > 1.
+  float* workspace = nullptr;
+  int64_t num_queries = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;  // divides num_heads, with num_heads / num_kv_heads <= 64
+  int64_t head_dim = 0;      // 64 or 128
+  float scale = 1.0f;        // usually 1 / sqrt(head_dim)
+};
+
+// How to cut a batch into CTAs (host).
+struct TreeAttentionPlan {
+  std::vector<int32_t> tile_begin;
+  std::vector<int32_t> tile_end;
+  int num_splits = 1;
+};
+
+// Tiles group consecutive queries of one sequence (queries of a sequence must be contiguous).
+// The key range is split when the tiles alone would not fill the GPU's `num_sms`
+// multiprocessors twice over. query_seq and kv_end are host copies of the params' arrays.
+TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
+                                    int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
+                                    int num_sms);
+
+// Workspace floats that TreeAttentionCuda needs for `num_splits` (0 when it is 1).
+int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_t num_heads,
+                                     int64_t head_dim);
+
+cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace specd
+
+#endif  // SPECD_KERNELS_CUDA_TREE_ATTENTION_H_

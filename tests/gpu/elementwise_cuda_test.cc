@@ -1,0 +1,270 @@
+// Embedding, RMSNorm (+ fused residual), RoPE (+ fused q/k norm) and SwiGLU on the GPU against
+// the fp32 CPU references of kernels/cpu, on random data with awkward sizes.
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "engine/model_config.h"
+#include "specd/kernels/cuda/embedding.h"
+#include "specd/kernels/cuda/rmsnorm.h"
+#include "specd/kernels/cuda/rope.h"
+#include "specd/kernels/cuda/swiglu.h"
+#include "specd/kernels/embedding.h"
+#include "specd/kernels/rmsnorm.h"
+#include "specd/kernels/rope.h"
+#include "specd/kernels/swiglu.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace specd {
+namespace {
+
+using gpu_test::AllClose;
+using gpu_test::bf16;
+using gpu_test::DeviceBuffer;
+using gpu_test::RandomNormal;
+using gpu_test::RoundBf16;
+using gpu_test::ToBf16;
+using gpu_test::ToFloat;
+
+// bf16 outputs carry a relative rounding error of up to 2^-8.
+constexpr float kBf16Rtol = 1.0f / 128;
+
+class ElementwiseCudaTest : public gpu_test::GpuTest {};
+
+TEST_F(ElementwiseCudaTest, EmbeddingGathersRows) {
+  std::mt19937_64 rng(11);
+  for (int hidden : {136, 37}) {  // 16-byte vector path and scalar path
+    const int vocab = 1001, n = 97;
+    const std::vector<float> table =
+        RoundBf16(RandomNormal(static_cast<size_t>(vocab) * hidden, rng));
+    std::vector<int32_t> tokens(n);
+    std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
+    for (int32_t& t : tokens) t = pick(rng);
+    tokens[3] = tokens[5];  // a repeated id
+    tokens[7] = vocab - 1;
+    DeviceBuffer<bf16> d_table(ToBf16(table));
+    DeviceBuffer<int32_t> d_tokens(tokens);
+    DeviceBuffer<bf16> d_out(static_cast<size_t>(n) * hidden);
+    cuda::EmbeddingParams p;
+    p.tokens = d_tokens.get();
+    p.table = d_table.get();
+    p.out = d_out.get();
+    p.num_tokens = n;
+    p.vocab_size = vocab;
+    p.hidden = hidden;
+    SPECD_CUDA_OK(cuda::EmbeddingCuda(p, stream_));
+    Sync();
+    std::vector<float> want(static_cast<size_t>(n) * hidden);
+    EmbeddingParams ref;
+    ref.tokens = tokens.data();
+    ref.table = table.data();
+    ref.out = want.data();
+    ref.num_tokens = n;
+    ref.vocab_size = vocab;
+    ref.hidden = hidden;
+    EmbeddingCpu(ref);
+    EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 0.0f, 0.0f)) << "hidden " << hidden;
+  }
+}
+
+TEST_F(ElementwiseCudaTest, RmsNormWithAndWithoutResidual) {
+  std::mt19937_64 rng(12);
+  struct Case {
+    int rows, dim;
+  };
+  for (const Case c : {Case{1, 4096}, Case{7, 64}, Case{33, 100}, Case{5, 8192}, Case{3, 1000}}) {
+    for (int mode = 0; mode < 3; ++mode) {  // 0: plain, 1: residual add, 2: residual init
+      const size_t n = static_cast<size_t>(c.rows) * c.dim;
+      const std::vector<float> x = RoundBf16(RandomNormal(n, rng, 2.0f));
+      const std::vector<float> w = RoundBf16(RandomNormal(c.dim, rng, 0.5f));
+      std::vector<float> residual = RandomNormal(n, rng, 3.0f);
+      if (mode == 2) std::fill(residual.begin(), residual.end(), 0.0f);
+      DeviceBuffer<bf16> d_x(ToBf16(x));
+      DeviceBuffer<bf16> d_w(ToBf16(w));
+      DeviceBuffer<float> d_res(mode == 2 ? RandomNormal(n, rng) : residual);  // init overwrites
+      DeviceBuffer<bf16> d_out(n);
+      cuda::RmsNormParams p;
+      p.x = d_x.get();
+      p.residual = mode == 0 ? nullptr : d_res.get();
+      p.residual_init = mode == 2;
+      p.weight = d_w.get();
+      p.out = d_out.get();
+      p.rows = c.rows;
+      p.dim = c.dim;
+      p.eps = 1e-5f;
+      SPECD_CUDA_OK(cuda::RmsNormCuda(p, stream_));
+      Sync();
+      std::vector<float> want(n);
+      RmsNormParams ref;
+      ref.x = x.data();
+      ref.residual = mode == 0 ? nullptr : residual.data();
+      ref.weight = w.data();
+      ref.out = want.data();
+      ref.rows = c.rows;
+      ref.dim = c.dim;
+      ref.eps = 1e-5f;
+      RmsNormCpu(ref);
+      EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol))
+          << "rows " << c.rows << " dim " << c.dim << " mode " << mode;
+      if (mode != 0) {
+        EXPECT_TRUE(AllClose(d_res.Download(), residual, 1e-6f, 1e-6f))
+            << "residual, rows " << c.rows << " dim " << c.dim << " mode " << mode;
+      }
+    }
+  }
+}
+
+// RoPE over q and k of a fused QKV row, with llama3-scaled frequencies and positions up to
+// 2e5, optionally with Qwen3's per-head norm fused in front.
+TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
+  std::mt19937_64 rng(13);
+  struct Case {
+    int tokens, q_heads, k_heads, head_dim;
+    bool llama3, qk_norm;
+  };
+  for (const Case c : {Case{9, 7, 1, 64, false, false}, Case{5, 12, 4, 128, true, false},
+                       Case{17, 3, 3, 128, false, true}, Case{4, 5, 5, 64, true, true}}) {
+    ModelConfig config;
+    config.hidden_size = c.q_heads * c.head_dim;
+    config.num_heads = c.q_heads;
+    config.head_dim = c.head_dim;
+    config.rope_theta = 500000.0f;
+    if (c.llama3) {
+      config.rope_scaling.type = "llama3";
+      config.rope_scaling.factor = 8.0f;
+      config.rope_scaling.original_max_position_embeddings = 8192;
+    }
+    const std::vector<float> inv_freq = RopeInvFreq(config);
+    ASSERT_EQ(inv_freq.size(), static_cast<size_t>(c.head_dim / 2));
+    const int q_dim = c.q_heads * c.head_dim, k_dim = c.k_heads * c.head_dim;
+    const int stride = q_dim + 2 * k_dim;  // q | k | v, as the fused projection writes them
+    const std::vector<float> qkv =
+        RoundBf16(RandomNormal(static_cast<size_t>(c.tokens) * stride, rng));
+    std::vector<int32_t> positions(c.tokens);
+    std::uniform_int_distribution<int32_t> pos(0, 200000);
+    for (int32_t& x : positions) x = pos(rng);
+    positions[0] = 0;
+    const std::vector<float> q_norm = RoundBf16(RandomNormal(c.head_dim, rng, 0.5f));
+    const std::vector<float> k_norm = RoundBf16(RandomNormal(c.head_dim, rng, 0.5f));
+
+    DeviceBuffer<bf16> d_qkv(ToBf16(qkv));
+    DeviceBuffer<int32_t> d_pos(positions);
+    DeviceBuffer<float> d_freq(inv_freq);
+    DeviceBuffer<bf16> d_qn(ToBf16(q_norm)), d_kn(ToBf16(k_norm));
+    cuda::RopeParams p;
+    p.q = d_qkv.get();
+    p.q_stride = stride;
+    p.num_q_heads = c.q_heads;
+    p.k = d_qkv.get() + q_dim;
+    p.k_stride = stride;
+    p.num_k_heads = c.k_heads;
+    p.positions = d_pos.get();
+    p.inv_freq = d_freq.get();
+    if (c.qk_norm) {
+      p.q_norm_weight = d_qn.get();
+      p.k_norm_weight = d_kn.get();
+    }
+    p.norm_eps = 1e-6f;
+    p.num_tokens = c.tokens;
+    p.head_dim = c.head_dim;
+    SPECD_CUDA_OK(cuda::RopeCuda(p, stream_));
+    Sync();
+
+    // Reference: RmsNormCpu over [tokens * heads, head_dim] (when fused), then RopeCpu.
+    std::vector<float> q(static_cast<size_t>(c.tokens) * q_dim),
+        k(static_cast<size_t>(c.tokens) * k_dim);
+    for (int t = 0; t < c.tokens; ++t) {
+      std::copy_n(&qkv[static_cast<size_t>(t) * stride], q_dim, &q[static_cast<size_t>(t) * q_dim]);
+      std::copy_n(&qkv[static_cast<size_t>(t) * stride + q_dim], k_dim,
+                  &k[static_cast<size_t>(t) * k_dim]);
+    }
+    if (c.qk_norm) {
+      for (auto [buf, heads, weight] :
+           {std::make_tuple(&q, c.q_heads, &q_norm), std::make_tuple(&k, c.k_heads, &k_norm)}) {
+        RmsNormParams n;
+        n.x = buf->data();
+        n.weight = weight->data();
+        n.out = buf->data();
+        n.rows = int64_t{c.tokens} * heads;
+        n.dim = c.head_dim;
+        n.eps = 1e-6f;
+        RmsNormCpu(n);
+      }
+    }
+    for (auto [buf, heads] : {std::make_pair(&q, c.q_heads), std::make_pair(&k, c.k_heads)}) {
+      RopeParams r;
+      r.x = buf->data();
+      r.positions = positions.data();
+      r.inv_freq = inv_freq.data();
+      r.num_tokens = c.tokens;
+      r.num_heads = heads;
+      r.head_dim = c.head_dim;
+      r.row_stride = int64_t{heads} * c.head_dim;
+      RopeCpu(r);
+    }
+    const std::vector<float> got = ToFloat(d_qkv.Download());
+    std::vector<float> got_q(q.size()), got_k(k.size()), got_v, want_v;
+    for (int t = 0; t < c.tokens; ++t) {
+      std::copy_n(&got[static_cast<size_t>(t) * stride], q_dim,
+                  &got_q[static_cast<size_t>(t) * q_dim]);
+      std::copy_n(&got[static_cast<size_t>(t) * stride + q_dim], k_dim,
+                  &got_k[static_cast<size_t>(t) * k_dim]);
+      for (int i = q_dim + k_dim; i < stride; ++i) {
+        got_v.push_back(got[static_cast<size_t>(t) * stride + i]);
+        want_v.push_back(qkv[static_cast<size_t>(t) * stride + i]);
+      }
+    }
+    const std::string what = "tokens " + std::to_string(c.tokens) + " heads " +
+                             std::to_string(c.q_heads) + "/" + std::to_string(c.k_heads) +
+                             " head_dim " + std::to_string(c.head_dim);
+    EXPECT_TRUE(AllClose(got_q, q, 2e-2f, kBf16Rtol)) << "q, " << what;
+    EXPECT_TRUE(AllClose(got_k, k, 2e-2f, kBf16Rtol)) << "k, " << what;
+    EXPECT_TRUE(AllClose(got_v, want_v, 0.0f, 0.0f)) << "v untouched, " << what;
+  }
+}
+
+TEST_F(ElementwiseCudaTest, SwiGluMatchesReference) {
+  std::mt19937_64 rng(14);
+  for (auto [rows, dim] : {std::pair{5, 1000}, std::pair{3, 77}, std::pair{64, 2816}}) {
+    const std::vector<float> gate_up =
+        RoundBf16(RandomNormal(static_cast<size_t>(rows) * 2 * dim, rng, 3.0f));
+    DeviceBuffer<bf16> d_in(ToBf16(gate_up));
+    DeviceBuffer<bf16> d_out(static_cast<size_t>(rows) * dim);
+    cuda::SwiGluParams p;
+    p.gate_up = d_in.get();
+    p.out = d_out.get();
+    p.rows = rows;
+    p.dim = dim;
+    SPECD_CUDA_OK(cuda::SwiGluCuda(p, stream_));
+    Sync();
+    std::vector<float> gate(static_cast<size_t>(rows) * dim), up(static_cast<size_t>(rows) * dim),
+        want(static_cast<size_t>(rows) * dim);
+    for (int r = 0; r < rows; ++r) {
+      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim], dim,
+                  &gate[static_cast<size_t>(r) * dim]);
+      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim + dim], dim,
+                  &up[static_cast<size_t>(r) * dim]);
+    }
+    SwiGluParams ref;
+    ref.gate = gate.data();
+    ref.up = up.data();
+    ref.out = want.data();
+    ref.n = int64_t{rows} * dim;
+    SwiGluCpu(ref);
+    EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol))
+        << "rows " << rows << " dim " << dim;
+  }
+}
+
+TEST_F(ElementwiseCudaTest, BadParamsAreRejected) {
+  cuda::RmsNormParams p;  // no pointers, dim 0
+  EXPECT_EQ(cuda::RmsNormCuda(p, stream_), cudaErrorInvalidValue);
+  cuda::RopeParams r;
+  r.num_tokens = 1;
+  r.head_dim = 7;  // odd
+  EXPECT_EQ(cuda::RopeCuda(r, stream_), cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace specd

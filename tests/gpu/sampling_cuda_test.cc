@@ -1,0 +1,295 @@
+// GPU sampling and tree acceptance against engine/sampling.cc SampleToken and
+// engine/backend.cc AcceptTree: the same fp32 logits and seeds must give the same tokens, and
+// the same accepted paths, exactly.
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "common/token_tree.h"
+#include "engine/backend.h"
+#include "engine/sampling.h"
+#include "specd/kernels/cuda/sampling.h"
+#include "specd/kernels/cuda/tree_accept.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace specd {
+namespace {
+
+using gpu_test::DeviceBuffer;
+
+class SamplingCudaTest : public gpu_test::GpuTest {
+ protected:
+  // Samples every row on the GPU.
+  std::vector<int32_t> SampleOnGpu(const std::vector<float>& logits, int vocab,
+                                   const std::vector<cuda::SampleRowParams>& rows) {
+    DeviceBuffer<float> d_logits(logits);
+    DeviceBuffer<cuda::SampleRowParams> d_rows(rows);
+    DeviceBuffer<int32_t> d_tokens(rows.size());
+    cuda::SampleParams p;
+    p.logits = d_logits.get();
+    p.logits_stride = vocab;
+    p.rows = d_rows.get();
+    p.tokens = d_tokens.get();
+    p.num_rows = static_cast<int64_t>(rows.size());
+    p.vocab_size = vocab;
+    EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    return d_tokens.Download();
+  }
+};
+
+cuda::SampleRowParams RowParams(const SamplingParams& s, int64_t position) {
+  cuda::SampleRowParams r;
+  r.seed = s.seed;
+  r.position = position;
+  r.temperature = s.temperature;
+  r.top_p = s.top_p;
+  r.top_k = s.top_k;
+  return r;
+}
+
+// Logits of three kinds: smooth Gaussian, peaked, and coarsely quantised (many exact ties, so
+// the lowest-id tie rules are exercised).
+std::vector<float> MakeLogits(int rows, int vocab, std::mt19937_64& rng) {
+  std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int r = 0; r < rows; ++r) {
+    float* row = &logits[static_cast<size_t>(r) * vocab];
+    const int kind = r % 3;
+    for (int i = 0; i < vocab; ++i) {
+      float x = normal(rng);
+      if (kind == 1) x *= 4.0f;
+      if (kind == 2) x = std::round(x * 2.0f) * 0.5f;
+      row[i] = x;
+    }
+  }
+  return logits;
+}
+
+TEST_F(SamplingCudaTest, TokensMatchHostSampler) {
+  std::mt19937_64 rng(31);
+  // Parameter sets: greedy, plain temperature, top-k, top-p, both, and extremes.
+  std::vector<SamplingParams> settings;
+  auto add = [&](float t, int k, float p) {
+    SamplingParams s;
+    s.temperature = t;
+    s.top_k = k;
+    s.top_p = p;
+    settings.push_back(s);
+  };
+  add(0.0f, 0, 1.0f);
+  add(1.0f, 0, 1.0f);
+  add(0.7f, 0, 1.0f);
+  add(1.0f, 50, 1.0f);
+  add(1.3f, 1, 1.0f);
+  add(1.0f, 0, 0.83f);
+  add(0.8f, 40, 0.61f);
+  add(0.05f, 0, 1.0f);
+  add(5.0f, 0, 0.97f);
+  add(1.0f, 0, 0.013f);
+  add(2.0f, 1000, 1.0f);
+  for (int vocab : {320, 50257, 128256}) {
+    const int rows = vocab > 100000 ? 66 : 132;
+    const std::vector<float> logits = MakeLogits(rows, vocab, rng);
+    std::vector<cuda::SampleRowParams> params;
+    std::vector<int32_t> want;
+    std::uniform_int_distribution<int64_t> position(0, 100000);
+    for (int r = 0; r < rows; ++r) {
+      SamplingParams s = settings[r % settings.size()];
+      s.seed = rng();
+      const int64_t pos = position(rng);
+      params.push_back(RowParams(s, pos));
+      want.push_back(SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab],
+                                                         static_cast<size_t>(vocab)),
+                                 s, pos));
+    }
+    const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params);
+    ASSERT_EQ(got.size(), want.size());
+    int mismatches = 0;
+    for (int r = 0; r < rows; ++r) {
+      if (got[r] != want[r] && ++mismatches <= 5) {
+        const cuda::SampleRowParams& p = params[r];
+        ADD_FAILURE() << "vocab " << vocab << " row " << r << " (t " << p.temperature << " k "
+                      << p.top_k << " p " << p.top_p << "): gpu " << got[r] << " host " << want[r];
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << "vocab " << vocab;
+  }
+}
+
+// A row whose top logits are tied: greedy picks the lowest id, and top-k keeps the lowest ids.
+TEST_F(SamplingCudaTest, TiesFollowTheHostOrder) {
+  const int vocab = 1000;
+  std::vector<float> logits(3 * vocab, -5.0f);
+  for (int r = 0; r < 3; ++r) {
+    for (int id : {700, 12, 999, 300}) logits[static_cast<size_t>(r) * vocab + id] = 2.0f;
+  }
+  std::vector<cuda::SampleRowParams> params(3);
+  params[0].temperature = 0.0f;
+  params[1].temperature = 1.0f;
+  params[1].top_k = 2;
+  params[1].seed = 7;
+  params[2].temperature = 1.0f;
+  params[2].top_p = 0.3f;
+  params[2].seed = 9;
+  const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params);
+  for (int r = 0; r < 3; ++r) {
+    SamplingParams s;
+    s.temperature = params[r].temperature;
+    s.top_k = params[r].top_k;
+    s.top_p = params[r].top_p;
+    s.seed = params[r].seed;
+    EXPECT_EQ(got[r],
+              SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], vocab),
+                          s, params[r].position))
+        << "row " << r;
+  }
+  EXPECT_EQ(got[0], 12);
+}
+
+// Random trees of the given shape; tokens from a small alphabet so that siblings repeat.
+TokenTree MakeTree(int nodes, int shape, int alphabet, std::mt19937_64& rng) {
+  TokenTree tree;
+  std::uniform_int_distribution<int32_t> tok(0, alphabet - 1);
+  for (int i = 0; i < nodes; ++i) {
+    int32_t parent;
+    switch (shape) {
+      case 0:  // chain
+        parent = i - 1;
+        break;
+      case 1:  // wide: every node a child of the root or of node 0
+        parent = i < 4 ? -1 : 0;
+        break;
+      case 2:  // binary
+        parent = i == 0 ? -1 : (i - 1) / 2;
+        break;
+      default: {  // random parent among earlier nodes
+        std::uniform_int_distribution<int32_t> pick(-1, i - 1);
+        parent = pick(rng);
+      }
+    }
+    tree.parents.push_back(parent);
+    tree.tokens.push_back(tok(rng));
+  }
+  return tree;
+}
+
+// Sampling of every row then acceptance, both on the GPU, against AcceptTree on the host, for
+// a batch of trees of 1, 7 and 256 nodes and several shapes, greedy and sampled. Logits favour
+// the tokens of the current node's children so that long paths get accepted.
+TEST_F(SamplingCudaTest, AcceptedPathsMatchHost) {
+  std::mt19937_64 rng(32);
+  const int vocab = 64, alphabet = 6;
+  struct Seq {
+    TokenTree tree;
+    SamplingParams sampling;
+    int64_t first_position;
+  };
+  std::vector<Seq> seqs;
+  int shape = 0;
+  for (int nodes : {1, 7, 256, 0, 7, 256, 1, 40}) {
+    for (float temperature : {0.0f, 0.9f}) {
+      Seq s;
+      s.tree = MakeTree(nodes, shape++ % 4, alphabet, rng);
+      s.sampling.temperature = temperature;
+      s.sampling.top_k = temperature > 0 && nodes == 7 ? 3 : 0;
+      s.sampling.top_p = temperature > 0 && nodes == 256 ? 0.9f : 1.0f;
+      s.sampling.seed = rng();
+      s.first_position = static_cast<int64_t>(rng() % 5000);
+      seqs.push_back(s);
+    }
+  }
+  std::vector<float> logits;
+  std::vector<cuda::SampleRowParams> row_params;
+  std::vector<int32_t> sample_offset, node_offset, num_nodes, tree_tokens, tree_parents;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  int max_nodes = 0;
+  for (const Seq& s : seqs) {
+    const int n = s.tree.size();
+    max_nodes = std::max(max_nodes, n);
+    sample_offset.push_back(static_cast<int32_t>(row_params.size()));
+    node_offset.push_back(static_cast<int32_t>(tree_tokens.size()));
+    num_nodes.push_back(n);
+    tree_tokens.insert(tree_tokens.end(), s.tree.tokens.begin(), s.tree.tokens.end());
+    tree_parents.insert(tree_parents.end(), s.tree.parents.begin(), s.tree.parents.end());
+    const std::vector<int> depth = TreeDepths(s.tree);
+    const std::vector<std::vector<int32_t>> children = TreeChildren(s.tree);
+    for (int node = -1; node < n; ++node) {
+      std::vector<float> row(vocab);
+      for (float& x : row) x = normal(rng);
+      for (int32_t c : children[node < 0 ? n : node]) row[s.tree.tokens[c]] += 3.0f;
+      logits.insert(logits.end(), row.begin(), row.end());
+      row_params.push_back(
+          RowParams(s.sampling, s.first_position + (node < 0 ? 0 : depth[node] + 1)));
+    }
+  }
+  // Sample on the GPU, then accept on the GPU from the device-resident samples.
+  DeviceBuffer<float> d_logits(logits);
+  DeviceBuffer<cuda::SampleRowParams> d_rows(row_params);
+  DeviceBuffer<int32_t> d_sampled(row_params.size());
+  cuda::SampleParams sp;
+  sp.logits = d_logits.get();
+  sp.logits_stride = vocab;
+  sp.rows = d_rows.get();
+  sp.tokens = d_sampled.get();
+  sp.num_rows = static_cast<int64_t>(row_params.size());
+  sp.vocab_size = vocab;
+  SPECD_CUDA_OK(cuda::SampleCuda(sp, stream_));
+  const int num_seqs = static_cast<int>(seqs.size());
+  const int out_stride = max_nodes + 1;
+  DeviceBuffer<int32_t> d_sample_offset(sample_offset), d_node_offset(node_offset),
+      d_num_nodes(num_nodes), d_tree_tokens(tree_tokens), d_tree_parents(tree_parents);
+  DeviceBuffer<int32_t> d_out_tokens(static_cast<size_t>(num_seqs) * out_stride),
+      d_out_nodes(static_cast<size_t>(num_seqs) * out_stride), d_accepted(num_seqs);
+  cuda::TreeAcceptParams ap;
+  ap.sampled = d_sampled.get();
+  ap.sample_offset = d_sample_offset.get();
+  ap.tree_tokens = d_tree_tokens.get();
+  ap.tree_parents = d_tree_parents.get();
+  ap.node_offset = d_node_offset.get();
+  ap.num_nodes = d_num_nodes.get();
+  ap.out_tokens = d_out_tokens.get();
+  ap.out_nodes = d_out_nodes.get();
+  ap.out_accepted = d_accepted.get();
+  ap.out_stride = out_stride;
+  ap.num_seqs = num_seqs;
+  SPECD_CUDA_OK(cuda::TreeAcceptCuda(ap, stream_));
+  Sync();
+  const std::vector<int32_t> out_tokens = d_out_tokens.Download();
+  const std::vector<int32_t> out_nodes = d_out_nodes.Download();
+  const std::vector<int32_t> accepted = d_accepted.Download();
+  int long_paths = 0;
+  for (int b = 0; b < num_seqs; ++b) {
+    const Seq& s = seqs[b];
+    const int rows = s.tree.size() + 1;
+    const VerifyOutcome want =
+        AcceptTree(s.tree,
+                   absl::Span<const float>(&logits[static_cast<size_t>(sample_offset[b]) * vocab],
+                                           static_cast<size_t>(rows) * vocab),
+                   vocab, s.sampling, s.first_position);
+    ASSERT_EQ(accepted[b], want.accepted_draft) << "sequence " << b;
+    const std::vector<int32_t> got_tokens(
+        &out_tokens[static_cast<size_t>(b) * out_stride],
+        &out_tokens[static_cast<size_t>(b) * out_stride] + accepted[b] + 1);
+    const std::vector<int32_t> got_nodes(
+        &out_nodes[static_cast<size_t>(b) * out_stride],
+        &out_nodes[static_cast<size_t>(b) * out_stride] + accepted[b]);
+    EXPECT_EQ(got_tokens, want.tokens) << "sequence " << b;
+    EXPECT_EQ(got_nodes, want.accepted_nodes) << "sequence " << b;
+    if (want.accepted_draft >= 3) ++long_paths;
+  }
+  EXPECT_GE(long_paths, 3) << "the logits should let some paths get accepted deep";
+}
+
+TEST_F(SamplingCudaTest, BadParamsAreRejected) {
+  cuda::SampleParams p;
+  p.num_rows = 1;
+  p.vocab_size = 10;
+  p.logits_stride = 5;  // shorter than a row
+  EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace specd

@@ -1,0 +1,327 @@
+// Tree attention on the GPU against kernels/cpu/tree_attention.cc: decode, prefill chains and
+// verification trees (1, 7 and 256 nodes of several shapes) below pending chains, batched over
+// sequences with context lengths that are not multiples of the block size, odd head counts,
+// head_dim 64 and 128, with the key range unsplit, split by the plan and split by force.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "specd/kernels/cuda/tree_attention.h"
+#include "specd/kernels/tree_attention.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace specd {
+namespace {
+
+using gpu_test::AllClose;
+using gpu_test::bf16;
+using gpu_test::DeviceBuffer;
+using gpu_test::RandomNormal;
+using gpu_test::RoundBf16;
+using gpu_test::ToBf16;
+using gpu_test::ToFloat;
+
+// One sequence of a batch: `committed` cached tokens, then the new queries: a chain of
+// `chain` tokens (pending tokens, a prefill chunk, or a decode token), then a tree hanging
+// below the chain's last token (parents index the tree; -1 is the chain's last token).
+struct SeqSpec {
+  int committed = 0;
+  int chain = 1;
+  std::vector<int32_t> tree_parents;
+};
+
+std::vector<int32_t> TreeParents(int nodes, int shape, std::mt19937_64& rng) {
+  std::vector<int32_t> parents;
+  for (int i = 0; i < nodes; ++i) {
+    switch (shape) {
+      case 0:
+        parents.push_back(i - 1);  // chain
+        break;
+      case 1:
+        parents.push_back(-1);  // star: every node a child of the root
+        break;
+      case 2:
+        parents.push_back(i == 0 ? -1 : (i - 1) / 2);  // binary
+        break;
+      default: {
+        std::uniform_int_distribution<int32_t> pick(-1, i - 1);
+        parents.push_back(pick(rng));
+      }
+    }
+  }
+  return parents;
+}
+
+struct Shape {
+  int num_heads, num_kv_heads, head_dim, block_size;
+};
+
+class TreeAttentionCudaTest : public gpu_test::GpuTest {
+ protected:
+  // Runs one batch on the GPU once per entry of `splits` (0: the plan's choice, else forced)
+  // and compares each result with the CPU reference.
+  void Check(const Shape& sh, const std::vector<SeqSpec>& seqs, const std::vector<int>& splits,
+             uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int kv_dim = sh.num_kv_heads * sh.head_dim;
+    const int q_dim = sh.num_heads * sh.head_dim;
+    // Block tables: each sequence gets enough blocks for all its keys, drawn from a shuffled
+    // pool with spare blocks, so logical and physical order differ.
+    std::vector<int> need_blocks;
+    int max_blocks = 1, total_blocks = 0;
+    for (const SeqSpec& s : seqs) {
+      const int keys = s.committed + s.chain + static_cast<int>(s.tree_parents.size());
+      need_blocks.push_back((keys + sh.block_size - 1) / sh.block_size);
+      max_blocks = std::max(max_blocks, need_blocks.back());
+      total_blocks += need_blocks.back();
+    }
+    const int pool_blocks = total_blocks + 5;
+    std::vector<int32_t> pool(pool_blocks);
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    const int num_seqs = static_cast<int>(seqs.size());
+    // Sequence s uses block-table row num_seqs - 1 - s (rows need not follow batch order).
+    std::vector<int32_t> tables(static_cast<size_t>(num_seqs) * max_blocks, -1);
+    int next = 0;
+    for (int s = 0; s < num_seqs; ++s) {
+      for (int b = 0; b < need_blocks[s]; ++b) {
+        tables[static_cast<size_t>(num_seqs - 1 - s) * max_blocks + b] = pool[next++];
+      }
+    }
+    const int64_t num_slots = int64_t{pool_blocks} * sh.block_size;
+    const std::vector<float> k_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+    const std::vector<float> v_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+
+    // Queries and their visibility, in both descriptions.
+    std::vector<int32_t> query_seq, kv_end, mask_begin, prefix_len, tree_key_offsets = {0},
+                                                                    tree_keys;
+    std::vector<uint32_t> mask;
+    for (int s = 0; s < num_seqs; ++s) {
+      const SeqSpec& spec = seqs[s];
+      const int row = num_seqs - 1 - s;
+      for (int i = 0; i < spec.chain; ++i) {
+        const int end = spec.committed + i + 1;
+        query_seq.push_back(row);
+        kv_end.push_back(end);
+        mask_begin.push_back(end);
+        mask.insert(mask.end(), cuda::kTreeAttentionMaskWords, 0u);
+        prefix_len.push_back(end);
+        tree_key_offsets.push_back(static_cast<int32_t>(tree_keys.size()));
+      }
+      const int tree_base = spec.committed + spec.chain;
+      const int n = static_cast<int>(spec.tree_parents.size());
+      std::vector<std::vector<int32_t>> ancestors(n);
+      for (int j = 0; j < n; ++j) {
+        const int32_t parent = spec.tree_parents[j];
+        if (parent >= 0) ancestors[j] = ancestors[parent];
+        ancestors[j].push_back(j);
+        std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
+        std::vector<int32_t> sorted = ancestors[j];
+        std::sort(sorted.begin(), sorted.end());
+        for (int32_t a : sorted) {
+          bits[a / 32] |= 1u << (a % 32);
+          tree_keys.push_back(tree_base + a);
+        }
+        query_seq.push_back(row);
+        kv_end.push_back(tree_base + j + 1);
+        mask_begin.push_back(tree_base);
+        mask.insert(mask.end(), bits.begin(), bits.end());
+        prefix_len.push_back(tree_base);
+        tree_key_offsets.push_back(static_cast<int32_t>(tree_keys.size()));
+      }
+    }
+    const int num_queries = static_cast<int>(query_seq.size());
+    // q rows carry padding columns, as in a fused QKV output.
+    const int q_stride = q_dim + 2 * kv_dim;
+    // Scores with a spread of a few units make the softmax peaky, so that a wrongly masked or
+    // dropped key changes the output visibly.
+    const std::vector<float> q =
+        RoundBf16(RandomNormal(static_cast<size_t>(num_queries) * q_stride, rng, 2.5f));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+
+    // CPU reference (packed q).
+    std::vector<float> q_packed(static_cast<size_t>(num_queries) * q_dim),
+        want(static_cast<size_t>(num_queries) * q_dim);
+    for (int t = 0; t < num_queries; ++t) {
+      std::copy_n(&q[static_cast<size_t>(t) * q_stride], q_dim,
+                  &q_packed[static_cast<size_t>(t) * q_dim]);
+    }
+    TreeAttentionParams ref;
+    ref.q = q_packed.data();
+    ref.out = want.data();
+    ref.k_cache = k_cache.data();
+    ref.v_cache = v_cache.data();
+    ref.block_tables = tables.data();
+    ref.query_seq = query_seq.data();
+    ref.prefix_len = prefix_len.data();
+    ref.tree_key_offsets = tree_key_offsets.data();
+    ref.tree_keys = tree_keys.data();
+    ref.num_queries = num_queries;
+    ref.num_heads = sh.num_heads;
+    ref.num_kv_heads = sh.num_kv_heads;
+    ref.head_dim = sh.head_dim;
+    ref.block_size = sh.block_size;
+    ref.max_blocks_per_seq = max_blocks;
+    ref.scale = scale;
+    // The reference is plain loops; spread its (query, head) items over the host's cores.
+    const int64_t items = int64_t{num_queries} * sh.num_heads;
+    const int64_t workers = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::thread> threads;
+    for (int64_t w = 0; w < workers; ++w) {
+      threads.emplace_back(
+          [&, w] { TreeAttentionCpuItems(ref, items * w / workers, items * (w + 1) / workers); });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int force_splits : splits)
+      RunGpu(sh, force_splits, q, q_stride, k_cache, v_cache, tables, max_blocks, query_seq, kv_end,
+             mask_begin, mask, scale, want);
+  }
+
+  void RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q, int q_stride,
+              const std::vector<float>& k_cache, const std::vector<float>& v_cache,
+              const std::vector<int32_t>& tables, int max_blocks,
+              const std::vector<int32_t>& query_seq, const std::vector<int32_t>& kv_end,
+              const std::vector<int32_t>& mask_begin, const std::vector<uint32_t>& mask,
+              float scale, const std::vector<float>& want) {
+    const int num_queries = static_cast<int>(query_seq.size());
+    const int q_dim = sh.num_heads * sh.head_dim;
+
+    // GPU.
+    int num_sms = 0;
+    SPECD_CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+    cuda::TreeAttentionPlan plan = cuda::PlanTreeAttention(
+        query_seq.data(), kv_end.data(), num_queries, sh.num_heads, sh.num_kv_heads, num_sms);
+    if (force_splits > 0) plan.num_splits = force_splits;
+    DeviceBuffer<bf16> d_q(ToBf16(q)), d_k(ToBf16(k_cache)), d_v(ToBf16(v_cache));
+    const int out_stride = q_dim + 6;
+    DeviceBuffer<bf16> d_out(static_cast<size_t>(num_queries) * out_stride);
+    DeviceBuffer<int32_t> d_tables(tables), d_query_seq(query_seq), d_kv_end(kv_end),
+        d_mask_begin(mask_begin), d_tile_begin(plan.tile_begin), d_tile_end(plan.tile_end);
+    DeviceBuffer<uint32_t> d_mask(mask);
+    DeviceBuffer<float> d_ws(
+        std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries,
+                                                                sh.num_heads, sh.head_dim)));
+    cuda::TreeAttentionParams p;
+    p.q = d_q.get();
+    p.q_stride = q_stride;
+    p.out = d_out.get();
+    p.out_stride = out_stride;
+    p.k_cache = d_k.get();
+    p.v_cache = d_v.get();
+    p.block_tables = d_tables.get();
+    p.max_blocks_per_seq = max_blocks;
+    p.block_size = sh.block_size;
+    p.query_seq = d_query_seq.get();
+    p.kv_end = d_kv_end.get();
+    p.mask_begin = d_mask_begin.get();
+    p.mask = d_mask.get();
+    p.tile_begin = d_tile_begin.get();
+    p.tile_end = d_tile_end.get();
+    p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
+    p.num_splits = plan.num_splits;
+    p.workspace = d_ws.get();
+    p.num_queries = num_queries;
+    p.num_heads = sh.num_heads;
+    p.num_kv_heads = sh.num_kv_heads;
+    p.head_dim = sh.head_dim;
+    p.scale = scale;
+    SPECD_CUDA_OK(cuda::TreeAttentionCuda(p, stream_));
+    Sync();
+    const std::vector<float> out = ToFloat(d_out.Download());
+    std::vector<float> got(static_cast<size_t>(num_queries) * q_dim);
+    for (int t = 0; t < num_queries; ++t) {
+      std::copy_n(&out[static_cast<size_t>(t) * out_stride], q_dim,
+                  &got[static_cast<size_t>(t) * q_dim]);
+    }
+    // Outputs are convex combinations of N(0, 1) values; bf16 probabilities in the P.V product
+    // and the bf16 output each add about 2^-9 relative error.
+    EXPECT_TRUE(AllClose(got, want, 4e-3f, 2e-2f))
+        << "heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim " << sh.head_dim
+        << " block " << sh.block_size << " splits " << plan.num_splits << " queries "
+        << num_queries;
+  }
+};
+
+const Shape kShapes[] = {
+    {7, 1, 64, 16},    // group of 7, one KV head
+    {12, 4, 128, 16},  // group of 3
+    {28, 4, 128, 32},  // group of 7 (Qwen2.5-7B-like)
+    {5, 5, 64, 8},     // no grouping
+    {32, 8, 128, 16},  // Llama-3-8B-like
+};
+
+TEST_F(TreeAttentionCudaTest, Decode) {
+  for (const Shape& sh : kShapes) {
+    std::vector<SeqSpec> seqs;
+    for (int committed : {0, 16, 300, 1000, 5001}) {
+      SeqSpec s;
+      s.committed = committed;
+      s.chain = 1;
+      seqs.push_back(s);
+    }
+    Check(sh, seqs, {0, 1, 3}, 100);
+  }
+}
+
+TEST_F(TreeAttentionCudaTest, PrefillChains) {
+  for (const Shape& sh : {kShapes[0], kShapes[1], kShapes[4]}) {
+    std::vector<SeqSpec> seqs(3);
+    seqs[0].committed = 0;
+    seqs[0].chain = 130;
+    seqs[1].committed = 37;
+    seqs[1].chain = 77;
+    seqs[2].committed = 500;
+    seqs[2].chain = 1;
+    Check(sh, seqs, {0, 2}, 200);
+  }
+}
+
+TEST_F(TreeAttentionCudaTest, VerifyTrees) {
+  std::mt19937_64 rng(7);
+  int shape = 0;
+  for (const Shape& sh : kShapes) {
+    std::vector<SeqSpec> seqs;
+    const int committed[3][3] = {{0, 33, 2000}, {517, 0, 40}, {1, 1500, 7}};
+    for (int i = 0; i < 3; ++i) {
+      const int nodes = i == 0 ? 1 : i == 1 ? 7 : 256;
+      SeqSpec s;
+      s.committed = committed[shape % 3][i];
+      s.chain = 1 + static_cast<int>(rng() % 3);  // pending tokens before the tree
+      s.tree_parents = TreeParents(nodes, shape++ % 4, rng);
+      seqs.push_back(s);
+    }
+    Check(sh, seqs, {0, 1, 4}, 300);
+  }
+}
+
+// A 256-node tree alone over a long context: one sequence, few tiles, so the plan splits the
+// key range.
+TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
+  std::mt19937_64 rng(8);
+  for (int shape : {2, 3}) {
+    SeqSpec s;
+    s.committed = 4095;
+    s.chain = 1;
+    s.tree_parents = TreeParents(256, shape, rng);
+    Check(kShapes[1], {s}, {0}, 400 + shape);
+  }
+}
+
+TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
+  cuda::TreeAttentionParams p;
+  p.num_queries = 1;
+  p.num_heads = 6;
+  p.num_kv_heads = 4;  // does not divide
+  p.head_dim = 128;
+  EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
+  p.num_kv_heads = 3;
+  p.head_dim = 96;  // unsupported
+  EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace specd
