@@ -14,9 +14,11 @@ GenerateCall::GenerateCall(v1::Generation::Stub* stub, v1::GenerateRequest reque
 }
 
 GenerateCall::~GenerateCall() {
-  context_.TryCancel();
-  // gRPC may still call OnReadDone/OnDone until OnDone has run; the object must outlive that.
   absl::MutexLock lock(&mu_);
+  // After the last chunk only the OK status is still to come; cancelling then could make the
+  // router count a finished request as cancelled.
+  if (!done_ && !saw_last_) context_.TryCancel();
+  // gRPC may still call OnReadDone/OnDone until OnDone has run; the object must outlive that.
   mu_.Await(absl::Condition(&done_));
 }
 
@@ -25,6 +27,7 @@ void GenerateCall::OnReadDone(bool ok) {
   if (!ok) return;
   {
     absl::MutexLock lock(&mu_);
+    if (incoming_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) saw_last_ = true;
     queue_.push_back(std::move(incoming_));
   }
   incoming_.Clear();

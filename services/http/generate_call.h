@@ -21,7 +21,8 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
   // Starts the call. `deadline` absl::InfiniteFuture() = none. `stub` must outlive the call.
   GenerateCall(v1::Generation::Stub* stub, v1::GenerateRequest request, absl::Time deadline);
 
-  // Cancels the call if it still runs and waits for gRPC to finish with it.
+  // Cancels the call if it has not delivered its last chunk, and waits for gRPC to finish
+  // with it.
   ~GenerateCall() override;
 
   GenerateCall(const GenerateCall&) = delete;
@@ -50,6 +51,7 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
 
   absl::Mutex mu_;
   std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);
+  bool saw_last_ ABSL_GUARDED_BY(mu_) = false;  // a chunk with a finish reason arrived
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };

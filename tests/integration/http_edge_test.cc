@@ -387,6 +387,13 @@ TEST(HttpEdgeTest, CompletionMatchesGrpcGenerateAndStreamingMatchesNonStreaming)
   EXPECT_EQ(sj["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(sj["choices"][0]["text"], full.text.substr(0, full.text.find(stop)));
   EXPECT_EQ(sj["specd"]["matched_stop"], stop);
+
+  // Every request finished normally at the router: two cases of (gRPC, HTTP, HTTP stream), the
+  // gRPC reference for the stop string and the HTTP request with it. None was cancelled by the
+  // edge closing its call after the last chunk.
+  EXPECT_EQ(
+      Cluster::WaitForMetric(c->router_metrics, "specd_requests_total", {{"outcome", "ok"}}, 8), 8);
+  EXPECT_EQ(c->RouterMetric("specd_requests_total", {{"outcome", "cancelled"}}), 0);
 }
 
 TEST(HttpEdgeTest, ChatCompletionsPlainAndChatMl) {
