@@ -1,0 +1,636 @@
+#include "services/http/openai_protocol.h"
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace specd {
+namespace {
+
+using nlohmann::json;
+
+absl::Status Invalid(absl::string_view field, absl::string_view reason) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", reason));
+}
+
+// Absent and null both mean "not set", as in OpenAI's API.
+const json* Field(const json& body, const char* name) {
+  const auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+absl::StatusOr<std::optional<double>> OptionalNumber(const json& body, const char* name) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return std::optional<double>();
+  if (!v->is_number()) return Invalid(name, "must be a number");
+  return std::optional<double>(v->get<double>());
+}
+
+// Integers only; 16.0 is not accepted (OpenAI rejects it too).
+absl::StatusOr<std::optional<int64_t>> OptionalInt(const json& body, const char* name,
+                                                   absl::string_view field = "") {
+  const std::string label = field.empty() ? std::string(name) : std::string(field);
+  const json* v = Field(body, name);
+  if (v == nullptr) return std::optional<int64_t>();
+  if (v->is_number_unsigned()) {
+    if (v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return Invalid(label, "is too large");
+    }
+    return std::optional<int64_t>(static_cast<int64_t>(v->get<uint64_t>()));
+  }
+  if (!v->is_number_integer()) return Invalid(label, "must be an integer");
+  return std::optional<int64_t>(v->get<int64_t>());
+}
+
+absl::StatusOr<bool> OptionalBool(const json& body, const char* name, bool fallback) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return fallback;
+  if (!v->is_boolean()) return Invalid(name, "must be true or false");
+  return v->get<bool>();
+}
+
+absl::StatusOr<uint32_t> NonNegativeU32(int64_t value, absl::string_view field) {
+  if (value < 0) return Invalid(field, absl::StrCat("must be >= 0, got ", value));
+  if (value > std::numeric_limits<uint32_t>::max()) return Invalid(field, "is too large");
+  return static_cast<uint32_t>(value);
+}
+
+absl::StatusOr<int32_t> TokenId(const json& v, absl::string_view field) {
+  if (!v.is_number_integer()) return Invalid(field, "token ids must be integers");
+  const int64_t id = v.get<int64_t>();
+  if (id < std::numeric_limits<int32_t>::min() || id > std::numeric_limits<int32_t>::max()) {
+    return Invalid(field, absl::StrCat("token id ", id, " is out of range"));
+  }
+  return static_cast<int32_t>(id);
+}
+
+bool AllIntegers(const json& array) {
+  for (const json& v : array) {
+    if (!v.is_number_integer()) return false;
+  }
+  return true;
+}
+
+// OpenAI's `prompt`: a string, an array of token ids, or a batch (array of strings or of token
+// arrays) of which only a batch of one is served.
+absl::Status ParsePrompt(const json& body, v1::GenerateRequest* out) {
+  const json* prompt = Field(body, "prompt");
+  if (prompt == nullptr) return Invalid("prompt", "required");
+  const json* single = prompt;
+  if (prompt->is_array() && !prompt->empty() && !AllIntegers(*prompt)) {
+    if (prompt->size() > 1) {
+      return Invalid("prompt",
+                     "batches of several prompts are not supported; send one request per prompt");
+    }
+    single = &(*prompt)[0];
+    if (!single->is_string() && !(single->is_array() && AllIntegers(*single))) {
+      return Invalid("prompt", "must be a string, an array of token ids, or a batch of one");
+    }
+  }
+  if (single->is_string()) {
+    out->set_prompt(single->get<std::string>());
+    return absl::OkStatus();
+  }
+  if (!single->is_array()) {
+    return Invalid("prompt", "must be a string or an array of token ids");
+  }
+  if (single->empty()) return Invalid("prompt", "must not be empty");
+  v1::TokenIds* ids = out->mutable_prompt_ids();
+  for (size_t i = 0; i < single->size(); ++i) {
+    absl::StatusOr<int32_t> id = TokenId((*single)[i], absl::StrCat("prompt[", i, "]"));
+    if (!id.ok()) return id.status();
+    ids->add_ids(*id);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Speculation> ParseSpeculation(const json& v, absl::string_view field) {
+  static constexpr absl::string_view kChoices = "one of auto, off, draft_model, ngram";
+  if (!v.is_string()) return Invalid(field, absl::StrCat("must be a string: ", kChoices));
+  const std::string s = absl::AsciiStrToLower(v.get<std::string>());
+  if (s == "auto") return v1::SPECULATION_AUTO;
+  if (s == "off") return v1::SPECULATION_OFF;
+  if (s == "draft_model") return v1::SPECULATION_DRAFT_MODEL;
+  if (s == "ngram") return v1::SPECULATION_NGRAM;
+  return Invalid(field, absl::StrCat("'", v.get<std::string>(), "' is not ", kChoices));
+}
+
+// The `specd` extension object: {"speculation", "draft_depth", "draft_top_k",
+// "draft_max_nodes"}. Strict about unknown keys: it is our own namespace, and a typo silently
+// ignored would look like speculation not working.
+absl::Status ParseSpecdExtension(const json& body, v1::GenerateRequest* out) {
+  const json* ext = Field(body, "specd");
+  if (ext == nullptr) return absl::OkStatus();
+  if (!ext->is_object()) return Invalid("specd", "must be an object");
+  for (const auto& [key, value] : ext->items()) {
+    const std::string field = absl::StrCat("specd.", key);
+    if (key == "speculation") {
+      if (value.is_null()) continue;
+      if (Field(body, "speculation") != nullptr) {
+        return Invalid(field, "set either speculation or specd.speculation, not both");
+      }
+      absl::StatusOr<v1::Speculation> s = ParseSpeculation(value, field);
+      if (!s.ok()) return s.status();
+      out->set_speculation(*s);
+    } else if (key == "draft_depth" || key == "draft_top_k" || key == "draft_max_nodes") {
+      absl::StatusOr<std::optional<int64_t>> v = OptionalInt(*ext, key.c_str(), field);
+      if (!v.ok()) return v.status();
+      if (!v->has_value()) continue;
+      absl::StatusOr<uint32_t> u = NonNegativeU32(**v, field);
+      if (!u.ok()) return u.status();
+      if (key == "draft_depth") out->set_draft_depth(*u);
+      if (key == "draft_top_k") out->set_draft_top_k(*u);
+      if (key == "draft_max_nodes") out->set_draft_max_nodes(*u);
+    } else {
+      return Invalid(field,
+                     "unknown field (known: speculation, draft_depth, draft_top_k, "
+                     "draft_max_nodes)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Options specd does not implement: rejected when set to anything but their neutral value,
+// because silently ignoring them would return something other than what was asked for.
+absl::Status RejectUnsupported(Endpoint endpoint, const json& body) {
+  if (absl::StatusOr<std::optional<int64_t>> n = OptionalInt(body, "n"); !n.ok()) {
+    return n.status();
+  } else if (n->has_value() && **n != 1) {
+    return Invalid("n", absl::StrCat("only n=1 is supported, got ", **n));
+  }
+  if (endpoint == Endpoint::kCompletions) {
+    if (absl::StatusOr<std::optional<int64_t>> b = OptionalInt(body, "best_of"); !b.ok()) {
+      return b.status();
+    } else if (b->has_value() && **b != 1) {
+      return Invalid("best_of", "only best_of=1 is supported");
+    }
+    if (Field(body, "logprobs") != nullptr) return Invalid("logprobs", "not supported");
+    if (absl::StatusOr<bool> echo = OptionalBool(body, "echo", false); !echo.ok()) {
+      return echo.status();
+    } else if (*echo) {
+      return Invalid("echo", "not supported");
+    }
+    if (const json* suffix = Field(body, "suffix");
+        suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty())) {
+      return Invalid("suffix", "not supported");
+    }
+  } else {
+    if (absl::StatusOr<bool> lp = OptionalBool(body, "logprobs", false); !lp.ok()) {
+      return lp.status();
+    } else if (*lp) {
+      return Invalid("logprobs", "not supported");
+    }
+    if (const json* top = Field(body, "top_logprobs");
+        top != nullptr && !(top->is_number_integer() && top->get<int64_t>() == 0)) {
+      return Invalid("top_logprobs", "not supported");
+    }
+    if (const json* tools = Field(body, "tools");
+        tools != nullptr && !(tools->is_array() && tools->empty())) {
+      return Invalid("tools", "tool calls are not supported");
+    }
+    if (const json* choice = Field(body, "tool_choice");
+        choice != nullptr && !(choice->is_string() && choice->get<std::string>() == "none")) {
+      return Invalid("tool_choice", "tool calls are not supported");
+    }
+    if (const json* format = Field(body, "response_format");
+        format != nullptr &&
+        !(format->is_object() && format->value("type", json()) == json("text"))) {
+      return Invalid("response_format", "only {\"type\": \"text\"} is supported");
+    }
+  }
+  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
+    absl::StatusOr<std::optional<double>> v = OptionalNumber(body, penalty);
+    if (!v.ok()) return v.status();
+    if (v->has_value() && **v != 0.0) return Invalid(penalty, "not supported (must be 0)");
+  }
+  if (absl::StatusOr<std::optional<double>> v = OptionalNumber(body, "repetition_penalty");
+      !v.ok()) {
+    return v.status();
+  } else if (v->has_value() && **v != 1.0) {
+    return Invalid("repetition_penalty", "not supported (must be 1)");
+  }
+  if (const json* bias = Field(body, "logit_bias");
+      bias != nullptr && !(bias->is_object() && bias->empty())) {
+    return Invalid("logit_bias", "not supported");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseSampling(const json& body, v1::GenerateRequest* out) {
+  absl::StatusOr<std::optional<double>> temperature = OptionalNumber(body, "temperature");
+  if (!temperature.ok()) return temperature.status();
+  if (temperature->has_value()) out->set_temperature(static_cast<float>(**temperature));
+  absl::StatusOr<std::optional<double>> top_p = OptionalNumber(body, "top_p");
+  if (!top_p.ok()) return top_p.status();
+  if (top_p->has_value()) out->set_top_p(static_cast<float>(**top_p));
+  absl::StatusOr<std::optional<int64_t>> top_k = OptionalInt(body, "top_k");
+  if (!top_k.ok()) return top_k.status();
+  // -1 means "no limit" in vLLM's extension of the same name; the router spells that 0.
+  if (top_k->has_value() && **top_k != -1) {
+    if (**top_k < std::numeric_limits<int32_t>::min() ||
+        **top_k > std::numeric_limits<int32_t>::max()) {
+      return Invalid("top_k", "is out of range");
+    }
+    out->set_top_k(static_cast<int32_t>(**top_k));
+  }
+  if (const json* seed = Field(body, "seed"); seed != nullptr) {
+    if (seed->is_number_unsigned()) {
+      out->set_seed(seed->get<uint64_t>());
+    } else if (seed->is_number_integer()) {
+      return Invalid("seed", absl::StrCat("must be >= 0, got ", seed->get<int64_t>()));
+    } else {
+      return Invalid("seed", "must be an integer");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseStops(const json& body, v1::GenerateRequest* out) {
+  if (const json* stop = Field(body, "stop"); stop != nullptr) {
+    if (stop->is_string()) {
+      out->add_stop(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (size_t i = 0; i < stop->size(); ++i) {
+        if (!(*stop)[i].is_string()) {
+          return Invalid(absl::StrCat("stop[", i, "]"), "must be a string");
+        }
+        out->add_stop((*stop)[i].get<std::string>());
+      }
+    } else {
+      return Invalid("stop", "must be a string or an array of strings");
+    }
+  }
+  if (const json* ids = Field(body, "stop_token_ids"); ids != nullptr) {
+    if (!ids->is_array()) return Invalid("stop_token_ids", "must be an array of token ids");
+    for (size_t i = 0; i < ids->size(); ++i) {
+      absl::StatusOr<int32_t> id = TokenId((*ids)[i], absl::StrCat("stop_token_ids[", i, "]"));
+      if (!id.ok()) return id.status();
+      out->add_stop_token_ids(*id);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseMaxTokens(Endpoint endpoint, const json& body, const ProtocolOptions& options,
+                            v1::GenerateRequest* out) {
+  const char* name = "max_tokens";
+  // Chat's newer name wins when both are given, as in OpenAI's API.
+  if (endpoint == Endpoint::kChatCompletions && Field(body, "max_completion_tokens") != nullptr) {
+    name = "max_completion_tokens";
+  }
+  absl::StatusOr<std::optional<int64_t>> max_tokens = OptionalInt(body, name);
+  if (!max_tokens.ok()) return max_tokens.status();
+  if (!max_tokens->has_value()) {
+    if (endpoint == Endpoint::kCompletions) {
+      out->set_max_new_tokens(options.default_completion_max_tokens);
+    }
+    return absl::OkStatus();
+  }
+  if (**max_tokens < 1) return Invalid(name, absl::StrCat("must be >= 1, got ", **max_tokens));
+  absl::StatusOr<uint32_t> u = NonNegativeU32(**max_tokens, name);
+  if (!u.ok()) return u.status();
+  out->set_max_new_tokens(*u);
+  return absl::OkStatus();
+}
+
+absl::Status CheckModel(const json& body, const ProtocolOptions& options) {
+  const json* model = Field(body, "model");
+  if (model == nullptr) return absl::OkStatus();
+  if (!model->is_string()) return Invalid("model", "must be a string");
+  const std::string name = model->get<std::string>();
+  if (name.empty() || name == options.model_name) return absl::OkStatus();
+  for (const std::string& alias : options.model_aliases) {
+    if (name == alias) return absl::OkStatus();
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "model: '", name, "' is not served here; this server serves '", options.model_name, "'"));
+}
+
+// The field a message's "name: reason" prefix names, or "" when the message has no such prefix.
+std::string MessageField(absl::string_view message) {
+  const size_t colon = message.find(": ");
+  if (colon == absl::string_view::npos || colon == 0) return "";
+  const absl::string_view field = message.substr(0, colon);
+  for (char c : field) {
+    if (!(absl::ascii_isalnum(c) || c == '_' || c == '.' || c == '[' || c == ']')) return "";
+  }
+  return std::string(field);
+}
+
+// A field named in the router's terms (specd.v1.GenerateRequest) -> the HTTP request's name.
+// Fields that are already HTTP names pass through.
+std::string HttpParamName(const std::string& field, Endpoint endpoint) {
+  const size_t end = field.find_first_of(".[");
+  const std::string base = field.substr(0, end);
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  if (base == "prompt" || base == "prompt_ids") return chat ? "messages" : "prompt";
+  if (base == "max_new_tokens") return "max_tokens";
+  // "speculation" is not renamed: the HTTP request has a top-level field of that name too, and
+  // the router only rejects values this edge never sends.
+  if (base == "draft_depth" || base == "draft_top_k" || base == "draft_max_nodes") {
+    return "specd." + base;
+  }
+  if (base == "stop" || base == "stop_token_ids") return base;
+  return field;
+}
+
+const char* CodeName(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    case absl::StatusCode::kInvalidArgument:
+      return "invalid_argument";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "deadline_exceeded";
+    case absl::StatusCode::kNotFound:
+      return "not_found";
+    case absl::StatusCode::kPermissionDenied:
+      return "permission_denied";
+    case absl::StatusCode::kResourceExhausted:
+      return "resource_exhausted";
+    case absl::StatusCode::kFailedPrecondition:
+      return "failed_precondition";
+    case absl::StatusCode::kOutOfRange:
+      return "out_of_range";
+    case absl::StatusCode::kUnimplemented:
+      return "unimplemented";
+    case absl::StatusCode::kUnavailable:
+      return "unavailable";
+    case absl::StatusCode::kUnauthenticated:
+      return "unauthenticated";
+    default:
+      return "internal";
+  }
+}
+
+json UsageJson(const v1::Usage& usage) {
+  return {{"prompt_tokens", usage.prompt_tokens()},
+          {"completion_tokens", usage.completion_tokens()},
+          {"total_tokens", usage.prompt_tokens() + usage.completion_tokens()}};
+}
+
+const char* SpeculationName(v1::Speculation s) {
+  switch (s) {
+    case v1::SPECULATION_OFF:
+      return "off";
+    case v1::SPECULATION_DRAFT_MODEL:
+      return "draft_model";
+    case v1::SPECULATION_NGRAM:
+      return "ngram";
+    default:
+      return "auto";
+  }
+}
+
+const char* FinishDetail(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_STOP_TOKEN:
+      return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING:
+      return "stop_string";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    default:
+      return "unspecified";
+  }
+}
+
+// The `specd` object of a response or chunk: token ids always; for the last chunk also how
+// generation ended and the speculation statistics.
+json SpecdJson(const std::vector<int32_t>& token_ids, const v1::GenerateResponse* last) {
+  json out = {{"token_ids", token_ids}};
+  if (last != nullptr) {
+    out["finish_detail"] = FinishDetail(last->finish_reason());
+    if (last->finish_reason() == v1::FINISH_REASON_STOP_STRING) {
+      out["matched_stop"] = last->matched_stop();
+    }
+    out["speculation"] = SpeculationJson(last->speculation());
+  }
+  return out;
+}
+
+const char* ObjectName(Endpoint endpoint, bool chunk) {
+  if (endpoint == Endpoint::kChatCompletions) {
+    return chunk ? "chat.completion.chunk" : "chat.completion";
+  }
+  return "text_completion";
+}
+
+}  // namespace
+
+absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view body_text,
+                                           const ProtocolOptions& options) {
+  json body;
+  try {
+    body = json::parse(body_text);
+  } catch (const json::parse_error& e) {
+    // nlohmann's message names the byte offset and what it expected there.
+    return absl::InvalidArgumentError(absl::StrCat("invalid JSON in the request body: ", e.what()));
+  }
+  if (!body.is_object()) {
+    return absl::InvalidArgumentError("the request body must be a JSON object");
+  }
+  ParsedRequest out;
+  v1::GenerateRequest& g = out.generate;
+  if (absl::Status s = CheckModel(body, options); !s.ok()) return s;
+  if (absl::Status s = RejectUnsupported(endpoint, body); !s.ok()) return s;
+  if (endpoint == Endpoint::kCompletions) {
+    if (absl::Status s = ParsePrompt(body, &g); !s.ok()) return s;
+  } else {
+    const json* messages = Field(body, "messages");
+    if (messages == nullptr) return Invalid("messages", "required");
+    absl::StatusOr<std::string> prompt = RenderChat(*messages, options.chat_format);
+    if (!prompt.ok()) return prompt.status();
+    g.set_prompt(*std::move(prompt));
+  }
+  if (absl::Status s = ParseMaxTokens(endpoint, body, options, &g); !s.ok()) return s;
+  if (absl::Status s = ParseSampling(body, &g); !s.ok()) return s;
+  if (absl::Status s = ParseStops(body, &g); !s.ok()) return s;
+  absl::StatusOr<bool> ignore_eos = OptionalBool(body, "ignore_eos", false);
+  if (!ignore_eos.ok()) return ignore_eos.status();
+  g.set_ignore_eos(*ignore_eos);
+  if (const json* spec = Field(body, "speculation"); spec != nullptr) {
+    absl::StatusOr<v1::Speculation> s = ParseSpeculation(*spec, "speculation");
+    if (!s.ok()) return s.status();
+    g.set_speculation(*s);
+  }
+  if (absl::Status s = ParseSpecdExtension(body, &g); !s.ok()) return s;
+
+  absl::StatusOr<bool> stream = OptionalBool(body, "stream", false);
+  if (!stream.ok()) return stream.status();
+  out.stream = *stream;
+  if (const json* so = Field(body, "stream_options"); so != nullptr) {
+    if (!out.stream) return Invalid("stream_options", "only allowed when stream is true");
+    if (!so->is_object()) return Invalid("stream_options", "must be an object");
+    const auto usage = so->find("include_usage");
+    if (usage != so->end() && !usage->is_null()) {
+      if (!usage->is_boolean()) {
+        return Invalid("stream_options.include_usage", "must be true or false");
+      }
+      out.include_usage = usage->get<bool>();
+    }
+  }
+  return out;
+}
+
+ApiError ToApiError(const absl::Status& status, Endpoint endpoint) {
+  ApiError e;
+  e.message = std::string(status.message());
+  e.code = CodeName(status.code());
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kFailedPrecondition:
+      e.http_status = 400;
+      e.type = "invalid_request_error";
+      break;
+    case absl::StatusCode::kNotFound:
+      e.http_status = 404;
+      e.type = "invalid_request_error";
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      e.http_status = 429;
+      e.type = "rate_limit_error";
+      break;
+    case absl::StatusCode::kUnauthenticated:
+      e.http_status = 401;
+      e.type = "authentication_error";
+      break;
+    case absl::StatusCode::kPermissionDenied:
+      e.http_status = 403;
+      e.type = "permission_error";
+      break;
+    case absl::StatusCode::kUnimplemented:
+      e.http_status = 501;
+      e.type = "server_error";
+      break;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+      e.http_status = 503;
+      e.type = "service_unavailable_error";
+      break;
+    case absl::StatusCode::kDeadlineExceeded:
+      e.http_status = 504;
+      e.type = "timeout_error";
+      break;
+    default:
+      e.http_status = 500;
+      e.type = "server_error";
+      break;
+  }
+  // Only a request's own content has a field at fault.
+  if (e.http_status == 400 || e.http_status == 404) {
+    const std::string field = MessageField(e.message);
+    if (!field.empty()) e.param = HttpParamName(field, endpoint);
+    if (status.code() == absl::StatusCode::kNotFound && e.param == "model") {
+      e.code = "model_not_found";
+    }
+  }
+  return e;
+}
+
+json ErrorJson(const ApiError& error) {
+  return {{"error",
+           {{"message", error.message},
+            {"type", error.type},
+            {"param", error.param.has_value() ? json(*error.param) : json(nullptr)},
+            {"code", error.code}}}};
+}
+
+const char* FinishReasonName(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_LENGTH:
+    case v1::FINISH_REASON_CONTEXT:
+      return "length";
+    default:
+      return "stop";
+  }
+}
+
+json SpeculationJson(const v1::SpeculationStats& s) {
+  json out = {{"mode", SpeculationName(s.mode())},
+              {"steps", s.steps()},
+              {"draft_tokens", s.draft_tokens()},
+              {"accepted_tokens", s.accepted_tokens()},
+              {"accepted_per_position", std::vector<uint64_t>(s.accepted_per_position().begin(),
+                                                              s.accepted_per_position().end())},
+              {"target_only_steps", s.target_only_steps()}};
+  out["acceptance_rate"] =
+      s.draft_tokens() > 0
+          ? json(static_cast<double>(s.accepted_tokens()) / static_cast<double>(s.draft_tokens()))
+          : json(nullptr);
+  out["mean_acceptance_length"] =
+      s.steps() > 0
+          ? json(1.0 + static_cast<double>(s.accepted_tokens()) / static_cast<double>(s.steps()))
+          : json(nullptr);
+  return out;
+}
+
+json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& identity,
+                            const Completion& completion) {
+  json choice = {{"index", 0}};
+  if (endpoint == Endpoint::kChatCompletions) {
+    choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+  } else {
+    choice["text"] = completion.text;
+  }
+  choice["logprobs"] = nullptr;
+  choice["finish_reason"] = FinishReasonName(completion.last.finish_reason());
+  return {{"id", identity.id},
+          {"object", ObjectName(endpoint, /*chunk=*/false)},
+          {"created", identity.created},
+          {"model", identity.model},
+          {"choices", json::array({choice})},
+          {"usage", UsageJson(completion.last.usage())},
+          {"specd", SpecdJson(completion.token_ids, &completion.last)}};
+}
+
+json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& identity, absl::string_view text,
+                     const std::vector<int32_t>& token_ids, bool role,
+                     const v1::GenerateResponse* last, bool include_usage) {
+  json choice = {{"index", 0}};
+  if (endpoint == Endpoint::kChatCompletions) {
+    json delta = json::object();
+    if (role) delta["role"] = "assistant";
+    if (role || !text.empty()) delta["content"] = std::string(text);
+    choice["delta"] = std::move(delta);
+  } else {
+    choice["text"] = std::string(text);
+  }
+  choice["logprobs"] = nullptr;
+  choice["finish_reason"] =
+      last != nullptr ? json(FinishReasonName(last->finish_reason())) : json(nullptr);
+  json out = {{"id", identity.id},
+              {"object", ObjectName(endpoint, /*chunk=*/true)},
+              {"created", identity.created},
+              {"model", identity.model},
+              {"choices", json::array({choice})}};
+  if (include_usage) out["usage"] = nullptr;
+  out["specd"] = SpecdJson(token_ids, last);
+  return out;
+}
+
+json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& identity, const v1::Usage& usage) {
+  return {{"id", identity.id},           {"object", ObjectName(endpoint, /*chunk=*/true)},
+          {"created", identity.created}, {"model", identity.model},
+          {"choices", json::array()},    {"usage", UsageJson(usage)}};
+}
+
+std::string DumpJson(const json& value) {
+  return value.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace);
+}
+
+std::string SseEvent(const json& data) {
+  // dump() escapes newlines inside strings, so the event is a single data line.
+  return absl::StrCat("data: ", DumpJson(data), "\n\n");
+}
+
+}  // namespace specd

@@ -1,0 +1,127 @@
+// specd's OpenAI-compatible HTTP edge: a gRPC client of specd-router's Generation API behind a
+// cpp-httplib server.
+//
+//   POST /v1/completions, POST /v1/chat/completions  (JSON, or SSE with "stream": true)
+//   GET  /v1/models, GET /health, GET /metrics
+//
+// Each HTTP request is served by one thread of httplib's pool (a streaming one holds its thread
+// until the stream ends) and makes one Generate call on the router. The edge keeps no model
+// state, so it is scaled and restarted independently of the router. docs/http.md is the user's
+// reference; services/http/openai_protocol.h holds the translation rules.
+#ifndef SPECD_SERVICES_HTTP_OPENAI_SERVER_H_
+#define SPECD_SERVICES_HTTP_OPENAI_SERVER_H_
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "services/http/chat_format.h"
+#include "services/http/openai_protocol.h"
+#include "specd/v1/generation.grpc.pb.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
+
+namespace specd {
+
+class GenerateCall;
+
+struct OpenAiServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 8000;             // 0: pick a free port; OpenAiServer::port() tells which
+  std::string router_address;  // "host:port" of specd-router's Generation API
+  // Reported by /v1/models and accepted in requests' "model". Empty: the last path component of
+  // the router's GetModelInfo target_model, fetched on first use.
+  std::string model_name;
+  ChatFormat chat_format = ChatFormat::kPlain;
+  // Deadline of each Generate call (propagated by the router to the services); 0 = none.
+  absl::Duration request_timeout = absl::ZeroDuration();
+  int threads = 64;  // httplib worker threads = most requests served at once
+  size_t max_body_bytes = 8 << 20;
+  // A streaming response sends an SSE comment after this long without tokens.
+  absl::Duration keepalive_interval = absl::Seconds(10);
+  uint32_t default_completion_max_tokens = 16;
+};
+
+class OpenAiServer {
+ public:
+  // Binds and starts serving from its own threads. Does not wait for the router: /health says
+  // 503 and generation requests fail with 503 until it answers.
+  static absl::StatusOr<std::unique_ptr<OpenAiServer>> Start(const OpenAiServerOptions& options);
+
+  ~OpenAiServer();
+  OpenAiServer(const OpenAiServer&) = delete;
+  OpenAiServer& operator=(const OpenAiServer&) = delete;
+
+  int port() const { return port_; }
+  std::shared_ptr<prometheus::Registry> registry() { return registry_; }
+
+  // grpc.health.v1 of the router's Generation service says SERVING (1 s deadline).
+  bool RouterServing();
+
+  // Cancels running generations (their clients get an error event or a 503), stops listening
+  // and joins the threads; idempotent.
+  void Stop();
+
+ private:
+  explicit OpenAiServer(const OpenAiServerOptions& options);
+
+  void HandleGenerate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
+  void HandleModels(httplib::Response& res);
+  void HandleHealth(httplib::Response& res);
+  void HandleMetrics(httplib::Response& res);
+  void SendError(const ApiError& error, httplib::Response& res);
+  // Counts a finished HTTP request (called by httplib's logger after the response is written).
+  void CountRequest(const httplib::Request& req, const httplib::Response& res);
+
+  // The model name and the names a request may use for it; empty name when the router has not
+  // answered GetModelInfo yet.
+  ProtocolOptions CurrentProtocolOptions();
+  absl::Time Deadline() const;
+
+  const OpenAiServerOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Generation::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+
+  absl::Mutex model_mu_;
+  std::string model_name_ ABSL_GUARDED_BY(model_mu_);
+  std::vector<std::string> model_aliases_ ABSL_GUARDED_BY(model_mu_);
+  uint32_t max_context_ ABSL_GUARDED_BY(model_mu_) = 0;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* in_flight_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* duration_ = nullptr;
+  prometheus::Counter* stream_disconnects_ = nullptr;
+
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;
+  std::atomic<bool> listen_returned_{false};
+  std::atomic<bool> stopping_{false};
+  int port_ = 0;
+
+  // Running Generate calls, so Stop() can cancel them.
+  absl::Mutex calls_mu_;
+  absl::flat_hash_set<GenerateCall*> calls_ ABSL_GUARDED_BY(calls_mu_);
+};
+
+}  // namespace specd
+
+#endif  // SPECD_SERVICES_HTTP_OPENAI_SERVER_H_

@@ -1,0 +1,408 @@
+// The OpenAI <-> specd.v1.Generation translation of specd-http: request parsing and its
+// errors, error mapping, response and chunk shapes, chat formats.
+#include <fstream>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "services/http/chat_format.h"
+#include "services/http/openai_protocol.h"
+#include "tests/testutil/random_checkpoint.h"
+
+namespace specd {
+namespace {
+
+using nlohmann::json;
+
+ProtocolOptions Options(ChatFormat format = ChatFormat::kPlain) {
+  ProtocolOptions o;
+  o.model_name = "target";
+  o.model_aliases = {"/models/target"};
+  o.chat_format = format;
+  return o;
+}
+
+// The API error a body gets, or a failure when it parses.
+ApiError ErrorFor(Endpoint endpoint, const std::string& body,
+                  const ProtocolOptions& options = Options()) {
+  absl::StatusOr<ParsedRequest> r = ParseRequest(endpoint, body, options);
+  EXPECT_FALSE(r.ok()) << body;
+  if (r.ok()) return ApiError();
+  return ToApiError(r.status(), endpoint);
+}
+
+TEST(HttpProtocolTest, CompletionFieldsMapToGenerateRequest) {
+  absl::StatusOr<ParsedRequest> r =
+      ParseRequest(Endpoint::kCompletions,
+                   R"({"model": "target", "prompt": "def f(", "max_tokens": 40, "temperature": 0.5,
+          "top_p": 0.9, "top_k": 7, "seed": 18446744073709551615, "stop": ["\n\n", "END"],
+          "stop_token_ids": [3, 4], "ignore_eos": true, "n": 1, "user": "u",
+          "specd": {"speculation": "ngram", "draft_depth": 3, "draft_top_k": 2,
+                    "draft_max_nodes": 9}})",
+                   Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::GenerateRequest& g = r->generate;
+  EXPECT_EQ(g.prompt(), "def f(");
+  EXPECT_EQ(g.max_new_tokens(), 40u);
+  EXPECT_FLOAT_EQ(g.temperature(), 0.5f);
+  EXPECT_FLOAT_EQ(g.top_p(), 0.9f);
+  EXPECT_EQ(g.top_k(), 7);
+  EXPECT_EQ(g.seed(), 18446744073709551615ull);
+  ASSERT_EQ(g.stop_size(), 2);
+  EXPECT_EQ(g.stop(0), "\n\n");
+  EXPECT_EQ(g.stop(1), "END");
+  ASSERT_EQ(g.stop_token_ids_size(), 2);
+  EXPECT_EQ(g.stop_token_ids(1), 4);
+  EXPECT_TRUE(g.ignore_eos());
+  EXPECT_EQ(g.speculation(), v1::SPECULATION_NGRAM);
+  EXPECT_EQ(g.draft_depth(), 3u);
+  EXPECT_EQ(g.draft_top_k(), 2u);
+  EXPECT_EQ(g.draft_max_nodes(), 9u);
+  EXPECT_FALSE(r->stream);
+}
+
+TEST(HttpProtocolTest, UnsetSamplingFieldsStayUnset) {
+  absl::StatusOr<ParsedRequest> r = ParseRequest(
+      Endpoint::kCompletions, R"({"prompt": "x", "temperature": null, "top_k": -1})", Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->generate.has_temperature());
+  EXPECT_FALSE(r->generate.has_top_p());
+  EXPECT_FALSE(r->generate.has_top_k());  // -1: no limit (vLLM's spelling)
+  EXPECT_FALSE(r->generate.has_seed());
+  EXPECT_EQ(r->generate.max_new_tokens(), 16u);  // OpenAI's default for completions
+  EXPECT_EQ(r->generate.speculation(), v1::SPECULATION_AUTO);
+}
+
+TEST(HttpProtocolTest, PromptForms) {
+  absl::StatusOr<ParsedRequest> ids =
+      ParseRequest(Endpoint::kCompletions, R"({"prompt": [5, 6, 7]})", Options());
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  ASSERT_TRUE(ids->generate.has_prompt_ids());
+  EXPECT_EQ(ids->generate.prompt_ids().ids_size(), 3);
+  EXPECT_EQ(ids->generate.prompt_ids().ids(2), 7);
+
+  absl::StatusOr<ParsedRequest> one =
+      ParseRequest(Endpoint::kCompletions, R"({"prompt": ["abc"]})", Options());
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->generate.prompt(), "abc");
+
+  absl::StatusOr<ParsedRequest> one_ids =
+      ParseRequest(Endpoint::kCompletions, R"({"prompt": [[1, 2]]})", Options());
+  ASSERT_TRUE(one_ids.ok()) << one_ids.status();
+  EXPECT_EQ(one_ids->generate.prompt_ids().ids_size(), 2);
+
+  ApiError batch = ErrorFor(Endpoint::kCompletions, R"({"prompt": ["a", "b"]})");
+  EXPECT_EQ(batch.http_status, 400);
+  EXPECT_EQ(batch.param, "prompt");
+  EXPECT_NE(batch.message.find("one request per prompt"), std::string::npos);
+
+  EXPECT_EQ(ErrorFor(Endpoint::kCompletions, R"({"max_tokens": 3})").param, "prompt");
+  EXPECT_EQ(ErrorFor(Endpoint::kCompletions, R"({"prompt": 3})").param, "prompt");
+  EXPECT_EQ(ErrorFor(Endpoint::kCompletions, R"({"prompt": []})").param, "prompt");
+  EXPECT_EQ(ErrorFor(Endpoint::kCompletions, R"({"prompt": [1, 99999999999]})").param, "prompt");
+}
+
+TEST(HttpProtocolTest, BadFieldsNameTheParam) {
+  struct Case {
+    const char* body;
+    const char* param;
+  };
+  for (const Case& c : {
+           Case{R"({"prompt": "x", "n": 2})", "n"},
+           Case{R"({"prompt": "x", "n": "1"})", "n"},
+           Case{R"({"prompt": "x", "best_of": 3})", "best_of"},
+           Case{R"({"prompt": "x", "logprobs": 1})", "logprobs"},
+           Case{R"({"prompt": "x", "echo": true})", "echo"},
+           Case{R"({"prompt": "x", "suffix": "y"})", "suffix"},
+           Case{R"({"prompt": "x", "presence_penalty": 0.5})", "presence_penalty"},
+           Case{R"({"prompt": "x", "logit_bias": {"5": 1}})", "logit_bias"},
+           Case{R"({"prompt": "x", "temperature": "hot"})", "temperature"},
+           Case{R"({"prompt": "x", "top_p": [1]})", "top_p"},
+           Case{R"({"prompt": "x", "top_k": 1.5})", "top_k"},
+           Case{R"({"prompt": "x", "seed": -4})", "seed"},
+           Case{R"({"prompt": "x", "max_tokens": 0})", "max_tokens"},
+           Case{R"({"prompt": "x", "max_tokens": 16.0})", "max_tokens"},
+           Case{R"({"prompt": "x", "stop": 5})", "stop"},
+           Case{R"({"prompt": "x", "stop": ["a", 5]})", "stop"},
+           Case{R"({"prompt": "x", "stream": "yes"})", "stream"},
+           Case{R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options"},
+           Case{R"({"prompt": "x", "speculation": "fast"})", "speculation"},
+           Case{R"({"prompt": "x", "specd": {"speculation": "fast"}})", "specd.speculation"},
+           Case{R"({"prompt": "x", "specd": {"draft_depht": 3}})", "specd.draft_depht"},
+           Case{R"({"prompt": "x", "specd": {"draft_depth": -1}})", "specd.draft_depth"},
+           Case{R"({"prompt": "x", "specd": 3})", "specd"},
+           Case{R"({"prompt": "x", "ignore_eos": 1})", "ignore_eos"},
+       }) {
+    const ApiError e = ErrorFor(Endpoint::kCompletions, c.body);
+    EXPECT_EQ(e.http_status, 400) << c.body;
+    EXPECT_EQ(e.type, "invalid_request_error") << c.body;
+    EXPECT_EQ(e.param, c.param) << c.body << " -> " << e.message;
+    EXPECT_EQ(e.code, "invalid_argument") << c.body;
+  }
+}
+
+TEST(HttpProtocolTest, InvalidJsonIsA400WithoutParam) {
+  for (const char* body : {"{\"prompt\": \"x\"", "", "nonsense", "{\"prompt\": \"\xff\"}"}) {
+    const ApiError e = ErrorFor(Endpoint::kCompletions, body);
+    EXPECT_EQ(e.http_status, 400) << body;
+    EXPECT_FALSE(e.param.has_value()) << body;
+    EXPECT_NE(e.message.find("invalid JSON"), std::string::npos) << e.message;
+  }
+  const ApiError array = ErrorFor(Endpoint::kCompletions, "[1, 2]");
+  EXPECT_EQ(array.http_status, 400);
+  EXPECT_NE(array.message.find("JSON object"), std::string::npos) << array.message;
+}
+
+TEST(HttpProtocolTest, ModelMustBeTheServedOne) {
+  for (const char* ok :
+       {R"({"prompt": "x", "model": "target"})", R"({"prompt": "x", "model": "/models/target"})",
+        R"({"prompt": "x", "model": ""})"}) {
+    EXPECT_TRUE(ParseRequest(Endpoint::kCompletions, ok, Options()).ok()) << ok;
+  }
+  const ApiError e = ErrorFor(Endpoint::kCompletions, R"({"prompt": "x", "model": "gpt-4"})");
+  EXPECT_EQ(e.http_status, 404);
+  EXPECT_EQ(e.param, "model");
+  EXPECT_EQ(e.code, "model_not_found");
+  EXPECT_NE(e.message.find("'target'"), std::string::npos) << e.message;
+}
+
+TEST(HttpProtocolTest, StreamOptions) {
+  absl::StatusOr<ParsedRequest> r = ParseRequest(
+      Endpoint::kCompletions,
+      R"({"prompt": "x", "stream": true, "stream_options": {"include_usage": true}})", Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->stream);
+  EXPECT_TRUE(r->include_usage);
+}
+
+TEST(HttpProtocolTest, ChatRequest) {
+  absl::StatusOr<ParsedRequest> r =
+      ParseRequest(Endpoint::kChatCompletions,
+                   R"({"messages": [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                    {"type": "text", "text": "!"}]}],
+          "max_completion_tokens": 9, "max_tokens": 100, "logprobs": false})",
+                   Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->generate.prompt(), "system: Be brief.\nuser: Hi!\nassistant:");
+  EXPECT_EQ(r->generate.max_new_tokens(), 9u);
+
+  absl::StatusOr<ParsedRequest> d = ParseRequest(
+      Endpoint::kChatCompletions, R"({"messages": [{"role": "user", "content": "a"}]})", Options());
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->generate.max_new_tokens(), 0u);  // the router's default
+
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions, R"({"prompt": "x"})").param, "messages");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions, R"({"messages": []})").param, "messages");
+  EXPECT_EQ(
+      ErrorFor(Endpoint::kChatCompletions, R"({"messages": [{"role": "robot", "content": "a"}]})")
+          .param,
+      "messages[0].role");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user", "content": "a"}, {"role": "user"}]})")
+                .param,
+            "messages[1].content");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user",
+                                       "content": [{"type": "image_url", "image_url": {}}]}]})")
+                .param,
+            "messages[0].content[0].type");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true})")
+                .param,
+            "logprobs");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user", "content": "a"}],
+                         "tools": [{"type": "function"}]})")
+                .param,
+            "tools");
+}
+
+TEST(HttpProtocolTest, ChatFormats) {
+  const json messages = json::parse(R"([{"role": "developer", "content": "S"},
+                                        {"role": "user", "content": "U"},
+                                        {"role": "assistant", "content": "A"},
+                                        {"role": "user", "content": "V"}])");
+  EXPECT_EQ(*RenderChat(messages, ChatFormat::kPlain),
+            "system: S\nuser: U\nassistant: A\nuser: V\nassistant:");
+  EXPECT_EQ(*RenderChat(messages, ChatFormat::kChatMl),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+            "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nV<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  EXPECT_EQ(*RenderChat(messages, ChatFormat::kLlama3),
+            "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nV<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(ChatFormatFromTemplate("{% for m in messages %}<|im_start|>{{ m.role }}..."),
+            ChatFormat::kChatMl);
+  EXPECT_EQ(ChatFormatFromTemplate("{{ bos_token }}<|start_header_id|>..."), ChatFormat::kLlama3);
+  EXPECT_EQ(ChatFormatFromTemplate("[INST] {{ m.content }} [/INST]"), ChatFormat::kPlain);
+  EXPECT_EQ(ChatFormatFromTemplate(""), ChatFormat::kPlain);
+}
+
+void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+TEST(HttpProtocolTest, ChatFormatFromModelDir) {
+  const std::string dir = MakeTempDir("http_protocol_test");
+  absl::StatusOr<ChatFormat> none = ChatFormatFromModelDir(dir);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, ChatFormat::kPlain);
+
+  WriteFile(dir + "/tokenizer_config.json",
+            R"({"chat_template": "{% for message in messages %}<|im_start|>..."})");
+  EXPECT_EQ(*ChatFormatFromModelDir(dir), ChatFormat::kChatMl);
+
+  WriteFile(dir + "/tokenizer_config.json",
+            R"({"chat_template": [{"name": "tool_use", "template": "<|im_start|>"},
+                                  {"name": "default", "template": "<|start_header_id|>"}]})");
+  EXPECT_EQ(*ChatFormatFromModelDir(dir), ChatFormat::kLlama3);
+
+  WriteFile(dir + "/tokenizer_config.json", R"({"bos_token": "<s>"})");
+  EXPECT_EQ(*ChatFormatFromModelDir(dir), ChatFormat::kPlain);
+
+  WriteFile(dir + "/tokenizer_config.json", "{not json");
+  absl::StatusOr<ChatFormat> bad = ChatFormatFromModelDir(dir);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("tokenizer_config.json"), std::string::npos);
+
+  EXPECT_FALSE(ChatFormatFromModelDir(dir + "/missing").ok());
+}
+
+TEST(HttpProtocolTest, RouterErrorsMapToHttp) {
+  struct Case {
+    absl::Status status;
+    Endpoint endpoint;
+    int http;
+    std::optional<std::string> param;
+  };
+  const Endpoint kC = Endpoint::kCompletions;
+  const Endpoint kChat = Endpoint::kChatCompletions;
+  for (const Case& c : {
+           Case{absl::InvalidArgumentError("temperature: must be a finite number >= 0, got -1"), kC,
+                400, "temperature"},
+           Case{absl::InvalidArgumentError("max_new_tokens: 9000 exceeds the limit 4096"), kC, 400,
+                "max_tokens"},
+           Case{absl::InvalidArgumentError("prompt_ids.ids[2]: token id 999 is outside"), kC, 400,
+                "prompt"},
+           Case{absl::InvalidArgumentError("prompt: the prompt is 5000 tokens"), kChat, 400,
+                "messages"},
+           Case{absl::InvalidArgumentError("stop[1]: must not be empty"), kC, 400, "stop"},
+           Case{absl::InvalidArgumentError("draft_max_nodes: 300 exceeds 256"), kC, 400,
+                "specd.draft_max_nodes"},
+           Case{absl::InvalidArgumentError("something without a field"), kC, 400, std::nullopt},
+           Case{absl::ResourceExhaustedError("queue: 256 requests are waiting"), kC, 429,
+                std::nullopt},
+           Case{absl::UnavailableError("failed to connect to all addresses"), kC, 503,
+                std::nullopt},
+           Case{absl::DeadlineExceededError("Deadline Exceeded"), kC, 504, std::nullopt},
+           Case{absl::CancelledError("router shutting down"), kC, 503, std::nullopt},
+           Case{absl::InternalError("boom: x"), kC, 500, std::nullopt},
+       }) {
+    const ApiError e = ToApiError(c.status, c.endpoint);
+    EXPECT_EQ(e.http_status, c.http) << c.status;
+    EXPECT_EQ(e.param, c.param) << c.status;
+    EXPECT_EQ(e.message, c.status.message());
+  }
+  const json j = ErrorJson(ToApiError(absl::ResourceExhaustedError("full"), kC));
+  EXPECT_EQ(j["error"]["type"], "rate_limit_error");
+  EXPECT_EQ(j["error"]["code"], "resource_exhausted");
+  EXPECT_TRUE(j["error"]["param"].is_null());
+  EXPECT_EQ(j["error"]["message"], "full");
+}
+
+v1::GenerateResponse LastChunk() {
+  v1::GenerateResponse last;
+  last.set_finish_reason(v1::FINISH_REASON_STOP_STRING);
+  last.set_matched_stop("\n");
+  last.mutable_usage()->set_prompt_tokens(5);
+  last.mutable_usage()->set_completion_tokens(7);
+  v1::SpeculationStats* s = last.mutable_speculation();
+  s->set_steps(4);
+  s->set_draft_tokens(16);
+  s->set_accepted_tokens(6);
+  s->add_accepted_per_position(3);
+  s->add_accepted_per_position(2);
+  s->set_mode(v1::SPECULATION_DRAFT_MODEL);
+  return last;
+}
+
+TEST(HttpProtocolTest, CompletionResponse) {
+  Completion c;
+  c.text = "hello";
+  c.token_ids = {1, 2, 3};
+  c.last = LastChunk();
+  const ResponseIdentity id{"cmpl-1", 1700000000, "target"};
+  const json r = CompletionResponseJson(Endpoint::kCompletions, id, c);
+  EXPECT_EQ(r["object"], "text_completion");
+  EXPECT_EQ(r["id"], "cmpl-1");
+  EXPECT_EQ(r["created"], 1700000000);
+  EXPECT_EQ(r["model"], "target");
+  EXPECT_EQ(r["choices"][0]["text"], "hello");
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(r["choices"][0]["logprobs"].is_null());
+  EXPECT_EQ(r["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(r["usage"]["completion_tokens"], 7);
+  EXPECT_EQ(r["usage"]["total_tokens"], 12);
+  EXPECT_EQ(r["specd"]["token_ids"], json::array({1, 2, 3}));
+  EXPECT_EQ(r["specd"]["finish_detail"], "stop_string");
+  EXPECT_EQ(r["specd"]["matched_stop"], "\n");
+  EXPECT_EQ(r["specd"]["speculation"]["mode"], "draft_model");
+  EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["acceptance_rate"].get<double>(), 6.0 / 16.0);
+  EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["mean_acceptance_length"].get<double>(),
+                   1.0 + 6.0 / 4.0);
+  EXPECT_EQ(r["specd"]["speculation"]["accepted_per_position"], json::array({3, 2}));
+
+  const json chat = CompletionResponseJson(Endpoint::kChatCompletions, id, c);
+  EXPECT_EQ(chat["object"], "chat.completion");
+  EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat["choices"][0]["message"]["content"], "hello");
+}
+
+TEST(HttpProtocolTest, FinishReasons) {
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_LENGTH), "length");
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_CONTEXT), "length");
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_EOS), "stop");
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_TOKEN), "stop");
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_STRING), "stop");
+  const json none = SpeculationJson(v1::SpeculationStats());
+  EXPECT_TRUE(none["acceptance_rate"].is_null());
+  EXPECT_TRUE(none["mean_acceptance_length"].is_null());
+}
+
+TEST(HttpProtocolTest, StreamChunks) {
+  const ResponseIdentity id{"chatcmpl-1", 1, "target"};
+  const json first =
+      StreamChunkJson(Endpoint::kChatCompletions, id, "He", {1}, /*role=*/true, nullptr, false);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"], json({{"role", "assistant"}, {"content", "He"}}));
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  EXPECT_FALSE(first.contains("usage"));
+
+  const v1::GenerateResponse last = LastChunk();
+  const json end =
+      StreamChunkJson(Endpoint::kChatCompletions, id, "", {}, /*role=*/false, &last, true);
+  EXPECT_EQ(end["choices"][0]["delta"], json::object());
+  EXPECT_EQ(end["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(end["usage"].is_null());
+  EXPECT_EQ(end["specd"]["speculation"]["steps"], 4);
+
+  const json text =
+      StreamChunkJson(Endpoint::kCompletions, id, "x", {9}, /*role=*/false, nullptr, false);
+  EXPECT_EQ(text["object"], "text_completion");
+  EXPECT_EQ(text["choices"][0]["text"], "x");
+  EXPECT_EQ(text["specd"]["token_ids"], json::array({9}));
+
+  const json usage = UsageChunkJson(Endpoint::kCompletions, id, last.usage());
+  EXPECT_EQ(usage["choices"], json::array());
+  EXPECT_EQ(usage["usage"]["total_tokens"], 12);
+
+  EXPECT_EQ(SseEvent(json({{"a", "x\ny"}})), "data: {\"a\":\"x\\ny\"}\n\n");
+  EXPECT_EQ(kSseDone, "data: [DONE]\n\n");
+  // Invalid UTF-8 is replaced, not thrown on.
+  EXPECT_EQ(DumpJson(json("a\xff")), "\"a\xEF\xBF\xBD\"");
+}
+
+}  // namespace
+}  // namespace specd
