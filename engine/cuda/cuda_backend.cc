@@ -169,7 +169,7 @@ CudaBackend::~CudaBackend() {
     cudaFreeHost(host_out_);
   gemm_.reset();
   for (Scratch *s : {&meta_, &residual_, &x_, &normed_, &qkv_, &attn_,
-                     &gate_up_, &act_, &last_, &logits_, &attn_ws_, &verify_}) {
+                     &gate_up_, &act_, &last_, &logits_, &attn_ws_, &sample_ws_, &verify_}) {
     if (s->ptr != nullptr)
       cudaFree(s->ptr);
   }
@@ -770,6 +770,8 @@ absl::Status CudaBackend::PrepareBuffers(const Step &step, size_t meta_bytes) {
   SPECD_RETURN_IF_ERROR_(Ensure(&last_, R * H * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&logits_, R * c.vocab_size * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&attn_ws_, step.ws_floats * sizeof(float)));
+  SPECD_RETURN_IF_ERROR_(
+      Ensure(&sample_ws_, cuda::SampleWorkspaceBytes(R, c.vocab_size)));
   return absl::OkStatus();
 }
 
@@ -943,6 +945,7 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   sp.tokens = At<int32_t>(meta, step.o_sampled);
   sp.num_rows = R;
   sp.vocab_size = c.vocab_size;
+  sp.workspace = sample_ws_.ptr;
   SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
 
   cuda::TreeAcceptParams tp;

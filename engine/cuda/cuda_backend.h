@@ -208,6 +208,7 @@ private:
   Scratch last_;     // [R, hidden] bf16
   Scratch logits_;   // [R, vocab] fp32
   Scratch attn_ws_;  // split-KV workspace
+  Scratch sample_ws_;  // split-vocabulary sampling workspace (SampleWorkspaceBytes)
   Scratch verify_;   // sampling and acceptance outputs
 
   // CUDA graphs, keyed by everything their launches take by value. Graphs point
