@@ -240,7 +240,12 @@ void BM_Sample(benchmark::State& state) {
   p.tokens = d_tokens;
   p.num_rows = rows;
   p.vocab_size = kVocab;
+  // With the workspace, as the engine runs it: greedy and plain-temperature rows split the
+  // vocabulary over many CTAs.
+  void* ws = Alloc<uint8_t>(static_cast<size_t>(cuda::SampleWorkspaceBytes(rows, kVocab)));
+  p.workspace = ws;
   TimeLaunches(state, stream, [&] { Check(cuda::SampleCuda(p, stream), "sample"); });
+  cudaFree(ws);
   cudaStreamDestroy(stream);
   cudaFree(d_logits);
   cudaFree(d_params);

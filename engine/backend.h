@@ -112,6 +112,13 @@ struct BackendOptions {
   // Ranks the model is sharded over (engine/tp_plan.h), any value >= 1. On "cpu", > 1 selects
   // the simulated tensor-parallel backend (engine/tp_cpu_backend.h), one thread per rank.
   int tensor_parallel = 1;
+  // cuda: replay decode and verify steps as CUDA graphs captured per (batch, tree size)
+  // bucket. The environment variable SPECD_CUDA_GRAPHS=0 turns them off too (debugging, A/B).
+  bool cuda_graphs = true;
+  // cuda: GEMMs of up to this many rows share one cuBLASLt algorithm per weight, so a token's
+  // logits do not depend on how many other tokens share its step (speculative greedy equals
+  // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape.
+  int64_t cuda_gemm_invariant_rows = 1024;
 };
 
 // Loads the model folder `dir` onto the device named in `options`.

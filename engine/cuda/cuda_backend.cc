@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -23,131 +24,178 @@
 namespace specd {
 namespace {
 
-#define SPECD_RETURN_IF_ERROR_(expr) \
-  do {                               \
-    absl::Status _s = (expr);        \
-    if (!_s.ok()) return _s;         \
+#define SPECD_RETURN_IF_ERROR_(expr)                                           \
+  do {                                                                         \
+    absl::Status _s = (expr);                                                  \
+    if (!_s.ok())                                                              \
+      return _s;                                                               \
   } while (0)
 
-#define SPECD_CUDA_RETURN_(expr, what)                                                            \
-  do {                                                                                            \
-    const cudaError_t _e = (expr);                                                                \
-    if (_e != cudaSuccess) {                                                                      \
-      return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ", cudaGetErrorName(_e), \
-                                              " (", cudaGetErrorString(_e), ")"));                \
-    }                                                                                             \
+#define SPECD_CUDA_RETURN_(expr, what)                                         \
+  do {                                                                         \
+    const cudaError_t _e = (expr);                                             \
+    if (_e != cudaSuccess) {                                                   \
+      return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ",    \
+                                              cudaGetErrorName(_e), " (",      \
+                                              cudaGetErrorString(_e), ")"));   \
+    }                                                                          \
   } while (0)
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The device memory the KV pools leave free for activations, cuBLASLt and the split-KV
-// workspace.
+// The device memory the KV pools leave free for activations, cuBLASLt and the
+// split-KV workspace.
 constexpr size_t kReserveBytes = size_t{2} << 30;
 
-// Packs host arrays into one buffer with 16-byte aligned sections, so a step's metadata goes to
-// the device in a single copy.
-class Packer {
- public:
-  template <typename T>
-  size_t Add(const T* data, size_t n) {
-    const size_t offset = (bytes_.size() + 15) / 16 * 16;
-    bytes_.resize(offset + n * sizeof(T));
-    if (n > 0) std::memcpy(bytes_.data() + offset, data, n * sizeof(T));
-    return offset;
-  }
-  template <typename T>
-  size_t Add(const std::vector<T>& v) {
-    return Add(v.data(), v.size());
-  }
-  const std::vector<uint8_t>& bytes() const { return bytes_; }
+constexpr int64_t kGraphMaxBatch = 64;
+constexpr int64_t kGraphMaxTreeTokens = 256;
+// Padded steps above this many token rows run eagerly: their activations and
+// logits would take too much memory for the little a graph saves on a step that
+// long.
+constexpr int64_t kGraphMaxTokens = 4096;
 
- private:
-  std::vector<uint8_t> bytes_;
-};
-
-template <typename T>
-T* At(void* base, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
+int64_t NextPow2(int64_t n) {
+  int64_t p = 1;
+  while (p < n)
+    p *= 2;
+  return p;
 }
 
-std::vector<__nv_bfloat16> ToBf16(const std::vector<float>& v) {
+// Token slots per sequence: 1 for a decode step; else the pending token plus a
+// tree rounded up to a power of two (2, 3, 5, 9, ..., 257).
+int64_t TokenBucket(int64_t n) { return n <= 1 ? 1 : 1 + NextPow2(n - 1); }
+
+bool GraphsDisabledByEnv() {
+  const char *env = std::getenv("SPECD_CUDA_GRAPHS");
+  return env != nullptr && std::string(env) == "0";
+}
+
+template <typename T> T *At(void *base, size_t offset) {
+  return reinterpret_cast<T *>(static_cast<uint8_t *>(base) + offset);
+}
+
+std::vector<__nv_bfloat16> ToBf16(const std::vector<float> &v) {
   std::vector<__nv_bfloat16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  for (size_t i = 0; i < v.size(); ++i)
+    out[i] = __float2bfloat16(v[i]);
   return out;
 }
 
-absl::Status Read(const TensorStore& store, const std::string& name, std::vector<int64_t> shape,
-                  std::vector<float>* out, bool append = false) {
+absl::Status Read(const TensorStore &store, const std::string &name,
+                  std::vector<int64_t> shape, std::vector<float> *out,
+                  bool append = false) {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape)
+    n *= d;
   const size_t at = append ? out->size() : 0;
   out->resize(at + n);
   return store.ReadF32(name, shape, out->data() + at);
 }
 
-}  // namespace
+} // namespace
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const std::string& dir, int device,
-                                                                 const BackendOptions& options) {
+// A step's metadata goes to the device in a single copy.
+class CudaBackend::Packer {
+public:
+  template <typename T> size_t Add(const T *data, size_t n) {
+    const size_t offset = (bytes_.size() + 15) / 16 * 16;
+    bytes_.resize(offset + n * sizeof(T));
+    if (n > 0)
+      std::memcpy(bytes_.data() + offset, data, n * sizeof(T));
+    return offset;
+  }
+  template <typename T> size_t Add(const std::vector<T> &v) {
+    return Add(v.data(), v.size());
+  }
+  const std::vector<uint8_t> &bytes() const { return bytes_; }
+
+private:
+  std::vector<uint8_t> bytes_;
+};
+
+absl::StatusOr<std::unique_ptr<CudaBackend>>
+CudaBackend::Create(const std::string &dir, int device,
+                    const BackendOptions &options) {
   if (options.kv_capacity_tokens <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
+        absl::StrCat("kv_capacity_tokens must be positive, got ",
+                     options.kv_capacity_tokens));
   }
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess)
+    count = 0;
   if (device < 0 || device >= count) {
-    return absl::FailedPreconditionError(absl::StrCat("device cuda:", device,
-                                                      " is not available: this machine has ", count,
-                                                      " CUDA device", count == 1 ? "" : "s"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device cuda:", device, " is not available: this machine has ", count,
+        " CUDA device", count == 1 ? "" : "s"));
   }
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
-  if (!config.ok()) return config.status();
+  if (!config.ok())
+    return config.status();
   if (config->head_dim != 64 && config->head_dim != 128) {
     return absl::UnimplementedError(
-        absl::StrCat("cuda backend: head_dim ", config->head_dim, " is not supported (64 or 128)"));
+        absl::StrCat("cuda backend: head_dim ", config->head_dim,
+                     " is not supported (64 or 128)"));
   }
   if (config->num_heads % config->num_kv_heads != 0 ||
       config->num_heads / config->num_kv_heads > cuda::kTreeAttentionTileRows) {
     return absl::UnimplementedError(absl::StrCat(
-        "cuda backend: ", config->num_heads, " query heads over ", config->num_kv_heads,
-        " KV heads is not supported (at most ", cuda::kTreeAttentionTileRows, " per KV head)"));
+        "cuda backend: ", config->num_heads, " query heads over ",
+        config->num_kv_heads, " KV heads is not supported (at most ",
+        cuda::kTreeAttentionTileRows, " per KV head)"));
   }
-  std::unique_ptr<CudaBackend> backend(new CudaBackend(*std::move(config), device, options));
+  std::unique_ptr<CudaBackend> backend(
+      new CudaBackend(*std::move(config), device, options));
   SPECD_RETURN_IF_ERROR_(backend->Init());
   return backend;
 }
 
-CudaBackend::CudaBackend(ModelConfig config, int device, const BackendOptions& options)
+CudaBackend::CudaBackend(ModelConfig config, int device,
+                         const BackendOptions &options)
     : config_(std::move(config)), device_(device), options_(options) {
   kv_dim_ = int64_t{config_.num_kv_heads} * config_.head_dim;
+  graphs_enabled_ = options_.cuda_graphs && !GraphsDisabledByEnv();
 }
 
 CudaBackend::~CudaBackend() {
-  if (cudaSetDevice(device_) != cudaSuccess) return;
-  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (cudaSetDevice(device_) != cudaSuccess)
+    return;
+  if (stream_ != nullptr)
+    cudaStreamSynchronize(stream_);
+  ClearGraphs();
+  if (host_stage_ != nullptr)
+    cudaFreeHost(host_stage_);
+  if (host_out_ != nullptr)
+    cudaFreeHost(host_out_);
   gemm_.reset();
-  for (Scratch* s : {&meta_, &residual_, &x_, &normed_, &qkv_, &attn_, &gate_up_, &act_, &last_,
-                     &logits_, &attn_ws_, &verify_}) {
-    if (s->ptr != nullptr) cudaFree(s->ptr);
+  for (Scratch *s : {&meta_, &residual_, &x_, &normed_, &qkv_, &attn_,
+                     &gate_up_, &act_, &last_, &logits_, &attn_ws_, &sample_ws_, &verify_}) {
+    if (s->ptr != nullptr)
+      cudaFree(s->ptr);
   }
-  for (void* p : allocations_) cudaFree(p);
-  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  for (void *p : allocations_)
+    cudaFree(p);
+  if (stream_ != nullptr)
+    cudaStreamDestroy(stream_);
 }
 
-absl::Status CudaBackend::Upload(const std::vector<float>& host, bf16** out) {
+absl::Status CudaBackend::Upload(const std::vector<float> &host, bf16 **out) {
   const std::vector<bf16> h = ToBf16(host);
-  void* p = nullptr;
-  SPECD_CUDA_RETURN_(cudaMalloc(&p, std::max<size_t>(1, h.size()) * sizeof(bf16)),
-                     "allocating weights");
+  void *p = nullptr;
+  SPECD_CUDA_RETURN_(
+      cudaMalloc(&p, std::max<size_t>(1, h.size()) * sizeof(bf16)),
+      "allocating weights");
   allocations_.push_back(p);
-  SPECD_CUDA_RETURN_(cudaMemcpy(p, h.data(), h.size() * sizeof(bf16), cudaMemcpyHostToDevice),
-                     "uploading weights");
-  *out = static_cast<bf16*>(p);
+  SPECD_CUDA_RETURN_(
+      cudaMemcpy(p, h.data(), h.size() * sizeof(bf16), cudaMemcpyHostToDevice),
+      "uploading weights");
+  *out = static_cast<bf16 *>(p);
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Ensure(Scratch* s, size_t bytes) {
-  if (s->bytes >= bytes) return absl::OkStatus();
+absl::Status CudaBackend::Ensure(Scratch *s, size_t bytes) {
+  if (s->bytes >= bytes)
+    return absl::OkStatus();
   if (s->ptr != nullptr) {
     // Work queued on the stream may still read the old buffer.
     SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "synchronizing");
@@ -156,29 +204,37 @@ absl::Status CudaBackend::Ensure(Scratch* s, size_t bytes) {
     s->bytes = 0;
   }
   const size_t grown = std::max<size_t>(bytes + bytes / 4, 4096);
-  SPECD_CUDA_RETURN_(cudaMalloc(&s->ptr, grown), absl::StrCat("allocating ", grown, " bytes"));
+  SPECD_CUDA_RETURN_(cudaMalloc(&s->ptr, grown),
+                     absl::StrCat("allocating ", grown, " bytes"));
   s->bytes = grown;
+  ++buffer_generation_;
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Init() {
-  SPECD_CUDA_RETURN_(cudaSetDevice(device_), absl::StrCat("selecting cuda:", device_));
+  SPECD_CUDA_RETURN_(cudaSetDevice(device_),
+                     absl::StrCat("selecting cuda:", device_));
   SPECD_CUDA_RETURN_(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                      "creating a stream");
-  SPECD_CUDA_RETURN_(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_),
+  SPECD_CUDA_RETURN_(cudaDeviceGetAttribute(
+                         &num_sms_, cudaDevAttrMultiProcessorCount, device_),
                      "reading the multiprocessor count");
-  if (cublasStatus_t st = cuda::Gemm::Create(size_t{32} << 20, &gemm_);
+  if (cublasStatus_t st = cuda::Gemm::Create(size_t{32} << 20, &gemm_,
+                                             options_.cuda_gemm_invariant_rows);
       st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(
         absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));
   }
 
-  absl::StatusOr<std::unique_ptr<TensorStore>> opened = TensorStore::OpenFolder(config_.dir);
-  if (!opened.ok()) return opened.status();
-  const TensorStore& st = **opened;
-  const ModelConfig& c = config_;
-  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim, kv = kv_dim_,
-                f = c.intermediate_size, v = c.vocab_size, hd = c.head_dim;
+  absl::StatusOr<std::unique_ptr<TensorStore>> opened =
+      TensorStore::OpenFolder(config_.dir);
+  if (!opened.ok())
+    return opened.status();
+  const TensorStore &st = **opened;
+  const ModelConfig &c = config_;
+  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
+                kv = kv_dim_, f = c.intermediate_size, v = c.vocab_size,
+                hd = c.head_dim;
   std::vector<float> buf;
   SPECD_RETURN_IF_ERROR_(Read(st, "model.embed_tokens.weight", {v, h}, &buf));
   SPECD_RETURN_IF_ERROR_(Upload(buf, &embed_));
@@ -192,75 +248,98 @@ absl::Status CudaBackend::Init() {
   layers_.resize(c.num_layers);
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    LayerWeights& w = layers_[l];
+    LayerWeights &w = layers_[l];
     SPECD_RETURN_IF_ERROR_(Read(st, p + "input_layernorm.weight", {h}, &buf));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.input_norm));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_proj.weight", {q, h}, &buf));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.k_proj.weight", {kv, h}, &buf, true));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.v_proj.weight", {kv, h}, &buf, true));
+    SPECD_RETURN_IF_ERROR_(
+        Read(st, p + "self_attn.q_proj.weight", {q, h}, &buf));
+    SPECD_RETURN_IF_ERROR_(
+        Read(st, p + "self_attn.k_proj.weight", {kv, h}, &buf, true));
+    SPECD_RETURN_IF_ERROR_(
+        Read(st, p + "self_attn.v_proj.weight", {kv, h}, &buf, true));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.qkv));
     if (c.attention_bias) {
       SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_proj.bias", {q}, &buf));
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.k_proj.bias", {kv}, &buf, true));
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.v_proj.bias", {kv}, &buf, true));
+      SPECD_RETURN_IF_ERROR_(
+          Read(st, p + "self_attn.k_proj.bias", {kv}, &buf, true));
+      SPECD_RETURN_IF_ERROR_(
+          Read(st, p + "self_attn.v_proj.bias", {kv}, &buf, true));
       SPECD_RETURN_IF_ERROR_(Upload(buf, &w.qkv_bias));
     }
     if (c.qk_norm) {
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_norm.weight", {hd}, &buf));
+      SPECD_RETURN_IF_ERROR_(
+          Read(st, p + "self_attn.q_norm.weight", {hd}, &buf));
       SPECD_RETURN_IF_ERROR_(Upload(buf, &w.q_norm));
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.k_norm.weight", {hd}, &buf));
+      SPECD_RETURN_IF_ERROR_(
+          Read(st, p + "self_attn.k_norm.weight", {hd}, &buf));
       SPECD_RETURN_IF_ERROR_(Upload(buf, &w.k_norm));
     }
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.o_proj.weight", {h, q}, &buf));
+    SPECD_RETURN_IF_ERROR_(
+        Read(st, p + "self_attn.o_proj.weight", {h, q}, &buf));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.o_proj));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "post_attention_layernorm.weight", {h}, &buf));
+    SPECD_RETURN_IF_ERROR_(
+        Read(st, p + "post_attention_layernorm.weight", {h}, &buf));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.post_norm));
     SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.gate_proj.weight", {f, h}, &buf));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.up_proj.weight", {f, h}, &buf, true));
+    SPECD_RETURN_IF_ERROR_(
+        Read(st, p + "mlp.up_proj.weight", {f, h}, &buf, true));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.gate_up));
     SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.down_proj.weight", {h, f}, &buf));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.down));
   }
   const std::vector<float> inv_freq = RopeInvFreq(c);
-  void* p = nullptr;
-  SPECD_CUDA_RETURN_(cudaMalloc(&p, inv_freq.size() * sizeof(float)), "allocating inv_freq");
+  void *p = nullptr;
+  SPECD_CUDA_RETURN_(cudaMalloc(&p, inv_freq.size() * sizeof(float)),
+                     "allocating inv_freq");
   allocations_.push_back(p);
-  inv_freq_ = static_cast<float*>(p);
-  SPECD_CUDA_RETURN_(cudaMemcpy(inv_freq_, inv_freq.data(), inv_freq.size() * sizeof(float),
+  inv_freq_ = static_cast<float *>(p);
+  SPECD_CUDA_RETURN_(cudaMemcpy(inv_freq_, inv_freq.data(),
+                                inv_freq.size() * sizeof(float),
                                 cudaMemcpyHostToDevice),
                      "uploading inv_freq");
 
   // KV pools: the requested capacity, or what the free memory allows.
   size_t free_bytes = 0, total_bytes = 0;
-  SPECD_CUDA_RETURN_(cudaMemGetInfo(&free_bytes, &total_bytes), "reading free memory");
-  const size_t block_bytes = size_t{2} * c.num_layers * kKvBlockTokens * kv_dim_ * sizeof(bf16);
-  const int64_t fit = free_bytes > kReserveBytes
-                          ? static_cast<int64_t>((free_bytes - kReserveBytes) / block_bytes)
-                          : 0;
-  num_blocks_ = std::min(CeilDiv(options_.kv_capacity_tokens, kKvBlockTokens), fit);
+  SPECD_CUDA_RETURN_(cudaMemGetInfo(&free_bytes, &total_bytes),
+                     "reading free memory");
+  const size_t block_bytes =
+      size_t{2} * c.num_layers * kKvBlockTokens * kv_dim_ * sizeof(bf16);
+  const int64_t fit =
+      free_bytes > kReserveBytes
+          ? static_cast<int64_t>((free_bytes - kReserveBytes) / block_bytes)
+          : 0;
+  num_blocks_ =
+      std::min(CeilDiv(options_.kv_capacity_tokens, kKvBlockTokens), fit);
   if (num_blocks_ <= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "cuda:", device_, ": no device memory left for the KV cache after the weights (",
+        "cuda:", device_,
+        ": no device memory left for the KV cache after the weights (",
         free_bytes >> 20, " MiB free)"));
   }
   if (num_blocks_ < CeilDiv(options_.kv_capacity_tokens, kKvBlockTokens)) {
     std::fprintf(stderr,
-                 "specd cuda backend: KV capacity clamped to %lld tokens by device memory\n",
+                 "specd cuda backend: KV capacity clamped to %lld tokens by "
+                 "device memory\n",
                  static_cast<long long>(num_blocks_ * kKvBlockTokens));
   }
   layer_stride_ = num_blocks_ * kKvBlockTokens * kv_dim_;
-  const size_t pool_bytes = static_cast<size_t>(c.num_layers) * layer_stride_ * sizeof(bf16);
-  for (bf16** pool : {&k_pool_, &v_pool_}) {
-    void* q_ptr = nullptr;
-    SPECD_CUDA_RETURN_(cudaMalloc(&q_ptr, pool_bytes), "allocating the KV cache");
+  const size_t pool_bytes =
+      static_cast<size_t>(c.num_layers) * layer_stride_ * sizeof(bf16);
+  for (bf16 **pool : {&k_pool_, &v_pool_}) {
+    void *q_ptr = nullptr;
+    SPECD_CUDA_RETURN_(cudaMalloc(&q_ptr, pool_bytes),
+                       "allocating the KV cache");
     allocations_.push_back(q_ptr);
-    // Zeros, so that no slot ever holds NaN bit patterns (a masked key's value is multiplied
-    // by a zero probability, which would not cancel a NaN).
-    SPECD_CUDA_RETURN_(cudaMemset(q_ptr, 0, pool_bytes), "clearing the KV cache");
-    *pool = static_cast<bf16*>(q_ptr);
+    // Zeros, so that no slot ever holds NaN bit patterns (a masked key's value
+    // is multiplied by a zero probability, which would not cancel a NaN).
+    SPECD_CUDA_RETURN_(cudaMemset(q_ptr, 0, pool_bytes),
+                       "clearing the KV cache");
+    *pool = static_cast<bf16 *>(q_ptr);
   }
-  for (int64_t b = num_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
-  // The clears ran on the legacy default stream, which stream_ (non-blocking) does not wait for.
+  for (int64_t b = num_blocks_ - 1; b >= 0; --b)
+    free_blocks_.push_back(static_cast<int32_t>(b));
+  // The clears ran on the legacy default stream, which stream_ (non-blocking)
+  // does not wait for.
   SPECD_CUDA_RETURN_(cudaDeviceSynchronize(), "initialising the device");
   return absl::OkStatus();
 }
@@ -268,25 +347,27 @@ absl::Status CudaBackend::Init() {
 // ---------------------------------------------------------------------------------------------
 // Sequences and KV blocks (the CPU backend's bookkeeping).
 
-void CudaBackend::ReleaseBlocks(Sequence* s, int64_t keep_blocks) {
+void CudaBackend::ReleaseBlocks(Sequence *s, int64_t keep_blocks) {
   while (static_cast<int64_t>(s->blocks.size()) > keep_blocks) {
     free_blocks_.push_back(s->blocks.back());
     s->blocks.pop_back();
   }
 }
 
-int64_t CudaBackend::PhysicalSlot(const Sequence& s, int64_t logical) const {
-  return int64_t{s.blocks[logical / kKvBlockTokens]} * kKvBlockTokens + logical % kKvBlockTokens;
+int64_t CudaBackend::PhysicalSlot(const Sequence &s, int64_t logical) const {
+  return int64_t{s.blocks[logical / kKvBlockTokens]} * kKvBlockTokens +
+         logical % kKvBlockTokens;
 }
 
 absl::Status CudaBackend::AddSequence(SeqId seq) {
   if (seqs_.contains(seq)) {
-    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " already exists"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("sequence ", seq, " already exists"));
   }
   if (free_blocks_.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache full: no free block for sequence ",
-                                                     seq, " (capacity ",
-                                                     num_blocks_ * kKvBlockTokens, " tokens)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: no free block for sequence ", seq,
+                     " (capacity ", num_blocks_ * kKvBlockTokens, " tokens)"));
   }
   seqs_.emplace(seq, Sequence{});
   return absl::OkStatus();
@@ -294,7 +375,8 @@ absl::Status CudaBackend::AddSequence(SeqId seq) {
 
 absl::Status CudaBackend::RemoveSequence(SeqId seq) {
   auto it = seqs_.find(seq);
-  if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
+  if (it == seqs_.end())
+    return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
   ReleaseBlocks(&it->second, 0);
   seqs_.erase(it);
   return absl::OkStatus();
@@ -304,13 +386,15 @@ bool CudaBackend::HasSequence(SeqId seq) const { return seqs_.contains(seq); }
 
 absl::StatusOr<int64_t> CudaBackend::CommittedLength(SeqId seq) const {
   auto it = seqs_.find(seq);
-  if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
+  if (it == seqs_.end())
+    return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
   return it->second.committed;
 }
 
 KvUsage CudaBackend::Usage() const {
   KvUsage u;
-  for (const auto& [id, s] : seqs_) u.used_tokens += s.tokens();
+  for (const auto &[id, s] : seqs_)
+    u.used_tokens += s.tokens();
   u.capacity_tokens = num_blocks_ * kKvBlockTokens;
   u.sequences = static_cast<int>(seqs_.size());
   return u;
@@ -318,27 +402,31 @@ KvUsage CudaBackend::Usage() const {
 
 absl::Status CudaBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
   auto it = seqs_.find(seq);
-  if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
-  Sequence& s = it->second;
+  if (it == seqs_.end())
+    return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
+  Sequence &s = it->second;
   const int64_t scratch = static_cast<int64_t>(s.scratch_parents.size());
   for (size_t j = 0; j < path.size(); ++j) {
     if (path[j] < 0 || path[j] >= scratch) {
-      return absl::InvalidArgumentError(absl::StrCat("path[", j, "] = ", path[j],
-                                                     " is not a scratch node (sequence ", seq,
-                                                     " has ", scratch, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "path[", j, "] = ", path[j], " is not a scratch node (sequence ", seq,
+          " has ", scratch, ")"));
     }
     const int32_t want = j == 0 ? -1 : path[j - 1];
     if (s.scratch_parents[path[j]] != want) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "path[", j, "] = ", path[j], " is not a child of ",
-          j == 0 ? std::string("the committed end") : absl::StrCat("path[", j - 1, "]"),
-          " (its parent is ", s.scratch_parents[path[j]], ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("path[", j, "] = ", path[j], " is not a child of ",
+                       j == 0 ? std::string("the committed end")
+                              : absl::StrCat("path[", j - 1, "]"),
+                       " (its parent is ", s.scratch_parents[path[j]], ")"));
     }
   }
-  // path[j] >= j and increases, so copying in order never overwrites a later source.
+  // path[j] >= j and increases, so copying in order never overwrites a later
+  // source.
   std::vector<int64_t> src, dst;
   for (size_t j = 0; j < path.size(); ++j) {
-    if (path[j] == static_cast<int32_t>(j)) continue;
+    if (path[j] == static_cast<int32_t>(j))
+      continue;
     src.push_back(PhysicalSlot(s, s.committed + path[j]));
     dst.push_back(PhysicalSlot(s, s.committed + static_cast<int64_t>(j)));
   }
@@ -347,7 +435,8 @@ absl::Status CudaBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
     Packer pack;
     const size_t o_src = pack.Add(src), o_dst = pack.Add(dst);
     SPECD_RETURN_IF_ERROR_(Ensure(&verify_, pack.bytes().size()));
-    SPECD_CUDA_RETURN_(cudaMemcpyAsync(verify_.ptr, pack.bytes().data(), pack.bytes().size(),
+    SPECD_CUDA_RETURN_(cudaMemcpyAsync(verify_.ptr, pack.bytes().data(),
+                                       pack.bytes().size(),
                                        cudaMemcpyHostToDevice, stream_),
                        "uploading commit slots");
     cuda::KvCacheCopyParams p;
@@ -371,8 +460,9 @@ absl::Status CudaBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const ForwardItem> items) {
-  const ModelConfig& c = config_;
+absl::StatusOr<CudaBackend::Batch>
+CudaBackend::Validate(absl::Span<const ForwardItem> items) {
+  const ModelConfig &c = config_;
   Batch batch;
   batch.seqs.resize(items.size());
   batch.depth.resize(items.size());
@@ -380,7 +470,7 @@ absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const Forwar
   absl::flat_hash_set<SeqId> seen;
   int64_t blocks_needed = 0;
   for (size_t b = 0; b < items.size(); ++b) {
-    const ForwardItem& it = items[b];
+    const ForwardItem &it = items[b];
     auto found = seqs_.find(it.seq);
     if (found == seqs_.end()) {
       return absl::NotFoundError(
@@ -388,77 +478,86 @@ absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const Forwar
     }
     if (!seen.insert(it.seq).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat("items[", b, "].seq: sequence ", it.seq, " appears twice in one batch"));
+          absl::StrCat("items[", b, "].seq: sequence ", it.seq,
+                       " appears twice in one batch"));
     }
-    Sequence& s = found->second;
+    Sequence &s = found->second;
     batch.seqs[b] = &s;
     const int64_t n = static_cast<int64_t>(it.tokens.size());
-    if (n == 0) return absl::InvalidArgumentError(absl::StrCat("items[", b, "].tokens is empty"));
+    if (n == 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("items[", b, "].tokens is empty"));
     if (it.parents.size() != it.tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "items[", b, "].parents has ", it.parents.size(), " entries for ", n, " tokens"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("items[", b, "].parents has ", it.parents.size(),
+                       " entries for ", n, " tokens"));
     }
     const int64_t base = static_cast<int64_t>(s.scratch_parents.size());
-    // Parents and depths of the old and new scratch nodes together, to find each new node's
-    // deepest ancestor on the chain from the committed end.
+    // Parents and depths of the old and new scratch nodes together, to find
+    // each new node's deepest ancestor on the chain from the committed end.
     std::vector<int32_t> parents = s.scratch_parents, depth = s.scratch_depth;
-    std::vector<int32_t>& new_depth = batch.depth[b];
-    std::vector<int32_t>& spine = batch.spine[b];
+    std::vector<int32_t> &new_depth = batch.depth[b];
+    std::vector<int32_t> &spine = batch.spine[b];
     for (int64_t j = 0; j < n; ++j) {
       const int32_t tok = it.tokens[j];
       if (tok < 0 || tok >= c.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].tokens[", j, "] = ", tok,
-                                                       " is outside the vocabulary [0, ",
-                                                       c.vocab_size, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("items[", b, "].tokens[", j, "] = ", tok,
+                         " is outside the vocabulary [0, ", c.vocab_size, ")"));
       }
       const int32_t parent = it.parents[j];
       if (parent < -1 || parent >= base + j) {
-        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
-                                                       " must be -1 or an earlier scratch node (< ",
-                                                       base + j, ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "items[", b, "].parents[", j, "] = ", parent,
+            " must be -1 or an earlier scratch node (< ", base + j, ")"));
       }
       const int32_t d = parent < 0 ? 0 : 1 + depth[parent];
       if (s.committed + d >= c.max_position_embeddings) {
         return absl::InvalidArgumentError(absl::StrCat(
             "items[", b, "].tokens[", j, "]: position ", s.committed + d,
-            " is beyond the context (max_position_embeddings ", c.max_position_embeddings, ")"));
+            " is beyond the context (max_position_embeddings ",
+            c.max_position_embeddings, ")"));
       }
       parents.push_back(parent);
       depth.push_back(d);
       new_depth.push_back(d);
       const int32_t index = static_cast<int32_t>(base + j);
       int32_t a = index;
-      while (a >= 0 && depth[a] != a) a = parents[a];
+      while (a >= 0 && depth[a] != a)
+        a = parents[a];
       if (index - a > cuda::kTreeAttentionMaskBits) {
-        return absl::UnimplementedError(absl::StrCat(
-            "items[", b, "].parents[", j, "]: scratch node ", index, " lies ", index - a,
-            " nodes past the chain from the committed end; the cuda backend masks at most ",
-            cuda::kTreeAttentionMaskBits));
+        return absl::UnimplementedError(
+            absl::StrCat("items[", b, "].parents[", j, "]: scratch node ",
+                         index, " lies ", index - a,
+                         " nodes past the chain from the committed end; the "
+                         "cuda backend masks at most ",
+                         cuda::kTreeAttentionMaskBits));
       }
       spine.push_back(a);
     }
     for (int32_t r : it.logit_rows) {
       if (r < 0 || r >= n) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("items[", b, "].logit_rows holds ", r, ", outside [0, ", n, ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "items[", b, "].logit_rows holds ", r, ", outside [0, ", n, ")"));
       }
     }
-    blocks_needed +=
-        CeilDiv(s.tokens() + n, kKvBlockTokens) - static_cast<int64_t>(s.blocks.size());
+    blocks_needed += CeilDiv(s.tokens() + n, kKvBlockTokens) -
+                     static_cast<int64_t>(s.blocks.size());
     batch.tokens += n;
     batch.rows += static_cast<int64_t>(it.logit_rows.size());
   }
   if (blocks_needed > static_cast<int64_t>(free_blocks_.size())) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: the batch needs ", blocks_needed * kKvBlockTokens,
-                     " more slots, ", free_blocks_.size() * kKvBlockTokens, " are free (capacity ",
-                     num_blocks_ * kKvBlockTokens, " tokens)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache full: the batch needs ", blocks_needed * kKvBlockTokens,
+        " more slots, ", free_blocks_.size() * kKvBlockTokens,
+        " are free (capacity ", num_blocks_ * kKvBlockTokens, " tokens)"));
   }
   return batch;
 }
 
-absl::Status CudaBackend::Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32,
-                               int64_t m, int64_t n, int64_t k) {
+absl::Status CudaBackend::Gemm(const bf16 *x, const bf16 *w, const bf16 *bias,
+                               void *y, bool y_fp32, int64_t m, int64_t n,
+                               int64_t k) {
   cuda::GemmParams p;
   p.x = x;
   p.w = w;
@@ -469,36 +568,97 @@ absl::Status CudaBackend::Gemm(const bf16* x, const bf16* w, const bf16* bias, v
   p.n = n;
   p.k = k;
   if (cublasStatus_t st = gemm_->Run(p, stream_); st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(absl::StrCat("cuda backend: GEMM [", m, ", ", k, "] x [", n, ", ", k,
-                                            "]^T: ", cublasLtGetStatusString(st)));
+    return absl::InternalError(
+        absl::StrCat("cuda backend: GEMM [", m, ", ", k, "] x [", n, ", ", k,
+                     "]^T: ", cublasLtGetStatusString(st)));
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const Batch& batch) {
-  const ModelConfig& c = config_;
-  SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
-  const int64_t T = batch.tokens, R = batch.rows;
-  const int64_t H = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
-  const int64_t QD = int64_t{c.num_heads} * hd, KVD = kv_dim_, QKVD = QD + 2 * KVD;
+// ---------------------------------------------------------------------------------------------
+// Step layout.
+//
+// A step's launches are described by a Step: how many token rows, logit rows
+// and sequences the kernels see, the block-table stride, the attention plan's
+// shape, and where each metadata array sits in meta_. Unpadded, rows are packed
+// item after item (what an eager step needs). Padded (CUDA graphs), the batch
+// is rounded up to a batch bucket and every sequence gets the same number of
+// token slots, so that two steps of one bucket launch exactly the same kernels
+// with the same arguments and only the contents of meta_ differ.
 
-  // Append the nodes to the scratch regions and lay out the step's metadata.
-  std::vector<int32_t> tokens(T), positions(T), query_seq(T), kv_end(T), mask_begin(T), rows;
-  std::vector<uint32_t> mask(static_cast<size_t>(T) * cuda::kTreeAttentionMaskWords, 0u);
-  std::vector<int64_t> slots(T);
+bool CudaBackend::ChooseBuckets(const std::vector<int64_t> &item_tokens,
+                                Step *step) const {
+  if (!graphs_enabled_ || item_tokens.empty())
+    return false;
+  const int64_t b = static_cast<int64_t>(item_tokens.size());
+  if (b > kGraphMaxBatch)
+    return false;
+  int64_t most = 0;
+  for (int64_t n : item_tokens)
+    most = std::max(most, n);
+  if (most > kGraphMaxTreeTokens + 1)
+    return false;
+  const int64_t batch = NextPow2(b), per_seq = TokenBucket(most);
+  if (batch * per_seq > kGraphMaxTokens)
+    return false;
+  step->padded = true;
+  step->batch = batch;
+  step->per_seq = per_seq;
+  return true;
+}
+
+absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
+                                        const Batch &batch, Step *step,
+                                        Packer *pack) {
+  const ModelConfig &c = config_;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  if (!step->padded) {
+    step->batch = num_items;
+    step->T = batch.tokens;
+    step->R = batch.rows;
+  } else {
+    step->T = step->batch * step->per_seq;
+    step->R = step->batch * step->per_seq;
+  }
+  const int64_t T = step->T;
+  // Token and logit-row base of each launched sequence.
+  std::vector<int64_t> token_base(step->batch), row_base(step->batch);
+  for (int64_t b = 0, t = 0, r = 0; b < step->batch; ++b) {
+    token_base[b] = step->padded ? b * step->per_seq : t;
+    row_base[b] = step->padded ? b * step->per_seq : r;
+    if (b < num_items) {
+      t += static_cast<int64_t>(items[b].tokens.size());
+      r += static_cast<int64_t>(items[b].logit_rows.size());
+    }
+  }
+  step->item_row_begin.assign(row_base.begin(), row_base.begin() + num_items);
+
+  std::vector<int32_t> tokens(T, 0), positions(T, 0), query_seq(T, 0),
+      kv_end(T, 1), mask_begin(T, 1), rows(step->R, 0);
+  std::vector<uint32_t> mask(
+      static_cast<size_t>(T) * cuda::kTreeAttentionMaskWords, 0u);
+  // A negative slot makes the KV write skip the row: padding never touches the
+  // cache.
+  std::vector<int64_t> slots(T, -1);
+  // The real queries alone, packed, for the split decision (see below).
+  std::vector<int32_t> real_query_seq, real_kv_end;
   int64_t max_blocks = 1;
-  int64_t t = 0;
-  for (size_t b = 0; b < items.size(); ++b) {
-    const ForwardItem& it = items[b];
-    Sequence& s = *batch.seqs[b];
+  for (int64_t b = 0; b < num_items; ++b) {
+    const ForwardItem &it = items[b];
+    Sequence &s = *batch.seqs[b];
     const int64_t n = static_cast<int64_t>(it.tokens.size());
-    while (static_cast<int64_t>(s.blocks.size()) < CeilDiv(s.tokens() + n, kKvBlockTokens)) {
+    while (static_cast<int64_t>(s.blocks.size()) <
+           CeilDiv(s.tokens() + n, kKvBlockTokens)) {
       s.blocks.push_back(free_blocks_.back());
       free_blocks_.pop_back();
     }
     max_blocks = std::max<int64_t>(max_blocks, s.blocks.size());
-    for (int32_t r : it.logit_rows) rows.push_back(static_cast<int32_t>(t + r));
-    for (int64_t j = 0; j < n; ++j, ++t) {
+    for (size_t j = 0; j < it.logit_rows.size(); ++j) {
+      rows[row_base[b] + j] =
+          static_cast<int32_t>(token_base[b] + it.logit_rows[j]);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = token_base[b] + j;
       const int32_t index = static_cast<int32_t>(s.scratch_parents.size());
       s.scratch_parents.push_back(it.parents[j]);
       s.scratch_depth.push_back(batch.depth[b][j]);
@@ -506,40 +666,100 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
       positions[t] = static_cast<int32_t>(s.committed + batch.depth[b][j]);
       query_seq[t] = static_cast<int32_t>(b);
       slots[t] = PhysicalSlot(s, s.committed + index);
-      // Visible: [0, committed + a + 1) in full, then the node's ancestors after a (itself
-      // included) through the mask.
+      // Visible: [0, committed + a + 1) in full, then the node's ancestors
+      // after a (itself included) through the mask.
       const int32_t a = batch.spine[b][j];
       kv_end[t] = static_cast<int32_t>(s.committed + index + 1);
       mask_begin[t] = static_cast<int32_t>(s.committed + a + 1);
-      uint32_t* bits = &mask[static_cast<size_t>(t) * cuda::kTreeAttentionMaskWords];
+      uint32_t *bits =
+          &mask[static_cast<size_t>(t) * cuda::kTreeAttentionMaskWords];
       for (int32_t x = index; x > a; x = s.scratch_parents[x]) {
         const int32_t bit = x - (a + 1);
         bits[bit / 32] |= 1u << (bit % 32);
       }
+      real_query_seq.push_back(static_cast<int32_t>(b));
+      real_kv_end.push_back(kv_end[t]);
+    }
+    if (step->padded) {
+      // Padding slots of a real sequence repeat its last query (same keys, same
+      // mask, no KV write), so the attention tile they join keeps the key range
+      // and fully visible prefix it has without them, and every real query's
+      // result keeps its bits.
+      const int64_t last = token_base[b] + n - 1;
+      for (int64_t j = n; j < step->per_seq; ++j) {
+        const int64_t t = token_base[b] + j;
+        tokens[t] = tokens[last];
+        positions[t] = positions[last];
+        query_seq[t] = query_seq[last];
+        kv_end[t] = kv_end[last];
+        mask_begin[t] = mask_begin[last];
+        std::copy_n(
+            &mask[static_cast<size_t>(last) * cuda::kTreeAttentionMaskWords],
+            cuda::kTreeAttentionMaskWords,
+            &mask[static_cast<size_t>(t) * cuda::kTreeAttentionMaskWords]);
+      }
+      for (int64_t j = static_cast<int64_t>(it.logit_rows.size());
+           j < step->per_seq; ++j) {
+        rows[row_base[b] + j] = static_cast<int32_t>(token_base[b]);
+      }
     }
   }
-  std::vector<int32_t> block_tables(items.size() * max_blocks, 0);
-  for (size_t b = 0; b < items.size(); ++b) {
-    std::copy(batch.seqs[b]->blocks.begin(), batch.seqs[b]->blocks.end(),
-              block_tables.begin() + b * max_blocks);
+  // Padding sequences: their own block-table row of zeros (block 0: reads
+  // only), one key each.
+  for (int64_t b = num_items; b < step->batch; ++b) {
+    for (int64_t j = 0; j < step->per_seq; ++j) {
+      query_seq[token_base[b] + j] = static_cast<int32_t>(b);
+      rows[row_base[b] + j] = static_cast<int32_t>(token_base[b]);
+    }
   }
-  const cuda::TreeAttentionPlan plan = cuda::PlanTreeAttention(
-      query_seq.data(), kv_end.data(), T, c.num_heads, c.num_kv_heads, num_sms_);
+  // A fixed block-table stride per power of two, so that contexts growing
+  // within a bucket replay the same graph.
+  step->max_blocks =
+      step->padded ? std::max<int64_t>(8, NextPow2(max_blocks)) : max_blocks;
+  std::vector<int32_t> block_tables(step->batch * step->max_blocks, 0);
+  for (int64_t b = 0; b < num_items; ++b) {
+    std::copy(batch.seqs[b]->blocks.begin(), batch.seqs[b]->blocks.end(),
+              block_tables.begin() + b * step->max_blocks);
+  }
+  cuda::TreeAttentionPlan plan =
+      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), T, c.num_heads,
+                              c.num_kv_heads, num_sms_);
+  if (step->padded) {
+    // The key-range split changes how a query's partial softmaxes are combined,
+    // so it must not depend on the padding: take the split the real queries
+    // alone would get.
+    plan.num_splits =
+        cuda::PlanTreeAttention(real_query_seq.data(), real_kv_end.data(),
+                                static_cast<int64_t>(real_query_seq.size()),
+                                c.num_heads, c.num_kv_heads, num_sms_)
+            .num_splits;
+  }
+  step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());
+  step->num_splits = plan.num_splits;
+  step->ws_floats =
+      std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(
+                               plan.num_splits, T, c.num_heads, c.head_dim));
 
-  Packer pack;
-  const size_t o_tokens = pack.Add(tokens), o_positions = pack.Add(positions),
-               o_query_seq = pack.Add(query_seq), o_kv_end = pack.Add(kv_end),
-               o_mask_begin = pack.Add(mask_begin), o_mask = pack.Add(mask),
-               o_slots = pack.Add(slots), o_tables = pack.Add(block_tables),
-               o_rows = pack.Add(rows), o_tile_begin = pack.Add(plan.tile_begin),
-               o_tile_end = pack.Add(plan.tile_end);
-  SPECD_RETURN_IF_ERROR_(Ensure(&meta_, pack.bytes().size()));
-  SPECD_CUDA_RETURN_(cudaMemcpyAsync(meta_.ptr, pack.bytes().data(), pack.bytes().size(),
-                                     cudaMemcpyHostToDevice, stream_),
-                     "uploading step metadata");
-  d_block_tables_ = At<int32_t>(meta_.ptr, o_tables);
-  max_blocks_per_seq_ = max_blocks;
+  step->o_tokens = pack->Add(tokens);
+  step->o_positions = pack->Add(positions);
+  step->o_query_seq = pack->Add(query_seq);
+  step->o_kv_end = pack->Add(kv_end);
+  step->o_mask_begin = pack->Add(mask_begin);
+  step->o_mask = pack->Add(mask);
+  step->o_slots = pack->Add(slots);
+  step->o_tables = pack->Add(block_tables);
+  step->o_rows = pack->Add(rows);
+  step->o_tile_begin = pack->Add(plan.tile_begin);
+  step->o_tile_end = pack->Add(plan.tile_end);
+  return absl::OkStatus();
+}
 
+absl::Status CudaBackend::PrepareBuffers(const Step &step, size_t meta_bytes) {
+  const ModelConfig &c = config_;
+  const int64_t T = step.T, R = std::max<int64_t>(step.R, 1);
+  const int64_t H = c.hidden_size, F = c.intermediate_size;
+  const int64_t QD = int64_t{c.num_heads} * c.head_dim, QKVD = QD + 2 * kv_dim_;
+  SPECD_RETURN_IF_ERROR_(Ensure(&meta_, meta_bytes));
   SPECD_RETURN_IF_ERROR_(Ensure(&residual_, T * H * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&x_, T * H * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&normed_, T * H * sizeof(bf16)));
@@ -547,22 +767,57 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
   SPECD_RETURN_IF_ERROR_(Ensure(&attn_, T * QD * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&gate_up_, T * 2 * F * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&act_, T * F * sizeof(bf16)));
-  SPECD_RETURN_IF_ERROR_(Ensure(&last_, std::max<int64_t>(R, 1) * H * sizeof(bf16)));
-  SPECD_RETURN_IF_ERROR_(Ensure(&logits_, std::max<int64_t>(R, 1) * c.vocab_size * sizeof(float)));
-  SPECD_RETURN_IF_ERROR_(Ensure(
-      &attn_ws_, std::max<int64_t>(
-                     1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, T, c.num_heads, hd)) *
-                     sizeof(float)));
-  float* residual = static_cast<float*>(residual_.ptr);
-  bf16* x = static_cast<bf16*>(x_.ptr);
-  bf16* normed = static_cast<bf16*>(normed_.ptr);
-  bf16* qkv = static_cast<bf16*>(qkv_.ptr);
-  bf16* attn = static_cast<bf16*>(attn_.ptr);
-  bf16* gate_up = static_cast<bf16*>(gate_up_.ptr);
-  bf16* act = static_cast<bf16*>(act_.ptr);
+  SPECD_RETURN_IF_ERROR_(Ensure(&last_, R * H * sizeof(bf16)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&logits_, R * c.vocab_size * sizeof(float)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&attn_ws_, step.ws_floats * sizeof(float)));
+  SPECD_RETURN_IF_ERROR_(
+      Ensure(&sample_ws_, cuda::SampleWorkspaceBytes(R, c.vocab_size)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::UploadMeta(const Packer &pack) {
+  const std::vector<uint8_t> &bytes = pack.bytes();
+  if (host_stage_bytes_ < bytes.size()) {
+    if (host_stage_ != nullptr) {
+      // The previous step's copy finished: every step ends with a stream
+      // synchronisation.
+      cudaFreeHost(host_stage_);
+      host_stage_ = nullptr;
+      host_stage_bytes_ = 0;
+    }
+    const size_t grown =
+        std::max<size_t>(bytes.size() + bytes.size() / 4, 1 << 16);
+    SPECD_CUDA_RETURN_(cudaMallocHost(&host_stage_, grown),
+                       "allocating pinned staging memory");
+    host_stage_bytes_ = grown;
+  }
+  std::memcpy(host_stage_, bytes.data(), bytes.size());
+  SPECD_CUDA_RETURN_(cudaMemcpyAsync(meta_.ptr, host_stage_, bytes.size(),
+                                     cudaMemcpyHostToDevice, stream_),
+                     "uploading step metadata");
+  return absl::OkStatus();
+}
+
+// Enqueues the step's kernels on stream_. Allocates nothing, synchronises
+// nothing and reads nothing back, so that it can be captured into a CUDA graph.
+absl::Status CudaBackend::Enqueue(const Step &step) {
+  const ModelConfig &c = config_;
+  const int64_t T = step.T, R = step.R;
+  const int64_t H = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
+  const int64_t QD = int64_t{c.num_heads} * hd, KVD = kv_dim_,
+                QKVD = QD + 2 * KVD;
+  void *meta = meta_.ptr;
+  float *residual = static_cast<float *>(residual_.ptr);
+  bf16 *x = static_cast<bf16 *>(x_.ptr);
+  bf16 *normed = static_cast<bf16 *>(normed_.ptr);
+  bf16 *qkv = static_cast<bf16 *>(qkv_.ptr);
+  bf16 *attn = static_cast<bf16 *>(attn_.ptr);
+  bf16 *gate_up = static_cast<bf16 *>(gate_up_.ptr);
+  bf16 *act = static_cast<bf16 *>(act_.ptr);
+  const int32_t *block_tables = At<int32_t>(meta, step.o_tables);
 
   cuda::EmbeddingParams emb;
-  emb.tokens = At<int32_t>(meta_.ptr, o_tokens);
+  emb.tokens = At<int32_t>(meta, step.o_tokens);
   emb.table = embed_;
   emb.out = x;
   emb.num_tokens = T;
@@ -570,7 +825,7 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
   emb.hidden = H;
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(emb, stream_), "embedding");
 
-  const auto norm = [&](const bf16* in, bool init, const bf16* w, bf16* out,
+  const auto norm = [&](const bf16 *in, bool init, const bf16 *w, bf16 *out,
                         int64_t rows_n) -> absl::Status {
     cuda::RmsNormParams p;
     p.x = in;
@@ -586,11 +841,12 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
   };
 
   for (int l = 0; l < c.num_layers; ++l) {
-    const LayerWeights& w = layers_[l];
-    // Layer 0 starts the residual stream from the embedding; later layers add the previous
-    // MLP's output (in x) to it.
+    const LayerWeights &w = layers_[l];
+    // Layer 0 starts the residual stream from the embedding; later layers add
+    // the previous MLP's output (in x) to it.
     SPECD_RETURN_IF_ERROR_(norm(x, l == 0, w.input_norm, normed, T));
-    SPECD_RETURN_IF_ERROR_(Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
+    SPECD_RETURN_IF_ERROR_(
+        Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
 
     cuda::RopeParams rope;
     rope.q = qkv;
@@ -599,7 +855,7 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
     rope.k = qkv + QD;
     rope.k_stride = QKVD;
     rope.num_k_heads = c.num_kv_heads;
-    rope.positions = At<int32_t>(meta_.ptr, o_positions);
+    rope.positions = At<int32_t>(meta, step.o_positions);
     rope.inv_freq = inv_freq_;
     rope.q_norm_weight = w.q_norm;
     rope.k_norm_weight = w.k_norm;
@@ -615,7 +871,7 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
     kw.v_stride = QKVD;
     kw.k_cache = k_pool_ + l * layer_stride_;
     kw.v_cache = v_pool_ + l * layer_stride_;
-    kw.slots = At<int64_t>(meta_.ptr, o_slots);
+    kw.slots = At<int64_t>(meta, step.o_slots);
     kw.num_tokens = T;
     kw.kv_dim = KVD;
     SPECD_CUDA_RETURN_(cuda::KvCacheWriteCuda(kw, stream_), "KV write");
@@ -627,18 +883,18 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
     ap.out_stride = QD;
     ap.k_cache = kw.k_cache;
     ap.v_cache = kw.v_cache;
-    ap.block_tables = d_block_tables_;
-    ap.max_blocks_per_seq = max_blocks;
+    ap.block_tables = block_tables;
+    ap.max_blocks_per_seq = step.max_blocks;
     ap.block_size = kKvBlockTokens;
-    ap.query_seq = At<int32_t>(meta_.ptr, o_query_seq);
-    ap.kv_end = At<int32_t>(meta_.ptr, o_kv_end);
-    ap.mask_begin = At<int32_t>(meta_.ptr, o_mask_begin);
-    ap.mask = At<uint32_t>(meta_.ptr, o_mask);
-    ap.tile_begin = At<int32_t>(meta_.ptr, o_tile_begin);
-    ap.tile_end = At<int32_t>(meta_.ptr, o_tile_end);
-    ap.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
-    ap.num_splits = plan.num_splits;
-    ap.workspace = static_cast<float*>(attn_ws_.ptr);
+    ap.query_seq = At<int32_t>(meta, step.o_query_seq);
+    ap.kv_end = At<int32_t>(meta, step.o_kv_end);
+    ap.mask_begin = At<int32_t>(meta, step.o_mask_begin);
+    ap.mask = At<uint32_t>(meta, step.o_mask);
+    ap.tile_begin = At<int32_t>(meta, step.o_tile_begin);
+    ap.tile_end = At<int32_t>(meta, step.o_tile_end);
+    ap.num_tiles = step.num_tiles;
+    ap.num_splits = step.num_splits;
+    ap.workspace = static_cast<float *>(attn_ws_.ptr);
     ap.num_queries = T;
     ap.num_heads = c.num_heads;
     ap.num_kv_heads = c.num_kv_heads;
@@ -648,7 +904,8 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
 
     SPECD_RETURN_IF_ERROR_(Gemm(attn, w.o_proj, nullptr, x, false, T, H, QD));
     SPECD_RETURN_IF_ERROR_(norm(x, false, w.post_norm, normed, T));
-    SPECD_RETURN_IF_ERROR_(Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
+    SPECD_RETURN_IF_ERROR_(
+        Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
     cuda::SwiGluParams sw;
     sw.gate_up = gate_up;
     sw.out = act;
@@ -657,181 +914,385 @@ absl::Status CudaBackend::RunForward(absl::Span<const ForwardItem> items, const 
     SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
     SPECD_RETURN_IF_ERROR_(Gemm(act, w.down, nullptr, x, false, T, H, F));
   }
-  // Final norm of every token (cheap next to the LM head), then the requested rows only.
+  // Final norm of every token (cheap next to the LM head), then the requested
+  // rows only.
   SPECD_RETURN_IF_ERROR_(norm(x, c.num_layers == 0, final_norm_, normed, T));
-  if (R == 0) return absl::OkStatus();
-  cuda::EmbeddingParams gather;  // a row gather: the "table" is the normed activations
-  gather.tokens = At<int32_t>(meta_.ptr, o_rows);
+  if (R == 0)
+    return absl::OkStatus();
+  cuda::EmbeddingParams
+      gather; // a row gather: the "table" is the normed activations
+  gather.tokens = At<int32_t>(meta, step.o_rows);
   gather.table = normed;
-  gather.out = static_cast<bf16*>(last_.ptr);
+  gather.out = static_cast<bf16 *>(last_.ptr);
   gather.num_tokens = R;
   gather.vocab_size = T;
   gather.hidden = H;
-  SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_), "gathering logit rows");
-  return Gemm(static_cast<bf16*>(last_.ptr), lm_head_, nullptr, logits_.ptr, true, R, c.vocab_size,
-              H);
+  SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_),
+                     "gathering logit rows");
+  SPECD_RETURN_IF_ERROR_(Gemm(static_cast<bf16 *>(last_.ptr), lm_head_, nullptr,
+                              logits_.ptr, true, R, c.vocab_size, H));
+  if (!step.verify)
+    return absl::OkStatus();
+
+  // Verify: sample every row, accept along each tree, compact the accepted KV.
+  int32_t *accepted = At<int32_t>(meta, step.o_out);
+  int32_t *out_tokens = accepted + step.batch;
+  int32_t *out_nodes = out_tokens + step.batch * step.out_stride;
+  cuda::SampleParams sp;
+  sp.logits = static_cast<const float *>(logits_.ptr);
+  sp.logits_stride = c.vocab_size;
+  sp.rows = At<cuda::SampleRowParams>(meta, step.o_row_params);
+  sp.tokens = At<int32_t>(meta, step.o_sampled);
+  sp.num_rows = R;
+  sp.vocab_size = c.vocab_size;
+  sp.workspace = sample_ws_.ptr;
+  SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
+
+  cuda::TreeAcceptParams tp;
+  tp.sampled = sp.tokens;
+  tp.sample_offset = At<int32_t>(meta, step.o_sample_offset);
+  tp.tree_tokens = At<int32_t>(meta, step.o_tree_tokens);
+  tp.tree_parents = At<int32_t>(meta, step.o_tree_parents);
+  tp.node_offset = At<int32_t>(meta, step.o_node_offset);
+  tp.num_nodes = At<int32_t>(meta, step.o_num_nodes);
+  tp.out_tokens = out_tokens;
+  tp.out_nodes = out_nodes;
+  tp.out_accepted = accepted;
+  tp.out_stride = step.out_stride;
+  tp.num_seqs = step.batch;
+  SPECD_CUDA_RETURN_(cuda::TreeAcceptCuda(tp, stream_), "tree acceptance");
+
+  cuda::KvCacheCompactParams cp;
+  cp.k_cache = k_pool_;
+  cp.v_cache = v_pool_;
+  cp.num_layers = c.num_layers;
+  cp.layer_stride = layer_stride_;
+  cp.kv_dim = kv_dim_;
+  cp.block_tables = block_tables;
+  cp.max_blocks_per_seq = step.max_blocks;
+  cp.block_size = kKvBlockTokens;
+  cp.seq_rows = At<int32_t>(meta, step.o_seq_rows);
+  cp.base_slot = At<int32_t>(meta, step.o_base_slot);
+  cp.nodes = out_nodes;
+  cp.num_nodes = accepted;
+  cp.node_stride = step.out_stride;
+  cp.num_seqs = step.batch;
+  SPECD_CUDA_RETURN_(cuda::KvCacheCompactCuda(cp, stream_), "KV compaction");
+  return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) {
-  if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
+void CudaBackend::ClearGraphs() {
+  for (auto &[key, entry] : graphs_) {
+    if (entry.exec != nullptr)
+      cudaGraphExecDestroy(entry.exec);
+  }
+  graphs_.clear();
+}
+
+// Runs a prepared step: eagerly, or as a CUDA graph when the step is padded. A
+// bucket's graph is captured on its second use, so the first use runs (and
+// warms up) the same launches eagerly: cuBLASLt's plans and lazily loaded
+// kernels are in place before capture, and a bucket used once costs no capture.
+absl::Status CudaBackend::Execute(const Step &step) {
+  if (!step.padded)
+    return Enqueue(step);
+  if (buffer_generation_ != graphs_generation_) {
+    // A buffer a graph points into was reallocated (Ensure synchronised the
+    // stream first).
+    ClearGraphs();
+    graphs_generation_ = buffer_generation_;
+  }
+  // Everything a launch takes by value, and every pointer it takes: equal keys
+  // launch equal kernels with equal arguments. Buffer pointers are covered by
+  // the generation.
+  const std::vector<int64_t> key = {step.verify,
+                                    step.batch,
+                                    step.per_seq,
+                                    step.T,
+                                    step.R,
+                                    step.max_blocks,
+                                    step.num_tiles,
+                                    step.num_splits,
+                                    step.ws_floats,
+                                    step.out_stride,
+                                    static_cast<int64_t>(step.o_tokens),
+                                    static_cast<int64_t>(step.o_positions),
+                                    static_cast<int64_t>(step.o_query_seq),
+                                    static_cast<int64_t>(step.o_kv_end),
+                                    static_cast<int64_t>(step.o_mask_begin),
+                                    static_cast<int64_t>(step.o_mask),
+                                    static_cast<int64_t>(step.o_slots),
+                                    static_cast<int64_t>(step.o_tables),
+                                    static_cast<int64_t>(step.o_rows),
+                                    static_cast<int64_t>(step.o_tile_begin),
+                                    static_cast<int64_t>(step.o_tile_end),
+                                    static_cast<int64_t>(step.o_row_params),
+                                    static_cast<int64_t>(step.o_sample_offset),
+                                    static_cast<int64_t>(step.o_node_offset),
+                                    static_cast<int64_t>(step.o_num_nodes),
+                                    static_cast<int64_t>(step.o_tree_tokens),
+                                    static_cast<int64_t>(step.o_tree_parents),
+                                    static_cast<int64_t>(step.o_seq_rows),
+                                    static_cast<int64_t>(step.o_base_slot),
+                                    static_cast<int64_t>(step.o_sampled),
+                                    static_cast<int64_t>(step.o_out)};
+  GraphEntry &entry = graphs_[key];
+  if (entry.exec == nullptr) {
+    if (entry.failed || ++entry.uses < 2)
+      return Enqueue(step);
+    cudaGraph_t graph = nullptr;
+    SPECD_CUDA_RETURN_(
+        cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+        "beginning graph capture");
+    const absl::Status enqueued = Enqueue(step);
+    // Always end the capture, so the stream leaves capture mode whatever
+    // happened.
+    const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+    cudaError_t instantiated = cudaErrorUnknown;
+    if (enqueued.ok() && ended == cudaSuccess && graph != nullptr) {
+      instantiated = cudaGraphInstantiate(&entry.exec, graph, 0);
+    }
+    if (graph != nullptr)
+      cudaGraphDestroy(graph);
+    if (!enqueued.ok() || ended != cudaSuccess || instantiated != cudaSuccess) {
+      entry.exec = nullptr;
+      entry.failed = true;
+      cudaGetLastError(); // a failed capture leaves a sticky-free error behind;
+                          // clear it
+      std::fprintf(
+          stderr,
+          "specd cuda backend: graph capture failed (batch %lld, %lld tokens a "
+          "sequence): %s / %s / %s; this bucket runs eagerly\n",
+          static_cast<long long>(step.batch),
+          static_cast<long long>(step.per_seq), enqueued.ToString().c_str(),
+          cudaGetErrorName(ended), cudaGetErrorName(instantiated));
+      return Enqueue(step);
+    }
+    ++graphs_captured_;
+  }
+  SPECD_CUDA_RETURN_(cudaGraphLaunch(entry.exec, stream_),
+                     "launching a CUDA graph");
+  ++graph_launches_;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items,
+                                  std::vector<float> *logits) {
+  if (logits == nullptr)
+    return absl::InvalidArgumentError("logits is null");
   logits->clear();
   absl::StatusOr<Batch> batch = Validate(items);
-  if (!batch.ok()) return batch.status();
-  if (items.empty()) return absl::OkStatus();
-  SPECD_RETURN_IF_ERROR_(RunForward(items, *batch));
-  logits->resize(static_cast<size_t>(batch->rows) * config_.vocab_size);
-  SPECD_CUDA_RETURN_(cudaMemcpyAsync(logits->data(), logits_.ptr, logits->size() * sizeof(float),
-                                     cudaMemcpyDeviceToHost, stream_),
-                     "copying logits");
+  if (!batch.ok())
+    return batch.status();
+  if (items.empty())
+    return absl::OkStatus();
+  SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
+  Step step;
+  std::vector<int64_t> item_tokens;
+  // A padded sequence has per_seq token slots and per_seq logit rows (rows may
+  // repeat).
+  for (const ForwardItem &it : items) {
+    item_tokens.push_back(
+        static_cast<int64_t>(std::max(it.tokens.size(), it.logit_rows.size())));
+  }
+  ChooseBuckets(item_tokens, &step);
+  Packer pack;
+  SPECD_RETURN_IF_ERROR_(LayoutForward(items, *batch, &step, &pack));
+  SPECD_RETURN_IF_ERROR_(PrepareBuffers(step, pack.bytes().size()));
+  SPECD_RETURN_IF_ERROR_(UploadMeta(pack));
+  SPECD_RETURN_IF_ERROR_(Execute(step));
+  const int64_t vocab = config_.vocab_size;
+  logits->resize(static_cast<size_t>(batch->rows) * vocab);
+  // Each item's rows are contiguous on the device; runs of items that follow
+  // each other there go back in one copy (a whole decode batch is one run).
+  int64_t dst = 0;
+  for (size_t b = 0; b < items.size();) {
+    const int64_t src = step.item_row_begin[b];
+    int64_t n = static_cast<int64_t>(items[b].logit_rows.size());
+    size_t e = b + 1;
+    while (e < items.size() && step.item_row_begin[e] == src + n) {
+      n += static_cast<int64_t>(items[e].logit_rows.size());
+      ++e;
+    }
+    if (n > 0) {
+      SPECD_CUDA_RETURN_(
+          cudaMemcpyAsync(logits->data() + dst * vocab,
+                          static_cast<const float *>(logits_.ptr) + src * vocab,
+                          static_cast<size_t>(n) * vocab * sizeof(float),
+                          cudaMemcpyDeviceToHost, stream_),
+          "copying logits");
+    }
+    dst += n;
+    b = e;
+  }
   SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "forward pass");
   return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------------
-// Verify on the device.
+// Verify on the device: one metadata upload, one graph (or the same launches
+// eagerly), one copy of the outcomes back.
 
-absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(absl::Span<const VerifyItem> items) {
+absl::StatusOr<std::vector<VerifyOutcome>>
+CudaBackend::Verify(absl::Span<const VerifyItem> items) {
   const int vocab = config_.vocab_size;
   std::vector<ForwardItem> forward(items.size());
   std::vector<int64_t> committed(items.size());
   for (size_t b = 0; b < items.size(); ++b) {
-    const VerifyItem& it = items[b];
+    const VerifyItem &it = items[b];
     if (it.pending.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("verify item ", b, ": no pending token"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("verify item ", b, ": no pending token"));
     }
-    if (absl::Status s = ValidateTree(it.tree, vocab); !s.ok()) return s;
-    if (absl::Status s = ValidateSamplingParams(it.sampling); !s.ok()) return s;
+    if (absl::Status s = ValidateTree(it.tree, vocab); !s.ok())
+      return s;
+    if (absl::Status s = ValidateSamplingParams(it.sampling); !s.ok())
+      return s;
     auto found = seqs_.find(it.seq);
     if (found == seqs_.end()) {
       return absl::NotFoundError(
           absl::StrCat("verify item ", b, ": sequence ", it.seq, " not found"));
     }
-    // The tree's KV slots follow the pending tokens right after the committed prefix.
+    // The tree's KV slots follow the pending tokens right after the committed
+    // prefix.
     if (!found->second.scratch_parents.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "verify item ", b, ": sequence ", it.seq, " has ", found->second.scratch_parents.size(),
+          "verify item ", b, ": sequence ", it.seq, " has ",
+          found->second.scratch_parents.size(),
           " uncommitted scratch nodes; Commit() them before Verify()"));
     }
     committed[b] = found->second.committed;
     const int p = static_cast<int>(it.pending.size());
-    ForwardItem& f = forward[b];
+    ForwardItem &f = forward[b];
     f.seq = it.seq;
     f.tokens = it.pending;
-    f.tokens.insert(f.tokens.end(), it.tree.tokens.begin(), it.tree.tokens.end());
-    for (int i = 0; i < p; ++i) f.parents.push_back(i - 1);
-    for (int32_t parent : it.tree.parents) f.parents.push_back(parent < 0 ? p - 1 : parent + p);
-    for (int i = p - 1; i < static_cast<int>(f.tokens.size()); ++i) f.logit_rows.push_back(i);
+    f.tokens.insert(f.tokens.end(), it.tree.tokens.begin(),
+                    it.tree.tokens.end());
+    for (int i = 0; i < p; ++i)
+      f.parents.push_back(i - 1);
+    for (int32_t parent : it.tree.parents)
+      f.parents.push_back(parent < 0 ? p - 1 : parent + p);
+    for (int i = p - 1; i < static_cast<int>(f.tokens.size()); ++i)
+      f.logit_rows.push_back(i);
   }
   absl::StatusOr<Batch> batch = Validate(forward);
-  if (!batch.ok()) return batch.status();
-  if (items.empty()) return std::vector<VerifyOutcome>{};
-  SPECD_RETURN_IF_ERROR_(RunForward(forward, *batch));
+  if (!batch.ok())
+    return batch.status();
+  if (items.empty())
+    return std::vector<VerifyOutcome>{};
+  SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
 
-  // Sampling rows (the last pending token's, then one per tree node, in item order), the
-  // packed trees, and where each sequence's tree starts in the KV cache.
-  const int num_seqs = static_cast<int>(items.size());
-  std::vector<cuda::SampleRowParams> row_params;
-  std::vector<int32_t> sample_offset, node_offset, num_nodes, tree_tokens, tree_parents, seq_rows,
-      base_slot;
-  int max_nodes = 0;
-  for (int b = 0; b < num_seqs; ++b) {
-    const VerifyItem& it = items[b];
+  Step step;
+  step.verify = true;
+  std::vector<int64_t> item_tokens;
+  for (const ForwardItem &f : forward)
+    item_tokens.push_back(static_cast<int64_t>(f.tokens.size()));
+  ChooseBuckets(item_tokens, &step);
+  Packer pack;
+  SPECD_RETURN_IF_ERROR_(LayoutForward(forward, *batch, &step, &pack));
+
+  // Sampling rows (the last pending token's, then one per tree node, at the
+  // item's logit rows), the packed trees, and where each sequence's tree starts
+  // in the KV cache. Padding rows and sequences sample greedily from rows no
+  // one reads; a padding sequence has no tree nodes, so it accepts nothing and
+  // compacts nothing.
+  const int64_t num_seqs = static_cast<int64_t>(items.size());
+  int64_t max_nodes = 0;
+  for (const VerifyItem &it : items)
+    max_nodes = std::max<int64_t>(max_nodes, it.tree.size());
+  step.out_stride = step.padded ? step.per_seq : max_nodes + 1;
+  std::vector<cuda::SampleRowParams> row_params(step.R);
+  std::vector<int32_t> sample_offset(step.batch, 0), node_offset(step.batch, 0),
+      num_nodes(step.batch, 0), seq_rows(step.batch, 0),
+      base_slot(step.batch, 0);
+  std::vector<int32_t> tree_tokens, tree_parents;
+  for (int64_t b = 0; b < step.batch; ++b) {
+    seq_rows[b] = static_cast<int32_t>(b);
+    sample_offset[b] =
+        static_cast<int32_t>(b < num_seqs ? step.item_row_begin[b] : 0);
+    if (step.padded) {
+      // Fixed tree sections of per_seq nodes, so the layout depends on the
+      // bucket only.
+      node_offset[b] = static_cast<int32_t>(b * step.per_seq);
+    } else {
+      node_offset[b] = static_cast<int32_t>(tree_tokens.size());
+    }
+    if (b >= num_seqs)
+      continue;
+    const VerifyItem &it = items[b];
     const int64_t p = static_cast<int64_t>(it.pending.size());
     const int64_t first_position = committed[b] + p;
     const std::vector<int> depth = TreeDepths(it.tree);
-    sample_offset.push_back(static_cast<int32_t>(row_params.size()));
-    node_offset.push_back(static_cast<int32_t>(tree_tokens.size()));
-    num_nodes.push_back(it.tree.size());
-    seq_rows.push_back(b);
-    base_slot.push_back(static_cast<int32_t>(committed[b] + p));
-    max_nodes = std::max(max_nodes, it.tree.size());
-    tree_tokens.insert(tree_tokens.end(), it.tree.tokens.begin(), it.tree.tokens.end());
-    tree_parents.insert(tree_parents.end(), it.tree.parents.begin(), it.tree.parents.end());
+    num_nodes[b] = it.tree.size();
+    base_slot[b] = static_cast<int32_t>(committed[b] + p);
+    tree_tokens.resize(node_offset[b]);
+    tree_parents.resize(node_offset[b]);
+    tree_tokens.insert(tree_tokens.end(), it.tree.tokens.begin(),
+                       it.tree.tokens.end());
+    tree_parents.insert(tree_parents.end(), it.tree.parents.begin(),
+                        it.tree.parents.end());
     for (int node = -1; node < it.tree.size(); ++node) {
-      cuda::SampleRowParams r;
+      cuda::SampleRowParams &r = row_params[sample_offset[b] + node + 1];
       r.seed = it.sampling.seed;
       r.position = first_position + (node < 0 ? 0 : depth[node] + 1);
       r.temperature = it.sampling.temperature;
       r.top_p = it.sampling.top_p;
       r.top_k = it.sampling.top_k;
-      row_params.push_back(r);
     }
   }
-  const int out_stride = max_nodes + 1;
-  Packer pack;
-  const size_t o_rows = pack.Add(row_params), o_sample_offset = pack.Add(sample_offset),
-               o_node_offset = pack.Add(node_offset), o_num_nodes = pack.Add(num_nodes),
-               o_tree_tokens = pack.Add(tree_tokens), o_tree_parents = pack.Add(tree_parents),
-               o_seq_rows = pack.Add(seq_rows), o_base_slot = pack.Add(base_slot);
-  // Outputs follow the inputs in the same buffer: sampled tokens, then (copied back in one
-  // piece) accepted counts, accepted tokens and accepted nodes.
-  const size_t o_sampled = pack.Add(std::vector<int32_t>(row_params.size()));
-  const size_t o_out = pack.Add(std::vector<int32_t>(num_seqs * (1 + 2 * out_stride)));
-  const size_t out_bytes = static_cast<size_t>(num_seqs) * (1 + 2 * out_stride) * sizeof(int32_t);
-  SPECD_RETURN_IF_ERROR_(Ensure(&verify_, pack.bytes().size()));
-  SPECD_CUDA_RETURN_(
-      cudaMemcpyAsync(verify_.ptr, pack.bytes().data(), o_sampled, cudaMemcpyHostToDevice, stream_),
-      "uploading verify metadata");
-  int32_t* accepted = At<int32_t>(verify_.ptr, o_out);
-  int32_t* out_tokens = accepted + num_seqs;
-  int32_t* out_nodes = out_tokens + num_seqs * out_stride;
+  if (step.padded) {
+    tree_tokens.resize(step.batch * step.per_seq, 0);
+    tree_parents.resize(step.batch * step.per_seq, -1);
+  }
+  const size_t out_count =
+      static_cast<size_t>(step.batch) * (1 + 2 * step.out_stride);
+  step.o_row_params = pack.Add(row_params);
+  step.o_sample_offset = pack.Add(sample_offset);
+  step.o_node_offset = pack.Add(node_offset);
+  step.o_num_nodes = pack.Add(num_nodes);
+  step.o_tree_tokens = pack.Add(tree_tokens);
+  step.o_tree_parents = pack.Add(tree_parents);
+  step.o_seq_rows = pack.Add(seq_rows);
+  step.o_base_slot = pack.Add(base_slot);
+  // Outputs follow the inputs in the same buffer (uploaded as zeros): sampled
+  // tokens, then (copied back in one piece) accepted counts, accepted tokens
+  // and accepted nodes.
+  step.o_sampled = pack.Add(std::vector<int32_t>(step.R));
+  step.o_out = pack.Add(std::vector<int32_t>(out_count));
 
-  cuda::SampleParams sp;
-  sp.logits = static_cast<const float*>(logits_.ptr);
-  sp.logits_stride = vocab;
-  sp.rows = At<cuda::SampleRowParams>(verify_.ptr, o_rows);
-  sp.tokens = At<int32_t>(verify_.ptr, o_sampled);
-  sp.num_rows = static_cast<int64_t>(row_params.size());
-  sp.vocab_size = vocab;
-  SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
-
-  cuda::TreeAcceptParams ap;
-  ap.sampled = sp.tokens;
-  ap.sample_offset = At<int32_t>(verify_.ptr, o_sample_offset);
-  ap.tree_tokens = At<int32_t>(verify_.ptr, o_tree_tokens);
-  ap.tree_parents = At<int32_t>(verify_.ptr, o_tree_parents);
-  ap.node_offset = At<int32_t>(verify_.ptr, o_node_offset);
-  ap.num_nodes = At<int32_t>(verify_.ptr, o_num_nodes);
-  ap.out_tokens = out_tokens;
-  ap.out_nodes = out_nodes;
-  ap.out_accepted = accepted;
-  ap.out_stride = out_stride;
-  ap.num_seqs = num_seqs;
-  SPECD_CUDA_RETURN_(cuda::TreeAcceptCuda(ap, stream_), "tree acceptance");
-
-  cuda::KvCacheCompactParams cp;
-  cp.k_cache = k_pool_;
-  cp.v_cache = v_pool_;
-  cp.num_layers = config_.num_layers;
-  cp.layer_stride = layer_stride_;
-  cp.kv_dim = kv_dim_;
-  cp.block_tables = d_block_tables_;
-  cp.max_blocks_per_seq = max_blocks_per_seq_;
-  cp.block_size = kKvBlockTokens;
-  cp.seq_rows = At<int32_t>(verify_.ptr, o_seq_rows);
-  cp.base_slot = At<int32_t>(verify_.ptr, o_base_slot);
-  cp.nodes = out_nodes;
-  cp.num_nodes = accepted;
-  cp.node_stride = out_stride;
-  cp.num_seqs = num_seqs;
-  SPECD_CUDA_RETURN_(cuda::KvCacheCompactCuda(cp, stream_), "KV compaction");
-
-  std::vector<int32_t> out(static_cast<size_t>(num_seqs) * (1 + 2 * out_stride));
-  SPECD_CUDA_RETURN_(
-      cudaMemcpyAsync(out.data(), accepted, out_bytes, cudaMemcpyDeviceToHost, stream_),
-      "copying verify outcomes");
+  SPECD_RETURN_IF_ERROR_(PrepareBuffers(step, pack.bytes().size()));
+  SPECD_RETURN_IF_ERROR_(UploadMeta(pack));
+  SPECD_RETURN_IF_ERROR_(Execute(step));
+  if (host_out_count_ < out_count) {
+    if (host_out_ != nullptr)
+      cudaFreeHost(host_out_);
+    host_out_ = nullptr;
+    host_out_count_ = 0;
+    void *p = nullptr;
+    SPECD_CUDA_RETURN_(cudaMallocHost(&p, out_count * sizeof(int32_t)),
+                       "allocating pinned outcome memory");
+    host_out_ = static_cast<int32_t *>(p);
+    host_out_count_ = out_count;
+  }
+  SPECD_CUDA_RETURN_(cudaMemcpyAsync(host_out_,
+                                     At<int32_t>(meta_.ptr, step.o_out),
+                                     out_count * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream_),
+                     "copying verify outcomes");
   SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "verify step");
 
+  const int32_t *out = host_out_;
+  const int64_t launched = step.batch, stride = step.out_stride;
   std::vector<VerifyOutcome> outcomes(num_seqs);
-  for (int b = 0; b < num_seqs; ++b) {
+  for (int64_t b = 0; b < num_seqs; ++b) {
     const int n = out[b];
-    const int32_t* toks = out.data() + num_seqs + static_cast<size_t>(b) * out_stride;
-    const int32_t* nodes = out.data() + num_seqs + static_cast<size_t>(num_seqs + b) * out_stride;
-    VerifyOutcome& o = outcomes[b];
+    const int32_t *toks = out + launched + b * stride;
+    const int32_t *nodes = out + launched + (launched + b) * stride;
+    VerifyOutcome &o = outcomes[b];
     o.tokens.assign(toks, toks + n + 1);
     o.accepted_nodes.assign(nodes, nodes + n);
     o.accepted_draft = n;
-    Sequence& s = *batch->seqs[b];
+    Sequence &s = *batch->seqs[b];
     s.committed += static_cast<int64_t>(items[b].pending.size()) + n;
     s.scratch_parents.clear();
     s.scratch_depth.clear();
@@ -840,4 +1301,4 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(absl::Span<const 
   return outcomes;
 }
 
-}  // namespace specd
+} // namespace specd

@@ -1,25 +1,40 @@
-// The bf16 CUDA backend: Backend (engine/backend.h) on one NVIDIA GPU with the kernels of
-// kernels/cuda. Weights are uploaded as bf16 (q/k/v and gate/up fused into one GEMM each);
-// GEMMs go through cuBLASLt with fp32 accumulation; the residual stream is fp32.
+// The bf16 CUDA backend: Backend (engine/backend.h) on one NVIDIA GPU with the
+// kernels of kernels/cuda. Weights are uploaded as bf16 (q/k/v and gate/up
+// fused into one GEMM each); GEMMs go through cuBLASLt with fp32 accumulation;
+// the residual stream is fp32.
 //
-// KV cache. One pool per tensor for all layers, [num_layers, num_slots, kv_dim] bf16, allocated
-// at load for BackendOptions::kv_capacity_tokens (clamped to the free device memory), in blocks
-// of kKvBlockTokens slots with per-sequence block tables -- the CPU backend's bookkeeping, so
-// committed prefixes take logical slots [0, L) and scratch nodes the slots after them.
+// KV cache. One pool per tensor for all layers, [num_layers, num_slots, kv_dim]
+// bf16, allocated at load for BackendOptions::kv_capacity_tokens (clamped to
+// the free device memory), in blocks of kKvBlockTokens slots with per-sequence
+// block tables -- the CPU backend's bookkeeping, so committed prefixes take
+// logical slots [0, L) and scratch nodes the slots after them.
 //
-// Verify() runs on the device end to end: one forward pass over every sequence's pending
-// tokens and tree, sampling of every tree row (Philox, the host sampler's semantics), tree
-// acceptance and compaction of the accepted KV, then a single copy of the outcomes to the host.
+// Verify() runs on the device end to end: one forward pass over every
+// sequence's pending tokens and tree, sampling of every tree row (Philox, the
+// host sampler's semantics), tree acceptance and compaction of the accepted KV,
+// then a single copy of the outcomes to the host.
 //
-// Attention masks. A scratch node sees the committed prefix, then the run of scratch nodes
-// 0..a that form a chain from the committed end (its deepest such ancestor a), then its other
-// ancestors through a 256-bit mask; so a node may lie at most 256 scratch slots past a. Verify
-// steps (pending chain + a tree of <= 256 nodes) and prefill chains always fit; a Forward()
-// whose scratch region grows wider off the chain is refused with UNIMPLEMENTED.
+// Attention masks. A scratch node sees the committed prefix, then the run of
+// scratch nodes 0..a that form a chain from the committed end (its deepest such
+// ancestor a), then its other ancestors through a 256-bit mask; so a node may
+// lie at most 256 scratch slots past a. Verify steps (pending chain + a tree of
+// <= 256 nodes) and prefill chains always fit; a Forward() whose scratch region
+// grows wider off the chain is refused with UNIMPLEMENTED.
 //
-// Not thread-safe: one thread drives a backend. Numerics: logits agree with the fp32 CPU
-// backend to bf16 accuracy (tests/gpu/cuda_backend_test.cc); they are not bit-identical across
-// batch shapes, since cuBLASLt picks its algorithm per GEMM shape.
+// CUDA graphs (BackendOptions::cuda_graphs). A decode or verify step of at most
+// 64 sequences and 257 tokens a sequence is padded to a bucket -- batch 1, 2,
+// 4, ..., 64 times 1, 2, 3, 5, 9, ..., 257 tokens a sequence (the pending token
+// and a tree of up to 2^k nodes) -- and from its second use on replays a graph
+// captured for that bucket: one metadata copy up, one graph launch, one copy of
+// the logits or outcomes down. Padding rows write no KV (slot -1), read only,
+// and are never sampled into an outcome. Prefill-sized steps run eagerly.
+//
+// Not thread-safe: one thread drives a backend. Numerics: logits agree with the
+// fp32 CPU backend to bf16 accuracy (tests/gpu/cuda_backend_test.cc). GEMMs of
+// up to BackendOptions::cuda_gemm_invariant_rows rows are row-invariant, and
+// the attention split ignores padding, so a token's logits do not depend on the
+// bucket, on graphs, or (while the attention takes one split, i.e. short
+// contexts or wide batches) on the rest of the batch.
 #ifndef SPECD_ENGINE_CUDA_CUDA_BACKEND_H_
 #define SPECD_ENGINE_CUDA_CUDA_BACKEND_H_
 
@@ -41,72 +56,123 @@
 namespace specd {
 
 class CudaBackend : public Backend {
- public:
+public:
   static constexpr int64_t kKvBlockTokens = 16;
 
   // Loads the model folder `dir` onto CUDA device `device`.
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const std::string& dir, int device,
-                                                             const BackendOptions& options);
+  static absl::StatusOr<std::unique_ptr<CudaBackend>>
+  Create(const std::string &dir, int device, const BackendOptions &options);
   ~CudaBackend() override;
 
-  const ModelConfig& config() const override { return config_; }
+  const ModelConfig &config() const override { return config_; }
   absl::Status AddSequence(SeqId seq) override;
   absl::Status RemoveSequence(SeqId seq) override;
   bool HasSequence(SeqId seq) const override;
   absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override;
-  absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
+  absl::Status Forward(absl::Span<const ForwardItem> items,
+                       std::vector<float> *logits) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
-  absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
+  absl::StatusOr<std::vector<VerifyOutcome>>
+  Verify(absl::Span<const VerifyItem> items) override;
 
- private:
+private:
   using bf16 = __nv_bfloat16;
 
   struct LayerWeights {
-    bf16* input_norm = nullptr;  // [hidden]
-    bf16* qkv = nullptr;         // [q_dim + 2 kv_dim, hidden]: q_proj, k_proj, v_proj rows
-    bf16* qkv_bias = nullptr;    // [q_dim + 2 kv_dim] or null
-    bf16* q_norm = nullptr;      // [head_dim] or null
-    bf16* k_norm = nullptr;      // [head_dim] or null
-    bf16* o_proj = nullptr;      // [hidden, q_dim]
-    bf16* post_norm = nullptr;   // [hidden]
-    bf16* gate_up = nullptr;     // [2 intermediate, hidden]: gate_proj, up_proj rows
-    bf16* down = nullptr;        // [hidden, intermediate]
+    bf16 *input_norm = nullptr; // [hidden]
+    bf16 *qkv =
+        nullptr; // [q_dim + 2 kv_dim, hidden]: q_proj, k_proj, v_proj rows
+    bf16 *qkv_bias = nullptr;  // [q_dim + 2 kv_dim] or null
+    bf16 *q_norm = nullptr;    // [head_dim] or null
+    bf16 *k_norm = nullptr;    // [head_dim] or null
+    bf16 *o_proj = nullptr;    // [hidden, q_dim]
+    bf16 *post_norm = nullptr; // [hidden]
+    bf16 *gate_up =
+        nullptr;          // [2 intermediate, hidden]: gate_proj, up_proj rows
+    bf16 *down = nullptr; // [hidden, intermediate]
   };
   struct Sequence {
     int64_t committed = 0;
     std::vector<int32_t> blocks;
     std::vector<int32_t> scratch_parents;
     std::vector<int32_t> scratch_depth;
-    int64_t tokens() const { return committed + static_cast<int64_t>(scratch_parents.size()); }
+    int64_t tokens() const {
+      return committed + static_cast<int64_t>(scratch_parents.size());
+    }
   };
   // A device allocation that grows on demand (contents not preserved).
   struct Scratch {
-    void* ptr = nullptr;
+    void *ptr = nullptr;
     size_t bytes = 0;
   };
-  // A validated batch: per item its sequence, the new nodes' depths, and for each new node its
-  // deepest ancestor on the chain from the committed end (-1 if none).
+  // A validated batch: per item its sequence, the new nodes' depths, and for
+  // each new node its deepest ancestor on the chain from the committed end (-1
+  // if none).
   struct Batch {
-    std::vector<Sequence*> seqs;
+    std::vector<Sequence *> seqs;
     std::vector<std::vector<int32_t>> depth;
     std::vector<std::vector<int32_t>> spine;
     int64_t tokens = 0;
     int64_t rows = 0;
   };
 
-  CudaBackend(ModelConfig config, int device, const BackendOptions& options);
+  // Packs host arrays into one buffer with 16-byte aligned sections (defined in
+  // the .cc).
+  class Packer;
+  // The launches of one step (see "Step layout" in the .cc): sizes as the
+  // kernels see them and where each metadata array sits in meta_ (byte
+  // offsets).
+  struct Step {
+    bool verify = false;
+    bool padded = false; // rounded up to a (batch, tokens a sequence) bucket
+    int64_t batch = 0;   // sequences launched (padding sequences included)
+    int64_t per_seq =
+        0;         // token slots (and logit rows) of each sequence when padded
+    int64_t T = 0; // token rows launched
+    int64_t R = 0; // logit rows launched
+    int64_t max_blocks = 0; // block-table stride
+    int64_t num_tiles = 0;
+    int num_splits = 1;
+    int64_t ws_floats = 0; // split-KV workspace
+    int64_t out_stride = 0;
+    std::vector<int64_t> item_row_begin; // first logit row of each item
+    size_t o_tokens = 0, o_positions = 0, o_query_seq = 0, o_kv_end = 0,
+           o_mask_begin = 0, o_mask = 0, o_slots = 0, o_tables = 0, o_rows = 0,
+           o_tile_begin = 0, o_tile_end = 0;
+    size_t o_row_params = 0, o_sample_offset = 0, o_node_offset = 0,
+           o_num_nodes = 0, o_tree_tokens = 0, o_tree_parents = 0,
+           o_seq_rows = 0, o_base_slot = 0, o_sampled = 0, o_out = 0;
+  };
+  struct GraphEntry {
+    cudaGraphExec_t exec = nullptr;
+    int uses = 0;
+    bool failed = false;
+  };
+
+  CudaBackend(ModelConfig config, int device, const BackendOptions &options);
   absl::Status Init();
-  absl::Status Upload(const std::vector<float>& host, bf16** out);
-  absl::Status Ensure(Scratch* s, size_t bytes);
+  absl::Status Upload(const std::vector<float> &host, bf16 **out);
+  absl::Status Ensure(Scratch *s, size_t bytes);
   absl::StatusOr<Batch> Validate(absl::Span<const ForwardItem> items);
-  // Appends the batch to the scratch regions and runs the model; leaves
-  // [batch.rows, vocab] fp32 logits in logits_ (rows in item order).
-  absl::Status RunForward(absl::Span<const ForwardItem> items, const Batch& batch);
-  void ReleaseBlocks(Sequence* s, int64_t keep_blocks);
-  int64_t PhysicalSlot(const Sequence& s, int64_t logical) const;
-  absl::Status Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32, int64_t m,
-                    int64_t n, int64_t k);
+  // Picks the step's bucket when graphs are on and the step fits one; false:
+  // run unpadded.
+  bool ChooseBuckets(const std::vector<int64_t> &item_tokens, Step *step) const;
+  // Appends the batch to the scratch regions and lays out the forward pass's
+  // metadata.
+  absl::Status LayoutForward(absl::Span<const ForwardItem> items,
+                             const Batch &batch, Step *step, Packer *pack);
+  absl::Status PrepareBuffers(const Step &step, size_t meta_bytes);
+  absl::Status UploadMeta(const Packer &pack);
+  // Enqueues the model (and for a verify step sampling, acceptance and
+  // compaction); leaves [step.R, vocab] fp32 logits in logits_.
+  absl::Status Enqueue(const Step &step);
+  absl::Status Execute(const Step &step);
+  void ClearGraphs();
+  void ReleaseBlocks(Sequence *s, int64_t keep_blocks);
+  int64_t PhysicalSlot(const Sequence &s, int64_t logical) const;
+  absl::Status Gemm(const bf16 *x, const bf16 *w, const bf16 *bias, void *y,
+                    bool y_fp32, int64_t m, int64_t n, int64_t k);
 
   ModelConfig config_;
   int device_ = 0;
@@ -114,40 +180,69 @@ class CudaBackend : public Backend {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
   int num_sms_ = 0;
-  std::vector<void*> allocations_;  // weights and pools, freed at destruction
+  std::vector<void *> allocations_; // weights and pools, freed at destruction
 
-  float* inv_freq_ = nullptr;  // [head_dim / 2] fp32
-  bf16* embed_ = nullptr;      // [vocab, hidden]
-  bf16* final_norm_ = nullptr;
-  bf16* lm_head_ = nullptr;  // embed_ when tied
+  float *inv_freq_ = nullptr; // [head_dim / 2] fp32
+  bf16 *embed_ = nullptr;     // [vocab, hidden]
+  bf16 *final_norm_ = nullptr;
+  bf16 *lm_head_ = nullptr; // embed_ when tied
   std::vector<LayerWeights> layers_;
 
   int64_t kv_dim_ = 0;
   int64_t num_blocks_ = 0;
-  int64_t layer_stride_ = 0;  // elements between layers in the pools
-  bf16* k_pool_ = nullptr;
-  bf16* v_pool_ = nullptr;
+  int64_t layer_stride_ = 0; // elements between layers in the pools
+  bf16 *k_pool_ = nullptr;
+  bf16 *v_pool_ = nullptr;
   std::vector<int32_t> free_blocks_;
   absl::flat_hash_map<SeqId, Sequence> seqs_;
 
   // Per-call device buffers.
-  Scratch meta_;      // step metadata, uploaded in one copy
-  Scratch residual_;  // [T, hidden] fp32
-  Scratch x_;         // [T, hidden] bf16: embedding, then each sublayer's output
-  Scratch normed_;    // [T, hidden] bf16
-  Scratch qkv_;       // [T, q_dim + 2 kv_dim] bf16
-  Scratch attn_;      // [T, q_dim] bf16
-  Scratch gate_up_;   // [T, 2 intermediate] bf16
-  Scratch act_;       // [T, intermediate] bf16
-  Scratch last_;      // [R, hidden] bf16
-  Scratch logits_;    // [R, vocab] fp32
-  Scratch attn_ws_;   // split-KV workspace
-  Scratch verify_;    // sampling and acceptance outputs
-  // Device pointers into meta_ for the current step (valid until the next upload).
-  const int32_t* d_block_tables_ = nullptr;
-  int64_t max_blocks_per_seq_ = 0;
+  Scratch meta_;     // step metadata, uploaded in one copy
+  Scratch residual_; // [T, hidden] fp32
+  Scratch x_;        // [T, hidden] bf16: embedding, then each sublayer's output
+  Scratch normed_;   // [T, hidden] bf16
+  Scratch qkv_;      // [T, q_dim + 2 kv_dim] bf16
+  Scratch attn_;     // [T, q_dim] bf16
+  Scratch gate_up_;  // [T, 2 intermediate] bf16
+  Scratch act_;      // [T, intermediate] bf16
+  Scratch last_;     // [R, hidden] bf16
+  Scratch logits_;   // [R, vocab] fp32
+  Scratch attn_ws_;  // split-KV workspace
+  Scratch sample_ws_;  // split-vocabulary sampling workspace (SampleWorkspaceBytes)
+  Scratch verify_;   // sampling and acceptance outputs
+
+  // CUDA graphs, keyed by everything their launches take by value. Graphs point
+  // into the buffers above; buffer_generation_ counts their reallocations, and
+  // graphs captured under an older generation are dropped.
+  bool graphs_enabled_ = false;
+  uint64_t buffer_generation_ = 0;
+  uint64_t graphs_generation_ = 0;
+  absl::flat_hash_map<std::vector<int64_t>, GraphEntry> graphs_;
+  int64_t graphs_captured_ = 0;
+  int64_t graph_launches_ = 0;
+  // Pinned host memory: the step's metadata on its way up, the verify outcomes
+  // on their way down.
+  void *host_stage_ = nullptr;
+  size_t host_stage_bytes_ = 0;
+  int32_t *host_out_ = nullptr;
+  size_t host_out_count_ = 0;
+
+public:
+  // Graph statistics, for tests and benchmarks: graphs captured and graph
+  // launches so far.
+  int64_t graphs_captured() const { return graphs_captured_; }
+  int64_t graph_launches() const { return graph_launches_; }
+  bool graphs_enabled() const { return graphs_enabled_; }
+  // Turns graphs on or off from the next step on (the A/B benchmark); captured
+  // graphs are kept.
+  void SetGraphsEnabled(bool on) { graphs_enabled_ = on; }
+  // Weight shapes whose GEMMs are not row-invariant
+  // (BackendOptions::cuda_gemm_invariant_rows).
+  int non_invariant_gemm_shapes() const {
+    return gemm_->non_invariant_shapes();
+  }
 };
 
-}  // namespace specd
+} // namespace specd
 
-#endif  // SPECD_ENGINE_CUDA_CUDA_BACKEND_H_
+#endif // SPECD_ENGINE_CUDA_CUDA_BACKEND_H_

@@ -1,6 +1,5 @@
-#include "specd/kernels/cuda/sampling.h"
-
 #include "kernels/cuda/device_utils.cuh"
+#include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/philox.h"
 
 namespace specd {
@@ -234,12 +233,19 @@ __device__ __forceinline__ float GumbelScreen(double u) {
   return -logf(neg_log_u);
 }
 
-__global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p) {
+// Whether a row needs the top-k/top-p threshold search (else the split path can take it).
+__device__ __forceinline__ bool IsFiltered(const SampleRowParams& rp, int vocab) {
+  return rp.temperature > 0.0f && ((rp.top_k > 0 && rp.top_k < vocab) || rp.top_p < 1.0f);
+}
+
+// One CTA per row. With `only_filtered`, rows the split kernel took are skipped.
+__global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool only_filtered) {
   __shared__ Smem s;
   const int64_t row = blockIdx.x;
   const float* logits = p.logits + row * p.logits_stride;
   const SampleRowParams rp = p.rows[row];
   const int vocab = static_cast<int>(p.vocab_size);
+  if (only_filtered && !IsFiltered(rp, vocab)) return;  // uniform over the CTA
 
   uint64_t best_key = 0;
   for (int id = threadIdx.x; id < vocab; id += kThreads) {
@@ -306,7 +312,213 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p) {
   if (threadIdx.x == 0) p.tokens[row] = best_id >= 0 ? best_id : KeyId(best_key);
 }
 
+// ---- Split path: greedy and unfiltered temperature rows over many CTAs per row. ----
+
+constexpr int kSplitThreads = 256;
+constexpr int kSplitWarps = kSplitThreads / 32;
+constexpr int kSplitPerThread = 16;
+constexpr int kSplitChunk = kSplitThreads * kSplitPerThread;  // tokens per CTA
+
+// One chunk's result: its best sort key (greedy; fallback) and its Gumbel-max winner.
+struct __align__(16) SplitPartial {
+  uint64_t best_key;
+  double score;
+  int32_t id;  // -1: no candidate in the chunk
+  int32_t pad;
+};
+
+struct SplitSmem {
+  uint64_t u64[kSplitWarps];
+  double f64[kSplitWarps];
+  int32_t i32[kSplitWarps];
+  float f32[kSplitWarps];
+  bool last;
+};
+
+__host__ __device__ int64_t NumSplitChunks(int64_t vocab) {
+  return (vocab + kSplitChunk - 1) / kSplitChunk;
+}
+
+// Host-side workspace layout: partials [num_rows, chunks], then tickets [num_rows] uint32.
+__host__ __device__ int64_t SplitTicketsOffset(int64_t num_rows, int64_t vocab) {
+  return num_rows * NumSplitChunks(vocab) * static_cast<int64_t>(sizeof(SplitPartial));
+}
+
+// (score, id) order of the host's Gumbel loop: higher score, then lower id; id < 0 loses.
+__device__ __forceinline__ bool Better(double a, int ia, double b, int ib) {
+  return ia >= 0 && (ib < 0 || a > b || (a == b && ia < ib));
+}
+
+__device__ __forceinline__ uint64_t WarpMaxU64(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t other = __shfl_xor_sync(kFullMask, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+__device__ __forceinline__ void WarpArgmax(double* score, int* id) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const double so = __shfl_xor_sync(kFullMask, *score, o);
+    const int io = __shfl_xor_sync(kFullMask, *id, o);
+    if (Better(so, io, *score, *id)) {
+      *score = so;
+      *id = io;
+    }
+  }
+}
+
+// Block reductions of the split kernel (kSplitThreads threads; every thread gets the result).
+__device__ uint64_t SplitBlockMaxU64(uint64_t v, SplitSmem& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = WarpMaxU64(v);
+  __syncthreads();
+  if (lane == 0) s.u64[warp] = v;
+  __syncthreads();
+  return WarpMaxU64(lane < kSplitWarps ? s.u64[lane] : 0);
+}
+
+__device__ float SplitBlockMaxF32(float v, SplitSmem& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = internal::WarpMax(v);
+  __syncthreads();
+  if (lane == 0) s.f32[warp] = v;
+  __syncthreads();
+  return internal::WarpMax(lane < kSplitWarps ? s.f32[lane] : -INFINITY);
+}
+
+__device__ void SplitBlockArgmax(double* score, int* id, SplitSmem& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  WarpArgmax(score, id);
+  __syncthreads();
+  if (lane == 0) {
+    s.f64[warp] = *score;
+    s.i32[warp] = *id;
+  }
+  __syncthreads();
+  *score = lane < kSplitWarps ? s.f64[lane] : -INFINITY;
+  *id = lane < kSplitWarps ? s.i32[lane] : -1;
+  WarpArgmax(score, id);
+}
+
+// grid = (chunks, rows). Each CTA reduces its chunk of kSplitChunk tokens (loaded once, kept in
+// registers) to a SplitPartial; the row's last CTA to finish reduces the partials in chunk
+// order and writes the token. Rows with top-k/top-p are left to SampleKernel.
+__global__ void __launch_bounds__(kSplitThreads) SampleSplitKernel(SampleParams p) {
+  __shared__ SplitSmem s;
+  const int chunk = blockIdx.x;
+  const int64_t row = blockIdx.y;
+  const int num_chunks = gridDim.x;
+  const int tid = threadIdx.x;
+  const SampleRowParams rp = p.rows[row];
+  const int vocab = static_cast<int>(p.vocab_size);
+  if (IsFiltered(rp, vocab)) return;  // uniform over the CTA, before any barrier
+  const bool greedy = !(rp.temperature > 0.0f);
+  const float* logits = p.logits + row * p.logits_stride;
+  const int base = chunk * kSplitChunk + tid;
+
+  // All loads in flight at once; token i of this thread is base + i * kSplitThreads.
+  float x[kSplitPerThread];
+#pragma unroll
+  for (int i = 0; i < kSplitPerThread; ++i) {
+    const int id = base + i * kSplitThreads;
+    x[i] = id < vocab ? __ldg(logits + id) : -INFINITY;
+  }
+  uint64_t key = 0;  // every real key is > 0 (ids < 2^30)
+#pragma unroll
+  for (int i = 0; i < kSplitPerThread; ++i) {
+    const int id = base + i * kSplitThreads;
+    if (id < vocab) {
+      const uint64_t k = SortKey(x[i], id);
+      key = k > key ? k : key;
+    }
+  }
+  key = SplitBlockMaxU64(key, s);
+
+  double best = -INFINITY;
+  int best_id = -1;
+  if (!greedy) {
+    // Gumbel-max over the chunk. A token more than the Gumbel window below the chunk's best
+    // scaled logit loses to that token, so it needs no noise (the global best only raises the
+    // bar). Screen in fp32, then re-score exactly (as the host does) what is near the chunk's
+    // best screen: the chunk's winner is among those, as in SampleKernel.
+    const double chunk_max = logits[KeyId(key)];
+    const double inv_t = 1.0 / static_cast<double>(rp.temperature);
+    float sc[kSplitPerThread];
+    float best_screen = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kSplitPerThread; ++i) {
+      const int id = base + i * kSplitThreads;
+      sc[i] = NAN;  // not a candidate: fails every comparison
+      if (id < vocab && !((static_cast<double>(x[i]) - chunk_max) * inv_t < -kGumbelWindow)) {
+        const double u =
+            PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
+        sc[i] = static_cast<float>(static_cast<double>(x[i]) * inv_t) + GumbelScreen(u);
+        best_screen = fmaxf(best_screen, sc[i]);
+      }
+    }
+    best_screen = SplitBlockMaxF32(best_screen, s);
+    const float cutoff = best_screen - 1e-3f * (1.0f + fabsf(best_screen));
+#pragma unroll
+    for (int i = 0; i < kSplitPerThread; ++i) {
+      if (!(sc[i] >= cutoff)) continue;
+      const int id = base + i * kSplitThreads;
+      const double u =
+          PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
+      const double score = static_cast<double>(x[i]) * inv_t - log(-log(u));
+      if (best_id < 0 || score > best) {  // ids ascend with i: the lowest id wins ties
+        best = score;
+        best_id = id;
+      }
+    }
+    SplitBlockArgmax(&best, &best_id, s);
+  }
+
+  // Publish the partial, then take a ticket; the last CTA of the row sees every partial.
+  SplitPartial* partials = static_cast<SplitPartial*>(p.workspace) + row * num_chunks;
+  uint32_t* tickets = reinterpret_cast<uint32_t*>(static_cast<char*>(p.workspace) +
+                                                  SplitTicketsOffset(p.num_rows, vocab));
+  if (tid == 0) {
+    SplitPartial part;
+    part.best_key = key;
+    part.score = best;
+    part.id = best_id;
+    part.pad = 0;
+    partials[chunk] = part;
+    __threadfence();
+    s.last = atomicAdd(&tickets[row], 1u) == static_cast<uint32_t>(num_chunks - 1);
+  }
+  __syncthreads();
+  if (!s.last) return;
+  __threadfence();
+  uint64_t row_key = 0;
+  double row_best = -INFINITY;
+  int row_best_id = -1;
+  for (int c = tid; c < num_chunks; c += kSplitThreads) {
+    // L2 reads: the partials were written by other CTAs.
+    const uint64_t k = __ldcg(&partials[c].best_key);
+    const double sc = __ldcg(&partials[c].score);
+    const int id = __ldcg(&partials[c].id);
+    row_key = k > row_key ? k : row_key;
+    if (Better(sc, id, row_best, row_best_id)) {
+      row_best = sc;
+      row_best_id = id;
+    }
+  }
+  row_key = SplitBlockMaxU64(row_key, s);
+  if (!greedy) SplitBlockArgmax(&row_best, &row_best_id, s);
+  if (tid == 0) p.tokens[row] = !greedy && row_best_id >= 0 ? row_best_id : KeyId(row_key);
+}
+
 }  // namespace
+
+int64_t SampleWorkspaceBytes(int64_t num_rows, int64_t vocab_size) {
+  if (num_rows <= 0 || vocab_size <= 0) return 0;
+  return SplitTicketsOffset(num_rows, vocab_size) +
+         num_rows * static_cast<int64_t>(sizeof(uint32_t));
+}
 
 cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream) {
   if (p.num_rows < 0 || p.vocab_size <= 0 || p.vocab_size > (int64_t{1} << 30) ||
@@ -317,7 +529,24 @@ cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream) {
   if (p.logits == nullptr || p.rows == nullptr || p.tokens == nullptr) {
     return cudaErrorInvalidValue;
   }
-  SampleKernel<<<static_cast<unsigned>(p.num_rows), kThreads, 0, stream>>>(p);
+  if (p.workspace != nullptr && !IsAligned(p.workspace, 16)) return cudaErrorInvalidValue;
+  // The split grid's rows are its y dimension (at most 65535); beyond, one CTA per row.
+  if (p.workspace == nullptr || p.num_rows > 65535) {
+    SampleKernel<<<static_cast<unsigned>(p.num_rows), kThreads, 0, stream>>>(p, false);
+    return cudaGetLastError();
+  }
+  // The tickets start at zero on every launch (a memset node when captured in a graph).
+  const int64_t tickets = SplitTicketsOffset(p.num_rows, p.vocab_size);
+  if (cudaError_t e = cudaMemsetAsync(static_cast<char*>(p.workspace) + tickets, 0,
+                                      p.num_rows * sizeof(uint32_t), stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  const dim3 grid(static_cast<unsigned>(NumSplitChunks(p.vocab_size)),
+                  static_cast<unsigned>(p.num_rows));
+  SampleSplitKernel<<<grid, kSplitThreads, 0, stream>>>(p);
+  // Rows with top-k/top-p: one CTA each (the others return at once).
+  SampleKernel<<<static_cast<unsigned>(p.num_rows), kThreads, 0, stream>>>(p, true);
   return cudaGetLastError();
 }
 

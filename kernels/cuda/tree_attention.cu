@@ -1,9 +1,8 @@
-#include "specd/kernels/cuda/tree_attention.h"
-
 #include <algorithm>
 #include <climits>
 
 #include "kernels/cuda/device_utils.cuh"
+#include "specd/kernels/cuda/tree_attention.h"
 
 namespace specd {
 namespace cuda {
@@ -17,21 +16,56 @@ constexpr int kRows = 16 * kWarps;  // one m16 MMA row block per warp
 static_assert(kRows == kTreeAttentionTileRows, "tile rows");
 constexpr int kKeys = 64;  // keys per shared-memory chunk
 constexpr int kMaskWords = kTreeAttentionMaskWords;
-constexpr int kMinKeysPerSplit = 256;
+// One chunk per split at least: decode at short contexts still spreads over many CTAs.
+constexpr int kMinKeysPerSplit = kKeys;
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// K is kept key-major, V transposed (dim-major), both padded by 8 elements per row so that
-// the 32-bit fragment loads of a warp hit 32 distinct banks.
+// K and V are kept key-major, each row padded by 8 elements (16 bytes) so that the 32-bit
+// fragment loads of K and the ldmatrix row reads of V by a warp hit 32 distinct banks. Two
+// stages: while a chunk is computed on, cp.async brings the next one.
+template <int HD>
+struct __align__(16) AttnStage {
+  bf16 k[kKeys][HD + 8];
+  bf16 v[kKeys][HD + 8];
+};
+
 template <int HD>
 struct __align__(16) AttnSmem {
-  bf16 k[kKeys][HD + 8];
-  bf16 vt[HD][kKeys + 8];
-  int64_t slot[kKeys];
+  AttnStage<HD> stage[2];
   int32_t kv_end[kRows];
   int32_t mask_begin[kRows];
   uint32_t mask[kRows][kMaskWords];
 };
+
+// 16 bytes global -> shared without a register round trip; `valid` false writes zeros (the
+// source is then not read, but must still be a mapped address).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 bf16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i, and
+// register i of lane (g = lane / 4, t = lane % 4) receives its elements [2t][g] and [2t+1][g].
+__device__ __forceinline__ void LdMatrixX4Trans(const bf16* smem, uint32_t& r0, uint32_t& r1,
+                                                uint32_t& r2, uint32_t& r3) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
 
 // D += A * B for one m16n8k16 tile, bf16 inputs, fp32 accumulators. Fragment layouts (PTX ISA,
 // "Matrix Fragments for mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
@@ -65,7 +99,8 @@ __device__ __forceinline__ bool Visible(const AttnSmem<HD>& s, int lq, int key, 
 // tile_begin + r / group, head kv_head * group + r % group.
 template <int HD>
 __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionParams p) {
-  __shared__ AttnSmem<HD> s;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  AttnSmem<HD>& s = *reinterpret_cast<AttnSmem<HD>*>(smem_raw);
   const int tile = blockIdx.x;
   const int kvh = blockIdx.y;
   const int split = blockIdx.z;
@@ -133,107 +168,121 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
   float l[2] = {0.0f, 0.0f};
   const float scale_log2 = p.scale * kLog2e;
 
-  for (int kb = key_begin; kb < key_end; kb += kKeys) {
-    __syncthreads();  // the previous chunk's shared memory is no longer read
-    if (tid < kKeys) {
-      const int key = kb + tid;
-      s.slot[tid] = key < key_end ? static_cast<int64_t>(table[key / p.block_size]) * p.block_size +
-                                        key % p.block_size
-                                  : -1;
-    }
-    __syncthreads();
-    constexpr int kChunks = HD / 8;  // 16-byte pieces of a key's head
-    for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-      const int key = i / kChunks, c = i % kChunks;
-      const int64_t slot = s.slot[key];
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (slot >= 0) {
-        val = *reinterpret_cast<const uint4*>(p.k_cache + slot * kv_dim + kvh * HD + c * 8);
-      }
-      *reinterpret_cast<uint4*>(&s.k[key][c * 8]) = val;
-    }
-    // V: consecutive lanes take consecutive keys so the transposed 2-byte stores of a warp
-    // fill one contiguous run of a row; keys past the range are zero (never NaN garbage, which
-    // a zero probability would not cancel).
-    for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-      const int key = i % kKeys, c = i / kKeys;
-      const int64_t slot = s.slot[key];
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (slot >= 0) {
-        val = *reinterpret_cast<const uint4*>(p.v_cache + slot * kv_dim + kvh * HD + c * 8);
-      }
-      const bf16* e = reinterpret_cast<const bf16*>(&val);
+  // Chunk c covers keys [key_begin + c * kKeys, +kKeys). Each thread copies the same
+  // (key, 16-byte piece) pairs of K and V; keys at or past key_end are zero-filled, never
+  // garbage that a zero probability would not cancel (NaN * 0).
+  constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
+  constexpr int kCopies = kKeys * kPieces / kThreads;
+  static_assert(kKeys * kPieces % kThreads == 0, "copy split");
+  const int num_chunks = key_end > key_begin ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
+  const bf16* k_head = p.k_cache + kvh * HD;
+  const bf16* v_head = p.v_cache + kvh * HD;
+  const int block_size = static_cast<int>(p.block_size);
+  auto issue = [&](int chunk) {
+    AttnStage<HD>& st = s.stage[chunk & 1];
+    const int kb = key_begin + chunk * kKeys;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s.vt[c * 8 + j][key] = e[j];
+    for (int it = 0; it < kCopies; ++it) {
+      const int i = tid + it * kThreads;
+      const int key = i / kPieces, c = i % kPieces;
+      const int abs_key = kb + key;
+      const bool valid = abs_key < key_end;
+      int64_t off = 0;
+      if (valid) {
+        const int64_t slot =
+            static_cast<int64_t>(table[abs_key / block_size]) * block_size + abs_key % block_size;
+        off = slot * kv_dim + c * 8;
+      }
+      CpAsync16(&st.k[key][c * 8], k_head + off, valid);
+      CpAsync16(&st.v[key][c * 8], v_head + off, valid);
     }
-    __syncthreads();
-    if (!warp_active) continue;
+  };
+  if (num_chunks > 0) issue(0);
+  CpAsyncCommit();
 
-    // Scores S = Q K^T for the warp's 16 rows and the chunk's 64 keys.
-    float sc[kKeys / 8][4];
-#pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-        const bf16* krow = &s.k[n * 8 + g][kk * 16 + 2 * t4];
-        Mma16816(sc[n], qf[kk], Ld32(krow), Ld32(krow + 8));
-      }
-    }
-    const bool need_mask = kb + kKeys > full_end || kb + kKeys > key_end;
-#pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = sc[n][e] * scale_log2;
-        if (need_mask) {
-          const int key = kb + n * 8 + 2 * t4 + (e & 1);
-          if (!Visible(s, e < 2 ? lq0 : lq1, key, key_end)) x = -INFINITY;
-        }
-        sc[n][e] = x;
-      }
-    }
-    // Online softmax (base 2); the 4 threads of a quad share a row.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * hr], sc[n][2 * hr + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(internal::kFullMask, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(internal::kFullMask, mx, 2));
-      const float m_new = fmaxf(m[hr], mx);
-      // A row with no visible key yet keeps zeros; subtracting 0 instead of -inf avoids NaN.
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = exp2f(m[hr] - m_use);
-      float row_sum = 0.0f;
+  for (int chunk = 0; chunk < num_chunks; ++chunk) {
+    const int kb = key_begin + chunk * kKeys;
+    // Prefetch the next chunk into the other stage (freed by the barrier that ended the
+    // previous iteration), then wait for this one.
+    if (chunk + 1 < num_chunks) issue(chunk + 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    __syncthreads();
+    const AttnStage<HD>& st = s.stage[chunk & 1];
+    if (warp_active) {
+      // Scores S = Q K^T for the warp's 16 rows and the chunk's 64 keys.
+      float sc[kKeys / 8][4];
 #pragma unroll
       for (int n = 0; n < kKeys / 8; ++n) {
-        sc[n][2 * hr] = exp2f(sc[n][2 * hr] - m_use);
-        sc[n][2 * hr + 1] = exp2f(sc[n][2 * hr + 1] - m_use);
-        row_sum += sc[n][2 * hr] + sc[n][2 * hr + 1];
-      }
-      l[hr] = l[hr] * alpha + row_sum;
+        sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
 #pragma unroll
-      for (int j = 0; j < HD / 8; ++j) {
-        o[j][2 * hr] *= alpha;
-        o[j][2 * hr + 1] *= alpha;
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const bf16* krow = &st.k[n * 8 + g][kk * 16 + 2 * t4];
+          Mma16816(sc[n], qf[kk], Ld32(krow), Ld32(krow + 8));
+        }
       }
-      m[hr] = m_new;
+      const bool need_mask = kb + kKeys > full_end || kb + kKeys > key_end;
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = sc[n][e] * scale_log2;
+          if (need_mask) {
+            const int key = kb + n * 8 + 2 * t4 + (e & 1);
+            if (!Visible(s, e < 2 ? lq0 : lq1, key, key_end)) x = -INFINITY;
+          }
+          sc[n][e] = x;
+        }
+      }
+      // Online softmax (base 2); the 4 threads of a quad share a row.
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+          mx = fmaxf(mx, fmaxf(sc[n][2 * hr], sc[n][2 * hr + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(internal::kFullMask, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(internal::kFullMask, mx, 2));
+        const float m_new = fmaxf(m[hr], mx);
+        // A row with no visible key yet keeps zeros; subtracting 0 instead of -inf avoids NaN.
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = exp2f(m[hr] - m_use);
+        float row_sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+          sc[n][2 * hr] = exp2f(sc[n][2 * hr] - m_use);
+          sc[n][2 * hr + 1] = exp2f(sc[n][2 * hr + 1] - m_use);
+          row_sum += sc[n][2 * hr] + sc[n][2 * hr + 1];
+        }
+        l[hr] = l[hr] * alpha + row_sum;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+          o[j][2 * hr] *= alpha;
+          o[j][2 * hr + 1] *= alpha;
+        }
+        m[hr] = m_new;
+      }
+      // O += P V: the score accumulators of key tiles 2kk and 2kk+1 are exactly the A
+      // fragment of the k-step kk; the B fragments of two 8-dim tiles come from one transposed
+      // ldmatrix of V's 16 key rows (lanes 0-15: dims j*8.., lanes 16-31: dims (j+1)*8..).
+      const int v_row = lane & 15, v_col = (lane >> 4) * 8;
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        const uint32_t a[4] = {PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]),
+                               PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]),
+                               PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                               PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+        for (int j = 0; j < HD / 8; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          LdMatrixX4Trans(&st.v[kk * 16 + v_row][j * 8 + v_col], b0, b1, b2, b3);
+          Mma16816(o[j], a, b0, b1);
+          Mma16816(o[j + 1], a, b2, b3);
+        }
+      }
     }
-    // O += P V: the score accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment
-    // of the k-step kk.
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      const uint32_t a[4] = {PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]),
-                             PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]),
-                             PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                             PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-#pragma unroll
-      for (int j = 0; j < HD / 8; ++j) {
-        const bf16* vrow = &s.vt[j * 8 + g][kk * 16 + 2 * t4];
-        Mma16816(o[j], a, Ld32(vrow), Ld32(vrow + 8));
-      }
-    }
+    __syncthreads();  // this stage is read no more; the next iteration may refill it
   }
 
 #pragma unroll
@@ -307,7 +356,16 @@ template <int HD>
 cudaError_t Launch(const TreeAttentionParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_tiles), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(p.num_splits));
-  TreeAttentionKernel<HD><<<grid, kThreads, 0, stream>>>(p);
+  // Two K/V stages exceed the 48 KiB of static shared memory at head_dim 128. The attribute is
+  // per device and cheap to set, so it is set on every launch (multi-GPU processes included).
+  constexpr size_t kSmem = sizeof(AttnSmem<HD>);
+  if (cudaError_t e =
+          cudaFuncSetAttribute(TreeAttentionKernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kSmem));
+      e != cudaSuccess) {
+    return e;
+  }
+  TreeAttentionKernel<HD><<<grid, kThreads, kSmem, stream>>>(p);
   if (p.num_splits > 1) {
     const int64_t items = p.num_queries * p.num_heads;
     TreeAttentionCombineKernel<HD>

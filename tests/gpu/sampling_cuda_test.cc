@@ -21,12 +21,20 @@ using gpu_test::DeviceBuffer;
 
 class SamplingCudaTest : public gpu_test::GpuTest {
  protected:
-  // Samples every row on the GPU.
+  // Samples every row on the GPU; `split`: with a workspace, so that greedy and unfiltered rows
+  // take the split-vocabulary path (the workspace is filled with garbage first: the launch must
+  // not depend on its contents).
   std::vector<int32_t> SampleOnGpu(const std::vector<float>& logits, int vocab,
-                                   const std::vector<cuda::SampleRowParams>& rows) {
+                                   const std::vector<cuda::SampleRowParams>& rows, bool split) {
     DeviceBuffer<float> d_logits(logits);
     DeviceBuffer<cuda::SampleRowParams> d_rows(rows);
     DeviceBuffer<int32_t> d_tokens(rows.size());
+    const int64_t ws_bytes = cuda::SampleWorkspaceBytes(static_cast<int64_t>(rows.size()), vocab);
+    DeviceBuffer<uint8_t> d_ws(split ? static_cast<size_t>(ws_bytes) : 0);
+    if (split) {
+      EXPECT_GT(ws_bytes, 0);
+      EXPECT_EQ(cudaMemset(d_ws.get(), 0xa5, static_cast<size_t>(ws_bytes)), cudaSuccess);
+    }
     cuda::SampleParams p;
     p.logits = d_logits.get();
     p.logits_stride = vocab;
@@ -34,6 +42,7 @@ class SamplingCudaTest : public gpu_test::GpuTest {
     p.tokens = d_tokens.get();
     p.num_rows = static_cast<int64_t>(rows.size());
     p.vocab_size = vocab;
+    p.workspace = split ? d_ws.get() : nullptr;
     EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaSuccess);
     EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
     return d_tokens.Download();
@@ -105,17 +114,20 @@ TEST_F(SamplingCudaTest, TokensMatchHostSampler) {
                                                          static_cast<size_t>(vocab)),
                                  s, pos));
     }
-    const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params);
-    ASSERT_EQ(got.size(), want.size());
-    int mismatches = 0;
-    for (int r = 0; r < rows; ++r) {
-      if (got[r] != want[r] && ++mismatches <= 5) {
-        const cuda::SampleRowParams& p = params[r];
-        ADD_FAILURE() << "vocab " << vocab << " row " << r << " (t " << p.temperature << " k "
-                      << p.top_k << " p " << p.top_p << "): gpu " << got[r] << " host " << want[r];
+    for (bool split : {false, true}) {
+      const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params, split);
+      ASSERT_EQ(got.size(), want.size());
+      int mismatches = 0;
+      for (int r = 0; r < rows; ++r) {
+        if (got[r] != want[r] && ++mismatches <= 5) {
+          const cuda::SampleRowParams& p = params[r];
+          ADD_FAILURE() << "vocab " << vocab << " split " << split << " row " << r << " (t "
+                        << p.temperature << " k " << p.top_k << " p " << p.top_p << "): gpu "
+                        << got[r] << " host " << want[r];
+        }
       }
+      EXPECT_EQ(mismatches, 0) << "vocab " << vocab << " split " << split;
     }
-    EXPECT_EQ(mismatches, 0) << "vocab " << vocab;
   }
 }
 
@@ -134,19 +146,60 @@ TEST_F(SamplingCudaTest, TiesFollowTheHostOrder) {
   params[2].temperature = 1.0f;
   params[2].top_p = 0.3f;
   params[2].seed = 9;
-  const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params);
-  for (int r = 0; r < 3; ++r) {
-    SamplingParams s;
-    s.temperature = params[r].temperature;
-    s.top_k = params[r].top_k;
-    s.top_p = params[r].top_p;
-    s.seed = params[r].seed;
-    EXPECT_EQ(got[r],
-              SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], vocab),
-                          s, params[r].position))
-        << "row " << r;
+  for (bool split : {false, true}) {
+    const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params, split);
+    for (int r = 0; r < 3; ++r) {
+      SamplingParams s;
+      s.temperature = params[r].temperature;
+      s.top_k = params[r].top_k;
+      s.top_p = params[r].top_p;
+      s.seed = params[r].seed;
+      EXPECT_EQ(got[r],
+                SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], vocab),
+                            s, params[r].position))
+          << "row " << r << " split " << split;
+    }
+    EXPECT_EQ(got[0], 12);
   }
-  EXPECT_EQ(got[0], 12);
+}
+
+// Plain-temperature rows whose logits are tied everywhere, or span a chunk boundary of the
+// split path with their best tokens (vocabularies just over a multiple of 4096), and a row of
+// -inf logits except one token: the split path agrees with the host.
+TEST_F(SamplingCudaTest, SplitPathEdgeRows) {
+  for (int vocab : {4096, 4097, 8193, 128256}) {
+    const int rows = 6;
+    std::vector<float> logits(static_cast<size_t>(rows) * vocab, 0.0f);
+    std::mt19937_64 rng(vocab);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    for (int i = 0; i < vocab; ++i) {
+      logits[static_cast<size_t>(1) * vocab + i] = normal(rng);
+      logits[static_cast<size_t>(2) * vocab + i] = -INFINITY;
+      logits[static_cast<size_t>(3) * vocab + i] = std::round(normal(rng));
+      logits[static_cast<size_t>(4) * vocab + i] = normal(rng) * 20.0f;  // window pruning
+      logits[static_cast<size_t>(5) * vocab + i] = -1.0f;
+    }
+    logits[static_cast<size_t>(2) * vocab + vocab - 1] = 1.0f;  // the only finite logit
+    logits[static_cast<size_t>(5) * vocab + vocab - 1] = 7.0f;  // greedy: the last token
+    std::vector<cuda::SampleRowParams> params(rows);
+    for (int r = 0; r < rows; ++r) {
+      params[r].temperature = r == 5 ? 0.0f : 0.3f + 0.4f * r;
+      params[r].seed = 1000 + r;
+      params[r].position = 77 * r;
+    }
+    const std::vector<int32_t> got = SampleOnGpu(logits, vocab, params, true);
+    for (int r = 0; r < rows; ++r) {
+      SamplingParams s;
+      s.temperature = params[r].temperature;
+      s.seed = params[r].seed;
+      EXPECT_EQ(got[r],
+                SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], vocab),
+                            s, params[r].position))
+          << "vocab " << vocab << " row " << r;
+    }
+    EXPECT_EQ(got[2], vocab - 1);
+    EXPECT_EQ(got[5], vocab - 1);
+  }
 }
 
 // Random trees of the given shape; tokens from a small alphabet so that siblings repeat.
@@ -236,6 +289,9 @@ TEST_F(SamplingCudaTest, AcceptedPathsMatchHost) {
   sp.tokens = d_sampled.get();
   sp.num_rows = static_cast<int64_t>(row_params.size());
   sp.vocab_size = vocab;
+  DeviceBuffer<uint8_t> d_ws(
+      static_cast<size_t>(cuda::SampleWorkspaceBytes(sp.num_rows, sp.vocab_size)));
+  sp.workspace = d_ws.get();
   SPECD_CUDA_OK(cuda::SampleCuda(sp, stream_));
   const int num_seqs = static_cast<int>(seqs.size());
   const int out_stride = max_nodes + 1;

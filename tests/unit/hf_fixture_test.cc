@@ -1,9 +1,11 @@
-// specd's CPU backend against Hugging Face transformers, the outside oracle. The fixtures under
-// tests/fixtures were written by tools/oracle/make_fixtures.py with transformers 5.17 in fp32 on
-// the CPU (tests/fixtures/README.md): tiny random checkpoints of every supported family with
-// their logits and greedy continuations, and greedy continuations of the committed reference
-// models. Each greedy step of those fixtures has a top-1/top-2 logit gap of at least 1e-3, so an
-// exact token match is a fair demand of an fp32 engine that sums in another order.
+// specd's CPU backend against Hugging Face transformers, the outside oracle.
+// The fixtures under tests/fixtures were written by
+// tools/oracle/make_fixtures.py with transformers 5.17 in fp32 on the CPU
+// (tests/fixtures/README.md): tiny random checkpoints of every supported family
+// with their logits and greedy continuations, and greedy continuations of the
+// committed reference models. Each greedy step of those fixtures has a
+// top-1/top-2 logit gap of at least 1e-3, so an exact token match is a fair
+// demand of an fp32 engine that sums in another order.
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -14,8 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "engine/backend.h"
-#include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testutil/hf_fixtures.h"
+#include "gtest/gtest.h"
 
 namespace specd {
 namespace {
@@ -25,67 +28,26 @@ using nlohmann::json;
 
 constexpr double kMaxRelError = 1e-4;
 
-// ctest runs tests from the source root; a binary started by hand from build/ finds the
-// fixtures by walking up.
-fs::path RepoRoot() {
-  fs::path dir = fs::current_path();
-  for (int i = 0; i < 6; ++i) {
-    if (fs::exists(dir / "tests" / "fixtures" / "README.md")) return dir;
-    if (!dir.has_parent_path() || dir.parent_path() == dir) break;
-    dir = dir.parent_path();
-  }
-  return {};
-}
+using testutil::Argmax;
+using testutil::Chain;
+using testutil::ReadJson;
+using testutil::RelError;
+using testutil::RepoRoot;
 
-json ReadJson(const fs::path& path) {
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot open " << path;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return json::parse(ss.str());
-}
-
-std::unique_ptr<Backend> Load(const fs::path& dir) {
+std::unique_ptr<Backend> Load(const fs::path &dir) {
   BackendOptions options;
   options.device = "cpu";
-  absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(dir.string(), options);
+  absl::StatusOr<std::unique_ptr<Backend>> b =
+      CreateBackend(dir.string(), options);
   EXPECT_TRUE(b.ok()) << dir << ": " << b.status();
   return b.ok() ? std::move(*b) : nullptr;
 }
 
-// max |got - want| / max |want| over one row; infinite when `got` holds a NaN or infinity, so
-// such a row never passes.
-double RelError(absl::Span<const float> got, const std::vector<double>& want) {
-  double max_diff = 0, max_ref = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    max_diff = std::max(max_diff, std::fabs(static_cast<double>(got[i]) - want[i]));
-    max_ref = std::max(max_ref, std::fabs(want[i]));
-  }
-  return max_diff / std::max(max_ref, 1e-30);
-}
-
-int32_t Argmax(absl::Span<const float> row) {
-  int32_t best = 0;
-  for (size_t i = 1; i < row.size(); ++i) {
-    if (row[i] > row[best]) best = static_cast<int32_t>(i);
-  }
-  return best;
-}
-
-ForwardItem Chain(SeqId seq, const std::vector<int32_t>& tokens, std::vector<int32_t> rows) {
-  ForwardItem it;
-  it.seq = seq;
-  it.tokens = tokens;
-  for (size_t i = 0; i < tokens.size(); ++i) it.parents.push_back(static_cast<int32_t>(i) - 1);
-  it.logit_rows = std::move(rows);
-  return it;
-}
-
-// Greedy decoding with the KV cache, as a server runs it: the prompt as one chain, committed,
-// then one token per step. Does not stop at EOS (neither do the fixtures).
-std::vector<int32_t> Greedy(Backend& b, SeqId seq, const std::vector<int32_t>& prompt,
-                            int steps) {
+// Greedy decoding with the KV cache, as a server runs it: the prompt as one
+// chain, committed, then one token per step. Does not stop at EOS (neither do
+// the fixtures).
+std::vector<int32_t> Greedy(Backend &b, SeqId seq,
+                            const std::vector<int32_t> &prompt, int steps) {
   const int vocab = b.config().vocab_size;
   std::vector<int32_t> out;
   EXPECT_TRUE(b.AddSequence(seq).ok());
@@ -93,15 +55,18 @@ std::vector<int32_t> Greedy(Backend& b, SeqId seq, const std::vector<int32_t>& p
   const int n = static_cast<int>(prompt.size());
   absl::Status s = b.Forward({Chain(seq, prompt, {n - 1})}, &logits);
   EXPECT_TRUE(s.ok()) << s;
-  if (!s.ok()) return out;
+  if (!s.ok())
+    return out;
   std::vector<int32_t> path(n);
-  for (int i = 0; i < n; ++i) path[i] = i;
+  for (int i = 0; i < n; ++i)
+    path[i] = i;
   EXPECT_TRUE(b.Commit(seq, path).ok());
   out.push_back(Argmax(absl::MakeConstSpan(logits).first(vocab)));
   while (static_cast<int>(out.size()) < steps) {
     s = b.Forward({Chain(seq, {out.back()}, {0})}, &logits);
     EXPECT_TRUE(s.ok()) << s;
-    if (!s.ok()) break;
+    if (!s.ok())
+      break;
     EXPECT_TRUE(b.Commit(seq, {0}).ok());
     out.push_back(Argmax(logits));
   }
@@ -109,13 +74,16 @@ std::vector<int32_t> Greedy(Backend& b, SeqId seq, const std::vector<int32_t>& p
   return out;
 }
 
-std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
+std::vector<int32_t> Ids(const json &j) {
+  return j.get<std::vector<int32_t>>();
+}
 
 class FamilyFixtureTest : public ::testing::TestWithParam<std::string> {
- protected:
+protected:
   void SetUp() override {
     root_ = RepoRoot();
-    ASSERT_FALSE(root_.empty()) << "tests/fixtures not found above " << fs::current_path();
+    ASSERT_FALSE(root_.empty())
+        << "tests/fixtures not found above " << fs::current_path();
     dir_ = root_ / "tests" / "fixtures" / "models" / GetParam();
     oracle_ = ReadJson(dir_ / "oracle.json");
     backend_ = Load(dir_);
@@ -128,7 +96,7 @@ class FamilyFixtureTest : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(FamilyFixtureTest, ConfigIsTheFamily) {
-  const ModelConfig& c = backend_->config();
+  const ModelConfig &c = backend_->config();
   EXPECT_EQ(c.model_type, oracle_["model_type"].get<std::string>());
   EXPECT_EQ(c.ParameterCount(), oracle_["parameters"].get<int64_t>());
   EXPECT_EQ(c.num_kv_heads, 1);
@@ -140,7 +108,7 @@ TEST_P(FamilyFixtureTest, LogitsMatchTransformers) {
   const int vocab = backend_->config().vocab_size;
   std::vector<ForwardItem> items;
   SeqId seq = 1;
-  for (const json& p : oracle_["prompts"]) {
+  for (const json &p : oracle_["prompts"]) {
     ASSERT_TRUE(backend_->AddSequence(seq).ok());
     items.push_back(Chain(seq++, Ids(p["ids"]), Ids(p["logit_positions"])));
   }
@@ -148,53 +116,65 @@ TEST_P(FamilyFixtureTest, LogitsMatchTransformers) {
   absl::Status s = backend_->Forward(items, &logits);
   ASSERT_TRUE(s.ok()) << s;
   size_t row = 0, rows = 0;
-  for (const json& p : oracle_["prompts"]) rows += p["logit_positions"].size();
+  for (const json &p : oracle_["prompts"])
+    rows += p["logit_positions"].size();
   ASSERT_EQ(logits.size(), rows * vocab);
   for (size_t i = 0; i < oracle_["prompts"].size(); ++i) {
-    const json& p = oracle_["prompts"][i];
+    const json &p = oracle_["prompts"][i];
     for (size_t r = 0; r < p["logits"].size(); ++r, ++row) {
-      const std::vector<double> want = p["logits"][r].get<std::vector<double>>();
+      const std::vector<double> want =
+          p["logits"][r].get<std::vector<double>>();
       ASSERT_EQ(want.size(), static_cast<size_t>(vocab));
-      EXPECT_LE(RelError(absl::MakeConstSpan(logits).subspan(row * vocab, vocab), want),
-                kMaxRelError)
-          << GetParam() << " prompt " << i << " position " << p["logit_positions"][r];
+      EXPECT_LE(
+          RelError(absl::MakeConstSpan(logits).subspan(row * vocab, vocab),
+                   want),
+          kMaxRelError)
+          << GetParam() << " prompt " << i << " position "
+          << p["logit_positions"][r];
     }
   }
 }
 
 TEST_P(FamilyFixtureTest, GreedyMatchesTransformers) {
   SeqId seq = 100;
-  for (const json& p : oracle_["prompts"]) {
+  for (const json &p : oracle_["prompts"]) {
     const std::vector<int32_t> want = Ids(p["greedy"]);
-    EXPECT_EQ(Greedy(*backend_, seq++, Ids(p["ids"]), static_cast<int>(want.size())), want)
+    EXPECT_EQ(
+        Greedy(*backend_, seq++, Ids(p["ids"]), static_cast<int>(want.size())),
+        want)
         << GetParam() << " prompt of " << p["ids"].size() << " tokens";
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyFixtureTest,
-                         ::testing::Values("llama31", "mistral", "qwen2", "qwen3"));
+                         ::testing::Values("llama31", "mistral", "qwen2",
+                                           "qwen3"));
 
 class ReferenceModelTest : public ::testing::TestWithParam<std::string> {};
 
-// The committed reference models (bf16 weights, run in fp32) reproduce transformers' greedy
-// continuations of code prompts token for token, and its logits after the first prompts.
+// The committed reference models (bf16 weights, run in fp32) reproduce
+// transformers' greedy continuations of code prompts token for token, and its
+// logits after the first prompts.
 TEST_P(ReferenceModelTest, GreedyMatchesTransformers) {
   const fs::path root = RepoRoot();
   ASSERT_FALSE(root.empty());
-  const json fixture = ReadJson(root / "tests" / "fixtures" / "reference_greedy.json");
-  const json& cases = fixture["models"][GetParam()]["cases"];
+  const json fixture =
+      ReadJson(root / "tests" / "fixtures" / "reference_greedy.json");
+  const json &cases = fixture["models"][GetParam()]["cases"];
   ASSERT_GE(cases.size(), 6u);
   std::unique_ptr<Backend> b = Load(root / "models" / GetParam());
   ASSERT_NE(b, nullptr);
   const int vocab = b->config().vocab_size;
   SeqId seq = 1;
-  for (const json& c : cases) {
+  for (const json &c : cases) {
     const std::vector<int32_t> prompt = Ids(c["prompt_ids"]);
     if (c.contains("last_logits")) {
       ASSERT_TRUE(b->AddSequence(seq).ok());
       std::vector<float> logits;
-      ASSERT_TRUE(b->Forward({Chain(seq, prompt, {static_cast<int32_t>(prompt.size()) - 1})},
-                             &logits).ok());
+      ASSERT_TRUE(b->Forward({Chain(seq, prompt,
+                                    {static_cast<int32_t>(prompt.size()) - 1})},
+                             &logits)
+                      .ok());
       ASSERT_TRUE(b->RemoveSequence(seq++).ok());
       EXPECT_LE(RelError(absl::MakeConstSpan(logits).first(vocab),
                          c["last_logits"].get<std::vector<double>>()),
@@ -209,9 +189,10 @@ TEST_P(ReferenceModelTest, GreedyMatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Reference, ReferenceModelTest,
                          ::testing::Values("pycoder-target", "pycoder-draft"),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           return info.param == "pycoder-target" ? "Target" : "Draft";
+                         [](const ::testing::TestParamInfo<std::string> &info) {
+                           return info.param == "pycoder-target" ? "Target"
+                                                                 : "Draft";
                          });
 
-}  // namespace
-}  // namespace specd
+} // namespace
+} // namespace specd

@@ -4,12 +4,16 @@
 // softmax(logits / temperature), with noise from Philox keyed by (seed, position, token id)
 // (specd/kernels/philox.h), decided in fp64 like the host.
 //
-// One CTA per row. Top-k and top-p thresholds are found by a radix descent over 64-bit keys
-// (orderable logit, inverted id), i.e. the host's sort order, 4 bits per pass with per-thread
-// histograms, stopping as soon as the boundary element is unique. The Gumbel pass only draws
-// noise for tokens that can still win (noise lies in [-3.7, 37.5], so a token more than 41.2
-// below the best scaled logit cannot), screens them in fp32 and re-scores the near-best in
-// fp64. Top-p's cumulative mass is summed in parallel, so on a boundary closer than ~1e-15 to
+// With a workspace, greedy rows and temperature rows without top-k/top-p are split over the
+// vocabulary: CTAs of 4096 tokens each find their chunk's argmax (greedy) or Gumbel-max winner,
+// and the last CTA of a row to finish (a ticket counter) reduces the chunks' partials, so one
+// launch keeps every SM busy even for a single row. Rows with top-k or top-p (and every row when
+// no workspace is given) take one CTA per row: top-k and top-p thresholds are found by a radix
+// descent over 64-bit keys (orderable logit, inverted id), i.e. the host's sort order, 4 bits per
+// pass with per-thread histograms, stopping as soon as the boundary element is unique. The Gumbel
+// pass only draws noise for tokens that can still win (noise lies in [-3.7, 37.5], so a token more
+// than 41.2 below the best scaled logit cannot), screens them in fp32 and re-scores the near-best
+// in fp64. Top-p's cumulative mass is summed in parallel, so on a boundary closer than ~1e-15 to
 // top_p the kept set may differ from the host's sequential sum.
 #ifndef SPECD_KERNELS_CUDA_SAMPLING_H_
 #define SPECD_KERNELS_CUDA_SAMPLING_H_
@@ -37,7 +41,13 @@ struct SampleParams {
   int32_t* tokens = nullptr;              // [num_rows] int32, device: the sampled token ids
   int64_t num_rows = 0;
   int64_t vocab_size = 0;
+  // [SampleWorkspaceBytes(num_rows, vocab_size)] bytes, device, 16-byte aligned; null: every
+  // row takes the one-CTA-per-row path (same tokens, slower for greedy and plain temperature).
+  void* workspace = nullptr;
 };
+
+// Workspace bytes that SampleCuda's split path needs for these sizes.
+int64_t SampleWorkspaceBytes(int64_t num_rows, int64_t vocab_size);
 
 cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream);
 

@@ -18,8 +18,12 @@
 // kTreeAttentionTileRows (query, head) rows -- consecutive queries of one sequence times the
 // query heads that share the KV head -- so each KV block read from memory serves every query
 // and head of the tile; scores and the weighted sum use bf16 tensor-core MMAs with fp32
-// accumulation and an online softmax. Long contexts with few tiles are split over the key range
-// (flash-decoding); a second kernel merges the partial results through their log-sum-exps.
+// accumulation and an online softmax. K/V chunks of 64 keys stream through two shared-memory
+// stages with cp.async (the next chunk loads while the current one is computed on; V is read
+// transposed by ldmatrix). Whenever the tiles alone would not fill the GPU twice over, the key
+// range is split (flash-decoding, down to one 64-key chunk per CTA, so even a single decode
+// token spreads over many SMs); a second kernel merges the partial results through their
+// log-sum-exps.
 #ifndef SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 #define SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 

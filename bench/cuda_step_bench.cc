@@ -1,0 +1,226 @@
+// Whole-step benchmark of the CUDA backend on one GPU: batch-1 decode step time
+// against the memory-bandwidth floor (weight bytes / measured device copy
+// bandwidth), and verify step time for trees of 1, 16, 64, 128 and 256 nodes at
+// contexts 512, 2048 and 8192, with CUDA graphs on and off. A step is
+// Backend::Verify() as the verify service calls it, timed on the host (metadata
+// upload, forward pass, sampling, acceptance, KV compaction and the copy of the
+// outcomes back); medians of --runs steps after 3 warm-up steps (a bucket's
+// graph is captured on its second use).
+//
+// Run (GPU host, random bf16 checkpoints from
+// tools/bench/make_random_checkpoint.py):
+//   cuda_step_bench --model /tmp/specd-llama-3.1-8b [--label 8B] [--runs 20]
+//       [--contexts 512,2048,8192] [--trees 1,16,64,128,256]
+// gpt-fast and transformers at the same shapes: a later session adds them to
+// this table (bench/hf_baseline.py has the transformers harness).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "engine/backend.h"
+#include "engine/cuda/cuda_backend.h"
+
+namespace specd {
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Device-to-device copy of 4 GiB: bytes read plus bytes written per second.
+double CopyBandwidth() {
+  const size_t bytes = size_t{4} << 30;
+  void *a = nullptr, *b = nullptr;
+  if (cudaMalloc(&a, bytes) != cudaSuccess ||
+      cudaMalloc(&b, bytes) != cudaSuccess)
+    return 0;
+  cudaMemset(a, 1, bytes);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> s;
+  for (int i = 0; i < 7; ++i) {
+    cudaEventRecord(start);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    if (i > 0)
+      s.push_back(2.0 * bytes / (ms * 1e-3));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(a);
+  cudaFree(b);
+  return Median(s);
+}
+
+// A 4-ary tree in breadth-first order, like a top-k draft tree.
+TokenTree Tree(int n, int vocab, std::mt19937_64 &rng) {
+  TokenTree t;
+  for (int i = 0; i < n; ++i) {
+    t.parents.push_back(i < 4 ? -1 : i / 4 - 1);
+    t.tokens.push_back(static_cast<int32_t>(rng() % vocab));
+  }
+  return t;
+}
+
+std::vector<int> Ints(const std::string &s) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(s, ',')) {
+    int v = 0;
+    if (absl::SimpleAtoi(part, &v))
+      out.push_back(v);
+  }
+  return out;
+}
+
+int Main(int argc, char **argv) {
+  std::string model, label = "model";
+  int runs = 20;
+  std::vector<int> contexts = {512, 2048, 8192}, trees = {1, 16, 64, 128, 256};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--model")
+      model = value;
+    else if (flag == "--label")
+      label = value;
+    else if (flag == "--runs")
+      runs = std::max(1, std::atoi(value.c_str()));
+    else if (flag == "--contexts")
+      contexts = Ints(value);
+    else if (flag == "--trees")
+      trees = Ints(value);
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  if (model.empty()) {
+    std::fprintf(stderr,
+                 "usage: cuda_step_bench --model DIR [--label L] [--runs N] "
+                 "[--contexts a,b,..] [--trees a,b,..]\n");
+    return 2;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  const double copy_bw = CopyBandwidth();
+  BackendOptions opts;
+  opts.device = "cuda:0";
+  int max_context = 0;
+  for (int c : contexts)
+    max_context = std::max(max_context, c);
+  opts.kv_capacity_tokens = max_context + 4096;
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<CudaBackend>> loaded =
+      CudaBackend::Create(model, 0, opts);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "loading %s: %s\n", model.c_str(),
+                 loaded.status().ToString().c_str());
+    return 1;
+  }
+  CudaBackend &b = **loaded;
+  const double load_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
+  const ModelConfig &c = b.config();
+  const double weight_bytes = 2.0 * static_cast<double>(c.ParameterCount());
+  const double floor_ms = weight_bytes / copy_bw * 1e3;
+  std::printf("# %s: %s, %.2f GB of bf16 weights, loaded in %.1f s\n",
+              label.c_str(), prop.name, weight_bytes / 1e9, load_s);
+  std::printf("# device copy bandwidth %.0f GB/s (read + write); decode floor "
+              "= weights / that "
+              "= %.3f ms; non-row-invariant GEMM shapes: %d\n",
+              copy_bw / 1e9, floor_ms, b.non_invariant_gemm_shapes());
+  std::printf("| shape | graphs | context | tree nodes | step ms (median of "
+              "%d) | vs floor |\n",
+              runs);
+  std::printf("|---|---|---|---|---|---|\n");
+
+  std::mt19937_64 rng(5);
+  SeqId next = 1;
+  for (int context : contexts) {
+    const SeqId seq = next++;
+    if (!b.AddSequence(seq).ok())
+      return 1;
+    // Prefill in chunks (eager; the graphs' buckets cover decode and verify
+    // steps only).
+    std::vector<float> logits;
+    for (int done = 0; done < context;) {
+      const int n = std::min(2048, context - done);
+      ForwardItem it;
+      it.seq = seq;
+      for (int j = 0; j < n; ++j) {
+        it.tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
+        it.parents.push_back(j - 1);
+      }
+      it.logit_rows = {n - 1};
+      if (absl::Status s = b.Forward({it}, &logits); !s.ok()) {
+        std::fprintf(stderr, "prefill: %s\n", s.ToString().c_str());
+        return 1;
+      }
+      std::vector<int32_t> path(n);
+      for (int j = 0; j < n; ++j)
+        path[j] = j;
+      if (!b.Commit(seq, path).ok())
+        return 1;
+      done += n;
+    }
+    int32_t pending = static_cast<int32_t>(rng() % c.vocab_size);
+    for (bool graphs : {true, false}) {
+      b.SetGraphsEnabled(graphs);
+      std::vector<int> sizes = {0};
+      sizes.insert(sizes.end(), trees.begin(), trees.end());
+      for (int nodes : sizes) {
+        std::vector<double> ms;
+        for (int r = 0; r < runs + 3; ++r) {
+          VerifyItem it;
+          it.seq = seq;
+          it.pending = {pending};
+          it.tree = Tree(nodes, c.vocab_size, rng);
+          const auto s0 = std::chrono::steady_clock::now();
+          absl::StatusOr<std::vector<VerifyOutcome>> out = b.Verify({it});
+          const double dt = std::chrono::duration<double, std::milli>(
+                                std::chrono::steady_clock::now() - s0)
+                                .count();
+          if (!out.ok()) {
+            std::fprintf(stderr, "verify: %s\n",
+                         out.status().ToString().c_str());
+            return 1;
+          }
+          pending = (*out)[0].tokens.back();
+          if (r >= 3)
+            ms.push_back(dt);
+        }
+        const double med = Median(ms);
+        std::printf("| %s | %s | %d | %s | %.3f | %.2fx |\n", label.c_str(),
+                    graphs ? "on" : "off", context,
+                    nodes == 0 ? "decode" : std::to_string(nodes).c_str(), med,
+                    med / floor_ms);
+        std::fflush(stdout);
+      }
+    }
+    b.RemoveSequence(seq);
+  }
+  std::printf("# graphs captured %lld, graph launches %lld\n",
+              static_cast<long long>(b.graphs_captured()),
+              static_cast<long long>(b.graph_launches()));
+  return 0;
+}
+
+} // namespace
+} // namespace specd
+
+int main(int argc, char **argv) { return specd::Main(argc, argv); }
