@@ -26,7 +26,9 @@ ABSL_FLAG(std::string, model, "", "Hugging Face folder of the target model (requ
 ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda:N where a CUDA backend is built");
 ABSL_FLAG(std::string, devices, "",
           "comma-separated devices, one per tensor-parallel rank; replaces --device");
-ABSL_FLAG(int, tensor_parallel, 1, "devices the model is split over (only 1 for now)");
+ABSL_FLAG(int, tensor_parallel, 1,
+          "ranks the target model is split over: any number on the CPU (one thread per rank); "
+          "1 on CUDA for now");
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
 ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
@@ -56,19 +58,14 @@ int Main() {
   options.backend.device = absl::GetFlag(FLAGS_device);
   options.backend.kv_capacity_tokens = absl::GetFlag(FLAGS_kv_capacity_tokens);
   options.backend.num_threads = absl::GetFlag(FLAGS_num_threads);
-  options.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
+  options.backend.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
-  if (options.tensor_parallel != 1) {
-    return Fail(absl::UnimplementedError(
-        absl::StrCat("--tensor_parallel=", options.tensor_parallel,
-                     ": tensor parallelism is not implemented yet; use --tensor_parallel=1")));
-  }
   if (const std::string devices = absl::GetFlag(FLAGS_devices); !devices.empty()) {
     std::vector<std::string> list = absl::StrSplit(devices, ',', absl::SkipEmpty());
-    if (static_cast<int>(list.size()) != options.tensor_parallel) {
+    if (static_cast<int>(list.size()) != options.backend.tensor_parallel) {
       return Fail(absl::InvalidArgumentError(absl::StrCat("--devices: lists ", list.size(),
                                                           " devices but --tensor_parallel is ",
-                                                          options.tensor_parallel)));
+                                                          options.backend.tensor_parallel)));
     }
     options.backend.device = list[0];
   }

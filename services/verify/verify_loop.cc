@@ -35,11 +35,6 @@ absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
 absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopOptions& options,
                                                                VerifyStepQueue* queue,
                                                                ModelServiceMetrics* metrics) {
-  if (options.tensor_parallel != 1) {
-    return absl::UnimplementedError(
-        absl::StrCat("tensor_parallel: ", options.tensor_parallel,
-                     " is not supported yet; this build runs the target model on one device"));
-  }
   if (options.max_sequences < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_sequences: ", options.max_sequences, " must be at least 1"));
@@ -62,7 +57,7 @@ VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
   info_.set_vocab_size(config.vocab_size);
   info_.set_max_context(config.max_position_embeddings);
   info_.mutable_eos_token_ids()->Add(config.eos_token_ids.begin(), config.eos_token_ids.end());
-  info_.set_tensor_parallel(options.tensor_parallel);
+  info_.set_tensor_parallel(options.backend.tensor_parallel);
   UpdateGauges();
   thread_ = std::thread([this] { Run(); });
 }

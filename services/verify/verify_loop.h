@@ -23,8 +23,7 @@ using VerifyStepQueue = StepQueue<v1::VerifyStepRequest, v1::VerifyStepResponse>
 
 struct VerifyLoopOptions {
   std::string model_dir;    // Hugging Face folder of the target model
-  BackendOptions backend;   // device, KV capacity, threads
-  int tensor_parallel = 1;  // devices the model is split over (1 until TP lands)
+  BackendOptions backend;   // device, tensor-parallel degree, KV capacity, threads
   int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
 };
 

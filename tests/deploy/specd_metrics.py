@@ -12,8 +12,9 @@ import urllib.request
 SECTION_JOBS = {
     "router": ("specd-router",),
     "draft": ("specd-draft", "specd-verify"),
+    "http": ("specd-http",),
 }
-ALL_JOBS = ("specd-router", "specd-draft", "specd-verify")
+ALL_JOBS = ("specd-router", "specd-draft", "specd-verify", "specd-http")
 
 # Labels that Prometheus (job, instance) or Kubernetes service discovery through the
 # prometheus-operator (namespace, pod, service, endpoint, container) add to every series.

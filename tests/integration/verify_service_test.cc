@@ -210,9 +210,21 @@ TEST_F(VerifyServiceTest, GetInfoDescribesTheModel) {
 
 // Several sequences per step, over several steps, with trees that partly match the target's
 // own continuation: every result equals Backend::Verify in this process on the same items.
-TEST_F(VerifyServiceTest, BatchedStepsMatchInProcessVerify) {
-  std::unique_ptr<ServiceProcess> p = StartVerify();
+// The same steps against a verify service whose target is split over GetParam() CPU ranks
+// (uneven head split at 3): results equal the single-device in-process backend.
+class VerifyServiceTpTest : public VerifyServiceTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(VerifyServiceTpTest, BatchedStepsMatchInProcessVerify) {
+  std::unique_ptr<ServiceProcess> p =
+      StartVerify({absl::StrCat("--tensor_parallel=", GetParam())});
   ASSERT_NE(p, nullptr);
+  {
+    auto stub = v1::Verifier::NewStub(p->channel());
+    grpc::ClientContext context;
+    v1::VerifyInfo info;
+    ASSERT_TRUE(stub->GetInfo(&context, v1::VerifyInfoRequest(), &info).ok());
+    EXPECT_EQ(info.tensor_parallel(), static_cast<uint32_t>(GetParam()));
+  }
   std::unique_ptr<Backend> reference = InProcessBackend();
   std::unique_ptr<Backend> oracle = InProcessBackend();  // greedy continuations for the trees
   ASSERT_NE(reference, nullptr);
@@ -306,6 +318,8 @@ TEST_F(VerifyServiceTest, BatchedStepsMatchInProcessVerify) {
   EXPECT_EQ(Metric("specd_step_tokens_total"), 21 + 3 * 3 * 7);
   EXPECT_TRUE(stream.Close().ok());
 }
+
+INSTANTIATE_TEST_SUITE_P(TensorParallel, VerifyServiceTpTest, ::testing::Values(1, 3));
 
 TEST_F(VerifyServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   std::unique_ptr<ServiceProcess> p = StartVerify();
@@ -574,7 +588,9 @@ TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
   for (const Case& c : std::vector<Case>{
            {{address, metrics, "--model=" + empty}, "config.json"},
            {{address, metrics}, "--model: required"},
-           {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2"}, "--tensor_parallel"},
+           {{address, metrics, "--model=" + *dir_, "--tensor_parallel=0"}, "tensor_parallel"},
+           {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--device=cuda:0"},
+            "tensor_parallel"},
            {{"--address=nonsense", metrics, "--model=" + *dir_}, "--address"},
            {{address, metrics, "--model=" + *dir_, "--devices=cpu,cpu"}, "--devices"}}) {
     absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
