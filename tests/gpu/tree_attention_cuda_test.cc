@@ -212,7 +212,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
 
     // GPU.
     int num_sms = 0;
-    SPECD_CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+    EXPECT_EQ(cudaSuccess, cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
     cuda::TreeAttentionPlan plan = cuda::PlanTreeAttention(
         query_seq.data(), kv_end.data(), num_queries, sh.num_heads, sh.num_kv_heads, num_sms);
     if (force_splits == 1) plan.num_splits = 1;
@@ -253,7 +253,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     p.num_kv_heads = sh.num_kv_heads;
     p.head_dim = sh.head_dim;
     p.scale = scale;
-    SPECD_CUDA_OK(cuda::TreeAttentionCuda(p, stream_));
+    EXPECT_EQ(cudaSuccess, cuda::TreeAttentionCuda(p, stream_));
     Sync();
     const std::vector<float> out = ToFloat(d_out.Download());
     std::vector<float> got(static_cast<size_t>(num_queries) * q_dim);
