@@ -736,9 +736,11 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
   }
   step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());
   step->num_splits = plan.num_splits;
-  step->ws_floats =
+  // Split, the chunk count (and so the workspace) grows with the context; a power of two
+  // keeps reallocations, which drop every captured graph, rare.
+  step->ws_floats = NextPow2(
       std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(
-                               plan.num_splits, T, c.num_heads, c.head_dim));
+                               plan.num_splits, T, c.num_heads, c.head_dim)));
 
   step->o_tokens = pack->Add(tokens);
   step->o_positions = pack->Add(positions);

@@ -4,6 +4,7 @@
 // head_dim 64 and 128, with the key range unsplit, split by the plan and split by force.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -176,26 +177,49 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
           [&, w] { TreeAttentionCpuItems(ref, items * w / workers, items * (w + 1) / workers); });
     }
     for (std::thread& t : threads) t.join();
-    for (int force_splits : splits)
-      RunGpu(sh, force_splits, q, q_stride, k_cache, v_cache, tables, max_blocks, query_seq, kv_end,
-             mask_begin, mask, scale, want);
+    // Every split gives the same bits (the kernel's batch invariance).
+    std::vector<float> first;
+    for (int force_splits : splits) {
+      const std::vector<float> got =
+          RunGpu(sh, force_splits, q, q_stride, k_cache, v_cache, tables, max_blocks, query_seq,
+                 kv_end, mask_begin, mask, scale);
+      // Outputs are convex combinations of N(0, 1) values; bf16 probabilities in the P.V
+      // product and the bf16 output each add about 2^-9 relative error.
+      EXPECT_TRUE(AllClose(got, want, 4e-3f, 2e-2f))
+          << "heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim " << sh.head_dim
+          << " block " << sh.block_size << " forced splits " << force_splits << " queries "
+          << num_queries;
+      if (first.empty()) {
+        first = got;
+      } else {
+        EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(float)))
+            << "forced splits " << force_splits << " changed bits";
+      }
+    }
   }
 
-  void RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q, int q_stride,
-              const std::vector<float>& k_cache, const std::vector<float>& v_cache,
-              const std::vector<int32_t>& tables, int max_blocks,
-              const std::vector<int32_t>& query_seq, const std::vector<int32_t>& kv_end,
-              const std::vector<int32_t>& mask_begin, const std::vector<uint32_t>& mask,
-              float scale, const std::vector<float>& want) {
+  // GPU output [num_queries, num_heads * head_dim] (bf16 values as floats). force_splits: 0
+  // the plan's choice, 1 unsplit, more: one CTA per chunk (at least that many splits).
+  std::vector<float> RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q,
+                            int q_stride, const std::vector<float>& k_cache,
+                            const std::vector<float>& v_cache, const std::vector<int32_t>& tables,
+                            int max_blocks, const std::vector<int32_t>& query_seq,
+                            const std::vector<int32_t>& kv_end,
+                            const std::vector<int32_t>& mask_begin,
+                            const std::vector<uint32_t>& mask, float scale) {
     const int num_queries = static_cast<int>(query_seq.size());
     const int q_dim = sh.num_heads * sh.head_dim;
 
     // GPU.
     int num_sms = 0;
-    SPECD_CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+    EXPECT_EQ(cudaSuccess, cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
     cuda::TreeAttentionPlan plan = cuda::PlanTreeAttention(
         query_seq.data(), kv_end.data(), num_queries, sh.num_heads, sh.num_kv_heads, num_sms);
-    if (force_splits > 0) plan.num_splits = force_splits;
+    if (force_splits == 1) plan.num_splits = 1;
+    if (force_splits > 1) {
+      plan.num_splits = std::max(
+          force_splits, cuda::TreeAttentionChunks(*std::max_element(kv_end.begin(), kv_end.end())));
+    }
     DeviceBuffer<bf16> d_q(ToBf16(q)), d_k(ToBf16(k_cache)), d_v(ToBf16(v_cache));
     const int out_stride = q_dim + 6;
     DeviceBuffer<bf16> d_out(static_cast<size_t>(num_queries) * out_stride);
@@ -229,7 +253,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     p.num_kv_heads = sh.num_kv_heads;
     p.head_dim = sh.head_dim;
     p.scale = scale;
-    SPECD_CUDA_OK(cuda::TreeAttentionCuda(p, stream_));
+    EXPECT_EQ(cudaSuccess, cuda::TreeAttentionCuda(p, stream_));
     Sync();
     const std::vector<float> out = ToFloat(d_out.Download());
     std::vector<float> got(static_cast<size_t>(num_queries) * q_dim);
@@ -237,12 +261,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
       std::copy_n(&out[static_cast<size_t>(t) * out_stride], q_dim,
                   &got[static_cast<size_t>(t) * q_dim]);
     }
-    // Outputs are convex combinations of N(0, 1) values; bf16 probabilities in the P.V product
-    // and the bf16 output each add about 2^-9 relative error.
-    EXPECT_TRUE(AllClose(got, want, 4e-3f, 2e-2f))
-        << "heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim " << sh.head_dim
-        << " block " << sh.block_size << " splits " << plan.num_splits << " queries "
-        << num_queries;
+    return got;
   }
 };
 
@@ -308,6 +327,104 @@ TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
     s.chain = 1;
     s.tree_parents = TreeParents(256, shape, rng);
     Check(kShapes[1], {s}, {0}, 400 + shape);
+  }
+}
+
+// Batch invariance, bit for bit: a tree node's output equals that of the same token decoded
+// alone after its path was committed (its ancestors moved to consecutive slots, as after
+// acceptance), and that of the decode batched with other sequences, for every split choice.
+// Before keys were taken by rank in fixed chunks, the split count followed the batch and tree
+// keys sat at their slot's column, so these differed in the last bits.
+TEST_F(TreeAttentionCudaTest, TreeNodeBitIdenticalToDecode) {
+  std::mt19937_64 rng(9);
+  for (const Shape& sh : {kShapes[0], kShapes[4]}) {
+    const int kv_dim = sh.num_kv_heads * sh.head_dim;
+    const int q_dim = sh.num_heads * sh.head_dim;
+    for (int ctx : {100, 700, 3000}) {
+      for (int nodes : {1, 16, 64, 256}) {
+        const std::vector<int32_t> parents = TreeParents(nodes, 3, rng);
+        std::vector<std::vector<int32_t>> anc(nodes);
+        int x = 0;  // the deepest node
+        for (int j = 0; j < nodes; ++j) {
+          if (parents[j] >= 0) anc[j] = anc[parents[j]];
+          anc[j].push_back(j);
+          if (anc[j].size() > anc[x].size()) x = j;
+        }
+        const int tree_base = ctx + 1;  // one pending chain token, then the tree
+        // Block-table rows: 0 the tree's sequence, 1 the linearised path, 2 and 3 others.
+        const int other_end[2] = {38, 2001};
+        const int lens[4] = {tree_base + nodes, tree_base + static_cast<int>(anc[x].size()),
+                             other_end[0], other_end[1]};
+        int max_blocks = 1;
+        for (int len : lens) max_blocks = std::max(max_blocks, (len + sh.block_size - 1) / sh.block_size);
+        std::vector<int32_t> tables(4 * max_blocks);
+        std::iota(tables.begin(), tables.end(), 0);
+        std::shuffle(tables.begin(), tables.end(), rng);
+        const int64_t num_slots = int64_t{4} * max_blocks * sh.block_size;
+        std::vector<float> k = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+        std::vector<float> v = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+        auto phys = [&](int row, int slot) {
+          return int64_t{tables[row * max_blocks + slot / sh.block_size]} * sh.block_size +
+                 slot % sh.block_size;
+        };
+        for (int r = 0; r < lens[1]; ++r) {
+          const int src = r < tree_base ? r : tree_base + anc[x][r - tree_base];
+          std::copy_n(&k[phys(0, src) * kv_dim], kv_dim, &k[phys(1, r) * kv_dim]);
+          std::copy_n(&v[phys(0, src) * kv_dim], kv_dim, &v[phys(1, r) * kv_dim]);
+        }
+        const std::vector<float> qx = RoundBf16(RandomNormal(q_dim, rng, 2.5f));
+        struct Batch {
+          std::vector<int32_t> query_seq, kv_end, mask_begin;
+          std::vector<uint32_t> mask;
+          std::vector<float> q;
+          int row_of_x = -1;
+        };
+        auto add = [&](Batch& b, int seq, int end, int mb, const std::vector<uint32_t>& bits,
+                       bool is_x) {
+          if (is_x) b.row_of_x = static_cast<int>(b.query_seq.size());
+          b.query_seq.push_back(seq);
+          b.kv_end.push_back(end);
+          b.mask_begin.push_back(mb);
+          b.mask.insert(b.mask.end(), bits.begin(), bits.end());
+          const std::vector<float> q = is_x ? qx : RoundBf16(RandomNormal(q_dim, rng, 2.5f));
+          b.q.insert(b.q.end(), q.begin(), q.end());
+        };
+        const std::vector<uint32_t> none(cuda::kTreeAttentionMaskWords, 0u);
+        Batch tree, alone, mixed;
+        add(tree, 0, tree_base, tree_base, none, false);
+        for (int j = 0; j < nodes; ++j) {
+          std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
+          for (int32_t a : anc[j]) bits[a / 32] |= 1u << (a % 32);
+          add(tree, 0, tree_base + j + 1, tree_base, bits, j == x);
+        }
+        add(tree, 2, other_end[0], other_end[0], none, false);
+        add(tree, 3, other_end[1], other_end[1], none, false);
+        add(alone, 1, lens[1], lens[1], none, true);
+        add(mixed, 3, other_end[1], other_end[1], none, false);
+        add(mixed, 1, lens[1], lens[1], none, true);
+        add(mixed, 2, other_end[0], other_end[0], none, false);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+        std::vector<float> want;
+        for (const Batch* b : {&tree, &alone, &mixed}) {
+          for (int force : {0, 1, 2}) {
+            const std::vector<float> out = RunGpu(sh, force, b->q, q_dim, k, v, tables, max_blocks,
+                                                  b->query_seq, b->kv_end, b->mask_begin, b->mask,
+                                                  scale);
+            const std::vector<float> got(out.begin() + int64_t{b->row_of_x} * q_dim,
+                                         out.begin() + int64_t{b->row_of_x + 1} * q_dim);
+            if (want.empty()) {
+              want = got;
+            } else {
+              ASSERT_EQ(0, std::memcmp(want.data(), got.data(), q_dim * sizeof(float)))
+                  << "head_dim " << sh.head_dim << " context " << ctx << " tree " << nodes
+                  << " node " << x << " (depth " << anc[x].size() << ") batch "
+                  << (b == &tree ? "tree" : b == &alone ? "alone" : "mixed") << " forced splits "
+                  << force;
+            }
+          }
+        }
+      }
+    }
   }
 }
 

@@ -18,12 +18,18 @@
 // kTreeAttentionTileRows (query, head) rows -- consecutive queries of one sequence times the
 // query heads that share the KV head -- so each KV block read from memory serves every query
 // and head of the tile; scores and the weighted sum use bf16 tensor-core MMAs with fp32
-// accumulation and an online softmax. K/V chunks of 64 keys stream through two shared-memory
-// stages with cp.async (the next chunk loads while the current one is computed on; V is read
-// transposed by ldmatrix). Whenever the tiles alone would not fill the GPU twice over, the key
-// range is split (flash-decoding, down to one 64-key chunk per CTA, so even a single decode
-// token spreads over many SMs); a second kernel merges the partial results through their
-// log-sum-exps.
+// accumulation and an online softmax. K/V sub-chunks of 64 keys stream through two
+// shared-memory stages with cp.async (the next loads while the current one is computed on; V is
+// read transposed by ldmatrix).
+//
+// Batch invariance: a query's output bits depend only on its own query vector and visible keys,
+// never on the batch, its tile, the split count or padding, so a token verified as a tree node
+// and the same token decoded alone give the same bits (DESIGN.md: greedy speculative output is
+// target-only greedy output). Keys are taken by rank in the query's own key order (prefix, then
+// ancestors) in fixed chunks of kTreeAttentionChunkKeys ranks; each chunk is a fresh online
+// softmax and chunks merge in order with one formula, in the kernel or, when the chunks are
+// split over CTAs (flash-decoding, so even a single decode token spreads over many SMs), in a
+// second kernel with the same arithmetic.
 #ifndef SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 #define SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 
@@ -37,6 +43,10 @@ namespace cuda {
 inline constexpr int kTreeAttentionMaskBits = 256;  // DESIGN.md: at most 256 tree nodes
 inline constexpr int kTreeAttentionMaskWords = kTreeAttentionMaskBits / 32;
 inline constexpr int kTreeAttentionTileRows = 64;
+// Keys per chunk. 128 keys (two 64-key stages): a batch-1 decode at 2K context gives 16 chunks
+// per KV head (128 CTAs for 8 KV heads, one wave on an H200's 132 SMs), while the per-chunk
+// merge and the split workspace stay small.
+inline constexpr int kTreeAttentionChunkKeys = 128;
 
 struct TreeAttentionParams {
   // [num_queries, q_stride] bf16, device (RoPE applied): head h of query t at
@@ -60,6 +70,8 @@ struct TreeAttentionParams {
   const int32_t* tile_begin = nullptr;
   const int32_t* tile_end = nullptr;
   int64_t num_tiles = 0;
+  // 1: a CTA walks all chunks of its tile. Otherwise one CTA per chunk, and num_splits must be
+  // at least TreeAttentionChunks(max kv_end) (later chunks are not computed).
   int num_splits = 1;
   // [TreeAttentionWorkspaceFloats(...)] fp32, device; needed when num_splits > 1.
   float* workspace = nullptr;
@@ -78,11 +90,15 @@ struct TreeAttentionPlan {
 };
 
 // Tiles group consecutive queries of one sequence (queries of a sequence must be contiguous).
-// The key range is split when the tiles alone would not fill the GPU's `num_sms`
-// multiprocessors twice over. query_seq and kv_end are host copies of the params' arrays.
+// The key range is split into its chunks when the tiles alone would leave some of the GPU's
+// `num_sms` multiprocessors idle (and the workspace stays under a cap); either way the results
+// are the same bits. query_seq and kv_end are host copies of the params' arrays.
 TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
                                     int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
                                     int num_sms);
+
+// Chunks of a query with `max_kv_end` keys: the num_splits that splits them all.
+int TreeAttentionChunks(int32_t max_kv_end);
 
 // Workspace floats that TreeAttentionCuda needs for `num_splits` (0 when it is 1).
 int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_t num_heads,
