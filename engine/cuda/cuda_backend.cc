@@ -132,10 +132,10 @@ CudaBackend::Create(const std::string &dir, int device,
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok())
     return config.status();
-  if (config->head_dim != 64 && config->head_dim != 128) {
+  if (!cuda::TreeAttentionSupportsHeadDim(config->head_dim)) {
     return absl::UnimplementedError(
         absl::StrCat("cuda backend: head_dim ", config->head_dim,
-                     " is not supported (64 or 128)"));
+                     " is not supported (16, 32, 64 or 128)"));
   }
   if (config->num_heads % config->num_kv_heads != 0 ||
       config->num_heads / config->num_kv_heads > cuda::kTreeAttentionTileRows) {

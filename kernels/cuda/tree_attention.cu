@@ -148,6 +148,7 @@ __device__ __forceinline__ void MergeChunk(float& big_m, float& big_l, float m, 
 // chunks of its tile; with more, CTA z computes chunk z and leaves its state in the workspace.
 template <int HD>
 __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionParams p) {
+  static_assert(HD % 16 == 0 && HD >= 16, "whole MMA k-steps and pairs of 8-dim V tiles");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   AttnSmem<HD>& s = *reinterpret_cast<AttnSmem<HD>*>(smem_raw);
   const int tile = blockIdx.x;
@@ -496,24 +497,31 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
   const int lane = threadIdx.x & 31;
   const int64_t items = p.num_queries * p.num_heads;
   if (item >= items) return;
+  // Below 32 dims a lane owns one dim and the lanes past head_dim have none (the kernel uses
+  // no warp collectives, so they may leave). MergeChunk is elementwise, so how dims are dealt
+  // to lanes does not change a dim's bits.
+  constexpr int kPerLane = HD >= 32 ? HD / 32 : 1;
+  if constexpr (HD < 32) {
+    if (lane >= HD) return;
+  }
   const float* ml = p.workspace + static_cast<int64_t>(p.num_splits) * items * HD;
-  float acc[HD / 32];
+  float acc[kPerLane];
 #pragma unroll
-  for (int d = 0; d < HD / 32; ++d) acc[d] = 0.0f;
+  for (int d = 0; d < kPerLane; ++d) acc[d] = 0.0f;
   float big_m = -INFINITY, big_l = 0.0f;
   for (int sp = 0; sp < p.num_splits; ++sp) {
     const int64_t at = sp * items + item;
-    float part[HD / 32];
+    float part[kPerLane];
     const float* o = p.workspace + at * HD;
 #pragma unroll
-    for (int d = 0; d < HD / 32; ++d) part[d] = o[lane + 32 * d];
-    MergeChunk(big_m, big_l, ml[2 * at], ml[2 * at + 1], acc, part, HD / 32);
+    for (int d = 0; d < kPerLane; ++d) part[d] = o[lane + 32 * d];
+    MergeChunk(big_m, big_l, ml[2 * at], ml[2 * at + 1], acc, part, kPerLane);
   }
   const float inv = big_l > 0.0f ? __fdiv_rn(1.0f, big_l) : 0.0f;
   const int64_t qi = item / p.num_heads, head = item % p.num_heads;
   bf16* dst = p.out + qi * p.out_stride + head * HD;
 #pragma unroll
-  for (int d = 0; d < HD / 32; ++d) dst[lane + 32 * d] = __float2bfloat16_rn(__fmul_rn(acc[d], inv));
+  for (int d = 0; d < kPerLane; ++d) dst[lane + 32 * d] = __float2bfloat16_rn(__fmul_rn(acc[d], inv));
 }
 
 template <int HD>
@@ -583,7 +591,7 @@ int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream) {
   if (p.num_queries < 0 || p.num_tiles < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
       p.num_kv_heads > 65535 || p.num_heads % p.num_kv_heads != 0 ||
-      p.num_heads / p.num_kv_heads > kRows || (p.head_dim != 64 && p.head_dim != 128) ||
+      p.num_heads / p.num_kv_heads > kRows || !TreeAttentionSupportsHeadDim(p.head_dim) ||
       p.num_splits < 1 || p.num_splits > 65535 || p.block_size <= 0 || p.max_blocks_per_seq <= 0 ||
       p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
       p.out_stride < p.num_heads * p.head_dim || p.out_stride % 2 != 0 ||
@@ -601,7 +609,20 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
       !IsAligned(p.v_cache, 16) || !IsAligned(p.workspace, 8)) {
     return cudaErrorInvalidValue;
   }
-  return p.head_dim == 64 ? Launch<64>(p, stream) : Launch<128>(p, stream);
+  switch (p.head_dim) {
+    case 16:
+      return Launch<16>(p, stream);
+    case 32:
+      return Launch<32>(p, stream);
+    case 64:
+      return Launch<64>(p, stream);
+    default:
+      return Launch<128>(p, stream);
+  }
+}
+
+bool TreeAttentionSupportsHeadDim(int64_t head_dim) {
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
 }
 
 }  // namespace cuda

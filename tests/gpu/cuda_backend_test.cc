@@ -1,6 +1,6 @@
 // The bf16 CUDA backend against the fp32 CPU backend on random checkpoints written as real
 // Hugging Face folders (Llama with llama3 RoPE scaling, Qwen2 with QKV bias, Qwen3 with q/k
-// norm; head_dim 64 and 128; GQA), and its on-device Verify against the host Verify path.
+// norm; head_dim 16, 32, 64 and 128; GQA), and its on-device Verify against the host Verify path.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -107,6 +107,21 @@ std::vector<ModelCase> Models() {
   s.head_dim = 128;
   s.tie_word_embeddings = false;
   out.push_back({"qwen3", s});
+  // Small heads, as in the reference draft model (32) and the transformers fixtures (16).
+  s.model_type = "llama";
+  s.hidden_size = 128;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 32;
+  s.tie_word_embeddings = true;
+  out.push_back({"llama_hd32", s});
+  s.model_type = "qwen3";
+  s.hidden_size = 64;
+  s.num_heads = 5;
+  s.num_kv_heads = 1;
+  s.head_dim = 16;
+  s.tie_word_embeddings = false;
+  out.push_back({"qwen3_hd16", s});
   return out;
 }
 

@@ -94,9 +94,9 @@ TEST_P(CudaFamilyTest, LogitsMatchTransformers) {
   const json oracle = ReadJson(dir / "oracle.json");
   absl::StatusOr<std::unique_ptr<Backend>> b = Load(dir, "cuda:0");
   if (!b.ok() && b.status().code() == absl::StatusCode::kUnimplemented) {
-    // The fixtures' tiny head_dims (8, 12, 16) are below what the CUDA
-    // attention kernel supports (64, 128): this is a gap to close, reported
-    // rather than hidden.
+    // The mistral fixture's head_dim 8 is below what the CUDA attention
+    // kernel supports (16, 32, 64, 128: whole 16-wide MMA k-steps): a gap,
+    // reported rather than hidden.
     GTEST_SKIP() << GetParam() << ": " << b.status();
   }
   ASSERT_TRUE(b.ok()) << b.status();
@@ -202,18 +202,11 @@ TEST_F(CudaReferenceTest, SpeculativeGreedyEqualsTargetOnlyGreedy) {
   absl::StatusOr<std::unique_ptr<Backend>> target =
       Load(root_ / "models" / "pycoder-target", "cuda:0");
   ASSERT_TRUE(target.ok()) << target.status();
+  // The draft (head_dim 32) runs on the same GPU, as specd-draft --device
+  // cuda:0 would; its own numerics do not matter for the property under test
+  // (the target's verify invariance), only which trees it proposes.
   absl::StatusOr<std::unique_ptr<Backend>> draft =
       Load(root_ / "models" / "pycoder-draft", "cuda:0");
-  std::string draft_device = "cuda:0";
-  if (!draft.ok() &&
-      draft.status().code() == absl::StatusCode::kUnimplemented) {
-    // pycoder-draft has head_dim 32, which the CUDA attention does not support
-    // yet: draft on the CPU. The property under test is the target's (GPU)
-    // verify invariance either way.
-    std::printf("draft on cpu: %s\n", draft.status().ToString().c_str());
-    draft = Load(root_ / "models" / "pycoder-draft", "cpu");
-    draft_device = "cpu";
-  }
   ASSERT_TRUE(draft.ok()) << draft.status();
   DraftModelDrafter drafter(draft->get());
   absl::StatusOr<std::unique_ptr<Generator>> spec =
@@ -264,9 +257,9 @@ TEST_F(CudaReferenceTest, SpeculativeGreedyEqualsTargetOnlyGreedy) {
     }
   }
   EXPECT_GT(accepted, 0) << "the draft model never got a token accepted";
-  std::printf("speculative vs target-only on cuda (draft on %s): %lld drafted, "
-              "%lld accepted\n",
-              draft_device.c_str(), static_cast<long long>(drafted),
+  std::printf("speculative vs target-only on cuda (draft on cuda too): %lld "
+              "drafted, %lld accepted\n",
+              static_cast<long long>(drafted),
               static_cast<long long>(accepted));
 }
 

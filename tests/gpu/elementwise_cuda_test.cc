@@ -124,7 +124,9 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     bool llama3, qk_norm;
   };
   for (const Case c : {Case{9, 7, 1, 64, false, false}, Case{5, 12, 4, 128, true, false},
-                       Case{17, 3, 3, 128, false, true}, Case{4, 5, 5, 64, true, true}}) {
+                       Case{17, 3, 3, 128, false, true}, Case{4, 5, 5, 64, true, true},
+                       Case{7, 4, 2, 32, false, false}, Case{6, 5, 1, 16, false, true},
+                       Case{3, 3, 1, 16, true, false}}) {
     ModelConfig config;
     config.hidden_size = c.q_heads * c.head_dim;
     config.num_heads = c.q_heads;

@@ -24,7 +24,8 @@ class KvCacheCudaTest : public gpu_test::GpuTest {};
 
 TEST_F(KvCacheCudaTest, WriteMatchesReference) {
   std::mt19937_64 rng(21);
-  for (auto [kv_heads, head_dim] : {std::pair{3, 64}, std::pair{1, 128}, std::pair{1, 36}}) {
+  for (auto [kv_heads, head_dim] : {std::pair{3, 64}, std::pair{1, 128}, std::pair{1, 36},
+                                         std::pair{2, 32}, std::pair{1, 16}}) {
     const int kv_dim = kv_heads * head_dim, num_slots = 200, tokens = 37;
     // Tokens come from a fused QKV output: k and v are column ranges of wider rows.
     const int stride = 3 * kv_dim + 8;

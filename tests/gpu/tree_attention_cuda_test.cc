@@ -1,7 +1,7 @@
 // Tree attention on the GPU against kernels/cpu/tree_attention.cc: decode, prefill chains and
 // verification trees (1, 7 and 256 nodes of several shapes) below pending chains, batched over
 // sequences with context lengths that are not multiples of the block size, odd head counts,
-// head_dim 64 and 128, with the key range unsplit, split by the plan and split by force.
+// head_dim 16, 32, 64 and 128, with the key range unsplit, split by the plan and split by force.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -271,6 +271,9 @@ const Shape kShapes[] = {
     {28, 4, 128, 32},  // group of 7 (Qwen2.5-7B-like)
     {5, 5, 64, 8},     // no grouping
     {32, 8, 128, 16},  // Llama-3-8B-like
+    {4, 2, 32, 16},    // the reference draft model (models/pycoder-draft)
+    {3, 1, 16, 16},    // the transformers fixtures (llama31, qwen2)
+    {5, 1, 16, 8},     // group of 5 (the qwen3 fixture)
 };
 
 TEST_F(TreeAttentionCudaTest, Decode) {
@@ -287,7 +290,7 @@ TEST_F(TreeAttentionCudaTest, Decode) {
 }
 
 TEST_F(TreeAttentionCudaTest, PrefillChains) {
-  for (const Shape& sh : {kShapes[0], kShapes[1], kShapes[4]}) {
+  for (const Shape& sh : {kShapes[0], kShapes[1], kShapes[4], kShapes[5], kShapes[6]}) {
     std::vector<SeqSpec> seqs(3);
     seqs[0].committed = 0;
     seqs[0].chain = 130;
@@ -321,12 +324,14 @@ TEST_F(TreeAttentionCudaTest, VerifyTrees) {
 // key range.
 TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
   std::mt19937_64 rng(8);
-  for (int shape : {2, 3}) {
-    SeqSpec s;
-    s.committed = 4095;
-    s.chain = 1;
-    s.tree_parents = TreeParents(256, shape, rng);
-    Check(kShapes[1], {s}, {0}, 400 + shape);
+  for (const Shape& sh : {kShapes[1], kShapes[5], kShapes[6]}) {
+    for (int shape : {2, 3}) {
+      SeqSpec s;
+      s.committed = 4095;
+      s.chain = 1;
+      s.tree_parents = TreeParents(256, shape, rng);
+      Check(sh, {s}, {0}, 400 + shape);
+    }
   }
 }
 
@@ -337,7 +342,7 @@ TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
 // keys sat at their slot's column, so these differed in the last bits.
 TEST_F(TreeAttentionCudaTest, TreeNodeBitIdenticalToDecode) {
   std::mt19937_64 rng(9);
-  for (const Shape& sh : {kShapes[0], kShapes[4]}) {
+  for (const Shape& sh : {kShapes[0], kShapes[4], kShapes[5], kShapes[6]}) {
     const int kv_dim = sh.num_kv_heads * sh.head_dim;
     const int q_dim = sh.num_heads * sh.head_dim;
     for (int ctx : {100, 700, 3000}) {
@@ -436,8 +441,14 @@ TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
   p.head_dim = 128;
   EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
   p.num_kv_heads = 3;
-  p.head_dim = 96;  // unsupported
-  EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
+  for (int head_dim : {8, 48, 96, 256}) {  // unsupported
+    p.head_dim = head_dim;
+    EXPECT_FALSE(cuda::TreeAttentionSupportsHeadDim(head_dim)) << head_dim;
+    EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue) << head_dim;
+  }
+  for (int head_dim : {16, 32, 64, 128}) {
+    EXPECT_TRUE(cuda::TreeAttentionSupportsHeadDim(head_dim)) << head_dim;
+  }
 }
 
 }  // namespace

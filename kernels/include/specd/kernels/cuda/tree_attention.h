@@ -78,7 +78,7 @@ struct TreeAttentionParams {
   int64_t num_queries = 0;
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;  // divides num_heads, with num_heads / num_kv_heads <= 64
-  int64_t head_dim = 0;      // 64 or 128
+  int64_t head_dim = 0;      // 16, 32, 64 or 128 (TreeAttentionSupportsHeadDim)
   float scale = 1.0f;        // usually 1 / sqrt(head_dim)
 };
 
@@ -103,6 +103,10 @@ int TreeAttentionChunks(int32_t max_kv_end);
 // Workspace floats that TreeAttentionCuda needs for `num_splits` (0 when it is 1).
 int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_t num_heads,
                                      int64_t head_dim);
+
+// The head sizes the kernel is instantiated for: whole k-steps of the m16n8k16 MMA (16 dims),
+// and V read as pairs of 8-dim tiles.
+bool TreeAttentionSupportsHeadDim(int64_t head_dim);
 
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream);
 
