@@ -9,6 +9,9 @@
 // order they were appended; Commit() moves the accepted path's slots down to [L, L + n) and
 // returns the blocks no longer needed. Scratch nodes therefore count against the capacity.
 //
+// The bookkeeping is engine/paged_kv_table.h and the model engine/cpu_model.h, both shared with
+// the tensor-parallel CPU backend.
+//
 // Determinism. Every per-token computation is independent of batching: the GEMMs are
 // batch-invariant and attention visits the committed prefix then the node's ancestors in
 // order, so a tree node's logits are bit-identical to those of the same token decoded alone
@@ -23,16 +26,15 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
+#include "engine/cpu_model.h"
 #include "engine/model_config.h"
+#include "engine/paged_kv_table.h"
 #include "engine/thread_pool.h"
 
 namespace specd {
-
-inline constexpr int64_t kKvBlockTokens = 16;
 
 class CpuBackend : public Backend {
  public:
@@ -58,46 +60,16 @@ class CpuBackend : public Backend {
 
   // Rows per sgemm call: kLinearRowBlock, or 1 when the load-time probe found this machine's
   // BLAS not batch-invariant in blocks (see specd/kernels/linear.h).
-  int64_t linear_row_block() const { return row_block_; }
+  int64_t linear_row_block() const { return model_.row_block(); }
 
  private:
-  struct LayerWeights {
-    std::vector<float> input_norm, q_proj, k_proj, v_proj, q_bias, k_bias, v_bias, q_norm, k_norm,
-        o_proj, post_norm, gate_proj, up_proj, down_proj;
-  };
-  struct Sequence {
-    int64_t committed = 0;
-    std::vector<int32_t> blocks;           // physical block of each logical block
-    std::vector<int32_t> scratch_parents;  // per scratch node: parent scratch index or -1
-    std::vector<int32_t> scratch_depth;    // per scratch node: depth below the committed end
-    int64_t tokens() const { return committed + static_cast<int64_t>(scratch_parents.size()); }
-  };
-
   CpuBackend(ModelConfig config, const BackendOptions& options);
-  absl::Status LoadWeights();
-  int64_t FreeBlocks() const;
-  // Takes a free block, growing the pools if needed; the caller checked FreeBlocks().
-  int32_t AllocateBlock();
-  void ReleaseBlocks(Sequence* s, int64_t keep_blocks);
-  int64_t PhysicalSlot(const Sequence& s, int64_t logical) const;
-  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
-              int64_t rows, int64_t in, int64_t out);
 
   ModelConfig config_;
-  BackendOptions options_;
   std::unique_ptr<ThreadPool> pool_;
-  std::vector<float> inv_freq_;
-  std::vector<float> embed_tokens_, final_norm_, lm_head_;  // lm_head_ empty when tied
-  std::vector<LayerWeights> layers_;
-  int64_t row_block_ = 0;
-
-  int64_t kv_dim_ = 0;
-  int64_t max_blocks_ = 0;
-  int64_t allocated_blocks_ = 0;
-  std::vector<int32_t> free_blocks_;
-  // Per layer: [allocated_blocks_ * kKvBlockTokens, kv_dim_] fp32.
-  std::vector<std::vector<float>> k_pool_, v_pool_;
-  absl::flat_hash_map<SeqId, Sequence> seqs_;
+  // Sequences, block tables and scratch trees; the K/V pools live in model_.
+  PagedKvTable table_;
+  CpuModel model_;  // the whole model: FullModelSlice()
 };
 
 }  // namespace specd

@@ -183,8 +183,7 @@ absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items, S
       // The keys are the node's ancestors (root first, itself last) after the committed prefix.
       // A scratch node whose depth equals its index has exactly scratch nodes 0..index as
       // ancestors, so the leading run of ancestors on that spine extends the prefix run (same
-      // keys, same order; as CpuBackend does) instead of being listed: a prefill chain costs
-      // O(1) metadata per token.
+      // keys, same order) instead of being listed: a prefill chain costs O(1) metadata per token.
       const size_t start = l.tree_keys.size();
       int32_t a = static_cast<int32_t>(scratch_index);
       for (; a >= 0 && s.scratch_depth[a] != a; a = s.scratch_parents[a]) {

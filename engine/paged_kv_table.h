@@ -3,8 +3,8 @@
 // Commit() paths, and the per-token layout of a step that every attention kernel reads
 // (tree_attention.h). It owns no K/V storage: the owners of the pools (one per tensor-parallel
 // rank, each with its own KV heads) size them to allocated_blocks() and apply the slot copies
-// that PrepareCommit() returns. The semantics and error messages are those of CpuBackend, whose
-// single-device bookkeeping this mirrors.
+// that PrepareCommit() returns. CpuBackend and the tensor-parallel backends share it, so they
+// have one KV semantics and one set of error messages.
 #ifndef SPECD_ENGINE_PAGED_KV_TABLE_H_
 #define SPECD_ENGINE_PAGED_KV_TABLE_H_
 
