@@ -10,16 +10,6 @@
 #include "common/logging.h"
 
 namespace specd {
-namespace {
-
-// How often an idle loop looks for sequences whose deadline passed.
-constexpr absl::Duration kIdleTick = absl::Milliseconds(200);
-
-absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
-  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOptions& options,
                                                              DraftStepQueue* queue,
@@ -65,48 +55,28 @@ DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> m
                      std::unique_ptr<DraftModelDrafter> model_drafter,
                      std::unique_ptr<NgramDrafter> ngram, DraftStepQueue* queue,
                      ModelServiceMetrics* metrics)
-    : options_(options),
+    : StepLoop(queue, metrics),
+      options_(options),
       model_(std::move(model)),
       model_drafter_(std::move(model_drafter)),
-      ngram_(std::move(ngram)),
-      queue_(queue),
-      metrics_(metrics) {
+      ngram_(std::move(ngram)) {
   info_.set_model(model_ != nullptr ? ModelNameFromPath(options.model_dir) : "ngram");
   info_.set_vocab_size(ngram_->vocab_size());
-  UpdateGauges();
-  thread_ = std::thread([this] { Run(); });
+  Start();
 }
 
 DraftLoop::~DraftLoop() { Stop(); }
 
-void DraftLoop::Stop() {
-  if (!thread_.joinable()) return;
-  queue_->Close();
-  thread_.join();
-}
-
-void DraftLoop::Run() {
-  for (;;) {
-    DraftStepQueue::Batch batch = queue_->Pop(kIdleTick);
-    ProcessBatch(batch);
-    if (batch.closed) break;
-  }
-  for (int64_t seq : table_.RemoveAll()) Free(seq, /*finished=*/false);
-  UpdateGauges();
-}
-
-void DraftLoop::Free(int64_t seq, bool finished) {
+void DraftLoop::FreeModelState(int64_t seq) {
   auto it = sequences_.find(seq);
-  if (it != sequences_.end()) {
-    for (int d : {kModel, kNgram}) {
-      if (!it->second.added[d]) continue;
-      if (absl::Status s = drafter(d)->Release(seq); !s.ok()) {
-        SPECD_LOG(WARNING) << "releasing draft sequence " << seq << ": " << s;
-      }
+  if (it == sequences_.end()) return;
+  for (int d : {kModel, kNgram}) {
+    if (!it->second.added[d]) continue;
+    if (absl::Status s = drafter(d)->Release(seq); !s.ok()) {
+      SPECD_LOG(WARNING) << "releasing draft sequence " << seq << ": " << s;
     }
-    sequences_.erase(it);
   }
-  (finished ? metrics_->freed_finished : metrics_->freed_cancelled).Increment();
+  sequences_.erase(it);
 }
 
 void DraftLoop::Drop(StreamId stream, uint64_t seq_id, const Slot& slot) {
@@ -119,35 +89,21 @@ void DraftLoop::Drop(StreamId stream, uint64_t seq_id, const Slot& slot) {
   sequences_.erase(it);
 }
 
-void DraftLoop::UpdateGauges() {
-  metrics_->sequences.Set(table_.size());
-  double ratio = 0.0;
-  if (model_ != nullptr) {
-    const KvUsage usage = model_->Usage();
-    if (usage.capacity_tokens > 0) {
-      ratio = static_cast<double>(usage.used_tokens) / static_cast<double>(usage.capacity_tokens);
-    }
-  }
-  metrics_->kv_cache_usage_ratio.Set(ratio);
+double DraftLoop::KvCacheUsageRatio() {
+  if (model_ == nullptr) return 0.0;
+  const KvUsage usage = model_->Usage();
+  if (usage.capacity_tokens <= 0) return 0.0;
+  return static_cast<double>(usage.used_tokens) / static_cast<double>(usage.capacity_tokens);
 }
 
 absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
                               int64_t* kv_budget, Slot* slot, bool* empty_tree) {
   const std::string where = absl::StrCat("steps[", index, "]");
   const int vocab = ngram_->vocab_size();
-  std::optional<int64_t> live = table_.Find(stream, step.seq_id());
-  if (!live.has_value()) {
-    if (absl::Status freed = table_.Tombstone(stream, step.seq_id()); !freed.ok()) return freed;
-  }
-  if (step.deadline_unix_ms() != 0 && step.deadline_unix_ms() < absl::ToUnixMillis(absl::Now())) {
-    if (live.has_value()) {
-      table_.Remove(stream, step.seq_id());
-      Free(*live, /*finished=*/false);
-      table_.SetTombstone(stream, step.seq_id(), absl::StatusCode::kDeadlineExceeded);
-    }
-    return absl::DeadlineExceededError(
-        absl::StrCat(where, ".deadline_unix_ms: ", step.deadline_unix_ms(), " has passed"));
-  }
+  absl::StatusOr<std::optional<int64_t>> found =
+      FindLive(stream, step.seq_id(), step.deadline_unix_ms(), where);
+  if (!found.ok()) return found.status();
+  std::optional<int64_t> live = *found;
   if (step.new_tokens().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, ".new_tokens: empty (send the prompt at the first step, then the emitted tokens)"));
@@ -226,18 +182,7 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   return absl::OkStatus();
 }
 
-void DraftLoop::ProcessBatch(DraftStepQueue::Batch& batch) {
-  for (StreamId stream : batch.ended_streams) {
-    for (int64_t seq : table_.RemoveStream(stream)) Free(seq, /*finished=*/false);
-  }
-  for (int64_t seq : table_.RemoveExpired(absl::ToUnixMillis(absl::Now()))) {
-    Free(seq, /*finished=*/false);
-  }
-  if (batch.steps.empty()) {
-    UpdateGauges();
-    return;
-  }
-
+std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Batch& batch) {
   std::vector<v1::DraftStepResponse> responses(batch.steps.size());
   std::array<std::vector<Slot>, 2> slots;  // per drafter
   int64_t kv_budget = INT64_MAX;
@@ -250,24 +195,13 @@ void DraftLoop::ProcessBatch(DraftStepQueue::Batch& batch) {
     const v1::DraftStepRequest& request = batch.steps[b].request;
     v1::DraftStepResponse& response = responses[b];
     response.set_step_id(request.step_id());
-    for (uint64_t id : request.release_seq_ids()) {
-      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/true);
-    }
-    for (uint64_t id : request.cancel_seq_ids()) {
-      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/false);
-    }
+    ReleaseAndCancel(stream, request);
     for (int i = 0; i < request.steps_size(); ++i) {
       const v1::DraftSequenceStep& step = request.steps(i);
       v1::DraftSequenceResult* result = response.add_results();
       result->set_seq_id(step.seq_id());
-      bool duplicate = false;
-      for (int j = 0; j < i; ++j)
-        duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
-      if (duplicate) {
-        ToSequenceError(
-            absl::InvalidArgumentError(absl::StrCat("steps[", i, "].seq_id: ", step.seq_id(),
-                                                    " appears more than once in this step")),
-            result->mutable_error());
+      if (absl::Status unique = CheckUniqueSeqId(request, i); !unique.ok()) {
+        ToSequenceError(unique, result->mutable_error());
         continue;
       }
       Slot slot;
@@ -335,15 +269,8 @@ void DraftLoop::ProcessBatch(DraftStepQueue::Batch& batch) {
       out->mutable_draft_logprobs()->Add(tree.draft_logprobs.begin(), tree.draft_logprobs.end());
     }
   }
-  if (batch_size > 0) {
-    metrics_->step_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    metrics_->step_batch_size.Observe(static_cast<double>(batch_size));
-    metrics_->step_tokens.Increment(static_cast<double>(tokens));
-  }
-  UpdateGauges();
-  for (size_t b = 0; b < batch.steps.size(); ++b) {
-    batch.steps[b].reply(std::move(responses[b]));
-  }
+  if (batch_size > 0) RecordStep(start, batch_size, tokens);
+  return responses;
 }
 
 }  // namespace specd

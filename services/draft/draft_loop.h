@@ -21,12 +21,11 @@
 #include <array>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "common/metrics.h"
-#include "common/sequence_table.h"
+#include "common/step_loop.h"
 #include "common/step_stream.h"
 #include "engine/backend.h"
 #include "engine/drafter.h"
@@ -48,7 +47,8 @@ struct DraftLoopOptions {
   int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
 };
 
-class DraftLoop {
+class DraftLoop final
+    : public StepLoop<v1::DraftStepRequest, v1::DraftStepResponse, v1::DraftInfo> {
  public:
   // Loads the draft model if any (errors name the folder and what is wrong) and starts the
   // loop thread, from then on the only user of the model and drafters. `queue` and `metrics`
@@ -56,14 +56,7 @@ class DraftLoop {
   static absl::StatusOr<std::unique_ptr<DraftLoop>> Create(const DraftLoopOptions& options,
                                                            DraftStepQueue* queue,
                                                            ModelServiceMetrics* metrics);
-  ~DraftLoop();
-
-  // What GetInfo answers; fixed once loaded.
-  const v1::DraftInfo& info() const { return info_; }
-
-  // Answers what is queued, frees every sequence and joins the thread. Call after the gRPC
-  // server has shut down.
-  void Stop();
+  ~DraftLoop() override;
 
  private:
   static constexpr int kModel = 0;  // index of the draft-model drafter (DRAFT_METHOD_MODEL)
@@ -89,27 +82,21 @@ class DraftLoop {
             std::unique_ptr<DraftModelDrafter> model_drafter, std::unique_ptr<NgramDrafter> ngram,
             DraftStepQueue* queue, ModelServiceMetrics* metrics);
 
-  void Run();
-  void ProcessBatch(DraftStepQueue::Batch& batch);
+  std::vector<v1::DraftStepResponse> RunSteps(const DraftStepQueue::Batch& batch) override;
+  void FreeModelState(int64_t seq) override;
+  double KvCacheUsageRatio() override;
   absl::Status Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
                      int64_t* kv_budget, Slot* slot, bool* empty_tree);
   void Drop(StreamId stream, uint64_t seq_id, const Slot& slot);
-  void Free(int64_t seq, bool finished);
-  void UpdateGauges();
   Drafter* drafter(int index) {
     return index == kModel ? static_cast<Drafter*>(model_drafter_.get()) : ngram_.get();
   }
 
   DraftLoopOptions options_;
-  v1::DraftInfo info_;
   std::unique_ptr<Backend> model_;  // null without a draft model
   std::unique_ptr<DraftModelDrafter> model_drafter_;
   std::unique_ptr<NgramDrafter> ngram_;
-  DraftStepQueue* queue_;
-  ModelServiceMetrics* metrics_;
-  SequenceTable table_;
   absl::flat_hash_map<int64_t, Sequence> sequences_;
-  std::thread thread_;
 };
 
 }  // namespace specd

@@ -1,19 +1,14 @@
 // specd-draft: the draft model and n-gram drafter behind the specd.v1.Drafter service.
-#include <atomic>
-#include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
-#include "common/grpc_util.h"
-#include "common/logging.h"
 #include "common/metrics.h"
-#include "common/signals.h"
+#include "common/model_service_main.h"
 #include "services/draft/draft_loop.h"
 #include "services/draft/draft_service.h"
 
@@ -42,16 +37,14 @@ ABSL_FLAG(int, shutdown_grace_ms, 5000,
 namespace specd {
 namespace {
 
-int Fail(const absl::Status& status) {
-  SPECD_LOG(ERROR) << status.message();
-  return EXIT_FAILURE;
-}
-
 int Main() {
-  absl::Notification& stop = WatchTerminationSignals();
-  const std::string address = absl::GetFlag(FLAGS_address);
-  absl::StatusOr<HostPort> host_port = ParseHostPort(address, "--address");
-  if (!host_port.ok()) return Fail(host_port.status());
+  ModelServiceOptions service_options;
+  service_options.name = "specd-draft";
+  service_options.address = absl::GetFlag(FLAGS_address);
+  service_options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  service_options.startup_delay_ms = absl::GetFlag(FLAGS_startup_delay_ms);
+  service_options.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
+  if (absl::Status s = CheckModelServiceOptions(service_options); !s.ok()) return FailStartup(s);
   DraftLoopOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.vocab_size = absl::GetFlag(FLAGS_vocab_size);
@@ -65,58 +58,33 @@ int Main() {
   options.ngram.min_n = absl::GetFlag(FLAGS_ngram_min_n);
   options.ngram.max_n = absl::GetFlag(FLAGS_ngram_max_n);
   if (options.model_dir.empty() && options.vocab_size < 1) {
-    return Fail(absl::InvalidArgumentError(
+    return FailStartup(absl::InvalidArgumentError(
         "--model or --vocab_size: give a draft model folder, or the target's vocabulary size "
         "to serve n-gram drafting only"));
   }
   if (options.backend.kv_capacity_tokens < 1) {
-    return Fail(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
+    return FailStartup(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
   }
 
   DraftStepQueue queue;
   DraftService service(&queue);
-  auto registry = std::make_shared<prometheus::Registry>();
-  ModelServiceMetrics metrics(*registry);
-  std::atomic<bool> serving{false};
-
-  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
-      GrpcServer::Start({address, {&service}, {v1::Drafter::service_full_name()}});
-  if (!server.ok()) return Fail(server.status());
-  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
-      {host_port->host.empty() ? "0.0.0.0" : host_port->host, absl::GetFlag(FLAGS_metrics_port)},
-      registry, [&serving] { return serving.load(); });
-  if (!metrics_server.ok()) return Fail(metrics_server.status());
-  SPECD_LOG(INFO) << "specd-draft: gRPC on port " << (*server)->port() << ", metrics on port "
-                  << (*metrics_server)->port() << "; loading "
-                  << (options.model_dir.empty() ? std::string("n-gram drafter only")
-                                                : options.model_dir);
-
-  if (stop.WaitForNotificationWithTimeout(
-          absl::Milliseconds(absl::GetFlag(FLAGS_startup_delay_ms)))) {
-    (*server)->Shutdown(0);
-    return EXIT_SUCCESS;
-  }
-  absl::StatusOr<std::unique_ptr<DraftLoop>> loop = DraftLoop::Create(options, &queue, &metrics);
-  if (!loop.ok()) {
-    queue.CloseAndFail(absl::UnavailableError("the draft model failed to load"));
-    (*server)->Shutdown(0);
-    return Fail(loop.status());
-  }
-  service.SetInfo((*loop)->info());
-  (*server)->SetServing(true);
-  serving = true;
-  SPECD_LOG(INFO) << "specd-draft: serving " << (*loop)->info().model() << " on "
-                  << options.backend.device;
-
-  stop.WaitForNotification();
-  SPECD_LOG(INFO) << "specd-draft: signal " << TerminationSignal() << ", shutting down";
-  serving = false;
-  (*server)->SetServing(false);
-  (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace_ms));
-  (*loop)->Stop();
-  (*metrics_server)->Stop();
-  SPECD_LOG(INFO) << "specd-draft: stopped";
-  return EXIT_SUCCESS;
+  service_options.service = &service;
+  service_options.service_full_name = v1::Drafter::service_full_name();
+  service_options.loading =
+      options.model_dir.empty() ? std::string("n-gram drafter only") : options.model_dir;
+  service_options.device = options.backend.device;
+  return RunModelService(
+      service_options,
+      [&](ModelServiceMetrics* metrics) -> absl::StatusOr<std::unique_ptr<ModelLoop>> {
+        absl::StatusOr<std::unique_ptr<DraftLoop>> loop =
+            DraftLoop::Create(options, &queue, metrics);
+        if (!loop.ok()) {
+          queue.CloseAndFail(absl::UnavailableError("the draft model failed to load"));
+          return loop.status();
+        }
+        service.SetInfo((*loop)->info());
+        return std::move(*loop);
+      });
 }
 
 }  // namespace

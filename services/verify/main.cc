@@ -1,8 +1,7 @@
 // specd-verify: the target model behind the specd.v1.Verifier service.
-#include <atomic>
-#include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -10,12 +9,8 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
-#include "common/grpc_util.h"
-#include "common/logging.h"
 #include "common/metrics.h"
-#include "common/signals.h"
+#include "common/model_service_main.h"
 #include "services/verify/verify_loop.h"
 #include "services/verify/verify_service.h"
 
@@ -40,18 +35,17 @@ ABSL_FLAG(int, shutdown_grace_ms, 5000,
 namespace specd {
 namespace {
 
-int Fail(const absl::Status& status) {
-  SPECD_LOG(ERROR) << status.message();
-  return EXIT_FAILURE;
-}
-
 int Main() {
-  absl::Notification& stop = WatchTerminationSignals();
-  const std::string address = absl::GetFlag(FLAGS_address);
-  absl::StatusOr<HostPort> host_port = ParseHostPort(address, "--address");
-  if (!host_port.ok()) return Fail(host_port.status());
+  ModelServiceOptions service_options;
+  service_options.name = "specd-verify";
+  service_options.address = absl::GetFlag(FLAGS_address);
+  service_options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  service_options.startup_delay_ms = absl::GetFlag(FLAGS_startup_delay_ms);
+  service_options.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
+  if (absl::Status s = CheckModelServiceOptions(service_options); !s.ok()) return FailStartup(s);
   if (absl::GetFlag(FLAGS_model).empty()) {
-    return Fail(absl::InvalidArgumentError("--model: required (a Hugging Face model folder)"));
+    return FailStartup(
+        absl::InvalidArgumentError("--model: required (a Hugging Face model folder)"));
   }
   VerifyLoopOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
@@ -63,58 +57,34 @@ int Main() {
   if (const std::string devices = absl::GetFlag(FLAGS_devices); !devices.empty()) {
     std::vector<std::string> list = absl::StrSplit(devices, ',', absl::SkipEmpty());
     if (static_cast<int>(list.size()) != options.backend.tensor_parallel) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat("--devices: lists ", list.size(),
-                                                          " devices but --tensor_parallel is ",
-                                                          options.backend.tensor_parallel)));
+      return FailStartup(absl::InvalidArgumentError(
+          absl::StrCat("--devices: lists ", list.size(), " devices but --tensor_parallel is ",
+                       options.backend.tensor_parallel)));
     }
     options.backend.device = list[0];
   }
   if (options.backend.kv_capacity_tokens < 1) {
-    return Fail(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
+    return FailStartup(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
   }
 
   VerifyStepQueue queue;
   VerifyService service(&queue);
-  auto registry = std::make_shared<prometheus::Registry>();
-  ModelServiceMetrics metrics(*registry);
-  std::atomic<bool> serving{false};
-
-  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
-      GrpcServer::Start({address, {&service}, {v1::Verifier::service_full_name()}});
-  if (!server.ok()) return Fail(server.status());
-  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
-      {host_port->host.empty() ? "0.0.0.0" : host_port->host, absl::GetFlag(FLAGS_metrics_port)},
-      registry, [&serving] { return serving.load(); });
-  if (!metrics_server.ok()) return Fail(metrics_server.status());
-  SPECD_LOG(INFO) << "specd-verify: gRPC on port " << (*server)->port() << ", metrics on port "
-                  << (*metrics_server)->port() << "; loading " << options.model_dir;
-
-  if (stop.WaitForNotificationWithTimeout(
-          absl::Milliseconds(absl::GetFlag(FLAGS_startup_delay_ms)))) {
-    (*server)->Shutdown(0);
-    return EXIT_SUCCESS;
-  }
-  absl::StatusOr<std::unique_ptr<VerifyLoop>> loop = VerifyLoop::Create(options, &queue, &metrics);
-  if (!loop.ok()) {
-    queue.CloseAndFail(absl::UnavailableError("the model failed to load"));
-    (*server)->Shutdown(0);
-    return Fail(loop.status());
-  }
-  service.SetInfo((*loop)->info());
-  (*server)->SetServing(true);
-  serving = true;
-  SPECD_LOG(INFO) << "specd-verify: serving " << (*loop)->info().model() << " on "
-                  << options.backend.device;
-
-  stop.WaitForNotification();
-  SPECD_LOG(INFO) << "specd-verify: signal " << TerminationSignal() << ", shutting down";
-  serving = false;
-  (*server)->SetServing(false);
-  (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace_ms));
-  (*loop)->Stop();
-  (*metrics_server)->Stop();
-  SPECD_LOG(INFO) << "specd-verify: stopped";
-  return EXIT_SUCCESS;
+  service_options.service = &service;
+  service_options.service_full_name = v1::Verifier::service_full_name();
+  service_options.loading = options.model_dir;
+  service_options.device = options.backend.device;
+  return RunModelService(
+      service_options,
+      [&](ModelServiceMetrics* metrics) -> absl::StatusOr<std::unique_ptr<ModelLoop>> {
+        absl::StatusOr<std::unique_ptr<VerifyLoop>> loop =
+            VerifyLoop::Create(options, &queue, metrics);
+        if (!loop.ok()) {
+          queue.CloseAndFail(absl::UnavailableError("the model failed to load"));
+          return loop.status();
+        }
+        service.SetInfo((*loop)->info());
+        return std::move(*loop);
+      });
 }
 
 }  // namespace

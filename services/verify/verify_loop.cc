@@ -12,9 +12,6 @@
 namespace specd {
 namespace {
 
-// How often an idle loop looks for sequences whose deadline passed.
-constexpr absl::Duration kIdleTick = absl::Milliseconds(200);
-
 absl::Status CheckTokenIds(const google::protobuf::RepeatedField<int32_t>& tokens, int vocab,
                            const std::string& field) {
   for (int j = 0; j < tokens.size(); ++j) {
@@ -24,10 +21,6 @@ absl::Status CheckTokenIds(const google::protobuf::RepeatedField<int32_t>& token
     }
   }
   return absl::OkStatus();
-}
-
-absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
-  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
 }  // namespace
@@ -51,70 +44,39 @@ absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopO
 
 VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
                        const VerifyLoopOptions& options, ModelServiceMetrics* metrics)
-    : backend_(std::move(backend)), queue_(queue), options_(options), metrics_(metrics) {
+    : StepLoop(queue, metrics), backend_(std::move(backend)), options_(options) {
   const ModelConfig& config = backend_->config();
   info_.set_model(ModelNameFromPath(options.model_dir));
   info_.set_vocab_size(config.vocab_size);
   info_.set_max_context(config.max_position_embeddings);
   info_.mutable_eos_token_ids()->Add(config.eos_token_ids.begin(), config.eos_token_ids.end());
   info_.set_tensor_parallel(options.backend.tensor_parallel);
-  UpdateGauges();
-  thread_ = std::thread([this] { Run(); });
+  Start();
 }
 
 VerifyLoop::~VerifyLoop() { Stop(); }
 
-void VerifyLoop::Stop() {
-  if (!thread_.joinable()) return;
-  queue_->Close();
-  thread_.join();
-}
-
-void VerifyLoop::Run() {
-  for (;;) {
-    VerifyStepQueue::Batch batch = queue_->Pop(kIdleTick);
-    ProcessBatch(batch);
-    if (batch.closed) break;
-  }
-  // Shutting down: nothing can reach these sequences any more.
-  for (int64_t seq : table_.RemoveAll()) Free(seq, /*finished=*/false);
-  UpdateGauges();
-}
-
-void VerifyLoop::Free(int64_t seq, bool finished) {
+void VerifyLoop::FreeModelState(int64_t seq) {
   if (absl::Status s = backend_->RemoveSequence(seq); !s.ok()) {
     SPECD_LOG(WARNING) << "freeing sequence " << seq << ": " << s;
   }
-  (finished ? metrics_->freed_finished : metrics_->freed_cancelled).Increment();
 }
 
-void VerifyLoop::UpdateGauges() {
+double VerifyLoop::KvCacheUsageRatio() {
   const KvUsage usage = backend_->Usage();
-  metrics_->sequences.Set(table_.size());
-  metrics_->kv_cache_usage_ratio.Set(usage.capacity_tokens > 0
-                                         ? static_cast<double>(usage.used_tokens) /
-                                               static_cast<double>(usage.capacity_tokens)
-                                         : 0.0);
+  return usage.capacity_tokens > 0
+             ? static_cast<double>(usage.used_tokens) / static_cast<double>(usage.capacity_tokens)
+             : 0.0;
 }
 
 absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySequenceStep& step,
                                int64_t* kv_budget, VerifyItem* item, Slot* slot) {
   const ModelConfig& config = backend_->config();
   const std::string where = absl::StrCat("steps[", index, "]");
-  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
-  std::optional<int64_t> live = table_.Find(stream, step.seq_id());
-  if (!live.has_value()) {
-    if (absl::Status freed = table_.Tombstone(stream, step.seq_id()); !freed.ok()) return freed;
-  }
-  if (step.deadline_unix_ms() != 0 && step.deadline_unix_ms() < now_ms) {
-    if (live.has_value()) {
-      table_.Remove(stream, step.seq_id());
-      Free(*live, /*finished=*/false);
-      table_.SetTombstone(stream, step.seq_id(), absl::StatusCode::kDeadlineExceeded);
-    }
-    return absl::DeadlineExceededError(
-        absl::StrCat(where, ".deadline_unix_ms: ", step.deadline_unix_ms(), " has passed"));
-  }
+  absl::StatusOr<std::optional<int64_t>> found =
+      FindLive(stream, step.seq_id(), step.deadline_unix_ms(), where);
+  if (!found.ok()) return found.status();
+  std::optional<int64_t> live = *found;
   if (step.pending().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, ".pending: empty (send the prompt at the first step, then the bonus token)"));
@@ -180,18 +142,7 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   return absl::OkStatus();
 }
 
-void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
-  for (StreamId stream : batch.ended_streams) {
-    for (int64_t seq : table_.RemoveStream(stream)) Free(seq, /*finished=*/false);
-  }
-  for (int64_t seq : table_.RemoveExpired(absl::ToUnixMillis(absl::Now()))) {
-    Free(seq, /*finished=*/false);
-  }
-  if (batch.steps.empty()) {
-    UpdateGauges();
-    return;
-  }
-
+std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::Batch& batch) {
   std::vector<v1::VerifyStepResponse> responses(batch.steps.size());
   std::vector<VerifyItem> items;
   std::vector<Slot> slots;
@@ -202,28 +153,15 @@ void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
     const v1::VerifyStepRequest& request = batch.steps[b].request;
     v1::VerifyStepResponse& response = responses[b];
     response.set_step_id(request.step_id());
-    for (uint64_t id : request.release_seq_ids()) {
-      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/true);
-    }
-    for (uint64_t id : request.cancel_seq_ids()) {
-      if (std::optional<int64_t> seq = table_.Remove(stream, id)) Free(*seq, /*finished=*/false);
-    }
+    ReleaseAndCancel(stream, request);
     for (int i = 0; i < request.steps_size(); ++i) {
       const v1::VerifySequenceStep& step = request.steps(i);
       v1::VerifySequenceResult* result = response.add_results();
       result->set_seq_id(step.seq_id());
-      bool duplicate = false;
-      for (int j = 0; j < i; ++j)
-        duplicate = duplicate || request.steps(j).seq_id() == step.seq_id();
-      absl::Status status;
       VerifyItem item;
       Slot slot{b, i, 0, false};
-      if (duplicate) {
-        status = absl::InvalidArgumentError(absl::StrCat("steps[", i, "].seq_id: ", step.seq_id(),
-                                                         " appears more than once in this step"));
-      } else {
-        status = Admit(stream, i, step, &kv_budget, &item, &slot);
-      }
+      absl::Status status = CheckUniqueSeqId(request, i);
+      if (status.ok()) status = Admit(stream, i, step, &kv_budget, &item, &slot);
       if (!status.ok()) {
         ToSequenceError(status, result->mutable_error());
         continue;
@@ -272,9 +210,7 @@ void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
         }
       }
     }
-    metrics_->step_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    metrics_->step_batch_size.Observe(static_cast<double>(items.size()));
-    metrics_->step_tokens.Increment(static_cast<double>(tokens));
+    RecordStep(start, items.size(), tokens);
 
     for (size_t k = 0; k < items.size(); ++k) {
       const Slot& slot = slots[k];
@@ -300,10 +236,7 @@ void VerifyLoop::ProcessBatch(VerifyStepQueue::Batch& batch) {
                                             outcome.accepted_nodes.end());
     }
   }
-  UpdateGauges();
-  for (size_t b = 0; b < batch.steps.size(); ++b) {
-    batch.steps[b].reply(std::move(responses[b]));
-  }
+  return responses;
 }
 
 }  // namespace specd

@@ -8,11 +8,10 @@
 
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/metrics.h"
-#include "common/sequence_table.h"
+#include "common/step_loop.h"
 #include "common/step_stream.h"
 #include "engine/backend.h"
 #include "specd/v1/verify.pb.h"
@@ -27,7 +26,8 @@ struct VerifyLoopOptions {
   int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
 };
 
-class VerifyLoop {
+class VerifyLoop final
+    : public StepLoop<v1::VerifyStepRequest, v1::VerifyStepResponse, v1::VerifyInfo> {
  public:
   // Loads the model (errors name the folder and what is wrong with it) and starts the loop
   // thread, which from then on is the only user of the model. `queue` and `metrics` must
@@ -35,14 +35,7 @@ class VerifyLoop {
   static absl::StatusOr<std::unique_ptr<VerifyLoop>> Create(const VerifyLoopOptions& options,
                                                             VerifyStepQueue* queue,
                                                             ModelServiceMetrics* metrics);
-  ~VerifyLoop();
-
-  // What GetInfo answers; fixed once loaded.
-  const v1::VerifyInfo& info() const { return info_; }
-
-  // Answers what is queued, frees every sequence and joins the thread. Call after the gRPC
-  // server has shut down, so no reactor waits on a step that will never run.
-  void Stop();
+  ~VerifyLoop() override;
 
  private:
   // One sequence of one step on its way through a batch.
@@ -53,25 +46,19 @@ class VerifyLoop {
     bool created = false;  // AddSequence ran in this batch
   };
 
-  void Run();
-  void ProcessBatch(VerifyStepQueue::Batch& batch);
+  std::vector<v1::VerifyStepResponse> RunSteps(const VerifyStepQueue::Batch& batch) override;
+  void FreeModelState(int64_t seq) override;
+  double KvCacheUsageRatio() override;
   // Validates one sequence's step and registers it; returns the error to report, or OK with
   // `*item` filled and `slot->seq` set.
   absl::Status Admit(StreamId stream, int index, const v1::VerifySequenceStep& step,
                      int64_t* kv_budget, VerifyItem* item, Slot* slot);
-  void Free(int64_t seq, bool finished);
-  void UpdateGauges();
 
   VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
              const VerifyLoopOptions& options, ModelServiceMetrics* metrics);
 
-  v1::VerifyInfo info_;
   std::unique_ptr<Backend> backend_;
-  VerifyStepQueue* queue_;
   VerifyLoopOptions options_;
-  ModelServiceMetrics* metrics_;
-  SequenceTable table_;
-  std::thread thread_;
 };
 
 }  // namespace specd

@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "specd/v1/draft.grpc.pb.h"
+#include "tests/testutil/model_service_fixture.h"
 #include "tests/testutil/random_checkpoint.h"
 #include "tests/testutil/service_process.h"
 
@@ -29,32 +30,7 @@ using ::testing::HasSubstr;
 
 constexpr int kVocab = 300;
 
-class DraftStream {
- public:
-  explicit DraftStream(std::shared_ptr<grpc::Channel> channel)
-      : stub_(v1::Drafter::NewStub(channel)), stream_(stub_->Step(&context_)) {}
-
-  v1::DraftStepResponse Step(const v1::DraftStepRequest& request) {
-    v1::DraftStepResponse response;
-    EXPECT_TRUE(stream_->Write(request));
-    EXPECT_TRUE(stream_->Read(&response));
-    EXPECT_EQ(response.step_id(), request.step_id());
-    EXPECT_EQ(response.results_size(), request.steps_size());
-    return response;
-  }
-
-  grpc::Status Close() {
-    stream_->WritesDone();
-    return stream_->Finish();
-  }
-
-  grpc::ClientContext& context() { return context_; }
-
- private:
-  std::unique_ptr<v1::Drafter::Stub> stub_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::DraftStepRequest, v1::DraftStepResponse>> stream_;
-};
+using DraftStream = StepStreamClient<v1::Drafter, v1::DraftStepRequest, v1::DraftStepResponse>;
 
 v1::DraftSequenceStep* AddStep(v1::DraftStepRequest* request, uint64_t seq,
                                const std::vector<int32_t>& new_tokens, v1::DraftMethod method,
@@ -77,7 +53,7 @@ TokenTree FromProto(const v1::TokenTree& t) {
   return tree;
 }
 
-class DraftServiceTest : public ::testing::Test {
+class DraftServiceTest : public ModelServiceTest {
  protected:
   static void SetUpTestSuite() {
     dir_ = new std::string(MakeTempDir("specd-draft-it"));
@@ -101,44 +77,12 @@ class DraftServiceTest : public ::testing::Test {
   // replaces it (e.g. {"--vocab_size=300"} for n-gram only).
   std::unique_ptr<ServiceProcess> StartDraft(std::vector<std::string> model_args = {},
                                              std::vector<std::string> extra = {}) {
-    grpc_port_ = PickFreePort();
-    metrics_port_ = PickFreePort();
-    std::vector<std::string> args = {absl::StrCat("--address=127.0.0.1:", grpc_port_),
-                                     absl::StrCat("--metrics_port=", metrics_port_),
-                                     "--num_threads=1", "--shutdown_grace_ms=500"};
     if (model_args.empty()) model_args = {"--model=" + *dir_};
-    args.insert(args.end(), model_args.begin(), model_args.end());
-    args.insert(args.end(), extra.begin(), extra.end());
-    absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Start(
-        {SpecdBinary("specd-draft"), args, absl::StrCat("127.0.0.1:", grpc_port_)});
-    EXPECT_TRUE(p.ok()) << p.status();
-    return p.ok() ? std::move(*p) : nullptr;
-  }
-
-  double Metric(const std::string& name, const std::map<std::string, std::string>& labels = {}) {
-    absl::StatusOr<std::string> text = HttpGet("127.0.0.1", metrics_port_, "/metrics");
-    EXPECT_TRUE(text.ok()) << text.status();
-    if (!text.ok()) return -1;
-    absl::StatusOr<double> v = MetricValue(*text, name, labels);
-    EXPECT_TRUE(v.ok()) << v.status();
-    return v.ok() ? *v : -1;
-  }
-
-  void ExpectMetricSoon(const std::string& name, double want,
-                        const std::map<std::string, std::string>& labels = {}) {
-    const absl::Time end = absl::Now() + absl::Seconds(10);
-    double got = -1;
-    while (absl::Now() < end) {
-      got = Metric(name, labels);
-      if (got == want) return;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    ADD_FAILURE() << name << " is " << got << ", want " << want;
+    model_args.insert(model_args.end(), extra.begin(), extra.end());
+    return StartService(SpecdBinary("specd-draft"), model_args);
   }
 
   static std::string* dir_;
-  int grpc_port_ = 0;
-  int metrics_port_ = 0;
 };
 
 std::string* DraftServiceTest::dir_ = nullptr;

@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "specd/v1/verify.grpc.pb.h"
+#include "tests/testutil/model_service_fixture.h"
 #include "tests/testutil/random_checkpoint.h"
 #include "tests/testutil/service_process.h"
 
@@ -34,37 +35,8 @@ using HealthResponse = grpc::health::v1::HealthCheckResponse;
 
 constexpr int kVocab = 320;
 
-// A client end of one Verifier.Step stream (sync API: the test thread blocks, the server may
-// not).
-class VerifyStream {
- public:
-  explicit VerifyStream(std::shared_ptr<grpc::Channel> channel)
-      : stub_(v1::Verifier::NewStub(channel)), stream_(stub_->Step(&context_)) {}
-
-  v1::VerifyStepResponse Step(const v1::VerifyStepRequest& request) {
-    v1::VerifyStepResponse response;
-    EXPECT_TRUE(stream_->Write(request));
-    EXPECT_TRUE(stream_->Read(&response));
-    EXPECT_EQ(response.step_id(), request.step_id());
-    EXPECT_EQ(response.results_size(), request.steps_size());
-    return response;
-  }
-
-  grpc::Status Close() {
-    stream_->WritesDone();
-    return stream_->Finish();
-  }
-
-  grpc::ClientContext& context() { return context_; }
-  grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>& stream() {
-    return *stream_;
-  }
-
- private:
-  std::unique_ptr<v1::Verifier::Stub> stub_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyStepRequest, v1::VerifyStepResponse>> stream_;
-};
+using VerifyStream =
+    StepStreamClient<v1::Verifier, v1::VerifyStepRequest, v1::VerifyStepResponse>;
 
 v1::VerifySequenceStep* AddStep(v1::VerifyStepRequest* request, uint64_t seq,
                                 const std::vector<int32_t>& pending, const TokenTree& tree = {},
@@ -85,7 +57,7 @@ std::vector<int32_t> Tokens(const v1::VerifySequenceResult& r) {
   return {r.tokens().begin(), r.tokens().end()};
 }
 
-class VerifyServiceTest : public ::testing::Test {
+class VerifyServiceTest : public ModelServiceTest {
  protected:
   static void SetUpTestSuite() {
     dir_ = new std::string(MakeTempDir("specd-verify-it"));
@@ -105,44 +77,8 @@ class VerifyServiceTest : public ::testing::Test {
   // Starts specd-verify on free loopback ports with `extra` flags after the defaults.
   std::unique_ptr<ServiceProcess> StartVerify(std::vector<std::string> extra = {},
                                               bool wait_serving = true) {
-    grpc_port_ = PickFreePort();
-    metrics_port_ = PickFreePort();
-    std::vector<std::string> args = {absl::StrCat("--address=127.0.0.1:", grpc_port_),
-                                     absl::StrCat("--metrics_port=", metrics_port_),
-                                     "--model=" + *dir_, "--num_threads=1",
-                                     "--shutdown_grace_ms=500"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    ServiceProcessOptions options{SpecdBinary("specd-verify"), args,
-                                  absl::StrCat("127.0.0.1:", grpc_port_)};
-    absl::StatusOr<std::unique_ptr<ServiceProcess>> p =
-        wait_serving ? ServiceProcess::Start(options) : ServiceProcess::Spawn(options);
-    EXPECT_TRUE(p.ok()) << p.status();
-    return p.ok() ? std::move(*p) : nullptr;
-  }
-
-  std::string Metrics() {
-    absl::StatusOr<std::string> text = HttpGet("127.0.0.1", metrics_port_, "/metrics");
-    EXPECT_TRUE(text.ok()) << text.status();
-    return text.ok() ? *text : "";
-  }
-
-  double Metric(const std::string& name, const std::map<std::string, std::string>& labels = {}) {
-    absl::StatusOr<double> v = MetricValue(Metrics(), name, labels);
-    EXPECT_TRUE(v.ok()) << v.status();
-    return v.ok() ? *v : -1;
-  }
-
-  // Polls until Metric(name) == want (stream ends are handled asynchronously).
-  void ExpectMetricSoon(const std::string& name, double want,
-                        const std::map<std::string, std::string>& labels = {}) {
-    const absl::Time end = absl::Now() + absl::Seconds(10);
-    double got = -1;
-    while (absl::Now() < end) {
-      got = Metric(name, labels);
-      if (got == want) return;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    ADD_FAILURE() << name << " is " << got << ", want " << want;
+    extra.insert(extra.begin(), "--model=" + *dir_);
+    return StartService(SpecdBinary("specd-verify"), extra, wait_serving);
   }
 
   std::unique_ptr<Backend> InProcessBackend() {
@@ -152,8 +88,6 @@ class VerifyServiceTest : public ::testing::Test {
   }
 
   static std::string* dir_;
-  int grpc_port_ = 0;
-  int metrics_port_ = 0;
 };
 
 std::string* VerifyServiceTest::dir_ = nullptr;
