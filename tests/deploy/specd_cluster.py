@@ -7,6 +7,7 @@ $SPECD_RANDOM_MODEL; ctest sets both (tests/deploy/CMakeLists.txt) and skips the
 """
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -33,10 +34,26 @@ def missing_binaries():
 
 
 
+_given_ports = set()
+_port_rng = random.Random(os.getpid() ^ time.time_ns())
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A bindable loopback port in [32000, 32768), below Linux's ephemeral range, so that no
+    outgoing connection of a test running in parallel can take it before the service binds
+    it (C++ tests draw from [20000, 32000): the two never collide)."""
+    for _ in range(1000):
+        port = _port_rng.randrange(32000, 32768)
+        if port in _given_ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given_ports.add(port)
+        return port
+    raise RuntimeError("no free loopback port in [32000, 32768)")
 
 
 def health(address, timeout=1.0):

@@ -14,6 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <random>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -41,21 +44,33 @@ std::string SpecdBinary(const std::string& name) {
   return absl::StrCat(SPECD_BINARY_DIR, "/bin/", name);
 }
 
+// Ports come from [20000, 32000), below Linux's ephemeral range (32768-60999 by default):
+// a port the kernel handed out with bind(0) can be taken again by any outgoing connection
+// (gRPC clients of tests running in parallel) before the service binds it. Candidates are
+// drawn at random per process, checked bindable, and never handed out twice by one process.
 int PickFreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
+  static std::mutex mu;
+  static std::set<int> given;
+  static std::mt19937 rng(static_cast<uint32_t>(getpid()) * 2654435761u ^
+                          static_cast<uint32_t>(absl::ToUnixNanos(absl::Now())));
+  std::lock_guard<std::mutex> lock(mu);
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = 20000 + static_cast<int>(rng() % 12000);
+    if (given.count(port) > 0) continue;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) {
+      given.insert(port);
+      return port;
+    }
   }
-  close(fd);
-  return port;
+  return -1;
 }
 
 absl::StatusOr<std::unique_ptr<ServiceProcess>> ServiceProcess::Spawn(
