@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/token_tree.h"
@@ -104,6 +105,23 @@ class Backend {
 // `first_position` is the absolute position of the token sampled from rows[0].
 VerifyOutcome AcceptTree(const TokenTree& tree, absl::Span<const float> rows, int vocab_size,
                          const SamplingParams& sampling, int64_t first_position);
+
+// The walk AcceptTree does, with the target's choice abstracted: `sample(row, position)` gives
+// the token drawn from logit row `row` (0: the last pending token, i + 1: tree node i) at
+// absolute position `position`. Backends that choose tokens without gathering full logit rows
+// (vocabulary-parallel ranks) walk the same way.
+VerifyOutcome WalkTree(const TokenTree& tree, int64_t first_position,
+                       absl::FunctionRef<int32_t(int row, int64_t position)> sample);
+
+// The forward pass of one verify step: `item.pending` as a chain, the tree below its last
+// token, logits for the last pending token and every node. Validates the item (`index` names it
+// in errors) and returns the absolute position sampled from the first logit row.
+absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyItem& item,
+                                          size_t index, ForwardItem* forward);
+
+// The scratch path Commit() keeps after a verify step: the pending chain, then the accepted
+// nodes (scratch indices are tree indices shifted by the pending count).
+std::vector<int32_t> AcceptedScratchPath(int num_pending, const VerifyOutcome& outcome);
 
 struct BackendOptions {
   std::string device = "cpu";       // "cpu" or "cuda:N"

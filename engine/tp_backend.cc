@@ -190,29 +190,15 @@ absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
   std::vector<int64_t> row_position;
   for (size_t b = 0; b < items.size(); ++b) {
     const VerifyItem& it = items[b];
-    if (it.pending.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("verify item ", b, ": no pending token"));
-    }
-    if (absl::Status s = ValidateTree(it.tree, config_.vocab_size); !s.ok()) return s;
-    absl::StatusOr<int64_t> len = CommittedLength(it.seq);
-    if (!len.ok()) return len.status();
-    const int p = static_cast<int>(it.pending.size());
-    ForwardItem& f = forward[b];
-    f.seq = it.seq;
-    f.tokens = it.pending;
-    f.tokens.insert(f.tokens.end(), it.tree.tokens.begin(), it.tree.tokens.end());
-    for (int i = 0; i < p; ++i) f.parents.push_back(i - 1);
-    for (int32_t parent : it.tree.parents) f.parents.push_back(parent < 0 ? p - 1 : parent + p);
-    for (int i = p - 1; i < static_cast<int>(f.tokens.size()); ++i) f.logit_rows.push_back(i);
-    first_position[b] = *len + p;
+    absl::StatusOr<int64_t> first = MakeVerifyForward(*this, it, b, &forward[b]);
+    if (!first.ok()) return first.status();
+    first_position[b] = *first;
     // Row 0 (the last pending token) samples at first_position, a node at depth d (0 for a
     // child of the root) one further down: first_position + d + 1.
-    std::vector<int64_t> depth(it.tree.size());
+    const std::vector<int> depth = TreeDepths(it.tree);
     row_sampling.push_back(&it.sampling);
     row_position.push_back(first_position[b]);
     for (int i = 0; i < it.tree.size(); ++i) {
-      const int32_t parent = it.tree.parents[i];
-      depth[i] = parent < 0 ? 0 : depth[parent] + 1;
       row_sampling.push_back(&it.sampling);
       row_position.push_back(first_position[b] + depth[i] + 1);
     }
@@ -232,32 +218,16 @@ absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
 
   size_t row = 0;
   for (size_t b = 0; b < items.size(); ++b) {
-    const TokenTree& tree = items[b].tree;
-    const std::vector<std::vector<int32_t>> children = TreeChildren(tree);
     VerifyOutcome& o = outcomes[b];
-    for (int node = -1;;) {
-      const size_t r = row + static_cast<size_t>(node + 1);
-      const int32_t y =
-          ReduceCandidates(absl::Span<const VocabCandidate>(candidates).subspan(r * world, world))
-              .token;
-      o.tokens.push_back(y);
-      int next = -1;
-      for (int32_t c : children[node < 0 ? tree.size() : node]) {
-        if (tree.tokens[c] == y) {
-          next = c;
-          break;
-        }
-      }
-      if (next < 0) break;
-      o.accepted_nodes.push_back(next);
-      node = next;
-    }
-    o.accepted_draft = static_cast<int>(o.accepted_nodes.size());
+    o = WalkTree(items[b].tree, first_position[b], [&](int node_row, int64_t) {
+      const size_t r = row + static_cast<size_t>(node_row);
+      return ReduceCandidates(
+                 absl::Span<const VocabCandidate>(candidates).subspan(r * world, world))
+          .token;
+    });
     row += forward[b].logit_rows.size();
-    const int p = static_cast<int>(items[b].pending.size());
-    std::vector<int32_t> path;
-    for (int i = 0; i < p; ++i) path.push_back(i);
-    for (int32_t n : o.accepted_nodes) path.push_back(n + p);
+    const std::vector<int32_t> path =
+        AcceptedScratchPath(static_cast<int>(items[b].pending.size()), o);
     if (absl::Status s = Commit(items[b].seq, path); !s.ok()) return s;
   }
   return outcomes;
