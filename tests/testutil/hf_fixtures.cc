@@ -69,5 +69,33 @@ ForwardItem Chain(SeqId seq, const std::vector<int32_t> &tokens,
   return it;
 }
 
+std::vector<int32_t> Greedy(Backend &b, SeqId seq,
+                            const std::vector<int32_t> &prompt, int steps) {
+  const int vocab = b.config().vocab_size;
+  std::vector<int32_t> out;
+  EXPECT_TRUE(b.AddSequence(seq).ok());
+  std::vector<float> logits;
+  const int n = static_cast<int>(prompt.size());
+  absl::Status s = b.Forward({Chain(seq, prompt, {n - 1})}, &logits);
+  EXPECT_TRUE(s.ok()) << s;
+  if (!s.ok())
+    return out;
+  std::vector<int32_t> path(n);
+  for (int i = 0; i < n; ++i)
+    path[i] = i;
+  EXPECT_TRUE(b.Commit(seq, path).ok());
+  out.push_back(Argmax(absl::MakeConstSpan(logits).first(vocab)));
+  while (static_cast<int>(out.size()) < steps) {
+    s = b.Forward({Chain(seq, {out.back()}, {0})}, &logits);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok())
+      break;
+    EXPECT_TRUE(b.Commit(seq, {0}).ok());
+    out.push_back(Argmax(logits));
+  }
+  EXPECT_TRUE(b.RemoveSequence(seq).ok());
+  return out;
+}
+
 } // namespace testutil
 } // namespace specd

@@ -38,6 +38,12 @@ int32_t Argmax(absl::Span<const float> row);
 ForwardItem Chain(SeqId seq, const std::vector<int32_t> &tokens,
                   std::vector<int32_t> rows);
 
+// Greedy decoding with the KV cache, as a server runs it: the prompt as one
+// chain, committed, then one token per step, `steps` tokens in all. Does not
+// stop at EOS (neither do the fixtures). Failures fail the current test.
+std::vector<int32_t> Greedy(Backend &b, SeqId seq,
+                            const std::vector<int32_t> &prompt, int steps);
+
 } // namespace testutil
 } // namespace specd
 

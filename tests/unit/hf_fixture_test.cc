@@ -30,6 +30,7 @@ constexpr double kMaxRelError = 1e-4;
 
 using testutil::Argmax;
 using testutil::Chain;
+using testutil::Greedy;
 using testutil::ReadJson;
 using testutil::RelError;
 using testutil::RepoRoot;
@@ -41,37 +42,6 @@ std::unique_ptr<Backend> Load(const fs::path &dir) {
       CreateBackend(dir.string(), options);
   EXPECT_TRUE(b.ok()) << dir << ": " << b.status();
   return b.ok() ? std::move(*b) : nullptr;
-}
-
-// Greedy decoding with the KV cache, as a server runs it: the prompt as one
-// chain, committed, then one token per step. Does not stop at EOS (neither do
-// the fixtures).
-std::vector<int32_t> Greedy(Backend &b, SeqId seq,
-                            const std::vector<int32_t> &prompt, int steps) {
-  const int vocab = b.config().vocab_size;
-  std::vector<int32_t> out;
-  EXPECT_TRUE(b.AddSequence(seq).ok());
-  std::vector<float> logits;
-  const int n = static_cast<int>(prompt.size());
-  absl::Status s = b.Forward({Chain(seq, prompt, {n - 1})}, &logits);
-  EXPECT_TRUE(s.ok()) << s;
-  if (!s.ok())
-    return out;
-  std::vector<int32_t> path(n);
-  for (int i = 0; i < n; ++i)
-    path[i] = i;
-  EXPECT_TRUE(b.Commit(seq, path).ok());
-  out.push_back(Argmax(absl::MakeConstSpan(logits).first(vocab)));
-  while (static_cast<int>(out.size()) < steps) {
-    s = b.Forward({Chain(seq, {out.back()}, {0})}, &logits);
-    EXPECT_TRUE(s.ok()) << s;
-    if (!s.ok())
-      break;
-    EXPECT_TRUE(b.Commit(seq, {0}).ok());
-    out.push_back(Argmax(logits));
-  }
-  EXPECT_TRUE(b.RemoveSequence(seq).ok());
-  return out;
 }
 
 std::vector<int32_t> Ids(const json &j) {
