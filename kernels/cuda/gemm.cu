@@ -15,6 +15,30 @@ int Alignment(const void *p) {
   return align;
 }
 
+// A heuristic query preference: at most `workspace` bytes, and the alignments
+// (bytes) of X (operand B), W (operand A) and Y (C and D) this call has.
+cublasStatus_t CreatePreference(uint64_t workspace, uint32_t align_x,
+                                uint32_t align_w, uint32_t align_y,
+                                cublasLtMatmulPreference_t *out) {
+  cublasStatus_t st = cublasLtMatmulPreferenceCreate(out);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    return st;
+  cublasLtMatmulPreference_t pref = *out;
+  const uint64_t ws = workspace;
+  const uint32_t ax = align_x, aw = align_w, ay = align_y;
+  cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw));
+  cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax));
+  cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ay, sizeof(ay));
+  cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof(ay));
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 } // namespace
 
 // cuBLAS is column-major; a row-major [r, c] matrix is a column-major [c, r]
@@ -123,20 +147,9 @@ cublasStatus_t Gemm::MakePlan(const Key &key, Plan *plan) {
     }
   }
   cublasLtMatmulPreference_t pref = nullptr;
-  if ((st = cublasLtMatmulPreferenceCreate(&pref)) != CUBLAS_STATUS_SUCCESS)
+  if ((st = CreatePreference(workspace_bytes_, align_x, align_w, align_y,
+                             &pref)) != CUBLAS_STATUS_SUCCESS)
     return st;
-  const uint64_t ws = workspace_bytes_;
-  const uint32_t ax = align_x, aw = align_w, ay = align_y;
-  cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw));
-  cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax));
-  cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ay, sizeof(ay));
-  cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof(ay));
   cublasLtMatmulHeuristicResult_t result = {};
   int returned = 0;
   st = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b,
@@ -173,19 +186,8 @@ const Gemm::Pinned &Gemm::PinnedFor(const Key &key) {
       MakeLayouts(one_key, &at_one) == CUBLAS_STATUS_SUCCESS &&
       MakeLayouts(most_key, &at_most) == CUBLAS_STATUS_SUCCESS) {
     cublasLtMatmulPreference_t pref = nullptr;
-    if (cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
-      const uint64_t ws = workspace_bytes_;
-      const uint32_t ax = align_x, aw = align_w, ay = align_y;
-      cublasLtMatmulPreferenceSetAttribute(
-          pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-      cublasLtMatmulPreferenceSetAttribute(
-          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw));
-      cublasLtMatmulPreferenceSetAttribute(
-          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax));
-      cublasLtMatmulPreferenceSetAttribute(
-          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ay, sizeof(ay));
-      cublasLtMatmulPreferenceSetAttribute(
-          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof(ay));
+    if (CreatePreference(workspace_bytes_, align_x, align_w, align_y, &pref) ==
+        CUBLAS_STATUS_SUCCESS) {
       constexpr int kCandidates = 16;
       cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
       int returned = 0;
