@@ -85,9 +85,11 @@ __device__ float BlockMaxF32(float v, Smem& s) {
   return internal::WarpMax(lane < kWarps ? static_cast<float>(s.f64[lane]) : -INFINITY);
 }
 
-// Argmax of (score, id): highest score, lowest id on ties. Returns the id.
-__device__ int BlockArgmax(double score, int id, Smem& s) {
+// Argmax of (score, id): highest score, lowest id on ties; every thread gets the winner.
+__device__ void BlockArgmax(double* score_io, int* id_io, Smem& s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double score = *score_io;
+  int id = *id_io;
   auto better = [](double a, int ia, double b, int ib) {
     return ia >= 0 && (ib < 0 || a > b || (a == b && ia < ib));
   };
@@ -117,7 +119,8 @@ __device__ int BlockArgmax(double score, int id, Smem& s) {
       id = io;
     }
   }
-  return id;
+  *score_io = score;
+  *id_io = id;
 }
 
 // Sums per-thread digit histograms over the block; every thread gets the totals.
@@ -238,6 +241,50 @@ __device__ __forceinline__ bool IsFiltered(const SampleRowParams& rp, int vocab)
   return rp.temperature > 0.0f && ((rp.top_k > 0 && rp.top_k < vocab) || rp.top_p < 1.0f);
 }
 
+// Rows candidate mode accepts (engine/tp_plan.h VocabParallelSamplingSupported): top_k is judged
+// against the global vocabulary, which a shard does not know, so only "no limit" passes.
+__device__ __forceinline__ bool CandidateAllowed(const SampleRowParams& rp) {
+  return !(rp.temperature > 0.0f) || (rp.top_k == 0 && rp.top_p >= 1.0f);
+}
+
+// Whether SampleSplitKernel takes the row (with a workspace); SampleKernel takes the others.
+// In candidate mode those are exactly the rows that get the empty candidate.
+__device__ __forceinline__ bool SplitTakes(const SampleParams& p, const SampleRowParams& rp,
+                                           int vocab) {
+  return p.candidates != nullptr ? CandidateAllowed(rp) : !IsFiltered(rp, vocab);
+}
+
+// The host's Gumbel score of a token, for the rare fallback winner that was never scored.
+__device__ double GumbelScore(const SampleRowParams& rp, uint32_t global_id, float x,
+                              double inv_t) {
+  const double u = PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), global_id);
+  return static_cast<double>(x) * inv_t - log(-log(u));
+}
+
+// Writes the row's result for local id `id`: its global token id, or in candidate mode the
+// (score, global id) candidate.
+__device__ __forceinline__ void WriteResult(const SampleParams& p, int64_t row, int id,
+                                            double score) {
+  const int32_t token = static_cast<int32_t>(p.vocab_offset + id);
+  if (p.candidates != nullptr) {
+    SampleCandidate c;
+    c.score = score;
+    c.token = token;
+    c.pad = 0;
+    p.candidates[row] = c;
+  } else {
+    p.tokens[row] = token;
+  }
+}
+
+__device__ __forceinline__ void WriteEmptyCandidate(const SampleParams& p, int64_t row) {
+  SampleCandidate c;
+  c.score = -INFINITY;
+  c.token = -1;
+  c.pad = 0;
+  p.candidates[row] = c;
+}
+
 // One CTA per row. With `only_filtered`, rows the split kernel took are skipped.
 __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool only_filtered) {
   __shared__ Smem s;
@@ -245,7 +292,12 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool on
   const float* logits = p.logits + row * p.logits_stride;
   const SampleRowParams rp = p.rows[row];
   const int vocab = static_cast<int>(p.vocab_size);
-  if (only_filtered && !IsFiltered(rp, vocab)) return;  // uniform over the CTA
+  if (only_filtered && SplitTakes(p, rp, vocab)) return;  // uniform over the CTA
+  if (p.candidates != nullptr && !CandidateAllowed(rp)) {
+    if (threadIdx.x == 0) WriteEmptyCandidate(p, row);
+    return;
+  }
+  const uint32_t id0 = static_cast<uint32_t>(p.vocab_offset);  // global id of local id 0
 
   uint64_t best_key = 0;
   for (int id = threadIdx.x; id < vocab; id += kThreads) {
@@ -254,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool on
   }
   best_key = BlockMaxU64(best_key, s);
   if (!(rp.temperature > 0.0f)) {
-    if (threadIdx.x == 0) p.tokens[row] = KeyId(best_key);
+    if (threadIdx.x == 0) WriteResult(p, row, KeyId(best_key), logits[KeyId(best_key)]);
     return;
   }
   const double max_logit = logits[KeyId(best_key)];
@@ -282,8 +334,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool on
   auto screen = [&](int id, float x, float* score) {
     if (SortKey(x, id) < lower) return false;
     if ((static_cast<double>(x) - max_logit) * inv_t < -kGumbelWindow) return false;
-    const double u =
-        PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
+    const double u = PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position),
+                                     id0 + static_cast<uint32_t>(id));
     *score = static_cast<float>(static_cast<double>(x) * inv_t) + GumbelScreen(u);
     return true;
   };
@@ -300,16 +352,23 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool on
     const float x = logits[id];
     float sc;
     if (!screen(id, x, &sc) || !(sc >= cutoff)) continue;
-    const double u =
-        PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
+    const double u = PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position),
+                                     id0 + static_cast<uint32_t>(id));
     const double score = static_cast<double>(x) * inv_t - log(-log(u));
     if (best_id < 0 || score > best) {
       best = score;
       best_id = id;
     }
   }
-  best_id = BlockArgmax(best, best_id, s);
-  if (threadIdx.x == 0) p.tokens[row] = best_id >= 0 ? best_id : KeyId(best_key);
+  BlockArgmax(&best, &best_id, s);
+  if (threadIdx.x == 0) {
+    if (best_id >= 0) {
+      WriteResult(p, row, best_id, best);
+    } else {
+      const int id = KeyId(best_key);
+      WriteResult(p, row, id, GumbelScore(rp, id0 + static_cast<uint32_t>(id), logits[id], inv_t));
+    }
+  }
 }
 
 // ---- Split path: greedy and unfiltered temperature rows over many CTAs per row. ----
@@ -414,7 +473,8 @@ __global__ void __launch_bounds__(kSplitThreads) SampleSplitKernel(SampleParams 
   const int tid = threadIdx.x;
   const SampleRowParams rp = p.rows[row];
   const int vocab = static_cast<int>(p.vocab_size);
-  if (IsFiltered(rp, vocab)) return;  // uniform over the CTA, before any barrier
+  if (!SplitTakes(p, rp, vocab)) return;  // uniform over the CTA, before any barrier
+  const uint32_t id0 = static_cast<uint32_t>(p.vocab_offset);  // global id of local id 0
   const bool greedy = !(rp.temperature > 0.0f);
   const float* logits = p.logits + row * p.logits_stride;
   const int base = chunk * kSplitChunk + tid;
@@ -453,8 +513,8 @@ __global__ void __launch_bounds__(kSplitThreads) SampleSplitKernel(SampleParams 
       const int id = base + i * kSplitThreads;
       sc[i] = NAN;  // not a candidate: fails every comparison
       if (id < vocab && !((static_cast<double>(x[i]) - chunk_max) * inv_t < -kGumbelWindow)) {
-        const double u =
-            PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
+        const double u = PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position),
+                                         id0 + static_cast<uint32_t>(id));
         sc[i] = static_cast<float>(static_cast<double>(x[i]) * inv_t) + GumbelScreen(u);
         best_screen = fmaxf(best_screen, sc[i]);
       }
@@ -465,8 +525,8 @@ __global__ void __launch_bounds__(kSplitThreads) SampleSplitKernel(SampleParams 
     for (int i = 0; i < kSplitPerThread; ++i) {
       if (!(sc[i] >= cutoff)) continue;
       const int id = base + i * kSplitThreads;
-      const double u =
-          PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position), static_cast<uint32_t>(id));
+      const double u = PhiloxUniform01(rp.seed, static_cast<uint64_t>(rp.position),
+                                       id0 + static_cast<uint32_t>(id));
       const double score = static_cast<double>(x[i]) * inv_t - log(-log(u));
       if (best_id < 0 || score > best) {  // ids ascend with i: the lowest id wins ties
         best = score;
@@ -509,7 +569,34 @@ __global__ void __launch_bounds__(kSplitThreads) SampleSplitKernel(SampleParams 
   }
   row_key = SplitBlockMaxU64(row_key, s);
   if (!greedy) SplitBlockArgmax(&row_best, &row_best_id, s);
-  if (tid == 0) p.tokens[row] = !greedy && row_best_id >= 0 ? row_best_id : KeyId(row_key);
+  if (tid == 0) {
+    const int id = KeyId(row_key);
+    if (greedy) {
+      WriteResult(p, row, id, logits[id]);
+    } else if (row_best_id >= 0) {
+      WriteResult(p, row, row_best_id, row_best);
+    } else {
+      WriteResult(p, row, id,
+                  GumbelScore(rp, id0 + static_cast<uint32_t>(id), logits[id],
+                              1.0 / static_cast<double>(rp.temperature)));
+    }
+  }
+}
+
+// One thread per row: the best of the ranks' candidates, in the order of ReduceCandidates.
+__global__ void ReduceCandidatesKernel(ReduceCandidatesParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= p.num_rows) return;
+  double best = -INFINITY;
+  int best_id = -1;
+  for (int r = 0; r < p.world_size; ++r) {
+    const SampleCandidate c = p.candidates[r * p.num_rows + row];
+    if (Better(c.score, c.token, best, best_id)) {
+      best = c.score;
+      best_id = c.token;
+    }
+  }
+  p.tokens[row] = best_id;
 }
 
 }  // namespace
@@ -522,13 +609,16 @@ int64_t SampleWorkspaceBytes(int64_t num_rows, int64_t vocab_size) {
 
 cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream) {
   if (p.num_rows < 0 || p.vocab_size <= 0 || p.vocab_size > (int64_t{1} << 30) ||
-      p.logits_stride < p.vocab_size || p.num_rows > 0x7fffffff) {
+      p.logits_stride < p.vocab_size || p.num_rows > 0x7fffffff || p.vocab_offset < 0 ||
+      p.vocab_offset + p.vocab_size > (int64_t{1} << 31)) {
     return cudaErrorInvalidValue;
   }
   if (p.num_rows == 0) return cudaSuccess;
-  if (p.logits == nullptr || p.rows == nullptr || p.tokens == nullptr) {
+  if (p.logits == nullptr || p.rows == nullptr ||
+      (p.tokens == nullptr && p.candidates == nullptr)) {
     return cudaErrorInvalidValue;
   }
+  if (p.candidates != nullptr && !IsAligned(p.candidates, 16)) return cudaErrorInvalidValue;
   if (p.workspace != nullptr && !IsAligned(p.workspace, 16)) return cudaErrorInvalidValue;
   // The split grid's rows are its y dimension (at most 65535); beyond, one CTA per row.
   if (p.workspace == nullptr || p.num_rows > 65535) {
@@ -547,6 +637,18 @@ cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream) {
   SampleSplitKernel<<<grid, kSplitThreads, 0, stream>>>(p);
   // Rows with top-k/top-p: one CTA each (the others return at once).
   SampleKernel<<<static_cast<unsigned>(p.num_rows), kThreads, 0, stream>>>(p, true);
+  return cudaGetLastError();
+}
+
+cudaError_t ReduceCandidatesCuda(const ReduceCandidatesParams& p, cudaStream_t stream) {
+  if (p.world_size < 1 || p.num_rows < 0 || p.num_rows > 0x7fffffff) return cudaErrorInvalidValue;
+  if (p.num_rows == 0) return cudaSuccess;
+  if (p.candidates == nullptr || p.tokens == nullptr || !IsAligned(p.candidates, 16)) {
+    return cudaErrorInvalidValue;
+  }
+  const int threads = 256;
+  const int64_t blocks = (p.num_rows + threads - 1) / threads;
+  ReduceCandidatesKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

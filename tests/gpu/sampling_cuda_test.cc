@@ -10,6 +10,7 @@
 #include "common/token_tree.h"
 #include "engine/backend.h"
 #include "engine/sampling.h"
+#include "engine/tp_plan.h"
 #include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/cuda/tree_accept.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -339,12 +340,294 @@ TEST_F(SamplingCudaTest, AcceptedPathsMatchHost) {
   EXPECT_GE(long_paths, 3) << "the logits should let some paths get accepted deep";
 }
 
+// ---- Vocabulary-parallel sampling: per-shard candidates and their reduction. ----
+
+// Runs SampleCuda in candidate mode on each shard of `logits` ([rows, vocab], host), each shard
+// copied to its own buffer as a rank holds it, writing rank r's candidates to row block r of one
+// [world, rows] buffer (as an all-gather leaves them); returns the candidates and, via
+// ReduceCandidatesCuda, the tokens.
+struct ShardedResult {
+  std::vector<cuda::SampleCandidate> candidates;  // [world, rows]
+  std::vector<int32_t> tokens;                    // [rows]
+};
+
+class VocabParallelSamplingTest : public SamplingCudaTest {
+ protected:
+  ShardedResult SampleSharded(const std::vector<float>& logits, int vocab,
+                              const std::vector<cuda::SampleRowParams>& rows,
+                              const std::vector<TpRange>& shards, bool split) {
+    const int64_t num_rows = static_cast<int64_t>(rows.size());
+    const int world = static_cast<int>(shards.size());
+    DeviceBuffer<cuda::SampleRowParams> d_rows(rows);
+    DeviceBuffer<cuda::SampleCandidate> d_cands(static_cast<size_t>(world * num_rows));
+    // Garbage first: every candidate must be written.
+    EXPECT_EQ(cudaMemset(d_cands.get(), 0x5a, d_cands.size() * sizeof(cuda::SampleCandidate)),
+              cudaSuccess);
+    for (int r = 0; r < world; ++r) {
+      const TpRange v = shards[r];
+      std::vector<float> shard(static_cast<size_t>(num_rows * v.size()));
+      for (int64_t row = 0; row < num_rows; ++row) {
+        std::copy(logits.begin() + row * vocab + v.begin, logits.begin() + row * vocab + v.end,
+                  shard.begin() + row * v.size());
+      }
+      DeviceBuffer<float> d_shard(shard);
+      const int64_t ws_bytes = cuda::SampleWorkspaceBytes(num_rows, v.size());
+      DeviceBuffer<uint8_t> d_ws(split ? static_cast<size_t>(ws_bytes) : 0);
+      if (split)
+        EXPECT_EQ(cudaMemset(d_ws.get(), 0xa5, static_cast<size_t>(ws_bytes)), cudaSuccess);
+      cuda::SampleParams p;
+      p.logits = d_shard.get();
+      p.logits_stride = v.size();
+      p.rows = d_rows.get();
+      p.tokens = nullptr;  // candidate mode writes no tokens
+      p.num_rows = num_rows;
+      p.vocab_size = v.size();
+      p.workspace = split ? d_ws.get() : nullptr;
+      p.vocab_offset = v.begin;
+      p.candidates = d_cands.get() + r * num_rows;
+      EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaSuccess) << "rank " << r;
+      EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess) << "rank " << r;
+    }
+    DeviceBuffer<int32_t> d_tokens(rows.size());
+    EXPECT_EQ(cudaMemset(d_tokens.get(), 0x7f, d_tokens.size() * sizeof(int32_t)), cudaSuccess);
+    cuda::ReduceCandidatesParams rp;
+    rp.candidates = d_cands.get();
+    rp.world_size = world;
+    rp.num_rows = num_rows;
+    rp.tokens = d_tokens.get();
+    EXPECT_EQ(cuda::ReduceCandidatesCuda(rp, stream_), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    return {d_cands.Download(), d_tokens.Download()};
+  }
+};
+
+SamplingParams HostParams(const cuda::SampleRowParams& r) {
+  SamplingParams s;
+  s.temperature = r.temperature;
+  s.top_k = r.top_k;
+  s.top_p = r.top_p;
+  s.seed = r.seed;
+  return s;
+}
+
+// Greedy and plain-temperature rows (many seeds and positions; Gaussian, peaked and tied logits)
+// over a 50257-token vocabulary split into 3 and 7 uneven shards: each shard's candidate equals
+// the host's ShardCandidate, and the reduced token equals SampleCuda on the full row and the
+// host's SampleToken, on both the split and the one-CTA-per-row paths.
+TEST_F(VocabParallelSamplingTest, CandidatesReduceToTheFullRowToken) {
+  const int vocab = 50257, rows = 96;
+  std::mt19937_64 rng(41);
+  const std::vector<float> logits = MakeLogits(rows, vocab, rng);
+  std::vector<cuda::SampleRowParams> params;
+  std::uniform_int_distribution<int64_t> position(0, 200000);
+  const float temps[] = {0.0f, 1.0f, 0.7f, 0.05f, 2.5f, 1.0f};
+  for (int r = 0; r < rows; ++r) {
+    SamplingParams s;
+    s.temperature = temps[(r / 3) % 6];  // every temperature meets every logits kind
+    // Greedy ignores top-k/top-p, so such greedy rows are allowed in candidate mode.
+    if (s.temperature == 0.0f && r % 2 == 1) {
+      s.top_k = 5;
+      s.top_p = 0.5f;
+    }
+    s.seed = rng();
+    params.push_back(RowParams(s, position(rng)));
+  }
+  std::vector<int32_t> want(rows);
+  for (int r = 0; r < rows; ++r) {
+    want[r] = SampleToken(absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab], vocab),
+                          HostParams(params[r]), params[r].position);
+  }
+  const std::vector<int32_t> full = SampleOnGpu(logits, vocab, params, true);
+  for (int r = 0; r < rows; ++r) ASSERT_EQ(full[r], want[r]) << "full row " << r;
+
+  for (int world : {3, 7}) {
+    for (int64_t align : {int64_t{1}, int64_t{64}}) {
+      const std::vector<TpRange> shards = SplitEvenly(vocab, world, align);
+      for (bool split : {true, false}) {
+        const ShardedResult got = SampleSharded(logits, vocab, params, shards, split);
+        int mismatches = 0;
+        for (int r = 0; r < rows; ++r) {
+          const SamplingParams s = HostParams(params[r]);
+          std::vector<VocabCandidate> host_cands;
+          for (int k = 0; k < world; ++k) {
+            const TpRange v = shards[k];
+            const VocabCandidate hc = ShardCandidate(
+                absl::Span<const float>(&logits[static_cast<size_t>(r) * vocab + v.begin],
+                                        static_cast<size_t>(v.size())),
+                v, s, params[r].position);
+            host_cands.push_back(hc);
+            const cuda::SampleCandidate& gc = got.candidates[static_cast<size_t>(k) * rows + r];
+            if ((gc.token != hc.token ||
+                 !(std::fabs(gc.score - hc.score) <= 1e-12 * (1.0 + std::fabs(hc.score)))) &&
+                ++mismatches <= 5) {
+              ADD_FAILURE() << "world " << world << " align " << align << " split " << split
+                            << " row " << r << " (t " << s.temperature << ") rank " << k << " ["
+                            << v.begin << ", " << v.end << "): gpu candidate (" << gc.score << ", "
+                            << gc.token << ") host (" << hc.score << ", " << hc.token << ")";
+            }
+          }
+          ASSERT_EQ(ReduceCandidates(host_cands).token, want[r]) << "host reduction, row " << r;
+          if (got.tokens[r] != want[r] && ++mismatches <= 5) {
+            ADD_FAILURE() << "world " << world << " align " << align << " split " << split
+                          << " row " << r << " (t " << s.temperature << "): reduced "
+                          << got.tokens[r] << " full row " << want[r];
+          }
+        }
+        EXPECT_EQ(mismatches, 0) << "world " << world << " align " << align << " split " << split;
+      }
+    }
+  }
+}
+
+// Ties across shard boundaries: the same best logit in several shards goes to the lowest id
+// (greedy), and a row whose best tokens all sit in the last shard, with the other shards at
+// -inf, still finds them.
+TEST_F(VocabParallelSamplingTest, TiesAcrossShardsPickTheLowestId) {
+  const int vocab = 10000;
+  std::vector<float> logits(2 * vocab, -3.0f);
+  for (int id : {9000, 6700, 3334}) logits[id] = 5.0f;  // 3334 is in shard 1 of 3
+  for (int id = 0; id < vocab; ++id) logits[vocab + id] = id < 9000 ? -INFINITY : 0.25f;
+  std::vector<cuda::SampleRowParams> params(4);
+  params[0].temperature = 0.0f;
+  params[1].temperature = 0.0f;
+  params[2].temperature = 0.9f;
+  params[2].seed = 3;
+  params[2].position = 12;
+  params[3].temperature = 1.0f;
+  params[3].seed = 4;
+  params[3].position = 13;
+  std::vector<float> rows4(4 * static_cast<size_t>(vocab));
+  std::copy(logits.begin(), logits.begin() + vocab, rows4.begin());
+  std::copy(logits.begin() + vocab, logits.end(), rows4.begin() + vocab);
+  std::copy(logits.begin(), logits.begin() + vocab, rows4.begin() + 2 * vocab);
+  std::copy(logits.begin() + vocab, logits.end(), rows4.begin() + 3 * vocab);
+  for (int world : {3, 7}) {
+    for (bool split : {true, false}) {
+      const ShardedResult got =
+          SampleSharded(rows4, vocab, params, SplitEvenly(vocab, world), split);
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(got.tokens[r], SampleToken(absl::Span<const float>(
+                                                 &rows4[static_cast<size_t>(r) * vocab], vocab),
+                                             HostParams(params[r]), params[r].position))
+            << "world " << world << " split " << split << " row " << r;
+      }
+      EXPECT_EQ(got.tokens[0], 3334) << "world " << world << " split " << split;
+      EXPECT_EQ(got.tokens[1], 9000) << "world " << world << " split " << split;
+    }
+  }
+}
+
+// Rows candidate mode cannot serve (top-k or top-p with a temperature) get the empty candidate,
+// and ReduceCandidatesCuda reports -1 for them; their neighbours are unaffected.
+TEST_F(VocabParallelSamplingTest, FilteredRowsGetEmptyCandidates) {
+  const int vocab = 5000, rows = 4;
+  std::mt19937_64 rng(43);
+  const std::vector<float> logits = MakeLogits(rows, vocab, rng);
+  std::vector<cuda::SampleRowParams> params(rows);
+  for (int r = 0; r < rows; ++r) {
+    params[r].seed = 100 + r;
+    params[r].position = r;
+    params[r].temperature = 1.0f;
+  }
+  params[1].top_k = 40;
+  params[2].top_p = 0.9f;
+  params[3].top_k = vocab;  // >= the shard: no-op for a full row, but still not allowed
+  for (bool split : {true, false}) {
+    const ShardedResult got = SampleSharded(logits, vocab, params, SplitEvenly(vocab, 3), split);
+    for (int k = 0; k < 3; ++k) {
+      for (int r = 1; r < rows; ++r) {
+        const cuda::SampleCandidate& c = got.candidates[static_cast<size_t>(k) * rows + r];
+        EXPECT_EQ(c.token, -1) << "split " << split << " rank " << k << " row " << r;
+        EXPECT_TRUE(std::isinf(c.score) && c.score < 0)
+            << "split " << split << " rank " << k << " row " << r << ": " << c.score;
+      }
+    }
+    EXPECT_EQ(got.tokens[0],
+              SampleToken(absl::Span<const float>(logits.data(), vocab), HostParams(params[0]), 0))
+        << "split " << split;
+    for (int r = 1; r < rows; ++r)
+      EXPECT_EQ(got.tokens[r], -1) << "split " << split << " row " << r;
+  }
+}
+
+// vocab_offset alone (the tokens path) draws over the shard with noise keyed by global ids and
+// reports global ids: greedy and plain temperature equal ShardCandidate's token; top-k 1 and a
+// tiny top-p keep only the shard's argmax.
+TEST_F(SamplingCudaTest, VocabOffsetReportsGlobalIds) {
+  const int vocab = 50257, rows = 48;
+  std::mt19937_64 rng(44);
+  const std::vector<float> logits = MakeLogits(rows, vocab, rng);
+  const float temps[] = {0.0f, 1.0f, 0.6f, 1.0f, 1.0f, 3.0f};
+  std::vector<cuda::SampleRowParams> params(rows);
+  for (int r = 0; r < rows; ++r) {
+    params[r].temperature = temps[(r / 3) % 6];
+    params[r].seed = rng();
+    params[r].position = static_cast<int64_t>(rng() % 100000);
+    if ((r / 3) % 6 == 3) params[r].top_k = 1;
+    if ((r / 3) % 6 == 4) params[r].top_p = 1e-6f;
+  }
+  for (const TpRange v : SplitEvenly(vocab, 3)) {
+    std::vector<float> shard(static_cast<size_t>(rows * v.size()));
+    for (int r = 0; r < rows; ++r) {
+      std::copy(logits.begin() + static_cast<int64_t>(r) * vocab + v.begin,
+                logits.begin() + static_cast<int64_t>(r) * vocab + v.end,
+                shard.begin() + r * v.size());
+    }
+    DeviceBuffer<float> d_shard(shard);
+    DeviceBuffer<cuda::SampleRowParams> d_rows(params);
+    for (bool split : {true, false}) {
+      DeviceBuffer<int32_t> d_tokens(rows);
+      DeviceBuffer<uint8_t> d_ws(
+          split ? static_cast<size_t>(cuda::SampleWorkspaceBytes(rows, v.size())) : 0);
+      cuda::SampleParams p;
+      p.logits = d_shard.get();
+      p.logits_stride = v.size();
+      p.rows = d_rows.get();
+      p.tokens = d_tokens.get();
+      p.num_rows = rows;
+      p.vocab_size = v.size();
+      p.workspace = split ? d_ws.get() : nullptr;
+      p.vocab_offset = v.begin;
+      SPECD_CUDA_OK(cuda::SampleCuda(p, stream_));
+      Sync();
+      const std::vector<int32_t> got = d_tokens.Download();
+      for (int r = 0; r < rows; ++r) {
+        const absl::Span<const float> row(&shard[static_cast<size_t>(r) * v.size()],
+                                          static_cast<size_t>(v.size()));
+        SamplingParams s = HostParams(params[r]);
+        int32_t want;
+        if (s.top_k == 1 || s.top_p < 1.0f) {
+          SamplingParams g;  // greedy
+          want = static_cast<int32_t>(v.begin) + SampleToken(row, g, 0);
+        } else {
+          want = ShardCandidate(row, v, s, params[r].position).token;
+        }
+        EXPECT_EQ(got[r], want) << "shard [" << v.begin << ", " << v.end << ") split " << split
+                                << " row " << r << " (t " << s.temperature << " k " << s.top_k
+                                << " p " << s.top_p << ")";
+      }
+    }
+  }
+}
+
 TEST_F(SamplingCudaTest, BadParamsAreRejected) {
   cuda::SampleParams p;
   p.num_rows = 1;
   p.vocab_size = 10;
   p.logits_stride = 5;  // shorter than a row
   EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
+  p.logits_stride = 10;
+  p.vocab_offset = -1;
+  EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
+  p.vocab_offset = (int64_t{1} << 31) - 5;  // ids past int32
+  EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
+
+  cuda::ReduceCandidatesParams rp;
+  rp.num_rows = 1;
+  rp.world_size = 0;
+  EXPECT_EQ(cuda::ReduceCandidatesCuda(rp, stream_), cudaErrorInvalidValue);
+  rp.world_size = 2;  // null pointers
+  EXPECT_EQ(cuda::ReduceCandidatesCuda(rp, stream_), cudaErrorInvalidValue);
 }
 
 }  // namespace

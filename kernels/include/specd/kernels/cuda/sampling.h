@@ -15,6 +15,12 @@
 // than 41.2 below the best scaled logit cannot), screens them in fp32 and re-scores the near-best
 // in fp64. Top-p's cumulative mass is summed in parallel, so on a boundary closer than ~1e-15 to
 // top_p the kept set may differ from the host's sequential sum.
+//
+// Tensor parallelism splits the vocabulary: a rank holds the logits of ids [vocab_offset,
+// vocab_offset + vocab_size), keys the noise by global ids (so a shard scores its tokens exactly
+// as the full row does) and, for greedy and plain-temperature rows, reduces its shard to one
+// SampleCandidate; ReduceCandidatesCuda picks the row's token from the ranks' candidates, which
+// is SampleToken() of the full row (engine/tp_plan.h ShardCandidate / ReduceCandidates).
 #ifndef SPECD_KERNELS_CUDA_SAMPLING_H_
 #define SPECD_KERNELS_CUDA_SAMPLING_H_
 
@@ -34,22 +40,53 @@ struct SampleRowParams {
   int32_t reserved = 0;
 };
 
+// One rank's best token of a vocabulary shard (engine/tp_plan.h VocabCandidate), laid out for
+// an all-gather.
+struct alignas(16) SampleCandidate {
+  double score;   // logit (greedy) or logit / temperature + Gumbel noise, fp64; -inf if none
+  int32_t token;  // global token id; -1: no candidate (a row not allowed in candidate mode)
+  int32_t pad;
+};
+
 struct SampleParams {
   const float* logits = nullptr;  // [num_rows, logits_stride] fp32, device
   int64_t logits_stride = 0;
   const SampleRowParams* rows = nullptr;  // [num_rows] device
-  int32_t* tokens = nullptr;              // [num_rows] int32, device: the sampled token ids
+  // [num_rows] int32, device: the sampled (global) token ids; unused (may be null) when
+  // `candidates` is set.
+  int32_t* tokens = nullptr;
   int64_t num_rows = 0;
   int64_t vocab_size = 0;
   // [SampleWorkspaceBytes(num_rows, vocab_size)] bytes, device, 16-byte aligned; null: every
   // row takes the one-CTA-per-row path (same tokens, slower for greedy and plain temperature).
   void* workspace = nullptr;
+  // Global id of logits column 0 (tensor-parallel vocabulary shard): Philox noise is keyed by and
+  // tokens are reported as global ids. 0 for a full row. vocab_offset + vocab_size <= 2^31.
+  int64_t vocab_offset = 0;
+  // Optional: instead of tokens, write each row's best (score, global id) over this shard for
+  // rows whose sampling is greedy or temperature without top-k/top-p (top_k == 0, top_p >= 1:
+  // engine/tp_plan.h VocabParallelSamplingSupported), the only rows allowed when set; the row
+  // parameters live on the device, so any other row gets token -1 and score -inf. score = logit
+  // for greedy, logit / temperature + Gumbel noise otherwise, in fp64, as ShardCandidate.
+  SampleCandidate* candidates = nullptr;  // [num_rows] device
 };
 
 // Workspace bytes that SampleCuda's split path needs for these sizes.
 int64_t SampleWorkspaceBytes(int64_t num_rows, int64_t vocab_size);
 
 cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream);
+
+struct ReduceCandidatesParams {
+  // [world_size, num_rows] device (rank-major, as an all-gather produces).
+  const SampleCandidate* candidates = nullptr;
+  int world_size = 1;
+  int64_t num_rows = 0;
+  // [num_rows] int32, device: the highest score, lowest id on ties, skipping token -1
+  // (engine/tp_plan.h ReduceCandidates); -1 if every rank's candidate is empty.
+  int32_t* tokens = nullptr;
+};
+
+cudaError_t ReduceCandidatesCuda(const ReduceCandidatesParams& p, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace specd
