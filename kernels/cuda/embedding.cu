@@ -10,10 +10,10 @@ namespace {
 template <int kVec>
 __global__ void EmbeddingKernel(EmbeddingParams p) {
   const int64_t t = blockIdx.x;
-  const int32_t id = p.tokens[t];
+  const int64_t id = static_cast<int64_t>(p.tokens[t]) - p.vocab_offset;  // table row
   const bool valid = id >= 0 && id < p.vocab_size;
   bf16* out = p.out + t * p.hidden;
-  const bf16* row = p.table + static_cast<int64_t>(valid ? id : 0) * p.hidden;
+  const bf16* row = p.table + (valid ? id : 0) * p.hidden;
   if constexpr (kVec == 8) {
     const uint4* src = reinterpret_cast<const uint4*>(row);
     uint4* dst = reinterpret_cast<uint4*>(out);
@@ -30,7 +30,9 @@ __global__ void EmbeddingKernel(EmbeddingParams p) {
 }  // namespace
 
 cudaError_t EmbeddingCuda(const EmbeddingParams& p, cudaStream_t stream) {
-  if (p.num_tokens < 0 || p.hidden <= 0 || p.vocab_size <= 0) return cudaErrorInvalidValue;
+  if (p.num_tokens < 0 || p.hidden <= 0 || p.vocab_size <= 0 || p.vocab_offset < 0) {
+    return cudaErrorInvalidValue;
+  }
   if (p.num_tokens == 0) return cudaSuccess;
   if (p.tokens == nullptr || p.table == nullptr || p.out == nullptr) return cudaErrorInvalidValue;
   const bool vec = p.hidden % 8 == 0 && IsAligned(p.table, 16) && IsAligned(p.out, 16);

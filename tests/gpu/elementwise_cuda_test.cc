@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/model_config.h"
+#include "engine/tp_plan.h"
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
@@ -65,6 +66,70 @@ TEST_F(ElementwiseCudaTest, EmbeddingGathersRows) {
     ref.hidden = hidden;
     EmbeddingCpu(ref);
     EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 0.0f, 0.0f)) << "hidden " << hidden;
+  }
+}
+
+// Vocabulary-parallel embedding: each shard's table gives its own tokens' rows and zeros for
+// the rest (and for ids outside the vocabulary), so the shards' outputs sum to the full gather
+// exactly, for 3 and 7 uneven shards on both the vector and scalar paths.
+TEST_F(ElementwiseCudaTest, EmbeddingShardsSumToTheFullGather) {
+  std::mt19937_64 rng(17);
+  for (int hidden : {136, 37}) {
+    const int vocab = 1001, n = 200;
+    const std::vector<float> table =
+        RoundBf16(RandomNormal(static_cast<size_t>(vocab) * hidden, rng));
+    std::vector<int32_t> tokens(n);
+    std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
+    for (int32_t& t : tokens) t = pick(rng);
+    tokens[0] = 0;
+    tokens[1] = vocab - 1;
+    tokens[2] = -1;     // outside every shard: a zero row
+    tokens[3] = vocab;  // likewise
+    DeviceBuffer<int32_t> d_tokens(tokens);
+    // The full gather on the host (EmbeddingCpu aborts on ids outside the vocabulary).
+    std::vector<float> full(static_cast<size_t>(n) * hidden, 0.0f);
+    for (int t = 0; t < n; ++t) {
+      if (tokens[t] < 0 || tokens[t] >= vocab) continue;
+      std::copy(table.begin() + static_cast<int64_t>(tokens[t]) * hidden,
+                table.begin() + static_cast<int64_t>(tokens[t] + 1) * hidden,
+                full.begin() + static_cast<int64_t>(t) * hidden);
+    }
+    for (int world : {1, 3, 7}) {
+      for (int64_t align : {int64_t{1}, int64_t{64}}) {
+        std::vector<float> sum(static_cast<size_t>(n) * hidden, 0.0f);
+        for (const TpRange v : SplitEvenly(vocab, world, align)) {
+          const std::vector<float> shard(table.begin() + v.begin * hidden,
+                                         table.begin() + v.end * hidden);
+          DeviceBuffer<bf16> d_table(ToBf16(shard));
+          DeviceBuffer<bf16> d_out(static_cast<size_t>(n) * hidden);
+          ASSERT_EQ(cudaMemset(d_out.get(), 0x7f, d_out.size() * sizeof(bf16)), cudaSuccess);
+          cuda::EmbeddingParams p;
+          p.tokens = d_tokens.get();
+          p.table = d_table.get();
+          p.out = d_out.get();
+          p.num_tokens = n;
+          p.vocab_size = v.size();
+          p.hidden = hidden;
+          p.vocab_offset = v.begin;
+          SPECD_CUDA_OK(cuda::EmbeddingCuda(p, stream_));
+          Sync();
+          const std::vector<float> out = ToFloat(d_out.Download());
+          for (int t = 0; t < n; ++t) {
+            const bool mine = v.contains(tokens[t]);
+            for (int i = 0; i < hidden; ++i) {
+              const float got = out[static_cast<size_t>(t) * hidden + i];
+              const float want = mine ? table[static_cast<size_t>(tokens[t]) * hidden + i] : 0.0f;
+              ASSERT_EQ(got, want)
+                  << "hidden " << hidden << " world " << world << " shard [" << v.begin << ", "
+                  << v.end << ") token " << t << " (id " << tokens[t] << ") element " << i;
+              sum[static_cast<size_t>(t) * hidden + i] += got;
+            }
+          }
+        }
+        EXPECT_TRUE(AllClose(sum, full, 0.0f, 0.0f))
+            << "hidden " << hidden << " world " << world << " align " << align;
+      }
+    }
   }
 }
 
