@@ -143,9 +143,11 @@ __device__ __forceinline__ void MergeChunk(float& big_m, float& big_l, float m, 
   big_m = mn;
 }
 
-// grid = (tiles, kv heads, splits). Warp w owns tile rows [16w, 16w + 16); row r is query
-// tile_begin + r / group, head kv_head * group + r % group. With one split a CTA walks all
-// chunks of its tile; with more, CTA z computes chunk z and leaves its state in the workspace.
+// grid = (tiles, kv heads, splits). The KV head serves local query heads [h_lo, h_lo + nh): its
+// whole group of `group` heads, or under tensor parallelism the part of it this rank owns. Warp w
+// owns tile rows [16w, 16w + 16); row r is query tile_begin + r / nh, head h_lo + r % nh. With
+// one split a CTA walks all chunks of its tile; with more, CTA z computes chunk z and leaves its
+// state in the workspace.
 template <int HD>
 __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionParams p) {
   static_assert(HD % 16 == 0 && HD >= 16, "whole MMA k-steps and pairs of 8-dim V tiles");
@@ -155,10 +157,14 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
   const int kvh = blockIdx.y;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int64_t group = p.kv_group > 0 ? p.kv_group : p.num_heads / p.num_kv_heads;
+  // The group's first head, local; TreeAttentionCuda checked that 1 <= nh <= group.
+  const int64_t first = (p.kv_head_offset + kvh) * group - p.q_head_offset;
+  const int h_lo = static_cast<int>(max(first, int64_t{0}));
+  const int nh = static_cast<int>(min(first + group, p.num_heads)) - h_lo;
   const int q0 = p.tile_begin[tile];
   const int nq = p.tile_end[tile] - q0;
-  const int rows = nq * group;
+  const int rows = nq * nh;
   const int32_t* table =
       p.block_tables + static_cast<int64_t>(p.query_seq[q0]) * p.max_blocks_per_seq;
   const int64_t kv_dim = p.num_kv_heads * HD;
@@ -207,17 +213,17 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
   const bool ok0 = r0 < rows, ok1 = r1 < rows;
   // Local query index of each of this thread's two rows, clamped so that padding rows read
   // valid (unused) entries.
-  const int lq0 = min(r0 / group, nq - 1);
-  const int lq1 = min(r1 / group, nq - 1);
+  const int lq0 = min(r0 / nh, nq - 1);
+  const int lq1 = min(r1 / nh, nq - 1);
 
   uint32_t qf[HD / 16][4];
   {
-    const bf16* q_row0 = ok0 ? p.q + (q0 + r0 / group) * p.q_stride +
-                                   (kvh * group + r0 % group) * static_cast<int64_t>(HD)
-                             : nullptr;
-    const bf16* q_row1 = ok1 ? p.q + (q0 + r1 / group) * p.q_stride +
-                                   (kvh * group + r1 % group) * static_cast<int64_t>(HD)
-                             : nullptr;
+    const bf16* q_row0 =
+        ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
+            : nullptr;
+    const bf16* q_row1 =
+        ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
+            : nullptr;
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
       const int c = kk * 16 + 2 * t4;
@@ -436,8 +442,8 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
       for (int hr = 0; hr < 2; ++hr) {
         const int r = hr == 0 ? r0 : r1;
         if (r >= rows) continue;
-        const int64_t qi = q0 + r / group;
-        const int64_t head = kvh * group + r % group;
+        const int64_t qi = q0 + r / nh;
+        const int64_t head = h_lo + r % nh;
         const int64_t items = p.num_queries * p.num_heads;
         const int64_t item = chunk * items + qi * p.num_heads + head;
         float* dst = p.workspace + item * HD + 2 * t4;
@@ -477,8 +483,8 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
   for (int hr = 0; hr < 2; ++hr) {
     const int r = hr == 0 ? r0 : r1;
     if (r >= rows) continue;
-    const int64_t qi = q0 + r / group;
-    const int64_t head = kvh * group + r % group;
+    const int64_t qi = q0 + r / nh;
+    const int64_t head = h_lo + r % nh;
     const float inv = big_l[hr] > 0.0f ? __fdiv_rn(1.0f, big_l[hr]) : 0.0f;
     bf16* dst = p.out + qi * p.out_stride + head * HD + 2 * t4;
 #pragma unroll
@@ -546,14 +552,34 @@ cudaError_t Launch(const TreeAttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Whether the tensor-parallel head mapping is well formed: the local KV heads are exactly those
+// the local query heads read, so each serves between 1 and `group` of them (rows <= kRows).
+bool HeadRangesValid(const TreeAttentionParams& p) {
+  if (p.q_head_offset < 0 || p.kv_head_offset < 0 || p.kv_group < 0) return false;
+  if (p.kv_group == 0 && p.num_heads % p.num_kv_heads != 0) return false;
+  const int64_t group = p.kv_group > 0 ? p.kv_group : p.num_heads / p.num_kv_heads;
+  return group <= kRows && p.q_head_offset / group == p.kv_head_offset &&
+         (p.q_head_offset + p.num_heads - 1) / group == p.kv_head_offset + p.num_kv_heads - 1;
+}
+
 }  // namespace
 
 TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
                                     int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
                                     int num_sms) {
+  return PlanTreeAttention(query_seq, kv_end, num_queries, num_heads, num_kv_heads, 0, num_sms);
+}
+
+TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
+                                    int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t kv_group, int num_sms) {
   TreeAttentionPlan plan;
-  if (num_queries <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return plan;
-  const int64_t group = num_heads / num_kv_heads;
+  if (num_queries <= 0 || num_kv_heads <= 0 || kv_group < 0 ||
+      (kv_group == 0 && num_heads % num_kv_heads != 0)) {
+    return plan;
+  }
+  // A tile's rows are its queries times the heads of one KV head: at most `group` of them.
+  const int64_t group = kv_group > 0 ? kv_group : num_heads / num_kv_heads;
   const int64_t per_tile = std::max<int64_t>(1, kRows / group);
   int32_t max_kv = 0;
   for (int64_t i = 0; i < num_queries; ++i) {
@@ -590,8 +616,7 @@ int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_
 
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream) {
   if (p.num_queries < 0 || p.num_tiles < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
-      p.num_kv_heads > 65535 || p.num_heads % p.num_kv_heads != 0 ||
-      p.num_heads / p.num_kv_heads > kRows || !TreeAttentionSupportsHeadDim(p.head_dim) ||
+      p.num_kv_heads > 65535 || !HeadRangesValid(p) || !TreeAttentionSupportsHeadDim(p.head_dim) ||
       p.num_splits < 1 || p.num_splits > 65535 || p.block_size <= 0 || p.max_blocks_per_seq <= 0 ||
       p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
       p.out_stride < p.num_heads * p.head_dim || p.out_stride % 2 != 0 ||

@@ -1,7 +1,8 @@
 // Tree attention on the GPU against kernels/cpu/tree_attention.cc: decode, prefill chains and
 // verification trees (1, 7 and 256 nodes of several shapes) below pending chains, batched over
 // sequences with context lengths that are not multiples of the block size, odd head counts,
-// head_dim 16, 32, 64 and 128, with the key range unsplit, split by the plan and split by force.
+// head_dim 16, 32, 64 and 128, with the key range unsplit, split by the plan and split by force,
+// and tensor-parallel head ranges against the full model's heads.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/tp_plan.h"
 #include "specd/kernels/cuda/tree_attention.h"
 #include "specd/kernels/tree_attention.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -61,134 +63,160 @@ struct Shape {
   int num_heads, num_kv_heads, head_dim, block_size;
 };
 
+// Tensor-parallel head range of a rank (TreeAttentionParams' fields); all 0 for the full model.
+struct HeadSlice {
+  int64_t q_head_offset = 0;
+  int64_t kv_head_offset = 0;
+  int64_t kv_group = 0;
+};
+
+// A batch of sequences over a random paged KV cache, in both descriptions (the GPU's masks and
+// the CPU reference's ancestor lists).
+struct Batch {
+  std::vector<int32_t> tables;
+  int max_blocks = 1;
+  std::vector<float> k_cache, v_cache;  // [num_slots, kv_dim], bf16-exact
+  std::vector<int32_t> query_seq, kv_end, mask_begin, prefix_len, tree_key_offsets = {0}, tree_keys;
+  std::vector<uint32_t> mask;
+  std::vector<float> q;  // [num_queries, q_stride], bf16-exact
+  int q_stride = 0;
+  int num_queries() const { return static_cast<int>(query_seq.size()); }
+};
+
+Batch BuildBatch(const Shape& sh, const std::vector<SeqSpec>& seqs, uint64_t seed) {
+  Batch b;
+  std::mt19937_64 rng(seed);
+  const int kv_dim = sh.num_kv_heads * sh.head_dim;
+  const int q_dim = sh.num_heads * sh.head_dim;
+  // Block tables: each sequence gets enough blocks for all its keys, drawn from a shuffled
+  // pool with spare blocks, so logical and physical order differ.
+  std::vector<int> need_blocks;
+  int total_blocks = 0;
+  for (const SeqSpec& s : seqs) {
+    const int keys = s.committed + s.chain + static_cast<int>(s.tree_parents.size());
+    need_blocks.push_back((keys + sh.block_size - 1) / sh.block_size);
+    b.max_blocks = std::max(b.max_blocks, need_blocks.back());
+    total_blocks += need_blocks.back();
+  }
+  const int pool_blocks = total_blocks + 5;
+  std::vector<int32_t> pool(pool_blocks);
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  const int num_seqs = static_cast<int>(seqs.size());
+  // Sequence s uses block-table row num_seqs - 1 - s (rows need not follow batch order).
+  b.tables.assign(static_cast<size_t>(num_seqs) * b.max_blocks, -1);
+  int next = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int k = 0; k < need_blocks[s]; ++k) {
+      b.tables[static_cast<size_t>(num_seqs - 1 - s) * b.max_blocks + k] = pool[next++];
+    }
+  }
+  const int64_t num_slots = int64_t{pool_blocks} * sh.block_size;
+  b.k_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+  b.v_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+
+  for (int s = 0; s < num_seqs; ++s) {
+    const SeqSpec& spec = seqs[s];
+    const int row = num_seqs - 1 - s;
+    for (int i = 0; i < spec.chain; ++i) {
+      const int end = spec.committed + i + 1;
+      b.query_seq.push_back(row);
+      b.kv_end.push_back(end);
+      b.mask_begin.push_back(end);
+      b.mask.insert(b.mask.end(), cuda::kTreeAttentionMaskWords, 0u);
+      b.prefix_len.push_back(end);
+      b.tree_key_offsets.push_back(static_cast<int32_t>(b.tree_keys.size()));
+    }
+    const int tree_base = spec.committed + spec.chain;
+    const int n = static_cast<int>(spec.tree_parents.size());
+    std::vector<std::vector<int32_t>> ancestors(n);
+    for (int j = 0; j < n; ++j) {
+      const int32_t parent = spec.tree_parents[j];
+      if (parent >= 0) ancestors[j] = ancestors[parent];
+      ancestors[j].push_back(j);
+      std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
+      std::vector<int32_t> sorted = ancestors[j];
+      std::sort(sorted.begin(), sorted.end());
+      for (int32_t a : sorted) {
+        bits[a / 32] |= 1u << (a % 32);
+        b.tree_keys.push_back(tree_base + a);
+      }
+      b.query_seq.push_back(row);
+      b.kv_end.push_back(tree_base + j + 1);
+      b.mask_begin.push_back(tree_base);
+      b.mask.insert(b.mask.end(), bits.begin(), bits.end());
+      b.prefix_len.push_back(tree_base);
+      b.tree_key_offsets.push_back(static_cast<int32_t>(b.tree_keys.size()));
+    }
+  }
+  // q rows carry padding columns, as in a fused QKV output.
+  b.q_stride = q_dim + 2 * kv_dim;
+  // Scores with a spread of a few units make the softmax peaky, so that a wrongly masked or
+  // dropped key changes the output visibly.
+  b.q = RoundBf16(RandomNormal(static_cast<size_t>(b.num_queries()) * b.q_stride, rng, 2.5f));
+  return b;
+}
+
+// The CPU reference's output [num_queries, num_heads * head_dim] for the full model.
+std::vector<float> RunCpu(const Shape& sh, const Batch& b, float scale) {
+  const int num_queries = b.num_queries();
+  const int q_dim = sh.num_heads * sh.head_dim;
+  std::vector<float> q_packed(static_cast<size_t>(num_queries) * q_dim),
+      want(static_cast<size_t>(num_queries) * q_dim);
+  for (int t = 0; t < num_queries; ++t) {
+    std::copy_n(&b.q[static_cast<size_t>(t) * b.q_stride], q_dim,
+                &q_packed[static_cast<size_t>(t) * q_dim]);
+  }
+  TreeAttentionParams ref;
+  ref.q = q_packed.data();
+  ref.out = want.data();
+  ref.k_cache = b.k_cache.data();
+  ref.v_cache = b.v_cache.data();
+  ref.block_tables = b.tables.data();
+  ref.query_seq = b.query_seq.data();
+  ref.prefix_len = b.prefix_len.data();
+  ref.tree_key_offsets = b.tree_key_offsets.data();
+  ref.tree_keys = b.tree_keys.data();
+  ref.num_queries = num_queries;
+  ref.num_heads = sh.num_heads;
+  ref.num_kv_heads = sh.num_kv_heads;
+  ref.head_dim = sh.head_dim;
+  ref.block_size = sh.block_size;
+  ref.max_blocks_per_seq = b.max_blocks;
+  ref.scale = scale;
+  // The reference is plain loops; spread its (query, head) items over the host's cores.
+  const int64_t items = int64_t{num_queries} * sh.num_heads;
+  const int64_t workers = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> threads;
+  for (int64_t w = 0; w < workers; ++w) {
+    threads.emplace_back(
+        [&, w] { TreeAttentionCpuItems(ref, items * w / workers, items * (w + 1) / workers); });
+  }
+  for (std::thread& t : threads) t.join();
+  return want;
+}
+
 class TreeAttentionCudaTest : public gpu_test::GpuTest {
  protected:
   // Runs one batch on the GPU once per entry of `splits` (0: the plan's choice, else forced)
   // and compares each result with the CPU reference.
   void Check(const Shape& sh, const std::vector<SeqSpec>& seqs, const std::vector<int>& splits,
              uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    const int kv_dim = sh.num_kv_heads * sh.head_dim;
-    const int q_dim = sh.num_heads * sh.head_dim;
-    // Block tables: each sequence gets enough blocks for all its keys, drawn from a shuffled
-    // pool with spare blocks, so logical and physical order differ.
-    std::vector<int> need_blocks;
-    int max_blocks = 1, total_blocks = 0;
-    for (const SeqSpec& s : seqs) {
-      const int keys = s.committed + s.chain + static_cast<int>(s.tree_parents.size());
-      need_blocks.push_back((keys + sh.block_size - 1) / sh.block_size);
-      max_blocks = std::max(max_blocks, need_blocks.back());
-      total_blocks += need_blocks.back();
-    }
-    const int pool_blocks = total_blocks + 5;
-    std::vector<int32_t> pool(pool_blocks);
-    std::iota(pool.begin(), pool.end(), 0);
-    std::shuffle(pool.begin(), pool.end(), rng);
-    const int num_seqs = static_cast<int>(seqs.size());
-    // Sequence s uses block-table row num_seqs - 1 - s (rows need not follow batch order).
-    std::vector<int32_t> tables(static_cast<size_t>(num_seqs) * max_blocks, -1);
-    int next = 0;
-    for (int s = 0; s < num_seqs; ++s) {
-      for (int b = 0; b < need_blocks[s]; ++b) {
-        tables[static_cast<size_t>(num_seqs - 1 - s) * max_blocks + b] = pool[next++];
-      }
-    }
-    const int64_t num_slots = int64_t{pool_blocks} * sh.block_size;
-    const std::vector<float> k_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
-    const std::vector<float> v_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
-
-    // Queries and their visibility, in both descriptions.
-    std::vector<int32_t> query_seq, kv_end, mask_begin, prefix_len, tree_key_offsets = {0},
-                                                                    tree_keys;
-    std::vector<uint32_t> mask;
-    for (int s = 0; s < num_seqs; ++s) {
-      const SeqSpec& spec = seqs[s];
-      const int row = num_seqs - 1 - s;
-      for (int i = 0; i < spec.chain; ++i) {
-        const int end = spec.committed + i + 1;
-        query_seq.push_back(row);
-        kv_end.push_back(end);
-        mask_begin.push_back(end);
-        mask.insert(mask.end(), cuda::kTreeAttentionMaskWords, 0u);
-        prefix_len.push_back(end);
-        tree_key_offsets.push_back(static_cast<int32_t>(tree_keys.size()));
-      }
-      const int tree_base = spec.committed + spec.chain;
-      const int n = static_cast<int>(spec.tree_parents.size());
-      std::vector<std::vector<int32_t>> ancestors(n);
-      for (int j = 0; j < n; ++j) {
-        const int32_t parent = spec.tree_parents[j];
-        if (parent >= 0) ancestors[j] = ancestors[parent];
-        ancestors[j].push_back(j);
-        std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
-        std::vector<int32_t> sorted = ancestors[j];
-        std::sort(sorted.begin(), sorted.end());
-        for (int32_t a : sorted) {
-          bits[a / 32] |= 1u << (a % 32);
-          tree_keys.push_back(tree_base + a);
-        }
-        query_seq.push_back(row);
-        kv_end.push_back(tree_base + j + 1);
-        mask_begin.push_back(tree_base);
-        mask.insert(mask.end(), bits.begin(), bits.end());
-        prefix_len.push_back(tree_base);
-        tree_key_offsets.push_back(static_cast<int32_t>(tree_keys.size()));
-      }
-    }
-    const int num_queries = static_cast<int>(query_seq.size());
-    // q rows carry padding columns, as in a fused QKV output.
-    const int q_stride = q_dim + 2 * kv_dim;
-    // Scores with a spread of a few units make the softmax peaky, so that a wrongly masked or
-    // dropped key changes the output visibly.
-    const std::vector<float> q =
-        RoundBf16(RandomNormal(static_cast<size_t>(num_queries) * q_stride, rng, 2.5f));
+    const Batch b = BuildBatch(sh, seqs, seed);
     const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
-
-    // CPU reference (packed q).
-    std::vector<float> q_packed(static_cast<size_t>(num_queries) * q_dim),
-        want(static_cast<size_t>(num_queries) * q_dim);
-    for (int t = 0; t < num_queries; ++t) {
-      std::copy_n(&q[static_cast<size_t>(t) * q_stride], q_dim,
-                  &q_packed[static_cast<size_t>(t) * q_dim]);
-    }
-    TreeAttentionParams ref;
-    ref.q = q_packed.data();
-    ref.out = want.data();
-    ref.k_cache = k_cache.data();
-    ref.v_cache = v_cache.data();
-    ref.block_tables = tables.data();
-    ref.query_seq = query_seq.data();
-    ref.prefix_len = prefix_len.data();
-    ref.tree_key_offsets = tree_key_offsets.data();
-    ref.tree_keys = tree_keys.data();
-    ref.num_queries = num_queries;
-    ref.num_heads = sh.num_heads;
-    ref.num_kv_heads = sh.num_kv_heads;
-    ref.head_dim = sh.head_dim;
-    ref.block_size = sh.block_size;
-    ref.max_blocks_per_seq = max_blocks;
-    ref.scale = scale;
-    // The reference is plain loops; spread its (query, head) items over the host's cores.
-    const int64_t items = int64_t{num_queries} * sh.num_heads;
-    const int64_t workers = std::max(1u, std::thread::hardware_concurrency());
-    std::vector<std::thread> threads;
-    for (int64_t w = 0; w < workers; ++w) {
-      threads.emplace_back(
-          [&, w] { TreeAttentionCpuItems(ref, items * w / workers, items * (w + 1) / workers); });
-    }
-    for (std::thread& t : threads) t.join();
+    const std::vector<float> want = RunCpu(sh, b, scale);
     // Every split gives the same bits (the kernel's batch invariance).
     std::vector<float> first;
     for (int force_splits : splits) {
       const std::vector<float> got =
-          RunGpu(sh, force_splits, q, q_stride, k_cache, v_cache, tables, max_blocks, query_seq,
-                 kv_end, mask_begin, mask, scale);
+          RunGpu(sh, force_splits, b.q, b.q_stride, b.k_cache, b.v_cache, b.tables, b.max_blocks,
+                 b.query_seq, b.kv_end, b.mask_begin, b.mask, scale);
       // Outputs are convex combinations of N(0, 1) values; bf16 probabilities in the P.V
       // product and the bf16 output each add about 2^-9 relative error.
       EXPECT_TRUE(AllClose(got, want, 4e-3f, 2e-2f))
           << "heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim " << sh.head_dim
           << " block " << sh.block_size << " forced splits " << force_splits << " queries "
-          << num_queries;
+          << b.num_queries();
       if (first.empty()) {
         first = got;
       } else {
@@ -199,22 +227,29 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
   }
 
   // GPU output [num_queries, num_heads * head_dim] (bf16 values as floats). force_splits: 0
-  // the plan's choice, 1 unsplit, more: one CTA per chunk (at least that many splits).
+  // the plan's choice, 1 unsplit, more: one CTA per chunk (at least that many splits). With a
+  // slice, sh holds the rank's local head counts, q and the caches its heads only.
   std::vector<float> RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q,
                             int q_stride, const std::vector<float>& k_cache,
                             const std::vector<float>& v_cache, const std::vector<int32_t>& tables,
                             int max_blocks, const std::vector<int32_t>& query_seq,
                             const std::vector<int32_t>& kv_end,
                             const std::vector<int32_t>& mask_begin,
-                            const std::vector<uint32_t>& mask, float scale) {
+                            const std::vector<uint32_t>& mask, float scale,
+                            const HeadSlice& slice = HeadSlice()) {
     const int num_queries = static_cast<int>(query_seq.size());
     const int q_dim = sh.num_heads * sh.head_dim;
 
     // GPU.
     int num_sms = 0;
     EXPECT_EQ(cudaSuccess, cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-    cuda::TreeAttentionPlan plan = cuda::PlanTreeAttention(
-        query_seq.data(), kv_end.data(), num_queries, sh.num_heads, sh.num_kv_heads, num_sms);
+    cuda::TreeAttentionPlan plan =
+        slice.kv_group == 0
+            ? cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), num_queries, sh.num_heads,
+                                      sh.num_kv_heads, num_sms)
+            : cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), num_queries, sh.num_heads,
+                                      sh.num_kv_heads, slice.kv_group, num_sms);
+    EXPECT_FALSE(plan.tile_begin.empty()) << "no plan";
     if (force_splits == 1) plan.num_splits = 1;
     if (force_splits > 1) {
       plan.num_splits = std::max(
@@ -253,6 +288,9 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     p.num_kv_heads = sh.num_kv_heads;
     p.head_dim = sh.head_dim;
     p.scale = scale;
+    p.q_head_offset = slice.q_head_offset;
+    p.kv_head_offset = slice.kv_head_offset;
+    p.kv_group = slice.kv_group;
     EXPECT_EQ(cudaSuccess, cuda::TreeAttentionCuda(p, stream_));
     Sync();
     const std::vector<float> out = ToFloat(d_out.Download());
@@ -431,6 +469,171 @@ TEST_F(TreeAttentionCudaTest, TreeNodeBitIdenticalToDecode) {
       }
     }
   }
+}
+
+// Tensor parallelism: each rank runs the kernel on its contiguous range of query heads (split as
+// engine/tp_plan.h does, so ranges need not align with the KV-head groups) and on the KV heads
+// those read (a KV head whose group spans two ranks is on both), with the global offsets. Its
+// output must be bit-identical to the full model's output for those heads, whatever the split
+// choice (the same arithmetic per (query, head)), and close to the CPU reference.
+TEST_F(TreeAttentionCudaTest, TensorParallelHeadRangesMatchTheFullModel) {
+  struct TpCase {
+    Shape sh;
+    int world;
+  };
+  // Llama-3.1-70B on 7 ranks (10,9,9,9,9,9,9 heads over groups of 8), 4 heads per rank over
+  // groups of 3, aligned halves, one KV head on both ranks (4 + 3 heads), 10,9,9 over groups of 7.
+  const TpCase cases[] = {
+      {{64, 8, 128, 16}, 7}, {{64, 8, 64, 16}, 7}, {{12, 4, 128, 16}, 3}, {{12, 4, 64, 8}, 3},
+      {{64, 8, 128, 16}, 2}, {{12, 4, 64, 16}, 2}, {{7, 1, 64, 16}, 2},   {{28, 4, 128, 32}, 3},
+  };
+  std::mt19937_64 rng(10);
+  uint64_t seed = 500;
+  for (const TpCase& c : cases) {
+    const Shape& sh = c.sh;
+    std::vector<SeqSpec> seqs(5);
+    seqs[0].committed = 1000;  // decode
+    seqs[1].committed = 37;    // a prefill chunk
+    seqs[1].chain = 77;
+    seqs[2].committed = 500;  // trees below pending chains
+    seqs[2].chain = 2;
+    seqs[2].tree_parents = TreeParents(7, 2, rng);
+    seqs[3].committed = 33;
+    seqs[3].tree_parents = TreeParents(64, 3, rng);
+    seqs[4].committed = 2100;  // a long decode
+    const Batch b = BuildBatch(sh, seqs, seed++);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+    const std::vector<float> want = RunCpu(sh, b, scale);
+    const std::vector<float> full =
+        RunGpu(sh, 0, b.q, b.q_stride, b.k_cache, b.v_cache, b.tables, b.max_blocks, b.query_seq,
+               b.kv_end, b.mask_begin, b.mask, scale);
+    ASSERT_TRUE(AllClose(full, want, 4e-3f, 2e-2f))
+        << "full model, heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim "
+        << sh.head_dim;
+
+    const int hd = sh.head_dim, nq = b.num_queries();
+    const int q_dim = sh.num_heads * hd, kv_dim = sh.num_kv_heads * hd;
+    const int64_t num_slots = static_cast<int64_t>(b.k_cache.size()) / kv_dim;
+    const int group = sh.num_heads / sh.num_kv_heads;
+    const std::vector<TpRange> heads = SplitEvenly(sh.num_heads, c.world);
+    for (int r = 0; r < c.world; ++r) {
+      const TpRange qr = heads[r];
+      const TpRange kvr{qr.begin / group, (qr.end - 1) / group + 1};
+      const Shape local{static_cast<int>(qr.size()), static_cast<int>(kvr.size()), hd,
+                        sh.block_size};
+      HeadSlice slice;
+      slice.q_head_offset = qr.begin;
+      slice.kv_head_offset = kvr.begin;
+      slice.kv_group = group;
+      // The rank's q (its heads, in a fused-QKV-like padded row) and cache (its KV heads).
+      const int lq_dim = local.num_heads * hd, lkv_dim = local.num_kv_heads * hd;
+      const int lq_stride = lq_dim + 2 * lkv_dim;
+      std::vector<float> lq(static_cast<size_t>(nq) * lq_stride, 0.0f);
+      for (int t = 0; t < nq; ++t) {
+        std::copy_n(&b.q[static_cast<size_t>(t) * b.q_stride + qr.begin * hd], lq_dim,
+                    &lq[static_cast<size_t>(t) * lq_stride]);
+      }
+      std::vector<float> lk(static_cast<size_t>(num_slots) * lkv_dim),
+          lv(static_cast<size_t>(num_slots) * lkv_dim);
+      for (int64_t slot = 0; slot < num_slots; ++slot) {
+        std::copy_n(&b.k_cache[slot * kv_dim + kvr.begin * hd], lkv_dim, &lk[slot * lkv_dim]);
+        std::copy_n(&b.v_cache[slot * kv_dim + kvr.begin * hd], lkv_dim, &lv[slot * lkv_dim]);
+      }
+      // The full model's results for the rank's heads.
+      std::vector<float> full_part(static_cast<size_t>(nq) * lq_dim),
+          want_part(static_cast<size_t>(nq) * lq_dim);
+      for (int t = 0; t < nq; ++t) {
+        std::copy_n(&full[static_cast<size_t>(t) * q_dim + qr.begin * hd], lq_dim,
+                    &full_part[static_cast<size_t>(t) * lq_dim]);
+        std::copy_n(&want[static_cast<size_t>(t) * q_dim + qr.begin * hd], lq_dim,
+                    &want_part[static_cast<size_t>(t) * lq_dim]);
+      }
+      for (int force : {0, 1, 3}) {
+        const std::vector<float> got =
+            RunGpu(local, force, lq, lq_stride, lk, lv, b.tables, b.max_blocks, b.query_seq,
+                   b.kv_end, b.mask_begin, b.mask, scale, slice);
+        const std::string what =
+            "heads " + std::to_string(sh.num_heads) + "/" + std::to_string(sh.num_kv_heads) +
+            " head_dim " + std::to_string(hd) + " world " + std::to_string(c.world) + " rank " +
+            std::to_string(r) + " (global q heads [" + std::to_string(qr.begin) + ", " +
+            std::to_string(qr.end) + "), KV heads [" + std::to_string(kvr.begin) + ", " +
+            std::to_string(kvr.end) + ")) forced splits " + std::to_string(force);
+        EXPECT_TRUE(AllClose(got, want_part, 4e-3f, 2e-2f)) << what << ": vs the CPU reference";
+        ASSERT_EQ(got.size(), full_part.size());
+        int64_t first_diff = -1, diffs = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          if (std::memcmp(&got[i], &full_part[i], sizeof(float)) != 0) {
+            if (first_diff < 0) first_diff = static_cast<int64_t>(i);
+            ++diffs;
+          }
+        }
+        EXPECT_EQ(diffs, 0) << what << ": bits differ from the full model in " << diffs
+                            << " elements; first at query " << first_diff / lq_dim
+                            << ", local head " << first_diff % lq_dim / hd << ", dim "
+                            << first_diff % hd << ": " << (first_diff >= 0 ? got[first_diff] : 0)
+                            << " vs " << (first_diff >= 0 ? full_part[first_diff] : 0);
+      }
+    }
+  }
+}
+
+// The head-range checks, on launches with no queries (validated, then nothing to do).
+TEST_F(TreeAttentionCudaTest, HeadRangeParamsAreValidated) {
+  // Rank 1 of Llama-3.1-70B on 7 ranks: global q heads [10, 19), KV heads [1, 3).
+  cuda::TreeAttentionParams ok;
+  ok.num_queries = 0;
+  ok.num_heads = 9;
+  ok.num_kv_heads = 2;
+  ok.head_dim = 128;
+  ok.block_size = 16;
+  ok.max_blocks_per_seq = 1;
+  ok.q_stride = ok.out_stride = 9 * 128;
+  ok.q_head_offset = 10;
+  ok.kv_head_offset = 1;
+  ok.kv_group = 8;
+  EXPECT_EQ(cuda::TreeAttentionCuda(ok, stream_), cudaSuccess);
+  auto bad = [&](const char* what, auto change) {
+    cuda::TreeAttentionParams p = ok;
+    change(p);
+    EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue) << what;
+  };
+  bad("kv_group 0 with 9 heads over 2", [](cuda::TreeAttentionParams& p) { p.kv_group = 0; });
+  bad("KV offset not the first head's", [](cuda::TreeAttentionParams& p) { p.kv_head_offset = 0; });
+  bad("a KV head serving no local head", [](cuda::TreeAttentionParams& p) { p.num_kv_heads = 3; });
+  bad("a local head without its KV head", [](cuda::TreeAttentionParams& p) { p.num_kv_heads = 1; });
+  bad("negative q offset", [](cuda::TreeAttentionParams& p) { p.q_head_offset = -1; });
+  bad("negative KV offset", [](cuda::TreeAttentionParams& p) { p.kv_head_offset = -1; });
+  bad("negative kv_group", [](cuda::TreeAttentionParams& p) { p.kv_group = -8; });
+  bad("kv_group over 64", [](cuda::TreeAttentionParams& p) {
+    p.q_head_offset = p.kv_head_offset = 0;
+    p.num_kv_heads = 1;
+    p.kv_group = 65;
+  });
+  {
+    cuda::TreeAttentionParams p = ok;  // the same with a group of 64 is fine
+    p.q_head_offset = p.kv_head_offset = 0;
+    p.num_kv_heads = 1;
+    p.kv_group = 64;
+    EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaSuccess);
+  }
+  {
+    cuda::TreeAttentionParams p = ok;  // no tensor parallelism
+    p.num_heads = 8;
+    p.num_kv_heads = 2;
+    p.q_head_offset = p.kv_head_offset = p.kv_group = 0;
+    EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaSuccess);
+  }
+  // The plan sizes tiles for kv_group heads per KV head: 64 / 8 = 8 queries.
+  const std::vector<int32_t> query_seq(20, 0), kv_end(20, 100);
+  const cuda::TreeAttentionPlan plan =
+      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 20, 9, 2, 8, 132);
+  ASSERT_EQ(plan.tile_begin.size(), 3u);
+  for (size_t i = 0; i < plan.tile_begin.size(); ++i) {
+    EXPECT_LE(plan.tile_end[i] - plan.tile_begin[i], 8) << "tile " << i;
+  }
+  EXPECT_TRUE(
+      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 20, 9, 2, 132).tile_begin.empty())
+      << "without kv_group, 9 heads over 2 KV heads is no plan";
 }
 
 TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {

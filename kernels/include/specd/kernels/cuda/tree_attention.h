@@ -12,11 +12,15 @@
 //
 // Keys are logical slots of the query's sequence, mapped to physical slots through its block
 // table (specd/kernels/kv_cache.h layout). Grouped-query attention: query head h reads KV head
-// h / (num_heads / num_kv_heads).
+// h / (num_heads / num_kv_heads). Under tensor parallelism a rank holds a contiguous range of
+// the model's query heads that need not align with the KV-head groups, and the KV heads they
+// read (a KV head whose group spans two ranks is on both): the params then give the global
+// offsets and the model's group, and a local KV head serves between 1 and kv_group local query
+// heads (the range of its group that the rank owns).
 //
 // Work decomposition (PlanTreeAttention): a CTA takes one KV head and one tile of up to
 // kTreeAttentionTileRows (query, head) rows -- consecutive queries of one sequence times the
-// query heads that share the KV head -- so each KV block read from memory serves every query
+// local query heads that read the KV head -- so each KV block read from memory serves every query
 // and head of the tile; scores and the weighted sum use bf16 tensor-core MMAs with fp32
 // accumulation and an online softmax. K/V sub-chunks of 64 keys stream through two
 // shared-memory stages with cp.async (the next loads while the current one is computed on; V is
@@ -66,7 +70,8 @@ struct TreeAttentionParams {
   // [num_queries, kTreeAttentionMaskWords] uint32, device; bit b of word b / 32 is slot
   // mask_begin + b. Null exactly when mask_begin is.
   const uint32_t* mask = nullptr;
-  // [num_tiles] int32, device: query ranges [tile_begin, tile_end) from PlanTreeAttention.
+  // [num_tiles] int32, device: query ranges [tile_begin, tile_end) from PlanTreeAttention with
+  // the same head counts and kv_group (a tile holds at most 64 / kv_group queries).
   const int32_t* tile_begin = nullptr;
   const int32_t* tile_end = nullptr;
   int64_t num_tiles = 0;
@@ -76,10 +81,22 @@ struct TreeAttentionParams {
   // [TreeAttentionWorkspaceFloats(...)] fp32, device; needed when num_splits > 1.
   float* workspace = nullptr;
   int64_t num_queries = 0;
+  // Local counts: q holds num_heads heads per query, the caches num_kv_heads heads per slot.
+  // Without kv_group, num_kv_heads divides num_heads, with num_heads / num_kv_heads <= 64.
   int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;  // divides num_heads, with num_heads / num_kv_heads <= 64
-  int64_t head_dim = 0;      // 16, 32, 64 or 128 (TreeAttentionSupportsHeadDim)
-  float scale = 1.0f;        // usually 1 / sqrt(head_dim)
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;  // 16, 32, 64 or 128 (TreeAttentionSupportsHeadDim)
+  float scale = 1.0f;    // usually 1 / sqrt(head_dim)
+  // Tensor parallelism: local query head h is global head q_head_offset + h, which reads global KV
+  // head (q_head_offset + h) / kv_group, i.e. local KV head (q_head_offset + h) / kv_group -
+  // kv_head_offset. kv_group = 0 means num_heads / num_kv_heads (and then num_kv_heads must divide
+  // num_heads, as without tensor parallelism). kv_group <= 64, and the local KV heads must be
+  // exactly those the local query heads read: every one serves at least one local query head
+  // (q_head_offset / kv_group == kv_head_offset and (q_head_offset + num_heads - 1) / kv_group ==
+  // kv_head_offset + num_kv_heads - 1), else cudaErrorInvalidValue.
+  int64_t q_head_offset = 0;
+  int64_t kv_head_offset = 0;
+  int64_t kv_group = 0;
 };
 
 // How to cut a batch into CTAs (host).
@@ -92,10 +109,19 @@ struct TreeAttentionPlan {
 // Tiles group consecutive queries of one sequence (queries of a sequence must be contiguous).
 // The key range is split into its chunks when the tiles alone would leave some of the GPU's
 // `num_sms` multiprocessors idle (and the workspace stays under a cap); either way the results
-// are the same bits. query_seq and kv_end are host copies of the params' arrays.
+// are the same bits. query_seq and kv_end are host copies of the params' arrays. Returns an empty
+// plan (no tiles) when num_kv_heads does not divide num_heads.
 TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
                                     int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
                                     int num_sms);
+
+// The same for a tensor-parallel head range: num_heads and num_kv_heads are the local counts and
+// kv_group the params' kv_group (0: num_heads / num_kv_heads, as above); tiles are sized for
+// kv_group heads per KV head, the most a local KV head serves. Empty plan when kv_group < 0, or
+// kv_group is 0 and num_kv_heads does not divide num_heads.
+TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
+                                    int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t kv_group, int num_sms);
 
 // Chunks of a query with `max_kv_end` keys: the num_splits that splits them all.
 int TreeAttentionChunks(int32_t max_kv_end);
