@@ -616,10 +616,14 @@ TEST_F(SamplingCudaTest, BadParamsAreRejected) {
   p.vocab_size = 10;
   p.logits_stride = 5;  // shorter than a row
   EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
+  // Shard offsets, on launches with no rows (validated, then nothing to do).
   p.logits_stride = 10;
-  p.vocab_offset = -1;
-  EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
+  p.num_rows = 0;
+  p.vocab_offset = (int64_t{1} << 31) - 10;  // the last ids of int32
+  EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaSuccess);
   p.vocab_offset = (int64_t{1} << 31) - 5;  // ids past int32
+  EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
+  p.vocab_offset = -1;
   EXPECT_EQ(cuda::SampleCuda(p, stream_), cudaErrorInvalidValue);
 
   cuda::ReduceCandidatesParams rp;
