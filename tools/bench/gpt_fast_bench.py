@@ -35,7 +35,7 @@ Tensor parallelism: under torchrun --nproc_per_node N, each rank applies gpt-fas
 tp.apply_tp (NCCL, functional all-reduces inside the compiled graph) and rank 0 reports.
 
   python3 tools/bench/gpt_fast_bench.py --shape llama-3.1-8b [--contexts 512,2048,8192]
-      [--trees 1,16,64,128,256] [--runs 20] [--budget-s 230] [--json OUT.json]
+      [--trees 64,16,256,128,1] [--runs 20] [--budget-s 230] [--json OUT.json]
   torchrun --standalone --nproc_per_node 2 tools/bench/gpt_fast_bench.py --shape llama-3.1-8b
   python3 tools/bench/gpt_fast_bench.py --shape tiny --device cpu --no-compile   (smoke test)
 """
@@ -310,8 +310,9 @@ def main():
     ap.add_argument("--gpt-fast-dir", default=".carry-gptfast/gpt-fast")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--contexts", default="512,2048,8192")
-    ap.add_argument("--trees", default="1,16,64,128,256",
-                    help="tree node counts; each verify row forwards nodes + 1 tokens")
+    ap.add_argument("--trees", default="64,16,256,128,1",
+                    help="tree node counts, in the order to run them (cases past --budget-s "
+                    "are skipped); each verify row forwards nodes + 1 tokens")
     ap.add_argument("--no-decode", action="store_true", help="verify rows only")
     ap.add_argument("--cache", choices=["per-context", "shared"], default="per-context",
                     help="per-context: max_seq_length = context + --cache-extra for each "
@@ -384,7 +385,9 @@ def main():
     sampling = {"temperature": args.temperature, "top_k": args.top_k}
     cases = ([] if args.no_decode else [0]) + trees  # 0 = decode
     if args.cache == "per-context":
-        groups = [(c + args.cache_extra, [c], n) for c in contexts for n in cases]
+        # Case by case in the order given (decode first), each at every context: the cases
+        # that matter most come first when --budget-s cuts the run short.
+        groups = [(c + args.cache_extra, [c], n) for n in cases for c in contexts]
     else:
         groups = [(max(contexts) + args.cache_extra, sorted(contexts), n) for n in cases]
     deadline = T0 + args.budget_s
@@ -523,7 +526,7 @@ def main():
               "to (masked)")
         for n in NOTES:
             print(f"note: {n}")
-        st.print_table(rows)
+        st.print_table(sorted(rows, key=lambda r: (r["context"], r["tokens"])))
         if args.json:
             st.write_json(args.json, meta, rows)
             print(f"wrote {args.json}", flush=True)

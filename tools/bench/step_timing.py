@@ -30,17 +30,22 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(call, device, runs, warmup):
+def measure(call, device, runs, warmup, between=None):
     """Times call() (which issues one step). Returns (first_call_s, step_ms_median,
-    back_to_back_ms, all step ms). The first call includes any compilation; warmup counts it."""
+    back_to_back_ms, all step ms). The first call includes any compilation; warmup counts it.
+    between(), if given, runs after every call (host-side bookkeeping such as cropping a cache
+    back to the context): outside the timed region for step ms, inline for back-to-back."""
     import torch
+    between = between or (lambda: None)
     t = time.perf_counter()
     call()
     sync(device)
     first_s = time.perf_counter() - t
+    between()
     for _ in range(max(0, warmup - 1)):
         call()
         sync(device)
+        between()
     steps = []
     for _ in range(runs):
         sync(device)
@@ -48,12 +53,14 @@ def measure(call, device, runs, warmup):
         call()
         sync(device)
         steps.append((time.perf_counter() - t) * 1e3)
+        between()
     if str(device).startswith("cuda"):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         sync(device)
         start.record()
         for _ in range(runs):
             call()
+            between()
         stop.record()
         sync(device)
         b2b = start.elapsed_time(stop) / runs
@@ -61,6 +68,7 @@ def measure(call, device, runs, warmup):
         t = time.perf_counter()
         for _ in range(runs):
             call()
+            between()
         b2b = (time.perf_counter() - t) * 1e3 / runs
     return first_s, statistics.median(steps), b2b, steps
 
