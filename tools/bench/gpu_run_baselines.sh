@@ -17,14 +17,21 @@
 #   tools/bench/gpu_run_baselines.sh gptfast:8b
 #   GF_TREES=16,64 tools/bench/gpu_run_baselines.sh gptfast:1b gptfast-tp2:8b
 #
-# Settings (environment): CONTEXTS (512,2048,8192), TREES (64,16,256,128,1: tree node counts in
-# the order they run, decode first, each at every context, so that the cases that matter most
-# are done when a budget cuts a run short; a verify row forwards nodes + 1 tokens), GF_TREES /
-# HF_TREES (default TREES), GF_CONTEXTS /
-# HF_CONTEXTS (default CONTEXTS), GF_BUDGET_S (230: no new gpt-fast case after that),
-# HF_BUDGET_S (110), RUNS (20), GF_ARGS / HF_ARGS (more flags, e.g. GF_ARGS="--cache shared"
-# for one compile per token count instead of one per context and token count), GPT_FAST_DIR
-# (.carry-gptfast/gpt-fast).
+# Settings (environment):
+#   CONTEXTS        512,2048,8192
+#   TREES           64,16,256,128,1: tree node counts in the order they run (decode first, each
+#                   case at every context), so the cases that matter most are done when a budget
+#                   cuts a run short; a verify row forwards nodes + 1 tokens
+#   GF_CONTEXTS, GF_TREES, HF_CONTEXTS, HF_TREES   per implementation (default the above)
+#   GF_BUDGET_S     230: no new gpt-fast case after that many seconds (HF_BUDGET_S 110)
+#   GF_TIMEOUT_S    budget + 240 (HF_TIMEOUT_S budget + 120): the part is killed then; its rows
+#                   so far stay in its log
+#   RUNS            20 timed steps per case (twice: synchronized, back-to-back)
+#   GF_ARGS, HF_ARGS  more flags, e.g. GF_ARGS="--cache shared": one gpt-fast cache of
+#                   max(context) + 300 for all contexts, one compile per token count instead of
+#                   one per context and token count (its short-context rows then attend over the
+#                   long cache)
+#   GPT_FAST_DIR    .carry-gptfast/gpt-fast
 #
 # Writes OUT/IMPL-SHAPE.log (everything) and OUT/IMPL-SHAPE.json (rows + versions) for each
 # part, OUT defaulting to /tmp/specd-baselines; prints each part's final table. NVLink
@@ -61,7 +68,7 @@ for part in "$@"; do
   json=$out/$name.json
   case "$impl" in
     hf)
-      cmd=(timeout $((hf_budget + 120)) python3 bench/hf_step_baseline.py --shape "$full"
+      cmd=(timeout ${HF_TIMEOUT_S:-$((hf_budget + 120))} python3 bench/hf_step_baseline.py --shape "$full"
            --contexts "${HF_CONTEXTS:-$contexts}" --trees "${HF_TREES:-$trees}" --runs "$runs"
            --budget-s "$hf_budget" --json "$json" ${HF_ARGS:-}) ;;
     gptfast|gptfast-tp2)
@@ -74,7 +81,7 @@ for part in "$@"; do
       launcher=(python3)
       [ "$impl" = gptfast-tp2 ] && launcher=(python3 -m torch.distributed.run --standalone
                                              --nproc_per_node 2)
-      cmd=(timeout $((gf_budget + 240)) "${launcher[@]}" tools/bench/gpt_fast_bench.py
+      cmd=(timeout ${GF_TIMEOUT_S:-$((gf_budget + 240))} "${launcher[@]}" tools/bench/gpt_fast_bench.py
            --shape "$full" --gpt-fast-dir "$gf_dir" --contexts "${GF_CONTEXTS:-$contexts}"
            --trees "${GF_TREES:-$trees}" --runs "$runs" --budget-s "$gf_budget" --json "$json"
            ${GF_ARGS:-}) ;;
