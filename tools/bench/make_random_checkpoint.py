@@ -16,16 +16,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}
-SHAPES = {
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         tie_word_embeddings=False, rope_scaling=dict(ROPE, factor=8.0)),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         tie_word_embeddings=True, rope_scaling=dict(ROPE, factor=32.0)),
-}
+from llama_shapes import SHAPES, hf_config
 
 
 def main():
@@ -36,10 +27,7 @@ def main():
     ap.add_argument("--std", type=float, default=0.02)
     args = ap.parse_args()
     s = SHAPES[args.shape]
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                  attention_bias=False, mlp_bias=False, hidden_act="silu", bos_token_id=128000,
-                  eos_token_id=128001, torch_dtype="bfloat16", **s)
+    config = hf_config(args.shape)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
