@@ -14,11 +14,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -410,8 +412,54 @@ class Sequence {
   ASSERT_TRUE(h.status().ok()) << Describe(devices) << ": " << h.status(); \
   ASSERT_TRUE(h.SyncDevices())
 
+// Ends the process if a test is still running after `seconds`: catches hangs that Wait()
+// cannot, e.g. a host thread blocked in a launch while the GPU waits for a barrier.
+class Watchdog {
+ public:
+  explicit Watchdog(double seconds)
+      : name_(::testing::UnitTest::GetInstance()->current_test_info()->name()),
+        thread_([this, seconds] {
+          std::unique_lock<std::mutex> lock(mu_);
+          if (!cv_.wait_for(lock, std::chrono::duration<double>(seconds),
+                            [this] { return done_; })) {
+            std::fprintf(stderr,
+                         "\nFATAL: allreduce_cuda_test: %s still running after %.0f s "
+                         "(hang). Exiting.\n",
+                         name_.c_str(), seconds);
+            std::fflush(stderr);
+            std::_Exit(1);
+          }
+        }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string name_;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 class AllReduceCudaTest : public gpu_test::GpuTest {
  protected:
+  void SetUp() override {
+    gpu_test::GpuTest::SetUp();
+    if (!IsSkipped()) watchdog_ = std::make_unique<Watchdog>(300);
+  }
+  void TearDown() override {
+    watchdog_.reset();
+    gpu_test::GpuTest::TearDown();
+  }
+
   // The groups the barrier tests run on: ranks as streams of GPU 0, then real multi-GPU
   // groups (and one that mixes both) when the host has them.
   static std::vector<std::vector<int>> Groups(bool include_world1) {
@@ -424,6 +472,8 @@ class AllReduceCudaTest : public gpu_test::GpuTest {
     if (count >= 2) groups.push_back({0, 1, 0, 1});
     return groups;
   }
+
+  std::unique_ptr<Watchdog> watchdog_;
 };
 
 TEST_F(AllReduceCudaTest, RejectsBrokenPreconditions) {
