@@ -1,5 +1,6 @@
-#include "kernels/cuda/device_utils.cuh"
 #include "specd/kernels/cuda/allreduce.h"
+
+#include "kernels/cuda/device_utils.cuh"
 
 namespace specd {
 namespace cuda {
