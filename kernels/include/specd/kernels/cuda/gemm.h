@@ -94,14 +94,14 @@ public:
   const std::vector<int64_t> &row_class_limits() const { return class_hi_; }
   // Decided (family, row class) pairs so far: those that run an algorithm of
   // their own (not the base), and those that run the base algorithm (because
-  // it was the first candidate to pass, or none did, or the check could not
-  // run).
+  // it timed fastest among the identical ones, or no other candidate passed,
+  // or the check could not run: Summary() says which).
   int own_algorithm_classes() const { return own_classes_; }
   int base_algorithm_classes() const { return base_classes_; }
   // Classes left on the base algorithm whose self-check found that even the
-  // base gives other bits at the class's row counts than on the same rows
-  // alone: the base's output depends on m there, so row invariance is broken
-  // for those m. Should be 0.
+  // base gives other bits at the class's row counts than in an 8-row GEMM of
+  // the same rows: the base's output depends on m there, so row invariance is
+  // broken for those m. Should be 0.
   int self_check_failures() const { return self_check_failures_; }
   // One line per decided or pending (family, row class): the algorithm chosen
   // (cuBLASLt's algo id, tile, stages, split-K, ...) and why. For tests and
