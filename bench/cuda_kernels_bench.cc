@@ -11,6 +11,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -257,42 +258,98 @@ BENCHMARK(BM_Sample)
     ->UseManualTime()
     ->MinTime(0.05);
 
-// One GEMM of a decode step: [m, 4096] x [n, 4096]^T, n = 6144 (QKV), 28672 (gate+up),
-// 4096 (O), and the LM head (n = 128256, fp32 out) of the last row.
+// One GEMM of a Llama-3.1-8B layer, [m, k] x [n, k]^T: QKV (n 6144), O (4096), gate+up (28672),
+// down (n 4096, k 14336), and the LM head (n 128256, fp32 out). `invariant` 1 configures
+// cuda::Gemm as the CUDA backend does (row-invariant up to 1024 rows: one algorithm per row
+// class, each checked bit-identical to the base), 0 lets cuBLASLt pick per shape. Weights are
+// random (the row-class self-check compares bits, which constant data would make meaningless),
+// and the launches cycle through enough copies of them (>= 256 MiB) that they stream from HBM as
+// a model's distinct layers do rather than sit in the 50 MB L2. Counters: us per GEMM,
+// weight_GBps = weight bytes / time, own_algo = 1 when m's row class runs an algorithm of its
+// own (0: the base algorithm), self_check_fail = 1 if even the base gave other bits there.
 void BM_Gemm(benchmark::State& state) {
-  const int m = static_cast<int>(state.range(0));
-  const int n = static_cast<int>(state.range(1));
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  const bool invariant = state.range(3) != 0;
   const bool lm_head = n == kVocab;
-  bf16* x = Alloc<bf16>(size_t(m) * kHidden, 0x3c);
-  bf16* w = Alloc<bf16>(size_t(n) * kHidden, 0x3c);
+  const size_t w_elems = size_t(n) * k;
+  const size_t w_stride = (w_elems * sizeof(bf16) + 255) / 256 * 256 / sizeof(bf16);
+  const size_t w_bytes = w_stride * sizeof(bf16);
+  const int copies = static_cast<int>(((size_t{256} << 20) + w_bytes - 1) / w_bytes);
+  // A random block tiled over the weights and x; only the first copy's bits matter (the
+  // self-check runs on the first call's weights).
+  std::vector<bf16> block(size_t{1} << 22);
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> uniform(-0.05f, 0.05f);
+  for (bf16& v : block) v = __float2bfloat16(uniform(rng));
+  bf16* d_block = Upload(block);
+  const auto tile = [&](bf16* dst, size_t elems) {
+    for (size_t off = 0; off < elems; off += block.size()) {
+      Check(cudaMemcpy(dst + off, d_block, std::min(block.size(), elems - off) * sizeof(bf16),
+                       cudaMemcpyDeviceToDevice),
+            "tiling");
+    }
+  };
+  bf16* w = Alloc<bf16>(w_stride * copies);
+  for (int c = 0; c < copies; ++c) tile(w + w_stride * c, w_elems);
+  bf16* x = Alloc<bf16>(size_t(m) * k);
+  tile(x, size_t(m) * k);
   void* y = lm_head ? static_cast<void*>(Alloc<float>(size_t(m) * n))
                     : static_cast<void*>(Alloc<bf16>(size_t(m) * n));
   std::unique_ptr<cuda::Gemm> gemm;
-  if (cuda::Gemm::Create(32 << 20, &gemm) != CUBLAS_STATUS_SUCCESS) std::abort();
+  if (cuda::Gemm::Create(size_t{32} << 20, &gemm, invariant ? 1024 : 0) != CUBLAS_STATUS_SUCCESS) {
+    std::abort();
+  }
   cudaStream_t stream;
   cudaStreamCreate(&stream);
   cuda::GemmParams p;
   p.x = x;
-  p.w = w;
   p.y = y;
   p.y_fp32 = lm_head;
   p.m = m;
   p.n = n;
-  p.k = kHidden;
+  p.k = k;
+  int next = 0;
   const double sec = TimeLaunches(state, stream, [&] {
+    p.w = w + w_stride * next;
+    next = (next + 1) % copies;
     if (gemm->Run(p, stream) != CUBLAS_STATUS_SUCCESS) std::abort();
   });
-  state.counters["weight_GBps"] = double(n) * kHidden * 2 / 1e9 / sec;
+  state.counters["us"] = sec * 1e6;
+  state.counters["weight_GBps"] = double(w_elems) * sizeof(bf16) / 1e9 / sec;
+  state.counters["own_algo"] = gemm->own_algorithm_classes();
+  state.counters["self_check_fail"] = gemm->self_check_failures();
+  if (invariant) {
+    // The algorithm behind this figure: the family's base and m's row class.
+    const std::string summary = gemm->Summary();
+    std::string shown;
+    for (size_t at = 0; at < summary.size();) {
+      const size_t end = std::min(summary.find('\n', at), summary.size());
+      const std::string line = summary.substr(at, end - at);
+      if (line.find("not used yet") == std::string::npos) shown += "  " + line + "\n";
+      at = end + 1;
+    }
+    std::fprintf(stderr, "BM_Gemm m %lld:\n%s", static_cast<long long>(m), shown.c_str());
+  }
   cudaStreamDestroy(stream);
   gemm.reset();
   cudaFree(x);
   cudaFree(w);
   cudaFree(y);
+  cudaFree(d_block);
 }
 BENCHMARK(BM_Gemm)
-    ->ArgNames({"m", "n"})
-    ->ArgsProduct({{1, 64, 257}, {6144, 28672, 4096, kVocab}})
+    ->ArgNames({"m", "n", "k", "invariant"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      const int64_t shapes[][2] = {
+          {6144, kHidden}, {4096, kHidden}, {28672, kHidden}, {4096, 14336}, {kVocab, kHidden}};
+      for (const auto& shape : shapes) {
+        for (int64_t invariant : {1, 0}) {
+          for (int64_t m : {1, 16, 65, 129, 257}) b->Args({m, shape[0], shape[1], invariant});
+        }
+      }
+    })
     ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.05);
 
 }  // namespace

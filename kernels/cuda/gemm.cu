@@ -1,11 +1,27 @@
 #include "specd/kernels/cuda/gemm.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <utility>
 
 namespace specd {
 namespace cuda {
 namespace {
+
+// Input rows whose outputs the self-check compares (fewer when invariant_rows
+// is smaller).
+constexpr int64_t kProbeRows = 8;
+// Heuristic candidates asked for, per query.
+constexpr int kCandidates = 16;
+// Candidates that passed the self-check timed against each other and the base.
+constexpr size_t kMaxTimed = 4;
+constexpr int kTimingReps = 3;
+// A later candidate (in cuBLASLt's order; the base last) displaces an earlier
+// one only when faster than this fraction of its time: timing noise should not
+// flip the choice from run to run.
+constexpr double kDisplace = 0.97;
+constexpr int kThreads = 256;
 
 int Alignment(const void *p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -39,6 +55,249 @@ cublasStatus_t CreatePreference(uint64_t workspace, uint32_t align_x,
   return CUBLAS_STATUS_SUCCESS;
 }
 
+// Appends cuBLASLt's candidates for one problem (in its order of preference)
+// to `out`, skipping those already there.
+void AppendCandidates(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                      cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                      cublasLtMatrixLayout_t d, uint64_t workspace,
+                      uint32_t align_x, uint32_t align_w, uint32_t align_y,
+                      std::vector<cublasLtMatmulAlgo_t> *out) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (CreatePreference(workspace, align_x, align_w, align_y, &pref) !=
+      CUBLAS_STATUS_SUCCESS)
+    return;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+  int returned = 0;
+  if (cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, pref,
+                                     kCandidates, results,
+                                     &returned) == CUBLAS_STATUS_SUCCESS) {
+    for (int i = 0; i < returned; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS)
+        continue;
+      const cublasLtMatmulAlgo_t &algo = results[i].algo;
+      const bool seen =
+          std::any_of(out->begin(), out->end(), [&](const auto &o) {
+            return std::memcmp(&o, &algo, sizeof(algo)) == 0;
+          });
+      if (!seen)
+        out->push_back(algo);
+    }
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+}
+
+// The configuration attributes of an algorithm that name it in logs and decide
+// how it splits K.
+struct AlgoConfig {
+  int32_t id = -1;
+  uint32_t tile = 0, stages = 0, reduction = 0, swizzle = 0, custom = 0;
+  int32_t splitk = 1;
+  uint16_t inner = 0, cluster = 0;
+};
+
+template <typename T>
+void ReadAttribute(const cublasLtMatmulAlgo_t &algo,
+                   cublasLtMatmulAlgoConfigAttributes_t attr, T *value) {
+  T v = {};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v),
+                                           &written) == CUBLAS_STATUS_SUCCESS &&
+      written == sizeof(v)) {
+    *value = v;
+  }
+}
+
+AlgoConfig ReadConfig(const cublasLtMatmulAlgo_t &algo) {
+  AlgoConfig c;
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_ID, &c.id);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &c.tile);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &c.stages);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &c.splitk);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &c.reduction);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &c.swizzle);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &c.custom);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &c.inner);
+  ReadAttribute(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &c.cluster);
+  return c;
+}
+
+// Whether two algorithms cut K into the same parts and add them up the same
+// way. Bit-identical outputs need that (partial sums added in another grouping
+// round differently), so a candidate that differs here is not worth a
+// self-check. A split count and scheme fixed in the configuration do not
+// depend on m.
+bool SameKSplit(const AlgoConfig &a, const AlgoConfig &b) {
+  const int32_t sa = std::max<int32_t>(1, a.splitk),
+                sb = std::max<int32_t>(1, b.splitk);
+  const uint32_t ra = sa > 1 ? a.reduction : 0, rb = sb > 1 ? b.reduction : 0;
+  return sa == sb && ra == rb;
+}
+
+std::string ConfigString(const cublasLtMatmulAlgo_t &algo) {
+  const AlgoConfig c = ReadConfig(algo);
+  char buf[160];
+  std::snprintf(buf, sizeof(buf),
+                "algo %d tile %u stages %u splitK %d reduction %u swizzle %u "
+                "custom %u inner %u cluster %u",
+                c.id, c.tile, c.stages, c.splitk, c.reduction, c.swizzle,
+                c.custom, c.inner, c.cluster);
+  return buf;
+}
+
+// Self-check rows. In an m-row check input, a row is a probe row (a copy of
+// probe row `row % probe`, whose output is known from the base algorithm) when
+// it lies in an even group of `probe` rows or among the last `probe` rows (the
+// last, partial tile); the other rows are filler of their own. So probe copies
+// sit at many positions inside the candidate's tiles.
+__host__ __device__ inline bool IsProbeRow(int64_t row, int64_t m,
+                                           int64_t probe) {
+  return (row / probe) % 2 == 0 || row >= m - probe;
+}
+
+__device__ inline uint64_t SplitMix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// x[m, k]: uniform values in (-1, 1) scaled by 2^e, e in [-6, 6] drawn per row
+// (activations of various magnitudes), with one element in 32 a further 32x
+// outlier. Probe rows get the content of their probe index, so every copy of
+// probe row r is the same bf16 row.
+__global__ void FillCheckRowsKernel(bf16 *x, int64_t m, int64_t k,
+                                    int64_t probe) {
+  const int64_t total = m * k;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / k, col = i % k;
+    const uint64_t id = IsProbeRow(row, m, probe) ? row % probe : probe + row;
+    const uint64_t h = SplitMix64(SplitMix64(id) ^ static_cast<uint64_t>(col));
+    const int e = static_cast<int>(SplitMix64(id ^ 0x5EEDull) % 13) - 6;
+    float v = static_cast<float>(h >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    v = ldexpf(v, e);
+    if ((h & 31) == 0)
+      v *= 32.0f;
+    x[i] = __float2bfloat16(v);
+  }
+}
+
+// Adds to *count the elements of the probe rows of y[m, n] whose bits differ
+// from those of their probe row in ref[probe, n]. T is a same-size unsigned
+// integer type, so the comparison is of bits.
+template <typename T>
+__global__ void CountMismatchesKernel(const T *y, const T *ref, int64_t m,
+                                      int64_t n, int64_t probe,
+                                      unsigned long long *count) {
+  const int64_t total = m * n;
+  unsigned long long local = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / n;
+    if (!IsProbeRow(row, m, probe))
+      continue;
+    local += y[i] != ref[(row % probe) * n + i % n];
+  }
+  if (local != 0)
+    atomicAdd(count, local);
+}
+
+unsigned Blocks(int64_t total) {
+  return static_cast<unsigned>(std::max<int64_t>(
+      1, std::min<int64_t>((total + kThreads - 1) / kThreads, 2048)));
+}
+
+cudaError_t FillCheckRows(bf16 *x, int64_t m, int64_t k, int64_t probe,
+                          cudaStream_t stream) {
+  FillCheckRowsKernel<<<Blocks(m * k), kThreads, 0, stream>>>(x, m, k, probe);
+  return cudaGetLastError();
+}
+
+cudaError_t CountMismatches(const void *y, const void *ref, bool fp32,
+                            int64_t m, int64_t n, int64_t probe,
+                            unsigned long long *count, cudaStream_t stream) {
+  if (fp32) {
+    CountMismatchesKernel<<<Blocks(m * n), kThreads, 0, stream>>>(
+        static_cast<const uint32_t *>(y), static_cast<const uint32_t *>(ref), m,
+        n, probe, count);
+  } else {
+    CountMismatchesKernel<<<Blocks(m * n), kThreads, 0, stream>>>(
+        static_cast<const uint16_t *>(y), static_cast<const uint16_t *>(ref), m,
+        n, probe, count);
+  }
+  return cudaGetLastError();
+}
+
+// Device memory of one self-check, freed when it goes out of scope: the input
+// rows, the candidate's output, the base's output on the probe rows, a
+// mismatch counter and a buffer whose overwriting evicts the weights from L2
+// before a timed launch, each 256-byte aligned.
+class CheckScratch {
+public:
+  explicit CheckScratch(cudaStream_t stream) : stream_(stream) {}
+  ~CheckScratch() {
+    if (block_ != nullptr) {
+      // Work of the check may still be queued (a check that gave up half way).
+      cudaStreamSynchronize(stream_);
+      cudaFree(block_);
+    }
+  }
+  bool Allocate(size_t x_bytes, size_t y_bytes, size_t ref_bytes,
+                size_t flush_bytes) {
+    const auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+    const size_t total = round(x_bytes) + round(y_bytes) + round(ref_bytes) +
+                         256 + round(flush_bytes);
+    if (cudaMalloc(&block_, total) != cudaSuccess) {
+      block_ = nullptr;
+      cudaGetLastError(); // an allocation failure is not sticky; clear it
+      return false;
+    }
+    char *p = static_cast<char *>(block_);
+    x = reinterpret_cast<bf16 *>(p);
+    p += round(x_bytes);
+    y = p;
+    p += round(y_bytes);
+    ref = p;
+    p += round(ref_bytes);
+    count = reinterpret_cast<unsigned long long *>(p);
+    p += 256;
+    flush = flush_bytes > 0 ? p : nullptr;
+    this->flush_bytes = flush_bytes;
+    return true;
+  }
+
+  bf16 *x = nullptr;
+  void *y = nullptr;
+  void *ref = nullptr;
+  unsigned long long *count = nullptr;
+  void *flush = nullptr;
+  size_t flush_bytes = 0;
+
+private:
+  cudaStream_t stream_;
+  void *block_ = nullptr;
+};
+
+// CUDA events, destroyed with the object.
+class Events {
+public:
+  ~Events() {
+    for (cudaEvent_t e : events_)
+      cudaEventDestroy(e);
+  }
+  // Appends an event recorded on `stream` now; null on failure.
+  cudaEvent_t Record(cudaStream_t stream) {
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreate(&e) != cudaSuccess)
+      return nullptr;
+    events_.push_back(e);
+    return cudaEventRecord(e, stream) == cudaSuccess ? e : nullptr;
+  }
+
+private:
+  std::vector<cudaEvent_t> events_;
+};
+
 } // namespace
 
 // cuBLAS is column-major; a row-major [r, c] matrix is a column-major [c, r]
@@ -48,6 +307,9 @@ struct Gemm::Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo = {};
+  // The base algorithm stands in for a row class whose self-check was deferred
+  // (the stream was capturing); the next Run outside a capture chooses again.
+  bool provisional = false;
 
   ~Plan() {
     if (d != nullptr)
@@ -67,6 +329,14 @@ cublasStatus_t Gemm::Create(size_t workspace_bytes, std::unique_ptr<Gemm> *out,
   g->invariant_rows_ = invariant_rows > 0 ? invariant_rows : 0;
   g->plan_rows_ = std::max<int64_t>(
       1, std::min(plan_rows, std::max<int64_t>(1, invariant_rows)));
+  if (g->invariant_rows_ > 0) {
+    // [1, 1] (decode of one sequence), [2, plan_rows], then doubling ranges.
+    g->class_hi_.push_back(1);
+    for (int64_t hi = std::max<int64_t>(g->plan_rows_, 2);
+         g->class_hi_.back() < g->invariant_rows_; hi *= 2) {
+      g->class_hi_.push_back(std::min(hi, g->invariant_rows_));
+    }
+  }
   if (cublasStatus_t st = cublasLtCreate(&g->handle_);
       st != CUBLAS_STATUS_SUCCESS)
     return st;
@@ -123,32 +393,56 @@ cublasStatus_t Gemm::MakeLayouts(const Key &key, Plan *plan) {
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t Gemm::MakePlan(const Key &key, Plan *plan) {
+bool Gemm::AlgoFits(const cublasLtMatmulAlgo_t &algo, const Plan &plan) {
+  cublasLtMatmulHeuristicResult_t check = {};
+  return cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.d,
+                                 plan.d, &algo,
+                                 &check) == CUBLAS_STATUS_SUCCESS &&
+         check.workspaceSize <= workspace_bytes_;
+}
+
+size_t Gemm::ClassOf(int64_t m) const {
+  return static_cast<size_t>(
+      std::lower_bound(class_hi_.begin(), class_hi_.end(), m) -
+      class_hi_.begin());
+}
+
+cublasStatus_t Gemm::ChooseAlgo(const Key &key, const GemmParams &p,
+                                cudaStream_t stream, Plan *plan) {
   const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y] = key;
-  (void)m;
-  (void)n;
-  (void)k;
-  (void)y_fp32;
-  (void)has_bias;
-  cublasStatus_t st = MakeLayouts(key, plan);
-  if (st != CUBLAS_STATUS_SUCCESS)
-    return st;
-  if (invariant_rows_ > 0 && std::get<0>(key) <= invariant_rows_) {
-    const Pinned &pinned = PinnedFor(key);
-    if (pinned.found) {
-      cublasLtMatmulHeuristicResult_t check = {};
-      if (cublasLtMatmulAlgoCheck(handle_, plan->desc, plan->a, plan->b,
-                                  plan->d, plan->d, &pinned.algo,
-                                  &check) == CUBLAS_STATUS_SUCCESS &&
-          check.workspaceSize <= workspace_bytes_) {
-        plan->algo = pinned.algo;
+  plan->provisional = false;
+  if (invariant_rows_ > 0 && m <= invariant_rows_) {
+    Family &family = FamilyFor(key);
+    if (family.found) {
+      const size_t c = ClassOf(m);
+      RowClass &rc = family.classes[c];
+      if (!rc.decided) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+          cudaGetLastError();
+          capture = cudaStreamCaptureStatusActive; // unknown: do not sync
+        }
+        if (capture == cudaStreamCaptureStatusNone) {
+          DecideClass(
+              FamilyKey{n, k, y_fp32, has_bias, align_x, align_w, align_y},
+              &family, c, p, stream);
+        }
+      }
+      if (rc.decided && rc.own && AlgoFits(rc.algo, *plan)) {
+        plan->algo = rc.algo;
+        return CUBLAS_STATUS_SUCCESS;
+      }
+      if (AlgoFits(family.base, *plan)) {
+        plan->algo = family.base;
+        plan->provisional = !rc.decided;
         return CUBLAS_STATUS_SUCCESS;
       }
     }
   }
   cublasLtMatmulPreference_t pref = nullptr;
-  if ((st = CreatePreference(workspace_bytes_, align_x, align_w, align_y,
-                             &pref)) != CUBLAS_STATUS_SUCCESS)
+  cublasStatus_t st =
+      CreatePreference(workspace_bytes_, align_x, align_w, align_y, &pref);
+  if (st != CUBLAS_STATUS_SUCCESS)
     return st;
   cublasLtMatmulHeuristicResult_t result = {};
   int returned = 0;
@@ -164,18 +458,19 @@ cublasStatus_t Gemm::MakePlan(const Key &key, Plan *plan) {
   return CUBLAS_STATUS_SUCCESS;
 }
 
-const Gemm::Pinned &Gemm::PinnedFor(const Key &key) {
+Gemm::Family &Gemm::FamilyFor(const Key &key) {
   const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y] = key;
   (void)m;
-  const FamilyKey family{n, k, y_fp32, has_bias, align_x, align_w, align_y};
-  auto found = pinned_.find(family);
-  if (found != pinned_.end())
+  const FamilyKey fk{n, k, y_fp32, has_bias, align_x, align_w, align_y};
+  auto found = families_.find(fk);
+  if (found != families_.end())
     return found->second;
-  Pinned &pinned = pinned_[family];
+  Family &family = families_[fk];
+  family.classes.resize(class_hi_.size());
   // Candidates for plan_rows_ rows; keep the first that cuBLASLt accepts at
   // both ends of the row range with the workspace this object has (a split-K
   // candidate whose workspace grows with m fails at invariant_rows and is
-  // skipped).
+  // skipped). It must serve every m: it is what a row class falls back to.
   Plan at_plan, at_one, at_most;
   const Key plan_key{plan_rows_, n,       k,       y_fp32,
                      has_bias,   align_x, align_w, align_y};
@@ -185,38 +480,314 @@ const Gemm::Pinned &Gemm::PinnedFor(const Key &key) {
   if (MakeLayouts(plan_key, &at_plan) == CUBLAS_STATUS_SUCCESS &&
       MakeLayouts(one_key, &at_one) == CUBLAS_STATUS_SUCCESS &&
       MakeLayouts(most_key, &at_most) == CUBLAS_STATUS_SUCCESS) {
-    cublasLtMatmulPreference_t pref = nullptr;
-    if (CreatePreference(workspace_bytes_, align_x, align_w, align_y, &pref) ==
-        CUBLAS_STATUS_SUCCESS) {
-      constexpr int kCandidates = 16;
-      cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
-      int returned = 0;
-      if (cublasLtMatmulAlgoGetHeuristic(
-              handle_, at_plan.desc, at_plan.a, at_plan.b, at_plan.d, at_plan.d,
-              pref, kCandidates, results, &returned) == CUBLAS_STATUS_SUCCESS) {
-        for (int i = 0; i < returned && !pinned.found; ++i) {
-          bool ok = true;
-          for (Plan *probe : {&at_one, &at_most}) {
-            cublasLtMatmulHeuristicResult_t check = {};
-            ok = ok &&
-                 cublasLtMatmulAlgoCheck(handle_, probe->desc, probe->a,
-                                         probe->b, probe->d, probe->d,
-                                         &results[i].algo,
-                                         &check) == CUBLAS_STATUS_SUCCESS &&
-                 check.workspaceSize <= workspace_bytes_;
-          }
-          if (ok) {
-            pinned.found = true;
-            pinned.algo = results[i].algo;
-          }
-        }
+    std::vector<cublasLtMatmulAlgo_t> candidates;
+    AppendCandidates(handle_, at_plan.desc, at_plan.a, at_plan.b, at_plan.d,
+                     workspace_bytes_, align_x, align_w, align_y, &candidates);
+    for (const cublasLtMatmulAlgo_t &algo : candidates) {
+      if (AlgoFits(algo, at_one) && AlgoFits(algo, at_most)) {
+        family.found = true;
+        family.base = algo;
+        break;
       }
-      cublasLtMatmulPreferenceDestroy(pref);
     }
   }
-  if (!pinned.found)
+  if (!family.found)
     ++non_invariant_shapes_;
-  return pinned;
+  return family;
+}
+
+void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
+                       const GemmParams &p, cudaStream_t stream) {
+  RowClass &rc = family->classes[c];
+  // Plain variables, not a structured binding: the lambdas below capture them.
+  const int64_t n = std::get<0>(fk), k = std::get<1>(fk);
+  const bool y_fp32 = std::get<2>(fk), has_bias = std::get<3>(fk);
+  const int align_x = std::get<4>(fk), align_w = std::get<5>(fk),
+            align_y = std::get<6>(fk);
+  const auto decide = [&](bool own, const cublasLtMatmulAlgo_t *algo,
+                          const char *why) {
+    rc.decided = true;
+    rc.own = own;
+    if (own)
+      rc.algo = *algo;
+    rc.why = why;
+    ++(own ? own_classes_ : base_classes_);
+    if (!own && rc.base_mismatch)
+      ++self_check_failures_;
+  };
+  const auto key_for = [&](int64_t m) {
+    return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y};
+  };
+  const int64_t lo = c == 0 ? 1 : class_hi_[c - 1] + 1, hi = class_hi_[c];
+  const int64_t probe = std::min(kProbeRows, invariant_rows_);
+  // Row counts checked: both ends of the class and its middle, so that the
+  // first, a middle and the last tile count of the candidate are covered.
+  std::vector<int64_t> rows = {lo};
+  if ((lo + hi) / 2 > lo)
+    rows.push_back((lo + hi) / 2);
+  if (hi > rows.back())
+    rows.push_back(hi);
+
+  Plan ref_plan;
+  std::vector<std::unique_ptr<Plan>> plans;
+  bool ok = MakeLayouts(key_for(probe), &ref_plan) == CUBLAS_STATUS_SUCCESS;
+  for (int64_t m : rows) {
+    plans.push_back(std::make_unique<Plan>());
+    ok = ok &&
+         MakeLayouts(key_for(m), plans.back().get()) == CUBLAS_STATUS_SUCCESS;
+  }
+  if (!ok) {
+    decide(false, nullptr, "base (cuBLASLt refused the check's layouts)");
+    return;
+  }
+  if (has_bias) {
+    cublasLtMatmulDescSetAttribute(ref_plan.desc,
+                                   CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                   sizeof(p.bias));
+    for (auto &plan : plans) {
+      cublasLtMatmulDescSetAttribute(plan->desc,
+                                     CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                     sizeof(p.bias));
+    }
+  }
+
+  // cuBLASLt's preferences for the class's largest m, then its smallest.
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+  for (const Plan *plan : {plans.back().get(), plans.front().get()}) {
+    AppendCandidates(handle_, plan->desc, plan->a, plan->b, plan->d,
+                     workspace_bytes_, align_x, align_w, align_y, &candidates);
+  }
+
+  const size_t elem = y_fp32 ? sizeof(float) : sizeof(bf16);
+  // Weights that could sit in L2 between timed launches are evicted by
+  // overwriting twice its size; a model's layers stream theirs from HBM.
+  int device = 0, l2_bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    l2_bytes = 0;
+  }
+  const size_t weight_bytes = static_cast<size_t>(n * k) * sizeof(bf16);
+  const size_t flush_bytes =
+      weight_bytes < size_t{4} * l2_bytes ? size_t{2} * l2_bytes : 0;
+  CheckScratch scratch(stream);
+  if (!scratch.Allocate(static_cast<size_t>(hi * k) * sizeof(bf16),
+                        static_cast<size_t>(hi * n) * elem,
+                        static_cast<size_t>(probe * n) * elem, flush_bytes)) {
+    decide(false, nullptr, "base (no device memory for the self-check)");
+    return;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  const auto matmul = [&](const cublasLtMatmulAlgo_t &algo, const Plan &plan,
+                          void *y) {
+    return cublasLtMatmul(handle_, plan.desc, &alpha, p.w, plan.a, scratch.x,
+                          plan.b, &beta, y, plan.d, y, plan.d, &algo,
+                          workspace_, workspace_bytes_, stream);
+  };
+  // The reference: the base algorithm on the probe rows alone.
+  if (FillCheckRows(scratch.x, probe, k, probe, stream) != cudaSuccess ||
+      matmul(family->base, ref_plan, scratch.ref) != CUBLAS_STATUS_SUCCESS) {
+    cudaGetLastError();
+    decide(false, nullptr, "base (the reference GEMM failed)");
+    return;
+  }
+  enum class Check { kSame, kDiffers, kUnusable, kBroken };
+  const auto check = [&](const cublasLtMatmulAlgo_t &algo) {
+    for (const auto &plan : plans) {
+      if (!AlgoFits(algo, *plan))
+        return Check::kUnusable;
+    }
+    if (cudaMemsetAsync(scratch.count, 0, sizeof(*scratch.count), stream) !=
+        cudaSuccess)
+      return Check::kBroken;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (FillCheckRows(scratch.x, rows[i], k, probe, stream) != cudaSuccess)
+        return Check::kBroken;
+      if (matmul(algo, *plans[i], scratch.y) != CUBLAS_STATUS_SUCCESS) {
+        // A launch cuBLASLt reports as failed (say, too many resources) leaves
+        // its CUDA error behind; the caller's next error check must not see it.
+        cudaGetLastError();
+        return Check::kUnusable;
+      }
+      if (CountMismatches(scratch.y, scratch.ref, y_fp32, rows[i], n, probe,
+                          scratch.count, stream) != cudaSuccess)
+        return Check::kBroken;
+    }
+    unsigned long long mismatches = 0;
+    if (cudaMemcpyAsync(&mismatches, scratch.count, sizeof(mismatches),
+                        cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess)
+      return Check::kBroken;
+    return mismatches == 0 ? Check::kSame : Check::kDiffers;
+  };
+
+  // The first few identical candidates, in cuBLASLt's order, then the base.
+  std::vector<cublasLtMatmulAlgo_t> passed;
+  const auto is_base = [&](const cublasLtMatmulAlgo_t &algo) {
+    return std::memcmp(&algo, &family->base, sizeof(algo)) == 0;
+  };
+  const AlgoConfig base_config = ReadConfig(family->base);
+  for (const cublasLtMatmulAlgo_t &candidate : candidates) {
+    if (passed.size() == kMaxTimed)
+      break;
+    if (is_base(candidate) || !SameKSplit(ReadConfig(candidate), base_config))
+      continue;
+    const Check r = check(candidate);
+    if (r == Check::kBroken) {
+      decide(false, nullptr, "base (a CUDA call of the self-check failed)");
+      return;
+    }
+    if (r == Check::kUnusable)
+      continue;
+    ++rc.checked;
+    if (r == Check::kDiffers) {
+      ++rc.mismatched;
+      continue;
+    }
+    passed.push_back(candidate);
+  }
+  // The base through the same check: it competes in the timing, and if it
+  // differs at these m its own invariance is broken here.
+  const Check base_check = check(family->base);
+  if (base_check == Check::kBroken) {
+    decide(false, nullptr, "base (a CUDA call of the self-check failed)");
+    return;
+  }
+  rc.base_mismatch = base_check == Check::kDiffers;
+  if (base_check == Check::kSame)
+    passed.push_back(family->base);
+  rc.passed = static_cast<int>(passed.size());
+  if (passed.empty()) {
+    decide(false, nullptr,
+           base_check == Check::kDiffers
+               ? "base (no candidate passed; the base itself differs here)"
+               : "base (no candidate passed)");
+    return;
+  }
+
+  // Time them at the class's smallest and largest m (input rows as the last
+  // check left them), the minimum of kTimingReps launches each.
+  std::vector<size_t> timed_rows = {0};
+  if (plans.size() > 1)
+    timed_rows.push_back(plans.size() - 1);
+  std::vector<std::vector<float>> best_us(
+      passed.size(), std::vector<float>(timed_rows.size(), -1.0f));
+  bool timed = true;
+  {
+    Events events;
+    struct Launch {
+      size_t algo, row;
+      cudaEvent_t start, stop;
+    };
+    std::vector<Launch> launches;
+    for (int rep = 0; rep < kTimingReps && timed; ++rep) {
+      for (size_t a = 0; a < passed.size() && timed; ++a) {
+        for (size_t t = 0; t < timed_rows.size() && timed; ++t) {
+          if (scratch.flush != nullptr &&
+              cudaMemsetAsync(scratch.flush, rep + 1, scratch.flush_bytes,
+                              stream) != cudaSuccess) {
+            timed = false;
+            break;
+          }
+          Launch l{a, t, events.Record(stream), nullptr};
+          const bool ran = matmul(passed[a], *plans[timed_rows[t]],
+                                  scratch.y) == CUBLAS_STATUS_SUCCESS;
+          l.stop = events.Record(stream);
+          timed = ran && l.start != nullptr && l.stop != nullptr;
+          launches.push_back(l);
+        }
+      }
+    }
+    timed = timed && cudaStreamSynchronize(stream) == cudaSuccess;
+    for (const Launch &l : launches) {
+      float ms = 0.0f;
+      if (!timed || cudaEventElapsedTime(&ms, l.start, l.stop) != cudaSuccess) {
+        timed = false;
+        break;
+      }
+      float &best = best_us[l.algo][l.row];
+      if (best < 0.0f || ms * 1e3f < best)
+        best = ms * 1e3f;
+    }
+  }
+  if (!timed) {
+    cudaGetLastError();
+    decide(!is_base(passed.front()), &passed.front(),
+           "first candidate that passed (timing failed)");
+    return;
+  }
+  const auto total = [&](size_t a) {
+    double sum = 0.0;
+    for (float us : best_us[a])
+      sum += us;
+    return sum;
+  };
+  size_t chosen = 0;
+  for (size_t a = 1; a < passed.size(); ++a) {
+    if (total(a) < kDisplace * total(chosen))
+      chosen = a;
+  }
+  const bool own = !is_base(passed[chosen]);
+  for (size_t t = 0; t < timed_rows.size(); ++t) {
+    rc.us[t == 0 ? 0 : 1] = best_us[chosen][t];
+    if (!rc.base_mismatch && base_check == Check::kSame)
+      rc.base_us[t == 0 ? 0 : 1] = best_us[passed.size() - 1][t];
+  }
+  if (timed_rows.size() == 1) {
+    rc.us[1] = rc.us[0];
+    rc.base_us[1] = rc.base_us[0];
+  }
+  decide(own, &passed[chosen],
+         own ? "own (fastest identical candidate)"
+             : "base (fastest identical candidate)");
+}
+
+std::string Gemm::Summary() const {
+  std::string out;
+  char buf[256];
+  for (const auto &[fk, family] : families_) {
+    const auto [n, k, y_fp32, has_bias, align_x, align_w, align_y] = fk;
+    std::snprintf(buf, sizeof(buf), "n %lld k %lld %s%s align x/w/y %d/%d/%d: ",
+                  static_cast<long long>(n), static_cast<long long>(k),
+                  y_fp32 ? "fp32 out" : "bf16 out", has_bias ? " +bias" : "",
+                  align_x, align_w, align_y);
+    out += buf;
+    if (!family.found) {
+      out += "no base algorithm (not row-invariant)\n";
+      continue;
+    }
+    out += "base " + ConfigString(family.base) + "\n";
+    for (size_t c = 0; c < family.classes.size(); ++c) {
+      const RowClass &rc = family.classes[c];
+      const long long lo = c == 0 ? 1 : class_hi_[c - 1] + 1, hi = class_hi_[c];
+      std::snprintf(buf, sizeof(buf), "  rows [%lld, %lld]: ", lo, hi);
+      out += buf;
+      if (!rc.decided) {
+        out += "not used yet\n";
+        continue;
+      }
+      std::snprintf(buf, sizeof(buf),
+                    "%s; %d candidates checked, %d differed, %d timed "
+                    "(base included when it passed)",
+                    rc.why, rc.checked, rc.mismatched, rc.passed);
+      out += buf;
+      if (rc.us[0] >= 0.0f) {
+        std::snprintf(buf, sizeof(buf), "; %.1f / %.1f us at m %lld / %lld",
+                      rc.us[0], rc.us[1], lo, hi);
+        out += buf;
+      }
+      if (rc.own && rc.base_us[0] >= 0.0f) {
+        std::snprintf(buf, sizeof(buf), " (base %.1f / %.1f us)", rc.base_us[0],
+                      rc.base_us[1]);
+        out += buf;
+      }
+      if (rc.own)
+        out += ": " + ConfigString(rc.algo);
+      out += "\n";
+    }
+  }
+  return out;
 }
 
 cublasStatus_t Gemm::Run(const GemmParams &p, cudaStream_t stream) {
@@ -238,10 +809,22 @@ cublasStatus_t Gemm::Run(const GemmParams &p, cudaStream_t stream) {
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     auto plan = std::make_unique<Plan>();
-    if (cublasStatus_t st = MakePlan(key, plan.get());
+    if (cublasStatus_t st = MakeLayouts(key, plan.get());
+        st != CUBLAS_STATUS_SUCCESS)
+      return st;
+    if (cublasStatus_t st = ChooseAlgo(key, p, stream, plan.get());
         st != CUBLAS_STATUS_SUCCESS)
       return st;
     it = plans_.emplace(key, std::move(plan)).first;
+  } else if (it->second->provisional) {
+    // The class's check was deferred by a capture; try again. On failure the
+    // plan keeps the base algorithm it has.
+    Plan &plan = *it->second;
+    const cublasLtMatmulAlgo_t kept = plan.algo;
+    if (ChooseAlgo(key, p, stream, &plan) != CUBLAS_STATUS_SUCCESS) {
+      plan.algo = kept;
+      plan.provisional = true;
+    }
   }
   Plan &plan = *it->second;
   if (p.bias != nullptr) {

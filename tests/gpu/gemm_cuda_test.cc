@@ -20,11 +20,16 @@ using gpu_test::RoundBf16;
 using gpu_test::ToBf16;
 using gpu_test::ToFloat;
 
+// Per-shape picks (invariant_rows 0) and, as the engine runs it, one algorithm per row class
+// (invariant_rows 1024; each class's algorithm is then first used, and self-checked, here).
 class GemmCudaTest : public gpu_test::GpuTest {};
+class GemmCudaRowsTest : public gpu_test::GpuTest,
+                         public ::testing::WithParamInterface<int64_t> {};
 
-TEST_F(GemmCudaTest, MatchesReference) {
+TEST_P(GemmCudaRowsTest, MatchesReference) {
+  const int64_t invariant_rows = GetParam();
   std::unique_ptr<cuda::Gemm> gemm;
-  ASSERT_EQ(cuda::Gemm::Create(32 << 20, &gemm), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cuda::Gemm::Create(32 << 20, &gemm, invariant_rows), CUBLAS_STATUS_SUCCESS);
   std::mt19937_64 rng(41);
   struct Case {
     int m, n, k;
@@ -32,7 +37,8 @@ TEST_F(GemmCudaTest, MatchesReference) {
   };
   for (const Case c : {Case{1, 384, 256, false, false}, Case{7, 1000, 136, false, true},
                        Case{64, 320, 64, true, false}, Case{257, 1001, 200, false, false},
-                       Case{3, 4096, 1024, true, false}, Case{1, 1001, 136, true, false}}) {
+                       Case{3, 4096, 1024, true, false}, Case{1, 1001, 136, true, false},
+                       Case{65, 2048, 512, false, true}, Case{1024, 512, 256, true, false}}) {
     // Inputs scaled so that outputs are O(1) whatever k is.
     const std::vector<float> x = RoundBf16(RandomNormal(static_cast<size_t>(c.m) * c.k, rng));
     const std::vector<float> w =
@@ -70,9 +76,12 @@ TEST_F(GemmCudaTest, MatchesReference) {
     // fp32 accumulation of O(1) sums; a bf16 output adds its rounding.
     EXPECT_TRUE(AllClose(got, want, c.y_fp32 ? 1e-3f : 1e-2f, c.y_fp32 ? 1e-3f : 1.0f / 128))
         << "m " << c.m << " n " << c.n << " k " << c.k << (c.bias ? " bias" : "")
-        << (c.y_fp32 ? " fp32 out" : "");
+        << (c.y_fp32 ? " fp32 out" : "") << " invariant_rows " << invariant_rows;
   }
+  EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(InvariantRows, GemmCudaRowsTest, ::testing::Values(0, 1024));
 
 TEST_F(GemmCudaTest, BadParamsAreRejected) {
   std::unique_ptr<cuda::Gemm> gemm;

@@ -1,10 +1,18 @@
 // Row invariance of the cuBLASLt GEMMs (specd/kernels/cuda/gemm.h): with
 // invariant_rows set, each output row of y = x w^T has the same bits whatever
 // the number of rows m in the call, the property that makes a token's logits
-// independent of the rest of its batch.
+// independent of the rest of its batch. Gemm runs one algorithm per row class
+// (m in [1, 1], [2, 16], [17, 32], ...), each admitted by a self-check against
+// the base algorithm; these tests check the outcome against the truth that
+// matters, the row computed alone (m = 1, a decode step), and print which
+// classes got an algorithm of their own (Gemm::Summary).
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "specd/kernels/cuda/gemm.h"
@@ -62,6 +70,8 @@ TEST_P(GemmInvarianceTest, RowsDoNotDependOnM) {
         0)
         << "m = " << m << " differs from the first m rows of m = " << kMaxRows;
   }
+  EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
+  std::printf("%s", gemm->Summary().c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmInvarianceTest,
@@ -70,6 +80,244 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmInvarianceTest,
                                            std::make_tuple(4096, 14336, false),
                                            std::make_tuple(8192, 576, true),
                                            std::make_tuple(1000, 256, true)));
+
+// Fast, reproducible uniform bf16 in (-scale, scale) (the LM head's weights
+// are half a billion values).
+std::vector<bf16> RandomBf16(size_t count, uint64_t seed, float scale) {
+  std::vector<bf16> v(count);
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (bf16 &e : v) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    const float u = static_cast<float>(s >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    e = __float2bfloat16(u * scale);
+  }
+  return v;
+}
+
+// The engine's configuration: invariant up to 1024 rows, base looked up at 16.
+constexpr int kEngineRows = 1024;
+
+// A weight (and bias), kEngineRows input rows of various magnitudes, and each
+// row's output computed alone (m = 1, through aligned one-row buffers as a
+// decode step has them): the bits every larger GEMM must reproduce.
+class GemmRowClassTest : public gpu_test::GpuTest {
+protected:
+  void Prepare(int n, int k, bool y_fp32, bool bias, cuda::Gemm *gemm) {
+    n_ = n;
+    k_ = k;
+    elem_ = y_fp32 ? 4 : 2;
+    std::vector<bf16> x =
+        RandomBf16(static_cast<size_t>(kEngineRows) * k, n * 7 + k, 1.0f);
+    // Rows of 2^-6 .. 2^6 times the base scale: activations vary that much.
+    for (int r = 0; r < kEngineRows; ++r) {
+      const float scale = std::ldexp(1.0f, (r * 5) % 13 - 6);
+      for (int c = 0; c < k; ++c) {
+        bf16 &v = x[static_cast<size_t>(r) * k + c];
+        v = __float2bfloat16(__bfloat162float(v) * scale);
+      }
+    }
+    x_.Upload(x);
+    w_.Upload(RandomBf16(static_cast<size_t>(n) * k, n * 13 + k + 1,
+                         1.0f / std::sqrt(static_cast<float>(k))));
+    if (bias)
+      bias_.Upload(RandomBf16(n, n + 5, 1.0f));
+    y_.Resize(static_cast<size_t>(kEngineRows) * n * elem_);
+    row_x_.Resize(k);
+    row_y_.Resize(static_cast<size_t>(n) * elem_);
+    p_ = cuda::GemmParams();
+    p_.w = w_.get();
+    p_.bias = bias ? bias_.get() : nullptr;
+    p_.y_fp32 = y_fp32;
+    p_.n = n;
+    p_.k = k;
+
+    const size_t row_bytes = static_cast<size_t>(n) * elem_;
+    gpu_test::DeviceBuffer<uint8_t> ref(static_cast<size_t>(kEngineRows) *
+                                        row_bytes);
+    cuda::GemmParams one = p_;
+    one.x = row_x_.get();
+    one.y = row_y_.get();
+    one.m = 1;
+    for (int r = 0; r < kEngineRows; ++r) {
+      SPECD_CUDA_OK(
+          cudaMemcpyAsync(row_x_.get(), x_.get() + static_cast<size_t>(r) * k,
+                          k * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
+      ASSERT_EQ(gemm->Run(one, stream_), CUBLAS_STATUS_SUCCESS) << "row " << r;
+      SPECD_CUDA_OK(cudaMemcpyAsync(ref.get() + r * row_bytes, row_y_.get(),
+                                    row_bytes, cudaMemcpyDeviceToDevice,
+                                    stream_));
+    }
+    Sync();
+    ref_ = ref.Download();
+  }
+
+  // The first m rows of y_ on the host.
+  std::vector<uint8_t> DownloadRows(int64_t m) {
+    std::vector<uint8_t> host(static_cast<size_t>(m) * n_ * elem_);
+    EXPECT_EQ(
+        cudaMemcpy(host.data(), y_.get(), host.size(), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    return host;
+  }
+
+  // Empty when rows 0..m-1 of `got` equal the m = 1 references bit for bit;
+  // else which rows differ, and in how many elements.
+  std::string CompareRows(const std::vector<uint8_t> &got, int64_t m) const {
+    const size_t row_bytes = static_cast<size_t>(n_) * elem_;
+    int bad = 0;
+    std::ostringstream detail;
+    for (int64_t r = 0; r < m; ++r) {
+      const uint8_t *g = got.data() + r * row_bytes,
+                    *want = ref_.data() + r * row_bytes;
+      if (std::memcmp(g, want, row_bytes) == 0)
+        continue;
+      if (bad < 5) {
+        int elems = 0;
+        for (int c = 0; c < n_; ++c) {
+          elems += std::memcmp(g + c * elem_, want + c * elem_, elem_) != 0;
+        }
+        detail << " row " << r << " (" << elems << " of " << n_
+               << " elements);";
+      }
+      ++bad;
+    }
+    if (bad == 0)
+      return "";
+    std::ostringstream out;
+    out << bad << " of " << m
+        << " rows differ from the same row alone:" << detail.str();
+    return out.str();
+  }
+
+  int n_ = 0, k_ = 0;
+  size_t elem_ = 2;
+  gpu_test::DeviceBuffer<bf16> x_, w_, bias_, row_x_;
+  gpu_test::DeviceBuffer<uint8_t> y_, row_y_;
+  std::vector<uint8_t> ref_;
+  cuda::GemmParams p_;
+};
+
+struct Shape {
+  int n, k;
+  bool y_fp32, bias;
+};
+
+std::string ShapeName(const ::testing::TestParamInfo<Shape> &info) {
+  const Shape &s = info.param;
+  return "n" + std::to_string(s.n) + "_k" + std::to_string(s.k) +
+         (s.y_fp32 ? "_fp32" : "_bf16") + (s.bias ? "_bias" : "");
+}
+
+class GemmRowClassShapeTest : public GemmRowClassTest,
+                              public ::testing::WithParamInterface<Shape> {};
+
+// Each row of an m-row GEMM equals the row alone, for m at both sides of
+// every row-class boundary, as the engine configures Gemm.
+TEST_P(GemmRowClassShapeTest, EveryRowEqualsTheRowAlone) {
+  const Shape s = GetParam();
+  std::unique_ptr<cuda::Gemm> gemm;
+  ASSERT_EQ(cuda::Gemm::Create(size_t{32} << 20, &gemm, kEngineRows),
+            CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(gemm->row_class_limits(),
+            (std::vector<int64_t>{1, 16, 32, 64, 128, 256, 512, 1024}));
+  ASSERT_NO_FATAL_FAILURE(Prepare(s.n, s.k, s.y_fp32, s.bias, gemm.get()));
+  cuda::GemmParams p = p_;
+  p.x = x_.get();
+  p.y = y_.get();
+  for (int64_t m :
+       {1, 2, 3, 16, 17, 33, 64, 65, 100, 128, 129, 256, 257, 513, 700, 1024}) {
+    p.m = m;
+    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
+    // Twice: the second call runs the plan cached after the class's check.
+    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
+    Sync();
+    const std::string diff = CompareRows(DownloadRows(m), m);
+    EXPECT_TRUE(diff.empty()) << "m " << m << ": " << diff;
+  }
+  EXPECT_EQ(gemm->non_invariant_shapes(), 0)
+      << "cuBLASLt offered no row-invariant algorithm";
+  EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
+  // All 8 classes were used.
+  EXPECT_EQ(gemm->own_algorithm_classes() + gemm->base_algorithm_classes(), 8)
+      << gemm->Summary();
+  std::printf("%d of 8 row classes run an algorithm of their own\n%s",
+              gemm->own_algorithm_classes(), gemm->Summary().c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Llama8bAndAwkward, GemmRowClassShapeTest,
+    ::testing::Values(
+        // Llama-3.1-8B: QKV, O, gate+up, down, LM head.
+        Shape{6144, 4096, false, false}, Shape{4096, 4096, false, false},
+        Shape{28672, 4096, false, false}, Shape{4096, 14336, false, false},
+        Shape{128256, 4096, true, false},
+        // A QKV bias (Qwen-style), and shapes of no tile size.
+        Shape{6144, 4096, false, true}, Shape{1000, 256, true, false},
+        Shape{1001, 136, false, true}, Shape{8192, 576, true, false},
+        Shape{384, 72, false, false}),
+    ShapeName);
+
+// A GEMM whose row class is new while the stream captures a CUDA graph does
+// not synchronize (that would break the capture): it runs the base algorithm,
+// and the next GEMM of that shape outside a capture decides the class. Both
+// give the rows' bits alone.
+TEST_F(GemmRowClassTest, CaptureDefersTheSelfCheck) {
+  std::unique_ptr<cuda::Gemm> gemm;
+  ASSERT_EQ(cuda::Gemm::Create(size_t{32} << 20, &gemm, kEngineRows),
+            CUBLAS_STATUS_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(Prepare(4096, 4096, false, false, gemm.get()));
+  const int decided =
+      gemm->own_algorithm_classes() + gemm->base_algorithm_classes();
+  EXPECT_EQ(decided, 1) << "only the m = 1 class should be decided\n"
+                        << gemm->Summary();
+  cuda::GemmParams p = p_;
+  p.x = x_.get();
+  p.y = y_.get();
+  p.m = 65;
+
+  cudaGraph_t graph = nullptr;
+  SPECD_CUDA_OK(
+      cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const cublasStatus_t captured = gemm->Run(p, stream_);
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  ASSERT_EQ(captured, CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended)
+                                << " (did Run synchronize inside the capture?)";
+  EXPECT_EQ(gemm->own_algorithm_classes() + gemm->base_algorithm_classes(),
+            decided)
+      << "a class was decided during the capture";
+  cudaGraphExec_t exec = nullptr;
+  SPECD_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaGraphDestroy(graph);
+
+  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
+  SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
+  Sync();
+  std::string diff = CompareRows(DownloadRows(65), 65);
+  EXPECT_TRUE(diff.empty()) << "graph (base algorithm): " << diff;
+
+  // Eager: the class is decided now.
+  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
+  ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS);
+  Sync();
+  EXPECT_EQ(gemm->own_algorithm_classes() + gemm->base_algorithm_classes(),
+            decided + 1)
+      << gemm->Summary();
+  diff = CompareRows(DownloadRows(65), 65);
+  EXPECT_TRUE(diff.empty()) << "eager, after the check: " << diff;
+
+  // The graph still runs what it captured, with the same bits.
+  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
+  SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
+  Sync();
+  diff = CompareRows(DownloadRows(65), 65);
+  EXPECT_TRUE(diff.empty()) << "graph, again: " << diff;
+  cudaGraphExecDestroy(exec);
+  EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
+  std::printf("%s", gemm->Summary().c_str());
+}
 
 } // namespace
 } // namespace specd

@@ -10,7 +10,9 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "specd/kernels/cuda/common.h"
 
@@ -38,12 +40,41 @@ struct GemmParams {
 // bits in a GEMM of 1 row and one of 40: a token's logits would then depend on
 // what else shares its step, and speculative greedy output could drift from
 // target-only greedy output after a near-tie. With `invariant_rows` > 0, every
-// GEMM of m <= invariant_rows rows for one (n, k, output, bias, alignment) uses
-// one algorithm: the first of cuBLASLt's candidates for m = `plan_rows` that it
-// accepts for both 1 and invariant_rows rows within the workspace. A fixed
-// algorithm cuts K and reduces partial sums the same way whatever m is, so each
-// output row is a function of its input row alone
-// (tests/gpu/gemm_invariance_test.cc checks this bit for bit).
+// GEMM of m <= invariant_rows rows gives each output row the bits that row gets
+// alone (tests/gpu/gemm_invariance_test.cc checks this bit for bit):
+//
+// - Per shape family (n, k, output, bias, alignment of x, w, y) one base
+//   algorithm: the first of cuBLASLt's candidates for m = `plan_rows` that it
+//   accepts for both 1 and invariant_rows rows within the workspace. A fixed
+//   algorithm cuts K and reduces partial sums the same way whatever m is, so
+//   each output row is a function of its input row alone.
+// - One algorithm serving every m up to 1024 is slow, though: its tile covers a
+//   fixed number of token rows (~64) and each further tile of tokens streams
+//   the whole weight matrix again. So m is split into row classes, [1, 1],
+//   [2, plan_rows], then doubling ranges up to invariant_rows (e.g. [17, 32],
+//   [33, 64], ..., [513, 1024]). For a class, cuBLASLt's candidates for its
+//   largest (then smallest) m go, in that order, through a self-check: on the
+//   family's real weights, their output rows at the class's smallest, middle
+//   and largest m must be bit-identical to the base algorithm's for the same
+//   input rows (random bf16 of several magnitudes, at many positions in the
+//   tiles). Without a split of K over CTAs a tensor-core kernel adds up K in
+//   the same order whatever its tile width, so many candidates pass;
+//   candidates whose K split or reduction scheme differs from the base's
+//   cannot and are not tried. The first few that pass and the base (when it
+//   passes the same check) are timed at the class's smallest and largest m,
+//   the weights evicted from L2 before each launch when they could sit there,
+//   and the fastest runs the class (a later one must be 3% faster to displace
+//   an earlier one). All classes thus agree with the base bit for bit; the
+//   check, not the argument about K order, is what this relies on.
+// - The check runs on `Run`'s stream and synchronizes with it, on the first
+//   GEMM of a family whose m falls in a class not yet decided (a few ms, up to
+//   ~0.1 s for the LM head's largest classes). While the stream is capturing a
+//   CUDA graph it is deferred: that GEMM runs the base algorithm (bit-identical
+//   anyway) and the next GEMM of the same shape outside a capture decides the
+//   class. It allocates, and frees before `Run` returns, scratch of about
+//   max_m * (n * output bytes + 2 k) bytes for the class's largest m, plus
+//   twice the L2 size for small weights; without that memory the class stays on
+//   the base.
 class Gemm {
 public:
   // Allocates `workspace_bytes` of device memory on the current device.
@@ -57,13 +88,34 @@ public:
   // the whole row range; their GEMMs fall back to a per-shape pick and are not
   // row-invariant.
   int non_invariant_shapes() const { return non_invariant_shapes_; }
+
+  // The row classes' upper bounds (ascending; the first class starts at 1);
+  // empty without invariance.
+  const std::vector<int64_t> &row_class_limits() const { return class_hi_; }
+  // Decided (family, row class) pairs so far: those that run an algorithm of
+  // their own (not the base), and those that run the base algorithm (because
+  // it timed fastest among the identical ones, or no other candidate passed,
+  // or the check could not run: Summary() says which).
+  int own_algorithm_classes() const { return own_classes_; }
+  int base_algorithm_classes() const { return base_classes_; }
+  // Classes left on the base algorithm whose self-check found that even the
+  // base gives other bits at the class's row counts than in an 8-row GEMM of
+  // the same rows: the base's output depends on m there, so row invariance is
+  // broken for those m. Should be 0.
+  int self_check_failures() const { return self_check_failures_; }
+  // One line per decided or pending (family, row class): the algorithm chosen
+  // (cuBLASLt's algo id, tile, stages, split-K, ...) and why. For tests and
+  // benchmarks.
+  std::string Summary() const;
+
   ~Gemm();
   Gemm(const Gemm &) = delete;
   Gemm &operator=(const Gemm &) = delete;
 
   // Enqueues y = x w^T (+ bias) on `stream`. CUBLAS_STATUS_INVALID_VALUE for
   // bad params, CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt offers no algorithm
-  // for the shape.
+  // for the shape. May synchronize `stream` once per new (shape family, row
+  // class) while the stream is not capturing (see the class comment).
   cublasStatus_t Run(const GemmParams &p, cudaStream_t stream);
 
 private:
@@ -71,19 +123,42 @@ private:
   // (m, n, k, y_fp32, has_bias, alignment of x, w, y in bytes, capped at 256)
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, int>;
 
-  // (n, k, y_fp32, has_bias, alignment of x, w, y): the shape family a pinned
+  // (n, k, y_fp32, has_bias, alignment of x, w, y): the shape family a base
   // algorithm serves.
   using FamilyKey = std::tuple<int64_t, int64_t, bool, bool, int, int, int>;
-  struct Pinned {
-    bool found = false;
+  struct RowClass {
+    bool decided = false;
+    bool own = false; // runs `algo`; else the family's base
     cublasLtMatmulAlgo_t algo = {};
+    int checked = 0;    // candidates run through the self-check
+    int mismatched = 0; // of those, how many gave other bits than the base
+    int passed = 0;     // identical candidates timed (the base among them)
+    bool base_mismatch = false; // see self_check_failures()
+    // Microseconds a launch of the chosen algorithm and of the base took at
+    // the class's smallest and largest m (negative: not timed).
+    float us[2] = {-1.0f, -1.0f};
+    float base_us[2] = {-1.0f, -1.0f};
+    const char *why = ""; // how the decision came about
+  };
+  struct Family {
+    bool found = false; // has a base algorithm (else not row-invariant)
+    cublasLtMatmulAlgo_t base = {};
+    std::vector<RowClass> classes; // one per row_class_limits() entry
   };
 
   Gemm() = default;
-  cublasStatus_t MakePlan(const Key &key, Plan *plan);
+  cublasStatus_t ChooseAlgo(const Key &key, const GemmParams &p,
+                            cudaStream_t stream, Plan *plan);
   cublasStatus_t MakeLayouts(const Key &key, Plan *plan);
-  // The pinned algorithm of `key`'s family, found on first use.
-  const Pinned &PinnedFor(const Key &key);
+  // The family of `key`, its base algorithm found on first use.
+  Family &FamilyFor(const Key &key);
+  // Index of the row class of m (1 <= m <= invariant_rows).
+  size_t ClassOf(int64_t m) const;
+  // Runs the self-check of row class `c` of `family` and records the decision.
+  // Synchronizes `stream`; never called while it captures.
+  void DecideClass(const FamilyKey &fk, Family *family, size_t c,
+                   const GemmParams &p, cudaStream_t stream);
+  bool AlgoFits(const cublasLtMatmulAlgo_t &algo, const Plan &plan);
 
   cublasLtHandle_t handle_ = nullptr;
   void *workspace_ = nullptr;
@@ -91,8 +166,12 @@ private:
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int64_t invariant_rows_ = 0;
   int64_t plan_rows_ = 16;
+  std::vector<int64_t> class_hi_;
   int non_invariant_shapes_ = 0;
-  std::map<FamilyKey, Pinned> pinned_;
+  int own_classes_ = 0;
+  int base_classes_ = 0;
+  int self_check_failures_ = 0;
+  std::map<FamilyKey, Family> families_;
 };
 
 } // namespace cuda
