@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "engine/tp_backend.h"
+#include "engine/weight_shard.h"
 #include "specd/kernels/kv_cache.h"
 #include "specd/kernels/rmsnorm.h"
 #include "specd/kernels/rope.h"
@@ -28,40 +28,6 @@ namespace {
 
 // Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
 constexpr int64_t kInlineAttentionWork = 1 << 16;
-
-// Which part of a checkpoint tensor a slice reads.
-enum class Slice { kAll, kRows, kCols };
-
-// Reads `name` after checking its full shape is `shape`, keeping rows (dim 0) or columns
-// (dim 1) [range.begin, range.end) for kRows / kCols.
-absl::Status ReadShard(const TensorStore& store, const std::string& name,
-                       std::vector<int64_t> shape, Slice slice, TpRange range,
-                       std::vector<float>* out) {
-  absl::StatusOr<const TensorView*> view = store.Get(name);
-  if (!view.ok()) return view.status();
-  if ((*view)->shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        (*view)->file, ": tensor ", name, " has shape [", absl::StrJoin((*view)->shape, ", "),
-        "], expected [", absl::StrJoin(shape, ", "), "]"));
-  }
-  switch (slice) {
-    case Slice::kAll: {
-      int64_t n = 1;
-      for (int64_t d : shape) n *= d;
-      out->assign(n, 0.0f);
-      return store.ReadF32(name, shape, out->data());
-    }
-    case Slice::kRows: {
-      const int64_t row = shape.size() > 1 ? shape[1] : 1;
-      out->assign(range.size() * row, 0.0f);
-      return store.ReadRowsF32(name, range.begin, range.end, out->data());
-    }
-    case Slice::kCols:
-      out->assign(shape[0] * range.size(), 0.0f);
-      return store.ReadColsF32(name, range.begin, range.end, out->data());
-  }
-  return absl::InternalError("unknown slice");
-}
 
 }  // namespace
 
@@ -82,14 +48,6 @@ int CpuBackendThreads(const BackendOptions& options) {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-TpRankPlan FullModelSlice(const ModelConfig& config) {
-  TpRankPlan slice;
-  slice.q_heads = {0, config.num_heads};
-  slice.kv_heads = {0, config.num_kv_heads};
-  slice.ffn = {0, config.intermediate_size};
-  slice.vocab = {0, config.vocab_size};
-  return slice;
-}
 
 CpuModel::CpuModel(const ModelConfig& config, const TpRankPlan& slice)
     : config_(config),
@@ -105,47 +63,47 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
   const TpRange kv_rows{slice_.kv_heads.begin * hd, slice_.kv_heads.end * hd};
   const TpRange vocab = slice_.vocab, ffn = slice_.ffn, none;
   SPECD_RETURN_IF_ERROR_(
-      ReadShard(st, "model.embed_tokens.weight", {v, h}, Slice::kRows, vocab, &embed_));
-  SPECD_RETURN_IF_ERROR_(ReadShard(st, "model.norm.weight", {h}, Slice::kAll, none, &final_norm_));
+      ReadShard(st, "model.embed_tokens.weight", {v, h}, ShardSlice::kRows, vocab, &embed_));
+  SPECD_RETURN_IF_ERROR_(ReadShard(st, "model.norm.weight", {h}, ShardSlice::kAll, none, &final_norm_));
   if (!c.tie_word_embeddings) {
-    SPECD_RETURN_IF_ERROR_(ReadShard(st, "lm_head.weight", {v, h}, Slice::kRows, vocab, &lm_head_));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_));
   }
   layers_.resize(c.num_layers);
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     LayerWeights& w = layers_[l];
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "input_layernorm.weight", {h}, Slice::kAll, none, &w.input_norm));
+        ReadShard(st, p + "input_layernorm.weight", {h}, ShardSlice::kAll, none, &w.input_norm));
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, Slice::kRows, q_rows, &w.q_proj));
+        ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, ShardSlice::kRows, q_rows, &w.q_proj));
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, Slice::kRows, kv_rows, &w.k_proj));
+        ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.k_proj));
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, Slice::kRows, kv_rows, &w.v_proj));
+        ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.v_proj));
     if (c.attention_bias) {
       SPECD_RETURN_IF_ERROR_(
-          ReadShard(st, p + "self_attn.q_proj.bias", {q}, Slice::kRows, q_rows, &w.q_bias));
+          ReadShard(st, p + "self_attn.q_proj.bias", {q}, ShardSlice::kRows, q_rows, &w.q_bias));
       SPECD_RETURN_IF_ERROR_(
-          ReadShard(st, p + "self_attn.k_proj.bias", {kv}, Slice::kRows, kv_rows, &w.k_bias));
+          ReadShard(st, p + "self_attn.k_proj.bias", {kv}, ShardSlice::kRows, kv_rows, &w.k_bias));
       SPECD_RETURN_IF_ERROR_(
-          ReadShard(st, p + "self_attn.v_proj.bias", {kv}, Slice::kRows, kv_rows, &w.v_bias));
+          ReadShard(st, p + "self_attn.v_proj.bias", {kv}, ShardSlice::kRows, kv_rows, &w.v_bias));
     }
     if (c.qk_norm) {
       SPECD_RETURN_IF_ERROR_(
-          ReadShard(st, p + "self_attn.q_norm.weight", {hd}, Slice::kAll, none, &w.q_norm));
+          ReadShard(st, p + "self_attn.q_norm.weight", {hd}, ShardSlice::kAll, none, &w.q_norm));
       SPECD_RETURN_IF_ERROR_(
-          ReadShard(st, p + "self_attn.k_norm.weight", {hd}, Slice::kAll, none, &w.k_norm));
+          ReadShard(st, p + "self_attn.k_norm.weight", {hd}, ShardSlice::kAll, none, &w.k_norm));
     }
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.o_proj.weight", {h, q}, Slice::kCols, q_rows, &w.o_proj));
+        ReadShard(st, p + "self_attn.o_proj.weight", {h, q}, ShardSlice::kCols, q_rows, &w.o_proj));
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "post_attention_layernorm.weight", {h}, Slice::kAll, none, &w.post_norm));
+        ReadShard(st, p + "post_attention_layernorm.weight", {h}, ShardSlice::kAll, none, &w.post_norm));
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "mlp.gate_proj.weight", {f, h}, Slice::kRows, ffn, &w.gate_proj));
+        ReadShard(st, p + "mlp.gate_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.gate_proj));
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "mlp.up_proj.weight", {f, h}, Slice::kRows, ffn, &w.up_proj));
+        ReadShard(st, p + "mlp.up_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.up_proj));
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "mlp.down_proj.weight", {h, f}, Slice::kCols, ffn, &w.down_proj));
+        ReadShard(st, p + "mlp.down_proj.weight", {h, f}, ShardSlice::kCols, ffn, &w.down_proj));
   }
   k_pool_.resize(c.num_layers);
   v_pool_.resize(c.num_layers);

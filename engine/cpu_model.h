@@ -34,9 +34,6 @@ absl::Status CheckCpuBackendOptions(const BackendOptions& options);
 // Threads for options.num_threads: the hardware's when 0.
 int CpuBackendThreads(const BackendOptions& options);
 
-// The slice of a one-rank plan: every head, FFN column and vocabulary row.
-TpRankPlan FullModelSlice(const ModelConfig& config);
-
 class CpuModel {
  public:
   // `slice` must come from a plan for `config` (MakeTpPlan, or FullModelSlice).

@@ -101,54 +101,12 @@ TensorParallelBackend::TensorParallelBackend(ModelConfig config, TpPlan plan,
       comm_(std::move(comm)),
       table_(kv_block_tokens, kv_capacity_tokens, config_.vocab_size,
              config_.max_position_embeddings),
-      results_(plan_.world_size) {
-  for (int r = 0; r < plan_.world_size; ++r) threads_.emplace_back([this, r] { RankLoop(r); });
-}
+      workers_(plan_.world_size) {}
 
-TensorParallelBackend::~TensorParallelBackend() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  start_cv_.notify_all();
-  for (std::thread& t : threads_) t.join();
-}
-
-void TensorParallelBackend::RankLoop(int rank) {
-  uint64_t seen = 0;
-  for (;;) {
-    const std::function<absl::Status(int)>* task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      start_cv_.wait(lock, [&] { return stop_ || task_generation_ != seen; });
-      if (stop_) return;
-      seen = task_generation_;
-      task = task_;
-    }
-    absl::Status s = (*task)(rank);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      results_[rank] = std::move(s);
-      if (--pending_ == 0) done_cv_.notify_one();
-    }
-  }
-}
+TensorParallelBackend::~TensorParallelBackend() = default;
 
 absl::Status TensorParallelBackend::RunOnRanks(const std::function<absl::Status(int)>& fn) {
-  std::unique_lock<std::mutex> lock(mu_);
-  task_ = &fn;
-  pending_ = plan_.world_size;
-  ++task_generation_;
-  start_cv_.notify_all();
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
-  task_ = nullptr;
-  for (int r = 0; r < plan_.world_size; ++r) {
-    if (!results_[r].ok()) {
-      return absl::Status(results_[r].code(),
-                          absl::StrCat("rank ", r, ": ", results_[r].message()));
-    }
-  }
-  return absl::OkStatus();
+  return workers_.Run(fn);
 }
 
 absl::Status TensorParallelBackend::RunStep(const StepLayout& layout,

@@ -27,6 +27,7 @@
 #include "engine/backend.h"
 #include "engine/model_config.h"
 #include "engine/paged_kv_table.h"
+#include "engine/rank_workers.h"
 #include "engine/tp_plan.h"
 
 namespace specd {
@@ -143,7 +144,6 @@ class TensorParallelBackend : public Backend {
   absl::Status RunStep(const StepLayout& layout, const TpRankExecutor::Output& out);
   // Runs fn(rank) on every rank thread and waits; the first failing rank's status wins.
   absl::Status RunOnRanks(const std::function<absl::Status(int)>& fn);
-  void RankLoop(int rank);
 
   ModelConfig config_;
   TpPlan plan_;
@@ -151,15 +151,8 @@ class TensorParallelBackend : public Backend {
   std::unique_ptr<TpCommGroup> comm_;
   PagedKvTable table_;
   int64_t reserved_blocks_ = 0;
-
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable start_cv_, done_cv_;
-  const std::function<absl::Status(int)>* task_ = nullptr;
-  uint64_t task_generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
-  std::vector<absl::Status> results_;
+  // Declared last: its threads stop (in its destructor) before the executors they use go.
+  RankWorkers workers_;
 };
 
 }  // namespace specd

@@ -24,6 +24,15 @@ std::vector<TpRange> SplitEvenly(int64_t total, int n, int64_t align) {
   return out;
 }
 
+TpRankPlan FullModelSlice(const ModelConfig& config) {
+  TpRankPlan slice;
+  slice.q_heads = {0, config.num_heads};
+  slice.kv_heads = {0, config.num_kv_heads};
+  slice.ffn = {0, config.intermediate_size};
+  slice.vocab = {0, config.vocab_size};
+  return slice;
+}
+
 absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
                                   const TpPlanOptions& options) {
   if (world_size < 1) {

@@ -68,6 +68,9 @@ struct TpPlan {
   std::vector<int> kv_replicas;
 };
 
+// The slice of a one-rank plan: every head, FFN column and vocabulary row.
+TpRankPlan FullModelSlice(const ModelConfig& config);
+
 // INVALID_ARGUMENT naming the field for world_size < 1, alignments < 1, or a config whose
 // num_kv_heads does not divide num_heads.
 absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
