@@ -11,6 +11,11 @@
 // tools/bench/make_random_checkpoint.py):
 //   cuda_step_bench --model /tmp/specd-llama-3.1-8b [--label 8B] [--runs 20]
 //       [--contexts 512,2048,8192] [--trees 1,16,64,128,256]
+//       [--tp N] [--custom_bytes B] [--graphs both|on|off]
+// --tp N shards the model over GPUs 0..N-1 (engine/cuda/cuda_tp_backend.h);
+// the floor is then one rank's weight bytes / the copy bandwidth, and
+// --custom_bytes is BackendOptions::cuda_custom_allreduce_max_bytes (0: NCCL
+// only, the A/B against the custom all-reduce).
 // gpt-fast and transformers at the same shapes: a later session adds them to
 // this table (bench/hf_baseline.py has the transformers harness).
 #include <cuda_runtime.h>
@@ -29,6 +34,7 @@
 #include "absl/strings/str_split.h"
 #include "engine/backend.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_tp_backend.h"
 
 namespace specd {
 namespace {
@@ -89,7 +95,9 @@ std::vector<int> Ints(const std::string &s) {
 
 int Main(int argc, char **argv) {
   std::string model, label = "model";
-  int runs = 20;
+  int runs = 20, tp = 1;
+  int64_t custom_bytes = -1;
+  std::string graphs_mode = "both";
   std::vector<int> contexts = {512, 2048, 8192}, trees = {1, 16, 64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -103,6 +111,12 @@ int Main(int argc, char **argv) {
       contexts = Ints(value);
     else if (flag == "--trees")
       trees = Ints(value);
+    else if (flag == "--tp")
+      tp = std::max(1, std::atoi(value.c_str()));
+    else if (flag == "--custom_bytes")
+      custom_bytes = std::atoll(value.c_str());
+    else if (flag == "--graphs")
+      graphs_mode = value;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -111,7 +125,8 @@ int Main(int argc, char **argv) {
   if (model.empty()) {
     std::fprintf(stderr,
                  "usage: cuda_step_bench --model DIR [--label L] [--runs N] "
-                 "[--contexts a,b,..] [--trees a,b,..]\n");
+                 "[--contexts a,b,..] [--trees a,b,..] [--tp N] "
+                 "[--custom_bytes B] [--graphs both|on|off]\n");
     return 2;
   }
   cudaDeviceProp prop{};
@@ -123,31 +138,46 @@ int Main(int argc, char **argv) {
   for (int c : contexts)
     max_context = std::max(max_context, c);
   opts.kv_capacity_tokens = max_context + 4096;
+  opts.tensor_parallel = tp;
+  opts.cuda_custom_allreduce_max_bytes = custom_bytes;
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<std::unique_ptr<CudaBackend>> loaded =
-      CudaBackend::Create(model, 0, opts);
+  absl::StatusOr<std::unique_ptr<Backend>> loaded = CreateBackend(model, opts);
   if (!loaded.ok()) {
     std::fprintf(stderr, "loading %s: %s\n", model.c_str(),
                  loaded.status().ToString().c_str());
     return 1;
   }
-  CudaBackend &b = **loaded;
+  Backend &b = **loaded;
+  auto *one = dynamic_cast<CudaBackend *>(&b);
+  auto *group = dynamic_cast<CudaTensorParallelBackend *>(&b);
+  const auto set_graphs = [&](bool on) {
+    if (one != nullptr)
+      one->SetGraphsEnabled(on);
+    if (group != nullptr)
+      group->SetGraphsEnabled(on);
+  };
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
   const ModelConfig &c = b.config();
   const double weight_bytes = 2.0 * static_cast<double>(c.ParameterCount());
-  const double floor_ms = weight_bytes / copy_bw * 1e3;
-  std::printf("# %s: %s, %.2f GB of bf16 weights, loaded in %.1f s\n",
-              label.c_str(), prop.name, weight_bytes / 1e9, load_s);
+  const double floor_ms = weight_bytes / tp / copy_bw * 1e3;
+  std::printf("# %s: %s x%d (tensor parallel %d, all-reduce: %s), %.2f GB of "
+              "bf16 weights, %d layers, loaded in %.1f s\n",
+              label.c_str(), prop.name, tp, tp,
+              tp == 1 ? "none"
+              : group != nullptr && group->custom_allreduce() && custom_bytes != 0
+                  ? "custom one-shot"
+                  : "NCCL",
+              weight_bytes / 1e9, c.num_layers, load_s);
   std::printf("# device copy bandwidth %.0f GB/s (read + write); decode floor "
               "= weights / that "
-              "= %.3f ms; non-row-invariant GEMM shapes: %d\n",
-              copy_bw / 1e9, floor_ms, b.non_invariant_gemm_shapes());
-  std::printf("| shape | graphs | context | tree nodes | step ms (median of "
-              "%d) | vs floor |\n",
+              "= %.3f ms%s\n",
+              copy_bw / 1e9, floor_ms, tp > 1 ? " (one rank's share)" : "");
+  std::printf("| shape | TP | graphs | context | tree nodes | step ms (median "
+              "of %d) | ms a layer | vs floor |\n",
               runs);
-  std::printf("|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
 
   std::mt19937_64 rng(5);
   SeqId next = 1;
@@ -179,8 +209,13 @@ int Main(int argc, char **argv) {
       done += n;
     }
     int32_t pending = static_cast<int32_t>(rng() % c.vocab_size);
-    for (bool graphs : {true, false}) {
-      b.SetGraphsEnabled(graphs);
+    std::vector<bool> graph_modes;
+    if (graphs_mode != "off")
+      graph_modes.push_back(true);
+    if (graphs_mode != "on")
+      graph_modes.push_back(false);
+    for (bool graphs : graph_modes) {
+      set_graphs(graphs);
       std::vector<int> sizes = {0};
       sizes.insert(sizes.end(), trees.begin(), trees.end());
       for (int nodes : sizes) {
@@ -205,18 +240,22 @@ int Main(int argc, char **argv) {
             ms.push_back(dt);
         }
         const double med = Median(ms);
-        std::printf("| %s | %s | %d | %s | %.3f | %.2fx |\n", label.c_str(),
-                    graphs ? "on" : "off", context,
+        std::printf("| %s | %d | %s | %d | %s | %.3f | %.4f | %.2fx |\n",
+                    label.c_str(), tp, graphs ? "on" : "off", context,
                     nodes == 0 ? "decode" : std::to_string(nodes).c_str(), med,
-                    med / floor_ms);
+                    med / std::max(1, c.num_layers), med / floor_ms);
         std::fflush(stdout);
       }
     }
-    b.RemoveSequence(seq);
+    (void)b.RemoveSequence(seq);
   }
-  std::printf("# graphs captured %lld, graph launches %lld\n",
-              static_cast<long long>(b.graphs_captured()),
-              static_cast<long long>(b.graph_launches()));
+  if (one != nullptr) {
+    std::printf("# graphs captured %lld, graph launches %lld; "
+                "non-row-invariant GEMM shapes: %d\n",
+                static_cast<long long>(one->graphs_captured()),
+                static_cast<long long>(one->graph_launches()),
+                one->non_invariant_gemm_shapes());
+  }
   return 0;
 }
 

@@ -130,6 +130,13 @@ struct BackendOptions {
   // Ranks the model is sharded over (engine/tp_plan.h), any value >= 1. On "cpu", > 1 selects
   // the simulated tensor-parallel backend (engine/tp_cpu_backend.h), one thread per rank.
   int tensor_parallel = 1;
+  // cuda with tensor_parallel > 1: rank r's GPU index (tensor_parallel entries, distinct).
+  // Empty: consecutive GPUs from the one `device` names.
+  std::vector<int> devices;
+  // cuda tensor parallel: all-reduce messages up to this many bytes take the custom one-shot
+  // kernel over NVLink peer memory, larger ones NCCL; -1 sizes it to cover every CUDA-graph
+  // step, 0 is NCCL only (engine/cuda/cuda_tp_backend.h).
+  int64_t cuda_custom_allreduce_max_bytes = -1;
   // cuda: replay decode and verify steps as CUDA graphs captured per (batch, tree size)
   // bucket. The environment variable SPECD_CUDA_GRAPHS=0 turns them off too (debugging, A/B).
   bool cuda_graphs = true;

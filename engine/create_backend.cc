@@ -7,6 +7,7 @@
 #include "engine/tp_cpu_backend.h"
 #ifdef SPECD_WITH_CUDA
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_tp_backend.h"
 #endif
 
 namespace specd {
@@ -33,12 +34,24 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
       return absl::InvalidArgumentError(
           absl::StrCat("device \"", options.device, "\": expected cuda:N with N a GPU index"));
     }
-    if (options.tensor_parallel > 1) {
-      return absl::UnimplementedError(absl::StrCat(
-          "tensor_parallel: ", options.tensor_parallel,
-          " is not yet supported on CUDA devices (the CPU backend supports any degree)"));
-    }
 #ifdef SPECD_WITH_CUDA
+    if (options.tensor_parallel > 1 || !options.devices.empty()) {
+      CudaTpOptions tp;
+      tp.devices = options.devices;
+      if (tp.devices.empty()) {
+        for (int r = 0; r < options.tensor_parallel; ++r) tp.devices.push_back(device + r);
+      }
+      if (static_cast<int>(tp.devices.size()) != options.tensor_parallel) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("devices: lists ", tp.devices.size(), " GPUs but tensor_parallel is ",
+                         options.tensor_parallel));
+      }
+      tp.custom_allreduce_max_bytes = options.cuda_custom_allreduce_max_bytes;
+      absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> gpus =
+          CudaTensorParallelBackend::Create(dir, options, tp);
+      if (!gpus.ok()) return gpus.status();
+      return std::unique_ptr<Backend>(std::move(*gpus));
+    }
     absl::StatusOr<std::unique_ptr<CudaBackend>> gpu = CudaBackend::Create(dir, device, options);
     if (!gpu.ok()) return gpu.status();
     return std::unique_ptr<Backend>(std::move(*gpu));

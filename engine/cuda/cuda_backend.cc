@@ -12,6 +12,14 @@
 #include "common/safetensors.h"
 #include "common/token_tree.h"
 #include "engine/sampling.h"
+#include "engine/weight_shard.h"
+#ifdef SPECD_WITH_NCCL
+#include <nccl.h>
+
+#include "engine/cuda/custom_allreduce.h"
+#include "engine/cuda/nccl_group.h"
+#include "specd/kernels/cuda/allreduce.h"
+#endif
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
 #include "specd/kernels/cuda/rmsnorm.h"
@@ -49,10 +57,6 @@ constexpr size_t kReserveBytes = size_t{2} << 30;
 
 constexpr int64_t kGraphMaxBatch = 64;
 constexpr int64_t kGraphMaxTreeTokens = 256;
-// Padded steps above this many token rows run eagerly: their activations and
-// logits would take too much memory for the little a graph saves on a step that
-// long.
-constexpr int64_t kGraphMaxTokens = 4096;
 
 int64_t NextPow2(int64_t n) {
   int64_t p = 1;
@@ -81,16 +85,40 @@ std::vector<__nv_bfloat16> ToBf16(const std::vector<float> &v) {
   return out;
 }
 
+// Reads a tensor, or this rank's rows or columns of it, replacing `out` or
+// appending to it (fused weights).
 absl::Status Read(const TensorStore &store, const std::string &name,
                   std::vector<int64_t> shape, std::vector<float> *out,
-                  bool append = false) {
-  int64_t n = 1;
-  for (int64_t d : shape)
-    n *= d;
-  const size_t at = append ? out->size() : 0;
-  out->resize(at + n);
-  return store.ReadF32(name, shape, out->data() + at);
+                  bool append = false, ShardSlice slice = ShardSlice::kAll,
+                  TpRange range = {}) {
+  if (!append)
+    return ReadShard(store, name, std::move(shape), slice, range, out);
+  std::vector<float> part;
+  SPECD_RETURN_IF_ERROR_(
+      ReadShard(store, name, std::move(shape), slice, range, &part));
+  out->insert(out->end(), part.begin(), part.end());
+  return absl::OkStatus();
 }
+
+// All-reduce sites of a step (specd/kernels/cuda/allreduce.h): the embedding,
+// then each layer's attention and MLP. Consecutive all-reduces never share a
+// site (..., attn, mlp, | embed, attn, ...), which is what lets the one-shot
+// kernel skip its end barrier; three sites in all, whatever the depth.
+constexpr int kEmbedSite = 2;
+constexpr int kAttnSite = 0;
+constexpr int kMlpSite = 1;
+constexpr int kAllReduceSites = 3;
+
+#ifdef SPECD_WITH_NCCL
+#define SPECD_NCCL_RETURN_(expr, what)                                         \
+  do {                                                                         \
+    const ncclResult_t _r = (expr);                                            \
+    if (_r != ncclSuccess) {                                                   \
+      return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ",    \
+                                              ncclGetErrorString(_r)));        \
+    }                                                                          \
+  } while (0)
+#endif
 
 } // namespace
 
@@ -115,7 +143,7 @@ private:
 
 absl::StatusOr<std::unique_ptr<CudaBackend>>
 CudaBackend::Create(const std::string &dir, int device,
-                    const BackendOptions &options) {
+                    const BackendOptions &options, const CudaTpRank *tp) {
   if (options.kv_capacity_tokens <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("kv_capacity_tokens must be positive, got ",
@@ -137,23 +165,67 @@ CudaBackend::Create(const std::string &dir, int device,
         absl::StrCat("cuda backend: head_dim ", config->head_dim,
                      " is not supported (16, 32, 64 or 128)"));
   }
-  if (config->num_heads % config->num_kv_heads != 0 ||
+  if (config->num_kv_heads <= 0 ||
+      config->num_heads % config->num_kv_heads != 0 ||
       config->num_heads / config->num_kv_heads > cuda::kTreeAttentionTileRows) {
     return absl::UnimplementedError(absl::StrCat(
         "cuda backend: ", config->num_heads, " query heads over ",
         config->num_kv_heads, " KV heads is not supported (at most ",
         cuda::kTreeAttentionTileRows, " per KV head)"));
   }
+  if (tp != nullptr) {
+    const TpPlan *plan = tp->plan;
+    if (plan == nullptr || tp->rank < 0 || tp->rank >= plan->world_size) {
+      return absl::InvalidArgumentError("cuda backend: tensor-parallel rank "
+                                        "without a plan, or out of range");
+    }
+#ifndef SPECD_WITH_NCCL
+    if (plan->world_size > 1) {
+      return absl::UnimplementedError(
+          "cuda backend: tensor parallelism needs NCCL, which this build lacks");
+    }
+#endif
+    if (plan->world_size > 1 && tp->nccl == nullptr) {
+      return absl::InvalidArgumentError(
+          "cuda backend: tensor parallelism needs an NCCL group");
+    }
+    for (int r = 0; r < plan->world_size; ++r) {
+      const TpRankPlan &rp = plan->ranks[r];
+      if (rp.q_heads.empty() || rp.ffn.empty() || rp.vocab.empty()) {
+        return absl::UnimplementedError(absl::StrCat(
+            "tensor_parallel: ", plan->world_size, " ranks leave rank ", r,
+            " without query heads, FFN columns or vocabulary rows (",
+            config->num_heads, " heads, ", config->intermediate_size,
+            " FFN columns); the CUDA backend needs every rank to own some"));
+      }
+    }
+  }
   std::unique_ptr<CudaBackend> backend(
-      new CudaBackend(*std::move(config), device, options));
+      new CudaBackend(*std::move(config), device, options, tp));
   SPECD_RETURN_IF_ERROR_(backend->Init());
   return backend;
 }
 
 CudaBackend::CudaBackend(ModelConfig config, int device,
-                         const BackendOptions &options)
+                         const BackendOptions &options, const CudaTpRank *tp)
     : config_(std::move(config)), device_(device), options_(options) {
-  kv_dim_ = int64_t{config_.num_kv_heads} * config_.head_dim;
+  if (tp != nullptr && tp->plan->world_size > 1) {
+    tp_ = *tp;
+    world_ = tp->plan->world_size;
+    slice_ = tp->plan->ranks[tp->rank];
+  } else {
+    slice_ = FullModelSlice(config_);
+  }
+  heads_ = slice_.q_heads.size();
+  kv_heads_ = slice_.kv_heads.size();
+  ffn_ = slice_.ffn.size();
+  vocab_rows_ = slice_.vocab.size();
+  vocab_rows_max_ = vocab_rows_;
+  if (world_ > 1) {
+    for (const TpRankPlan &rp : tp_.plan->ranks)
+      vocab_rows_max_ = std::max(vocab_rows_max_, rp.vocab.size());
+  }
+  kv_dim_ = kv_heads_ * config_.head_dim;
   graphs_enabled_ = options_.cuda_graphs && !GraphsDisabledByEnv();
 }
 
@@ -169,7 +241,8 @@ CudaBackend::~CudaBackend() {
     cudaFreeHost(host_out_);
   gemm_.reset();
   for (Scratch *s : {&meta_, &residual_, &x_, &normed_, &qkv_, &attn_,
-                     &gate_up_, &act_, &last_, &logits_, &attn_ws_, &sample_ws_, &verify_}) {
+                     &gate_up_, &act_, &last_, &logits_, &attn_ws_, &sample_ws_, &verify_,
+                     &cand_local_, &cand_all_, &gathered_, &full_logits_}) {
     if (s->ptr != nullptr)
       cudaFree(s->ptr);
   }
@@ -232,17 +305,24 @@ absl::Status CudaBackend::Init() {
     return opened.status();
   const TensorStore &st = **opened;
   const ModelConfig &c = config_;
-  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
-                kv = kv_dim_, f = c.intermediate_size, v = c.vocab_size,
-                hd = c.head_dim;
+  // Full (checkpoint) sizes, and this rank's rows and columns of them.
+  const int64_t h = c.hidden_size, hd = c.head_dim,
+                q = int64_t{c.num_heads} * hd,
+                kv = int64_t{c.num_kv_heads} * hd, f = c.intermediate_size,
+                v = c.vocab_size;
+  const TpRange q_rows{slice_.q_heads.begin * hd, slice_.q_heads.end * hd};
+  const TpRange kv_rows{slice_.kv_heads.begin * hd, slice_.kv_heads.end * hd};
+  const ShardSlice rows = ShardSlice::kRows, cols = ShardSlice::kCols;
   std::vector<float> buf;
-  SPECD_RETURN_IF_ERROR_(Read(st, "model.embed_tokens.weight", {v, h}, &buf));
+  SPECD_RETURN_IF_ERROR_(Read(st, "model.embed_tokens.weight", {v, h}, &buf,
+                              false, rows, slice_.vocab));
   SPECD_RETURN_IF_ERROR_(Upload(buf, &embed_));
   SPECD_RETURN_IF_ERROR_(Read(st, "model.norm.weight", {h}, &buf));
   SPECD_RETURN_IF_ERROR_(Upload(buf, &final_norm_));
   lm_head_ = embed_;
   if (!c.tie_word_embeddings) {
-    SPECD_RETURN_IF_ERROR_(Read(st, "lm_head.weight", {v, h}, &buf));
+    SPECD_RETURN_IF_ERROR_(
+        Read(st, "lm_head.weight", {v, h}, &buf, false, rows, slice_.vocab));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &lm_head_));
   }
   layers_.resize(c.num_layers);
@@ -251,19 +331,20 @@ absl::Status CudaBackend::Init() {
     LayerWeights &w = layers_[l];
     SPECD_RETURN_IF_ERROR_(Read(st, p + "input_layernorm.weight", {h}, &buf));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.input_norm));
-    SPECD_RETURN_IF_ERROR_(
-        Read(st, p + "self_attn.q_proj.weight", {q, h}, &buf));
-    SPECD_RETURN_IF_ERROR_(
-        Read(st, p + "self_attn.k_proj.weight", {kv, h}, &buf, true));
-    SPECD_RETURN_IF_ERROR_(
-        Read(st, p + "self_attn.v_proj.weight", {kv, h}, &buf, true));
+    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_proj.weight", {q, h},
+                                &buf, false, rows, q_rows));
+    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.k_proj.weight", {kv, h},
+                                &buf, true, rows, kv_rows));
+    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.v_proj.weight", {kv, h},
+                                &buf, true, rows, kv_rows));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.qkv));
     if (c.attention_bias) {
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_proj.bias", {q}, &buf));
-      SPECD_RETURN_IF_ERROR_(
-          Read(st, p + "self_attn.k_proj.bias", {kv}, &buf, true));
-      SPECD_RETURN_IF_ERROR_(
-          Read(st, p + "self_attn.v_proj.bias", {kv}, &buf, true));
+      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_proj.bias", {q}, &buf,
+                                  false, rows, q_rows));
+      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.k_proj.bias", {kv}, &buf,
+                                  true, rows, kv_rows));
+      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.v_proj.bias", {kv}, &buf,
+                                  true, rows, kv_rows));
       SPECD_RETURN_IF_ERROR_(Upload(buf, &w.qkv_bias));
     }
     if (c.qk_norm) {
@@ -274,17 +355,19 @@ absl::Status CudaBackend::Init() {
           Read(st, p + "self_attn.k_norm.weight", {hd}, &buf));
       SPECD_RETURN_IF_ERROR_(Upload(buf, &w.k_norm));
     }
-    SPECD_RETURN_IF_ERROR_(
-        Read(st, p + "self_attn.o_proj.weight", {h, q}, &buf));
+    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.o_proj.weight", {h, q},
+                                &buf, false, cols, q_rows));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.o_proj));
     SPECD_RETURN_IF_ERROR_(
         Read(st, p + "post_attention_layernorm.weight", {h}, &buf));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.post_norm));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.gate_proj.weight", {f, h}, &buf));
-    SPECD_RETURN_IF_ERROR_(
-        Read(st, p + "mlp.up_proj.weight", {f, h}, &buf, true));
+    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.gate_proj.weight", {f, h}, &buf,
+                                false, rows, slice_.ffn));
+    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.up_proj.weight", {f, h}, &buf,
+                                true, rows, slice_.ffn));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.gate_up));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.down_proj.weight", {h, f}, &buf));
+    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.down_proj.weight", {h, f}, &buf,
+                                false, cols, slice_.ffn));
     SPECD_RETURN_IF_ERROR_(Upload(buf, &w.down));
   }
   const std::vector<float> inv_freq = RopeInvFreq(c);
@@ -599,6 +682,8 @@ bool CudaBackend::ChooseBuckets(const std::vector<int64_t> &item_tokens,
   if (most > kGraphMaxTreeTokens + 1)
     return false;
   const int64_t batch = NextPow2(b), per_seq = TokenBucket(most);
+  // Longer steps run eagerly: their activations and logits would take too
+  // much memory for the little a graph saves on a step that long.
   if (batch * per_seq > kGraphMaxTokens)
     return false;
   step->padded = true;
@@ -620,6 +705,13 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     step->T = step->batch * step->per_seq;
     step->R = step->batch * step->per_seq;
   }
+#ifdef SPECD_WITH_NCCL
+  // The same choice on every rank: it depends on the step's shape only.
+  step->custom_allreduce =
+      world_ > 1 && tp_.custom != nullptr &&
+      static_cast<int64_t>(step->T * c.hidden_size * sizeof(bf16)) <=
+          tp_.custom->max_bytes();
+#endif
   const int64_t T = step->T;
   // Token and logit-row base of each launched sequence.
   std::vector<int64_t> token_base(step->batch), row_base(step->batch);
@@ -721,9 +813,10 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     std::copy(batch.seqs[b]->blocks.begin(), batch.seqs[b]->blocks.end(),
               block_tables.begin() + b * step->max_blocks);
   }
+  const int64_t kv_group = c.num_heads / c.num_kv_heads;
   cuda::TreeAttentionPlan plan =
-      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), T, c.num_heads,
-                              c.num_kv_heads, num_sms_);
+      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), T, heads_,
+                              kv_heads_, kv_group, num_sms_);
   if (step->padded) {
     // The key-range split changes how a query's partial softmaxes are combined,
     // so it must not depend on the padding: take the split the real queries
@@ -731,7 +824,7 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     plan.num_splits =
         cuda::PlanTreeAttention(real_query_seq.data(), real_kv_end.data(),
                                 static_cast<int64_t>(real_query_seq.size()),
-                                c.num_heads, c.num_kv_heads, num_sms_)
+                                heads_, kv_heads_, kv_group, num_sms_)
             .num_splits;
   }
   step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());
@@ -740,7 +833,7 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
   // keeps reallocations, which drop every captured graph, rare.
   step->ws_floats = NextPow2(
       std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(
-                               plan.num_splits, T, c.num_heads, c.head_dim)));
+                               plan.num_splits, T, heads_, c.head_dim)));
 
   step->o_tokens = pack->Add(tokens);
   step->o_positions = pack->Add(positions);
@@ -759,8 +852,8 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
 absl::Status CudaBackend::PrepareBuffers(const Step &step, size_t meta_bytes) {
   const ModelConfig &c = config_;
   const int64_t T = step.T, R = std::max<int64_t>(step.R, 1);
-  const int64_t H = c.hidden_size, F = c.intermediate_size;
-  const int64_t QD = int64_t{c.num_heads} * c.head_dim, QKVD = QD + 2 * kv_dim_;
+  const int64_t H = c.hidden_size, F = ffn_;
+  const int64_t QD = heads_ * c.head_dim, QKVD = QD + 2 * kv_dim_;
   SPECD_RETURN_IF_ERROR_(Ensure(&meta_, meta_bytes));
   SPECD_RETURN_IF_ERROR_(Ensure(&residual_, T * H * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&x_, T * H * sizeof(bf16)));
@@ -770,10 +863,25 @@ absl::Status CudaBackend::PrepareBuffers(const Step &step, size_t meta_bytes) {
   SPECD_RETURN_IF_ERROR_(Ensure(&gate_up_, T * 2 * F * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&act_, T * F * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&last_, R * H * sizeof(bf16)));
-  SPECD_RETURN_IF_ERROR_(Ensure(&logits_, R * c.vocab_size * sizeof(float)));
+  // The all-gather of top-k / top-p rows sends vocab_rows_max_ columns a row.
+  SPECD_RETURN_IF_ERROR_(
+      Ensure(&logits_, R * vocab_rows_max_ * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&attn_ws_, step.ws_floats * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(
       Ensure(&sample_ws_, cuda::SampleWorkspaceBytes(R, c.vocab_size)));
+  if (world_ > 1 && step.verify) {
+#ifdef SPECD_WITH_NCCL
+    const size_t cand = sizeof(cuda::SampleCandidate);
+    SPECD_RETURN_IF_ERROR_(Ensure(&cand_local_, R * cand));
+    SPECD_RETURN_IF_ERROR_(Ensure(&cand_all_, world_ * R * cand));
+    if (step.gather_logits) {
+      SPECD_RETURN_IF_ERROR_(Ensure(
+          &gathered_, world_ * R * vocab_rows_max_ * sizeof(float)));
+      SPECD_RETURN_IF_ERROR_(
+          Ensure(&full_logits_, R * c.vocab_size * sizeof(float)));
+    }
+#endif
+  }
   return absl::OkStatus();
 }
 
@@ -800,17 +908,66 @@ absl::Status CudaBackend::UploadMeta(const Packer &pack) {
   return absl::OkStatus();
 }
 
+CudaBackend::bf16 *CudaBackend::Partial(const Step &step, int site) {
+#ifdef SPECD_WITH_NCCL
+  if (step.custom_allreduce)
+    return tp_.custom->input(tp_.rank, site);
+#endif
+  (void)step;
+  (void)site;
+  return static_cast<bf16 *>(x_.ptr);
+}
+
+absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
+                                     const bf16 *weight) {
+  const ModelConfig &c = config_;
+  const int64_t H = c.hidden_size;
+  float *residual = static_cast<float *>(residual_.ptr);
+  bf16 *normed = static_cast<bf16 *>(normed_.ptr);
+  bf16 *x = static_cast<bf16 *>(x_.ptr);
+#ifdef SPECD_WITH_NCCL
+  if (world_ > 1 && step.custom_allreduce) {
+    cuda::AllReduceParams p = tp_.custom->Params(tp_.rank, site);
+    p.rows = step.T;
+    p.dim = H;
+    p.out = normed;
+    p.residual = residual;
+    p.residual_init = init;
+    p.norm_weight = weight;
+    p.eps = c.rms_norm_eps;
+    SPECD_CUDA_RETURN_(cuda::AllReduceCuda(p, stream_), "custom all-reduce");
+    return absl::OkStatus();
+  }
+  if (world_ > 1) {
+    SPECD_NCCL_RETURN_(ncclAllReduce(x, x, static_cast<size_t>(step.T * H),
+                                     ncclBfloat16, ncclSum,
+                                     tp_.nccl->comm(tp_.rank), stream_),
+                       "NCCL all-reduce");
+  }
+#endif
+  (void)site;
+  cuda::RmsNormParams p;
+  p.x = x;
+  p.residual = residual;
+  p.residual_init = init;
+  p.weight = weight;
+  p.out = normed;
+  p.rows = step.T;
+  p.dim = H;
+  p.eps = c.rms_norm_eps;
+  SPECD_CUDA_RETURN_(cuda::RmsNormCuda(p, stream_), "RMSNorm");
+  return absl::OkStatus();
+}
+
 // Enqueues the step's kernels on stream_. Allocates nothing, synchronises
 // nothing and reads nothing back, so that it can be captured into a CUDA graph.
 absl::Status CudaBackend::Enqueue(const Step &step) {
   const ModelConfig &c = config_;
   const int64_t T = step.T, R = step.R;
-  const int64_t H = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
-  const int64_t QD = int64_t{c.num_heads} * hd, KVD = kv_dim_,
-                QKVD = QD + 2 * KVD;
+  const int64_t H = c.hidden_size, hd = c.head_dim;
+  // This rank's widths (the whole model's without tensor parallelism).
+  const int64_t QD = heads_ * hd, KVD = kv_dim_, QKVD = QD + 2 * KVD, F = ffn_;
   void *meta = meta_.ptr;
-  float *residual = static_cast<float *>(residual_.ptr);
-  bf16 *x = static_cast<bf16 *>(x_.ptr);
   bf16 *normed = static_cast<bf16 *>(normed_.ptr);
   bf16 *qkv = static_cast<bf16 *>(qkv_.ptr);
   bf16 *attn = static_cast<bf16 *>(attn_.ptr);
@@ -818,45 +975,34 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   bf16 *act = static_cast<bf16 *>(act_.ptr);
   const int32_t *block_tables = At<int32_t>(meta, step.o_tables);
 
+  // Vocabulary-parallel embedding: a rank gathers the rows it holds and zeros
+  // for the others, so the all-reduce that starts the residual stream is exact.
   cuda::EmbeddingParams emb;
   emb.tokens = At<int32_t>(meta, step.o_tokens);
   emb.table = embed_;
-  emb.out = x;
+  emb.out = Partial(step, kEmbedSite);
   emb.num_tokens = T;
-  emb.vocab_size = c.vocab_size;
+  emb.vocab_size = vocab_rows_;
+  emb.vocab_offset = slice_.vocab.begin;
   emb.hidden = H;
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(emb, stream_), "embedding");
-
-  const auto norm = [&](const bf16 *in, bool init, const bf16 *w, bf16 *out,
-                        int64_t rows_n) -> absl::Status {
-    cuda::RmsNormParams p;
-    p.x = in;
-    p.residual = residual;
-    p.residual_init = init;
-    p.weight = w;
-    p.out = out;
-    p.rows = rows_n;
-    p.dim = H;
-    p.eps = c.rms_norm_eps;
-    SPECD_CUDA_RETURN_(cuda::RmsNormCuda(p, stream_), "RMSNorm");
-    return absl::OkStatus();
-  };
 
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights &w = layers_[l];
     // Layer 0 starts the residual stream from the embedding; later layers add
-    // the previous MLP's output (in x) to it.
-    SPECD_RETURN_IF_ERROR_(norm(x, l == 0, w.input_norm, normed, T));
+    // the previous MLP's output to it.
+    SPECD_RETURN_IF_ERROR_(ReduceNorm(step, l == 0 ? kEmbedSite : kMlpSite,
+                                      l == 0, w.input_norm));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
 
     cuda::RopeParams rope;
     rope.q = qkv;
     rope.q_stride = QKVD;
-    rope.num_q_heads = c.num_heads;
+    rope.num_q_heads = heads_;
     rope.k = qkv + QD;
     rope.k_stride = QKVD;
-    rope.num_k_heads = c.num_kv_heads;
+    rope.num_k_heads = kv_heads_;
     rope.positions = At<int32_t>(meta, step.o_positions);
     rope.inv_freq = inv_freq_;
     rope.q_norm_weight = w.q_norm;
@@ -898,14 +1044,18 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.num_splits = step.num_splits;
     ap.workspace = static_cast<float *>(attn_ws_.ptr);
     ap.num_queries = T;
-    ap.num_heads = c.num_heads;
-    ap.num_kv_heads = c.num_kv_heads;
+    ap.num_heads = heads_;
+    ap.num_kv_heads = kv_heads_;
+    ap.q_head_offset = slice_.q_heads.begin;
+    ap.kv_head_offset = slice_.kv_heads.begin;
+    ap.kv_group = c.num_heads / c.num_kv_heads;
     ap.head_dim = hd;
     ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
 
-    SPECD_RETURN_IF_ERROR_(Gemm(attn, w.o_proj, nullptr, x, false, T, H, QD));
-    SPECD_RETURN_IF_ERROR_(norm(x, false, w.post_norm, normed, T));
+    SPECD_RETURN_IF_ERROR_(Gemm(attn, w.o_proj, nullptr,
+                                Partial(step, kAttnSite), false, T, H, QD));
+    SPECD_RETURN_IF_ERROR_(ReduceNorm(step, kAttnSite, false, w.post_norm));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
     cuda::SwiGluParams sw;
@@ -914,11 +1064,13 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     sw.rows = T;
     sw.dim = F;
     SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
-    SPECD_RETURN_IF_ERROR_(Gemm(act, w.down, nullptr, x, false, T, H, F));
+    SPECD_RETURN_IF_ERROR_(
+        Gemm(act, w.down, nullptr, Partial(step, kMlpSite), false, T, H, F));
   }
   // Final norm of every token (cheap next to the LM head), then the requested
   // rows only.
-  SPECD_RETURN_IF_ERROR_(norm(x, c.num_layers == 0, final_norm_, normed, T));
+  SPECD_RETURN_IF_ERROR_(ReduceNorm(step, c.num_layers == 0 ? kEmbedSite : kMlpSite,
+                                    c.num_layers == 0, final_norm_));
   if (R == 0)
     return absl::OkStatus();
   cuda::EmbeddingParams
@@ -932,7 +1084,7 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_),
                      "gathering logit rows");
   SPECD_RETURN_IF_ERROR_(Gemm(static_cast<bf16 *>(last_.ptr), lm_head_, nullptr,
-                              logits_.ptr, true, R, c.vocab_size, H));
+                              logits_.ptr, true, R, vocab_rows_, H));
   if (!step.verify)
     return absl::OkStatus();
 
@@ -940,18 +1092,11 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   int32_t *accepted = At<int32_t>(meta, step.o_out);
   int32_t *out_tokens = accepted + step.batch;
   int32_t *out_nodes = out_tokens + step.batch * step.out_stride;
-  cuda::SampleParams sp;
-  sp.logits = static_cast<const float *>(logits_.ptr);
-  sp.logits_stride = c.vocab_size;
-  sp.rows = At<cuda::SampleRowParams>(meta, step.o_row_params);
-  sp.tokens = At<int32_t>(meta, step.o_sampled);
-  sp.num_rows = R;
-  sp.vocab_size = c.vocab_size;
-  sp.workspace = sample_ws_.ptr;
-  SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
+  int32_t *sampled = At<int32_t>(meta, step.o_sampled);
+  SPECD_RETURN_IF_ERROR_(SampleRows(step, sampled));
 
   cuda::TreeAcceptParams tp;
-  tp.sampled = sp.tokens;
+  tp.sampled = sampled;
   tp.sample_offset = At<int32_t>(meta, step.o_sample_offset);
   tp.tree_tokens = At<int32_t>(meta, step.o_tree_tokens);
   tp.tree_parents = At<int32_t>(meta, step.o_tree_parents);
@@ -983,6 +1128,66 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::SampleRows(const Step &step, int32_t *tokens) {
+  const int64_t R = step.R, vocab = config_.vocab_size;
+  cuda::SampleParams sp;
+  sp.logits = static_cast<const float *>(logits_.ptr);
+  sp.logits_stride = vocab_rows_;
+  sp.rows = At<cuda::SampleRowParams>(meta_.ptr, step.o_row_params);
+  sp.tokens = tokens;
+  sp.num_rows = R;
+  sp.vocab_size = vocab_rows_;
+  sp.workspace = sample_ws_.ptr;
+#ifdef SPECD_WITH_NCCL
+  if (world_ > 1 && !step.gather_logits) {
+    // Greedy and plain temperature: each rank reduces its shard to one
+    // candidate a row (Gumbel noise keyed by the global token id), and the
+    // candidates' reduction is the choice over the whole row.
+    sp.vocab_offset = slice_.vocab.begin;
+    sp.candidates = static_cast<cuda::SampleCandidate *>(cand_local_.ptr);
+    SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling candidates");
+    SPECD_NCCL_RETURN_(
+        ncclAllGather(cand_local_.ptr, cand_all_.ptr,
+                      static_cast<size_t>(R) * sizeof(cuda::SampleCandidate),
+                      ncclUint8, tp_.nccl->comm(tp_.rank), stream_),
+        "gathering sampling candidates");
+    cuda::ReduceCandidatesParams rp;
+    rp.candidates = static_cast<const cuda::SampleCandidate *>(cand_all_.ptr);
+    rp.world_size = world_;
+    rp.num_rows = R;
+    rp.tokens = tokens;
+    SPECD_CUDA_RETURN_(cuda::ReduceCandidatesCuda(rp, stream_),
+                       "reducing sampling candidates");
+    return absl::OkStatus();
+  }
+  if (world_ > 1) {
+    // Top-k / top-p need the whole row: gather every rank's [R, rows_r]
+    // logits (at a common stride) and lay them side by side.
+    const size_t stride = static_cast<size_t>(R) * vocab_rows_max_;
+    SPECD_NCCL_RETURN_(ncclAllGather(logits_.ptr, gathered_.ptr, stride,
+                                     ncclFloat32, tp_.nccl->comm(tp_.rank),
+                                     stream_),
+                       "gathering logits");
+    float *full = static_cast<float *>(full_logits_.ptr);
+    for (int r = 0; r < world_; ++r) {
+      const TpRange v = tp_.plan->ranks[r].vocab;
+      SPECD_CUDA_RETURN_(
+          cudaMemcpy2DAsync(full + v.begin, vocab * sizeof(float),
+                            static_cast<const float *>(gathered_.ptr) + r * stride,
+                            v.size() * sizeof(float), v.size() * sizeof(float),
+                            R, cudaMemcpyDeviceToDevice, stream_),
+          "placing gathered logits");
+    }
+    sp.logits = full;
+    sp.logits_stride = vocab;
+    sp.vocab_size = vocab;
+  }
+#endif
+  (void)vocab;
+  SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
+  return absl::OkStatus();
+}
+
 void CudaBackend::ClearGraphs() {
   for (auto &[key, entry] : graphs_) {
     if (entry.exec != nullptr)
@@ -1008,6 +1213,8 @@ absl::Status CudaBackend::Execute(const Step &step) {
   // launch equal kernels with equal arguments. Buffer pointers are covered by
   // the generation.
   const std::vector<int64_t> key = {step.verify,
+                                    step.custom_allreduce,
+                                    step.gather_logits,
                                     step.batch,
                                     step.per_seq,
                                     step.T,
@@ -1083,6 +1290,33 @@ absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items,
   if (logits == nullptr)
     return absl::InvalidArgumentError("logits is null");
   logits->clear();
+  int64_t rows = 0;
+  for (const ForwardItem &it : items)
+    rows += static_cast<int64_t>(it.logit_rows.size());
+  logits->resize(static_cast<size_t>(rows) * config_.vocab_size);
+  absl::Status s = ForwardToHost(items, logits->data());
+  if (!s.ok())
+    logits->clear();
+  return s;
+}
+
+absl::Status CudaBackend::ForwardColumns(absl::Span<const ForwardItem> items,
+                                         float *logits) {
+  return ForwardToHost(items, logits);
+}
+
+void CudaBackend::LimitKvBlocks(int64_t blocks) {
+  if (blocks >= num_blocks_)
+    return;
+  // Only called before any sequence exists: every block is free.
+  num_blocks_ = blocks;
+  free_blocks_.clear();
+  for (int64_t b = num_blocks_ - 1; b >= 0; --b)
+    free_blocks_.push_back(static_cast<int32_t>(b));
+}
+
+absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items,
+                                        float *logits) {
   absl::StatusOr<Batch> batch = Validate(items);
   if (!batch.ok())
     return batch.status();
@@ -1104,9 +1338,9 @@ absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items,
   SPECD_RETURN_IF_ERROR_(UploadMeta(pack));
   SPECD_RETURN_IF_ERROR_(Execute(step));
   const int64_t vocab = config_.vocab_size;
-  logits->resize(static_cast<size_t>(batch->rows) * vocab);
   // Each item's rows are contiguous on the device; runs of items that follow
-  // each other there go back in one copy (a whole decode batch is one run).
+  // each other there go back in one copy (a whole decode batch is one run),
+  // into this rank's columns of the host rows.
   int64_t dst = 0;
   for (size_t b = 0; b < items.size();) {
     const int64_t src = step.item_row_begin[b];
@@ -1117,11 +1351,13 @@ absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items,
       ++e;
     }
     if (n > 0) {
+      const size_t width = static_cast<size_t>(vocab_rows_) * sizeof(float);
       SPECD_CUDA_RETURN_(
-          cudaMemcpyAsync(logits->data() + dst * vocab,
-                          static_cast<const float *>(logits_.ptr) + src * vocab,
-                          static_cast<size_t>(n) * vocab * sizeof(float),
-                          cudaMemcpyDeviceToHost, stream_),
+          cudaMemcpy2DAsync(logits + dst * vocab + slice_.vocab.begin,
+                            vocab * sizeof(float),
+                            static_cast<const float *>(logits_.ptr) +
+                                src * vocab_rows_,
+                            width, width, n, cudaMemcpyDeviceToHost, stream_),
           "copying logits");
     }
     dst += n;
@@ -1186,6 +1422,10 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
 
   Step step;
   step.verify = true;
+  for (const VerifyItem &it : items) {
+    if (world_ > 1 && !VocabParallelSamplingSupported(it.sampling))
+      step.gather_logits = true;
+  }
   std::vector<int64_t> item_tokens;
   for (const ForwardItem &f : forward)
     item_tokens.push_back(static_cast<int64_t>(f.tokens.size()));

@@ -29,6 +29,19 @@
 // the logits or outcomes down. Padding rows write no KV (slot -1), read only,
 // and are never sampled into an outcome. Prefill-sized steps run eagerly.
 //
+// Tensor parallelism (engine/cuda/cuda_tp_backend.h). Given a CudaTpRank, the
+// backend is one rank of a group: it loads only its slice of the checkpoint
+// (engine/tp_plan.h: query heads, the KV heads they read, FFN columns and
+// vocabulary rows), keeps only its KV heads, and all-reduces the row-parallel
+// partial sums (vocabulary-parallel embedding, o_proj, down_proj) with the
+// custom one-shot all-reduce fused with the residual add and the RMSNorm that
+// follows it (NCCL when a step is larger than the custom buffers). Every rank
+// keeps the same sequence bookkeeping and runs the same steps in lockstep,
+// SPMD, so sampling, acceptance and KV compaction need no coordinator: rows
+// are chosen from per-rank vocabulary candidates gathered with NCCL (greedy and
+// plain temperature), or from logits gathered whole (top-k / top-p), and every
+// rank reaches the same outcome.
+//
 // Not thread-safe: one thread drives a backend. Numerics: logits agree with the
 // fp32 CPU backend to bf16 accuracy (tests/gpu/cuda_backend_test.cc). GEMMs of
 // up to BackendOptions::cuda_gemm_invariant_rows rows are row-invariant, and
@@ -51,17 +64,35 @@
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/model_config.h"
+#include "engine/tp_plan.h"
 #include "specd/kernels/cuda/gemm.h"
 
 namespace specd {
 
+class CustomAllReduceGroup;
+class NcclGroup;
+
+// One rank's place in a tensor-parallel group; the group outlives the backend.
+struct CudaTpRank {
+  const TpPlan* plan = nullptr;  // the group's plan (every rank's slice)
+  int rank = 0;
+  NcclGroup* nccl = nullptr;     // required when the plan has more than one rank
+  // Null: NCCL only. Otherwise steps whose all-reduce messages fit its buffers
+  // ([tokens, hidden] bf16) use it.
+  CustomAllReduceGroup* custom = nullptr;
+};
+
 class CudaBackend : public Backend {
 public:
   static constexpr int64_t kKvBlockTokens = 16;
+  // Padded (CUDA-graph) steps have at most this many token rows.
+  static constexpr int64_t kGraphMaxTokens = 4096;
 
-  // Loads the model folder `dir` onto CUDA device `device`.
+  // Loads the model folder `dir` onto CUDA device `device`; with `tp`, only
+  // that rank's slice of it (call on the rank's own thread).
   static absl::StatusOr<std::unique_ptr<CudaBackend>>
-  Create(const std::string &dir, int device, const BackendOptions &options);
+  Create(const std::string &dir, int device, const BackendOptions &options,
+         const CudaTpRank *tp = nullptr);
   ~CudaBackend() override;
 
   const ModelConfig &config() const override { return config_; }
@@ -75,6 +106,16 @@ public:
   KvUsage Usage() const override;
   absl::StatusOr<std::vector<VerifyOutcome>>
   Verify(absl::Span<const VerifyItem> items) override;
+
+  // Forward() for one rank of a group: writes this rank's vocabulary columns
+  // of `logits`, [rows of all items, vocab_size] fp32, host, which the caller
+  // sized (the other ranks write the other columns at the same time).
+  absl::Status ForwardColumns(absl::Span<const ForwardItem> items,
+                              float *logits);
+  // KV blocks this backend can hold, and a cap on them: the ranks of a group
+  // must run out of KV blocks at the same moment.
+  int64_t kv_blocks() const { return num_blocks_; }
+  void LimitKvBlocks(int64_t blocks);
 
 private:
   using bf16 = __nv_bfloat16;
@@ -136,6 +177,10 @@ private:
     int num_splits = 1;
     int64_t ws_floats = 0; // split-KV workspace
     int64_t out_stride = 0;
+    // Tensor parallel: all-reduces take the custom kernel; verify rows need the
+    // whole logits (top-k / top-p) rather than per-rank candidates.
+    bool custom_allreduce = false;
+    bool gather_logits = false;
     std::vector<int64_t> item_row_begin; // first logit row of each item
     size_t o_tokens = 0, o_positions = 0, o_query_seq = 0, o_kv_end = 0,
            o_mask_begin = 0, o_mask = 0, o_slots = 0, o_tables = 0, o_rows = 0,
@@ -150,7 +195,8 @@ private:
     bool failed = false;
   };
 
-  CudaBackend(ModelConfig config, int device, const BackendOptions &options);
+  CudaBackend(ModelConfig config, int device, const BackendOptions &options,
+              const CudaTpRank *tp);
   absl::Status Init();
   absl::Status Upload(const std::vector<float> &host, bf16 **out);
   absl::Status Ensure(Scratch *s, size_t bytes);
@@ -173,10 +219,28 @@ private:
   int64_t PhysicalSlot(const Sequence &s, int64_t logical) const;
   absl::Status Gemm(const bf16 *x, const bf16 *w, const bf16 *bias, void *y,
                     bool y_fp32, int64_t m, int64_t n, int64_t k);
+  // Forward() into host rows of stride vocab_size, this rank's columns.
+  absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float *logits);
+  // Where a row-parallel GEMM writes its [T, hidden] partial sums for the
+  // all-reduce at `site` (x_ without tensor parallelism).
+  bf16 *Partial(const Step &step, int site);
+  // Sums the partials of `site` over the ranks into the residual stream
+  // (starting it when `init`) and writes RMSNorm(residual) * weight to normed_.
+  absl::Status ReduceNorm(const Step &step, int site, bool init,
+                          const bf16 *weight);
+  // Turns the [R, local vocab] logits into sampled tokens (verify steps).
+  absl::Status SampleRows(const Step &step, int32_t *tokens);
 
   ModelConfig config_;
   int device_ = 0;
   BackendOptions options_;
+  // This rank's part of the model (all of it without tensor parallelism) and
+  // its sizes: query heads, KV heads, FFN columns, vocabulary rows.
+  CudaTpRank tp_;
+  int world_ = 1;
+  TpRankPlan slice_;
+  int64_t heads_ = 0, kv_heads_ = 0, ffn_ = 0, vocab_rows_ = 0;
+  int64_t vocab_rows_max_ = 0;  // the largest rank's vocabulary rows
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
   int num_sms_ = 0;
@@ -210,6 +274,10 @@ private:
   Scratch attn_ws_;  // split-KV workspace
   Scratch sample_ws_;  // split-vocabulary sampling workspace (SampleWorkspaceBytes)
   Scratch verify_;   // sampling and acceptance outputs
+  // Tensor parallel verify: this rank's candidates [R] and everyone's
+  // [world, R] (cuda::SampleCandidate); or everyone's logits [world, R,
+  // vocab_rows_max_] fp32 and the whole rows [R, vocab] fp32.
+  Scratch cand_local_, cand_all_, gathered_, full_logits_;
 
   // CUDA graphs, keyed by everything their launches take by value. Graphs point
   // into the buffers above; buffer_generation_ counts their reallocations, and

@@ -7,6 +7,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/metrics.h"
@@ -20,10 +22,14 @@ ABSL_FLAG(int, metrics_port, 9102,
 ABSL_FLAG(std::string, model, "", "Hugging Face folder of the target model (required)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda:N where a CUDA backend is built");
 ABSL_FLAG(std::string, devices, "",
-          "comma-separated devices, one per tensor-parallel rank; replaces --device");
+          "comma-separated GPUs, one per tensor-parallel rank (\"1,2,3\" or \"cuda:1,cuda:2\"), "
+          "replacing --device; \"cpu,cpu\" for simulated CPU ranks");
 ABSL_FLAG(int, tensor_parallel, 1,
-          "ranks the target model is split over: any number on the CPU (one thread per rank); "
-          "1 on CUDA for now");
+          "ranks the target model is split over, any number: one thread per rank, each on its "
+          "own GPU (--devices) or simulated on the CPU");
+ABSL_FLAG(int64_t, custom_allreduce_max_bytes, -1,
+          "cuda tensor parallel: all-reduces up to this many bytes use the custom one-shot "
+          "kernel, larger ones NCCL (-1: every CUDA-graph step, 0: NCCL only)");
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
 ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
@@ -61,8 +67,25 @@ int Main() {
           absl::StrCat("--devices: lists ", list.size(), " devices but --tensor_parallel is ",
                        options.backend.tensor_parallel)));
     }
-    options.backend.device = list[0];
+    // "cpu" entries select the simulated CPU ranks; GPUs are "N" or "cuda:N".
+    if (list[0] == "cpu") {
+      options.backend.device = "cpu";
+    } else {
+      for (size_t i = 0; i < list.size(); ++i) {
+        std::string entry = list[i];
+        if (absl::StartsWith(entry, "cuda:")) entry = entry.substr(5);
+        int gpu = -1;
+        if (!absl::SimpleAtoi(entry, &gpu) || gpu < 0) {
+          return FailStartup(absl::InvalidArgumentError(absl::StrCat(
+              "--devices: entry ", i, " \"", list[i], "\" is not a GPU index or cuda:N")));
+        }
+        options.backend.devices.push_back(gpu);
+      }
+      options.backend.device = absl::StrCat("cuda:", options.backend.devices[0]);
+    }
   }
+  options.backend.cuda_custom_allreduce_max_bytes =
+      absl::GetFlag(FLAGS_custom_allreduce_max_bytes);
   if (options.backend.kv_capacity_tokens < 1) {
     return FailStartup(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
   }

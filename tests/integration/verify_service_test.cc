@@ -523,8 +523,10 @@ TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
            {{address, metrics, "--model=" + empty}, "config.json"},
            {{address, metrics}, "--model: required"},
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=0"}, "tensor_parallel"},
-           {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--device=cuda:0"},
-            "tensor_parallel"},
+           {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--devices=60,61"},
+            "cuda:60 is not available"},
+           {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--devices=0,x"},
+            "--devices: entry 1"},
            {{"--address=nonsense", metrics, "--model=" + *dir_}, "--address"},
            {{address, metrics, "--model=" + *dir_, "--devices=cpu,cpu"}, "--devices"}}) {
     absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(

@@ -16,6 +16,11 @@ SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          tie_word_embeddings=True, rope_scaling=dict(ROPE, factor=32.0)),
+    # 80 layers (141 GB): benchmarks write it cut to fewer layers (make_random_checkpoint.py
+    # --layers) and report per layer.
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                          tie_word_embeddings=False, rope_scaling=dict(ROPE, factor=8.0)),
 }
 
 # A toy shape for smoke tests on a CPU; never a benchmark figure.

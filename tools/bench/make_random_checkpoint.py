@@ -7,6 +7,7 @@ Runs on the GPU host (torch + safetensors): weights are drawn on the GPU with a 
 
   python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
   python3 tools/bench/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/specd-1b
+  python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-70b --layers 8 --out /tmp/specd-70b8
 """
 import argparse
 import json
@@ -25,9 +26,13 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--std", type=float, default=0.02)
+    ap.add_argument("--layers", type=int, default=0,
+                    help="keep only this many decoder layers (0: the shape's own count)")
     args = ap.parse_args()
-    s = SHAPES[args.shape]
+    s = dict(SHAPES[args.shape])
     config = hf_config(args.shape)
+    if args.layers > 0:
+        s["num_hidden_layers"] = config["num_hidden_layers"] = args.layers
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(args.seed)

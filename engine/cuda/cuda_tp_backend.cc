@@ -1,0 +1,173 @@
+#include "engine/cuda/cuda_tp_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "engine/model_config.h"
+#ifdef SPECD_WITH_NCCL
+#include "engine/cuda/custom_allreduce.h"
+#include "engine/cuda/nccl_group.h"
+#endif
+
+namespace specd {
+
+#ifndef SPECD_WITH_NCCL
+// Complete types for the unique_ptr members when this build has no NCCL.
+class NcclGroup {};
+class CustomAllReduceGroup {};
+#endif
+
+namespace {
+
+// The all-reduce sites a CudaBackend step uses (cuda_backend.cc).
+constexpr int kAllReduceSites = 3;
+
+}  // namespace
+
+CudaTensorParallelBackend::CudaTensorParallelBackend(TpPlan plan, int world)
+    : plan_(std::move(plan)), rank_info_(world), ranks_(world), workers_(world) {}
+
+CudaTensorParallelBackend::~CudaTensorParallelBackend() = default;
+
+absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBackend::Create(
+    const std::string& dir, const BackendOptions& options, const CudaTpOptions& tp) {
+  const int world = static_cast<int>(tp.devices.size());
+  if (world < 1) return absl::InvalidArgumentError("devices: at least one CUDA device needed");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  absl::flat_hash_set<int> seen;
+  for (int d : tp.devices) {
+    if (d < 0 || d >= count) {
+      return absl::FailedPreconditionError(absl::StrCat("devices: cuda:", d,
+                                                        " is not available: this machine has ",
+                                                        count, " CUDA device(s)"));
+    }
+    if (!seen.insert(d).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("devices: cuda:", d, " is listed twice (one rank a GPU)"));
+    }
+  }
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  if (!config.ok()) return config.status();
+  // FFN and vocabulary shards in whole 64-column units keep the GEMM shapes friendly.
+  TpPlanOptions plan_options;
+  plan_options.ffn_align = 64;
+  plan_options.vocab_align = 64;
+  absl::StatusOr<TpPlan> plan = MakeTpPlan(*config, world, plan_options);
+  if (!plan.ok()) return plan.status();
+
+  std::unique_ptr<CudaTensorParallelBackend> backend(
+      new CudaTensorParallelBackend(*std::move(plan), world));
+#ifdef SPECD_WITH_NCCL
+  if (world > 1) {
+    absl::StatusOr<std::unique_ptr<NcclGroup>> nccl = NcclGroup::Create(tp.devices);
+    if (!nccl.ok()) return nccl.status();
+    backend->nccl_ = std::move(*nccl);
+    int64_t max_bytes = tp.custom_allreduce_max_bytes;
+    if (max_bytes < 0) {
+      max_bytes = CudaBackend::kGraphMaxTokens * config->hidden_size * 2;  // bf16
+    }
+    if (max_bytes > 0) {
+      absl::StatusOr<std::unique_ptr<CustomAllReduceGroup>> custom =
+          CustomAllReduceGroup::Create(tp.devices, kAllReduceSites, max_bytes);
+      if (custom.ok()) {
+        backend->custom_ = std::move(*custom);
+      } else {
+        std::fprintf(stderr, "specd: custom all-reduce unavailable (%s); using NCCL only\n",
+                     custom.status().ToString().c_str());
+      }
+    }
+  }
+#else
+  if (world > 1) {
+    return absl::UnimplementedError(
+        "tensor_parallel > 1 on CUDA needs NCCL, which this build lacks");
+  }
+#endif
+  for (int r = 0; r < world; ++r) {
+    CudaTpRank& info = backend->rank_info_[r];
+    info.plan = &backend->plan_;
+    info.rank = r;
+    info.nccl = backend->nccl_.get();
+    info.custom = backend->custom_.get();
+  }
+  CudaTensorParallelBackend* b = backend.get();
+  absl::Status loaded = b->workers_.Run([&](int r) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<CudaBackend>> rank =
+        CudaBackend::Create(dir, tp.devices[r], options, &b->rank_info_[r]);
+    if (!rank.ok()) return rank.status();
+    b->ranks_[r] = std::move(*rank);
+    return absl::OkStatus();
+  });
+  if (!loaded.ok()) return loaded;
+  // Every rank must run out of KV blocks at the same moment.
+  int64_t blocks = b->ranks_[0]->kv_blocks();
+  for (const auto& rank : b->ranks_) blocks = std::min(blocks, rank->kv_blocks());
+  for (const auto& rank : b->ranks_) rank->LimitKvBlocks(blocks);
+  return backend;
+}
+
+absl::Status CudaTensorParallelBackend::AddSequence(SeqId seq) {
+  // Host bookkeeping only; every rank holds the same, so all succeed or all fail alike.
+  absl::Status first;
+  for (auto& rank : ranks_) {
+    absl::Status s = rank->AddSequence(seq);
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+absl::Status CudaTensorParallelBackend::RemoveSequence(SeqId seq) {
+  absl::Status first;
+  for (auto& rank : ranks_) {
+    absl::Status s = rank->RemoveSequence(seq);
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+absl::Status CudaTensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
+                                                std::vector<float>* logits) {
+  if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
+  int64_t rows = 0;
+  for (const ForwardItem& it : items) rows += static_cast<int64_t>(it.logit_rows.size());
+  logits->assign(static_cast<size_t>(rows) * config().vocab_size, 0.0f);
+  absl::Status s =
+      workers_.Run([&](int r) { return ranks_[r]->ForwardColumns(items, logits->data()); });
+  if (!s.ok()) logits->clear();
+  return s;
+}
+
+absl::Status CudaTensorParallelBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
+  return workers_.Run([&](int r) { return ranks_[r]->Commit(seq, path); });
+}
+
+absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::Verify(
+    absl::Span<const VerifyItem> items) {
+  std::vector<absl::StatusOr<std::vector<VerifyOutcome>>> outcomes(ranks_.size());
+  absl::Status s = workers_.Run([&](int r) {
+    outcomes[r] = ranks_[r]->Verify(items);
+    return outcomes[r].status();
+  });
+  if (!s.ok()) return s;
+  // The ranks decide alike by construction; a disagreement would silently desynchronise their
+  // KV caches, so it is checked (a few integers a sequence).
+  for (size_t r = 1; r < outcomes.size(); ++r) {
+    for (size_t b = 0; b < items.size(); ++b) {
+      const VerifyOutcome& x = (*outcomes[0])[b];
+      const VerifyOutcome& y = (*outcomes[r])[b];
+      if (x.tokens != y.tokens || x.accepted_nodes != y.accepted_nodes) {
+        return absl::InternalError(absl::StrCat("tensor-parallel ranks 0 and ", r,
+                                                " disagree on verify item ", b));
+      }
+    }
+  }
+  return std::move(outcomes[0]);
+}
+
+}  // namespace specd
