@@ -85,21 +85,6 @@ std::vector<__nv_bfloat16> ToBf16(const std::vector<float> &v) {
   return out;
 }
 
-// Reads a tensor, or this rank's rows or columns of it, replacing `out` or
-// appending to it (fused weights).
-absl::Status Read(const TensorStore &store, const std::string &name,
-                  std::vector<int64_t> shape, std::vector<float> *out,
-                  bool append = false, ShardSlice slice = ShardSlice::kAll,
-                  TpRange range = {}) {
-  if (!append)
-    return ReadShard(store, name, std::move(shape), slice, range, out);
-  std::vector<float> part;
-  SPECD_RETURN_IF_ERROR_(
-      ReadShard(store, name, std::move(shape), slice, range, &part));
-  out->insert(out->end(), part.begin(), part.end());
-  return absl::OkStatus();
-}
-
 // All-reduce sites of a step (specd/kernels/cuda/allreduce.h): the embedding,
 // then each layer's attention and MLP. Consecutive all-reduces never share a
 // site (..., attn, mlp, | embed, attn, ...), which is what lets the one-shot
@@ -252,16 +237,83 @@ CudaBackend::~CudaBackend() {
     cudaStreamDestroy(stream_);
 }
 
-absl::Status CudaBackend::Upload(const std::vector<float> &host, bf16 **out) {
-  const std::vector<bf16> h = ToBf16(host);
+absl::Status CudaBackend::UploadWeights(const TensorStore &st,
+                                        const std::vector<WeightPart> &parts,
+                                        bf16 **out) {
+  // Elements of each part, after checking its full shape.
+  std::vector<const TensorView *> views;
+  std::vector<int64_t> sizes;
+  int64_t total = 0;
+  for (const WeightPart &part : parts) {
+    absl::StatusOr<const TensorView *> view = st.Get(part.name);
+    if (!view.ok())
+      return view.status();
+    if ((*view)->shape != part.shape) {
+      // ReadShard words the error (file, tensor, both shapes).
+      std::vector<float> unused;
+      return ReadShard(st, part.name, part.shape, part.slice, part.range,
+                       &unused);
+    }
+    const int64_t row = part.shape.size() > 1 ? part.shape[1] : 1;
+    const int64_t dim0 = part.shape.empty() ? 1 : part.shape[0];
+    int64_t n = (*view)->numel();
+    if (part.slice == ShardSlice::kRows)
+      n = part.range.size() * row;
+    if (part.slice == ShardSlice::kCols)
+      n = dim0 * part.range.size();
+    const int64_t extent =
+        part.slice == ShardSlice::kRows ? dim0 : part.slice == ShardSlice::kCols ? row : 0;
+    if (part.slice != ShardSlice::kAll &&
+        (part.range.begin < 0 || part.range.end > extent ||
+         part.range.begin > part.range.end ||
+         (part.slice == ShardSlice::kCols && part.shape.size() != 2))) {
+      return absl::InternalError(absl::StrCat("cuda backend: slice [",
+                                              part.range.begin, ", ", part.range.end,
+                                              ") out of ", part.name));
+    }
+    views.push_back(*view);
+    sizes.push_back(n);
+    total += n;
+  }
   void *p = nullptr;
   SPECD_CUDA_RETURN_(
-      cudaMalloc(&p, std::max<size_t>(1, h.size()) * sizeof(bf16)),
+      cudaMalloc(&p, std::max<int64_t>(1, total) * sizeof(bf16)),
       "allocating weights");
   allocations_.push_back(p);
-  SPECD_CUDA_RETURN_(
-      cudaMemcpy(p, h.data(), h.size() * sizeof(bf16), cudaMemcpyHostToDevice),
-      "uploading weights");
+  bf16 *dst = static_cast<bf16 *>(p);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const WeightPart &part = parts[i];
+    const TensorView &view = *views[i];
+    const int64_t row = part.shape.size() > 1 ? part.shape[1] : 1;
+    if (view.dtype == DType::kBF16) {
+      // bf16 checkpoints go straight from the mapping to the device: no fp32
+      // round trip (what makes an 8B model load in seconds).
+      if (part.slice == ShardSlice::kCols) {
+        const size_t width = part.range.size() * sizeof(bf16);
+        SPECD_CUDA_RETURN_(
+            cudaMemcpy2D(dst, width, view.data + part.range.begin * sizeof(bf16),
+                         row * sizeof(bf16), width, part.shape[0],
+                         cudaMemcpyHostToDevice),
+            "uploading weights");
+      } else {
+        const int64_t first =
+            part.slice == ShardSlice::kRows ? part.range.begin * row : 0;
+        SPECD_CUDA_RETURN_(cudaMemcpy(dst, view.data + first * sizeof(bf16),
+                                      sizes[i] * sizeof(bf16),
+                                      cudaMemcpyHostToDevice),
+                           "uploading weights");
+      }
+    } else {
+      std::vector<float> buf;
+      SPECD_RETURN_IF_ERROR_(
+          ReadShard(st, part.name, part.shape, part.slice, part.range, &buf));
+      const std::vector<bf16> h = ToBf16(buf);
+      SPECD_CUDA_RETURN_(cudaMemcpy(dst, h.data(), h.size() * sizeof(bf16),
+                                    cudaMemcpyHostToDevice),
+                         "uploading weights");
+    }
+    dst += sizes[i];
+  }
   *out = static_cast<bf16 *>(p);
   return absl::OkStatus();
 }
@@ -292,7 +344,10 @@ absl::Status CudaBackend::Init() {
   SPECD_CUDA_RETURN_(cudaDeviceGetAttribute(
                          &num_sms_, cudaDevAttrMultiProcessorCount, device_),
                      "reading the multiprocessor count");
-  if (cublasStatus_t st = cuda::Gemm::Create(size_t{32} << 20, &gemm_,
+  // 128 MiB of cuBLASLt workspace: split-K algorithms of the narrow, deep
+  // weights (down_proj) need room for up to cuda_gemm_invariant_rows rows of
+  // partial sums to qualify as the one row-invariant algorithm of their shape.
+  if (cublasStatus_t st = cuda::Gemm::Create(size_t{128} << 20, &gemm_,
                                              options_.cuda_gemm_invariant_rows);
       st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(
@@ -313,62 +368,51 @@ absl::Status CudaBackend::Init() {
   const TpRange q_rows{slice_.q_heads.begin * hd, slice_.q_heads.end * hd};
   const TpRange kv_rows{slice_.kv_heads.begin * hd, slice_.kv_heads.end * hd};
   const ShardSlice rows = ShardSlice::kRows, cols = ShardSlice::kCols;
-  std::vector<float> buf;
-  SPECD_RETURN_IF_ERROR_(Read(st, "model.embed_tokens.weight", {v, h}, &buf,
-                              false, rows, slice_.vocab));
-  SPECD_RETURN_IF_ERROR_(Upload(buf, &embed_));
-  SPECD_RETURN_IF_ERROR_(Read(st, "model.norm.weight", {h}, &buf));
-  SPECD_RETURN_IF_ERROR_(Upload(buf, &final_norm_));
+  const auto upload = [&](std::vector<WeightPart> parts, bf16 **out) {
+    return UploadWeights(st, parts, out);
+  };
+  SPECD_RETURN_IF_ERROR_(upload(
+      {{"model.embed_tokens.weight", {v, h}, rows, slice_.vocab}}, &embed_));
+  SPECD_RETURN_IF_ERROR_(upload({{"model.norm.weight", {h}}}, &final_norm_));
   lm_head_ = embed_;
   if (!c.tie_word_embeddings) {
     SPECD_RETURN_IF_ERROR_(
-        Read(st, "lm_head.weight", {v, h}, &buf, false, rows, slice_.vocab));
-    SPECD_RETURN_IF_ERROR_(Upload(buf, &lm_head_));
+        upload({{"lm_head.weight", {v, h}, rows, slice_.vocab}}, &lm_head_));
   }
   layers_.resize(c.num_layers);
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     LayerWeights &w = layers_[l];
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "input_layernorm.weight", {h}, &buf));
-    SPECD_RETURN_IF_ERROR_(Upload(buf, &w.input_norm));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_proj.weight", {q, h},
-                                &buf, false, rows, q_rows));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.k_proj.weight", {kv, h},
-                                &buf, true, rows, kv_rows));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.v_proj.weight", {kv, h},
-                                &buf, true, rows, kv_rows));
-    SPECD_RETURN_IF_ERROR_(Upload(buf, &w.qkv));
+    SPECD_RETURN_IF_ERROR_(
+        upload({{p + "input_layernorm.weight", {h}}}, &w.input_norm));
+    SPECD_RETURN_IF_ERROR_(
+        upload({{p + "self_attn.q_proj.weight", {q, h}, rows, q_rows},
+                {p + "self_attn.k_proj.weight", {kv, h}, rows, kv_rows},
+                {p + "self_attn.v_proj.weight", {kv, h}, rows, kv_rows}},
+               &w.qkv));
     if (c.attention_bias) {
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.q_proj.bias", {q}, &buf,
-                                  false, rows, q_rows));
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.k_proj.bias", {kv}, &buf,
-                                  true, rows, kv_rows));
-      SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.v_proj.bias", {kv}, &buf,
-                                  true, rows, kv_rows));
-      SPECD_RETURN_IF_ERROR_(Upload(buf, &w.qkv_bias));
+      SPECD_RETURN_IF_ERROR_(
+          upload({{p + "self_attn.q_proj.bias", {q}, rows, q_rows},
+                  {p + "self_attn.k_proj.bias", {kv}, rows, kv_rows},
+                  {p + "self_attn.v_proj.bias", {kv}, rows, kv_rows}},
+                 &w.qkv_bias));
     }
     if (c.qk_norm) {
       SPECD_RETURN_IF_ERROR_(
-          Read(st, p + "self_attn.q_norm.weight", {hd}, &buf));
-      SPECD_RETURN_IF_ERROR_(Upload(buf, &w.q_norm));
+          upload({{p + "self_attn.q_norm.weight", {hd}}}, &w.q_norm));
       SPECD_RETURN_IF_ERROR_(
-          Read(st, p + "self_attn.k_norm.weight", {hd}, &buf));
-      SPECD_RETURN_IF_ERROR_(Upload(buf, &w.k_norm));
+          upload({{p + "self_attn.k_norm.weight", {hd}}}, &w.k_norm));
     }
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "self_attn.o_proj.weight", {h, q},
-                                &buf, false, cols, q_rows));
-    SPECD_RETURN_IF_ERROR_(Upload(buf, &w.o_proj));
+    SPECD_RETURN_IF_ERROR_(upload(
+        {{p + "self_attn.o_proj.weight", {h, q}, cols, q_rows}}, &w.o_proj));
     SPECD_RETURN_IF_ERROR_(
-        Read(st, p + "post_attention_layernorm.weight", {h}, &buf));
-    SPECD_RETURN_IF_ERROR_(Upload(buf, &w.post_norm));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.gate_proj.weight", {f, h}, &buf,
-                                false, rows, slice_.ffn));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.up_proj.weight", {f, h}, &buf,
-                                true, rows, slice_.ffn));
-    SPECD_RETURN_IF_ERROR_(Upload(buf, &w.gate_up));
-    SPECD_RETURN_IF_ERROR_(Read(st, p + "mlp.down_proj.weight", {h, f}, &buf,
-                                false, cols, slice_.ffn));
-    SPECD_RETURN_IF_ERROR_(Upload(buf, &w.down));
+        upload({{p + "post_attention_layernorm.weight", {h}}}, &w.post_norm));
+    SPECD_RETURN_IF_ERROR_(
+        upload({{p + "mlp.gate_proj.weight", {f, h}, rows, slice_.ffn},
+                {p + "mlp.up_proj.weight", {f, h}, rows, slice_.ffn}},
+               &w.gate_up));
+    SPECD_RETURN_IF_ERROR_(upload(
+        {{p + "mlp.down_proj.weight", {h, f}, cols, slice_.ffn}}, &w.down));
   }
   const std::vector<float> inv_freq = RopeInvFreq(c);
   void *p = nullptr;

@@ -64,7 +64,9 @@
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/model_config.h"
+#include "common/safetensors.h"
 #include "engine/tp_plan.h"
+#include "engine/weight_shard.h"
 #include "specd/kernels/cuda/gemm.h"
 
 namespace specd {
@@ -198,7 +200,18 @@ private:
   CudaBackend(ModelConfig config, int device, const BackendOptions &options,
               const CudaTpRank *tp);
   absl::Status Init();
-  absl::Status Upload(const std::vector<float> &host, bf16 **out);
+  // One checkpoint tensor, or this rank's rows or columns of it (`shape` is
+  // the full shape, checked).
+  struct WeightPart {
+    std::string name;
+    std::vector<int64_t> shape;
+    ShardSlice slice = ShardSlice::kAll;
+    TpRange range;
+  };
+  // Uploads the parts one after another into one bf16 device allocation (the
+  // fused q/k/v and gate/up weights).
+  absl::Status UploadWeights(const TensorStore &st,
+                             const std::vector<WeightPart> &parts, bf16 **out);
   absl::Status Ensure(Scratch *s, size_t bytes);
   absl::StatusOr<Batch> Validate(absl::Span<const ForwardItem> items);
   // Picks the step's bucket when graphs are on and the step fits one; false:

@@ -467,22 +467,31 @@ Gemm::Family &Gemm::FamilyFor(const Key &key) {
     return found->second;
   Family &family = families_[fk];
   family.classes.resize(class_hi_.size());
-  // Candidates for plan_rows_ rows; keep the first that cuBLASLt accepts at
-  // both ends of the row range with the workspace this object has (a split-K
-  // candidate whose workspace grows with m fails at invariant_rows and is
-  // skipped). It must serve every m: it is what a row class falls back to.
-  Plan at_plan, at_one, at_most;
-  const Key plan_key{plan_rows_, n,       k,       y_fp32,
-                     has_bias,   align_x, align_w, align_y};
+  // Candidates in cuBLASLt's order for plan_rows_ rows, then (only reached
+  // when none of those fits) for 1, 64 and invariant_rows_ rows; keep the
+  // first that cuBLASLt accepts at both ends of the row range with the
+  // workspace this object has. A split-K candidate whose workspace grows with
+  // m fails at invariant_rows and is skipped; every plan_rows_ candidate of a
+  // narrow, deep weight such as Llama-3.1-8B's down_proj (4096 x 14336) is such
+  // a one, and the large-m lists hold candidates without split-K. It must serve
+  // every m: it is what a row class falls back to.
+  Plan at_one, at_most;
   const Key one_key{1, n, k, y_fp32, has_bias, align_x, align_w, align_y};
   const Key most_key{invariant_rows_, n,       k,       y_fp32,
                      has_bias,        align_x, align_w, align_y};
-  if (MakeLayouts(plan_key, &at_plan) == CUBLAS_STATUS_SUCCESS &&
-      MakeLayouts(one_key, &at_one) == CUBLAS_STATUS_SUCCESS &&
+  if (MakeLayouts(one_key, &at_one) == CUBLAS_STATUS_SUCCESS &&
       MakeLayouts(most_key, &at_most) == CUBLAS_STATUS_SUCCESS) {
     std::vector<cublasLtMatmulAlgo_t> candidates;
-    AppendCandidates(handle_, at_plan.desc, at_plan.a, at_plan.b, at_plan.d,
-                     workspace_bytes_, align_x, align_w, align_y, &candidates);
+    for (int64_t rows : {plan_rows_, int64_t{1}, int64_t{64}, invariant_rows_}) {
+      Plan at_rows;
+      const Key rows_key{std::min(rows, invariant_rows_), n, k, y_fp32,
+                         has_bias, align_x, align_w, align_y};
+      if (MakeLayouts(rows_key, &at_rows) == CUBLAS_STATUS_SUCCESS) {
+        AppendCandidates(handle_, at_rows.desc, at_rows.a, at_rows.b,
+                         at_rows.d, workspace_bytes_, align_x, align_w,
+                         align_y, &candidates);
+      }
+    }
     for (const cublasLtMatmulAlgo_t &algo : candidates) {
       if (AlgoFits(algo, at_one) && AlgoFits(algo, at_most)) {
         family.found = true;

@@ -204,8 +204,11 @@ Call RandomCall(int n, int site, int64_t rows, int64_t dim, int mode, std::mt199
   for (int r = 0; r < n; ++r) c.partials.push_back(RoundBf16(RandomNormal(rows * dim, rng)));
   if (mode != kPlain) {
     c.residual = RandomNormal(rows * dim, rng, 3.0f);
-    c.weight = RoundBf16(RandomNormal(dim, rng, 0.5f));
+    // Rounded after the shift, so that the CPU reference multiplies by the very bf16 values the
+    // kernel reads.
+    c.weight = RandomNormal(dim, rng, 0.5f);
     for (float& w : c.weight) w += 1.0f;
+    c.weight = RoundBf16(c.weight);
   }
   return c;
 }

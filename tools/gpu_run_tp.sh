@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# GPU-host run for tensor parallelism and the CUDA speed work (issues 5 and 6), from the
+# repository root with a packed build: every tests/gpu binary (one line each, failures in
+# full), the all-reduce benchmark, the GEMM row-class benchmark, then whole-step benchmarks of
+# a random Llama-3.1-8B-shaped checkpoint at TP=1 and TP=2 (custom all-reduce, and NCCL only)
+# and, with --70b, of a Llama-3.1-70B-shaped checkpoint cut to LAYERS70 layers.
+#   tools/gpu_run_tp.sh [--dev DIR] [--no-tests] [--no-8b] [--70b] [--attn] [--gptfast]
+#       [--hf] [--1b]
+# --gptfast adds gpt-fast at the 8B shape, TP=1 and TP=2 under torchrun
+# (tools/bench/gpu_run_baselines.sh; needs .carry-gptfast), --hf transformers at 8B, --1b
+# specd and gpt-fast at the Llama-3.2-1B shape. Logs go to /tmp/tplogs and are tarred into
+# $OUT/tp_logs.tgz at the end (the device tool returns at most 8 files).
+set -u
+dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dev) dev=$2; shift ;;
+    --no-tests) tests=0 ;;
+    --no-8b) b8=0 ;;
+    --70b) b70=1 ;;
+    --attn) attn=1 ;;
+    --gptfast) gptfast=1 ;;
+    --hf) hf=1 ;;
+    --1b) b1=1 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ -f "$dev/env.sh" ] && . "$dev/env.sh"
+logs=/tmp/tplogs
+mkdir -p "$logs"
+t0=$(date +%s)
+stamp() { echo "--- $(( $(date +%s) - t0 )) s: $*"; }
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -4
+ngpu=$(nvidia-smi -L | wc -l)
+
+if [ $tests -eq 1 ]; then
+  stamp "GPU tests"
+  for t in "$dev"/bin/tests/*_cuda_test "$dev"/bin/tests/cuda_*_test "$dev"/bin/tests/gemm_invariance_test; do
+    [ -x "$t" ] || continue
+    name=$(basename "$t")
+    log=$logs/tp_$name.log
+    s=$(date +%s)
+    if timeout 240 "$t" > "$log" 2>&1; then
+      echo "PASS $name ($(( $(date +%s) - s )) s): $(grep -E '^\[  PASSED  \]|SKIPPED \]' "$log" | tr '\n' ' ')"
+    else
+      rc=$?
+      echo "FAIL $name (exit $rc, $(( $(date +%s) - s )) s):"
+      grep -B2 -A14 -E 'Failure$|: Failure|FATAL' "$log" | head -90
+      grep -E '^\[  FAILED  \]' "$log"
+    fi
+    grep -E '^(prompt|pycoder|TP=2|speculative|.*relative error vs CPU)' "$log" | head -20
+  done
+fi
+
+stamp "all-reduce benchmark"
+[ "$ngpu" -ge 2 ] && timeout 120 "$dev/bin/bench/cuda_allreduce_bench" 2>&1 | tee "$logs/tp_allreduce_bench.log" | tail -30
+
+stamp "GEMM row classes"
+timeout 150 "$dev/bin/bench/cuda_kernels_bench" --benchmark_filter=Gemm --benchmark_counters_tabular=true \
+  --benchmark_min_time=0.05 > "$logs/tp_gemm_bench.log" 2> "$logs/tp_gemm_bench.err"
+grep -E "^BM_Gemm|Name|own_algo" "$logs/tp_gemm_bench.log" | head -60
+
+if [ $attn -eq 1 ]; then
+  stamp "attention kernels"
+  timeout 120 "$dev/bin/bench/cuda_kernels_bench" --benchmark_filter=Attention --benchmark_min_time=0.05 \
+    2>&1 | tee "$logs/tp_attn_bench.log" | grep -E "^BM_" | head -40
+fi
+
+steps() {  # model label tp custom_bytes extra...
+  local model=$1 label=$2 tp=$3 cb=$4; shift 4
+  timeout 200 "$dev/bin/bench/cuda_step_bench" --model "$model" --label "$label" --tp "$tp" \
+    --custom_bytes "$cb" --graphs on "$@" 2>&1 | tee -a "$logs/tp_steps.log" | grep -E "^\||^#"
+}
+if [ $b8 -eq 1 ]; then
+  stamp "8B checkpoint"
+  [ -f /tmp/specd-8b/model.safetensors ] ||
+    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
+  stamp "8B steps, TP=1"
+  steps /tmp/specd-8b llama-3.1-8b 1 -1 --runs 9 --contexts 2048 --trees 16,64,128
+  if [ "$ngpu" -ge 2 ]; then
+    stamp "8B steps, TP=2 custom"
+    steps /tmp/specd-8b llama-3.1-8b 2 -1 --runs 9 --contexts 2048 --trees 16,64,128
+    stamp "8B steps, TP=2 NCCL only"
+    steps /tmp/specd-8b llama-3.1-8b 2 0 --runs 9 --contexts 2048 --trees 64
+  fi
+fi
+if [ $b70 -eq 1 ]; then
+  L=${LAYERS70:-8}
+  stamp "70B-shaped checkpoint, $L layers"
+  [ -f /tmp/specd-70b/model.safetensors ] ||
+    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-70b --layers "$L" --out /tmp/specd-70b
+  stamp "70B steps, TP=1"
+  steps /tmp/specd-70b "llama-3.1-70b/$L" 1 -1 --runs 9 --contexts 2048 --trees 64
+  if [ "$ngpu" -ge 2 ]; then
+    stamp "70B steps, TP=2"
+    steps /tmp/specd-70b "llama-3.1-70b/$L" 2 -1 --runs 9 --contexts 2048 --trees 64
+  fi
+fi
+if [ $gptfast -eq 1 ]; then
+  stamp "gpt-fast 8B, TP=1 and TP=2"
+  parts="gptfast:8b"
+  [ "$ngpu" -ge 2 ] && parts="$parts gptfast-tp2:8b"
+  OUT=$logs GF_TREES=${GF_TREES:-64} GF_BUDGET_S=${GF_BUDGET_S:-100} GF_TIMEOUT_S=${GF_TIMEOUT_S:-200} \
+    CONTEXTS=${CONTEXTS:-2048} timeout 480 tools/bench/gpu_run_baselines.sh $parts 2>&1 | tail -40
+fi
+if [ $hf -eq 1 ]; then
+  stamp "transformers 8B"
+  OUT=$logs CONTEXTS=${CONTEXTS:-2048} timeout 200 tools/bench/gpu_run_baselines.sh hf:8b 2>&1 | tail -20
+fi
+if [ $b1 -eq 1 ]; then
+  stamp "1B checkpoint"
+  [ -f /tmp/specd-1b/model.safetensors ] ||
+    python3 tools/bench/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/specd-1b
+  steps /tmp/specd-1b llama-3.2-1b 1 -1 --runs 9 --contexts 512,2048,8192 --trees 16,64,128,256
+  OUT=$logs GF_TREES=${GF_TREES:-64} GF_BUDGET_S=${GF_BUDGET_S:-100} GF_TIMEOUT_S=${GF_TIMEOUT_S:-200} \
+    CONTEXTS=${CONTEXTS:-2048} timeout 300 tools/bench/gpu_run_baselines.sh gptfast:1b 2>&1 | tail -20
+fi
+stamp "done"
+if [ -n "${OUT:-}" ]; then tar -czf "$OUT/tp_logs.tgz" -C "$logs" . ; fi
