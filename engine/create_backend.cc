@@ -35,7 +35,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
           absl::StrCat("device \"", options.device, "\": expected cuda:N with N a GPU index"));
     }
 #ifdef SPECD_WITH_CUDA
-    if (options.tensor_parallel > 1 || !options.devices.empty()) {
+    if (options.tensor_parallel == 1 && options.devices.size() == 1) {
+      device = options.devices[0];
+    } else if (options.tensor_parallel > 1 || !options.devices.empty()) {
       CudaTpOptions tp;
       tp.devices = options.devices;
       if (tp.devices.empty()) {

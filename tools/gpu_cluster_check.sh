@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU-host check of the whole cluster, from the repository root with a packed build carried
 # along (../shared/device/pack.sh build-gpu .device):
-#   tools/gpu_cluster_check.sh [PACKED_DIR] [--draft-device DEV]   (defaults .device, cuda:0)
+#   tools/gpu_cluster_check.sh [PACKED_DIR] [--draft-device DEV] [--verify-devices LIST]
+#       (defaults .device, cuda:0, 0; --verify-devices 0,1 runs specd-verify tensor parallel
+#       over those GPUs: --tensor_parallel 2 --devices 0,1)
 # Starts specd-verify (models/pycoder-target) and specd-draft (models/pycoder-draft) on cuda:0
 # and specd-router on free loopback ports, then runs the 16 prompts of
 # bench/prompts/code_prompts.json greedily through specd-cli, 64 new tokens each, once with
@@ -15,8 +17,10 @@ set -uo pipefail
 
 dev=.device
 draft_device=cuda:0
+verify_devices=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --verify-devices) verify_devices=${2:?--verify-devices needs a value}; shift 2 ;;
     --draft-device) draft_device=${2:?--draft-device needs a value}; shift 2 ;;
     --draft-device=*) draft_device=${1#*=}; shift ;;
     -*) echo "usage: $0 [PACKED_DIR] [--draft-device cpu|cuda:N]" >&2; exit 2 ;;
@@ -53,8 +57,10 @@ VERIFY=127.0.0.1:$(free_port)
 DRAFT=127.0.0.1:$(free_port)
 ROUTER=127.0.0.1:$(free_port)
 
-echo "== verify cuda:0, draft $draft_device, router $ROUTER"
-"$BIN/specd-verify" --address "$VERIFY" --metrics_port 0 --device cuda:0 \
+tp=$(echo "$verify_devices" | tr ',' '\n' | wc -l)
+echo "== verify on GPUs $verify_devices (tensor parallel $tp), draft $draft_device, router $ROUTER"
+"$BIN/specd-verify" --address "$VERIFY" --metrics_port 0 --tensor_parallel "$tp" \
+  --devices "$verify_devices" \
   --model models/pycoder-target --kv_capacity_tokens 65536 >"$WORK/verify.log" 2>&1 &
 PIDS+=($!)
 "$BIN/specd-draft" --address "$DRAFT" --metrics_port 0 --device "$draft_device" \
