@@ -5,13 +5,13 @@
 # a random Llama-3.1-8B-shaped checkpoint at TP=1 and TP=2 (custom all-reduce, and NCCL only)
 # and, with --70b, of a Llama-3.1-70B-shaped checkpoint cut to LAYERS70 layers.
 #   tools/gpu_run_tp.sh [--dev DIR] [--no-tests] [--no-8b] [--70b] [--attn] [--gptfast]
-#       [--hf] [--1b]
+#       [--hf] [--1b] [--cluster] [--bf16check]
 # --gptfast adds gpt-fast at the 8B shape, TP=1 and TP=2 under torchrun
 # (tools/bench/gpu_run_baselines.sh; needs .carry-gptfast), --hf transformers at 8B, --1b
 # specd and gpt-fast at the Llama-3.2-1B shape. Logs go to /tmp/tplogs and are tarred into
 # $OUT/tp_logs.tgz at the end (the device tool returns at most 8 files).
 set -u
-dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0
+dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) dev=$2; shift ;;
@@ -22,6 +22,8 @@ while [ $# -gt 0 ]; do
     --gptfast) gptfast=1 ;;
     --hf) hf=1 ;;
     --1b) b1=1 ;;
+    --cluster) cluster=1 ;;
+    --bf16check) bf16check=1 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -53,6 +55,15 @@ if [ $tests -eq 1 ]; then
     fi
     grep -E '^(prompt|pycoder|TP=2|speculative|.*relative error vs CPU)' "$log" | head -20
   done
+fi
+
+if [ $bf16check -eq 1 ]; then
+  stamp "transformers bf16 vs fp32 on the family fixtures"
+  timeout 120 python3 tools/oracle/bf16_error.py 2>&1 | tail -8
+fi
+if [ $cluster -eq 1 ] && [ "$ngpu" -ge 2 ]; then
+  stamp "cluster: verify tensor parallel on GPUs 0,1, draft on GPU 0"
+  timeout 200 tools/gpu_cluster_check.sh "$dev" --verify-devices 0,1 2>&1 | tee "$logs/tp_cluster.log" | tail -12
 fi
 
 stamp "all-reduce benchmark"
