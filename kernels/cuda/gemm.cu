@@ -21,11 +21,11 @@ constexpr size_t kMaxTimed = 4;
 // three GEMMs at up to the class's largest m).
 constexpr int kMaxChecked = 16;
 constexpr int kTimingReps = 3;
-// The base's choice (gemm.h): potential bases timed, the row count of the
-// verify term besides m = 1, and that term's weight in the cost.
+// The base's choice (gemm.h): potential bases timed, and the row counts timed
+// with their weights in the cost.
 constexpr size_t kMaxBases = 6;
-constexpr int64_t kVerifyRows = 64;
-constexpr double kVerifyWeight = 0.5;
+constexpr int64_t kCostRows[] = {1, 64, 256};
+constexpr double kCostWeights[] = {1.0, 0.5, 0.25};
 // A later candidate (in cuBLASLt's order; the base last) displaces an earlier
 // one only when faster than this fraction of its time: timing noise should not
 // flip the choice from run to run.
@@ -665,11 +665,18 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
   const auto key_for = [&](int64_t m) {
     return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y};
   };
-  const int64_t verify = std::min(kVerifyRows, invariant_rows_);
-  // The timed row counts: 1, and verify when it is another.
-  std::vector<int64_t> timed_m = {1};
-  if (verify > 1)
-    timed_m.push_back(verify);
+  // The timed row counts (capped at invariant_rows; a row count capped onto
+  // an earlier one is dropped with its weight) and the largest of them.
+  std::vector<int64_t> timed_m;
+  std::vector<double> weights;
+  for (size_t i = 0; i < sizeof(kCostRows) / sizeof(kCostRows[0]); ++i) {
+    const int64_t m = std::min(kCostRows[i], invariant_rows_);
+    if (timed_m.empty() || m > timed_m.back()) {
+      timed_m.push_back(m);
+      weights.push_back(kCostWeights[i]);
+    }
+  }
+  const int64_t max_timed = timed_m.back();
   std::vector<std::unique_ptr<Plan>> plans;
   Plan at_most;
   bool ok =
@@ -689,10 +696,13 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
     }
   }
 
-  // cuBLASLt's candidates for m = 1, plan_rows, verify and invariant_rows,
-  // one list each, in its order.
+  // cuBLASLt's candidates for m = 1, plan_rows, the timed row counts and
+  // invariant_rows, one list each, in its order.
   std::vector<int64_t> list_rows;
-  for (int64_t rows : {int64_t{1}, plan_rows_, verify, invariant_rows_}) {
+  std::vector<int64_t> wanted = {1, plan_rows_};
+  wanted.insert(wanted.end(), timed_m.begin(), timed_m.end());
+  wanted.push_back(invariant_rows_);
+  for (int64_t rows : wanted) {
     rows = std::min(rows, invariant_rows_);
     if (std::find(list_rows.begin(), list_rows.end(), rows) == list_rows.end())
       list_rows.push_back(rows);
@@ -745,7 +755,7 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
     return; // not row-invariant
   family->found = true;
   family->base = *first;
-  family->verify_rows = verify;
+  family->timed_rows = timed_m;
   if (capturing) {
     family->why = "untimed (first used while the stream captured a graph)";
     return;
@@ -796,8 +806,8 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
   const size_t elem = y_fp32 ? sizeof(float) : sizeof(bf16);
   const size_t slots = pool.size() * timed_m.size();
   CheckScratch scratch(stream);
-  if (!scratch.Allocate(static_cast<size_t>(verify * k) * sizeof(bf16),
-                        static_cast<size_t>(verify * n) * elem, 0, slots,
+  if (!scratch.Allocate(static_cast<size_t>(max_timed * k) * sizeof(bf16),
+                        static_cast<size_t>(max_timed * n) * elem, 0, slots,
                         FlushBytes(n, k))) {
     family->why = "untimed (no device memory for the measurement)";
     return;
@@ -884,7 +894,7 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
       const float g = group_us(b, t);
       if (g < 0.0f)
         return -1.0;
-      sum += (t == 0 ? 1.0 : kVerifyWeight) * g;
+      sum += weights[t] * g;
     }
     return sum;
   };
@@ -913,9 +923,10 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
                        : "timed; least cost";
   family->cost_us = static_cast<float>(chosen_cost);
   for (size_t t = 0; t < timed_m.size(); ++t) {
-    family->base_us[t] = us[t * pool.size() + b];
-    family->group_us[t] = group_us(b, t);
+    family->base_us.push_back(us[t * pool.size() + b]);
+    family->group_us.push_back(group_us(b, t));
   }
+  family->weights.assign(weights.begin(), weights.end());
   // The base's group, for the row classes' self-checks: members equal to it
   // wherever both ran.
   for (size_t c = 0; c < pool.size(); ++c) {
@@ -1176,22 +1187,18 @@ std::string Gemm::Summary() const {
     }
     out += "base " + ConfigString(family.base) + "\n    " + family.why;
     if (family.timed) {
-      // The cost and its terms: the base's group at m = 1 and verify_rows
-      // (the base alone in parentheses), then the untimed choice's cost and
+      // The cost and its terms: the base's group's time at each timed m
+      // (the base's own in parentheses), then the untimed choice's cost and
       // cuBLASLt's m = 1 pick (a per-shape decode) for comparison.
-      const long long v = static_cast<long long>(family.verify_rows);
-      if (family.group_us[1] >= 0.0f) {
-        std::snprintf(buf, sizeof(buf),
-                      ": cost %.1f us = %.1f (base %.1f) at m 1 + %.1f x "
-                      "%.1f (base %.1f) at m %lld",
-                      family.cost_us, family.group_us[0], family.base_us[0],
-                      kVerifyWeight, family.group_us[1], family.base_us[1], v);
-      } else {
-        std::snprintf(buf, sizeof(buf),
-                      ": cost %.1f us = %.1f (base %.1f) at m 1",
-                      family.cost_us, family.group_us[0], family.base_us[0]);
-      }
+      std::snprintf(buf, sizeof(buf), ": cost %.1f us =", family.cost_us);
       out += buf;
+      for (size_t t = 0; t < family.timed_rows.size(); ++t) {
+        std::snprintf(buf, sizeof(buf), "%s %.2f x %.1f (base %.1f) at m %lld",
+                      t == 0 ? "" : " +", family.weights[t], family.group_us[t],
+                      family.base_us[t],
+                      static_cast<long long>(family.timed_rows[t]));
+        out += buf;
+      }
       std::snprintf(buf, sizeof(buf),
                     "; untimed choice's cost %.1f us; cuBLASLt's m 1 pick "
                     "%.1f us; %d bases, %d helpers timed, %zu in the group",

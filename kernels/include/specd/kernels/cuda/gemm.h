@@ -55,25 +55,26 @@ struct GemmParams {
 //   a graph capture, on the real weights. Candidates: up to 6 potential bases
 //   (deterministic, valid over the whole row range), the first of cuBLASLt's
 //   list for m = `plan_rows` (the untimed choice) and then the others taken in
-//   turn from its lists for m = 1, plan_rows, 64 and invariant_rows; plus, as
-//   helpers, cuBLASLt's first pick for m = 1 and for m = 64. Each runs once at
-//   m = 1 and at m = 64 (a fingerprint of the whole output tells which give
-//   the same bits) and is then timed there, L2 evicted. Every row class later
-//   runs the fastest candidate bit-identical to the base, so a base is worth
-//   what its group of identical candidates is worth:
-//     cost(base) = t(1) + 0.5 * t(64),
+//   turn from its lists for m = 1, plan_rows, 64, 256 and invariant_rows;
+//   plus, as helpers, cuBLASLt's first pick for m = 1, 64 and 256. Each runs
+//   once at m = 1, 64 and 256 (a fingerprint of the whole output tells which
+//   give the same bits) and is then timed there, L2 evicted. Every row class
+//   later runs the fastest candidate bit-identical to the base, so a base is
+//   worth what its group of identical candidates is worth:
+//     cost(base) = t(1) + 0.5 * t(64) + 0.25 * t(256),
 //   t(m) the least time at m among the candidates (the base, other bases,
-//   helpers) with the base's K split and output there; 64 is capped at
-//   invariant_rows, and the cost is t(1) alone when invariant_rows is 1.
-//   Decode weighs double: a one-row step streams all the weights for one
-//   token, while a verify step of ~64 rows shares that stream among many. The
-//   verify term is there because a split-K base, often the fastest decode for
-//   narrow weights, binds every class to its split count. The least cost wins
-//   (a later candidate must be 3% cheaper to displace an earlier one). This
-//   costs up to 32 launches at each of m = 1 and 64 (a few ms; some 50 ms for
-//   the LM head). While the stream captures a CUDA graph, or when the
-//   measurement cannot run (no scratch memory, a failed CUDA call), the base
-//   is the untimed choice (counted by untimed_bases()).
+//   helpers) with the base's K split and output there. Row counts above
+//   invariant_rows are capped to it (a term that coincides with an earlier one
+//   is dropped). Decode weighs most: a one-row step streams all the weights
+//   for one token, while a verify step shares that stream among many; 64 and
+//   256 stand for the verify classes (17 to 256 rows). They are in the cost
+//   because a split-K base, often the fastest decode for narrow weights, binds
+//   every class to its split count. The least cost wins (a later candidate
+//   must be 3% cheaper to displace an earlier one). This costs up to 4
+//   launches of each of at most 9 candidates at each of the three m (a few
+//   ms; some 0.1 s for the LM head). While the stream captures a CUDA graph,
+//   or when the measurement cannot run (no scratch memory, a failed CUDA
+//   call), the base is the untimed choice (counted by untimed_bases()).
 // - One algorithm serving every m up to 1024 is slow, though: its tile covers a
 //   fixed number of token rows (~64) and each further tile of tokens streams
 //   the whole weight matrix again. So m is split into row classes, [1, 1],
@@ -102,8 +103,9 @@ struct GemmParams {
 //   anyway; an untimed one if the family is new too) and the next GEMM of the
 //   same shape outside a capture decides the class. It allocates, and frees
 //   before `Run` returns, scratch of about max_m * (n * output bytes + 2 k)
-//   bytes for the class's largest m, plus twice the L2 size for small weights;
-//   without that memory the class stays on the base.
+//   bytes for the class's largest m (for the base's choice, m = 256), plus
+//   twice the L2 size for small weights; without that memory the class stays
+//   on the base (the base is the untimed choice).
 class Gemm {
 public:
   // Allocates `workspace_bytes` of device memory on the current device.
@@ -137,8 +139,8 @@ public:
   // broken for those m. Should be 0.
   int self_check_failures() const { return self_check_failures_; }
   // Per family, its base (cuBLASLt's algo id, tile, stages, split-K, ...), how
-  // it was chosen and what it cost at m = 1 and 64; then one line per decided
-  // or pending row class: the algorithm chosen and why. For tests and
+  // it was chosen and what it cost at m = 1, 64 and 256; then one line per
+  // decided or pending row class: the algorithm chosen and why. For tests and
   // benchmarks.
   std::string Summary() const;
 
@@ -178,17 +180,16 @@ private:
     bool found = false; // has a base algorithm (else not row-invariant)
     cublasLtMatmulAlgo_t base = {};
     // The base's choice: how it came about, the candidates timed (potential
-    // bases; helpers), the verify row count, the chosen base's own time and
-    // its identical group's best time at m = 1 and at verify_rows, its cost
+    // bases; helpers), the row counts timed and their weights, the chosen
+    // base's own time and its identical group's best time at each, its cost
     // and the cost of the untimed choice (the plan_rows list's first), and
     // the time of cuBLASLt's first m = 1 pick (what a per-shape GEMM runs).
     // Times negative where not measured.
     bool timed = false;
     const char *why = "";
     int bases_timed = 0, helpers_timed = 0;
-    int64_t verify_rows = 0;
-    float base_us[2] = {-1.0f, -1.0f};
-    float group_us[2] = {-1.0f, -1.0f};
+    std::vector<int64_t> timed_rows;
+    std::vector<float> weights, base_us, group_us;
     float cost_us = -1.0f, first_cost_us = -1.0f;
     float m1_pick_us = -1.0f;
     // Timed candidates with the base's K split whose outputs equalled the
