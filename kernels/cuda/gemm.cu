@@ -1,6 +1,7 @@
 #include "specd/kernels/cuda/gemm.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -604,9 +605,13 @@ cublasStatus_t Gemm::ChooseAlgo(const Key &key, const GemmParams &p,
       const size_t c = ClassOf(m);
       RowClass &rc = family.classes[c];
       if (!rc.decided && !capturing) {
+        const auto start = std::chrono::steady_clock::now();
         DecideClass(
             FamilyKey{n, k, y_fp32, has_bias, align_x, align_w, align_y},
             &family, c, p, stream);
+        rc.decide_ms = std::chrono::duration<float, std::milli>(
+                           std::chrono::steady_clock::now() - start)
+                           .count();
       }
       if (rc.decided && rc.own && AlgoFits(rc.algo, *plan)) {
         plan->algo = rc.algo;
@@ -648,7 +653,11 @@ Gemm::Family &Gemm::FamilyFor(const Key &key, const GemmParams &p,
     return found->second;
   Family &family = families_[fk];
   family.classes.resize(class_hi_.size());
+  const auto start = std::chrono::steady_clock::now();
   ChooseBase(fk, p, stream, capturing, &family);
+  family.choose_ms = std::chrono::duration<float, std::milli>(
+                         std::chrono::steady_clock::now() - start)
+                         .count();
   if (!family.found)
     ++non_invariant_shapes_;
   else if (!family.timed)
@@ -1206,6 +1215,8 @@ std::string Gemm::Summary() const {
                     family.helpers_timed, family.group.size());
       out += buf;
     }
+    std::snprintf(buf, sizeof(buf), " (%.1f ms)", family.choose_ms);
+    out += buf;
     out += "\n";
     for (size_t c = 0; c < family.classes.size(); ++c) {
       const RowClass &rc = family.classes[c];
@@ -1233,6 +1244,8 @@ std::string Gemm::Summary() const {
       }
       if (rc.own)
         out += ": " + ConfigString(rc.algo);
+      std::snprintf(buf, sizeof(buf), " (%.1f ms)", rc.decide_ms);
+      out += buf;
       out += "\n";
     }
   }

@@ -174,7 +174,8 @@ private:
     // the class's smallest and largest m (negative: not timed).
     float us[2] = {-1.0f, -1.0f};
     float base_us[2] = {-1.0f, -1.0f};
-    const char *why = ""; // how the decision came about
+    const char *why = "";   // how the decision came about
+    float decide_ms = 0.0f; // host time the decision took (Summary)
   };
   struct Family {
     bool found = false; // has a base algorithm (else not row-invariant)
@@ -195,6 +196,7 @@ private:
     // Timed candidates with the base's K split whose outputs equalled the
     // base's wherever both ran: offered to every row class's self-check.
     std::vector<cublasLtMatmulAlgo_t> group;
+    float choose_ms = 0.0f;        // host time the choice took (Summary)
     std::vector<RowClass> classes; // one per row_class_limits() entry
   };
 
