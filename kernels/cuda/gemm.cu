@@ -1,8 +1,10 @@
 #include "specd/kernels/cuda/gemm.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 namespace specd {
@@ -16,7 +18,15 @@ constexpr int64_t kProbeRows = 8;
 constexpr int kCandidates = 16;
 // Candidates that passed the self-check timed against each other and the base.
 constexpr size_t kMaxTimed = 4;
+// Candidates a row class runs through the self-check at most (each check is
+// three GEMMs at up to the class's largest m).
+constexpr int kMaxChecked = 16;
 constexpr int kTimingReps = 3;
+// The base's choice (gemm.h): potential bases timed, and the row counts timed
+// with their weights in the cost.
+constexpr size_t kMaxBases = 6;
+constexpr int64_t kCostRows[] = {1, 64, 256};
+constexpr double kCostWeights[] = {1.0, 0.5, 0.25};
 // A later candidate (in cuBLASLt's order; the base last) displaces an earlier
 // one only when faster than this fraction of its time: timing noise should not
 // flip the choice from run to run.
@@ -133,6 +143,62 @@ bool SameKSplit(const AlgoConfig &a, const AlgoConfig &b) {
   return sa == sb && ra == rb;
 }
 
+// Whether an algorithm's output is a fixed function of its inputs: without a
+// K split, or with one whose partial sums are added in a fixed order. INPLACE
+// adds them in the output through counters that "guarantee the sequentiality"
+// (cublasLt.h); COMPUTE_TYPE and OUTPUT_TYPE add them in a separate pass over
+// the workspace. A split without a scheme (NONE), or a value this code does
+// not know, is refused.
+bool DeterministicReduction(const AlgoConfig &c) {
+  if (c.splitk <= 1)
+    return true;
+  return c.reduction == CUBLASLT_REDUCTION_SCHEME_INPLACE ||
+         c.reduction == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE ||
+         c.reduction == CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+}
+
+// `algo` with the K split of `base` (split count and reduction scheme) set in
+// its configuration, so that it may add up K as the base does; false when the
+// algorithm does not support that split or scheme. cuBLASLt still has to
+// accept the result (AlgoFits), and the self-check decides.
+bool WithKSplit(const cublasLtMatmulAlgo_t &algo, const AlgoConfig &base,
+                cublasLtMatmulAlgo_t *out) {
+  const int32_t splitk = std::max<int32_t>(1, base.splitk);
+  const uint32_t reduction =
+      splitk > 1 ? base.reduction
+                 : static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_NONE);
+  if (splitk > 1) {
+    int32_t split_support = 0;
+    uint32_t scheme_mask = 0;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoCapGetAttribute(
+            &algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &split_support,
+            sizeof(split_support), &written) != CUBLAS_STATUS_SUCCESS ||
+        split_support == 0 ||
+        cublasLtMatmulAlgoCapGetAttribute(
+            &algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &scheme_mask,
+            sizeof(scheme_mask), &written) != CUBLAS_STATUS_SUCCESS ||
+        (scheme_mask & reduction) != reduction) {
+      return false;
+    }
+  }
+  cublasLtMatmulAlgo_t a = algo;
+  if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                           &splitk, sizeof(splitk)) !=
+          CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatmulAlgoConfigSetAttribute(
+          &a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
+          sizeof(reduction)) != CUBLAS_STATUS_SUCCESS) {
+    return false;
+  }
+  *out = a;
+  return true;
+}
+
+bool SameAlgo(const cublasLtMatmulAlgo_t &a, const cublasLtMatmulAlgo_t &b) {
+  return std::memcmp(&a, &b, sizeof(a)) == 0;
+}
+
 std::string ConfigString(const cublasLtMatmulAlgo_t &algo) {
   const AlgoConfig c = ReadConfig(algo);
   char buf[160];
@@ -202,6 +268,40 @@ __global__ void CountMismatchesKernel(const T *y, const T *ref, int64_t m,
     atomicAdd(count, local);
 }
 
+// Adds to *sum a hash of every element of y[total] with its index: equal
+// outputs give equal sums, and a sum of 64-bit words does not depend on the
+// order of the additions. T as in CountMismatchesKernel.
+template <typename T>
+__global__ void FingerprintKernel(const T *y, int64_t total,
+                                  unsigned long long *sum) {
+  unsigned long long local = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    local += SplitMix64((static_cast<uint64_t>(i) << 32) ^ y[i]);
+  }
+  // One atomic a warp: a single counter takes them one at a time.
+  for (int offset = 16; offset > 0; offset /= 2)
+    local += __shfl_down_sync(0xffffffffu, local, offset);
+  if (threadIdx.x % 32 == 0)
+    atomicAdd(sum, local);
+}
+
+// Reads words[count]: evicts the weights from L2 before a timed launch. A
+// memset would do it too but leave L2 full of dirty lines, whose write-back
+// would then slow down, and blur, the timed GEMM. The store never happens in
+// practice (blocks have 256 threads) but keeps the loads alive.
+__global__ void ReadFlushKernel(const uint4 *words, int64_t count,
+                                unsigned *sink) {
+  unsigned acc = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = words[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (threadIdx.x == 1023 && acc == 0x9E3779B9u)
+    *sink = acc;
+}
+
 unsigned Blocks(int64_t total) {
   return static_cast<unsigned>(std::max<int64_t>(
       1, std::min<int64_t>((total + kThreads - 1) / kThreads, 2048)));
@@ -228,9 +328,37 @@ cudaError_t CountMismatches(const void *y, const void *ref, bool fp32,
   return cudaGetLastError();
 }
 
-// Device memory of one self-check, freed when it goes out of scope: the input
-// rows, the candidate's output, the base's output on the probe rows, a
-// mismatch counter and a buffer whose overwriting evicts the weights from L2
+cudaError_t Fingerprint(const void *y, bool fp32, int64_t total,
+                        unsigned long long *sum, cudaStream_t stream) {
+  if (fp32) {
+    FingerprintKernel<<<Blocks(total), kThreads, 0, stream>>>(
+        static_cast<const uint32_t *>(y), total, sum);
+  } else {
+    FingerprintKernel<<<Blocks(total), kThreads, 0, stream>>>(
+        static_cast<const uint16_t *>(y), total, sum);
+  }
+  return cudaGetLastError();
+}
+
+// Bytes of a buffer whose reading evicts weights of n x k bf16 from L2: twice
+// the L2 size, or 0 when the weights are too big to sit there between two
+// launches anyway (a model's layers stream theirs from HBM).
+size_t FlushBytes(int64_t n, int64_t k) {
+  int device = 0, l2_bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  const size_t weight_bytes = static_cast<size_t>(n * k) * sizeof(bf16);
+  return weight_bytes < size_t{4} * l2_bytes ? size_t{2} * l2_bytes : 0;
+}
+
+// Device memory of one self-check or base choice, freed when it goes out of
+// scope: the input rows, the candidate's output, the base's output on the
+// probe rows, 64-bit counters (mismatches, fingerprints), a word the flush
+// kernel never writes, and a buffer whose reading evicts the weights from L2
 // before a timed launch, each 256-byte aligned.
 class CheckScratch {
 public:
@@ -243,10 +371,12 @@ public:
     }
   }
   bool Allocate(size_t x_bytes, size_t y_bytes, size_t ref_bytes,
-                size_t flush_bytes) {
+                size_t counters, size_t flush_bytes) {
     const auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+    const size_t counter_bytes =
+        round(std::max<size_t>(1, counters) * sizeof(unsigned long long));
     const size_t total = round(x_bytes) + round(y_bytes) + round(ref_bytes) +
-                         256 + round(flush_bytes);
+                         counter_bytes + 256 + round(flush_bytes);
     if (cudaMalloc(&block_, total) != cudaSuccess) {
       block_ = nullptr;
       cudaGetLastError(); // an allocation failure is not sticky; clear it
@@ -260,22 +390,34 @@ public:
     ref = p;
     p += round(ref_bytes);
     count = reinterpret_cast<unsigned long long *>(p);
+    p += counter_bytes;
+    sink_ = reinterpret_cast<unsigned *>(p);
     p += 256;
-    flush = flush_bytes > 0 ? p : nullptr;
-    this->flush_bytes = flush_bytes;
+    flush_ = flush_bytes > 0 ? p : nullptr;
+    flush_bytes_ = flush_bytes / sizeof(uint4) * sizeof(uint4);
     return true;
+  }
+  // Enqueues the eviction of L2 (nothing without a flush buffer).
+  cudaError_t EvictL2() const {
+    if (flush_ == nullptr || flush_bytes_ == 0)
+      return cudaSuccess;
+    const int64_t words = static_cast<int64_t>(flush_bytes_ / sizeof(uint4));
+    ReadFlushKernel<<<Blocks(words), kThreads, 0, stream_>>>(
+        static_cast<const uint4 *>(flush_), words, sink_);
+    return cudaGetLastError();
   }
 
   bf16 *x = nullptr;
   void *y = nullptr;
   void *ref = nullptr;
-  unsigned long long *count = nullptr;
-  void *flush = nullptr;
-  size_t flush_bytes = 0;
+  unsigned long long *count = nullptr; // `counters` of them
 
 private:
   cudaStream_t stream_;
   void *block_ = nullptr;
+  unsigned *sink_ = nullptr;
+  void *flush_ = nullptr;
+  size_t flush_bytes_ = 0;
 };
 
 // CUDA events, destroyed with the object.
@@ -297,6 +439,46 @@ public:
 private:
   std::vector<cudaEvent_t> events_;
 };
+
+// Times `slots` launches, each the least GPU time (microseconds) of
+// kTimingReps rounds in which every slot runs once, L2 evicted before each:
+// (*us)[i] for launch(i). False when a CUDA call or a launch failed.
+bool TimeLaunches(size_t slots, const std::function<bool(size_t)> &launch,
+                  const CheckScratch &scratch, cudaStream_t stream,
+                  std::vector<float> *us) {
+  us->assign(slots, -1.0f);
+  Events events;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> marks;
+  bool ok = true;
+  for (int rep = 0; rep < kTimingReps && ok; ++rep) {
+    for (size_t i = 0; i < slots && ok; ++i) {
+      if (scratch.EvictL2() != cudaSuccess) {
+        ok = false;
+        break;
+      }
+      const cudaEvent_t start = events.Record(stream);
+      const bool ran = launch(i);
+      const cudaEvent_t stop = events.Record(stream);
+      ok = ran && start != nullptr && stop != nullptr;
+      marks.emplace_back(start, stop);
+    }
+  }
+  ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;
+  for (size_t j = 0; j < marks.size() && ok; ++j) {
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, marks[j].first, marks[j].second) !=
+        cudaSuccess) {
+      ok = false;
+      break;
+    }
+    float &best = (*us)[j % slots];
+    if (best < 0.0f || ms * 1e3f < best)
+      best = ms * 1e3f;
+  }
+  if (!ok)
+    cudaGetLastError();
+  return ok;
+}
 
 } // namespace
 
@@ -412,21 +594,24 @@ cublasStatus_t Gemm::ChooseAlgo(const Key &key, const GemmParams &p,
   const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y] = key;
   plan->provisional = false;
   if (invariant_rows_ > 0 && m <= invariant_rows_) {
-    Family &family = FamilyFor(key);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+      cudaGetLastError();
+      capture = cudaStreamCaptureStatusActive; // unknown: do not sync
+    }
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    Family &family = FamilyFor(key, p, stream, capturing);
     if (family.found) {
       const size_t c = ClassOf(m);
       RowClass &rc = family.classes[c];
-      if (!rc.decided) {
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-          cudaGetLastError();
-          capture = cudaStreamCaptureStatusActive; // unknown: do not sync
-        }
-        if (capture == cudaStreamCaptureStatusNone) {
-          DecideClass(
-              FamilyKey{n, k, y_fp32, has_bias, align_x, align_w, align_y},
-              &family, c, p, stream);
-        }
+      if (!rc.decided && !capturing) {
+        const auto start = std::chrono::steady_clock::now();
+        DecideClass(
+            FamilyKey{n, k, y_fp32, has_bias, align_x, align_w, align_y},
+            &family, c, p, stream);
+        rc.decide_ms = std::chrono::duration<float, std::milli>(
+                           std::chrono::steady_clock::now() - start)
+                           .count();
       }
       if (rc.decided && rc.own && AlgoFits(rc.algo, *plan)) {
         plan->algo = rc.algo;
@@ -458,7 +643,8 @@ cublasStatus_t Gemm::ChooseAlgo(const Key &key, const GemmParams &p,
   return CUBLAS_STATUS_SUCCESS;
 }
 
-Gemm::Family &Gemm::FamilyFor(const Key &key) {
+Gemm::Family &Gemm::FamilyFor(const Key &key, const GemmParams &p,
+                              cudaStream_t stream, bool capturing) {
   const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y] = key;
   (void)m;
   const FamilyKey fk{n, k, y_fp32, has_bias, align_x, align_w, align_y};
@@ -467,42 +653,302 @@ Gemm::Family &Gemm::FamilyFor(const Key &key) {
     return found->second;
   Family &family = families_[fk];
   family.classes.resize(class_hi_.size());
-  // Candidates in cuBLASLt's order for plan_rows_ rows, then (only reached
-  // when none of those fits) for 1, 64 and invariant_rows_ rows; keep the
-  // first that cuBLASLt accepts at both ends of the row range with the
-  // workspace this object has. A split-K candidate whose workspace grows with
-  // m fails at invariant_rows and is skipped; every plan_rows_ candidate of a
-  // narrow, deep weight such as Llama-3.1-8B's down_proj (4096 x 14336) is such
-  // a one, and the large-m lists hold candidates without split-K. It must serve
-  // every m: it is what a row class falls back to.
-  Plan at_one, at_most;
-  const Key one_key{1, n, k, y_fp32, has_bias, align_x, align_w, align_y};
-  const Key most_key{invariant_rows_, n,       k,       y_fp32,
-                     has_bias,        align_x, align_w, align_y};
-  if (MakeLayouts(one_key, &at_one) == CUBLAS_STATUS_SUCCESS &&
-      MakeLayouts(most_key, &at_most) == CUBLAS_STATUS_SUCCESS) {
-    std::vector<cublasLtMatmulAlgo_t> candidates;
-    for (int64_t rows : {plan_rows_, int64_t{1}, int64_t{64}, invariant_rows_}) {
-      Plan at_rows;
-      const Key rows_key{std::min(rows, invariant_rows_), n, k, y_fp32,
-                         has_bias, align_x, align_w, align_y};
-      if (MakeLayouts(rows_key, &at_rows) == CUBLAS_STATUS_SUCCESS) {
-        AppendCandidates(handle_, at_rows.desc, at_rows.a, at_rows.b,
-                         at_rows.d, workspace_bytes_, align_x, align_w,
-                         align_y, &candidates);
-      }
+  const auto start = std::chrono::steady_clock::now();
+  ChooseBase(fk, p, stream, capturing, &family);
+  family.choose_ms = std::chrono::duration<float, std::milli>(
+                         std::chrono::steady_clock::now() - start)
+                         .count();
+  if (!family.found)
+    ++non_invariant_shapes_;
+  else if (!family.timed)
+    ++untimed_bases_;
+  return family;
+}
+
+void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
+                      cudaStream_t stream, bool capturing, Family *family) {
+  const int64_t n = std::get<0>(fk), k = std::get<1>(fk);
+  const bool y_fp32 = std::get<2>(fk), has_bias = std::get<3>(fk);
+  const int align_x = std::get<4>(fk), align_w = std::get<5>(fk),
+            align_y = std::get<6>(fk);
+  const auto key_for = [&](int64_t m) {
+    return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y};
+  };
+  // The timed row counts (capped at invariant_rows; a row count capped onto
+  // an earlier one is dropped with its weight) and the largest of them.
+  std::vector<int64_t> timed_m;
+  std::vector<double> weights;
+  for (size_t i = 0; i < sizeof(kCostRows) / sizeof(kCostRows[0]); ++i) {
+    const int64_t m = std::min(kCostRows[i], invariant_rows_);
+    if (timed_m.empty() || m > timed_m.back()) {
+      timed_m.push_back(m);
+      weights.push_back(kCostWeights[i]);
     }
-    for (const cublasLtMatmulAlgo_t &algo : candidates) {
-      if (AlgoFits(algo, at_one) && AlgoFits(algo, at_most)) {
-        family.found = true;
-        family.base = algo;
+  }
+  const int64_t max_timed = timed_m.back();
+  std::vector<std::unique_ptr<Plan>> plans;
+  Plan at_most;
+  bool ok =
+      MakeLayouts(key_for(invariant_rows_), &at_most) == CUBLAS_STATUS_SUCCESS;
+  for (int64_t m : timed_m) {
+    plans.push_back(std::make_unique<Plan>());
+    ok = ok &&
+         MakeLayouts(key_for(m), plans.back().get()) == CUBLAS_STATUS_SUCCESS;
+  }
+  if (!ok)
+    return;
+  if (has_bias) {
+    for (auto &plan : plans) {
+      cublasLtMatmulDescSetAttribute(plan->desc,
+                                     CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                     sizeof(p.bias));
+    }
+  }
+
+  // cuBLASLt's candidates for m = 1, plan_rows, the timed row counts and
+  // invariant_rows, one list each, in its order.
+  std::vector<int64_t> list_rows;
+  std::vector<int64_t> wanted = {1, plan_rows_};
+  wanted.insert(wanted.end(), timed_m.begin(), timed_m.end());
+  wanted.push_back(invariant_rows_);
+  for (int64_t rows : wanted) {
+    rows = std::min(rows, invariant_rows_);
+    if (std::find(list_rows.begin(), list_rows.end(), rows) == list_rows.end())
+      list_rows.push_back(rows);
+  }
+  std::vector<std::vector<cublasLtMatmulAlgo_t>> lists(list_rows.size());
+  for (size_t l = 0; l < list_rows.size(); ++l) {
+    Plan at_rows;
+    if (MakeLayouts(key_for(list_rows[l]), &at_rows) == CUBLAS_STATUS_SUCCESS) {
+      AppendCandidates(handle_, at_rows.desc, at_rows.a, at_rows.b, at_rows.d,
+                       workspace_bytes_, align_x, align_w, align_y, &lists[l]);
+    }
+  }
+  const auto list_of = [&](int64_t rows) {
+    return static_cast<size_t>(
+        std::find(list_rows.begin(), list_rows.end(), rows) -
+        list_rows.begin());
+  };
+  // A base must give fixed bits and run at every m of the range: at both ends
+  // and at the timed row counts.
+  const auto can_be_base = [&](const cublasLtMatmulAlgo_t &algo) {
+    if (!DeterministicReduction(ReadConfig(algo)) || !AlgoFits(algo, at_most))
+      return false;
+    for (const auto &plan : plans) {
+      if (!AlgoFits(algo, *plan))
+        return false;
+    }
+    return true;
+  };
+
+  // The untimed choice: the first valid candidate for plan_rows, then for the
+  // other row counts.
+  std::vector<size_t> untimed_order = {
+      list_of(std::min(plan_rows_, invariant_rows_))};
+  for (size_t l = 0; l < lists.size(); ++l) {
+    if (l != untimed_order[0])
+      untimed_order.push_back(l);
+  }
+  const cublasLtMatmulAlgo_t *first = nullptr;
+  for (size_t l : untimed_order) {
+    for (const cublasLtMatmulAlgo_t &algo : lists[l]) {
+      if (can_be_base(algo)) {
+        first = &algo;
         break;
       }
     }
+    if (first != nullptr)
+      break;
   }
-  if (!family.found)
-    ++non_invariant_shapes_;
-  return family;
+  if (first == nullptr)
+    return; // not row-invariant
+  family->found = true;
+  family->base = *first;
+  family->timed_rows = timed_m;
+  if (capturing) {
+    family->why = "untimed (first used while the stream captured a graph)";
+    return;
+  }
+
+  // The pool: the untimed choice, then potential bases taken in turn from
+  // the lists (m = 1 first), then as helpers cuBLASLt's first pick for each
+  // timed row count.
+  struct Member {
+    cublasLtMatmulAlgo_t algo;
+    AlgoConfig config;
+    bool base; // may be the base
+  };
+  std::vector<Member> pool;
+  const auto in_pool = [&](const cublasLtMatmulAlgo_t &algo) {
+    return std::any_of(pool.begin(), pool.end(), [&](const Member &member) {
+      return SameAlgo(member.algo, algo);
+    });
+  };
+  pool.push_back({*first, ReadConfig(*first), true});
+  for (size_t i = 0;
+       i < static_cast<size_t>(kCandidates) && pool.size() < kMaxBases; ++i) {
+    for (size_t l = 0; l < lists.size() && pool.size() < kMaxBases; ++l) {
+      if (i < lists[l].size() && !in_pool(lists[l][i]) &&
+          can_be_base(lists[l][i])) {
+        pool.push_back({lists[l][i], ReadConfig(lists[l][i]), true});
+      }
+    }
+  }
+  const size_t bases = pool.size();
+  std::vector<int> pick(timed_m.size(), -1); // cuBLASLt's pick, per timed m
+  for (size_t t = 0; t < timed_m.size(); ++t) {
+    for (const cublasLtMatmulAlgo_t &algo : lists[list_of(timed_m[t])]) {
+      if (!AlgoFits(algo, *plans[t]))
+        continue;
+      for (size_t i = 0; i < pool.size(); ++i) {
+        if (SameAlgo(pool[i].algo, algo))
+          pick[t] = static_cast<int>(i);
+      }
+      if (pick[t] < 0) {
+        pick[t] = static_cast<int>(pool.size());
+        pool.push_back({algo, ReadConfig(algo), false});
+      }
+      break;
+    }
+  }
+
+  const size_t elem = y_fp32 ? sizeof(float) : sizeof(bf16);
+  const size_t slots = pool.size() * timed_m.size();
+  CheckScratch scratch(stream);
+  if (!scratch.Allocate(static_cast<size_t>(max_timed * k) * sizeof(bf16),
+                        static_cast<size_t>(max_timed * n) * elem, 0, slots,
+                        FlushBytes(n, k))) {
+    family->why = "untimed (no device memory for the measurement)";
+    return;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  const auto matmul = [&](const cublasLtMatmulAlgo_t &algo, const Plan &plan) {
+    return cublasLtMatmul(handle_, plan.desc, &alpha, p.w, plan.a, scratch.x,
+                          plan.b, &beta, scratch.y, plan.d, scratch.y, plan.d,
+                          &algo, workspace_, workspace_bytes_, stream);
+  };
+  // Slot t * pool.size() + i: member i at timed_m[t].
+  std::vector<char> usable(slots, 0);
+  std::vector<unsigned long long> prints(slots, 0);
+  ok = cudaMemsetAsync(scratch.count, 0, slots * sizeof(*scratch.count),
+                       stream) == cudaSuccess;
+  for (size_t t = 0; t < timed_m.size() && ok; ++t) {
+    // The input the timing will run on, too.
+    ok = FillCheckRows(scratch.x, timed_m[t], k,
+                       std::min(kProbeRows, timed_m[t]), stream) == cudaSuccess;
+    for (size_t i = 0; i < pool.size() && ok; ++i) {
+      const size_t slot = t * pool.size() + i;
+      if (!AlgoFits(pool[i].algo, *plans[t]))
+        continue;
+      if (matmul(pool[i].algo, *plans[t]) != CUBLAS_STATUS_SUCCESS) {
+        cudaGetLastError(); // see DecideClass
+        continue;
+      }
+      usable[slot] = 1;
+      ok = Fingerprint(scratch.y, y_fp32, timed_m[t] * n, scratch.count + slot,
+                       stream) == cudaSuccess;
+    }
+  }
+  ok = ok &&
+       cudaMemcpyAsync(prints.data(), scratch.count,
+                       slots * sizeof(*scratch.count), cudaMemcpyDeviceToHost,
+                       stream) == cudaSuccess &&
+       cudaStreamSynchronize(stream) == cudaSuccess;
+  if (!ok) {
+    cudaGetLastError();
+    family->why = "untimed (a CUDA call of the measurement failed)";
+    return;
+  }
+  std::vector<size_t> timed_slots;
+  for (size_t slot = 0; slot < slots; ++slot) {
+    if (usable[slot])
+      timed_slots.push_back(slot);
+  }
+  std::vector<float> times;
+  if (!TimeLaunches(
+          timed_slots.size(),
+          [&](size_t j) {
+            const size_t slot = timed_slots[j];
+            return matmul(pool[slot % pool.size()].algo,
+                          *plans[slot / pool.size()]) == CUBLAS_STATUS_SUCCESS;
+          },
+          scratch, stream, &times)) {
+    family->why = "untimed (timing failed)";
+    return;
+  }
+  std::vector<float> us(slots, -1.0f);
+  for (size_t j = 0; j < timed_slots.size(); ++j)
+    us[timed_slots[j]] = times[j];
+
+  // Member c is in b's group at timed_m[t] when both ran there with the same
+  // K split and the same output.
+  const auto same_at = [&](size_t b, size_t c, size_t t) {
+    const size_t sb = t * pool.size() + b, sc = t * pool.size() + c;
+    return usable[sb] && usable[sc] && prints[sb] == prints[sc] &&
+           SameKSplit(pool[b].config, pool[c].config);
+  };
+  const auto group_us = [&](size_t b, size_t t) {
+    float best = -1.0f;
+    for (size_t c = 0; c < pool.size(); ++c) {
+      const float u = us[t * pool.size() + c];
+      if (same_at(b, c, t) && u >= 0.0f && (best < 0.0f || u < best))
+        best = u;
+    }
+    return best;
+  };
+  // Negative when b did not run at every timed m.
+  const auto cost = [&](size_t b) {
+    double sum = 0.0;
+    for (size_t t = 0; t < timed_m.size(); ++t) {
+      const float g = group_us(b, t);
+      if (g < 0.0f)
+        return -1.0;
+      sum += weights[t] * g;
+    }
+    return sum;
+  };
+  int chosen = -1;
+  double chosen_cost = 0.0;
+  for (size_t b = 0; b < bases; ++b) {
+    const double c = cost(b);
+    if (c >= 0.0 && (chosen < 0 || c < kDisplace * chosen_cost)) {
+      chosen = static_cast<int>(b);
+      chosen_cost = c;
+    }
+  }
+  family->bases_timed = static_cast<int>(bases);
+  family->helpers_timed = static_cast<int>(pool.size() - bases);
+  family->first_cost_us = static_cast<float>(cost(0));
+  if (pick[0] >= 0)
+    family->m1_pick_us = us[pick[0]];
+  if (chosen < 0) {
+    family->why = "untimed (no candidate ran at every timed m)";
+    return;
+  }
+  const size_t b = static_cast<size_t>(chosen);
+  family->base = pool[b].algo;
+  family->timed = true;
+  family->why = b == 0 ? "timed; the untimed choice had the least cost"
+                       : "timed; least cost";
+  family->cost_us = static_cast<float>(chosen_cost);
+  for (size_t t = 0; t < timed_m.size(); ++t) {
+    family->base_us.push_back(us[t * pool.size() + b]);
+    family->group_us.push_back(group_us(b, t));
+  }
+  family->weights.assign(weights.begin(), weights.end());
+  // The base's group, for the row classes' self-checks: members equal to it
+  // wherever both ran.
+  for (size_t c = 0; c < pool.size(); ++c) {
+    bool same = c != b, ran = false;
+    for (size_t t = 0; t < timed_m.size() && same; ++t) {
+      if (!usable[t * pool.size() + c])
+        continue;
+      ran = true;
+      same = same_at(b, c, t);
+    }
+    if (same && ran)
+      family->group.push_back(pool[c].algo);
+  }
 }
 
 void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
@@ -560,30 +1006,46 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
     }
   }
 
-  // cuBLASLt's preferences for the class's largest m, then its smallest.
-  std::vector<cublasLtMatmulAlgo_t> candidates;
+  // cuBLASLt's preferences for the class's largest m, then its smallest, of
+  // the base's K split; the base's timing group (ChooseBase); then the
+  // preferences of another K split, set to the base's.
+  const auto is_base = [&](const cublasLtMatmulAlgo_t &algo) {
+    return SameAlgo(algo, family->base);
+  };
+  const AlgoConfig base_config = ReadConfig(family->base);
+  std::vector<cublasLtMatmulAlgo_t> preferred, candidates;
   for (const Plan *plan : {plans.back().get(), plans.front().get()}) {
     AppendCandidates(handle_, plan->desc, plan->a, plan->b, plan->d,
-                     workspace_bytes_, align_x, align_w, align_y, &candidates);
+                     workspace_bytes_, align_x, align_w, align_y, &preferred);
+  }
+  const auto add = [&](const cublasLtMatmulAlgo_t &algo) {
+    if (!is_base(algo) &&
+        std::none_of(candidates.begin(), candidates.end(),
+                     [&](const auto &c) { return SameAlgo(c, algo); })) {
+      candidates.push_back(algo);
+    }
+  };
+  for (const cublasLtMatmulAlgo_t &algo : preferred) {
+    if (SameKSplit(ReadConfig(algo), base_config))
+      add(algo);
+  }
+  for (const cublasLtMatmulAlgo_t &algo : family->group)
+    add(algo);
+  for (const cublasLtMatmulAlgo_t &algo : preferred) {
+    cublasLtMatmulAlgo_t resplit = {};
+    if (!SameKSplit(ReadConfig(algo), base_config) &&
+        WithKSplit(algo, base_config, &resplit) &&
+        SameKSplit(ReadConfig(resplit), base_config)) {
+      add(resplit);
+    }
   }
 
   const size_t elem = y_fp32 ? sizeof(float) : sizeof(bf16);
-  // Weights that could sit in L2 between timed launches are evicted by
-  // overwriting twice its size; a model's layers stream theirs from HBM.
-  int device = 0, l2_bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) !=
-          cudaSuccess) {
-    cudaGetLastError();
-    l2_bytes = 0;
-  }
-  const size_t weight_bytes = static_cast<size_t>(n * k) * sizeof(bf16);
-  const size_t flush_bytes =
-      weight_bytes < size_t{4} * l2_bytes ? size_t{2} * l2_bytes : 0;
   CheckScratch scratch(stream);
   if (!scratch.Allocate(static_cast<size_t>(hi * k) * sizeof(bf16),
                         static_cast<size_t>(hi * n) * elem,
-                        static_cast<size_t>(probe * n) * elem, flush_bytes)) {
+                        static_cast<size_t>(probe * n) * elem, 1,
+                        FlushBytes(n, k))) {
     decide(false, nullptr, "base (no device memory for the self-check)");
     return;
   }
@@ -631,17 +1093,11 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
     return mismatches == 0 ? Check::kSame : Check::kDiffers;
   };
 
-  // The first few identical candidates, in cuBLASLt's order, then the base.
+  // The first few identical candidates, in the order above, then the base.
   std::vector<cublasLtMatmulAlgo_t> passed;
-  const auto is_base = [&](const cublasLtMatmulAlgo_t &algo) {
-    return std::memcmp(&algo, &family->base, sizeof(algo)) == 0;
-  };
-  const AlgoConfig base_config = ReadConfig(family->base);
   for (const cublasLtMatmulAlgo_t &candidate : candidates) {
-    if (passed.size() == kMaxTimed)
+    if (passed.size() == kMaxTimed || rc.checked == kMaxChecked)
       break;
-    if (is_base(candidate) || !SameKSplit(ReadConfig(candidate), base_config))
-      continue;
     const Check r = check(candidate);
     if (r == Check::kBroken) {
       decide(false, nullptr, "base (a CUDA call of the self-check failed)");
@@ -676,56 +1132,28 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
   }
 
   // Time them at the class's smallest and largest m (input rows as the last
-  // check left them), the minimum of kTimingReps launches each.
+  // check left them).
   std::vector<size_t> timed_rows = {0};
   if (plans.size() > 1)
     timed_rows.push_back(plans.size() - 1);
-  std::vector<std::vector<float>> best_us(
-      passed.size(), std::vector<float>(timed_rows.size(), -1.0f));
-  bool timed = true;
-  {
-    Events events;
-    struct Launch {
-      size_t algo, row;
-      cudaEvent_t start, stop;
-    };
-    std::vector<Launch> launches;
-    for (int rep = 0; rep < kTimingReps && timed; ++rep) {
-      for (size_t a = 0; a < passed.size() && timed; ++a) {
-        for (size_t t = 0; t < timed_rows.size() && timed; ++t) {
-          if (scratch.flush != nullptr &&
-              cudaMemsetAsync(scratch.flush, rep + 1, scratch.flush_bytes,
-                              stream) != cudaSuccess) {
-            timed = false;
-            break;
-          }
-          Launch l{a, t, events.Record(stream), nullptr};
-          const bool ran = matmul(passed[a], *plans[timed_rows[t]],
-                                  scratch.y) == CUBLAS_STATUS_SUCCESS;
-          l.stop = events.Record(stream);
-          timed = ran && l.start != nullptr && l.stop != nullptr;
-          launches.push_back(l);
-        }
-      }
-    }
-    timed = timed && cudaStreamSynchronize(stream) == cudaSuccess;
-    for (const Launch &l : launches) {
-      float ms = 0.0f;
-      if (!timed || cudaEventElapsedTime(&ms, l.start, l.stop) != cudaSuccess) {
-        timed = false;
-        break;
-      }
-      float &best = best_us[l.algo][l.row];
-      if (best < 0.0f || ms * 1e3f < best)
-        best = ms * 1e3f;
-    }
-  }
+  std::vector<float> times;
+  const bool timed = TimeLaunches(
+      passed.size() * timed_rows.size(),
+      [&](size_t slot) {
+        return matmul(passed[slot / timed_rows.size()],
+                      *plans[timed_rows[slot % timed_rows.size()]],
+                      scratch.y) == CUBLAS_STATUS_SUCCESS;
+      },
+      scratch, stream, &times);
   if (!timed) {
-    cudaGetLastError();
     decide(!is_base(passed.front()), &passed.front(),
            "first candidate that passed (timing failed)");
     return;
   }
+  std::vector<std::vector<float>> best_us(
+      passed.size(), std::vector<float>(timed_rows.size(), -1.0f));
+  for (size_t slot = 0; slot < times.size(); ++slot)
+    best_us[slot / timed_rows.size()][slot % timed_rows.size()] = times[slot];
   const auto total = [&](size_t a) {
     double sum = 0.0;
     for (float us : best_us[a])
@@ -766,7 +1194,30 @@ std::string Gemm::Summary() const {
       out += "no base algorithm (not row-invariant)\n";
       continue;
     }
-    out += "base " + ConfigString(family.base) + "\n";
+    out += "base " + ConfigString(family.base) + "\n    " + family.why;
+    if (family.timed) {
+      // The cost and its terms: the base's group's time at each timed m
+      // (the base's own in parentheses), then the untimed choice's cost and
+      // cuBLASLt's m = 1 pick (a per-shape decode) for comparison.
+      std::snprintf(buf, sizeof(buf), ": cost %.1f us =", family.cost_us);
+      out += buf;
+      for (size_t t = 0; t < family.timed_rows.size(); ++t) {
+        std::snprintf(buf, sizeof(buf), "%s %.2f x %.1f (base %.1f) at m %lld",
+                      t == 0 ? "" : " +", family.weights[t], family.group_us[t],
+                      family.base_us[t],
+                      static_cast<long long>(family.timed_rows[t]));
+        out += buf;
+      }
+      std::snprintf(buf, sizeof(buf),
+                    "; untimed choice's cost %.1f us; cuBLASLt's m 1 pick "
+                    "%.1f us; %d bases, %d helpers timed, %zu in the group",
+                    family.first_cost_us, family.m1_pick_us, family.bases_timed,
+                    family.helpers_timed, family.group.size());
+      out += buf;
+    }
+    std::snprintf(buf, sizeof(buf), " (%.1f ms)", family.choose_ms);
+    out += buf;
+    out += "\n";
     for (size_t c = 0; c < family.classes.size(); ++c) {
       const RowClass &rc = family.classes[c];
       const long long lo = c == 0 ? 1 : class_hi_[c - 1] + 1, hi = class_hi_[c];
@@ -793,6 +1244,8 @@ std::string Gemm::Summary() const {
       }
       if (rc.own)
         out += ": " + ConfigString(rc.algo);
+      std::snprintf(buf, sizeof(buf), " (%.1f ms)", rc.decide_ms);
+      out += buf;
       out += "\n";
     }
   }

@@ -4,8 +4,10 @@
 // independent of the rest of its batch. Gemm runs one algorithm per row class
 // (m in [1, 1], [2, 16], [17, 32], ...), each admitted by a self-check against
 // the base algorithm; these tests check the outcome against the truth that
-// matters, the row computed alone (m = 1, a decode step), and print which
-// classes got an algorithm of their own (Gemm::Summary).
+// matters, the row computed alone (m = 1, a decode step), and print how each
+// family's base was chosen and which classes got an algorithm of their own
+// (Gemm::Summary). The base may split K (split-K with a deterministic
+// reduction), which these tests check at many m like any other base.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -23,6 +25,11 @@ namespace {
 
 using gpu_test::bf16;
 
+// The cuBLASLt workspace the CUDA backend gives Gemm (engine/cuda/
+// cuda_backend.cc): which split-K algorithms qualify as a base depends on it,
+// so the tests use the same.
+constexpr size_t kBackendWorkspace = size_t{128} << 20;
+
 class GemmInvarianceTest
     : public gpu_test::GpuTest,
       public ::testing::WithParamInterface<std::tuple<int, int, bool>> {};
@@ -31,7 +38,7 @@ TEST_P(GemmInvarianceTest, RowsDoNotDependOnM) {
   const auto [n, k, y_fp32] = GetParam();
   constexpr int kMaxRows = 300;
   std::unique_ptr<cuda::Gemm> gemm;
-  ASSERT_EQ(cuda::Gemm::Create(size_t{32} << 20, &gemm, kMaxRows),
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, kMaxRows),
             CUBLAS_STATUS_SUCCESS);
   std::mt19937_64 rng(n * 31 + k);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -59,6 +66,7 @@ TEST_P(GemmInvarianceTest, RowsDoNotDependOnM) {
   const std::vector<uint8_t> want = full.Download();
   EXPECT_EQ(gemm->non_invariant_shapes(), 0)
       << "cuBLASLt offered no row-invariant algorithm";
+  EXPECT_EQ(gemm->untimed_bases(), 0) << gemm->Summary();
   for (int m : {1, 2, 3, 7, 16, 17, 33, 64, 65, 129, 257, kMaxRows - 1}) {
     p.y = part.get();
     p.m = m;
@@ -105,6 +113,12 @@ constexpr int kEngineRows = 1024;
 class GemmRowClassTest : public gpu_test::GpuTest {
 protected:
   void Prepare(int n, int k, bool y_fp32, bool bias, cuda::Gemm *gemm) {
+    Upload(n, k, y_fp32, bias);
+    ComputeReferences(gemm);
+  }
+
+  // The weight, bias and input rows, without running a GEMM.
+  void Upload(int n, int k, bool y_fp32, bool bias) {
     n_ = n;
     k_ = k;
     elem_ = y_fp32 ? 4 : 2;
@@ -132,8 +146,11 @@ protected:
     p_.y_fp32 = y_fp32;
     p_.n = n;
     p_.k = k;
+  }
 
-    const size_t row_bytes = static_cast<size_t>(n) * elem_;
+  // Each input row's output alone (m = 1), into ref_.
+  void ComputeReferences(cuda::Gemm *gemm) {
+    const size_t row_bytes = static_cast<size_t>(n_) * elem_;
     gpu_test::DeviceBuffer<uint8_t> ref(static_cast<size_t>(kEngineRows) *
                                         row_bytes);
     cuda::GemmParams one = p_;
@@ -141,9 +158,9 @@ protected:
     one.y = row_y_.get();
     one.m = 1;
     for (int r = 0; r < kEngineRows; ++r) {
-      SPECD_CUDA_OK(
-          cudaMemcpyAsync(row_x_.get(), x_.get() + static_cast<size_t>(r) * k,
-                          k * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
+      SPECD_CUDA_OK(cudaMemcpyAsync(
+          row_x_.get(), x_.get() + static_cast<size_t>(r) * k_,
+          k_ * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
       ASSERT_EQ(gemm->Run(one, stream_), CUBLAS_STATUS_SUCCESS) << "row " << r;
       SPECD_CUDA_OK(cudaMemcpyAsync(ref.get() + r * row_bytes, row_y_.get(),
                                     row_bytes, cudaMemcpyDeviceToDevice,
@@ -218,7 +235,7 @@ class GemmRowClassShapeTest : public GemmRowClassTest,
 TEST_P(GemmRowClassShapeTest, EveryRowEqualsTheRowAlone) {
   const Shape s = GetParam();
   std::unique_ptr<cuda::Gemm> gemm;
-  ASSERT_EQ(cuda::Gemm::Create(size_t{32} << 20, &gemm, kEngineRows),
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, kEngineRows),
             CUBLAS_STATUS_SUCCESS);
   EXPECT_EQ(gemm->row_class_limits(),
             (std::vector<int64_t>{1, 16, 32, 64, 128, 256, 512, 1024}));
@@ -238,6 +255,9 @@ TEST_P(GemmRowClassShapeTest, EveryRowEqualsTheRowAlone) {
   }
   EXPECT_EQ(gemm->non_invariant_shapes(), 0)
       << "cuBLASLt offered no row-invariant algorithm";
+  EXPECT_EQ(gemm->untimed_bases(), 0)
+      << "the base was first used eagerly, so it should have been timed\n"
+      << gemm->Summary();
   EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
   // All 8 classes were used.
   EXPECT_EQ(gemm->own_algorithm_classes() + gemm->base_algorithm_classes(), 8)
@@ -265,13 +285,14 @@ INSTANTIATE_TEST_SUITE_P(
 // give the rows' bits alone.
 TEST_F(GemmRowClassTest, CaptureDefersTheSelfCheck) {
   std::unique_ptr<cuda::Gemm> gemm;
-  ASSERT_EQ(cuda::Gemm::Create(size_t{32} << 20, &gemm, kEngineRows),
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, kEngineRows),
             CUBLAS_STATUS_SUCCESS);
   ASSERT_NO_FATAL_FAILURE(Prepare(4096, 4096, false, false, gemm.get()));
   const int decided =
       gemm->own_algorithm_classes() + gemm->base_algorithm_classes();
   EXPECT_EQ(decided, 1) << "only the m = 1 class should be decided\n"
                         << gemm->Summary();
+  EXPECT_EQ(gemm->untimed_bases(), 0) << gemm->Summary();
   cuda::GemmParams p = p_;
   p.x = x_.get();
   p.y = y_.get();
@@ -314,6 +335,51 @@ TEST_F(GemmRowClassTest, CaptureDefersTheSelfCheck) {
   Sync();
   diff = CompareRows(DownloadRows(65), 65);
   EXPECT_TRUE(diff.empty()) << "graph, again: " << diff;
+  cudaGraphExecDestroy(exec);
+  EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
+  std::printf("%s", gemm->Summary().c_str());
+}
+
+// A family whose first GEMM is captured into a CUDA graph cannot time its
+// base candidates (that synchronizes): it takes the untimed base for good,
+// and stays row-invariant.
+TEST_F(GemmRowClassTest, FirstUseInACaptureTakesTheUntimedBase) {
+  std::unique_ptr<cuda::Gemm> gemm;
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, kEngineRows),
+            CUBLAS_STATUS_SUCCESS);
+  Upload(4096, 4096, false, false);
+  cuda::GemmParams p = p_;
+  p.x = x_.get();
+  p.y = y_.get();
+  p.m = 65;
+
+  cudaGraph_t graph = nullptr;
+  SPECD_CUDA_OK(
+      cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const cublasStatus_t captured = gemm->Run(p, stream_);
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  ASSERT_EQ(captured, CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended)
+                                << " (did Run synchronize inside the capture?)";
+  EXPECT_EQ(gemm->untimed_bases(), 1) << gemm->Summary();
+  cudaGraphExec_t exec = nullptr;
+  SPECD_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaGraphDestroy(graph);
+
+  // Eager one-row GEMMs now: the same (untimed) base, its [1, 1] class
+  // decided against it.
+  ASSERT_NO_FATAL_FAILURE(ComputeReferences(gemm.get()));
+  EXPECT_EQ(gemm->untimed_bases(), 1) << gemm->Summary();
+  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
+  SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
+  Sync();
+  std::string diff = CompareRows(DownloadRows(65), 65);
+  EXPECT_TRUE(diff.empty()) << "graph: " << diff;
+  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
+  ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS);
+  Sync();
+  diff = CompareRows(DownloadRows(65), 65);
+  EXPECT_TRUE(diff.empty()) << "eager, after the check: " << diff;
   cudaGraphExecDestroy(exec);
   EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
   std::printf("%s", gemm->Summary().c_str());

@@ -44,10 +44,37 @@ struct GemmParams {
 // alone (tests/gpu/gemm_invariance_test.cc checks this bit for bit):
 //
 // - Per shape family (n, k, output, bias, alignment of x, w, y) one base
-//   algorithm: the first of cuBLASLt's candidates for m = `plan_rows` that it
-//   accepts for both 1 and invariant_rows rows within the workspace. A fixed
-//   algorithm cuts K and reduces partial sums the same way whatever m is, so
-//   each output row is a function of its input row alone.
+//   algorithm, valid for every m in [1, invariant_rows] within the workspace.
+//   A fixed algorithm cuts K and reduces partial sums the same way whatever m
+//   is, so each output row is a function of its input row alone. A split of K
+//   over CTAs (split-K) qualifies only with a deterministic reduction scheme
+//   (INPLACE, sequential through counters, or COMPUTE_TYPE / OUTPUT_TYPE, a
+//   separate reduction pass); its split count is part of the configuration,
+//   not of m.
+// - The base is chosen by measurement, on the first GEMM of the family outside
+//   a graph capture, on the real weights. Candidates: up to 6 potential bases
+//   (deterministic, valid over the whole row range), the first of cuBLASLt's
+//   list for m = `plan_rows` (the untimed choice) and then the others taken in
+//   turn from its lists for m = 1, plan_rows, 64, 256 and invariant_rows;
+//   plus, as helpers, cuBLASLt's first pick for m = 1, 64 and 256. Each runs
+//   once at m = 1, 64 and 256 (a fingerprint of the whole output tells which
+//   give the same bits) and is then timed there, L2 evicted. Every row class
+//   later runs the fastest candidate bit-identical to the base, so a base is
+//   worth what its group of identical candidates is worth:
+//     cost(base) = t(1) + 0.5 * t(64) + 0.25 * t(256),
+//   t(m) the least time at m among the candidates (the base, other bases,
+//   helpers) with the base's K split and output there. Row counts above
+//   invariant_rows are capped to it (a term that coincides with an earlier one
+//   is dropped). Decode weighs most: a one-row step streams all the weights
+//   for one token, while a verify step shares that stream among many; 64 and
+//   256 stand for the verify classes (17 to 256 rows). They are in the cost
+//   because a split-K base, often the fastest decode for narrow weights, binds
+//   every class to its split count. The least cost wins (a later candidate
+//   must be 3% cheaper to displace an earlier one). This costs up to 4
+//   launches of each of at most 9 candidates at each of the three m (a few
+//   ms; some 0.1 s for the LM head). While the stream captures a CUDA graph,
+//   or when the measurement cannot run (no scratch memory, a failed CUDA
+//   call), the base is the untimed choice (counted by untimed_bases()).
 // - One algorithm serving every m up to 1024 is slow, though: its tile covers a
 //   fixed number of token rows (~64) and each further tile of tokens streams
 //   the whole weight matrix again. So m is split into row classes, [1, 1],
@@ -58,23 +85,27 @@ struct GemmParams {
 //   and largest m must be bit-identical to the base algorithm's for the same
 //   input rows (random bf16 of several magnitudes, at many positions in the
 //   tiles). Without a split of K over CTAs a tensor-core kernel adds up K in
-//   the same order whatever its tile width, so many candidates pass;
-//   candidates whose K split or reduction scheme differs from the base's
-//   cannot and are not tried. The first few that pass and the base (when it
-//   passes the same check) are timed at the class's smallest and largest m,
-//   the weights evicted from L2 before each launch when they could sit there,
-//   and the fastest runs the class (a later one must be 3% faster to displace
-//   an earlier one). All classes thus agree with the base bit for bit; the
-//   check, not the argument about K order, is what this relies on.
+//   the same order whatever its tile width, so many candidates pass. Then
+//   come the base's group (the candidates found identical when the base was
+//   chosen), and last the candidates whose K split or reduction scheme
+//   differs from the base's (they cannot pass as they are) with the base's
+//   split count and scheme set in their configuration. The first few that
+//   pass (of at most 16 checked) and the base (when it passes the same check)
+//   are timed at the class's smallest and largest m, the weights evicted from
+//   L2 before each launch when they could sit there, and the fastest runs the
+//   class (a later one must be 3% faster to displace an earlier one). All
+//   classes thus agree with the base bit for bit; the check, not the argument
+//   about K order, is what this relies on.
 // - The check runs on `Run`'s stream and synchronizes with it, on the first
 //   GEMM of a family whose m falls in a class not yet decided (a few ms, up to
 //   ~0.1 s for the LM head's largest classes). While the stream is capturing a
 //   CUDA graph it is deferred: that GEMM runs the base algorithm (bit-identical
-//   anyway) and the next GEMM of the same shape outside a capture decides the
-//   class. It allocates, and frees before `Run` returns, scratch of about
-//   max_m * (n * output bytes + 2 k) bytes for the class's largest m, plus
-//   twice the L2 size for small weights; without that memory the class stays on
-//   the base.
+//   anyway; an untimed one if the family is new too) and the next GEMM of the
+//   same shape outside a capture decides the class. It allocates, and frees
+//   before `Run` returns, scratch of about max_m * (n * output bytes + 2 k)
+//   bytes for the class's largest m (for the base's choice, m = 256), plus
+//   twice the L2 size for small weights; without that memory the class stays
+//   on the base (the base is the untimed choice).
 class Gemm {
 public:
   // Allocates `workspace_bytes` of device memory on the current device.
@@ -88,6 +119,10 @@ public:
   // the whole row range; their GEMMs fall back to a per-shape pick and are not
   // row-invariant.
   int non_invariant_shapes() const { return non_invariant_shapes_; }
+  // Shape families whose base algorithm was not chosen by timing (first used
+  // while the stream captured a graph, or the measurement failed; Summary()
+  // says which). Still row-invariant, possibly slower.
+  int untimed_bases() const { return untimed_bases_; }
 
   // The row classes' upper bounds (ascending; the first class starts at 1);
   // empty without invariance.
@@ -103,8 +138,9 @@ public:
   // the same rows: the base's output depends on m there, so row invariance is
   // broken for those m. Should be 0.
   int self_check_failures() const { return self_check_failures_; }
-  // One line per decided or pending (family, row class): the algorithm chosen
-  // (cuBLASLt's algo id, tile, stages, split-K, ...) and why. For tests and
+  // Per family, its base (cuBLASLt's algo id, tile, stages, split-K, ...), how
+  // it was chosen and what it cost at m = 1, 64 and 256; then one line per
+  // decided or pending row class: the algorithm chosen and why. For tests and
   // benchmarks.
   std::string Summary() const;
 
@@ -138,11 +174,29 @@ private:
     // the class's smallest and largest m (negative: not timed).
     float us[2] = {-1.0f, -1.0f};
     float base_us[2] = {-1.0f, -1.0f};
-    const char *why = ""; // how the decision came about
+    const char *why = "";   // how the decision came about
+    float decide_ms = 0.0f; // host time the decision took (Summary)
   };
   struct Family {
     bool found = false; // has a base algorithm (else not row-invariant)
     cublasLtMatmulAlgo_t base = {};
+    // The base's choice: how it came about, the candidates timed (potential
+    // bases; helpers), the row counts timed and their weights, the chosen
+    // base's own time and its identical group's best time at each, its cost
+    // and the cost of the untimed choice (the plan_rows list's first), and
+    // the time of cuBLASLt's first m = 1 pick (what a per-shape GEMM runs).
+    // Times negative where not measured.
+    bool timed = false;
+    const char *why = "";
+    int bases_timed = 0, helpers_timed = 0;
+    std::vector<int64_t> timed_rows;
+    std::vector<float> weights, base_us, group_us;
+    float cost_us = -1.0f, first_cost_us = -1.0f;
+    float m1_pick_us = -1.0f;
+    // Timed candidates with the base's K split whose outputs equalled the
+    // base's wherever both ran: offered to every row class's self-check.
+    std::vector<cublasLtMatmulAlgo_t> group;
+    float choose_ms = 0.0f;        // host time the choice took (Summary)
     std::vector<RowClass> classes; // one per row_class_limits() entry
   };
 
@@ -150,8 +204,14 @@ private:
   cublasStatus_t ChooseAlgo(const Key &key, const GemmParams &p,
                             cudaStream_t stream, Plan *plan);
   cublasStatus_t MakeLayouts(const Key &key, Plan *plan);
-  // The family of `key`, its base algorithm found on first use.
-  Family &FamilyFor(const Key &key);
+  // The family of `key`, its base algorithm chosen on first use (ChooseBase;
+  // untimed while `capturing`).
+  Family &FamilyFor(const Key &key, const GemmParams &p, cudaStream_t stream,
+                    bool capturing);
+  // Picks `family`'s base as the class comment describes. Synchronizes
+  // `stream` unless `capturing`.
+  void ChooseBase(const FamilyKey &fk, const GemmParams &p, cudaStream_t stream,
+                  bool capturing, Family *family);
   // Index of the row class of m (1 <= m <= invariant_rows).
   size_t ClassOf(int64_t m) const;
   // Runs the self-check of row class `c` of `family` and records the decision.
@@ -168,6 +228,7 @@ private:
   int64_t plan_rows_ = 16;
   std::vector<int64_t> class_hi_;
   int non_invariant_shapes_ = 0;
+  int untimed_bases_ = 0;
   int own_classes_ = 0;
   int base_classes_ = 0;
   int self_check_failures_ = 0;
