@@ -187,6 +187,18 @@ BENCHMARK(BM_VerifyAttention)
     ->UseManualTime()
     ->MinTime(0.05);
 
+// Several sequences verifying trees in one step (serving): per sequence a pending token and a
+// tree of `nodes` nodes.
+void BM_VerifyAttentionBatch(benchmark::State& state) {
+  RunAttention(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(2)),
+               static_cast<int>(state.range(1)));
+}
+BENCHMARK(BM_VerifyAttentionBatch)
+    ->ArgNames({"batch", "nodes", "context"})
+    ->ArgsProduct({{4, 16}, {16, 64}, {2048}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
 void BM_RmsNormResidual(benchmark::State& state) {
   const int rows = static_cast<int>(state.range(0));
   bf16* x = Alloc<bf16>(size_t(rows) * kHidden, 0x3c);

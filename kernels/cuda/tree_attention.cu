@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <climits>
+#include <cstddef>
 
 #include "kernels/cuda/device_utils.cuh"
 #include "specd/kernels/cuda/tree_attention.h"
@@ -328,6 +329,58 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
   }
 }
 
+// The MMA A fragments (rows g and g + 8 of a warp's block) of two rows' query vectors, global
+// memory; a null row gives zeros.
+template <int HD>
+__device__ __forceinline__ void LoadQueryFragments(const bf16* q_row0, const bf16* q_row1, int t4,
+                                                   uint32_t (&qf)[HD / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const int c = kk * 16 + 2 * t4;
+    qf[kk][0] = q_row0 != nullptr ? Ld32(q_row0 + c) : 0u;
+    qf[kk][1] = q_row1 != nullptr ? Ld32(q_row1 + c) : 0u;
+    qf[kk][2] = q_row0 != nullptr ? Ld32(q_row0 + c + 8) : 0u;
+    qf[kk][3] = q_row1 != nullptr ? Ld32(q_row1 + c + 8) : 0u;
+  }
+}
+
+// A window pass of the kernel: one query's rows over the window, each column's K and V rows picked
+// by the query's table (kZeroRow: the zero row). The query fragments are re-read from global
+// memory (L1/L2 hits) rather than passed in.
+template <int HD>
+__device__ __forceinline__ void WindowPass(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
+                                           int R0, const int (&lim)[2], float scale_log2, int lane,
+                                           const uint8_t* tab, const bf16* stage0_k,
+                                           const bf16* zero_row, const bf16* q_row0,
+                                           const bf16* q_row1) {
+  uint32_t qf[HD / 16][4];
+  LoadQueryFragments<HD>(q_row0, q_row1, lane & 3, qf);
+  static_assert(offsetof(AttnStage<HD>, v) == kKeys * (HD + 8) * sizeof(bf16), "V after K");
+  constexpr int kStageElems = sizeof(AttnStage<HD>) / sizeof(bf16);
+  auto row_k = [&](int row) -> const bf16* {
+    return row == kZeroRow ? zero_row
+                           : stage0_k + (row / kKeys) * kStageElems + (row % kKeys) * (HD + 8);
+  };
+  AttendColumns<HD>(
+      qf, o, m, l, R0, lim, scale_log2, lane, [&](int c) { return row_k(tab[c]); },
+      [&](int c) {
+        const int row = tab[c];
+        return row == kZeroRow ? zero_row : row_k(row) + kKeys * (HD + 8);
+      });
+}
+
+// The same out of line, for HD = 128: inlined, its second AttendColumns instance (besides the
+// plain jobs') makes ptxas spill across the whole kernel; out of line, the chunk state (o, m, l)
+// goes through a small local-memory frame, only in window jobs, which are a few per tile at most.
+template <int HD>
+__device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
+                                                 float (&l)[2], int R0, const int (&lim)[2],
+                                                 float scale_log2, int lane, const uint8_t* tab,
+                                                 const bf16* stage0_k, const bf16* zero_row,
+                                                 const bf16* q_row0, const bf16* q_row1) {
+  WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, tab, stage0_k, zero_row, q_row0, q_row1);
+}
+
 // grid = (tiles, kv heads, splits). The KV head serves local query heads [h_lo, h_lo + nh): its
 // whole group of `group` heads, or under tensor parallelism the part of it this rank owns. Warp w
 // owns tile rows [16w, 16w + 16); row r is query tile_begin + r / nh, head h_lo + r % nh. With
@@ -348,7 +401,8 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
 // query's table (column -> window row, or a zero row past its keys), so that each key still sits
 // in the column of its rank. In a chunk, plain jobs come before window jobs; a query's plain
 // sub-chunks all precede its window ones, so each row still sees its sub-chunks in rank order,
-// one AttendColumns pass each.
+// one AttendColumns pass each, with the same arithmetic as in any other batch. kTrees false
+// (null masks: every sub-chunk is plain) compiles the window machinery out.
 template <int HD, bool kSplit, bool kTrees>
 __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
     TreeAttentionKernel(TreeAttentionParams p) {
@@ -423,23 +477,16 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const int lq0 = min(r0 / nh, nq - 1);
   const int lq1 = min(r1 / nh, nq - 1);
 
+  // The A fragments of the rows' query vectors (zeros for padding rows); a window pass re-reads
+  // them (LoadQueryFragments) rather than taking these.
+  const bf16* q_row0 =
+      ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
+  const bf16* q_row1 =
+      ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
   uint32_t qf[HD / 16][4];
-  {
-    const bf16* q_row0 =
-        ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
-            : nullptr;
-    const bf16* q_row1 =
-        ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
-            : nullptr;
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const int c = kk * 16 + 2 * t4;
-      qf[kk][0] = q_row0 != nullptr ? Ld32(q_row0 + c) : 0u;
-      qf[kk][1] = q_row1 != nullptr ? Ld32(q_row1 + c) : 0u;
-      qf[kk][2] = q_row0 != nullptr ? Ld32(q_row0 + c + 8) : 0u;
-      qf[kk][3] = q_row1 != nullptr ? Ld32(q_row1 + c + 8) : 0u;
-    }
-  }
+  LoadQueryFragments<HD>(q_row0, q_row1, t4, qf);
 
   // Merged state over the chunks done so far (unsplit only; o in big_o, zero until a chunk
   // with keys is merged).
@@ -570,12 +617,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
     }
 
     if constexpr (kTrees) {
-      auto window_k = [&](int row) -> const bf16* {
-        return row == kZeroRow ? s.zero_row : &s.stage[row / kKeys].k[row % kKeys][0];
-      };
-      auto window_v = [&](int row) -> const bf16* {
-        return row == kZeroRow ? s.zero_row : &s.stage[row / kKeys].v[row % kKeys][0];
-      };
       for (int sub = win_first; sub < win_last; ++sub) {
         const int R0 = sub * kKeys;
         // Which queries need a window here, their mask bits with ranks in the sub-chunk, and
@@ -757,10 +798,13 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
               if (s.win_group[q] != grp) continue;
               const int nk = s.num_keys[q];
               const int lim[2] = {ok0 && lq0 == q ? nk : R0, ok1 && lq1 == q ? nk : R0};
-              const uint8_t* tab = s.win_table[q];
-              AttendColumns<HD>(
-                  qf, o, m, l, R0, lim, scale_log2, lane, [&](int c) { return window_k(tab[c]); },
-                  [&](int c) { return window_v(tab[c]); });
+              if constexpr (HD >= 128) {
+                WindowPassOutOfLine<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q],
+                                        s.stage[0].k[0], s.zero_row, q_row0, q_row1);
+              } else {
+                WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.stage[0].k[0],
+                               s.zero_row, q_row0, q_row1);
+              }
             }
           }
           __syncthreads();  // the window and tables are read no more
