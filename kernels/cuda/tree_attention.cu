@@ -897,14 +897,35 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
 #pragma unroll
   for (int d = 0; d < kPerLane; ++d) acc[d] = 0.0f;
   float big_m = -INFINITY, big_l = 0.0f;
-  for (int sp = 0; sp < p.num_splits; ++sp) {
-    const int64_t at = sp * items + item;
-    float a = 0.0f, b = 0.0f;
-    const int mode = MergeWeights(big_m, big_l, ml[2 * at], ml[2 * at + 1], a, b);
-    if (mode == 0) continue;
-    const float* o = p.workspace + at * HD;
+  // The states are read kBatch chunks ahead of their merges (which stay in chunk order), so that
+  // a long split (64 chunks at 8K keys) costs a few memory latencies, not one per chunk.
+  constexpr int kBatch = 8;
+  for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
+    float cm[kBatch], cl[kBatch], part[kBatch][kPerLane];
 #pragma unroll
-    for (int d = 0; d < kPerLane; ++d) acc[d] = MergeValue(mode, acc[d], o[lane + 32 * d], a, b);
+    for (int i = 0; i < kBatch; ++i) {
+      cm[i] = -INFINITY;
+      cl[i] = 0.0f;  // past the last chunk: nothing to merge
+#pragma unroll
+      for (int d = 0; d < kPerLane; ++d) part[i][d] = 0.0f;
+      if (sp0 + i < p.num_splits) {
+        const int64_t at = (sp0 + i) * items + item;
+        cm[i] = ml[2 * at];
+        cl[i] = ml[2 * at + 1];
+        const float* o = p.workspace + at * HD;
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) part[i][d] = o[lane + 32 * d];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      float a = 0.0f, b = 0.0f;
+      const int mode = MergeWeights(big_m, big_l, cm[i], cl[i], a, b);
+      if (mode != 0) {
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) acc[d] = MergeValue(mode, acc[d], part[i][d], a, b);
+      }
+    }
   }
   const float inv = big_l > 0.0f ? __fdiv_rn(1.0f, big_l) : 0.0f;
   const int64_t qi = item / p.num_heads, head = item % p.num_heads;
