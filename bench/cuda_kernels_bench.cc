@@ -79,8 +79,10 @@ double TimeLaunches(benchmark::State& state, cudaStream_t stream, F&& launch) {
 }
 
 // Attention of `batch` sequences of `context` committed tokens plus, per sequence, a chain of
-// one token (decode) or a tree of `nodes` random-parent nodes below one pending token.
-void RunAttention(benchmark::State& state, int batch, int context, int nodes) {
+// one token (decode) or a tree of `nodes` random-parent nodes below one pending token. Without
+// `masks` the mask pointers are null (allowed without trees; the kernel is then built without
+// the tree machinery).
+void RunAttention(benchmark::State& state, int batch, int context, int nodes, bool masks = true) {
   std::mt19937_64 rng(1);
   const int per_seq_keys = context + 1 + nodes;
   const int blocks_per_seq = (per_seq_keys + kBlock - 1) / kBlock;
@@ -140,8 +142,8 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes) {
   p.block_size = kBlock;
   p.query_seq = d_qs;
   p.kv_end = d_end;
-  p.mask_begin = d_mb;
-  p.mask = d_mask;
+  p.mask_begin = masks ? d_mb : nullptr;
+  p.mask = masks ? d_mask : nullptr;
   p.tile_begin = d_tb;
   p.tile_end = d_te;
   p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
@@ -168,11 +170,12 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes) {
 }
 
 void BM_DecodeAttention(benchmark::State& state) {
-  RunAttention(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(1)), 0);
+  RunAttention(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(1)), 0,
+               state.range(2) != 0);
 }
 BENCHMARK(BM_DecodeAttention)
-    ->ArgNames({"batch", "context"})
-    ->ArgsProduct({{1, 8, 32}, {512, 2048, 8192}})
+    ->ArgNames({"batch", "context", "masks"})
+    ->ArgsProduct({{1, 8, 32}, {512, 2048, 8192}, {1, 0}})
     ->UseManualTime()
     ->MinTime(0.05);
 
@@ -182,6 +185,18 @@ void BM_VerifyAttention(benchmark::State& state) {
 BENCHMARK(BM_VerifyAttention)
     ->ArgNames({"nodes", "context"})
     ->ArgsProduct({{16, 64, 256}, {2048, 8192}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+// Several sequences verifying trees in one step (serving): per sequence a pending token and a
+// tree of `nodes` nodes.
+void BM_VerifyAttentionBatch(benchmark::State& state) {
+  RunAttention(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(2)),
+               static_cast<int>(state.range(1)));
+}
+BENCHMARK(BM_VerifyAttentionBatch)
+    ->ArgNames({"batch", "nodes", "context"})
+    ->ArgsProduct({{4, 16}, {16, 64}, {2048}})
     ->UseManualTime()
     ->MinTime(0.05);
 

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <climits>
+#include <cstddef>
 
 #include "kernels/cuda/device_utils.cuh"
 #include "specd/kernels/cuda/tree_attention.h"
@@ -8,6 +9,7 @@ namespace specd {
 namespace cuda {
 namespace {
 
+using internal::kFullMask;
 using internal::PackBf16x2;
 
 constexpr int kWarps = 4;
@@ -15,21 +17,26 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // one m16 MMA row block per warp
 static_assert(kRows == kTreeAttentionTileRows, "tile rows");
 constexpr int kKeys = 64;  // ranks per shared-memory stage (a sub-chunk)
+constexpr int kStages = 2;
+// A window job holds up to this many distinct keys: both stages, seen as one array of rows.
+constexpr int kWindowRows = kStages * kKeys;
+constexpr uint8_t kZeroRow = 0xff;  // window-table entry of a padding column
+static_assert(kWindowRows <= kZeroRow, "window rows fit the table's bytes");
 constexpr int kMaskWords = kTreeAttentionMaskWords;
 constexpr int kChunk = kTreeAttentionChunkKeys;
 static_assert(kChunk % kKeys == 0, "chunks are whole sub-chunks");
 constexpr int kSub = kChunk / kKeys;
-// Job codes: sub-chunk * kJobStride + query + 1 (query -1: the shared load).
-constexpr int kJobStride = kRows + 1;
-constexpr int kMaxJobs = kSub * (kRows + 1);
 // The split workspace is capped (it grows with queries times chunks); past that, one CTA per
 // tile walks all chunks, which gives the same bits.
 constexpr int64_t kMaxWorkspaceFloats = int64_t{64} << 20;
 constexpr float kLog2e = 1.4426950408889634f;
+// The combine kernel is launched as a programmatic dependent of the main kernel (sm_90), so its
+// launch overlaps the main kernel's tail instead of following it; false: a plain launch.
+constexpr bool kProgrammaticCombine = true;
 
 // K and V are kept key-major, each row padded by 8 elements (16 bytes) so that the 32-bit
 // fragment loads of K and the ldmatrix row reads of V by a warp hit 32 distinct banks. Two
-// stages: while a chunk is computed on, cp.async brings the next one.
+// stages: while one sub-chunk is computed on, cp.async brings the next.
 template <int HD>
 struct __align__(16) AttnStage {
   bf16 k[kKeys][HD + 8];
@@ -38,16 +45,49 @@ struct __align__(16) AttnStage {
 
 template <int HD>
 struct __align__(16) AttnSmem {
-  AttnStage<HD> stage[2];
-  // Per local query: mask_begin clamped to kv_end; num_keys = visible keys (ranks); ident_end:
-  // ranks below it are their own logical slots. The mask has bits past kv_end cleared.
+  AttnStage<HD> stage[kStages];
+  bf16 zero_row[HD + 8];  // K and V of a window pass's padding columns
+  // Per local query: the mask with bits past kv_end cleared; mask_begin clamped to kv_end;
+  // num_keys = visible keys (ranks); plain_subs: its leading sub-chunks whose ranks are their own
+  // slots (served by the shared plain loads); subs: sub-chunks holding any of its ranks.
+  uint32_t mask[kRows][kMaskWords];
   int32_t mask_begin[kRows];
   int32_t num_keys[kRows];
-  int32_t ident_end[kRows];
-  uint32_t mask[kRows][kMaskWords];
-  int32_t job[kMaxJobs];
-  int32_t num_jobs;
+  int32_t plain_subs[kRows];
+  int32_t subs[kRows];
+  // The window job in progress (see the kernel): per query, its mask bits whose ranks fall in
+  // the sub-chunk, its group, and its table column -> window row; the group's window.
+  uint32_t win_bits[kRows][kMaskWords];
+  uint8_t win_table[kRows][kKeys];
+  int32_t win_slot[kWindowRows];
+  int8_t win_group[kRows];
+  uint32_t win_union[kMaskWords];
+  int32_t win_mb;
+  int32_t win_groups;
+  // The tile's summary (see the kernel).
+  int32_t max_keys, plain_end, plain_bound, irr_begin, irr_end;
 };
+
+// The merged state of the chunks done so far when a CTA walks all chunks: thread t's
+// accumulators for its two rows, o[j][2hr..2hr+1] at v[j][hr][t] (conflict-free float2 rows).
+// Kept in shared memory rather than registers, so that HD = 128 needs no spills.
+template <int HD>
+struct __align__(16) BigO {
+  float2 v[HD / 8][2][kThreads];
+};
+
+// CTAs per SM that the register budget aims at: two at HD = 128 (the accumulators and Q
+// fragments alone take 96 registers); more below, one fewer with the window machinery (whose
+// second AttendColumns instance ptxas would otherwise spill for).
+template <int HD, bool kTrees>
+constexpr int MinBlocks() {
+  return HD >= 128 ? 2 : (HD >= 64 ? 3 : 4) - (kTrees ? 1 : 0);
+}
+
+template <int HD, bool kSplit>
+constexpr size_t SmemBytes() {
+  return sizeof(AttnSmem<HD>) + (kSplit ? 0 : sizeof(BigO<HD>));
+}
 
 // 16 bytes global -> shared without a register round trip; `valid` false writes zeros (the
 // source is then not read, but must still be a mapped address).
@@ -66,6 +106,20 @@ __device__ __forceinline__ void CpAsyncCommit() {
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Programmatic dependent launch (sm_90): the main kernel lets the combine kernel be scheduled
+// early; the combine kernel waits for the main grid's completion and memory before reading.
+__device__ __forceinline__ void LaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void WaitPrerequisiteGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // Four 8x8 bf16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i, and
@@ -96,20 +150,42 @@ __device__ __forceinline__ uint32_t Ld32(const bf16* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
-// Logical slot of the k-th set bit of a query's mask (the k-th tree ancestor after mask_begin).
-__device__ __forceinline__ int RankToSlot(const uint32_t* words, int mask_begin, int k) {
-#pragma unroll 1
-  for (int w = 0; w < kMaskWords; ++w) {
-    uint32_t x = words[w];
-    const int pc = __popc(x);
-    if (k < pc) {
-#pragma unroll 1
-      for (int i = 0; i < k; ++i) x &= x - 1u;
-      return mask_begin + 32 * w + __ffs(static_cast<int>(x)) - 1;
+// Bit position of the n-th (from 0) set bit of x; n < popc(x).
+__device__ __forceinline__ int SelectBit(uint32_t x, int n) {
+  int pos = 0;
+#pragma unroll
+  for (int w = 16; w > 0; w >>= 1) {
+    const uint32_t low = x & ((1u << w) - 1u);
+    const int c = __popc(low);
+    if (n >= c) {
+      n -= c;
+      x >>= w;
+      pos += w;
+    } else {
+      x = low;
     }
-    k -= pc;
   }
-  return -1;
+  return pos;
+}
+
+// The lowest n set bits of x (all of them when n >= popc(x), none when n <= 0).
+__device__ __forceinline__ uint32_t LowestSetBits(uint32_t x, int n) {
+  if (n <= 0) return 0u;
+  if (n >= __popc(x)) return x;
+  return x & ((1u << SelectBit(x, n)) - 1u);
+}
+
+// The set bits of a query's mask whose index among the set bits is in [k_lo, k_hi): the tree
+// ancestors of ranks [mask_begin + k_lo, mask_begin + k_hi).
+__device__ __forceinline__ void SetBitsOfRanks(const uint32_t* words, int k_lo, int k_hi,
+                                               uint32_t (&out)[kMaskWords]) {
+  int before = 0;  // set bits in the words before w
+#pragma unroll
+  for (int w = 0; w < kMaskWords; ++w) {
+    const uint32_t x = words[w];
+    out[w] = LowestSetBits(x, k_hi - before) & ~LowestSetBits(x, k_lo - before);
+    before += __popc(x);
+  }
 }
 
 // Batch invariance (DESIGN.md, lossless verification): a row's result is a function of its own
@@ -117,42 +193,226 @@ __device__ __forceinline__ int RankToSlot(const uint32_t* words, int mask_begin,
 // logical key order (the committed prefix and chain, then its tree ancestors), which is the
 // order a plain decode of the same token sees them in. Chunk c is ranks [c * kChunk, +kChunk)
 // for every query, whatever the batch, tile or split; inside it 64-rank sub-chunks sit at fixed
-// offsets, rank R0 + i in column i of the score tile. A sub-chunk is loaded once for all the
-// tile's rows whose ranks there are their slots ("regular" rows: decode, chains, and tree nodes
-// below their contiguous part), and once per other ("irregular") tree query with its ancestors
-// gathered to their ranks; a row takes part in exactly one of those jobs per sub-chunk, so the
-// arithmetic it sees is the same in every case. Each chunk starts a fresh online softmax; chunk
-// states are merged in chunk order with one fixed formula (MergeChunk), in this kernel when a
+// offsets, rank R0 + i in column i of the score tile. Each chunk starts a fresh online softmax
+// whose per-row arithmetic is fixed: sub-chunks in order, each one AttendColumns pass; chunk
+// states are merged in chunk order with one fixed formula (MergeWeights), in this kernel when a
 // CTA owns all chunks, or in the combine kernel when chunks are split over CTAs: both give the
 // same bits. Every float operation that a compiler could contract or reorder is spelled out
 // with _rn intrinsics.
-__device__ __forceinline__ void MergeChunk(float& big_m, float& big_l, float m, float l,
-                                           float* big_o, const float* o, int n) {
-  if (!(l > 0.0f)) return;
+//
+// Merging a chunk state (m, l) into the running one (big_m, big_l): returns 0 (nothing to merge:
+// the chunk saw no key), 1 (the running state was empty: take the chunk's o as is) or 2 (o_new =
+// o_big * a + o * b, elementwise); big_m and big_l are updated.
+__device__ __forceinline__ int MergeWeights(float& big_m, float& big_l, float m, float l, float& a,
+                                            float& b) {
+  if (!(l > 0.0f)) return 0;
   if (!(big_l > 0.0f)) {
     big_m = m;
     big_l = l;
-    for (int i = 0; i < n; ++i) big_o[i] = o[i];
-    return;
+    return 1;
   }
   const float mn = fmaxf(big_m, m);
-  const float a = exp2f(__fsub_rn(big_m, mn));
-  const float b = exp2f(__fsub_rn(m, mn));
+  a = exp2f(__fsub_rn(big_m, mn));
+  b = exp2f(__fsub_rn(m, mn));
   big_l = __fmaf_rn(big_l, a, __fmul_rn(l, b));
-  for (int i = 0; i < n; ++i) big_o[i] = __fmaf_rn(big_o[i], a, __fmul_rn(o[i], b));
   big_m = mn;
+  return 2;
+}
+
+__device__ __forceinline__ float MergeValue(int mode, float big, float o, float a, float b) {
+  return mode == 1 ? o : __fmaf_rn(big, a, __fmul_rn(o, b));
+}
+
+// One warp's pass over the 64 rank columns [R0, R0 + 64) of a sub-chunk: scores, online-softmax
+// update and P V for its rows with lim > R0 (their ranks [R0, lim) are visible). key_row(c) and
+// val_row(c) give the shared-memory K and V rows (HD + 8 bf16) of column c: the stage's row c in
+// a plain job, the row a query's window table picks in a window pass. A row's arithmetic is the
+// same whichever rows share the warp and whatever other columns hold: MMA rows are independent,
+// a column past the row's limit gets score -inf and probability exactly 0 (its V finite: a key
+// or zeros), and the MMAs skipped -- key tiles and k-steps past every active row's limit -- would
+// only add exact-zero products.
+template <int HD, typename KeyRow, typename ValRow>
+__device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
+                                              float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
+                                              int R0, const int (&lim)[2], float scale_log2,
+                                              int lane, KeyRow key_row, ValRow val_row) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const bool act[2] = {lim[0] > R0, lim[1] > R0};
+  int mine = 0;
+  if (act[0]) mine = min(kKeys, lim[0] - R0);
+  if (act[1]) mine = max(mine, min(kKeys, lim[1] - R0));
+  const int cnt = __reduce_max_sync(kFullMask, mine);  // columns with a visible key for any row
+  if (cnt == 0) return;
+  // Scores S = Q K^T for the warp's 16 rows and the 64 columns.
+  float sc[kKeys / 8][4];
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) {
+    sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+    if (n * 8 < cnt) {
+      const bf16* krow = key_row(n * 8 + g) + 2 * t4;
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        Mma16816(sc[n], qf[kk], Ld32(krow + kk * 16), Ld32(krow + kk * 16 + 8));
+      }
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int rank = R0 + n * 8 + 2 * t4 + (e & 1);
+      sc[n][e] = rank < lim[e >> 1] ? __fmul_rn(sc[n][e], scale_log2) : -INFINITY;
+    }
+  }
+  // Online softmax (base 2); the 4 threads of a quad share a row.
+  float alpha[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+      mx = fmaxf(mx, fmaxf(sc[n][2 * hr], sc[n][2 * hr + 1]));
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    const float m_new = fmaxf(m[hr], mx);
+    // A row with no visible key keeps zeros; subtracting 0 instead of -inf avoids NaN.
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    alpha[hr] = exp2f(__fsub_rn(m[hr], m_use));
+    float row_sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+      sc[n][2 * hr] = exp2f(__fsub_rn(sc[n][2 * hr], m_use));
+      sc[n][2 * hr + 1] = exp2f(__fsub_rn(sc[n][2 * hr + 1], m_use));
+      row_sum = __fadd_rn(row_sum, __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]));
+    }
+    if (act[hr]) {
+      l[hr] = __fmaf_rn(l[hr], alpha[hr], row_sum);
+      m[hr] = m_new;
+    }
+  }
+  // P V into fresh accumulators, then O = O * alpha + P V for the active rows. The score
+  // accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of the k-step kk; the B
+  // fragments of two 8-dim tiles come from one transposed ldmatrix of V's 16 key rows (lanes
+  // 0-15: dims j*8.., lanes 16-31: dims (j+1)*8..).
+  uint32_t pa[kKeys / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    pa[kk][0] = PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+    pa[kk][1] = PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+    pa[kk][2] = PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+    pa[kk][3] = PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+  }
+  const bf16* vrow[kKeys / 16];
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk)
+    vrow[kk] = val_row(kk * 16 + (lane & 15)) + (lane >> 4) * 8;
+#pragma unroll
+  for (int j = 0; j < HD / 8; j += 2) {
+    float pv0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pv1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      if (kk * 16 < cnt) {
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4Trans(vrow[kk] + j * 8, b0, b1, b2, b3);
+        Mma16816(pv0, pa[kk], b0, b1);
+        Mma16816(pv1, pa[kk], b2, b3);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (act[e >> 1]) {
+        o[j][e] = __fmaf_rn(o[j][e], alpha[e >> 1], pv0[e]);
+        o[j + 1][e] = __fmaf_rn(o[j + 1][e], alpha[e >> 1], pv1[e]);
+      }
+    }
+  }
+}
+
+// The MMA A fragments (rows g and g + 8 of a warp's block) of two rows' query vectors, global
+// memory; a null row gives zeros.
+template <int HD>
+__device__ __forceinline__ void LoadQueryFragments(const bf16* q_row0, const bf16* q_row1, int t4,
+                                                   uint32_t (&qf)[HD / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const int c = kk * 16 + 2 * t4;
+    qf[kk][0] = q_row0 != nullptr ? Ld32(q_row0 + c) : 0u;
+    qf[kk][1] = q_row1 != nullptr ? Ld32(q_row1 + c) : 0u;
+    qf[kk][2] = q_row0 != nullptr ? Ld32(q_row0 + c + 8) : 0u;
+    qf[kk][3] = q_row1 != nullptr ? Ld32(q_row1 + c + 8) : 0u;
+  }
+}
+
+// A window pass of the kernel: one query's rows over the window, each column's K and V rows picked
+// by the query's table (kZeroRow: the zero row). The query fragments are re-read from global
+// memory (L1/L2 hits) rather than passed in.
+template <int HD>
+__device__ __forceinline__ void WindowPass(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
+                                           int R0, const int (&lim)[2], float scale_log2, int lane,
+                                           const uint8_t* tab, const bf16* stage0_k,
+                                           const bf16* zero_row, const bf16* q_row0,
+                                           const bf16* q_row1) {
+  uint32_t qf[HD / 16][4];
+  LoadQueryFragments<HD>(q_row0, q_row1, lane & 3, qf);
+  static_assert(offsetof(AttnStage<HD>, v) == kKeys * (HD + 8) * sizeof(bf16), "V after K");
+  constexpr int kStageElems = sizeof(AttnStage<HD>) / sizeof(bf16);
+  auto row_k = [&](int row) -> const bf16* {
+    return row == kZeroRow ? zero_row
+                           : stage0_k + (row / kKeys) * kStageElems + (row % kKeys) * (HD + 8);
+  };
+  AttendColumns<HD>(
+      qf, o, m, l, R0, lim, scale_log2, lane, [&](int c) { return row_k(tab[c]); },
+      [&](int c) {
+        const int row = tab[c];
+        return row == kZeroRow ? zero_row : row_k(row) + kKeys * (HD + 8);
+      });
+}
+
+// The same out of line, for HD = 128: inlined, its second AttendColumns instance (besides the
+// plain jobs') makes ptxas spill across the whole kernel; out of line, the chunk state (o, m, l)
+// goes through a small local-memory frame, only in window jobs, which are a few per tile at most.
+template <int HD>
+__device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
+                                                 float (&l)[2], int R0, const int (&lim)[2],
+                                                 float scale_log2, int lane, const uint8_t* tab,
+                                                 const bf16* stage0_k, const bf16* zero_row,
+                                                 const bf16* q_row0, const bf16* q_row1) {
+  WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, tab, stage0_k, zero_row, q_row0, q_row1);
 }
 
 // grid = (tiles, kv heads, splits). The KV head serves local query heads [h_lo, h_lo + nh): its
 // whole group of `group` heads, or under tensor parallelism the part of it this rank owns. Warp w
 // owns tile rows [16w, 16w + 16); row r is query tile_begin + r / nh, head h_lo + r % nh. With
-// one split a CTA walks all chunks of its tile; with more, CTA z computes chunk z and leaves its
-// state in the workspace.
-template <int HD>
-__global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionParams p) {
+// kSplit false a CTA walks all chunks of its tile; with kSplit, CTA z computes chunk z and leaves
+// its state in the workspace.
+//
+// Jobs. A query's ranks below its "identity end" (the committed prefix and chain, plus any
+// leading run of the mask's bits) are their own slots, so its leading sub-chunks that lie below
+// it are "plain" for the query; the tile's plain sub-chunks are the union of those prefixes, a
+// contiguous range. A plain job loads a sub-chunk's 64 slots once into a stage and serves every
+// row that is plain there (all rows of the tile for the committed prefix); the plain jobs stream
+// through the two stages with cp.async across chunk boundaries. A query's remaining sub-chunks
+// (a tree node's tail: the end of the prefix and its ancestors) are "window" sub-chunks: the
+// tile's queries that need one are grouped so that the distinct keys of a group -- the prefix
+// slots from the sub-chunk's start and the union of their ancestors with ranks there -- fit the
+// two stages, seen as one window of 128 rows; the window is loaded once per group, and each warp
+// then makes one pass per query of the group among its rows, reading K and V rows through the
+// query's table (column -> window row, or a zero row past its keys), so that each key still sits
+// in the column of its rank. In a chunk, plain jobs come before window jobs; a query's plain
+// sub-chunks all precede its window ones, so each row still sees its sub-chunks in rank order,
+// one AttendColumns pass each, with the same arithmetic as in any other batch. kTrees false
+// (null masks: every sub-chunk is plain) compiles the window machinery out.
+template <int HD, bool kSplit, bool kTrees>
+__global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
+    TreeAttentionKernel(TreeAttentionParams p) {
   static_assert(HD % 16 == 0 && HD >= 16, "whole MMA k-steps and pairs of 8-dim V tiles");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   AttnSmem<HD>& s = *reinterpret_cast<AttnSmem<HD>*>(smem_raw);
+  // Unsplit only: the merged chunk states (see BigO).
+  float2(*big_o)[2][kThreads] =
+      reinterpret_cast<float2(*)[2][kThreads]>(smem_raw + sizeof(AttnSmem<HD>));
+  if constexpr (kSplit && kProgrammaticCombine) LaunchDependents();
   const int tile = blockIdx.x;
   const int kvh = blockIdx.y;
   const int tid = threadIdx.x;
@@ -196,17 +456,18 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
         }
       }
     }
+    const int num_keys = mb + count;
+    const int ident_end = mb + ident;  // ranks below it are their own slots
+    const int subs = (num_keys + kKeys - 1) / kKeys;
     s.mask_begin[tid] = mb;
-    s.num_keys[tid] = mb + count;
-    s.ident_end[tid] = mb + ident;
+    s.num_keys[tid] = num_keys;
+    s.subs[tid] = subs;
+    // Sub-chunk u is plain for the query when all its ranks there are below ident_end.
+    s.plain_subs[tid] = ident_end >= num_keys ? subs : ident_end / kKeys;
   }
-  __syncthreads();
-  // Keys in use by the tile; ranks of regular rows are slots below it, all mapped.
-  int max_keys = 0;
-  for (int i = 0; i < nq; ++i) max_keys = max(max_keys, s.num_keys[i]);
-  const bool split = p.num_splits > 1;
-  const int chunk_first = split ? static_cast<int>(blockIdx.z) : 0;
-  const int chunk_last = split ? chunk_first + 1 : (max_keys + kChunk - 1) / kChunk;
+  for (int i = tid; i < (HD + 8) / 2; i += kThreads) {
+    reinterpret_cast<uint32_t*>(s.zero_row)[i] = 0u;
+  }
 
   const int r0 = warp * 16 + g;
   const int r1 = r0 + 8;
@@ -216,228 +477,348 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
   const int lq0 = min(r0 / nh, nq - 1);
   const int lq1 = min(r1 / nh, nq - 1);
 
+  // The A fragments of the rows' query vectors (zeros for padding rows); a window pass re-reads
+  // them (LoadQueryFragments) rather than taking these.
+  const bf16* q_row0 =
+      ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
+  const bf16* q_row1 =
+      ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
   uint32_t qf[HD / 16][4];
-  {
-    const bf16* q_row0 =
-        ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
-            : nullptr;
-    const bf16* q_row1 =
-        ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
-            : nullptr;
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const int c = kk * 16 + 2 * t4;
-      qf[kk][0] = q_row0 != nullptr ? Ld32(q_row0 + c) : 0u;
-      qf[kk][1] = q_row1 != nullptr ? Ld32(q_row1 + c) : 0u;
-      qf[kk][2] = q_row0 != nullptr ? Ld32(q_row0 + c + 8) : 0u;
-      qf[kk][3] = q_row1 != nullptr ? Ld32(q_row1 + c + 8) : 0u;
-    }
-  }
+  LoadQueryFragments<HD>(q_row0, q_row1, t4, qf);
 
-  // Merged state over the chunks done so far (unsplit case only).
-  float big_o[HD / 8][4];
-#pragma unroll
-  for (int j = 0; j < HD / 8; ++j) big_o[j][0] = big_o[j][1] = big_o[j][2] = big_o[j][3] = 0.0f;
+  // Merged state over the chunks done so far (unsplit only; o in big_o, zero until a chunk
+  // with keys is merged).
   float big_m[2] = {-INFINITY, -INFINITY};
   float big_l[2] = {0.0f, 0.0f};
+  if constexpr (!kSplit) {
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      big_o[j][0][tid] = make_float2(0.0f, 0.0f);
+      big_o[j][1][tid] = make_float2(0.0f, 0.0f);
+    }
+  }
+  __syncthreads();
+
+  // The tile's summary: keys in use; plain sub-chunks [0, plain_end), whose loads stop at
+  // plain_bound (no plain row sees a rank at or past it); window sub-chunks within
+  // [irr_begin, irr_end).
+  if (warp == 0) {
+    int mk = 0, pe = 0, pb = 0, ib = INT_MAX, ie = 0;
+    for (int q = lane; q < nq; q += 32) {
+      const int nk = s.num_keys[q], x = s.plain_subs[q], e = s.subs[q];
+      mk = max(mk, nk);
+      pe = max(pe, x);
+      pb = max(pb, x == e ? nk : x * kKeys);
+      if (x < e) {
+        ib = min(ib, x);
+        ie = max(ie, e);
+      }
+    }
+    mk = __reduce_max_sync(kFullMask, mk);
+    pe = __reduce_max_sync(kFullMask, pe);
+    pb = __reduce_max_sync(kFullMask, pb);
+    ib = __reduce_min_sync(kFullMask, ib);
+    ie = __reduce_max_sync(kFullMask, ie);
+    if (lane == 0) {
+      s.max_keys = mk;
+      s.plain_end = pe;
+      s.plain_bound = pb;
+      s.irr_begin = ib;
+      s.irr_end = ie;
+    }
+  }
+  __syncthreads();
+  const int max_keys = s.max_keys;
+  const int plain_end = s.plain_end;
+  const int plain_bound = s.plain_bound;
+  const int irr_begin = s.irr_begin;
+  const int irr_end = s.irr_end;
+  const int chunk_first = kSplit ? static_cast<int>(blockIdx.z) : 0;
+  const int chunk_last = kSplit ? chunk_first + 1 : (max_keys + kChunk - 1) / kChunk;
+  const int sub_limit = chunk_last * kSub;  // the CTA's sub-chunks end here
   const float scale_log2 = p.scale * kLog2e;
 
-  // Each thread copies the same (key, 16-byte piece) pairs of K and V; columns past the job's
-  // keys are zero-filled, never garbage that a zero probability would not cancel (NaN * 0).
-  constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
-  constexpr int kCopies = kKeys * kPieces / kThreads;
-  static_assert(kKeys * kPieces % kThreads == 0, "copy split");
   const bf16* k_head = p.k_cache + kvh * HD;
   const bf16* v_head = p.v_cache + kvh * HD;
   const int block_size = static_cast<int>(p.block_size);
-
-  for (int chunk = chunk_first; chunk < chunk_last; ++chunk) {
-    const int cb = chunk * kChunk;
-    __syncthreads();  // the previous chunk's job list is read no more
-    // Jobs of this chunk: per sub-chunk, one shared load for the regular rows (if any has
-    // keys there), then one per irregular query. Job code: sub * kJobStride + query + 1.
-    if (warp == 0) {
-      int n = 0;
-#pragma unroll 1
-      for (int sub = 0; sub < kSub; ++sub) {
-        const int R0 = cb + sub * kKeys;
-        bool any_regular = false;
-        uint32_t irregular[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int q = lane + 32 * h;
-          const bool act = q < nq && s.num_keys[q] > R0;
-          const bool reg = act && min(R0 + kKeys, s.num_keys[q]) <= s.ident_end[q];
-          any_regular = __any_sync(internal::kFullMask, reg) || any_regular;
-          irregular[h] = __ballot_sync(internal::kFullMask, act && !reg);
-        }
-        if (lane == 0) {
-          if (any_regular) s.job[n++] = sub * kJobStride;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            for (uint32_t b = irregular[h]; b != 0u; b &= b - 1u) {
-              s.job[n++] = sub * kJobStride + 1 + 32 * h + __ffs(static_cast<int>(b)) - 1;
-            }
-          }
-        }
-      }
-      if (lane == 0) s.num_jobs = n;
+  const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+  auto phys = [&](int slot) -> int64_t {
+    int blk, in;
+    if (bs_shift >= 0) {
+      blk = slot >> bs_shift;
+      in = slot & (block_size - 1);
+    } else {
+      blk = slot / block_size;
+      in = slot - blk * block_size;
     }
-    __syncthreads();
-    const int num_jobs = s.num_jobs;
+    return static_cast<int64_t>(__ldg(table + blk)) * block_size + in;
+  };
 
-    auto issue = [&](int jn) {
-      const int code = s.job[jn];
-      const int jq = code % kJobStride - 1;
-      const int R0 = cb + (code / kJobStride) * kKeys;
-      AttnStage<HD>& st = s.stage[jn & 1];
-      int bound = max_keys, mb = 0, ident = INT_MAX;
-      const uint32_t* words = nullptr;
-      if (jq >= 0) {
-        bound = s.num_keys[jq];
-        mb = s.mask_begin[jq];
-        ident = s.ident_end[jq];
-        words = s.mask[jq];
-      }
+  // A plain job's load: slots [R0, R0 + 64) of sub-chunk `sub` into stage sub % 2, slots at or
+  // past plain_bound zero-filled (never garbage that a zero probability would not cancel).
+  constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
+  constexpr int kCopies = kKeys * kPieces / kThreads;
+  static_assert(kKeys * kPieces % kThreads == 0, "copy split");
+  auto issue_plain = [&](int sub) {
+    AttnStage<HD>& st = s.stage[sub & 1];
+    const int R0 = sub * kKeys;
 #pragma unroll
-      for (int it = 0; it < kCopies; ++it) {
-        const int i = tid + it * kThreads;
-        const int key = i / kPieces, c = i % kPieces;
-        const int rank = R0 + key;
-        bool valid = rank < bound;
-        int64_t off = 0;
-        if (valid) {
-          const int slot = rank < ident ? rank : RankToSlot(words, mb, rank - mb);
-          valid = slot >= 0;
-          if (valid) {
-            const int64_t phys =
-                static_cast<int64_t>(table[slot / block_size]) * block_size + slot % block_size;
-            off = phys * kv_dim + c * 8;
-          }
-        }
-        CpAsync16(&st.k[key][c * 8], k_head + off, valid);
-        CpAsync16(&st.v[key][c * 8], v_head + off, valid);
-      }
-    };
-
+    for (int it = 0; it < kCopies; ++it) {
+      const int i = tid + it * kThreads;
+      const int key = i / kPieces, c = i % kPieces;
+      const int slot = R0 + key;
+      const bool valid = slot < plain_bound;
+      const int64_t off = valid ? phys(slot) * kv_dim + c * 8 : 0;
+      CpAsync16(&st.k[key][c * 8], k_head + off, valid);
+      CpAsync16(&st.v[key][c * 8], v_head + off, valid);
+    }
+  };
+  int prefetched = -1;  // the plain sub-chunk whose load was issued ahead of its job
+  for (int chunk = chunk_first; chunk < chunk_last; ++chunk) {
     // This chunk's online softmax, from scratch.
     float o[HD / 8][4];
 #pragma unroll
     for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY};
     float l[2] = {0.0f, 0.0f};
+    const int sub_first = chunk * kSub;
+    const int plain_last = min(sub_first + kSub, plain_end);
+    // Window sub-chunks (none without tree masks).
+    const int win_first = max(sub_first, irr_begin);
+    const int win_last = kTrees ? min(sub_first + kSub, irr_end) : win_first;
 
-    if (num_jobs > 0) issue(0);
-    CpAsyncCommit();
-    for (int jn = 0; jn < num_jobs; ++jn) {
-      // Prefetch the next job into the other stage (freed by the barrier that ended the
-      // previous iteration), then wait for this one.
-      if (jn + 1 < num_jobs) issue(jn + 1);
+    for (int sub = sub_first; sub < plain_last; ++sub) {
+      if (prefetched != sub) {
+        issue_plain(sub);
+        CpAsyncCommit();
+      }
+      // Prefetch the next job when it is plain too, into the other stage (freed by the
+      // barrier that ended the previous job). Window jobs take both stages, so nothing is in
+      // flight across them.
+      const int next = sub + 1;
+      if (next < min(plain_end, sub_limit) && (next < plain_last || win_first >= win_last)) {
+        issue_plain(next);
+        prefetched = next;
+      }
       CpAsyncCommit();
       CpAsyncWait<1>();
       __syncthreads();
-      const AttnStage<HD>& st = s.stage[jn & 1];
-      const int code = s.job[jn];
-      const int jq = code % kJobStride - 1;
-      const int R0 = cb + (code / kJobStride) * kKeys;
-      // Ranks [R0, lim) of a row are visible in this job; lim == R0: the row sits it out.
-      auto limit = [&](int lq, bool ok) {
-        if (!ok) return R0;
-        const int n = s.num_keys[lq];
-        if (jq < 0) return min(R0 + kKeys, n) <= s.ident_end[lq] ? n : R0;
-        return lq == jq ? n : R0;
-      };
-      const int lim[2] = {limit(lq0, ok0), limit(lq1, ok1)};
-      const bool act[2] = {lim[0] > R0, lim[1] > R0};
-      if (__any_sync(internal::kFullMask, act[0] || act[1])) {
-        // Scores S = Q K^T for the warp's 16 rows and the job's 64 columns.
-        float sc[kKeys / 8][4];
+      const AttnStage<HD>& st = s.stage[sub & 1];
+      const int R0 = sub * kKeys;
+      // Rows plain here see ranks [R0, num_keys); the others sit this job out.
+      const int lim[2] = {ok0 && sub < s.plain_subs[lq0] ? s.num_keys[lq0] : R0,
+                          ok1 && sub < s.plain_subs[lq1] ? s.num_keys[lq1] : R0};
+      AttendColumns<HD>(
+          qf, o, m, l, R0, lim, scale_log2, lane, [&](int c) { return &st.k[c][0]; },
+          [&](int c) { return &st.v[c][0]; });
+      __syncthreads();  // this stage is read no more; a later job may refill it
+    }
+
+    if constexpr (kTrees) {
+      for (int sub = win_first; sub < win_last; ++sub) {
+        const int R0 = sub * kKeys;
+        // Which queries need a window here, their mask bits with ranks in the sub-chunk, and
+        // their groups: all in one when they share mask_begin and their keys fit, else greedily
+        // in query order (one query's keys here are at most 64).
+        if (warp == 0) {
+          uint32_t uni[kMaskWords];
 #pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
-          sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+          for (int w = 0; w < kMaskWords; ++w) uni[w] = 0u;
+          int mb_lo = INT_MAX, mb_hi = INT_MIN;
 #pragma unroll
-          for (int kk = 0; kk < HD / 16; ++kk) {
-            const bf16* krow = &st.k[n * 8 + g][kk * 16 + 2 * t4];
-            Mma16816(sc[n], qf[kk], Ld32(krow), Ld32(krow + 8));
+          for (int h = 0; h < 2; ++h) {
+            const int q = lane + 32 * h;
+            const bool irr = q < nq && s.plain_subs[q] <= sub && sub < s.subs[q];
+            if (irr) {
+              const int mb = s.mask_begin[q];
+              uint32_t bits[kMaskWords];
+              SetBitsOfRanks(s.mask[q], max(0, R0 - mb), R0 + kKeys - mb, bits);
+#pragma unroll
+              for (int w = 0; w < kMaskWords; ++w) {
+                s.win_bits[q][w] = bits[w];
+                uni[w] |= bits[w];
+              }
+              mb_lo = min(mb_lo, mb);
+              mb_hi = max(mb_hi, mb);
+            }
+            s.win_group[q] = irr ? 0 : -1;
           }
-        }
+          int need = 0;
 #pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int rank = R0 + n * 8 + 2 * t4 + (e & 1);
-            sc[n][e] = rank < lim[e >> 1] ? __fmul_rn(sc[n][e], scale_log2) : -INFINITY;
+          for (int w = 0; w < kMaskWords; ++w) {
+            uni[w] = __reduce_or_sync(kFullMask, uni[w]);
+            need += __popc(uni[w]);
           }
-        }
-        // Online softmax (base 2); the 4 threads of a quad share a row.
-        float alpha[2];
+          mb_lo = __reduce_min_sync(kFullMask, mb_lo);
+          mb_hi = __reduce_max_sync(kFullMask, mb_hi);
+          int groups = 0;
+          if (mb_lo <= mb_hi) {
+            if (mb_lo == mb_hi && max(0, mb_lo - R0) + need <= kWindowRows) {
+              groups = 1;
+              if (lane == 0) {
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          float mx = -INFINITY;
+                for (int w = 0; w < kMaskWords; ++w) s.win_union[w] = uni[w];
+                s.win_mb = mb_lo;
+              }
+            } else {
+              __syncwarp();  // every lane's win_bits and win_group are visible to lane 0
+              if (lane == 0) {
+                uint32_t u[kMaskWords];
 #pragma unroll
-          for (int n = 0; n < kKeys / 8; ++n) {
-            mx = fmaxf(mx, fmaxf(sc[n][2 * hr], sc[n][2 * hr + 1]));
-          }
-          mx = fmaxf(mx, __shfl_xor_sync(internal::kFullMask, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(internal::kFullMask, mx, 2));
-          const float m_new = fmaxf(m[hr], mx);
-          // A row with no visible key keeps zeros; subtracting 0 instead of -inf avoids NaN.
-          const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-          alpha[hr] = exp2f(__fsub_rn(m[hr], m_use));
-          float row_sum = 0.0f;
+                for (int w = 0; w < kMaskWords; ++w) u[w] = 0u;
+                int gm = 0, grp = -1;
+                for (int q = 0; q < nq; ++q) {
+                  if (s.win_group[q] < 0) continue;
+                  const int mb = s.mask_begin[q];
+                  const bool same = grp >= 0 && mb == gm;
+                  uint32_t t[kMaskWords];
+                  int rows_needed = max(0, mb - R0);
 #pragma unroll
-          for (int n = 0; n < kKeys / 8; ++n) {
-            sc[n][2 * hr] = exp2f(__fsub_rn(sc[n][2 * hr], m_use));
-            sc[n][2 * hr + 1] = exp2f(__fsub_rn(sc[n][2 * hr + 1], m_use));
-            row_sum = __fadd_rn(row_sum, __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]));
-          }
-          if (act[hr]) {
-            l[hr] = __fmaf_rn(l[hr], alpha[hr], row_sum);
-            m[hr] = m_new;
-          }
-        }
-        // P V into fresh accumulators, then O = O * alpha + P V for the rows in this job.
-        // The score accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of the
-        // k-step kk; the B fragments of two 8-dim tiles come from one transposed ldmatrix of
-        // V's 16 key rows (lanes 0-15: dims j*8.., lanes 16-31: dims (j+1)*8..).
-        uint32_t pa[kKeys / 16][4];
+                  for (int w = 0; w < kMaskWords; ++w) {
+                    t[w] = (same ? u[w] : 0u) | s.win_bits[q][w];
+                    rows_needed += __popc(t[w]);
+                  }
+                  if (!same || rows_needed > kWindowRows) {
+                    if (grp == 0) {  // group 0 is complete: publish it
 #pragma unroll
-        for (int kk = 0; kk < kKeys / 16; ++kk) {
-          pa[kk][0] = PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-          pa[kk][1] = PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-          pa[kk][2] = PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-          pa[kk][3] = PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
-        const int v_row = lane & 15, v_col = (lane >> 4) * 8;
+                      for (int w = 0; w < kMaskWords; ++w) s.win_union[w] = u[w];
+                      s.win_mb = gm;
+                    }
+                    ++grp;
 #pragma unroll
-        for (int j = 0; j < HD / 8; j += 2) {
-          float pv0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pv1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    for (int w = 0; w < kMaskWords; ++w) t[w] = s.win_bits[q][w];
+                  }
 #pragma unroll
-          for (int kk = 0; kk < kKeys / 16; ++kk) {
-            uint32_t b0, b1, b2, b3;
-            LdMatrixX4Trans(&st.v[kk * 16 + v_row][j * 8 + v_col], b0, b1, b2, b3);
-            Mma16816(pv0, pa[kk], b0, b1);
-            Mma16816(pv1, pa[kk], b2, b3);
-          }
+                  for (int w = 0; w < kMaskWords; ++w) u[w] = t[w];
+                  gm = mb;
+                  s.win_group[q] = static_cast<int8_t>(grp);
+                }
+                if (grp == 0) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (act[e >> 1]) {
-              o[j][e] = __fmaf_rn(o[j][e], alpha[e >> 1], pv0[e]);
-              o[j + 1][e] = __fmaf_rn(o[j + 1][e], alpha[e >> 1], pv1[e]);
+                  for (int w = 0; w < kMaskWords; ++w) s.win_union[w] = u[w];
+                  s.win_mb = gm;
+                }
+                groups = grp + 1;
+              }
+              groups = __shfl_sync(kFullMask, groups, 0);
             }
           }
+          if (lane == 0) s.win_groups = groups;
+        }
+        __syncthreads();
+        const int groups = s.win_groups;
+        for (int grp = 0; grp < groups; ++grp) {
+          if (grp > 0) {  // the group's window: the union of its members' bits
+            if (warp == 0) {
+              uint32_t u[kMaskWords];
+              int mbv = INT_MAX;
+#pragma unroll
+              for (int w = 0; w < kMaskWords; ++w) u[w] = 0u;
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int q = lane + 32 * h;
+                if (q < nq && s.win_group[q] == grp) {
+#pragma unroll
+                  for (int w = 0; w < kMaskWords; ++w) u[w] |= s.win_bits[q][w];
+                  mbv = min(mbv, s.mask_begin[q]);
+                }
+              }
+#pragma unroll
+              for (int w = 0; w < kMaskWords; ++w) u[w] = __reduce_or_sync(kFullMask, u[w]);
+              mbv = __reduce_min_sync(kFullMask, mbv);
+              if (lane == 0) {
+#pragma unroll
+                for (int w = 0; w < kMaskWords; ++w) s.win_union[w] = u[w];
+                s.win_mb = mbv;
+              }
+            }
+            __syncthreads();
+          }
+          // Window rows: [0, pre) the prefix slots R0.., then the union's slots in slot order.
+          // Tables: column c < pre -> row c; a tree key's column (its rank - R0) -> its row;
+          // columns past the query's keys -> the zero row.
+          const int mb = s.win_mb;
+          const int pre = max(0, mb - R0);
+          for (int i = tid; i < pre; i += kThreads) s.win_slot[i] = R0 + i;
+          if (tid < kMaskWords) {
+            int row = pre;
+            for (int w = 0; w < tid; ++w) row += __popc(s.win_union[w]);
+            for (uint32_t x = s.win_union[tid]; x != 0u; x &= x - 1u) {
+              s.win_slot[row++] = mb + 32 * tid + __ffs(static_cast<int>(x)) - 1;
+            }
+          }
+          for (int i = tid; i < nq * kKeys; i += kThreads) {
+            const int q = i / kKeys, c = i % kKeys;
+            if (s.win_group[q] != grp) continue;
+            if (c < pre) {
+              s.win_table[q][c] = static_cast<uint8_t>(c);
+            } else if (c >= s.num_keys[q] - R0) {
+              s.win_table[q][c] = kZeroRow;
+            }
+          }
+          for (int i = tid; i < nq * kMaskWords; i += kThreads) {
+            const int q = i / kMaskWords, w = i % kMaskWords;
+            if (s.win_group[q] != grp) continue;
+            uint32_t x = s.win_bits[q][w];
+            if (x == 0u) continue;
+            int col = mb - R0;  // column of the query's first tree key, plus its bits before w
+            int row = pre;
+            for (int v = 0; v < w; ++v) {
+              col += __popc(s.mask[q][v]);
+              row += __popc(s.win_union[v]);
+            }
+            const uint32_t mw = s.mask[q][w], uw = s.win_union[w];
+            for (; x != 0u; x &= x - 1u) {
+              const uint32_t below = (x & (0u - x)) - 1u;  // bits below x's lowest set bit
+              s.win_table[q][col + __popc(mw & below)] =
+                  static_cast<uint8_t>(row + __popc(uw & below));
+            }
+          }
+          __syncthreads();
+          // Load the window (at most kWindowRows rows by the grouping).
+          int win_rows = pre;
+#pragma unroll
+          for (int w = 0; w < kMaskWords; ++w) win_rows += __popc(s.win_union[w]);
+          for (int i = tid; i < win_rows * kPieces; i += kThreads) {
+            const int row = i / kPieces, c = i % kPieces;
+            const int64_t off = phys(s.win_slot[row]) * kv_dim + c * 8;
+            AttnStage<HD>& st = s.stage[row / kKeys];
+            CpAsync16(&st.k[row % kKeys][c * 8], k_head + off, true);
+            CpAsync16(&st.v[row % kKeys][c * 8], v_head + off, true);
+          }
+          CpAsyncCommit();
+          CpAsyncWait<0>();
+          __syncthreads();
+          // One pass per member query among the warp's rows.
+          if (warp * 16 < rows) {
+            const int qa = warp * 16 / nh, qb = min((warp * 16 + 15) / nh, nq - 1);
+            for (int q = qa; q <= qb; ++q) {
+              if (s.win_group[q] != grp) continue;
+              const int nk = s.num_keys[q];
+              const int lim[2] = {ok0 && lq0 == q ? nk : R0, ok1 && lq1 == q ? nk : R0};
+              if constexpr (HD >= 128) {
+                WindowPassOutOfLine<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q],
+                                        s.stage[0].k[0], s.zero_row, q_row0, q_row1);
+              } else {
+                WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.stage[0].k[0],
+                               s.zero_row, q_row0, q_row1);
+              }
+            }
+          }
+          __syncthreads();  // the window and tables are read no more
         }
       }
-      __syncthreads();  // this stage is read no more; the next iteration may refill it
     }
 
     // The chunk's state per row: l summed over the quad (same value in all four threads).
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      l[hr] = __fadd_rn(l[hr], __shfl_xor_sync(internal::kFullMask, l[hr], 1));
-      l[hr] = __fadd_rn(l[hr], __shfl_xor_sync(internal::kFullMask, l[hr], 2));
+      l[hr] = __fadd_rn(l[hr], __shfl_xor_sync(kFullMask, l[hr], 1));
+      l[hr] = __fadd_rn(l[hr], __shfl_xor_sync(kFullMask, l[hr], 2));
     }
-    if (split) {
+    if constexpr (kSplit) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = hr == 0 ? r0 : r1;
@@ -460,51 +841,52 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionKernel(TreeAttentionPar
     } else {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        float mine[HD / 4], merged[HD / 4];
+        float a = 0.0f, b = 0.0f;
+        const int mode = MergeWeights(big_m[hr], big_l[hr], m[hr], l[hr], a, b);
+        if (mode != 0) {
 #pragma unroll
-        for (int j = 0; j < HD / 8; ++j) {
-          mine[2 * j] = o[j][2 * hr];
-          mine[2 * j + 1] = o[j][2 * hr + 1];
-          merged[2 * j] = big_o[j][2 * hr];
-          merged[2 * j + 1] = big_o[j][2 * hr + 1];
-        }
-        MergeChunk(big_m[hr], big_l[hr], m[hr], l[hr], merged, mine, HD / 4);
-#pragma unroll
-        for (int j = 0; j < HD / 8; ++j) {
-          big_o[j][2 * hr] = merged[2 * j];
-          big_o[j][2 * hr + 1] = merged[2 * j + 1];
+          for (int j = 0; j < HD / 8; ++j) {
+            float2& bo = big_o[j][hr][tid];
+            bo = make_float2(MergeValue(mode, bo.x, o[j][2 * hr], a, b),
+                             MergeValue(mode, bo.y, o[j][2 * hr + 1], a, b));
+          }
         }
       }
     }
   }
 
-  if (split) return;
+  if constexpr (!kSplit) {
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = hr == 0 ? r0 : r1;
-    if (r >= rows) continue;
-    const int64_t qi = q0 + r / nh;
-    const int64_t head = h_lo + r % nh;
-    const float inv = big_l[hr] > 0.0f ? __fdiv_rn(1.0f, big_l[hr]) : 0.0f;
-    bf16* dst = p.out + qi * p.out_stride + head * HD + 2 * t4;
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = hr == 0 ? r0 : r1;
+      if (r >= rows) continue;
+      const int64_t qi = q0 + r / nh;
+      const int64_t head = h_lo + r % nh;
+      const float inv = big_l[hr] > 0.0f ? __fdiv_rn(1.0f, big_l[hr]) : 0.0f;
+      bf16* dst = p.out + qi * p.out_stride + head * HD + 2 * t4;
 #pragma unroll
-    for (int j = 0; j < HD / 8; ++j) {
-      *reinterpret_cast<uint32_t*>(dst + j * 8) =
-          PackBf16x2(__fmul_rn(big_o[j][2 * hr], inv), __fmul_rn(big_o[j][2 * hr + 1], inv));
+      for (int j = 0; j < HD / 8; ++j) {
+        const float2 bo = big_o[j][hr][tid];
+        *reinterpret_cast<uint32_t*>(dst + j * 8) =
+            PackBf16x2(__fmul_rn(bo.x, inv), __fmul_rn(bo.y, inv));
+      }
     }
   }
 }
 
-// One warp per (query, head): the chunk states merged in chunk order by MergeChunk, exactly as
-// the main kernel merges them when one CTA owns all chunks.
+// One warp per (query, head): the chunk states merged in chunk order with MergeWeights, exactly
+// as the main kernel merges them when one CTA owns all chunks.
 template <int HD>
 __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAttentionParams p) {
+  // Launched as a programmatic dependent of the main kernel: nothing it wrote may be read
+  // before this.
+  WaitPrerequisiteGrid();
   const int64_t item = blockIdx.x * static_cast<int64_t>(kWarps) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   const int64_t items = p.num_queries * p.num_heads;
   if (item >= items) return;
   // Below 32 dims a lane owns one dim and the lanes past head_dim have none (the kernel uses
-  // no warp collectives, so they may leave). MergeChunk is elementwise, so how dims are dealt
+  // no warp collectives, so they may leave). The merge is elementwise, so how dims are dealt
   // to lanes does not change a dim's bits.
   constexpr int kPerLane = HD >= 32 ? HD / 32 : 1;
   if constexpr (HD < 32) {
@@ -515,41 +897,86 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
 #pragma unroll
   for (int d = 0; d < kPerLane; ++d) acc[d] = 0.0f;
   float big_m = -INFINITY, big_l = 0.0f;
-  for (int sp = 0; sp < p.num_splits; ++sp) {
-    const int64_t at = sp * items + item;
-    float part[kPerLane];
-    const float* o = p.workspace + at * HD;
+  // The states are read kBatch chunks ahead of their merges (which stay in chunk order), so that
+  // a long split (64 chunks at 8K keys) costs a few memory latencies, not one per chunk.
+  constexpr int kBatch = 8;
+  for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
+    float cm[kBatch], cl[kBatch], part[kBatch][kPerLane];
 #pragma unroll
-    for (int d = 0; d < kPerLane; ++d) part[d] = o[lane + 32 * d];
-    MergeChunk(big_m, big_l, ml[2 * at], ml[2 * at + 1], acc, part, kPerLane);
+    for (int i = 0; i < kBatch; ++i) {
+      cm[i] = -INFINITY;
+      cl[i] = 0.0f;  // past the last chunk: nothing to merge
+#pragma unroll
+      for (int d = 0; d < kPerLane; ++d) part[i][d] = 0.0f;
+      if (sp0 + i < p.num_splits) {
+        const int64_t at = (sp0 + i) * items + item;
+        cm[i] = ml[2 * at];
+        cl[i] = ml[2 * at + 1];
+        const float* o = p.workspace + at * HD;
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) part[i][d] = o[lane + 32 * d];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      float a = 0.0f, b = 0.0f;
+      const int mode = MergeWeights(big_m, big_l, cm[i], cl[i], a, b);
+      if (mode != 0) {
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) acc[d] = MergeValue(mode, acc[d], part[i][d], a, b);
+      }
+    }
   }
   const float inv = big_l > 0.0f ? __fdiv_rn(1.0f, big_l) : 0.0f;
   const int64_t qi = item / p.num_heads, head = item % p.num_heads;
   bf16* dst = p.out + qi * p.out_stride + head * HD;
 #pragma unroll
-  for (int d = 0; d < kPerLane; ++d) dst[lane + 32 * d] = __float2bfloat16_rn(__fmul_rn(acc[d], inv));
+  for (int d = 0; d < kPerLane; ++d)
+    dst[lane + 32 * d] = __float2bfloat16_rn(__fmul_rn(acc[d], inv));
+}
+
+template <int HD, bool kSplit, bool kTrees>
+cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_tiles), static_cast<unsigned>(p.num_kv_heads),
+                  static_cast<unsigned>(p.num_splits));
+  // The stages (and, unsplit, the merged state) exceed the 48 KiB of static shared memory. The
+  // attribute is per device and cheap to set, so it is set on every launch (multi-GPU processes
+  // included).
+  constexpr size_t kSmem = SmemBytes<HD, kSplit>();
+  if (cudaError_t e = cudaFuncSetAttribute(TreeAttentionKernel<HD, kSplit, kTrees>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kSmem));
+      e != cudaSuccess) {
+    return e;
+  }
+  TreeAttentionKernel<HD, kSplit, kTrees><<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Without masks every query's keys are its own slots, so the kernel is built without the window
+// machinery (decode and prefill chains; fewer registers).
+template <int HD, bool kSplit>
+cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
+  return p.mask_begin != nullptr ? LaunchMain<HD, kSplit, true>(p, stream)
+                                 : LaunchMain<HD, kSplit, false>(p, stream);
 }
 
 template <int HD>
 cudaError_t Launch(const TreeAttentionParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.num_tiles), static_cast<unsigned>(p.num_kv_heads),
-                  static_cast<unsigned>(p.num_splits));
-  // Two K/V stages exceed the 48 KiB of static shared memory at head_dim 128. The attribute is
-  // per device and cheap to set, so it is set on every launch (multi-GPU processes included).
-  constexpr size_t kSmem = sizeof(AttnSmem<HD>);
-  if (cudaError_t e =
-          cudaFuncSetAttribute(TreeAttentionKernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kSmem));
-      e != cudaSuccess) {
-    return e;
-  }
-  TreeAttentionKernel<HD><<<grid, kThreads, kSmem, stream>>>(p);
-  if (p.num_splits > 1) {
-    const int64_t items = p.num_queries * p.num_heads;
-    TreeAttentionCombineKernel<HD>
-        <<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  if (p.num_splits == 1) return LaunchMain<HD, false>(p, stream);
+  if (cudaError_t e = LaunchMain<HD, true>(p, stream); e != cudaSuccess) return e;
+  const int64_t items = p.num_queries * p.num_heads;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((items + kWarps - 1) / kWarps));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = kProgrammaticCombine ? 1 : 0;
+  return cudaLaunchKernelEx(&config, TreeAttentionCombineKernel<HD>, p);
 }
 
 // Whether the tensor-parallel head mapping is well formed: the local KV heads are exactly those

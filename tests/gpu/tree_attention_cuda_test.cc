@@ -2,7 +2,8 @@
 // verification trees (1, 7 and 256 nodes of several shapes) below pending chains, batched over
 // sequences with context lengths that are not multiples of the block size, odd head counts,
 // head_dim 16, 32, 64 and 128, with the key range unsplit, split by the plan and split by force,
-// and tensor-parallel head ranges against the full model's heads.
+// and tensor-parallel head ranges against the full model's heads; and bit identity of every tree
+// node with its own decode (batch invariance).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -49,6 +50,9 @@ std::vector<int32_t> TreeParents(int nodes, int shape, std::mt19937_64& rng) {
         break;
       case 2:
         parents.push_back(i == 0 ? -1 : (i - 1) / 2);  // binary
+        break;
+      case 4:
+        parents.push_back(i < 2 ? -1 : i - 2);  // two interleaved chains
         break;
       default: {
         std::uniform_int_distribution<int32_t> pick(-1, i - 1);
@@ -222,6 +226,19 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
       } else {
         EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(float)))
             << "forced splits " << force_splits << " changed bits";
+      }
+    }
+    // Without trees the masks may be left out (null pointers), which selects the kernel built
+    // without the window machinery: the same bits.
+    if (b.tree_keys.empty()) {
+      for (int force_splits : splits) {
+        const std::vector<float> got =
+            RunGpu(sh, force_splits, b.q, b.q_stride, b.k_cache, b.v_cache, b.tables, b.max_blocks,
+                   b.query_seq, b.kv_end, {}, {}, scale);
+        EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(float)))
+            << "no masks, forced splits " << force_splits << ": bits differ from the run with "
+            << "masks (heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim "
+            << sh.head_dim << ")";
       }
     }
   }
@@ -466,6 +483,142 @@ TEST_F(TreeAttentionCudaTest, TreeNodeBitIdenticalToDecode) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// Batch invariance for every node of a tree at once: each node's output equals, bit for bit, that
+// of its own decode after its path was committed (a batch of such decodes, one sequence each,
+// whose block tables share the tree's prefix blocks), for every split choice. The shapes make
+// the kernel's window jobs (a tree node's keys past its plain prefix, gathered from the union of
+// the tile's ancestors) take every path: one window for a tile; several groups when the union
+// does not fit (two interleaved chains, 64 queries per tile); mask_begin differing within a tile
+// (some prefix keys given as leading mask bits instead, the same key set); ancestries spanning
+// several sub-chunks; and contexts whose prefix ends mid-sub-chunk or right at its start.
+TEST_F(TreeAttentionCudaTest, EveryTreeNodeBitIdenticalToItsDecode) {
+  std::mt19937_64 rng(11);
+  for (const Shape& sh : {kShapes[3], kShapes[4], kShapes[6], kShapes[0]}) {
+    const int kv_dim = sh.num_kv_heads * sh.head_dim;
+    const int q_dim = sh.num_heads * sh.head_dim;
+    for (int ctx : {37, 2000}) {
+      for (int variant = 0; variant < 5; ++variant) {
+        // Tree shapes: star, random, two interleaved chains; then random and interleaved with
+        // shifted mask_begin.
+        const int shape = variant == 0 ? 1 : variant == 1 || variant == 3 ? 3 : 4;
+        const bool shifted = variant >= 3;
+        const int nodes = 256;
+        const std::vector<int32_t> parents = TreeParents(nodes, shape, rng);
+        std::vector<std::vector<int32_t>> anc(nodes);
+        for (int j = 0; j < nodes; ++j) {
+          if (parents[j] >= 0) anc[j] = anc[parents[j]];
+          anc[j].push_back(j);
+        }
+        const int tree_base = ctx + 1;  // one pending chain token, then the tree
+        // Block tables: row 0 the tree's sequence; row 1 + j node j's committed path, sharing
+        // row 0's blocks below tree_base / block_size and owning the rest.
+        const int bs = sh.block_size;
+        const int shared_blocks = tree_base / bs;
+        const int tree_blocks = (tree_base + nodes + bs - 1) / bs;
+        int max_blocks = tree_blocks, total_blocks = tree_blocks;
+        std::vector<int> path_len(nodes);
+        for (int j = 0; j < nodes; ++j) {
+          path_len[j] = tree_base + static_cast<int>(anc[j].size());
+          const int blocks = (path_len[j] + bs - 1) / bs;
+          max_blocks = std::max(max_blocks, blocks);
+          total_blocks += blocks - shared_blocks;
+        }
+        std::vector<int32_t> pool(total_blocks);
+        std::iota(pool.begin(), pool.end(), 0);
+        std::shuffle(pool.begin(), pool.end(), rng);
+        std::vector<int32_t> tables(static_cast<size_t>(1 + nodes) * max_blocks, 0);
+        int next_block = 0;
+        for (int b = 0; b < tree_blocks; ++b) tables[b] = pool[next_block++];
+        for (int j = 0; j < nodes; ++j) {
+          const int blocks = (path_len[j] + bs - 1) / bs;
+          for (int b = 0; b < blocks; ++b) {
+            tables[static_cast<size_t>(1 + j) * max_blocks + b] =
+                b < shared_blocks ? tables[b] : pool[next_block++];
+          }
+        }
+        const int64_t num_slots = int64_t{total_blocks} * bs;
+        std::vector<float> k = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+        std::vector<float> v = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
+        auto phys = [&](int row, int slot) {
+          return int64_t{tables[static_cast<size_t>(row) * max_blocks + slot / bs]} * bs +
+                 slot % bs;
+        };
+        for (int j = 0; j < nodes; ++j) {
+          for (int r = shared_blocks * bs; r < path_len[j]; ++r) {
+            const int src = r < tree_base ? r : tree_base + anc[j][r - tree_base];
+            std::copy_n(&k[phys(0, src) * kv_dim], kv_dim, &k[phys(1 + j, r) * kv_dim]);
+            std::copy_n(&v[phys(0, src) * kv_dim], kv_dim, &v[phys(1 + j, r) * kv_dim]);
+          }
+        }
+        // The tree batch: the pending token, then the nodes; the decode batch: node j's path.
+        const std::vector<uint32_t> none(cuda::kTreeAttentionMaskWords, 0u);
+        std::vector<int32_t> t_seq = {0}, t_end = {tree_base}, t_mb = {tree_base};
+        std::vector<uint32_t> t_mask = none;
+        std::vector<int32_t> d_seq, d_end, d_mb;
+        std::vector<uint32_t> d_mask;
+        std::vector<float> t_q = RoundBf16(RandomNormal(q_dim, rng, 2.5f)), d_q;
+        for (int j = 0; j < nodes; ++j) {
+          // Shifted: the last d prefix keys are leading mask bits (kv_end - mask_begin <= 256).
+          const int d = shifted ? std::min<int>(static_cast<int>(rng() % 3), nodes - 1 - j) : 0;
+          std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
+          for (int b = 0; b < d; ++b) bits[b / 32] |= 1u << (b % 32);
+          for (int32_t a : anc[j]) bits[(a + d) / 32] |= 1u << ((a + d) % 32);
+          t_seq.push_back(0);
+          t_end.push_back(tree_base + j + 1);
+          t_mb.push_back(tree_base - d);
+          t_mask.insert(t_mask.end(), bits.begin(), bits.end());
+          d_seq.push_back(1 + j);
+          d_end.push_back(path_len[j]);
+          d_mb.push_back(path_len[j]);
+          d_mask.insert(d_mask.end(), none.begin(), none.end());
+          const std::vector<float> qj = RoundBf16(RandomNormal(q_dim, rng, 2.5f));
+          t_q.insert(t_q.end(), qj.begin(), qj.end());
+          d_q.insert(d_q.end(), qj.begin(), qj.end());
+        }
+        const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+        const std::vector<float> want =
+            RunGpu(sh, 0, d_q, q_dim, k, v, tables, max_blocks, d_seq, d_end, d_mb, d_mask, scale);
+        auto compare = [&](const std::vector<float>& got, int row_offset, const std::string& what) {
+          int bad_nodes = 0, first = -1, first_dim = -1;
+          for (int j = 0; j < nodes; ++j) {
+            const float* a = &got[static_cast<size_t>(row_offset + j) * q_dim];
+            const float* b = &want[static_cast<size_t>(j) * q_dim];
+            if (std::memcmp(a, b, q_dim * sizeof(float)) != 0) {
+              if (first < 0) {
+                first = j;
+                for (int i = 0; i < q_dim && first_dim < 0; ++i) {
+                  if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) first_dim = i;
+                }
+              }
+              ++bad_nodes;
+            }
+          }
+          EXPECT_EQ(bad_nodes, 0)
+              << what << ", head_dim " << sh.head_dim << " heads " << sh.num_heads << "/"
+              << sh.num_kv_heads << " context " << ctx << " tree shape " << shape
+              << (shifted ? " (shifted mask_begin)" : "") << ": " << bad_nodes
+              << " nodes differ from their decodes; first node " << first << " (depth "
+              << (first >= 0 ? anc[first].size() : 0) << "), head " << first_dim / sh.head_dim
+              << " dim " << first_dim % sh.head_dim << ": "
+              << (first >= 0 ? got[static_cast<size_t>(row_offset + first) * q_dim + first_dim] : 0)
+              << " vs " << (first >= 0 ? want[static_cast<size_t>(first) * q_dim + first_dim] : 0);
+        };
+        for (int force : {0, 1, 2}) {
+          compare(RunGpu(sh, force, t_q, q_dim, k, v, tables, max_blocks, t_seq, t_end, t_mb,
+                         t_mask, scale),
+                  1, "tree batch, forced splits " + std::to_string(force));
+        }
+        compare(
+            RunGpu(sh, 1, d_q, q_dim, k, v, tables, max_blocks, d_seq, d_end, d_mb, d_mask, scale),
+            0, "decode batch unsplit");
+        // The decodes without masks (the kernel then has no window machinery).
+        compare(RunGpu(sh, 0, d_q, q_dim, k, v, tables, max_blocks, d_seq, d_end, {}, {}, scale), 0,
+                "decode batch without masks");
       }
     }
   }

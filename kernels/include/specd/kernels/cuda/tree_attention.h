@@ -20,11 +20,16 @@
 //
 // Work decomposition (PlanTreeAttention): a CTA takes one KV head and one tile of up to
 // kTreeAttentionTileRows (query, head) rows -- consecutive queries of one sequence times the
-// local query heads that read the KV head -- so each KV block read from memory serves every query
-// and head of the tile; scores and the weighted sum use bf16 tensor-core MMAs with fp32
-// accumulation and an online softmax. K/V sub-chunks of 64 keys stream through two
-// shared-memory stages with cp.async (the next loads while the current one is computed on; V is
-// read transposed by ldmatrix).
+// local query heads that read the KV head; scores and the weighted sum use bf16 tensor-core MMAs
+// with fp32 accumulation and an online softmax. Keys go through shared memory in 64-key
+// sub-chunks, loaded with cp.async into two stages. A sub-chunk whose keys are the same slots for
+// every row that needs it (the committed prefix, chains, and a tree's contiguous start) is one
+// "plain" load serving every query and head of the tile, streamed through the two stages (the next
+// loads while the current one is computed on). A tree node's remaining sub-chunks (the end of the
+// prefix and its ancestors) are served by "window" loads: the distinct keys that a group of the
+// tile's nodes need there, loaded once into both stages, and read by each node through its own
+// column -> key table. With null masks the kernel is built without the window machinery (fewer
+// registers): pass null masks for batches without trees. The results are the same bits either way.
 //
 // Batch invariance: a query's output bits depend only on its own query vector and visible keys,
 // never on the batch, its tile, the split count or padding, so a token verified as a tree node
@@ -66,7 +71,9 @@ struct TreeAttentionParams {
   int64_t block_size = 0;
   const int32_t* query_seq = nullptr;   // [num_queries] int32, device: block-table row
   const int32_t* kv_end = nullptr;      // [num_queries] int32, device
-  const int32_t* mask_begin = nullptr;  // [num_queries] int32, device; null: no masks
+  // [num_queries] int32, device; null: no masks (no query has tree keys; the same results as
+  // masks without bits, from a kernel built without the tree machinery).
+  const int32_t* mask_begin = nullptr;
   // [num_queries, kTreeAttentionMaskWords] uint32, device; bit b of word b / 32 is slot
   // mask_begin + b. Null exactly when mask_begin is.
   const uint32_t* mask = nullptr;
