@@ -5,13 +5,13 @@
 # a random Llama-3.1-8B-shaped checkpoint at TP=1 and TP=2 (custom all-reduce, and NCCL only)
 # and, with --70b, of a Llama-3.1-70B-shaped checkpoint cut to LAYERS70 layers.
 #   tools/gpu_run_tp.sh [--dev DIR] [--no-tests] [--no-8b] [--70b] [--attn] [--gptfast]
-#       [--hf] [--1b] [--cluster] [--bf16check]
+#       [--hf] [--1b] [--cluster] [--bf16check] [--nccl]
 # --gptfast adds gpt-fast at the 8B shape, TP=1 and TP=2 under torchrun
 # (tools/bench/gpu_run_baselines.sh; needs .carry-gptfast), --hf transformers at 8B, --1b
 # specd and gpt-fast at the Llama-3.2-1B shape. Logs go to /tmp/tplogs and are tarred into
 # $OUT/tp_logs.tgz at the end (the device tool returns at most 8 files).
 set -u
-dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
+nccl=0 dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) dev=$2; shift ;;
@@ -23,6 +23,7 @@ while [ $# -gt 0 ]; do
     --hf) hf=1 ;;
     --1b) b1=1 ;;
     --cluster) cluster=1 ;;
+    --nccl) nccl=1 ;;
     --bf16check) bf16check=1 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -94,8 +95,10 @@ if [ $b8 -eq 1 ]; then
   if [ "$ngpu" -ge 2 ]; then
     stamp "8B steps, TP=2 custom"
     steps /tmp/specd-8b llama-3.1-8b 2 -1 --runs 9 --contexts 2048 --trees 16,64,128
-    stamp "8B steps, TP=2 NCCL only"
-    steps /tmp/specd-8b llama-3.1-8b 2 0 --runs 9 --contexts 2048 --trees 64
+    if [ $nccl -eq 1 ]; then
+      stamp "8B steps, TP=2 NCCL only"
+      steps /tmp/specd-8b llama-3.1-8b 2 0 --runs 9 --contexts 2048 --trees 64
+    fi
   fi
 fi
 if [ $b70 -eq 1 ]; then

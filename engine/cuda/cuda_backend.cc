@@ -848,6 +848,9 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
       rows[row_base[b] + j] = static_cast<int32_t>(token_base[b]);
     }
   }
+  step->tree_masks = false;
+  for (int64_t t = 0; t < T; ++t)
+    step->tree_masks = step->tree_masks || mask_begin[t] != kv_end[t];
   // A fixed block-table stride per power of two, so that contexts growing
   // within a bucket replay the same graph.
   step->max_blocks =
@@ -1080,8 +1083,11 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.block_size = kKvBlockTokens;
     ap.query_seq = At<int32_t>(meta, step.o_query_seq);
     ap.kv_end = At<int32_t>(meta, step.o_kv_end);
-    ap.mask_begin = At<int32_t>(meta, step.o_mask_begin);
-    ap.mask = At<uint32_t>(meta, step.o_mask);
+    // Chains only (decode, prefill): null masks select the kernel build
+    // without the tree-tail code (same bits).
+    ap.mask_begin =
+        step.tree_masks ? At<int32_t>(meta, step.o_mask_begin) : nullptr;
+    ap.mask = step.tree_masks ? At<uint32_t>(meta, step.o_mask) : nullptr;
     ap.tile_begin = At<int32_t>(meta, step.o_tile_begin);
     ap.tile_end = At<int32_t>(meta, step.o_tile_end);
     ap.num_tiles = step.num_tiles;
@@ -1258,6 +1264,7 @@ absl::Status CudaBackend::Execute(const Step &step) {
   // the generation.
   const std::vector<int64_t> key = {step.verify,
                                     step.custom_allreduce,
+                                    step.tree_masks,
                                     step.gather_logits,
                                     step.batch,
                                     step.per_seq,

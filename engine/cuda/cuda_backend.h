@@ -183,6 +183,8 @@ private:
     // whole logits (top-k / top-p) rather than per-rank candidates.
     bool custom_allreduce = false;
     bool gather_logits = false;
+    // Some query sees keys through a tree mask (else every query is a chain).
+    bool tree_masks = false;
     std::vector<int64_t> item_row_begin; // first logit row of each item
     size_t o_tokens = 0, o_positions = 0, o_query_seq = 0, o_kv_end = 0,
            o_mask_begin = 0, o_mask = 0, o_slots = 0, o_tables = 0, o_rows = 0,
