@@ -5,13 +5,13 @@
 # a random Llama-3.1-8B-shaped checkpoint at TP=1 and TP=2 (custom all-reduce, and NCCL only)
 # and, with --70b, of a Llama-3.1-70B-shaped checkpoint cut to LAYERS70 layers.
 #   tools/gpu_run_tp.sh [--dev DIR] [--no-tests] [--no-8b] [--70b] [--attn] [--gptfast]
-#       [--hf] [--1b] [--cluster] [--bf16check] [--nccl]
+#       [--hf] [--1b] [--cluster] [--bf16check] [--nccl] [--gemm]
 # --gptfast adds gpt-fast at the 8B shape, TP=1 and TP=2 under torchrun
 # (tools/bench/gpu_run_baselines.sh; needs .carry-gptfast), --hf transformers at 8B, --1b
 # specd and gpt-fast at the Llama-3.2-1B shape. Logs go to /tmp/tplogs and are tarred into
 # $OUT/tp_logs.tgz at the end (the device tool returns at most 8 files).
 set -u
-nccl=0 dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
+gemm=0 nccl=0 dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) dev=$2; shift ;;
@@ -24,6 +24,7 @@ while [ $# -gt 0 ]; do
     --1b) b1=1 ;;
     --cluster) cluster=1 ;;
     --nccl) nccl=1 ;;
+    --gemm) gemm=1 ;;
     --bf16check) bf16check=1 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -70,10 +71,12 @@ fi
 stamp "all-reduce benchmark"
 [ "$ngpu" -ge 2 ] && timeout 120 "$dev/bin/bench/cuda_allreduce_bench" 2>&1 | tee "$logs/tp_allreduce_bench.log" | tail -30
 
+if [ $gemm -eq 1 ]; then
 stamp "GEMM row classes"
 timeout 150 "$dev/bin/bench/cuda_kernels_bench" --benchmark_filter=Gemm --benchmark_counters_tabular=true \
   --benchmark_min_time=0.05 > "$logs/tp_gemm_bench.log" 2> "$logs/tp_gemm_bench.err"
 grep -E "^BM_Gemm|Name|own_algo" "$logs/tp_gemm_bench.log" | head -60
+fi
 
 if [ $attn -eq 1 ]; then
   stamp "attention kernels"
