@@ -7,6 +7,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/flag_names.h"
 #include "common/metrics.h"
 #include "common/model_service_main.h"
 #include "services/draft/draft_loop.h"
@@ -94,6 +95,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Serves the drafters of a specd cluster (specd.v1.Drafter).\n"
       "  specd-draft --model DIR | --vocab_size N [--address HOST:PORT] [--metrics_port N]");
+  specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();
 }

@@ -9,6 +9,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/flag_names.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
   specd::WatchTerminationSignals();
   absl::SetProgramUsageMessage(
       "specd-http --address HOST:PORT --router HOST:PORT [--model_dir DIR] [--model_name NAME]");
+  specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();
 }

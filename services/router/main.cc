@@ -12,6 +12,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/flag_names.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -184,6 +185,7 @@ int main(int argc, char** argv) {
   specd::WatchTerminationSignals();
   absl::SetProgramUsageMessage(
       "specd-router --model DIR --verify_address HOST:PORT [--draft_address HOST:PORT]");
+  specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();
 }

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/flag_names.h"
 #include "common/metrics.h"
 #include "common/model_service_main.h"
 #include "services/verify/verify_loop.h"
@@ -117,6 +118,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Serves the target model of a specd cluster (specd.v1.Verifier).\n"
       "  specd-verify --model DIR [--address HOST:PORT] [--metrics_port N] [--device cpu]");
+  specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();
 }

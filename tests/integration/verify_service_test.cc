@@ -523,6 +523,8 @@ TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
            {{address, metrics, "--model=" + empty}, "config.json"},
            {{address, metrics}, "--model: required"},
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=0"}, "tensor_parallel"},
+           // The dashed spelling other servers use reaches the same flag.
+           {{address, metrics, "--model=" + *dir_, "--tensor-parallel=0"}, "tensor_parallel"},
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--devices=60,61"},
             "cuda:60 is not available"},
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--devices=0,x"},
