@@ -114,6 +114,23 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   SPECD_RETURN_IF_ERROR_(GetInt(j, "num_key_value_heads", src, &c.num_kv_heads, false));
   SPECD_RETURN_IF_ERROR_(GetInt(j, "max_position_embeddings", src, &c.max_position_embeddings,
                                 false));
+  // Mistral applies sliding_window whenever it is set; Qwen2/Qwen3 only with
+  // use_sliding_window (their configs carry a window that is otherwise unused).
+  bool window_active = c.model_type == "mistral";
+  if (c.model_type == "qwen2" || c.model_type == "qwen3") {
+    window_active = j.contains("use_sliding_window") && j["use_sliding_window"].is_boolean() &&
+                    j["use_sliding_window"].get<bool>();
+  }
+  if (window_active) {
+    SPECD_RETURN_IF_ERROR_(GetInt(j, "sliding_window", src, &c.sliding_window, false));
+    if (c.sliding_window < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(src, ": sliding_window ", c.sliding_window, " is negative"));
+    }
+    if (c.sliding_window > 0 && c.sliding_window < c.max_position_embeddings) {
+      c.max_position_embeddings = c.sliding_window;
+    }
+  }
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.intermediate_size <= 0 || c.num_layers <= 0 ||
       c.num_heads <= 0 || c.num_kv_heads <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(src, ": sizes must be positive"));

@@ -32,7 +32,12 @@ struct ModelConfig {
   float rms_norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;
+  // The longest sequence served. With an active sliding window (Mistral's sliding_window;
+  // Qwen2/Qwen3 when use_sliding_window is true) it is capped at the window: a sequence no
+  // longer than the window attends exactly as full attention does, and the backends implement
+  // full attention only, so longer sequences are refused rather than silently computed wrong.
   int max_position_embeddings = 2048;
+  int sliding_window = 0;  // the checkpoint's window, 0 when none is active
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v projections carry a bias (Qwen2)
   bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (Qwen3)

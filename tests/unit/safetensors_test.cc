@@ -199,6 +199,36 @@ TEST(ModelConfigTest, ParsesFamiliesAndRejectsBadFields) {
   EXPECT_THAT(unknown.status().message(), HasSubstr("gpt2"));
 }
 
+// Sliding-window models are served up to their window only (full attention is then exact).
+TEST(ModelConfigTest, ActiveSlidingWindowCapsTheContext) {
+  const std::string sizes = R"("vocab_size":10,"hidden_size":8,"intermediate_size":16,
+    "num_hidden_layers":1,"num_attention_heads":2,"max_position_embeddings":32768)";
+  auto mistral = ParseModelConfig(
+      R"({"model_type":"mistral","sliding_window":4096,)" + sizes + "}", "m.json");
+  ASSERT_TRUE(mistral.ok()) << mistral.status();
+  EXPECT_EQ(mistral->sliding_window, 4096);
+  EXPECT_EQ(mistral->max_position_embeddings, 4096);
+  auto mistral_null = ParseModelConfig(
+      R"({"model_type":"mistral","sliding_window":null,)" + sizes + "}", "m.json");
+  ASSERT_TRUE(mistral_null.ok());
+  EXPECT_EQ(mistral_null->max_position_embeddings, 32768);
+  // Qwen2 carries a window it does not use unless use_sliding_window is true.
+  auto qwen_off = ParseModelConfig(
+      R"({"model_type":"qwen2","sliding_window":4096,"use_sliding_window":false,)" + sizes + "}",
+      "q.json");
+  ASSERT_TRUE(qwen_off.ok());
+  EXPECT_EQ(qwen_off->sliding_window, 0);
+  EXPECT_EQ(qwen_off->max_position_embeddings, 32768);
+  auto qwen_on = ParseModelConfig(
+      R"({"model_type":"qwen2","sliding_window":4096,"use_sliding_window":true,)" + sizes + "}",
+      "q.json");
+  ASSERT_TRUE(qwen_on.ok());
+  EXPECT_EQ(qwen_on->max_position_embeddings, 4096);
+  auto negative = ParseModelConfig(
+      R"({"model_type":"mistral","sliding_window":-1,)" + sizes + "}", "m.json");
+  EXPECT_THAT(negative.status().message(), HasSubstr("sliding_window"));
+}
+
 TEST(ModelConfigTest, Llama3RopeScalingMatchesTransformersFormula) {
   ModelConfig c;
   c.head_dim = 128;
