@@ -8,19 +8,11 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "engine/model_config.h"
-#ifdef SPECD_WITH_NCCL
 #include "engine/cuda/custom_allreduce.h"
 #include "engine/cuda/nccl_group.h"
-#endif
+#include "engine/model_config.h"
 
 namespace specd {
-
-#ifndef SPECD_WITH_NCCL
-// Complete types for the unique_ptr members when this build has no NCCL.
-class NcclGroup {};
-class CustomAllReduceGroup {};
-#endif
 
 namespace {
 
