@@ -1,14 +1,17 @@
 #include "specd/kernels/cuda/allreduce.h"
 
 #include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/rmsnorm_row.cuh"
 
 namespace specd {
 namespace cuda {
 namespace {
 
 using internal::Bf16x8ToFloat;
-using internal::BlockSum;
 using internal::FloatToBf16x8;
+using internal::RmsNormRow8;
+using internal::RowResidual;
+using internal::RmsNormThreads;
 
 // One site's signal area on one rank. flags[b][p] is written only by block b of rank p (remote
 // stores); counters[b][t] only by thread t of this rank's block b, which keeps one copy per
@@ -88,10 +91,9 @@ __global__ void __launch_bounds__(kPlainThreads)
   }
 }
 
-// Rows strided over the grid, one row at a time per block, with RmsNormKernel<8>'s loop
-// structure (kernels/cuda/rmsnorm.cu) and the same block size for the same dim, so that each
-// thread's partial sum of squares and the block reduction are the same operations in the same
-// order: with x = the rank sum, the results are RmsNormCuda's bit for bit.
+// Rows strided over the grid, one row at a time per block, through RmsNormCuda's own row code
+// and block size (kernels/cuda/rmsnorm_row.cuh): with x = the rank sum, the results are
+// RmsNormCuda's bit for bit.
 template <int N>
 __global__ void __launch_bounds__(1024)
     AllReduceFusedKernel(const __grid_constant__ AllReduceParams p) {
@@ -99,52 +101,10 @@ __global__ void __launch_bounds__(1024)
   StartBarrier<N>(p);
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
     const int64_t base = r * p.dim;
-    float* res = p.residual + base;
-    bf16* out = p.out + base;
-    float sum_sq = 0.0f;
-    for (int64_t i = threadIdx.x * 8; i < p.dim; i += blockDim.x * 8) {
-      float h[8];
-      SumRanks<N>(p, base + i, h);
-      float4* rv = reinterpret_cast<float4*>(res + i);
-      if (!p.residual_init) {
-        const float4 a = rv[0], b = rv[1];
-        h[0] += a.x;
-        h[1] += a.y;
-        h[2] += a.z;
-        h[3] += a.w;
-        h[4] += b.x;
-        h[5] += b.y;
-        h[6] += b.z;
-        h[7] += b.w;
-      }
-      rv[0] = make_float4(h[0], h[1], h[2], h[3]);
-      rv[1] = make_float4(h[4], h[5], h[6], h[7]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sum_sq += h[j] * h[j];
-    }
-    // BlockSum starts with a __syncthreads, so the previous row's reads of scratch are done.
-    sum_sq = BlockSum(sum_sq, scratch);
-    const float inv = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
-    for (int64_t i = threadIdx.x * 8; i < p.dim; i += blockDim.x * 8) {
-      // Each thread re-reads only the residual elements it wrote itself above.
-      const float4* rv = reinterpret_cast<const float4*>(res + i);
-      const float4 a = rv[0], b = rv[1];
-      float h[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      float w[8];
-      Bf16x8ToFloat(*reinterpret_cast<const uint4*>(p.norm_weight + i), w);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) h[j] = h[j] * inv * w[j];
-      *reinterpret_cast<uint4*>(out + i) = FloatToBf16x8(h);
-    }
+    const auto load = [&p, base](int64_t i, float* h) { SumRanks<N>(p, base + i, h); };
+    RmsNormRow8<RowResidual::kAlways>(p.dim, load, p.residual + base, p.residual_init,
+                                      p.norm_weight, p.eps, p.out + base, scratch);
   }
-}
-
-// RmsNormCuda's block size for a row of `dim` (kernels/cuda/rmsnorm.cu): part of the fused
-// mode's arithmetic, since it fixes how the sum of squares is split over threads.
-int FusedThreads(int64_t dim) {
-  int threads = 32;
-  while (threads < 1024 && threads * 8 * 2 < dim) threads *= 2;
-  return threads;
 }
 
 template <int N>
@@ -156,7 +116,7 @@ cudaError_t Launch(const AllReduceParams& p, int cap, cudaStream_t stream) {
     AllReducePlainKernel<N><<<static_cast<unsigned>(grid), kPlainThreads, 0, stream>>>(p);
   } else {
     const int64_t grid = p.rows < 1 ? 1 : (p.rows > cap ? cap : p.rows);
-    AllReduceFusedKernel<N><<<static_cast<unsigned>(grid), FusedThreads(p.dim), 0, stream>>>(p);
+    AllReduceFusedKernel<N><<<static_cast<unsigned>(grid), RmsNormThreads(p.dim), 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

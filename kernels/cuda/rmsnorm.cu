@@ -1,6 +1,7 @@
 #include "specd/kernels/cuda/rmsnorm.h"
 
 #include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/rmsnorm_row.cuh"
 
 namespace specd {
 namespace cuda {
@@ -8,7 +9,9 @@ namespace {
 
 using internal::Bf16x8ToFloat;
 using internal::BlockSum;
-using internal::FloatToBf16x8;
+using internal::RmsNormRow8;
+using internal::RowResidual;
+using internal::RmsNormThreads;
 
 // One block per row. Pass 1 forms h (updating the residual) and the sum of squares; pass 2
 // re-reads h (from the residual, or x) -- each thread touches only its own elements, so `out`
@@ -20,31 +23,13 @@ __global__ void RmsNormKernel(RmsNormParams p) {
   const bf16* x = p.x + r * p.dim;
   float* res = p.residual != nullptr ? p.residual + r * p.dim : nullptr;
   bf16* out = p.out + r * p.dim;
-  float sum_sq = 0.0f;
   if constexpr (kVec == 8) {
-    for (int64_t i = threadIdx.x * 8; i < p.dim; i += blockDim.x * 8) {
-      float h[8];
+    const auto load = [x](int64_t i, float* h) {
       Bf16x8ToFloat(*reinterpret_cast<const uint4*>(x + i), h);
-      if (res != nullptr) {
-        float4* rv = reinterpret_cast<float4*>(res + i);
-        if (!p.residual_init) {
-          const float4 a = rv[0], b = rv[1];
-          h[0] += a.x;
-          h[1] += a.y;
-          h[2] += a.z;
-          h[3] += a.w;
-          h[4] += b.x;
-          h[5] += b.y;
-          h[6] += b.z;
-          h[7] += b.w;
-        }
-        rv[0] = make_float4(h[0], h[1], h[2], h[3]);
-        rv[1] = make_float4(h[4], h[5], h[6], h[7]);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sum_sq += h[j] * h[j];
-    }
+    };
+    RmsNormRow8<RowResidual::kIfGiven>(p.dim, load, res, p.residual_init, p.weight, p.eps, out, scratch);
   } else {
+    float sum_sq = 0.0f;
     for (int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {
       float h = __bfloat162float(x[i]);
       if (res != nullptr) {
@@ -53,32 +38,8 @@ __global__ void RmsNormKernel(RmsNormParams p) {
       }
       sum_sq += h * h;
     }
-  }
-  sum_sq = BlockSum(sum_sq, scratch);
-  const float inv = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
-  if constexpr (kVec == 8) {
-    for (int64_t i = threadIdx.x * 8; i < p.dim; i += blockDim.x * 8) {
-      float h[8], w[8];
-      if (res != nullptr) {
-        const float4* rv = reinterpret_cast<const float4*>(res + i);
-        const float4 a = rv[0], b = rv[1];
-        h[0] = a.x;
-        h[1] = a.y;
-        h[2] = a.z;
-        h[3] = a.w;
-        h[4] = b.x;
-        h[5] = b.y;
-        h[6] = b.z;
-        h[7] = b.w;
-      } else {
-        Bf16x8ToFloat(*reinterpret_cast<const uint4*>(x + i), h);
-      }
-      Bf16x8ToFloat(*reinterpret_cast<const uint4*>(p.weight + i), w);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) h[j] = h[j] * inv * w[j];
-      *reinterpret_cast<uint4*>(out + i) = FloatToBf16x8(h);
-    }
-  } else {
+    sum_sq = BlockSum(sum_sq, scratch);
+    const float inv = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
     for (int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {
       const float h = res != nullptr ? res[i] : __bfloat162float(x[i]);
       out[i] = __float2bfloat16(h * inv * __bfloat162float(p.weight[i]));
@@ -94,9 +55,7 @@ cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream) {
   if (p.x == nullptr || p.weight == nullptr || p.out == nullptr) return cudaErrorInvalidValue;
   const bool vec = p.dim % 8 == 0 && IsAligned(p.x, 16) && IsAligned(p.weight, 16) &&
                    IsAligned(p.out, 16) && (p.residual == nullptr || IsAligned(p.residual, 16));
-  // Enough threads that each handles a few 16-byte vectors of a typical row (4096: 4 each).
-  int threads = 32;
-  while (threads < 1024 && threads * 8 * 2 < p.dim) threads *= 2;
+  const int threads = RmsNormThreads(p.dim);
   if (vec) {
     RmsNormKernel<8><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
   } else {
