@@ -55,7 +55,7 @@ if [ $tests -eq 1 ]; then
       grep -B2 -A14 -E 'Failure$|: Failure|FATAL' "$log" | head -90
       grep -E '^\[  FAILED  \]' "$log"
     fi
-    grep -E '^(prompt|pycoder|TP=2|speculative|.*relative error vs CPU)' "$log" | head -20
+    grep -E '^(prompt|pycoder|TP=2|speculative|.* vs CPU: )' "$log" | head -20
   done
 fi
 

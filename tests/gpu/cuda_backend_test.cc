@@ -2,7 +2,6 @@
 // Hugging Face folders (Llama with llama3 RoPE scaling, Qwen2 with QKV bias, Qwen3 with q/k
 // norm; head_dim 16, 32, 64 and 128; GQA), and its on-device Verify against the host Verify path.
 #include <algorithm>
-#include <cmath>
 #include <memory>
 #include <random>
 #include <string>
@@ -19,6 +18,8 @@ namespace specd {
 namespace {
 
 using ::testing::HasSubstr;
+using gpu_test::RandomTokens;
+using gpu_test::RowsClose;
 
 class CudaBackendTest : public gpu_test::GpuTest {
  protected:
@@ -41,36 +42,6 @@ ForwardItem Chain(SeqId seq, const std::vector<int32_t>& tokens, bool all_rows) 
     if (all_rows || i + 1 == tokens.size()) it.logit_rows.push_back(static_cast<int32_t>(i));
   }
   return it;
-}
-
-std::vector<int32_t> RandomTokens(int n, int vocab, std::mt19937_64& rng) {
-  std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
-  std::vector<int32_t> v(n);
-  for (int32_t& t : v) t = pick(rng);
-  return v;
-}
-
-// Per row: ||gpu - cpu|| / ||cpu|| <= tol (a NaN fails).
-::testing::AssertionResult RowsClose(const std::vector<float>& gpu, const std::vector<float>& cpu,
-                                     int vocab, double tol) {
-  if (gpu.size() != cpu.size() || cpu.empty()) {
-    return ::testing::AssertionFailure() << "sizes " << gpu.size() << " vs " << cpu.size();
-  }
-  double worst = 0;
-  for (size_t r = 0; r < cpu.size() / vocab; ++r) {
-    double diff = 0, norm = 0;
-    for (int i = 0; i < vocab; ++i) {
-      const double d = gpu[r * vocab + i] - cpu[r * vocab + i];
-      diff += d * d;
-      norm += static_cast<double>(cpu[r * vocab + i]) * cpu[r * vocab + i];
-    }
-    const double rel = std::sqrt(diff / norm);
-    if (!(rel <= tol)) {
-      return ::testing::AssertionFailure() << "row " << r << ": relative error " << rel;
-    }
-    worst = std::max(worst, rel);
-  }
-  return ::testing::AssertionSuccess() << "worst relative error " << worst;
 }
 
 struct ModelCase {

@@ -11,7 +11,6 @@
 //    per-rank candidate path) and seeded top-k/top-p sampling (the gathered-logits path).
 // Skipped on a host with fewer than two GPUs.
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -32,6 +31,8 @@ namespace specd {
 namespace {
 
 namespace fs = std::filesystem;
+using gpu_test::RandomTokens;
+using gpu_test::RowsClose;
 using nlohmann::json;
 
 class CudaTpTest : public gpu_test::GpuTest {
@@ -57,31 +58,6 @@ class CudaTpTest : public gpu_test::GpuTest {
     return b.ok() ? std::move(*b) : nullptr;
   }
 };
-
-std::vector<int32_t> RandomTokens(int n, int vocab, std::mt19937_64& rng) {
-  std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
-  std::vector<int32_t> v(n);
-  for (int32_t& t : v) t = pick(rng);
-  return v;
-}
-
-// Worst per-row ||got - want|| / ||want||; infinite on a NaN.
-double WorstRowError(const std::vector<float>& got, const std::vector<float>& want, int vocab) {
-  if (got.size() != want.size() || want.empty()) return INFINITY;
-  double worst = 0;
-  for (size_t r = 0; r < want.size() / vocab; ++r) {
-    double diff = 0, norm = 0;
-    for (int i = 0; i < vocab; ++i) {
-      const double d = got[r * vocab + i] - want[r * vocab + i];
-      diff += d * d;
-      norm += static_cast<double>(want[r * vocab + i]) * want[r * vocab + i];
-    }
-    const double rel = std::sqrt(diff / norm);
-    if (!(rel == rel)) return INFINITY;
-    worst = std::max(worst, rel);
-  }
-  return worst;
-}
 
 TEST_F(CudaTpTest, LogitsMatchCpuOnUnevenSplits) {
   struct Case {
@@ -138,12 +114,12 @@ TEST_F(CudaTpTest, LogitsMatchCpuOnUnevenSplits) {
         absl::Status st = all[i]->Forward(items, &logits[i]);
         ASSERT_TRUE(st.ok()) << what << ": " << st;
       }
-      const double e_custom = WorstRowError(logits[1], logits[0], vocab);
-      const double e_nccl = WorstRowError(logits[2], logits[0], vocab);
-      EXPECT_LE(e_custom, 2e-2) << what << " (custom all-reduce)";
-      EXPECT_LE(e_nccl, 2e-2) << what << " (NCCL)";
-      std::printf("%s, %s: relative error vs CPU %.2e (custom), %.2e (NCCL)\n", c.name.c_str(),
-                  what, e_custom, e_nccl);
+      const ::testing::AssertionResult custom_close = RowsClose(logits[1], logits[0], vocab, 2e-2);
+      const ::testing::AssertionResult nccl_close = RowsClose(logits[2], logits[0], vocab, 2e-2);
+      EXPECT_TRUE(custom_close) << what << " (custom all-reduce)";
+      EXPECT_TRUE(nccl_close) << what << " (NCCL)";
+      std::printf("%s, %s vs CPU: %s (custom), %s (NCCL)\n", c.name.c_str(), what,
+                  custom_close.message(), nccl_close.message());
     };
     for (Backend* b : all) ASSERT_TRUE(b->AddSequence(1).ok());
     step({testutil::Chain(1, prompt, {0, 1, 2, 20, 40})}, "prefill");

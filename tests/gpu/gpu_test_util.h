@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -139,6 +140,40 @@ inline ::testing::AssertionResult AllClose(const std::vector<float>& actual,
          << bad << " of " << actual.size() << " elements differ (worst |err| " << worst << " at "
          << worst_i << "):\n"
          << first.str();
+}
+
+// n token ids drawn uniformly from [0, vocab).
+inline std::vector<int32_t> RandomTokens(int n, int vocab, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
+  std::vector<int32_t> v(n);
+  for (int32_t& t : v) t = pick(rng);
+  return v;
+}
+
+// Logit rows ([rows, vocab] fp32, host) of a backend against a reference: per row,
+// ||got - want|| / ||want|| <= tol (a NaN fails). The success message names the worst row's
+// relative error.
+inline ::testing::AssertionResult RowsClose(const std::vector<float>& got,
+                                            const std::vector<float>& want, int vocab,
+                                            double tol) {
+  if (got.size() != want.size() || want.empty()) {
+    return ::testing::AssertionFailure() << "sizes " << got.size() << " vs " << want.size();
+  }
+  double worst = 0;
+  for (size_t r = 0; r < want.size() / vocab; ++r) {
+    double diff = 0, norm = 0;
+    for (int i = 0; i < vocab; ++i) {
+      const double d = got[r * vocab + i] - want[r * vocab + i];
+      diff += d * d;
+      norm += static_cast<double>(want[r * vocab + i]) * want[r * vocab + i];
+    }
+    const double rel = std::sqrt(diff / norm);
+    if (!(rel <= tol)) {
+      return ::testing::AssertionFailure() << "row " << r << ": relative error " << rel;
+    }
+    worst = std::max(worst, rel);
+  }
+  return ::testing::AssertionSuccess() << "worst relative error " << worst;
 }
 
 }  // namespace gpu_test
