@@ -5,9 +5,8 @@
 
 namespace specd {
 
-absl::Status ReadShard(const TensorStore& store, const std::string& name,
-                       std::vector<int64_t> shape, ShardSlice slice, TpRange range,
-                       std::vector<float>* out) {
+absl::StatusOr<const TensorView*> GetShardTensor(const TensorStore& store, const std::string& name,
+                                                 const std::vector<int64_t>& shape) {
   absl::StatusOr<const TensorView*> view = store.Get(name);
   if (!view.ok()) return view.status();
   if ((*view)->shape != shape) {
@@ -15,20 +14,48 @@ absl::Status ReadShard(const TensorStore& store, const std::string& name,
         (*view)->file, ": tensor ", name, " has shape [", absl::StrJoin((*view)->shape, ", "),
         "], expected [", absl::StrJoin(shape, ", "), "]"));
   }
+  return view;
+}
+
+int64_t ShardElements(const std::vector<int64_t>& shape, ShardSlice slice, TpRange range) {
   switch (slice) {
     case ShardSlice::kAll: {
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
-      out->assign(n, 0.0f);
-      return store.ReadF32(name, shape, out->data());
+      return n;
     }
-    case ShardSlice::kRows: {
-      const int64_t row = shape.size() > 1 ? shape[1] : 1;
-      out->assign(range.size() * row, 0.0f);
-      return store.ReadRowsF32(name, range.begin, range.end, out->data());
-    }
+    case ShardSlice::kRows:
+      return range.size() * (shape.size() > 1 ? shape[1] : 1);
     case ShardSlice::kCols:
-      out->assign(shape[0] * range.size(), 0.0f);
+      return shape[0] * range.size();
+  }
+  return 0;
+}
+
+absl::Status CheckShardRange(const std::string& name, const std::vector<int64_t>& shape,
+                             ShardSlice slice, TpRange range) {
+  if (slice == ShardSlice::kAll) return absl::OkStatus();
+  const bool cols = slice == ShardSlice::kCols;
+  const int64_t extent = cols ? (shape.size() == 2 ? shape[1] : -1) : (shape.empty() ? 1 : shape[0]);
+  if (range.begin < 0 || range.begin > range.end || range.end > extent) {
+    return absl::InternalError(absl::StrCat(cols ? "columns [" : "rows [", range.begin, ", ",
+                                            range.end, ") are not inside tensor ", name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadShard(const TensorStore& store, const std::string& name,
+                       std::vector<int64_t> shape, ShardSlice slice, TpRange range,
+                       std::vector<float>* out) {
+  absl::StatusOr<const TensorView*> view = GetShardTensor(store, name, shape);
+  if (!view.ok()) return view.status();
+  out->assign(ShardElements(shape, slice, range), 0.0f);
+  switch (slice) {
+    case ShardSlice::kAll:
+      return store.ReadF32(name, shape, out->data());
+    case ShardSlice::kRows:
+      return store.ReadRowsF32(name, range.begin, range.end, out->data());
+    case ShardSlice::kCols:
       return store.ReadColsF32(name, range.begin, range.end, out->data());
   }
   return absl::InternalError("unknown slice");

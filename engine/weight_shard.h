@@ -17,6 +17,20 @@ namespace specd {
 // weights, vocabulary shards) or columns (dim 1: row-parallel weights).
 enum class ShardSlice { kAll, kRows, kCols };
 
+// The tensor `name` after checking its full shape is `shape`: INVALID_ARGUMENT naming the file,
+// the tensor and both shapes otherwise.
+absl::StatusOr<const TensorView*> GetShardTensor(const TensorStore& store, const std::string& name,
+                                                 const std::vector<int64_t>& shape);
+
+// Elements of the slice of a tensor of full shape `shape`.
+int64_t ShardElements(const std::vector<int64_t>& shape, ShardSlice slice, TpRange range);
+
+// The range lies inside the sliced dimension (for kCols, of a 2-D tensor); INTERNAL naming the
+// tensor otherwise (plans make ranges, so a bad one is a bug). Readers that copy the mapping
+// directly check this; ReadShard leaves it to the store's row and column reads.
+absl::Status CheckShardRange(const std::string& name, const std::vector<int64_t>& shape,
+                             ShardSlice slice, TpRange range);
+
 // Reads `name` as fp32 after checking its full shape is `shape` (INVALID_ARGUMENT naming the
 // file and tensor otherwise), keeping rows or columns [range.begin, range.end) for kRows / kCols.
 absl::Status ReadShard(const TensorStore& store, const std::string& name,

@@ -13,13 +13,9 @@
 #include "common/token_tree.h"
 #include "engine/sampling.h"
 #include "engine/weight_shard.h"
-#ifdef SPECD_WITH_NCCL
-#include <nccl.h>
-
 #include "engine/cuda/custom_allreduce.h"
 #include "engine/cuda/nccl_group.h"
 #include "specd/kernels/cuda/allreduce.h"
-#endif
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
 #include "specd/kernels/cuda/rmsnorm.h"
@@ -88,22 +84,14 @@ std::vector<__nv_bfloat16> ToBf16(const std::vector<float> &v) {
 // All-reduce sites of a step (specd/kernels/cuda/allreduce.h): the embedding,
 // then each layer's attention and MLP. Consecutive all-reduces never share a
 // site (..., attn, mlp, | embed, attn, ...), which is what lets the one-shot
-// kernel skip its end barrier; three sites in all, whatever the depth.
+// kernel skip its end barrier; CudaBackend::kAllReduceSites in all, whatever
+// the depth.
 constexpr int kEmbedSite = 2;
 constexpr int kAttnSite = 0;
 constexpr int kMlpSite = 1;
-constexpr int kAllReduceSites = 3;
-
-#ifdef SPECD_WITH_NCCL
-#define SPECD_NCCL_RETURN_(expr, what)                                         \
-  do {                                                                         \
-    const ncclResult_t _r = (expr);                                            \
-    if (_r != ncclSuccess) {                                                   \
-      return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ",    \
-                                              ncclGetErrorString(_r)));        \
-    }                                                                          \
-  } while (0)
-#endif
+static_assert(kEmbedSite < CudaBackend::kAllReduceSites &&
+              kAttnSite < CudaBackend::kAllReduceSites &&
+              kMlpSite < CudaBackend::kAllReduceSites);
 
 } // namespace
 
@@ -164,12 +152,6 @@ CudaBackend::Create(const std::string &dir, int device,
       return absl::InvalidArgumentError("cuda backend: tensor-parallel rank "
                                         "without a plan, or out of range");
     }
-#ifndef SPECD_WITH_NCCL
-    if (plan->world_size > 1) {
-      return absl::UnimplementedError(
-          "cuda backend: tensor parallelism needs NCCL, which this build lacks");
-    }
-#endif
     if (plan->world_size > 1 && tp->nccl == nullptr) {
       return absl::InvalidArgumentError(
           "cuda backend: tensor parallelism needs an NCCL group");
@@ -245,32 +227,13 @@ absl::Status CudaBackend::UploadWeights(const TensorStore &st,
   std::vector<int64_t> sizes;
   int64_t total = 0;
   for (const WeightPart &part : parts) {
-    absl::StatusOr<const TensorView *> view = st.Get(part.name);
+    absl::StatusOr<const TensorView *> view =
+        GetShardTensor(st, part.name, part.shape);
     if (!view.ok())
       return view.status();
-    if ((*view)->shape != part.shape) {
-      // ReadShard words the error (file, tensor, both shapes).
-      std::vector<float> unused;
-      return ReadShard(st, part.name, part.shape, part.slice, part.range,
-                       &unused);
-    }
-    const int64_t row = part.shape.size() > 1 ? part.shape[1] : 1;
-    const int64_t dim0 = part.shape.empty() ? 1 : part.shape[0];
-    int64_t n = (*view)->numel();
-    if (part.slice == ShardSlice::kRows)
-      n = part.range.size() * row;
-    if (part.slice == ShardSlice::kCols)
-      n = dim0 * part.range.size();
-    const int64_t extent =
-        part.slice == ShardSlice::kRows ? dim0 : part.slice == ShardSlice::kCols ? row : 0;
-    if (part.slice != ShardSlice::kAll &&
-        (part.range.begin < 0 || part.range.end > extent ||
-         part.range.begin > part.range.end ||
-         (part.slice == ShardSlice::kCols && part.shape.size() != 2))) {
-      return absl::InternalError(absl::StrCat("cuda backend: slice [",
-                                              part.range.begin, ", ", part.range.end,
-                                              ") out of ", part.name));
-    }
+    SPECD_RETURN_IF_ERROR_(
+        CheckShardRange(part.name, part.shape, part.slice, part.range));
+    const int64_t n = ShardElements(part.shape, part.slice, part.range);
     views.push_back(*view);
     sizes.push_back(n);
     total += n;
@@ -749,13 +712,11 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     step->T = step->batch * step->per_seq;
     step->R = step->batch * step->per_seq;
   }
-#ifdef SPECD_WITH_NCCL
   // The same choice on every rank: it depends on the step's shape only.
   step->custom_allreduce =
       world_ > 1 && tp_.custom != nullptr &&
       static_cast<int64_t>(step->T * c.hidden_size * sizeof(bf16)) <=
           tp_.custom->max_bytes();
-#endif
   const int64_t T = step->T;
   // Token and logit-row base of each launched sequence.
   std::vector<int64_t> token_base(step->batch), row_base(step->batch);
@@ -917,7 +878,6 @@ absl::Status CudaBackend::PrepareBuffers(const Step &step, size_t meta_bytes) {
   SPECD_RETURN_IF_ERROR_(
       Ensure(&sample_ws_, cuda::SampleWorkspaceBytes(R, c.vocab_size)));
   if (world_ > 1 && step.verify) {
-#ifdef SPECD_WITH_NCCL
     const size_t cand = sizeof(cuda::SampleCandidate);
     SPECD_RETURN_IF_ERROR_(Ensure(&cand_local_, R * cand));
     SPECD_RETURN_IF_ERROR_(Ensure(&cand_all_, world_ * R * cand));
@@ -927,7 +887,6 @@ absl::Status CudaBackend::PrepareBuffers(const Step &step, size_t meta_bytes) {
       SPECD_RETURN_IF_ERROR_(
           Ensure(&full_logits_, R * c.vocab_size * sizeof(float)));
     }
-#endif
   }
   return absl::OkStatus();
 }
@@ -956,12 +915,8 @@ absl::Status CudaBackend::UploadMeta(const Packer &pack) {
 }
 
 CudaBackend::bf16 *CudaBackend::Partial(const Step &step, int site) {
-#ifdef SPECD_WITH_NCCL
   if (step.custom_allreduce)
     return tp_.custom->input(tp_.rank, site);
-#endif
-  (void)step;
-  (void)site;
   return static_cast<bf16 *>(x_.ptr);
 }
 
@@ -972,7 +927,6 @@ absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
   float *residual = static_cast<float *>(residual_.ptr);
   bf16 *normed = static_cast<bf16 *>(normed_.ptr);
   bf16 *x = static_cast<bf16 *>(x_.ptr);
-#ifdef SPECD_WITH_NCCL
   if (world_ > 1 && step.custom_allreduce) {
     cuda::AllReduceParams p = tp_.custom->Params(tp_.rank, site);
     p.rows = step.T;
@@ -986,13 +940,9 @@ absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
     return absl::OkStatus();
   }
   if (world_ > 1) {
-    SPECD_NCCL_RETURN_(ncclAllReduce(x, x, static_cast<size_t>(step.T * H),
-                                     ncclBfloat16, ncclSum,
-                                     tp_.nccl->comm(tp_.rank), stream_),
-                       "NCCL all-reduce");
+    SPECD_RETURN_IF_ERROR_(tp_.nccl->AllReduceSum(
+        tp_.rank, x, x, static_cast<size_t>(step.T * H), stream_));
   }
-#endif
-  (void)site;
   cuda::RmsNormParams p;
   p.x = x;
   p.residual = residual;
@@ -1188,7 +1138,6 @@ absl::Status CudaBackend::SampleRows(const Step &step, int32_t *tokens) {
   sp.num_rows = R;
   sp.vocab_size = vocab_rows_;
   sp.workspace = sample_ws_.ptr;
-#ifdef SPECD_WITH_NCCL
   if (world_ > 1 && !step.gather_logits) {
     // Greedy and plain temperature: each rank reduces its shard to one
     // candidate a row (Gumbel noise keyed by the global token id), and the
@@ -1196,11 +1145,13 @@ absl::Status CudaBackend::SampleRows(const Step &step, int32_t *tokens) {
     sp.vocab_offset = slice_.vocab.begin;
     sp.candidates = static_cast<cuda::SampleCandidate *>(cand_local_.ptr);
     SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling candidates");
-    SPECD_NCCL_RETURN_(
-        ncclAllGather(cand_local_.ptr, cand_all_.ptr,
-                      static_cast<size_t>(R) * sizeof(cuda::SampleCandidate),
-                      ncclUint8, tp_.nccl->comm(tp_.rank), stream_),
-        "gathering sampling candidates");
+    // The candidates travel as 32-bit words (NCCL moves bytes alike).
+    static_assert(sizeof(cuda::SampleCandidate) % sizeof(int32_t) == 0);
+    SPECD_RETURN_IF_ERROR_(tp_.nccl->AllGather(
+        tp_.rank, static_cast<const int32_t *>(cand_local_.ptr),
+        static_cast<int32_t *>(cand_all_.ptr),
+        static_cast<size_t>(R) * sizeof(cuda::SampleCandidate) / sizeof(int32_t),
+        stream_));
     cuda::ReduceCandidatesParams rp;
     rp.candidates = static_cast<const cuda::SampleCandidate *>(cand_all_.ptr);
     rp.world_size = world_;
@@ -1214,10 +1165,9 @@ absl::Status CudaBackend::SampleRows(const Step &step, int32_t *tokens) {
     // Top-k / top-p need the whole row: gather every rank's [R, rows_r]
     // logits (at a common stride) and lay them side by side.
     const size_t stride = static_cast<size_t>(R) * vocab_rows_max_;
-    SPECD_NCCL_RETURN_(ncclAllGather(logits_.ptr, gathered_.ptr, stride,
-                                     ncclFloat32, tp_.nccl->comm(tp_.rank),
-                                     stream_),
-                       "gathering logits");
+    SPECD_RETURN_IF_ERROR_(tp_.nccl->AllGather(
+        tp_.rank, static_cast<const float *>(logits_.ptr),
+        static_cast<float *>(gathered_.ptr), stride, stream_));
     float *full = static_cast<float *>(full_logits_.ptr);
     for (int r = 0; r < world_; ++r) {
       const TpRange v = tp_.plan->ranks[r].vocab;
@@ -1232,8 +1182,6 @@ absl::Status CudaBackend::SampleRows(const Step &step, int32_t *tokens) {
     sp.logits_stride = vocab;
     sp.vocab_size = vocab;
   }
-#endif
-  (void)vocab;
   SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
   return absl::OkStatus();
 }

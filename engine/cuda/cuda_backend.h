@@ -89,6 +89,9 @@ public:
   static constexpr int64_t kKvBlockTokens = 16;
   // Padded (CUDA-graph) steps have at most this many token rows.
   static constexpr int64_t kGraphMaxTokens = 4096;
+  // Custom all-reduce sites a tensor-parallel step cycles through (the group
+  // allocates one buffer each).
+  static constexpr int kAllReduceSites = 3;
 
   // Loads the model folder `dir` onto CUDA device `device`; with `tp`, only
   // that rank's slice of it (call on the rank's own thread).

@@ -14,13 +14,6 @@
 
 namespace specd {
 
-namespace {
-
-// The all-reduce sites a CudaBackend step uses (cuda_backend.cc).
-constexpr int kAllReduceSites = 3;
-
-}  // namespace
-
 CudaTensorParallelBackend::CudaTensorParallelBackend(TpPlan plan, int world)
     : plan_(std::move(plan)), rank_info_(world), ranks_(world), workers_(world) {}
 
@@ -55,8 +48,8 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
 
   std::unique_ptr<CudaTensorParallelBackend> backend(
       new CudaTensorParallelBackend(*std::move(plan), world));
-#ifdef SPECD_WITH_NCCL
   if (world > 1) {
+    // UNIMPLEMENTED in a build without NCCL.
     absl::StatusOr<std::unique_ptr<NcclGroup>> nccl = NcclGroup::Create(tp.devices);
     if (!nccl.ok()) return nccl.status();
     backend->nccl_ = std::move(*nccl);
@@ -66,7 +59,7 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
     }
     if (max_bytes > 0) {
       absl::StatusOr<std::unique_ptr<CustomAllReduceGroup>> custom =
-          CustomAllReduceGroup::Create(tp.devices, kAllReduceSites, max_bytes);
+          CustomAllReduceGroup::Create(tp.devices, CudaBackend::kAllReduceSites, max_bytes);
       if (custom.ok()) {
         backend->custom_ = std::move(*custom);
       } else {
@@ -75,12 +68,6 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
       }
     }
   }
-#else
-  if (world > 1) {
-    return absl::UnimplementedError(
-        "tensor_parallel > 1 on CUDA needs NCCL, which this build lacks");
-  }
-#endif
   for (int r = 0; r < world; ++r) {
     CudaTpRank& info = backend->rank_info_[r];
     info.plan = &backend->plan_;
@@ -104,23 +91,23 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
   return backend;
 }
 
-absl::Status CudaTensorParallelBackend::AddSequence(SeqId seq) {
+absl::Status CudaTensorParallelBackend::OnEveryRank(
+    const std::function<absl::Status(CudaBackend&)>& fn) {
   // Host bookkeeping only; every rank holds the same, so all succeed or all fail alike.
   absl::Status first;
   for (auto& rank : ranks_) {
-    absl::Status s = rank->AddSequence(seq);
+    absl::Status s = fn(*rank);
     if (first.ok() && !s.ok()) first = s;
   }
   return first;
 }
 
+absl::Status CudaTensorParallelBackend::AddSequence(SeqId seq) {
+  return OnEveryRank([seq](CudaBackend& rank) { return rank.AddSequence(seq); });
+}
+
 absl::Status CudaTensorParallelBackend::RemoveSequence(SeqId seq) {
-  absl::Status first;
-  for (auto& rank : ranks_) {
-    absl::Status s = rank->RemoveSequence(seq);
-    if (first.ok() && !s.ok()) first = s;
-  }
-  return first;
+  return OnEveryRank([seq](CudaBackend& rank) { return rank.RemoveSequence(seq); });
 }
 
 absl::Status CudaTensorParallelBackend::Forward(absl::Span<const ForwardItem> items,

@@ -13,6 +13,7 @@
 #ifndef SPECD_ENGINE_CUDA_CUDA_TP_BACKEND_H_
 #define SPECD_ENGINE_CUDA_CUDA_TP_BACKEND_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,6 +62,8 @@ class CudaTensorParallelBackend : public Backend {
 
  private:
   CudaTensorParallelBackend(TpPlan plan, int world);
+  // Calls fn on each rank in turn on this thread (host-only calls); the first error wins.
+  absl::Status OnEveryRank(const std::function<absl::Status(CudaBackend&)>& fn);
 
   TpPlan plan_;
   // Declaration order is destruction order reversed: the rank threads stop first, then the
