@@ -155,6 +155,16 @@ void Rank(Shared* sh, int rank) {
 
   std::vector<cudaEvent_t> events(sh->replays + 1);
   for (cudaEvent_t& e : events) BENCH_CUDA(cudaEventCreate(&e));
+  // Median over the replays of (events[i], events[i + 1]), per call of a batch.
+  const auto median_us_per_call = [&] {
+    std::vector<double> us;
+    for (int i = 0; i < sh->replays; ++i) {
+      float ms = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+      us.push_back(ms * 1e3 / kCallsPerGraph);
+    }
+    return Median(us);
+  };
   for (int method = 0; method < kNumMethods; ++method) {
     const bool available = method == kNccl ? sh->nccl != nullptr : sh->custom != nullptr;
     if (!available) continue;
@@ -180,13 +190,7 @@ void Rank(Shared* sh, int rank) {
         BENCH_CUDA(cudaEventRecord(events[i + 1], stream));
       }
       BENCH_CUDA(cudaStreamSynchronize(stream));
-      std::vector<double> us;
-      for (int i = 0; i < sh->replays; ++i) {
-        float ms = 0;
-        BENCH_CUDA(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
-        us.push_back(ms * 1e3 / kCallsPerGraph);
-      }
-      sh->per_call_us[method][si][rank] = Median(us);
+      sh->per_call_us[method][si][rank] = median_us_per_call();
       BENCH_CUDA(cudaGraphExecDestroy(exec));
       BENCH_CUDA(cudaGraphDestroy(graph));
     }
@@ -202,13 +206,7 @@ void Rank(Shared* sh, int rank) {
       BENCH_CUDA(cudaEventRecord(events[i + 1], stream));
     }
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    std::vector<double> us;
-    for (int i = 0; i < sh->replays; ++i) {
-      float ms = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
-      us.push_back(ms * 1e3 / kCallsPerGraph);
-    }
-    sh->eager_us[rank] = Median(us);
+    sh->eager_us[rank] = median_us_per_call();
   }
   for (cudaEvent_t e : events) cudaEventDestroy(e);
   cudaFree(out);
