@@ -170,6 +170,38 @@ protected:
     ref_ = ref.Download();
   }
 
+  // Captures one Run of `p` into a graph: the capture must survive it (a Run
+  // that synchronized would end it).
+  void CaptureRun(cuda::Gemm *gemm, const cuda::GemmParams &p,
+                  cudaGraphExec_t *exec) {
+    cudaGraph_t graph = nullptr;
+    SPECD_CUDA_OK(
+        cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    const cublasStatus_t captured = gemm->Run(p, stream_);
+    const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+    ASSERT_EQ(captured, CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(ended, cudaSuccess)
+        << cudaGetErrorString(ended)
+        << " (did Run synchronize inside the capture?)";
+    SPECD_CUDA_OK(cudaGraphInstantiate(exec, graph, 0));
+    cudaGraphDestroy(graph);
+  }
+
+  // Poisons y_, replays `exec` (or runs `p` on `gemm` eagerly when exec is
+  // null), and expects rows 0..m-1 to equal the m = 1 references.
+  void ExpectRowsAlone(cudaGraphExec_t exec, cuda::Gemm *gemm,
+                       const cuda::GemmParams &p, const char *what) {
+    SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, p.m * n_ * elem_, stream_));
+    if (exec != nullptr) {
+      SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
+    } else {
+      ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS);
+    }
+    Sync();
+    const std::string diff = CompareRows(DownloadRows(p.m), p.m);
+    EXPECT_TRUE(diff.empty()) << what << ": " << diff;
+  }
+
   // The first m rows of y_ on the host.
   std::vector<uint8_t> DownloadRows(int64_t m) {
     std::vector<uint8_t> host(static_cast<size_t>(m) * n_ * elem_);
@@ -298,43 +330,21 @@ TEST_F(GemmRowClassTest, CaptureDefersTheSelfCheck) {
   p.y = y_.get();
   p.m = 65;
 
-  cudaGraph_t graph = nullptr;
-  SPECD_CUDA_OK(
-      cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  const cublasStatus_t captured = gemm->Run(p, stream_);
-  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
-  ASSERT_EQ(captured, CUBLAS_STATUS_SUCCESS);
-  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended)
-                                << " (did Run synchronize inside the capture?)";
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_NO_FATAL_FAILURE(CaptureRun(gemm.get(), p, &exec));
   EXPECT_EQ(gemm->own_algorithm_classes() + gemm->base_algorithm_classes(),
             decided)
       << "a class was decided during the capture";
-  cudaGraphExec_t exec = nullptr;
-  SPECD_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaGraphDestroy(graph);
-
-  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
-  SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
-  Sync();
-  std::string diff = CompareRows(DownloadRows(65), 65);
-  EXPECT_TRUE(diff.empty()) << "graph (base algorithm): " << diff;
+  ExpectRowsAlone(exec, gemm.get(), p, "graph (base algorithm)");
 
   // Eager: the class is decided now.
-  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
-  ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS);
-  Sync();
+  ExpectRowsAlone(nullptr, gemm.get(), p, "eager, after the check");
   EXPECT_EQ(gemm->own_algorithm_classes() + gemm->base_algorithm_classes(),
             decided + 1)
       << gemm->Summary();
-  diff = CompareRows(DownloadRows(65), 65);
-  EXPECT_TRUE(diff.empty()) << "eager, after the check: " << diff;
 
   // The graph still runs what it captured, with the same bits.
-  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
-  SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
-  Sync();
-  diff = CompareRows(DownloadRows(65), 65);
-  EXPECT_TRUE(diff.empty()) << "graph, again: " << diff;
+  ExpectRowsAlone(exec, gemm.get(), p, "graph, again");
   cudaGraphExecDestroy(exec);
   EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
   std::printf("%s", gemm->Summary().c_str());
@@ -353,33 +363,16 @@ TEST_F(GemmRowClassTest, FirstUseInACaptureTakesTheUntimedBase) {
   p.y = y_.get();
   p.m = 65;
 
-  cudaGraph_t graph = nullptr;
-  SPECD_CUDA_OK(
-      cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  const cublasStatus_t captured = gemm->Run(p, stream_);
-  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
-  ASSERT_EQ(captured, CUBLAS_STATUS_SUCCESS);
-  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended)
-                                << " (did Run synchronize inside the capture?)";
-  EXPECT_EQ(gemm->untimed_bases(), 1) << gemm->Summary();
   cudaGraphExec_t exec = nullptr;
-  SPECD_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaGraphDestroy(graph);
+  ASSERT_NO_FATAL_FAILURE(CaptureRun(gemm.get(), p, &exec));
+  EXPECT_EQ(gemm->untimed_bases(), 1) << gemm->Summary();
 
   // Eager one-row GEMMs now: the same (untimed) base, its [1, 1] class
   // decided against it.
   ASSERT_NO_FATAL_FAILURE(ComputeReferences(gemm.get()));
   EXPECT_EQ(gemm->untimed_bases(), 1) << gemm->Summary();
-  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
-  SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
-  Sync();
-  std::string diff = CompareRows(DownloadRows(65), 65);
-  EXPECT_TRUE(diff.empty()) << "graph: " << diff;
-  SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, 65 * 4096 * 2, stream_));
-  ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS);
-  Sync();
-  diff = CompareRows(DownloadRows(65), 65);
-  EXPECT_TRUE(diff.empty()) << "eager, after the check: " << diff;
+  ExpectRowsAlone(exec, gemm.get(), p, "graph");
+  ExpectRowsAlone(nullptr, gemm.get(), p, "eager, after the check");
   cudaGraphExecDestroy(exec);
   EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
   std::printf("%s", gemm->Summary().c_str());
