@@ -20,6 +20,19 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+const char* SpeculationName(v1::Speculation mode) {
+  switch (mode) {
+    case v1::SPECULATION_OFF:
+      return "off";
+    case v1::SPECULATION_DRAFT_MODEL:
+      return "draft_model";
+    case v1::SPECULATION_NGRAM:
+      return "ngram";
+    default:
+      return "auto";
+  }
+}
+
 void ToSequenceError(const absl::Status& status, v1::SequenceError* error) {
   error->set_code(static_cast<int32_t>(status.code()));
   error->set_message(std::string(status.message()));

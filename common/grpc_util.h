@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "grpcpp/grpcpp.h"
+#include "specd/v1/generation.pb.h"
 #include "specd/v1/tree.pb.h"
 
 namespace specd {
@@ -23,6 +24,10 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 // A per-sequence error inside a batched reply (code and message of `status`, not OK).
 void ToSequenceError(const absl::Status& status, v1::SequenceError* error);
+
+// The wire name of a speculation mode, as the CLI and the HTTP edge print it: "off",
+// "draft_model", "ngram", or "auto" (unspecified).
+const char* SpeculationName(v1::Speculation mode);
 
 // The model name services report in GetInfo: the last component of the model folder's path.
 std::string ModelNameFromPath(absl::string_view dir);

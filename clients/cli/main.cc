@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -51,45 +52,10 @@ const char* kUsage =
     "  specd-cli detokenize --server HOST:PORT --ids 1,2,3 [--skip-special-tokens]\n"
     "  specd-cli info --server HOST:PORT\n";
 
-const char* CodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "UNKNOWN";
-  }
+// The status code's name as gRPC and Abseil spell it (they share the numbering).
+std::string CodeName(grpc::StatusCode code) {
+  const std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? "UNKNOWN" : name;
 }
 
 const char* FinishReasonName(v1::FinishReason reason) {
@@ -109,22 +75,9 @@ const char* FinishReasonName(v1::FinishReason reason) {
   }
 }
 
-const char* SpeculationName(v1::Speculation s) {
-  switch (s) {
-    case v1::SPECULATION_OFF:
-      return "off";
-    case v1::SPECULATION_DRAFT_MODEL:
-      return "draft_model";
-    case v1::SPECULATION_NGRAM:
-      return "ngram";
-    default:
-      return "auto";
-  }
-}
-
 int RpcFailed(const grpc::Status& status) {
   std::fflush(stdout);
-  std::fprintf(stderr, "error: %s: %s\n", CodeName(status.error_code()),
+  std::fprintf(stderr, "error: %s: %s\n", CodeName(status.error_code()).c_str(),
                status.error_message().c_str());
   return kRpcError;
 }

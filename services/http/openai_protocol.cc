@@ -6,6 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_util.h"
 
 namespace specd {
 namespace {
@@ -371,19 +372,6 @@ json UsageJson(const v1::Usage& usage) {
   return {{"prompt_tokens", usage.prompt_tokens()},
           {"completion_tokens", usage.completion_tokens()},
           {"total_tokens", usage.prompt_tokens() + usage.completion_tokens()}};
-}
-
-const char* SpeculationName(v1::Speculation s) {
-  switch (s) {
-    case v1::SPECULATION_OFF:
-      return "off";
-    case v1::SPECULATION_DRAFT_MODEL:
-      return "draft_model";
-    case v1::SPECULATION_NGRAM:
-      return "ngram";
-    default:
-      return "auto";
-  }
 }
 
 const char* FinishDetail(v1::FinishReason reason) {
