@@ -13,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+. scripts/lib/cluster.sh
 
 ./scripts/install-deps.sh
 BUILD=${BUILD:-build}
@@ -73,27 +74,7 @@ PIDS+=($!)
 PIDS+=($!)
 
 echo "== waiting for the services (router $ROUTER, verify $VERIFY, draft $DRAFT_ADDR)"
-ready=0
-for _ in $(seq 1 600); do
-  for pid in "${PIDS[@]}"; do
-    if ! kill -0 "$pid" 2>/dev/null; then
-      echo "a service exited; its logs:" >&2
-      tail -n 20 "$WORK"/*.log >&2
-      exit 1
-    fi
-  done
-  if "$BIN/specd-cli" info --server "$ROUTER" 2>/dev/null | grep -q '"draft_available":true' &&
-     "$BIN/specd-cli" generate --server "$ROUTER" --prompt x --max-new-tokens 1 >/dev/null 2>&1; then
-    ready=1
-    break
-  fi
-  sleep 0.2
-done
-if [ "$ready" != 1 ]; then
-  echo "the services did not become ready in 120 s; logs:" >&2
-  tail -n 20 "$WORK"/*.log >&2
-  exit 1
-fi
+wait_for_cluster "$BIN" "$ROUTER" "$WORK" 120 "${PIDS[@]}" || exit 1
 echo "   metrics: http://127.0.0.1:$ROUTER_METRICS/metrics (router)," \
   "http://127.0.0.1:$VERIFY_METRICS/metrics (verify), http://127.0.0.1:$DRAFT_METRICS/metrics (draft)"
 

@@ -34,9 +34,11 @@ for exe in specd-verify specd-draft specd-router specd-cli; do
   [ -x "$BIN/$exe" ] || { echo "no $BIN/$exe" >&2; exit 2; }
 done
 PROMPTS_JSON=bench/prompts/code_prompts.json
-for f in models/pycoder-target/config.json models/pycoder-draft/config.json "$PROMPTS_JSON"; do
+for f in models/pycoder-target/config.json models/pycoder-draft/config.json "$PROMPTS_JSON" \
+    scripts/lib/cluster.sh; do
   [ -f "$f" ] || { echo "no $f (run from the repository root)" >&2; exit 2; }
 done
+. scripts/lib/cluster.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/specd-cluster.XXXXXX")
@@ -71,28 +73,8 @@ PIDS+=($!)
 PIDS+=($!)
 
 # Ready when the router reports the draft service and a one-token generation goes through.
-ready=0
 start=$SECONDS
-while [ $((SECONDS - start)) -lt 60 ]; do
-  for pid in "${PIDS[@]}"; do
-    if ! kill -0 "$pid" 2>/dev/null; then
-      echo "a service exited; its logs:" >&2
-      tail -n 20 "$WORK"/*.log >&2
-      exit 1
-    fi
-  done
-  if "$BIN/specd-cli" info --server "$ROUTER" 2>/dev/null | grep -q '"draft_available":true' &&
-     "$BIN/specd-cli" generate --server "$ROUTER" --prompt x --max-new-tokens 1 >/dev/null 2>&1; then
-    ready=1
-    break
-  fi
-  sleep 0.2
-done
-if [ "$ready" != 1 ]; then
-  echo "the services did not become ready in 60 s; logs:" >&2
-  tail -n 20 "$WORK"/*.log >&2
-  exit 1
-fi
+wait_for_cluster "$BIN" "$ROUTER" "$WORK" 60 "${PIDS[@]}" || exit 1
 echo "== ready after $((SECONDS - start)) s"
 
 # One line per prompt: "id comma,separated,ids".
