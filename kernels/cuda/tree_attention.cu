@@ -132,6 +132,17 @@ __device__ __forceinline__ void LdMatrixX4Trans(const bf16* smem, uint32_t& r0, 
                : "r"(addr));
 }
 
+// Four 8x8 bf16 matrices: lanes 8i..8i+7 give the row addresses of matrix i, and register i of
+// lane (g = lane / 4, t = lane % 4) receives its elements [g][2t] and [g][2t+1]. One instruction
+// instead of four 32-bit shared loads for the K fragments of two MMA k-steps.
+__device__ __forceinline__ void LdMatrixX4(const bf16* smem, uint32_t& r0, uint32_t& r1,
+                                           uint32_t& r2, uint32_t& r3) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
 // D += A * B for one m16n8k16 tile, bf16 inputs, fp32 accumulators. Fragment layouts (PTX ISA,
 // "Matrix Fragments for mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
 //   A regs: {A[g][2t..2t+1]}, {A[g+8][2t..]}, {A[g][2t+8..]}, {A[g+8][2t+8..]}
@@ -243,16 +254,51 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
   if (act[1]) mine = max(mine, min(kKeys, lim[1] - R0));
   const int cnt = __reduce_max_sync(kFullMask, mine);  // columns with a visible key for any row
   if (cnt == 0) return;
-  // Scores S = Q K^T for the warp's 16 rows and the 64 columns.
+  // Scores S = Q K^T for the warp's 16 rows and the 64 columns. Each key tile's accumulator
+  // takes its k-steps in order (the bits); which tile's MMA issues next is free. With every
+  // column in use, the k-step loop is outermost, so that consecutive MMAs are independent
+  // instead of each waiting for the previous one; key tiles past `cnt` (no visible key in any
+  // row) are skipped. At HD >= 32, ldmatrix brings the K fragments of two k-steps at once:
+  // lane L addresses row L % 8 of the tile, dims 8 * (L / 8) of the pair.
   float sc[kKeys / 8][4];
 #pragma unroll
-  for (int n = 0; n < kKeys / 8; ++n) {
-    sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-    if (n * 8 < cnt) {
-      const bf16* krow = key_row(n * 8 + g) + 2 * t4;
+  for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+  if constexpr (HD % 32 == 0) {
+    if (cnt == kKeys) {
 #pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-        Mma16816(sc[n], qf[kk], Ld32(krow + kk * 16), Ld32(krow + kk * 16 + 8));
+      for (int kp = 0; kp < HD / 32; ++kp) {
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+          uint32_t b0, b1, b2, b3;
+          LdMatrixX4(key_row(n * 8 + (lane & 7)) + (lane >> 3) * 8 + kp * 32, b0, b1, b2, b3);
+          Mma16816(sc[n], qf[2 * kp], b0, b1);
+          Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+        if (n * 8 < cnt) {
+          const bf16* krow = key_row(n * 8 + (lane & 7)) + (lane >> 3) * 8;
+#pragma unroll
+          for (int kp = 0; kp < HD / 32; ++kp) {
+            uint32_t b0, b1, b2, b3;
+            LdMatrixX4(krow + kp * 32, b0, b1, b2, b3);
+            Mma16816(sc[n], qf[2 * kp], b0, b1);
+            Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
+          }
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+      if (n * 8 < cnt) {
+        const bf16* krow = key_row(n * 8 + g) + 2 * t4;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          Mma16816(sc[n], qf[kk], Ld32(krow + kk * 16), Ld32(krow + kk * 16 + 8));
+        }
       }
     }
   }
@@ -307,23 +353,31 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
 #pragma unroll
   for (int kk = 0; kk < kKeys / 16; ++kk)
     vrow[kk] = val_row(kk * 16 + (lane & 15)) + (lane >> 4) * 8;
+  // Four 8-dim tiles at a time (two at HD = 16): four independent accumulation chains, each
+  // over the k-steps in order.
+  constexpr int kTilesAtOnce = HD / 8 >= 4 ? 4 : 2;
 #pragma unroll
-  for (int j = 0; j < HD / 8; j += 2) {
-    float pv0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pv1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j = 0; j < HD / 8; j += kTilesAtOnce) {
+    float pv[kTilesAtOnce][4];
+#pragma unroll
+    for (int u = 0; u < kTilesAtOnce; ++u) pv[u][0] = pv[u][1] = pv[u][2] = pv[u][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       if (kk * 16 < cnt) {
-        uint32_t b0, b1, b2, b3;
-        LdMatrixX4Trans(vrow[kk] + j * 8, b0, b1, b2, b3);
-        Mma16816(pv0, pa[kk], b0, b1);
-        Mma16816(pv1, pa[kk], b2, b3);
+#pragma unroll
+        for (int u = 0; u < kTilesAtOnce; u += 2) {
+          uint32_t b0, b1, b2, b3;
+          LdMatrixX4Trans(vrow[kk] + (j + u) * 8, b0, b1, b2, b3);
+          Mma16816(pv[u], pa[kk], b0, b1);
+          Mma16816(pv[u + 1], pa[kk], b2, b3);
+        }
       }
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (act[e >> 1]) {
-        o[j][e] = __fmaf_rn(o[j][e], alpha[e >> 1], pv0[e]);
-        o[j + 1][e] = __fmaf_rn(o[j + 1][e], alpha[e >> 1], pv1[e]);
+    for (int u = 0; u < kTilesAtOnce; ++u) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (act[e >> 1]) o[j + u][e] = __fmaf_rn(o[j + u][e], alpha[e >> 1], pv[u][e]);
       }
     }
   }
