@@ -1007,27 +1007,21 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     rope.norm_eps = c.rms_norm_eps;
     rope.num_tokens = T;
     rope.head_dim = hd;
-    SPECD_CUDA_RETURN_(cuda::RopeCuda(rope, stream_), "RoPE");
-
-    cuda::KvCacheWriteParams kw;
-    kw.k = qkv + QD;
-    kw.k_stride = QKVD;
-    kw.v = qkv + QD + KVD;
-    kw.v_stride = QKVD;
-    kw.k_cache = k_pool_ + l * layer_stride_;
-    kw.v_cache = v_pool_ + l * layer_stride_;
-    kw.slots = At<int64_t>(meta, step.o_slots);
-    kw.num_tokens = T;
-    kw.kv_dim = KVD;
-    SPECD_CUDA_RETURN_(cuda::KvCacheWriteCuda(kw, stream_), "KV write");
+    // The rotated keys and the values go straight to their KV-cache slots.
+    rope.v = qkv + QD + KVD;
+    rope.v_stride = QKVD;
+    rope.k_cache = k_pool_ + l * layer_stride_;
+    rope.v_cache = v_pool_ + l * layer_stride_;
+    rope.slots = At<int64_t>(meta, step.o_slots);
+    SPECD_CUDA_RETURN_(cuda::RopeCuda(rope, stream_), "RoPE and KV write");
 
     cuda::TreeAttentionParams ap;
     ap.q = qkv;
     ap.q_stride = QKVD;
     ap.out = attn;
     ap.out_stride = QD;
-    ap.k_cache = kw.k_cache;
-    ap.v_cache = kw.v_cache;
+    ap.k_cache = rope.k_cache;
+    ap.v_cache = rope.v_cache;
     ap.block_tables = block_tables;
     ap.max_blocks_per_seq = step.max_blocks;
     ap.block_size = kKvBlockTokens;

@@ -2,12 +2,15 @@
 // the fp32 CPU references of kernels/cpu, on random data with awkward sizes.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "engine/model_config.h"
 #include "engine/tp_plan.h"
 #include "specd/kernels/cuda/embedding.h"
+#include "specd/kernels/cuda/kv_cache.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/swiglu.h"
@@ -288,6 +291,45 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     EXPECT_TRUE(AllClose(got_q, q, 2e-2f, kBf16Rtol)) << "q, " << what;
     EXPECT_TRUE(AllClose(got_k, k, 2e-2f, kBf16Rtol)) << "k, " << what;
     EXPECT_TRUE(AllClose(got_v, want_v, 0.0f, 0.0f)) << "v untouched, " << what;
+
+    // The fused KV-cache write gives the same rotation, bit for bit, and leaves in the cache
+    // exactly what a KvCacheWriteCuda of the rotated row would; token 1 (slot -1) is skipped.
+    const int slots_n = 3 * c.tokens + 2;
+    std::vector<int64_t> slots(c.tokens);
+    for (int t = 0; t < c.tokens; ++t) slots[t] = t == 1 ? -1 : 3 * t + 1;
+    const std::vector<bf16> sentinel(static_cast<size_t>(slots_n) * k_dim, __float2bfloat16(7.0f));
+    DeviceBuffer<bf16> f_qkv(ToBf16(qkv)), f_kc(sentinel), f_vc(sentinel);
+    DeviceBuffer<bf16> w_kc(sentinel), w_vc(sentinel);  // the unfused write, for comparison
+    DeviceBuffer<int64_t> d_slots(slots);
+    cuda::RopeParams f = p;
+    f.q = f_qkv.get();
+    f.k = f_qkv.get() + q_dim;
+    f.v = f_qkv.get() + q_dim + k_dim;
+    f.v_stride = stride;
+    f.k_cache = f_kc.get();
+    f.v_cache = f_vc.get();
+    f.slots = d_slots.get();
+    SPECD_CUDA_OK(cuda::RopeCuda(f, stream_));
+    cuda::KvCacheWriteParams kw;
+    kw.k = d_qkv.get() + q_dim;
+    kw.k_stride = stride;
+    kw.v = d_qkv.get() + q_dim + k_dim;
+    kw.v_stride = stride;
+    kw.k_cache = w_kc.get();
+    kw.v_cache = w_vc.get();
+    kw.slots = d_slots.get();
+    kw.num_tokens = c.tokens;
+    kw.kv_dim = k_dim;
+    SPECD_CUDA_OK(cuda::KvCacheWriteCuda(kw, stream_));
+    Sync();
+    const auto bits = [](const std::vector<bf16>& v) {
+      std::vector<uint16_t> out(v.size());
+      std::memcpy(out.data(), v.data(), v.size() * sizeof(uint16_t));
+      return out;
+    };
+    EXPECT_EQ(bits(f_qkv.Download()), bits(d_qkv.Download())) << "fused rotation, " << what;
+    EXPECT_EQ(bits(f_kc.Download()), bits(w_kc.Download())) << "fused K cache, " << what;
+    EXPECT_EQ(bits(f_vc.Download()), bits(w_vc.Download())) << "fused V cache, " << what;
   }
 }
 
