@@ -11,13 +11,17 @@
 // tools/bench/make_random_checkpoint.py):
 //   cuda_step_bench --model /tmp/specd-llama-3.1-8b [--label 8B] [--runs 20]
 //       [--contexts 512,2048,8192] [--trees 1,16,64,128,256]
-//       [--tp N] [--custom_bytes B] [--graphs both|on|off]
+//       [--tp N] [--custom_bytes B] [--graphs both|on|off] [--profile NODES]
 // --tp N shards the model over GPUs 0..N-1 (engine/cuda/cuda_tp_backend.h);
 // the floor is then one rank's weight bytes / the copy bandwidth, and
 // --custom_bytes is BackendOptions::cuda_custom_allreduce_max_bytes (0: NCCL
-// only, the A/B against the custom all-reduce).
+// only, the A/B against the custom all-reduce). --profile NODES brackets the
+// last timed step of that tree size (0: decode) with cudaProfilerStart/Stop, so that
+// `ncu --profile-from-start off` times exactly one step's kernels (graph nodes
+// one by one) and none of the load-time GEMM algorithm search.
 // gpt-fast and transformers at the same shapes: a later session adds them to
 // this table (bench/hf_baseline.py has the transformers harness).
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -98,6 +102,7 @@ int Main(int argc, char **argv) {
   int runs = 20, tp = 1;
   int64_t custom_bytes = -1;
   std::string graphs_mode = "both";
+  int profile_nodes = -1;
   std::vector<int> contexts = {512, 2048, 8192}, trees = {1, 16, 64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -117,6 +122,8 @@ int Main(int argc, char **argv) {
       custom_bytes = std::atoll(value.c_str());
     else if (flag == "--graphs")
       graphs_mode = value;
+    else if (flag == "--profile")
+      profile_nodes = std::atoi(value.c_str());
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -126,7 +133,7 @@ int Main(int argc, char **argv) {
     std::fprintf(stderr,
                  "usage: cuda_step_bench --model DIR [--label L] [--runs N] "
                  "[--contexts a,b,..] [--trees a,b,..] [--tp N] "
-                 "[--custom_bytes B] [--graphs both|on|off]\n");
+                 "[--custom_bytes B] [--graphs both|on|off] [--profile NODES]\n");
     return 2;
   }
   cudaDeviceProp prop{};
@@ -225,8 +232,13 @@ int Main(int argc, char **argv) {
           it.seq = seq;
           it.pending = {pending};
           it.tree = Tree(nodes, c.vocab_size, rng);
+          const bool profiled = nodes == profile_nodes && r == runs + 2;
+          if (profiled)
+            cudaProfilerStart();
           const auto s0 = std::chrono::steady_clock::now();
           absl::StatusOr<std::vector<VerifyOutcome>> out = b.Verify({it});
+          if (profiled)
+            cudaProfilerStop();
           const double dt = std::chrono::duration<double, std::milli>(
                                 std::chrono::steady_clock::now() - s0)
                                 .count();

@@ -5,13 +5,15 @@
 # a random Llama-3.1-8B-shaped checkpoint at TP=1 and TP=2 (custom all-reduce, and NCCL only)
 # and, with --70b, of a Llama-3.1-70B-shaped checkpoint cut to LAYERS70 layers.
 #   tools/gpu_run_tp.sh [--dev DIR] [--no-tests] [--no-8b] [--70b] [--attn] [--gptfast]
-#       [--hf] [--1b] [--cluster] [--bf16check] [--nccl] [--gemm]
+#       [--hf] [--1b] [--cluster] [--bf16check] [--nccl] [--gemm] [--profile]
 # --gptfast adds gpt-fast at the 8B shape, TP=1 and TP=2 under torchrun
 # (tools/bench/gpu_run_baselines.sh; needs .carry-gptfast), --hf transformers at 8B, --1b
-# specd and gpt-fast at the Llama-3.2-1B shape. Logs go to /tmp/tplogs and are tarred into
+# specd and gpt-fast at the Llama-3.2-1B shape, --profile the kernels of one 8B decode step and
+# one 64-node verify step (ncu, TP=1; ncu aborted the two-GPU process in its first try)
+# summarised by tools/bench/ncu_step_summary.py. Logs go to /tmp/tplogs and are tarred into
 # $OUT/tp_logs.tgz at the end (the device tool returns at most 8 files).
 set -u
-gemm=0 nccl=0 dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
+profile=0 gemm=0 nccl=0 dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) dev=$2; shift ;;
@@ -25,6 +27,7 @@ while [ $# -gt 0 ]; do
     --cluster) cluster=1 ;;
     --nccl) nccl=1 ;;
     --gemm) gemm=1 ;;
+    --profile) profile=1 ;;
     --bf16check) bf16check=1 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -103,6 +106,22 @@ if [ $b8 -eq 1 ]; then
       steps /tmp/specd-8b llama-3.1-8b 2 0 --runs 9 --contexts 2048 --trees 64
     fi
   fi
+fi
+if [ $profile -eq 1 ]; then
+  [ -f /tmp/specd-8b/model.safetensors ] ||
+    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
+  for tp in 1; do
+    for nodes in 0 64; do
+      stamp "ncu: 8B TP=$tp, one step of $nodes tree nodes"
+      csv=$logs/ncu_tp${tp}_n${nodes}.csv
+      timeout 300 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
+        --csv --print-units base "$dev/bin/bench/cuda_step_bench" --model /tmp/specd-8b --tp "$tp" \
+        --graphs on --runs 3 --contexts 2048 --trees 64 --profile "$nodes" > "$csv" 2> "$csv.err"
+      grep -E "^\|" "$csv" | head -4
+      python3 tools/bench/ncu_step_summary.py "$csv" | head -30
+      tail -3 "$csv.err"
+    done
+  done
 fi
 if [ $b70 -eq 1 ]; then
   L=${LAYERS70:-8}
