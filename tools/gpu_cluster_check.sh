@@ -2,6 +2,7 @@
 # GPU-host check of the whole cluster, from the repository root with a packed build carried
 # along (../shared/device/pack.sh build-gpu .device):
 #   tools/gpu_cluster_check.sh [PACKED_DIR] [--draft-device DEV] [--verify-devices LIST]
+#       [--streams "1 8 32"]
 #       (defaults .device, cuda:0, 0; --verify-devices 0,1 runs specd-verify tensor parallel
 #       over those GPUs: --tensor_parallel 2 --devices 0,1)
 # Starts specd-verify (models/pycoder-target) and specd-draft (models/pycoder-draft) on cuda:0
@@ -13,16 +14,21 @@
 # median tokens/s of each mode (from the CLI's --json summary lines). Everything it starts is
 # stopped when it exits, however it exits. About a minute on an H200.
 # The tokens/s are wall-clock figures of one run over loopback gRPC, not a benchmark.
+# --streams then measures end-to-end throughput: for each count N and each mode, N specd-cli
+# streams at once (prompt i mod 16, 64 greedy tokens each), and prints the total completion
+# tokens over the wall time of the round.
 set -uo pipefail
 
 dev=.device
 draft_device=cuda:0
 verify_devices=0
+streams=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --verify-devices) verify_devices=${2:?--verify-devices needs a value}; shift 2 ;;
     --draft-device) draft_device=${2:?--draft-device needs a value}; shift 2 ;;
     --draft-device=*) draft_device=${1#*=}; shift ;;
+    --streams) streams=${2:?--streams needs a list}; shift 2 ;;
     -*) echo "usage: $0 [PACKED_DIR] [--draft-device cpu|cuda:N]" >&2; exit 2 ;;
     *) dev=$1; shift ;;
   esac
@@ -133,3 +139,35 @@ print(f"{len(prompts) - mismatches} of {len(prompts)} prompts: identical token i
       f"speculation off and draft_model (greedy, 64 new tokens)")
 sys.exit(1 if mismatches else 0)
 EOF
+rc=$?
+[ -n "$streams" ] || exit $rc
+
+mapfile -t ids_list < <(cut -d' ' -f2 "$WORK/prompts.txt")
+echo "| speculation | streams | completion tokens | wall s | tokens/s |"
+echo "|---|---:|---:|---:|---:|"
+for n in $streams; do
+  for mode in off draft_model; do
+    rm -f "$WORK"/stream.*.jsonl
+    t0=$(date +%s.%N)
+    spids=()
+    for ((i = 0; i < n; ++i)); do
+      timeout 300 "$BIN/specd-cli" generate --server "$ROUTER" \
+        --prompt-ids "${ids_list[i % ${#ids_list[@]}]}" --max-new-tokens 64 --temperature 0 \
+        --ignore-eos --speculation "$mode" --json >"$WORK/stream.$i.jsonl" 2>/dev/null &
+      spids+=($!)
+    done
+    for pid in "${spids[@]}"; do wait "$pid" || echo "a stream failed ($mode, $n streams)"; done
+    t1=$(date +%s.%N)
+    python3 - "$WORK" "$n" "$mode" "$t0" "$t1" <<'EOF'
+import json, sys
+work, n, mode, t0, t1 = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+tokens = 0
+for i in range(n):
+    lines = [l for l in open(f"{work}/stream.{i}.jsonl") if l.strip()]
+    if lines:
+        tokens += json.loads(lines[-1]).get("usage", {}).get("completion_tokens", 0)
+print(f"| {mode} | {n} | {tokens} | {t1 - t0:.2f} | {tokens / (t1 - t0):.0f} |")
+EOF
+  done
+done
+exit $rc
