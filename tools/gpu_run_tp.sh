@@ -11,7 +11,8 @@
 # specd and gpt-fast at the Llama-3.2-1B shape, --profile the kernels of one 8B decode step and
 # one 64-node verify step (ncu, TP=1; ncu aborted the two-GPU process in its first try)
 # summarised by tools/bench/ncu_step_summary.py. Logs go to /tmp/tplogs and are tarred into
-# $OUT/tp_logs.tgz at the end (the device tool returns at most 8 files).
+# $OUT/tp_logs.tgz at the end (the device tool returns at most 8 files). STREAMS="1 8 32" adds
+# the cluster's end-to-end throughput rounds to --cluster.
 set -u
 profile=0 gemm=0 nccl=0 dev=.device tests=1 b8=1 b70=0 attn=0 gptfast=0 hf=0 b1=0 cluster=0 bf16check=0
 while [ $# -gt 0 ]; do
@@ -68,7 +69,8 @@ if [ $bf16check -eq 1 ]; then
 fi
 if [ $cluster -eq 1 ] && [ "$ngpu" -ge 2 ]; then
   stamp "cluster: verify tensor parallel on GPUs 0,1, draft on GPU 0"
-  timeout 200 tools/gpu_cluster_check.sh "$dev" --verify-devices 0,1 2>&1 | tee "$logs/tp_cluster.log" | tail -12
+  timeout 300 tools/gpu_cluster_check.sh "$dev" --verify-devices 0,1 ${STREAMS:+--streams "$STREAMS"} 2>&1 |
+    tee "$logs/tp_cluster.log" | tail -24
 fi
 
 stamp "all-reduce benchmark"

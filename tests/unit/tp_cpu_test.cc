@@ -1,8 +1,10 @@
 // The CPU tensor-parallel backend (engine/tp_cpu_backend.h) on real checkpoint folders whose
 // head counts the world sizes do not divide: 7 query heads over 1 KV head (llama, llama3 rope
 // scaling), 6 over 3 (qwen2 biases, tied embeddings; at N = 4 one KV head is replicated), 3 over
-// 1 (qwen3 q/k norm, bf16 weights; N = 7 leaves ranks without heads); FFN and vocabulary sizes
-// that no N divides. Against CpuBackend (TP = 1): logits to fp32 rounding through prefill,
+// 1 (qwen3 q/k norm, bf16 weights; N = 7 leaves ranks without heads), and Llama-3.1-70B's own
+// 64 over 8 in miniature (head_dim 8; at N = 7 ranks hold 9 or 10 query heads and some hold two
+// KV heads); FFN and vocabulary sizes that no N divides (the 64/8 model's FFN, like 70B's, is a
+// multiple of 7). Against CpuBackend (TP = 1): logits to fp32 rounding through prefill,
 // batches, tree verification and KV commits; greedy generation token-identical, speculative
 // and target-only; and the properties verification relies on (a tree node's logits equal the
 // same token decoded after its path, bit for bit, at the same N).
@@ -32,7 +34,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-enum class Family { kLlama, kQwen2, kQwen3 };
+enum class Family { kLlama, kQwen2, kQwen3, kLlama70Heads };
 
 const char* Name(Family f) {
   switch (f) {
@@ -42,6 +44,8 @@ const char* Name(Family f) {
       return "qwen2_6q3kv";
     case Family::kQwen3:
       return "qwen3_3q1kv";
+    case Family::kLlama70Heads:
+      return "llama_64q8kv";
   }
   return "?";
 }
@@ -49,9 +53,10 @@ const char* Name(Family f) {
 // Written once per process. The llama target is a 1-layer draft plus one appended layer
 // (tests/testutil/extended_checkpoint.h), so the draft's proposals are often accepted.
 struct Models {
-  std::string root, llama_draft, llama, qwen2, qwen3;
+  std::string root, llama_draft, llama, qwen2, qwen3, llama70;
   Models() {
     root = MakeTempDir("specd_tp_");
+    llama70 = root + "/llama70";
     llama_draft = root + "/llama_draft";
     llama = root + "/llama";
     qwen2 = root + "/qwen2";
@@ -103,13 +108,37 @@ struct Models {
     c.init_std = 0.3f;
     c.seed = 64;
     EXPECT_TRUE(WriteRandomCheckpoint(qwen3, c).ok());
+
+    RandomCheckpointSpec d;  // Llama-3.1-70B's attention layout, narrow heads
+    d.model_type = "llama";
+    d.vocab_size = 503;
+    d.hidden_size = 512;
+    d.intermediate_size = 224;
+    d.num_layers = 2;
+    d.num_heads = 64;
+    d.num_kv_heads = 8;
+    d.head_dim = 8;
+    d.llama3_rope_scaling = true;
+    d.init_std = 0.15f;
+    d.seed = 65;
+    EXPECT_TRUE(WriteRandomCheckpoint(llama70, d).ok());
   }
   ~Models() {
     std::error_code ec;
     std::filesystem::remove_all(root, ec);
   }
   const std::string& Dir(Family f) const {
-    return f == Family::kLlama ? llama : f == Family::kQwen2 ? qwen2 : qwen3;
+    switch (f) {
+      case Family::kLlama:
+        return llama;
+      case Family::kQwen2:
+        return qwen2;
+      case Family::kQwen3:
+        return qwen3;
+      case Family::kLlama70Heads:
+        break;
+    }
+    return llama70;
   }
 };
 
@@ -253,6 +282,8 @@ std::vector<TpCase> LogitCases() {
   for (Family f : {Family::kLlama, Family::kQwen2, Family::kQwen3}) {
     for (int tp : {2, 3, 4, 7}) cases.push_back({f, tp});
   }
+  // The reference deployment's verify (7 ranks) and the whole 8-GPU host.
+  for (int tp : {2, 7, 8}) cases.push_back({Family::kLlama70Heads, tp});
   return cases;
 }
 
@@ -393,10 +424,11 @@ TEST(TpCpuTest, GreedyGenerationIsTokenIdenticalAtEveryRankCount) {
     Family family;
     std::string draft_dir;  // a standalone draft model of the same vocabulary
   };
-  // The qwen models draft for themselves (every draft token is the target's favourite, so the
+  // The qwen and 64/8 models draft for themselves (every draft token is the target's favourite, so the
   // longest paths get accepted); the llama target has its related 1-layer draft.
   for (const Pair& pair : {Pair{Family::kLlama, M().llama_draft}, Pair{Family::kQwen2, M().qwen2},
-                           Pair{Family::kQwen3, M().qwen3}}) {
+                           Pair{Family::kQwen3, M().qwen3},
+                           Pair{Family::kLlama70Heads, M().llama70}}) {
     std::unique_ptr<Backend> draft_model = Load(pair.draft_dir, 1);
     ASSERT_TRUE(draft_model);
     DraftModelDrafter drafter(draft_model.get());
