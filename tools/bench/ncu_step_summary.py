@@ -31,8 +31,7 @@ def main(path: str) -> None:
         print("no ncu CSV rows in", path)
         return
     rows = list(csv.DictReader(lines[start:]))
-    # One block of kernels per profiled step; the "ID" restarts never, so steps are told apart
-    # by the caller's order: every row here belongs to the steps profiled, in launch order.
+    # cuda_step_bench --profile brackets exactly one step, so every row belongs to it.
     per = defaultdict(list)
     for r in rows:
         if r.get("Metric Name") != "gpu__time_duration.sum":
