@@ -1,6 +1,7 @@
 // All-reduce latency on the GPUs of one host: the custom one-shot all-reduce over NVLink peer
-// memory (specd/kernels/cuda/allreduce.h; plain, and fused with residual add + RMSNorm) against
-// NCCL's ncclAllReduce (bf16 sum, NVLink multicast off), for messages of 4 KiB .. 4 MiB.
+// memory (specd/kernels/cuda/allreduce.h; plain in its push and barrier modes, and fused with
+// residual add + RMSNorm) against NCCL's ncclAllReduce (bf16 sum, NVLink multicast off), for
+// messages of 4 KiB .. 4 MiB.
 //
 // Method: one host thread per rank (as the verify service runs its ranks). For each size and
 // method every rank captures a CUDA graph of 20 back-to-back calls (the custom calls alternate
@@ -93,8 +94,10 @@ class Barrier {
   int64_t generation_ = 0;
 };
 
-enum Method { kCustomPlain = 0, kCustomFused = 1, kNccl = 2, kNumMethods = 3 };
-const char* kMethodNames[] = {"custom plain", "custom fused", "NCCL"};
+// The custom kernel takes its push mode up to the group's push_max_bytes (2 MiB); "barrier
+// plain" forces its barrier mode at every size, for comparison.
+enum Method { kCustomPlain = 0, kCustomFused = 1, kNccl = 2, kBarrierPlain = 3, kNumMethods = 4 };
+const char* kMethodNames[] = {"custom plain", "custom fused", "NCCL", "barrier plain"};
 
 struct Shape {
   int64_t bytes, rows, dim;
@@ -146,6 +149,7 @@ void Rank(Shared* sh, int rank) {
     p.rows = shape.rows;
     p.dim = shape.dim;
     p.out = out;
+    if (method == kBarrierPlain) p.push_max_bytes = 0;
     if (method == kCustomFused) {
       p.residual = residual;
       p.norm_weight = weight;
@@ -298,12 +302,14 @@ int Main(int argc, char** argv) {
   for (int r = 0; r < gpus; ++r) threads.emplace_back(Rank, &sh, r);
   for (std::thread& t : threads) t.join();
 
-  std::printf("| bytes | rows x dim | %s us | %s us | %s us | plain / NCCL | fused / NCCL |\n",
-              kMethodNames[0], kMethodNames[1], kMethodNames[2]);
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| bytes | rows x dim | %s us | %s us | %s us | %s us | plain / NCCL | fused / NCCL |\n",
+      kMethodNames[0], kMethodNames[3], kMethodNames[1], kMethodNames[2]);
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (size_t si = 0; si < sh.shapes.size(); ++si) {
     const Shape& s = sh.shapes[si];
     const double plain = Slowest(sh.per_call_us[kCustomPlain][si]);
+    const double barrier = Slowest(sh.per_call_us[kBarrierPlain][si]);
     const double fused = Slowest(sh.per_call_us[kCustomFused][si]);
     const double ref = Slowest(sh.per_call_us[kNccl][si]);
     char bytes[32];
@@ -330,9 +336,10 @@ int Main(int argc, char** argv) {
       }
       return std::string(buf);
     };
-    std::printf("| %s | %lld x %lld | %s | %s | %s | %s | %s |\n", bytes,
+    std::printf("| %s | %lld x %lld | %s | %s | %s | %s | %s | %s |\n", bytes,
                 static_cast<long long>(s.rows), static_cast<long long>(s.dim),
                 cell(plain, sh.custom != nullptr).c_str(),
+                cell(barrier, sh.custom != nullptr).c_str(),
                 cell(fused, sh.custom != nullptr).c_str(), cell(ref, sh.nccl != nullptr).c_str(),
                 ratio(plain).c_str(), ratio(fused).c_str());
   }

@@ -99,7 +99,9 @@ absl::StatusOr<std::unique_ptr<CustomAllReduceGroup>> CustomAllReduceGroup::Crea
   g->max_blocks_ = most <= 1 ? 0 : std::max(1, cuda::kAllReduceDefaultBlocks / most);
   g->signal_stride_ = RoundUp(cuda::AllReduceSignalBytes(), kAlign);
   const int64_t input_stride = RoundUp(g->max_bytes_, kAlign);
-  const int64_t bytes = num_sites * (g->signal_stride_ + input_stride);
+  g->push_max_bytes_ = std::min(g->max_bytes_, cuda::kAllReducePushMaxBytes);
+  g->mailbox_stride_ = RoundUp(cuda::AllReduceMailboxBytes(n, g->push_max_bytes_), kAlign);
+  const int64_t bytes = num_sites * (g->signal_stride_ + input_stride + g->mailbox_stride_);
   g->base_.assign(n, nullptr);
   for (int r = 0; r < n; ++r) {
     e = cudaSetDevice(devices[r]);
@@ -113,6 +115,9 @@ absl::StatusOr<std::unique_ptr<CustomAllReduceGroup>> CustomAllReduceGroup::Crea
     // read never sees garbage.
     e = cudaMemset(g->base_[r], 0, static_cast<size_t>(bytes));
     if (e != cudaSuccess) return CudaError(e, "cudaMemset");
+    // The mailboxes start empty (allreduce.h's push mode).
+    e = cuda::AllReduceMailboxInitCuda(g->mailbox(r, 0), num_sites * g->mailbox_stride_, nullptr);
+    if (e != cudaSuccess) return CudaError(e, "emptying the mailboxes");
   }
   // The zeroing must be complete before any rank's kernel runs, also on non-blocking streams
   // that do not wait for the legacy default stream.
@@ -142,6 +147,12 @@ CustomAllReduceGroup::bf16* CustomAllReduceGroup::input(int rank, int site) cons
   return reinterpret_cast<bf16*>(static_cast<char*>(base_[rank]) + offset);
 }
 
+CustomAllReduceGroup::bf16* CustomAllReduceGroup::mailbox(int rank, int site) const {
+  const int64_t offset =
+      num_sites_ * (signal_stride_ + RoundUp(max_bytes_, kAlign)) + site * mailbox_stride_;
+  return reinterpret_cast<bf16*>(static_cast<char*>(base_[rank]) + offset);
+}
+
 cuda::AllReduceParams CustomAllReduceGroup::Params(int rank, int site) const {
   cuda::AllReduceParams p;
   p.world_size = world_size();
@@ -149,7 +160,9 @@ cuda::AllReduceParams CustomAllReduceGroup::Params(int rank, int site) const {
   for (int r = 0; r < world_size(); ++r) {
     p.inputs[r] = input(r, site);
     p.signals[r] = signal(r, site);
+    p.mailboxes[r] = mailbox(r, site);
   }
+  p.push_max_bytes = push_max_bytes_;
   p.max_blocks = max_blocks_;
   return p;
 }

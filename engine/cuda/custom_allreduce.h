@@ -1,8 +1,9 @@
 // The buffers of the custom one-shot all-reduce (specd/kernels/cuda/allreduce.h) for one
 // tensor-parallel group in one process: on every rank's device, num_sites input buffers (where
-// the rank's row-parallel GEMM writes its partial sums) and num_sites zeroed signal areas, with
-// peer access enabled between all the group's devices so that each rank reads the others'
-// inputs and writes their flags directly over NVLink. No NVLink multicast.
+// the rank's row-parallel GEMM writes its partial sums), num_sites zeroed signal areas and
+// num_sites push-mode mailboxes, with peer access enabled between all the group's devices so
+// that each rank reads the others' inputs and writes their flags and mailboxes directly over
+// NVLink. No NVLink multicast.
 //
 // Sites. A site is one all-reduce call point per step that may be in flight while another is
 // being prepared, e.g. site 0 for the attention output and site 1 for the FFN output of every
@@ -67,6 +68,12 @@ class CustomAllReduceGroup {
   bf16* input(int rank, int site) const;
   // AllReduceSignalBytes() bytes, device of `rank`: the signal area of `site` on `rank`.
   uint32_t* signal(int rank, int site) const;
+  // AllReduceMailboxBytes(world_size(), push_max_bytes()) bytes, device of `rank`: the push-mode
+  // mailbox of `site` on `rank`, emptied at creation.
+  bf16* mailbox(int rank, int site) const;
+  // Messages up to this size take the kernel's push mode (min(max_bytes,
+  // kAllReducePushMaxBytes)); Params sets it.
+  int64_t push_max_bytes() const { return push_max_bytes_; }
 
   // Params for `rank` at `site`: world_size, rank, inputs and signals filled in, and
   // max_blocks lowered when ranks share a device (so that all their blocks fit on it at once);
@@ -81,9 +88,12 @@ class CustomAllReduceGroup {
   int num_sites_ = 0;
   int64_t max_bytes_ = 0;
   int max_blocks_ = 0;
-  // One allocation per rank: num_sites signal areas, then num_sites input buffers.
+  // One allocation per rank: num_sites signal areas, num_sites input buffers, then num_sites
+  // mailboxes.
   std::vector<void*> base_;
-  int64_t signal_stride_ = 0;  // bytes between two sites' signal areas
+  int64_t signal_stride_ = 0;   // bytes between two sites' signal areas
+  int64_t push_max_bytes_ = 0;
+  int64_t mailbox_stride_ = 0;  // bytes between two sites' mailboxes
 };
 
 }  // namespace specd

@@ -180,6 +180,7 @@ struct Call {
   int64_t dim = 0;
   int mode = kPlain;
   int max_blocks = -1;      // -1: the group's
+  int64_t push_bytes = -1;  // -1: the group's push_max_bytes; 0: push mode off
   int64_t delay_rank = -1;  // this rank first runs a memset of delay_bytes, a straggler
   int64_t delay_bytes = 0;
   std::vector<std::vector<float>> partials;  // [rank][rows * dim], bf16 values
@@ -310,6 +311,7 @@ class Sequence {
     p.dim = c.dim;
     p.out = out_[r]->get() + c.off;
     if (c.max_blocks >= 0) p.max_blocks = c.max_blocks;
+    if (c.push_bytes >= 0) p.push_max_bytes = c.push_bytes;
     if (c.mode != kPlain) {
       e = cudaMemcpyAsync(res_[r]->get() + c.off, res_init_[r]->get() + c.off,
                           c.size() * sizeof(float), cudaMemcpyDeviceToDevice, s);
@@ -770,6 +772,57 @@ TEST_F(AllReduceCudaTest, RowsAreInvariantToBatchAndGrid) {
 // stragglers (a random rank first runs a large memset), to shake out barrier races: a flag
 // seen too early, a rank overwriting its input while another still reads it, counters out of
 // step. Everything is enqueued before anything is waited for.
+// Push mode (messages up to the group's push_max_bytes) and barrier mode give the same bits on
+// the same inputs, and partials holding -0.0 (the mailboxes' empty value) neither hang push
+// mode nor change a sum: each shape runs twice, push mode then barrier mode, sites rotating.
+TEST_F(AllReduceCudaTest, PushModeEqualsBarrierModeBitForBit) {
+  for (const std::vector<int>& devices : Groups(/*include_world1=*/false)) {
+    SCOPED_TRACE(Describe(devices));
+    const int n = static_cast<int>(devices.size());
+    std::mt19937_64 rng(500 + n);
+    std::vector<Call> calls;
+    struct Shape {
+      int64_t rows, dim;
+    };
+    int site = 0;
+    for (const Shape s : {Shape{1, 4096}, Shape{7, 520}, Shape{64, 4096}, Shape{1, 64}}) {
+      for (int mode : {kPlain, kFused, kFusedInit}) {
+        Call c = RandomCall(n, site, s.rows, s.dim, mode, rng);
+        for (int64_t i = 0; i < c.size(); i += 97) {
+          for (int r = 0; r < n; ++r) c.partials[r][i] = -0.0f;  // a sum of -0.0s
+        }
+        if (c.size() > 5) c.partials[0][5] = -0.0f;  // -0.0 next to data
+        Call barrier = c;
+        barrier.site = (site + 1) % 3;
+        barrier.push_bytes = 0;
+        calls.push_back(std::move(c));
+        calls.push_back(std::move(barrier));
+        site = (site + 2) % 3;
+      }
+    }
+    SPECD_MAKE_HARNESS(h, devices);
+    ASSERT_GE(h.group().push_max_bytes(), 64 * 4096 * 2);
+    Sequence seq(&h, std::move(calls));
+    ASSERT_TRUE(h.SyncDevices());
+    ASSERT_EQ(seq.Poison(), cudaSuccess);
+    ASSERT_TRUE(seq.RunEager(Describe(devices)));
+    ASSERT_TRUE(seq.Check(Describe(devices)));
+    const std::vector<bf16> out = seq.out(0).Download();
+    const std::vector<float> res = seq.residual(0).Download();
+    for (size_t i = 0; i + 1 < seq.calls().size(); i += 2) {
+      const Call& a = seq.calls()[i];
+      const Call& b = seq.calls()[i + 1];
+      EXPECT_EQ(std::memcmp(out.data() + a.off, out.data() + b.off, a.size() * sizeof(bf16)), 0)
+          << a.Name(static_cast<int>(i)) << ": push and barrier outputs differ";
+      if (a.mode != kPlain) {
+        EXPECT_EQ(
+            std::memcmp(res.data() + a.off, res.data() + b.off, a.size() * sizeof(float)), 0)
+            << a.Name(static_cast<int>(i)) << ": push and barrier residuals differ";
+      }
+    }
+  }
+}
+
 TEST_F(AllReduceCudaTest, ManyCallsCyclingSites) {
   for (const std::vector<int>& devices : Groups(/*include_world1=*/false)) {
     SCOPED_TRACE(Describe(devices));

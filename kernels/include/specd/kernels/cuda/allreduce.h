@@ -34,6 +34,19 @@
 //      kernels must run concurrently (separate streams, CUDA_DEVICE_MAX_CONNECTIONS at least
 //      the number of streams) and their grids together must fit on the GPU.
 // Every call, even one with rows == 0, takes part in the barrier.
+//
+// Push mode (messages of at most push_max_bytes: decode and verify steps). The barrier's flag
+// round trip and the read of the peers' partials cost two NVLink latencies; here each rank
+// instead stores its partials straight into a mailbox slot on every peer and then waits on its
+// own mailbox until the peers' values have landed, one latency in all. A mailbox slot is empty
+// while it holds bf16 -0.0 in every element (the mailboxes start so: AllReduceMailboxInitCuda);
+// a sender writes -0.0 as +0.0 (both modes sum every input that way, so the two modes give the
+// same bits), and a receiver empties each slot again as soon as it has read it. Each site's
+// mailbox has two phases that alternate from one push-mode call of the site to the next (a
+// per-site count in the signal area, advanced by the call's last block): a peer can only write
+// the same phase again two calls later, and it needs this rank's values of the call in between
+// for that, which this rank sends only after it has emptied its slots. The contract above holds
+// unchanged for push mode, which is also a valid "call with another site" for rule 2.
 #ifndef SPECD_KERNELS_CUDA_ALLREDUCE_H_
 #define SPECD_KERNELS_CUDA_ALLREDUCE_H_
 
@@ -51,6 +64,20 @@ inline constexpr int kAllReduceDefaultBlocks = 64;
 // Bytes of one site's signal area on one rank (flags + per-block counters); zeroed once at
 // allocation, then owned by the kernels. Its address must be 16-byte aligned.
 int64_t AllReduceSignalBytes();
+
+// Push mode's largest message, which covers a 64-node verify step of a 70B model (65 rows of
+// 8192); above it the barrier mode serves, and the mailboxes stay small (2 phases x N ranks x
+// this, per site and rank).
+inline constexpr int64_t kAllReducePushMaxBytes = int64_t{2} << 20;
+
+// Bytes of one site's mailbox on one rank: two phases of one push_max_bytes slot per rank.
+inline int64_t AllReduceMailboxBytes(int world_size, int64_t push_max_bytes) {
+  return 2 * static_cast<int64_t>(world_size) * push_max_bytes;
+}
+
+// Fills `bytes` (a multiple of 16) at `mailbox` (16-byte aligned, device memory of the current
+// device) with the empty pattern, bf16 -0.0. Once, before the first push-mode call.
+cudaError_t AllReduceMailboxInitCuda(void* mailbox, int64_t bytes, cudaStream_t stream);
 
 struct AllReduceParams {
   int world_size = 1;  // 1..kAllReduceMaxRanks
@@ -74,6 +101,12 @@ struct AllReduceParams {
   bool residual_init = false;
   const bf16* norm_weight = nullptr;  // [dim] bf16, device of this rank; required in fused mode
   float eps = 1e-5f;
+  // Push mode, used when rows * dim * 2 <= push_max_bytes: mailboxes[r], r < world_size,
+  // is this site's mailbox on rank r (AllReduceMailboxBytes(world_size, push_max_bytes),
+  // emptied by AllReduceMailboxInitCuda, 16-byte aligned), writable from this rank's device.
+  // push_max_bytes: 0 (push mode off) or a multiple of 16, identical on every rank.
+  bf16* mailboxes[kAllReduceMaxRanks] = {};
+  int64_t push_max_bytes = 0;
   // Grid cap, identical on every rank: 0 means kAllReduceDefaultBlocks, else
   // 1..kAllReduceMaxBlocks. Rows (fused) or 16-byte vectors (plain) are strided over the
   // blocks. Lower it when ranks share a GPU so that all their blocks fit at once.
