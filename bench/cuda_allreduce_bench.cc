@@ -94,7 +94,7 @@ class Barrier {
   int64_t generation_ = 0;
 };
 
-// The custom kernel takes its push mode up to the group's push_max_bytes (2 MiB); "barrier
+// The custom kernel takes its push mode up to the group's push_max_bytes (256 KiB); "barrier
 // plain" forces its barrier mode at every size, for comparison.
 enum Method { kCustomPlain = 0, kCustomFused = 1, kNccl = 2, kBarrierPlain = 3, kNumMethods = 4 };
 const char* kMethodNames[] = {"custom plain", "custom fused", "NCCL", "barrier plain"};

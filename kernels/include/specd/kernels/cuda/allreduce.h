@@ -35,7 +35,7 @@
 //      the number of streams) and their grids together must fit on the GPU.
 // Every call, even one with rows == 0, takes part in the barrier.
 //
-// Push mode (messages of at most push_max_bytes: decode and verify steps). The barrier's flag
+// Push mode (messages of at most push_max_bytes: decode steps and small verify steps). The barrier's flag
 // round trip and the read of the peers' partials cost two NVLink latencies; here each rank
 // instead stores its partials straight into a mailbox slot on every peer and then waits on its
 // own mailbox until the peers' values have landed, one latency in all. A mailbox slot is empty
@@ -65,10 +65,11 @@ inline constexpr int kAllReduceDefaultBlocks = 64;
 // allocation, then owned by the kernels. Its address must be 16-byte aligned.
 int64_t AllReduceSignalBytes();
 
-// Push mode's largest message, which covers a 64-node verify step of a 70B model (65 rows of
-// 8192); above it the barrier mode serves, and the mailboxes stay small (2 phases x N ranks x
-// this, per site and rank).
-inline constexpr int64_t kAllReducePushMaxBytes = int64_t{2} << 20;
+// Push mode's largest message. Measured on 2x H200 (bench/RESULTS.md), push mode is faster up
+// to 256 KiB (decode steps, small verify steps) and slower from 512 KiB on, with the fused
+// norm: there every block's pushes and polls serialise. The mailboxes stay small (2 phases x
+// N ranks x this, per site and rank).
+inline constexpr int64_t kAllReducePushMaxBytes = int64_t{256} << 10;
 
 // Bytes of one site's mailbox on one rank: two phases of one push_max_bytes slot per rank.
 inline int64_t AllReduceMailboxBytes(int world_size, int64_t push_max_bytes) {
