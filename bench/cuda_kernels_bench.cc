@@ -148,6 +148,7 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   p.tile_end = d_te;
   p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
   p.num_splits = plan.num_splits;
+  p.chunks_per_cta = plan.chunks_per_cta;
   p.workspace = ws;
   p.num_queries = num_queries;
   p.num_heads = kHeads;
@@ -159,7 +160,8 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   const double kv_bytes = double(batch) * per_seq_keys * kv_dim * 2 * sizeof(bf16);
   state.counters["kv_GBps"] = kv_bytes / 1e9 / sec;
   state.counters["splits"] = plan.num_splits;
-  state.counters["ctas"] = double(plan.tile_begin.size()) * kKvHeads * plan.num_splits;
+  state.counters["ctas"] = double(plan.tile_begin.size()) * kKvHeads *
+                           ((plan.num_splits + plan.chunks_per_cta - 1) / plan.chunks_per_cta);
   cudaStreamDestroy(stream);
   for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q),
                     static_cast<void*>(out), static_cast<void*>(d_tables), static_cast<void*>(d_qs),

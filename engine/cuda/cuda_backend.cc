@@ -837,6 +837,8 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
   }
   step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());
   step->num_splits = plan.num_splits;
+  step->chunks_per_cta = cuda::TreeAttentionChunksPerCta(step->num_tiles, kv_heads_,
+                                                         plan.num_splits, num_sms_);
   // Split, the chunk count (and so the workspace) grows with the context; a power of two
   // keeps reallocations, which drop every captured graph, rare.
   step->ws_floats = NextPow2(
@@ -1036,6 +1038,7 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.tile_end = At<int32_t>(meta, step.o_tile_end);
     ap.num_tiles = step.num_tiles;
     ap.num_splits = step.num_splits;
+    ap.chunks_per_cta = step.chunks_per_cta;
     ap.workspace = static_cast<float *>(attn_ws_.ptr);
     ap.num_queries = T;
     ap.num_heads = heads_;
@@ -1215,6 +1218,7 @@ absl::Status CudaBackend::Execute(const Step &step) {
                                     step.max_blocks,
                                     step.num_tiles,
                                     step.num_splits,
+                                    step.chunks_per_cta,
                                     step.ws_floats,
                                     step.out_stride,
                                     static_cast<int64_t>(step.o_tokens),

@@ -180,6 +180,7 @@ private:
     int64_t max_blocks = 0; // block-table stride
     int64_t num_tiles = 0;
     int num_splits = 1;
+    int chunks_per_cta = 1;
     int64_t ws_floats = 0; // split-KV workspace
     int64_t out_stride = 0;
     // Tensor parallel: all-reduces take the custom kernel; verify rows need the

@@ -589,8 +589,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const int plain_bound = s.plain_bound;
   const int irr_begin = s.irr_begin;
   const int irr_end = s.irr_end;
-  const int chunk_first = kSplit ? static_cast<int>(blockIdx.z) : 0;
-  const int chunk_last = kSplit ? chunk_first + 1 : (max_keys + kChunk - 1) / kChunk;
+  const int chunk_first = kSplit ? static_cast<int>(blockIdx.z) * p.chunks_per_cta : 0;
+  const int chunk_last = kSplit ? min(chunk_first + p.chunks_per_cta, p.num_splits)
+                                : (max_keys + kChunk - 1) / kChunk;
   const int sub_limit = chunk_last * kSub;  // the CTA's sub-chunks end here
   const float scale_log2 = p.scale * kLog2e;
 
@@ -991,8 +992,9 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
 
 template <int HD, bool kSplit, bool kTrees>
 cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
+  const int ctas_z = kSplit ? (p.num_splits + p.chunks_per_cta - 1) / p.chunks_per_cta : 1;
   const dim3 grid(static_cast<unsigned>(p.num_tiles), static_cast<unsigned>(p.num_kv_heads),
-                  static_cast<unsigned>(p.num_splits));
+                  static_cast<unsigned>(ctas_z));
   // The stages (and, unsplit, the merged state) exceed the 48 KiB of static shared memory. The
   // attribute is per device and cheap to set, so it is set on every launch (multi-GPU processes
   // included).
@@ -1081,8 +1083,27 @@ TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_
       TreeAttentionWorkspaceFloats(static_cast<int>(chunks), num_queries, num_heads, 128) <=
           kMaxWorkspaceFloats) {
     plan.num_splits = static_cast<int>(chunks);
+    plan.chunks_per_cta = TreeAttentionChunksPerCta(static_cast<int64_t>(plan.tile_begin.size()),
+                                                    num_kv_heads, plan.num_splits, num_sms);
   }
   return plan;
+}
+
+int TreeAttentionChunksPerCta(int64_t num_tiles, int64_t num_kv_heads, int num_splits,
+                              int num_sms) {
+  if (num_splits <= 1 || num_tiles <= 0 || num_kv_heads <= 0 || num_sms <= 0) return 1;
+  const int64_t slots = 2 * static_cast<int64_t>(num_sms);
+  int best = 1;
+  double best_cost = 0.0;
+  for (int c = 1; c <= num_splits; ++c) {
+    const int64_t ctas = num_tiles * num_kv_heads * ((num_splits + c - 1) / c);
+    const double cost = static_cast<double>((ctas + slots - 1) / slots) * (c + 0.5);
+    if (c == 1 || cost < best_cost) {
+      best = c;
+      best_cost = cost;
+    }
+  }
+  return best;
 }
 
 int TreeAttentionChunks(int32_t max_kv_end) {
@@ -1098,7 +1119,8 @@ int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream) {
   if (p.num_queries < 0 || p.num_tiles < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
       p.num_kv_heads > 65535 || !HeadRangesValid(p) || !TreeAttentionSupportsHeadDim(p.head_dim) ||
-      p.num_splits < 1 || p.num_splits > 65535 || p.block_size <= 0 || p.max_blocks_per_seq <= 0 ||
+      p.num_splits < 1 || p.num_splits > 65535 || p.chunks_per_cta < 1 || p.block_size <= 0 ||
+      p.max_blocks_per_seq <= 0 ||
       p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
       p.out_stride < p.num_heads * p.head_dim || p.out_stride % 2 != 0 ||
       (p.mask == nullptr) != (p.mask_begin == nullptr)) {

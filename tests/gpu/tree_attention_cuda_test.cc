@@ -202,10 +202,12 @@ std::vector<float> RunCpu(const Shape& sh, const Batch& b, float scale) {
 
 class TreeAttentionCudaTest : public gpu_test::GpuTest {
  protected:
-  // Runs one batch on the GPU once per entry of `splits` (0: the plan's choice, else forced)
-  // and compares each result with the CPU reference.
-  void Check(const Shape& sh, const std::vector<SeqSpec>& seqs, const std::vector<int>& splits,
+  // Runs one batch on the GPU once per entry of `splits` (0: the plan's choice, else forced),
+  // then split with 2 and with 3 chunks a CTA, and compares each result with the CPU reference.
+  void Check(const Shape& sh, const std::vector<SeqSpec>& seqs, std::vector<int> splits,
              uint64_t seed) {
+    splits.push_back(-2);
+    splits.push_back(-3);
     const Batch b = BuildBatch(sh, seqs, seed);
     const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
     const std::vector<float> want = RunCpu(sh, b, scale);
@@ -244,7 +246,8 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
   }
 
   // GPU output [num_queries, num_heads * head_dim] (bf16 values as floats). force_splits: 0
-  // the plan's choice, 1 unsplit, more: one CTA per chunk (at least that many splits). With a
+  // the plan's choice, 1 unsplit, more: one CTA per chunk (at least that many splits), -c:
+  // every chunk split, c chunks a CTA. With a
   // slice, sh holds the rank's local head counts, q and the caches its heads only.
   std::vector<float> RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q,
                             int q_stride, const std::vector<float>& k_cache,
@@ -271,6 +274,12 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     if (force_splits > 1) {
       plan.num_splits = std::max(
           force_splits, cuda::TreeAttentionChunks(*std::max_element(kv_end.begin(), kv_end.end())));
+      plan.chunks_per_cta = 1;
+    }
+    if (force_splits < 0) {  // every chunk split, -force_splits chunks a CTA
+      plan.num_splits = std::max(
+          2, cuda::TreeAttentionChunks(*std::max_element(kv_end.begin(), kv_end.end())));
+      plan.chunks_per_cta = -force_splits;
     }
     DeviceBuffer<bf16> d_q(ToBf16(q)), d_k(ToBf16(k_cache)), d_v(ToBf16(v_cache));
     const int out_stride = q_dim + 6;
@@ -299,6 +308,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     p.tile_end = d_tile_end.get();
     p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
     p.num_splits = plan.num_splits;
+    p.chunks_per_cta = plan.chunks_per_cta;
     p.workspace = d_ws.get();
     p.num_queries = num_queries;
     p.num_heads = sh.num_heads;

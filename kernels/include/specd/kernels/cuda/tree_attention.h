@@ -82,9 +82,14 @@ struct TreeAttentionParams {
   const int32_t* tile_begin = nullptr;
   const int32_t* tile_end = nullptr;
   int64_t num_tiles = 0;
-  // 1: a CTA walks all chunks of its tile. Otherwise one CTA per chunk, and num_splits must be
-  // at least TreeAttentionChunks(max kv_end) (later chunks are not computed).
+  // 1: a CTA walks all chunks of its tile. Otherwise each chunk's state goes to the workspace
+  // and a combine kernel merges them; num_splits must be at least TreeAttentionChunks(max
+  // kv_end) (later chunks are not computed).
   int num_splits = 1;
+  // Split only: chunks a CTA computes one after the other (CTA z: chunks [z * chunks_per_cta,
+  // +chunks_per_cta)), so that a long split runs in fewer waves of CTAs, each paying its setup
+  // once. Any value >= 1 gives the same bits.
+  int chunks_per_cta = 1;
   // [TreeAttentionWorkspaceFloats(...)] fp32, device; needed when num_splits > 1.
   float* workspace = nullptr;
   int64_t num_queries = 0;
@@ -111,7 +116,14 @@ struct TreeAttentionPlan {
   std::vector<int32_t> tile_begin;
   std::vector<int32_t> tile_end;
   int num_splits = 1;
+  int chunks_per_cta = 1;
 };
+
+// The chunks_per_cta that PlanTreeAttention picks for a split launch of num_tiles tiles: the
+// count that minimises the waves of CTAs (two resident per multiprocessor) times each CTA's
+// work (its chunks plus about half a chunk of setup).
+int TreeAttentionChunksPerCta(int64_t num_tiles, int64_t num_kv_heads, int num_splits,
+                              int num_sms);
 
 // Tiles group consecutive queries of one sequence (queries of a sequence must be contiguous).
 // The key range is split into its chunks when the tiles alone would leave some of the GPU's
