@@ -799,6 +799,33 @@ TEST_F(TreeAttentionCudaTest, HeadRangeParamsAreValidated) {
       << "without kv_group, 9 heads over 2 KV heads is no plan";
 }
 
+// The planner's chunks per CTA (host code: runs without a GPU too). One chunk a CTA while the
+// split fits one wave (a decode step: 8 KV heads x 17 chunks = 136 CTAs on 132 SMs); a 64-node
+// verify step's 5 tiles x 8 KV heads x 17 chunks (680 CTAs, 2.6 waves) fold into one wave.
+TEST(TreeAttentionPlanTest, ChunksPerCtaFoldsLongSplitsIntoFewerWaves) {
+  EXPECT_EQ(cuda::TreeAttentionChunksPerCta(1, 8, 17, 132), 1);
+  const int verify = cuda::TreeAttentionChunksPerCta(5, 8, 17, 132);
+  EXPECT_EQ(verify, 3);
+  EXPECT_LE(5 * 8 * ((17 + verify - 1) / verify), 2 * 132) << "one wave";
+  EXPECT_EQ(cuda::TreeAttentionChunksPerCta(5, 8, 1, 132), 1) << "unsplit";
+  EXPECT_EQ(cuda::TreeAttentionChunksPerCta(0, 8, 17, 132), 1) << "no tiles";
+  for (int tiles : {1, 3, 9, 40}) {
+    for (int splits : {2, 5, 17, 65}) {
+      const int c = cuda::TreeAttentionChunksPerCta(tiles, 8, splits, 132);
+      EXPECT_GE(c, 1);
+      EXPECT_LE(c, splits);
+    }
+  }
+  // PlanTreeAttention reports it for the split it picks.
+  std::vector<int32_t> query_seq(65, 0), kv_end(65);
+  for (int i = 0; i < 65; ++i) kv_end[i] = 2049 + i;
+  const cuda::TreeAttentionPlan plan =
+      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 65, 32, 8, 132);
+  ASSERT_EQ(plan.tile_begin.size(), 5u);
+  EXPECT_EQ(plan.num_splits, 17);
+  EXPECT_EQ(plan.chunks_per_cta, 3);
+}
+
 TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
   cuda::TreeAttentionParams p;
   p.num_queries = 1;
