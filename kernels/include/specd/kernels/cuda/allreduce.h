@@ -33,7 +33,7 @@
 //      the grid is capped (max_blocks), and when several ranks share one GPU (tests) their
 //      kernels must run concurrently (separate streams, CUDA_DEVICE_MAX_CONNECTIONS at least
 //      the number of streams) and their grids together must fit on the GPU.
-// Every call, even one with rows == 0, takes part in the barrier.
+// Every call, even one with rows == 0, takes part: in the barrier, or in push mode's call count.
 //
 // Push mode (messages of at most push_max_bytes: decode steps and small verify steps). The barrier's flag
 // round trip and the read of the peers' partials cost two NVLink latencies; here each rank
