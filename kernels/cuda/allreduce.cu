@@ -201,6 +201,7 @@ __device__ __forceinline__ void PushFinish(const AllReduceParams& p, uint32_t co
   }
 }
 
+// out = sum; the 16-byte vectors of the whole [rows, dim] tensor are strided over the grid.
 template <int N>
 __global__ void __launch_bounds__(kPlainThreads)
     AllReducePlainKernel(const __grid_constant__ AllReduceParams p) {
@@ -283,30 +284,30 @@ __global__ void __launch_bounds__(1024)
   PushFinish(p, count);
 }
 
+// Fills a mailbox with the empty pattern.
+__global__ void MailboxInitKernel(uint4* mailbox, int64_t vectors) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors;
+       v += stride) {
+    mailbox[v] = make_uint4(kEmpty2, kEmpty2, kEmpty2, kEmpty2);
+  }
+}
+
+// Plain mode strides 16-byte vectors over the grid, fused mode rows; either takes push mode
+// when the message fits the mailboxes.
 template <int N>
 cudaError_t Launch(const AllReduceParams& p, int cap, cudaStream_t stream) {
   const bool push = p.push_max_bytes > 0 && p.rows * p.dim * 2 <= p.push_max_bytes;
-  if (push && p.residual == nullptr) {
-    const int64_t vectors = p.rows * p.dim / 8;
-    int64_t grid = (vectors + kPlainThreads - 1) / kPlainThreads;
-    grid = grid < 1 ? 1 : (grid > cap ? cap : grid);
-    AllReducePushPlainKernel<N><<<static_cast<unsigned>(grid), kPlainThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  }
-  if (push) {
-    const int64_t grid = p.rows < 1 ? 1 : (p.rows > cap ? cap : p.rows);
-    AllReducePushFusedKernel<N>
-        <<<static_cast<unsigned>(grid), RmsNormThreads(p.dim), 0, stream>>>(p);
-    return cudaGetLastError();
-  }
   if (p.residual == nullptr) {
     const int64_t vectors = p.rows * p.dim / 8;
     int64_t grid = (vectors + kPlainThreads - 1) / kPlainThreads;
     grid = grid < 1 ? 1 : (grid > cap ? cap : grid);
-    AllReducePlainKernel<N><<<static_cast<unsigned>(grid), kPlainThreads, 0, stream>>>(p);
+    auto* kernel = push ? AllReducePushPlainKernel<N> : AllReducePlainKernel<N>;
+    kernel<<<static_cast<unsigned>(grid), kPlainThreads, 0, stream>>>(p);
   } else {
     const int64_t grid = p.rows < 1 ? 1 : (p.rows > cap ? cap : p.rows);
-    AllReduceFusedKernel<N><<<static_cast<unsigned>(grid), RmsNormThreads(p.dim), 0, stream>>>(p);
+    auto* kernel = push ? AllReducePushFusedKernel<N> : AllReduceFusedKernel<N>;
+    kernel<<<static_cast<unsigned>(grid), RmsNormThreads(p.dim), 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -317,18 +318,9 @@ int64_t AllReduceSignalBytes() {
   return (static_cast<int64_t>(sizeof(SignalArea)) + 15) / 16 * 16;
 }
 
-namespace {
-__global__ void MailboxInitKernel(uint4* mailbox, int64_t vectors) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors;
-       v += stride) {
-    mailbox[v] = make_uint4(kEmpty2, kEmpty2, kEmpty2, kEmpty2);
-  }
-}
-}  // namespace
-
 cudaError_t AllReduceMailboxInitCuda(void* mailbox, int64_t bytes, cudaStream_t stream) {
-  if (bytes < 0 || bytes % 16 != 0 || (bytes > 0 && (mailbox == nullptr || !IsAligned(mailbox, 16)))) {
+  if (bytes < 0 || bytes % 16 != 0 ||
+      (bytes > 0 && (mailbox == nullptr || !IsAligned(mailbox, 16)))) {
     return cudaErrorInvalidValue;
   }
   if (bytes == 0) return cudaSuccess;
@@ -358,7 +350,9 @@ cudaError_t AllReduceCuda(const AllReduceParams& p, cudaStream_t stream) {
   if (p.push_max_bytes < 0 || p.push_max_bytes % 16 != 0) return cudaErrorInvalidValue;
   if (p.push_max_bytes > 0) {
     for (int r = 0; r < n; ++r) {
-      if (p.mailboxes[r] == nullptr || !IsAligned(p.mailboxes[r], 16)) return cudaErrorInvalidValue;
+      if (p.mailboxes[r] == nullptr || !IsAligned(p.mailboxes[r], 16)) {
+        return cudaErrorInvalidValue;
+      }
     }
   }
   const int cap = p.max_blocks == 0 ? kAllReduceDefaultBlocks : p.max_blocks;
