@@ -834,11 +834,14 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
                                 static_cast<int64_t>(real_query_seq.size()),
                                 heads_, kv_heads_, kv_group, num_sms_)
             .num_splits;
+    // How many chunks a CTA takes changes no bits: size it for the padded tiles.
+    plan.chunks_per_cta = cuda::TreeAttentionChunksPerCta(
+        static_cast<int64_t>(plan.tile_begin.size()), kv_heads_, plan.num_splits,
+        num_sms_);
   }
   step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());
   step->num_splits = plan.num_splits;
-  step->chunks_per_cta = cuda::TreeAttentionChunksPerCta(step->num_tiles, kv_heads_,
-                                                         plan.num_splits, num_sms_);
+  step->chunks_per_cta = plan.chunks_per_cta;
   // Split, the chunk count (and so the workspace) grows with the context; a power of two
   // keeps reallocations, which drop every captured graph, rare.
   step->ws_floats = NextPow2(
