@@ -29,7 +29,8 @@ while [ $# -gt 0 ]; do
     --draft-device) draft_device=${2:?--draft-device needs a value}; shift 2 ;;
     --draft-device=*) draft_device=${1#*=}; shift ;;
     --streams) streams=${2:?--streams needs a list}; shift 2 ;;
-    -*) echo "usage: $0 [PACKED_DIR] [--draft-device cpu|cuda:N]" >&2; exit 2 ;;
+    -*) echo "usage: $0 [PACKED_DIR] [--draft-device cpu|cuda:N] [--verify-devices LIST]" \
+          "[--streams \"1 8 32\"]" >&2; exit 2 ;;
     *) dev=$1; shift ;;
   esac
 done

@@ -89,6 +89,10 @@ if [ $attn -eq 1 ]; then
     2>&1 | tee "$logs/tp_attn_bench.log" | grep -E "^BM_" | head -40
 fi
 
+ensure_8b() {  # the random Llama-3.1-8B-shaped checkpoint, written once per host
+  [ -f /tmp/specd-8b/model.safetensors ] ||
+    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
+}
 steps() {  # model label tp custom_bytes extra...
   local model=$1 label=$2 tp=$3 cb=$4; shift 4
   timeout 200 "$dev/bin/bench/cuda_step_bench" --model "$model" --label "$label" --tp "$tp" \
@@ -96,8 +100,7 @@ steps() {  # model label tp custom_bytes extra...
 }
 if [ $b8 -eq 1 ]; then
   stamp "8B checkpoint"
-  [ -f /tmp/specd-8b/model.safetensors ] ||
-    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
+  ensure_8b
   stamp "8B steps, TP=1"
   steps /tmp/specd-8b llama-3.1-8b 1 -1 --runs 9 --contexts 2048 --trees 16,64,128
   if [ "$ngpu" -ge 2 ]; then
@@ -110,19 +113,16 @@ if [ $b8 -eq 1 ]; then
   fi
 fi
 if [ $profile -eq 1 ]; then
-  [ -f /tmp/specd-8b/model.safetensors ] ||
-    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
-  for tp in 1; do
-    for nodes in 0 64; do
-      stamp "ncu: 8B TP=$tp, one step of $nodes tree nodes"
-      csv=$logs/ncu_tp${tp}_n${nodes}.csv
-      timeout 300 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
-        --csv --print-units base "$dev/bin/bench/cuda_step_bench" --model /tmp/specd-8b --tp "$tp" \
-        --graphs on --runs 3 --contexts 2048 --trees 64 --profile "$nodes" > "$csv" 2> "$csv.err"
-      grep -E "^\|" "$csv" | head -4
-      python3 tools/bench/ncu_step_summary.py "$csv" | head -30
-      tail -3 "$csv.err"
-    done
+  ensure_8b
+  for nodes in 0 64; do
+    stamp "ncu: 8B TP=1, one step of $nodes tree nodes"
+    csv=$logs/ncu_tp1_n${nodes}.csv
+    timeout 300 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
+      --csv --print-units base "$dev/bin/bench/cuda_step_bench" --model /tmp/specd-8b --tp 1 \
+      --graphs on --runs 3 --contexts 2048 --trees 64 --profile "$nodes" > "$csv" 2> "$csv.err"
+    grep -E "^\|" "$csv" | head -4
+    python3 tools/bench/ncu_step_summary.py "$csv" | head -30
+    tail -3 "$csv.err"
   done
 fi
 if [ $b70 -eq 1 ]; then
