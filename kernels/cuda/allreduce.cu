@@ -205,6 +205,9 @@ __device__ __forceinline__ void PushFinish(const AllReduceParams& p, uint32_t co
 template <int N>
 __global__ void __launch_bounds__(kPlainThreads)
     AllReducePlainKernel(const __grid_constant__ AllReduceParams p) {
+  // Launched with LaunchPdl: the partials are the previous kernel's output.
+  internal::PdlWait();
+  internal::PdlTrigger();
   StartBarrier<N>(p);
   const int64_t vectors = p.rows * p.dim / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -222,6 +225,9 @@ __global__ void __launch_bounds__(kPlainThreads)
 template <int N>
 __global__ void __launch_bounds__(1024)
     AllReduceFusedKernel(const __grid_constant__ AllReduceParams p) {
+  // Launched with LaunchPdl: the partials are the previous kernel's output.
+  internal::PdlWait();
+  internal::PdlTrigger();
   __shared__ float scratch[32];
   StartBarrier<N>(p);
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
@@ -237,6 +243,9 @@ __global__ void __launch_bounds__(1024)
 template <int N>
 __global__ void __launch_bounds__(kPlainThreads)
     AllReducePushPlainKernel(const __grid_constant__ AllReduceParams p) {
+  // Launched with LaunchPdl: the partials are the previous kernel's output.
+  internal::PdlWait();
+  internal::PdlTrigger();
   __shared__ uint32_t count_s;
   const int64_t vectors = p.rows * p.dim / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -260,6 +269,9 @@ __global__ void __launch_bounds__(kPlainThreads)
 template <int N>
 __global__ void __launch_bounds__(1024)
     AllReducePushFusedKernel(const __grid_constant__ AllReduceParams p) {
+  // Launched with LaunchPdl: the partials are the previous kernel's output.
+  internal::PdlWait();
+  internal::PdlTrigger();
   __shared__ float scratch[32];
   __shared__ uint32_t count_s;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * p.dim / 8 + threadIdx.x;
@@ -303,13 +315,12 @@ cudaError_t Launch(const AllReduceParams& p, int cap, cudaStream_t stream) {
     int64_t grid = (vectors + kPlainThreads - 1) / kPlainThreads;
     grid = grid < 1 ? 1 : (grid > cap ? cap : grid);
     auto* kernel = push ? AllReducePushPlainKernel<N> : AllReducePlainKernel<N>;
-    kernel<<<static_cast<unsigned>(grid), kPlainThreads, 0, stream>>>(p);
-  } else {
-    const int64_t grid = p.rows < 1 ? 1 : (p.rows > cap ? cap : p.rows);
-    auto* kernel = push ? AllReducePushFusedKernel<N> : AllReduceFusedKernel<N>;
-    kernel<<<static_cast<unsigned>(grid), RmsNormThreads(p.dim), 0, stream>>>(p);
+    return LaunchPdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kPlainThreads), 0, stream, p);
   }
-  return cudaGetLastError();
+  const int64_t grid = p.rows < 1 ? 1 : (p.rows > cap ? cap : p.rows);
+  auto* kernel = push ? AllReducePushFusedKernel<N> : AllReduceFusedKernel<N>;
+  return LaunchPdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(RmsNormThreads(p.dim)), 0,
+                   stream, p);
 }
 
 }  // namespace

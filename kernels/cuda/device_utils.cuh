@@ -6,6 +6,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
 namespace specd {
 namespace cuda {
 namespace internal {
@@ -62,7 +66,55 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// Programmatic dependent launch (sm_90; no-ops below). A kernel launched with LaunchPdl may be
+// scheduled while the kernel before it in the stream is still running, so it must call PdlWait()
+// before it touches global memory that an earlier kernel writes or reads (its inputs, and
+// outputs an earlier kernel may still be reading); read-only data such as weights may come
+// before. PdlTrigger() lets the next PDL kernel be scheduled: it only waits for this grid's
+// completion and memory in its own PdlWait(), so triggering first thing is safe, and it hides
+// the next launch behind this kernel.
+__device__ __forceinline__ void PdlWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void PdlTrigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace internal
+
+// Host side: whether launches use programmatic dependent launch. SPECD_PDL=0 in the environment
+// turns it off (A/B runs, debugging); read once.
+inline bool PdlEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("SPECD_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled;
+}
+
+// Launches `kernel` as a programmatic dependent of the stream's previous kernel (when
+// PdlEnabled()); the kernel must call internal::PdlWait() as described above. Works under
+// stream capture (a programmatic graph edge).
+template <typename... Params, typename... Args>
+cudaError_t LaunchPdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = PdlEnabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 // Host side: whether `p` is aligned to `bytes`.
 inline bool IsAligned(const void* p, uintptr_t bytes) {

@@ -9,6 +9,8 @@ namespace {
 // One block per token; kVec = 8 moves 16 bytes per access when rows allow it.
 template <int kVec>
 __global__ void EmbeddingKernel(EmbeddingParams p) {
+  internal::PdlWait();
+  internal::PdlTrigger();
   const int64_t t = blockIdx.x;
   const int64_t id = static_cast<int64_t>(p.tokens[t]) - p.vocab_offset;  // table row
   const bool valid = id >= 0 && id < p.vocab_size;
@@ -37,12 +39,8 @@ cudaError_t EmbeddingCuda(const EmbeddingParams& p, cudaStream_t stream) {
   if (p.tokens == nullptr || p.table == nullptr || p.out == nullptr) return cudaErrorInvalidValue;
   const bool vec = p.hidden % 8 == 0 && IsAligned(p.table, 16) && IsAligned(p.out, 16);
   const int threads = 128;
-  if (vec) {
-    EmbeddingKernel<8><<<static_cast<unsigned>(p.num_tokens), threads, 0, stream>>>(p);
-  } else {
-    EmbeddingKernel<1><<<static_cast<unsigned>(p.num_tokens), threads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  return LaunchPdl(vec ? EmbeddingKernel<8> : EmbeddingKernel<1>,
+                   dim3(static_cast<unsigned>(p.num_tokens)), dim3(threads), 0, stream, p);
 }
 
 }  // namespace cuda

@@ -19,6 +19,8 @@ using internal::RmsNormThreads;
 template <int kVec>
 __global__ void RmsNormKernel(RmsNormParams p) {
   __shared__ float scratch[32];
+  internal::PdlWait();
+  internal::PdlTrigger();
   const int64_t r = blockIdx.x;
   const bf16* x = p.x + r * p.dim;
   float* res = p.residual != nullptr ? p.residual + r * p.dim : nullptr;
@@ -56,12 +58,8 @@ cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream) {
   const bool vec = p.dim % 8 == 0 && IsAligned(p.x, 16) && IsAligned(p.weight, 16) &&
                    IsAligned(p.out, 16) && (p.residual == nullptr || IsAligned(p.residual, 16));
   const int threads = RmsNormThreads(p.dim);
-  if (vec) {
-    RmsNormKernel<8><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-  } else {
-    RmsNormKernel<1><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  return LaunchPdl(vec ? RmsNormKernel<8> : RmsNormKernel<1>, dim3(static_cast<unsigned>(p.rows)),
+                   dim3(threads), 0, stream, p);
 }
 
 }  // namespace cuda

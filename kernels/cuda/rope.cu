@@ -16,6 +16,8 @@ constexpr int kWarps = 4;
 // value heads, which are only copied. Each lane computes the cos/sin of its own pairs: the same
 // sincosf of the same fp32 angle for every head, so no shared table and no barrier.
 __global__ void __launch_bounds__(kWarps * 32) RopeKernel(RopeParams p) {
+  internal::PdlWait();
+  internal::PdlTrigger();
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -105,8 +107,7 @@ cudaError_t RopeCuda(const RopeParams& p, cudaStream_t stream) {
   const int64_t heads = p.num_q_heads + p.num_k_heads * (cache ? 2 : 1);
   const dim3 grid(static_cast<unsigned>(p.num_tokens),
                   static_cast<unsigned>((heads + kWarps - 1) / kWarps));
-  RopeKernel<<<grid, kWarps * 32, 0, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchPdl(RopeKernel, grid, dim3(kWarps * 32), 0, stream, p);
 }
 
 }  // namespace cuda

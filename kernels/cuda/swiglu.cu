@@ -16,6 +16,8 @@ __device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
 // Grid-stride over vectors of kVec outputs; fp32 math, one rounding to bf16.
 template <int kVec>
 __global__ void SwiGluKernel(SwiGluParams p) {
+  internal::PdlWait();
+  internal::PdlTrigger();
   const int64_t per_row = p.dim / kVec;
   const int64_t total = p.rows * per_row;
   for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < total;
@@ -49,12 +51,8 @@ cudaError_t SwiGluCuda(const SwiGluParams& p, cudaStream_t stream) {
   const int threads = 256;
   const unsigned blocks =
       static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 1 << 16));
-  if (vec) {
-    SwiGluKernel<8><<<blocks, threads, 0, stream>>>(p);
-  } else {
-    SwiGluKernel<1><<<blocks, threads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  return LaunchPdl(vec ? SwiGluKernel<8> : SwiGluKernel<1>, dim3(blocks), dim3(threads), 0,
+                   stream, p);
 }
 
 }  // namespace cuda

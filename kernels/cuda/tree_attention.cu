@@ -466,6 +466,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   // Unsplit only: the merged chunk states (see BigO).
   float2(*big_o)[2][kThreads] =
       reinterpret_cast<float2(*)[2][kThreads]>(smem_raw + sizeof(AttnSmem<HD>));
+  // Launched as a programmatic dependent of RoPE (LaunchPdl): q and the cache are its outputs.
+  WaitPrerequisiteGrid();
   if constexpr (kSplit && kProgrammaticCombine) LaunchDependents();
   const int tile = blockIdx.x;
   const int kvh = blockIdx.y;
@@ -1005,8 +1007,8 @@ cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  TreeAttentionKernel<HD, kSplit, kTrees><<<grid, kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchPdl(TreeAttentionKernel<HD, kSplit, kTrees>, grid, dim3(kThreads), kSmem, stream,
+                   p);
 }
 
 // Without masks every query's keys are its own slots, so the kernel is built without the window
