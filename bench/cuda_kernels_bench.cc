@@ -205,7 +205,7 @@ BENCHMARK(BM_VerifyAttentionBatch)
 void BM_RmsNormResidual(benchmark::State& state) {
   const int rows = static_cast<int>(state.range(0));
   bf16* x = Alloc<bf16>(size_t(rows) * kHidden, 0x3c);
-  bf16* w = Alloc<bf16>(kHidden, 0x3c);
+  float* w = Alloc<float>(kHidden, 0x3c);  // the fp32 norm weight
   bf16* out = Alloc<bf16>(size_t(rows) * kHidden);
   float* res = Alloc<float>(size_t(rows) * kHidden);
   cudaStream_t stream;

@@ -314,6 +314,24 @@ absl::Status CudaBackend::UploadWeights(const TensorStore &st,
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::UploadFp32(const TensorStore &st,
+                                     const std::string &name, int64_t size,
+                                     float **out) {
+  std::vector<float> buf;
+  SPECD_RETURN_IF_ERROR_(
+      ReadShard(st, name, {size}, ShardSlice::kAll, TpRange{}, &buf));
+  void *p = nullptr;
+  SPECD_CUDA_RETURN_(
+      cudaMalloc(&p, std::max<size_t>(1, buf.size()) * sizeof(float)),
+      "allocating weights");
+  allocations_.push_back(p);
+  SPECD_CUDA_RETURN_(cudaMemcpy(p, buf.data(), buf.size() * sizeof(float),
+                                cudaMemcpyHostToDevice),
+                     "uploading weights");
+  *out = static_cast<float *>(p);
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::Ensure(Scratch *s, size_t bytes) {
   if (s->bytes >= bytes)
     return absl::OkStatus();
@@ -393,7 +411,7 @@ absl::Status CudaBackend::Init() {
   };
   SPECD_RETURN_IF_ERROR_(upload(
       {{"model.embed_tokens.weight", {v, h}, rows, slice_.vocab}}, &embed_));
-  SPECD_RETURN_IF_ERROR_(upload({{"model.norm.weight", {h}}}, &final_norm_));
+  SPECD_RETURN_IF_ERROR_(UploadFp32(st, "model.norm.weight", h, &final_norm_));
   lm_head_ = embed_;
   if (!c.tie_word_embeddings) {
     SPECD_RETURN_IF_ERROR_(
@@ -404,7 +422,7 @@ absl::Status CudaBackend::Init() {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     LayerWeights &w = layers_[l];
     SPECD_RETURN_IF_ERROR_(
-        upload({{p + "input_layernorm.weight", {h}}}, &w.input_norm));
+        UploadFp32(st, p + "input_layernorm.weight", h, &w.input_norm));
     SPECD_RETURN_IF_ERROR_(
         upload({{p + "self_attn.q_proj.weight", {q, h}, rows, q_rows},
                 {p + "self_attn.k_proj.weight", {kv, h}, rows, kv_rows},
@@ -419,14 +437,14 @@ absl::Status CudaBackend::Init() {
     }
     if (c.qk_norm) {
       SPECD_RETURN_IF_ERROR_(
-          upload({{p + "self_attn.q_norm.weight", {hd}}}, &w.q_norm));
+          UploadFp32(st, p + "self_attn.q_norm.weight", hd, &w.q_norm));
       SPECD_RETURN_IF_ERROR_(
-          upload({{p + "self_attn.k_norm.weight", {hd}}}, &w.k_norm));
+          UploadFp32(st, p + "self_attn.k_norm.weight", hd, &w.k_norm));
     }
     SPECD_RETURN_IF_ERROR_(upload(
         {{p + "self_attn.o_proj.weight", {h, q}, cols, q_rows}}, &w.o_proj));
     SPECD_RETURN_IF_ERROR_(
-        upload({{p + "post_attention_layernorm.weight", {h}}}, &w.post_norm));
+        UploadFp32(st, p + "post_attention_layernorm.weight", h, &w.post_norm));
     SPECD_RETURN_IF_ERROR_(
         upload({{p + "mlp.gate_proj.weight", {f, h}, rows, slice_.ffn},
                 {p + "mlp.up_proj.weight", {f, h}, rows, slice_.ffn}},
@@ -1019,7 +1037,7 @@ CudaBackend::bf16 *CudaBackend::Partial(const Step &step, int site) {
 }
 
 absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
-                                     const bf16 *weight) {
+                                     const float *weight) {
   const ModelConfig &c = config_;
   const int64_t H = c.hidden_size;
   float *residual = static_cast<float *>(residual_.ptr);

@@ -125,15 +125,16 @@ public:
 private:
   using bf16 = __nv_bfloat16;
 
+  // Norm weights are fp32 (RmsNormParams::weight says why); the rest bf16.
   struct LayerWeights {
-    bf16 *input_norm = nullptr; // [hidden]
+    float *input_norm = nullptr; // [hidden]
     bf16 *qkv =
         nullptr; // [q_dim + 2 kv_dim, hidden]: q_proj, k_proj, v_proj rows
     bf16 *qkv_bias = nullptr;  // [q_dim + 2 kv_dim] or null
-    bf16 *q_norm = nullptr;    // [head_dim] or null
-    bf16 *k_norm = nullptr;    // [head_dim] or null
+    float *q_norm = nullptr;   // [head_dim] or null
+    float *k_norm = nullptr;   // [head_dim] or null
     bf16 *o_proj = nullptr;    // [hidden, q_dim]
-    bf16 *post_norm = nullptr; // [hidden]
+    float *post_norm = nullptr; // [hidden]
     bf16 *gate_up =
         nullptr;          // [2 intermediate, hidden]: gate_proj, up_proj rows
     bf16 *down = nullptr; // [hidden, intermediate]
@@ -218,6 +219,10 @@ private:
   // fused q/k/v and gate/up weights).
   absl::Status UploadWeights(const TensorStore &st,
                              const std::vector<WeightPart> &parts, bf16 **out);
+  // Uploads a whole 1-D tensor (a norm weight, replicated on every rank) as
+  // fp32, whatever its checkpoint dtype.
+  absl::Status UploadFp32(const TensorStore &st, const std::string &name,
+                          int64_t size, float **out);
   absl::Status Ensure(Scratch *s, size_t bytes);
   absl::StatusOr<Batch> Validate(absl::Span<const ForwardItem> items);
   // Picks the step's bucket when graphs are on and the step fits one; false:
@@ -259,7 +264,7 @@ private:
   // Sums the partials of `site` over the ranks into the residual stream
   // (starting it when `init`) and writes RMSNorm(residual) * weight to normed_.
   absl::Status ReduceNorm(const Step &step, int site, bool init,
-                          const bf16 *weight);
+                          const float *weight);
   // Turns the [R, local vocab] logits into sampled tokens (verify steps).
   absl::Status SampleRows(const Step &step, int32_t *tokens);
 
@@ -286,7 +291,7 @@ private:
 
   float *inv_freq_ = nullptr; // [head_dim / 2] fp32
   bf16 *embed_ = nullptr;     // [vocab, hidden]
-  bf16 *final_norm_ = nullptr;
+  float *final_norm_ = nullptr;
   bf16 *lm_head_ = nullptr; // embed_ when tied
   std::vector<LayerWeights> layers_;
 

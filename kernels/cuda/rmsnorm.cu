@@ -44,7 +44,7 @@ __global__ void RmsNormKernel(RmsNormParams p) {
     const float inv = rsqrtf(sum_sq / static_cast<float>(p.dim) + p.eps);
     for (int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {
       const float h = res != nullptr ? res[i] : __bfloat162float(x[i]);
-      out[i] = __float2bfloat16(h * inv * __bfloat162float(p.weight[i]));
+      out[i] = __float2bfloat16(h * inv * p.weight[i]);
     }
   }
 }

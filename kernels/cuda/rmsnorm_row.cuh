@@ -33,12 +33,12 @@ enum class RowResidual { kIfGiven, kAlways };
 // h = input + res (or input alone when residual_init), is stored back to res, and is what gets
 // normalised; without it the input itself is normalised (and load is called twice per element).
 // kAlways promises a non-null `res`, so the code for the other case is not even compiled.
-// out = h / sqrt(mean(h^2) + eps) * weight, rounded to bf16. Pass 2 reads only the elements a
-// thread wrote in pass 1, so `out` may alias the input. `scratch` holds 32 floats; BlockSum
+// out = h / sqrt(mean(h^2) + eps) * weight ([dim] fp32), rounded to bf16. Pass 2 reads only the
+// elements a thread wrote in pass 1, so `out` may alias the input. `scratch` holds 32 floats; BlockSum
 // begins with a __syncthreads, so a block may call this for one row after another.
 template <RowResidual kResidual, typename Load8>
 __device__ __forceinline__ void RmsNormRow8(int64_t dim, Load8 load, float* res,
-                                            bool residual_init, const __nv_bfloat16* weight,
+                                            bool residual_init, const float* weight,
                                             float eps, __nv_bfloat16* out, float* scratch) {
   const bool has_res = kResidual == RowResidual::kAlways || res != nullptr;
   float sum_sq = 0.0f;
@@ -82,7 +82,16 @@ __device__ __forceinline__ void RmsNormRow8(int64_t dim, Load8 load, float* res,
     } else {
       load(i, h);
     }
-    Bf16x8ToFloat(*reinterpret_cast<const uint4*>(weight + i), w);
+    const float4 wa = reinterpret_cast<const float4*>(weight + i)[0];
+    const float4 wb = reinterpret_cast<const float4*>(weight + i)[1];
+    w[0] = wa.x;
+    w[1] = wa.y;
+    w[2] = wa.z;
+    w[3] = wa.w;
+    w[4] = wb.x;
+    w[5] = wb.y;
+    w[6] = wb.z;
+    w[7] = wb.w;
 #pragma unroll
     for (int j = 0; j < 8; ++j) h[j] = h[j] * inv * w[j];
     *reinterpret_cast<uint4*>(out + i) = FloatToBf16x8(h);

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kWarps * 32) RopeKernel(RopeParams p) {
                  : p.k + t * p.k_stride + (h - p.num_q_heads) * p.head_dim;
   bf16* xc = !is_q && slot >= 0 ? p.k_cache + slot * kv_dim + (h - p.num_q_heads) * p.head_dim
                                 : nullptr;
-  const bf16* norm_w = is_q ? p.q_norm_weight : p.k_norm_weight;
+  const float* norm_w = is_q ? p.q_norm_weight : p.k_norm_weight;
   float x1[kPairsPerLane], x2[kPairsPerLane];
   float sum_sq = 0.0f;
 #pragma unroll
@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kWarps * 32) RopeKernel(RopeParams p) {
     if (i < half) {
       float a = x1[j], b = x2[j];
       if (norm_w != nullptr) {
-        a = a * inv * __bfloat162float(norm_w[i]);
-        b = b * inv * __bfloat162float(norm_w[i + half]);
+        a = a * inv * norm_w[i];
+        b = b * inv * norm_w[i + half];
       }
       // fp32 angle as in the reference; sincosf (not __sincosf) keeps full range reduction,
       // which matters at positions of 10^5 and more.

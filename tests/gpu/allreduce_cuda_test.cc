@@ -185,7 +185,7 @@ struct Call {
   int64_t delay_bytes = 0;
   std::vector<std::vector<float>> partials;  // [rank][rows * dim], bf16 values
   std::vector<float> residual;               // [rows * dim] fp32, the residual before the call
-  std::vector<float> weight;                 // [dim] bf16 values
+  std::vector<float> weight;                 // [dim] fp32
   // Element offsets of this call's slices in the per-rank device buffers.
   int64_t off = 0;
   int64_t weight_off = 0;
@@ -205,11 +205,9 @@ Call RandomCall(int n, int site, int64_t rows, int64_t dim, int mode, std::mt199
   for (int r = 0; r < n; ++r) c.partials.push_back(RoundBf16(RandomNormal(rows * dim, rng)));
   if (mode != kPlain) {
     c.residual = RandomNormal(rows * dim, rng, 3.0f);
-    // Rounded after the shift, so that the CPU reference multiplies by the very bf16 values the
-    // kernel reads.
+    // fp32, as the kernel reads it: the CPU reference multiplies by the very same values.
     c.weight = RandomNormal(dim, rng, 0.5f);
     for (float& w : c.weight) w += 1.0f;
-    c.weight = RoundBf16(c.weight);
   }
   return c;
 }
@@ -271,7 +269,7 @@ class Sequence {
       res_init_.push_back(std::make_unique<DeviceBuffer<float>>(res));
       res_.push_back(std::make_unique<DeviceBuffer<float>>(src.size()));
       out_.push_back(std::make_unique<DeviceBuffer<bf16>>(src.size()));
-      weight_.push_back(std::make_unique<DeviceBuffer<bf16>>(ToBf16(w)));
+      weight_.push_back(std::make_unique<DeviceBuffer<float>>(w));
       delay_.push_back(std::make_unique<DeviceBuffer<uint8_t>>(size_t{64} << 20));
     }
     cudaSetDevice(0);
@@ -404,8 +402,8 @@ class Sequence {
  private:
   Harness* h_;
   std::vector<Call> calls_;
-  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> src_, out_, weight_;
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> res_init_, res_;
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> src_, out_;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> res_init_, res_, weight_;
   std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> delay_;
 };
 
@@ -484,8 +482,8 @@ class AllReduceCudaTest : public gpu_test::GpuTest {
 TEST_F(AllReduceCudaTest, RejectsBrokenPreconditions) {
   Harness h(Repeat(0, 2));
   ASSERT_TRUE(h.status().ok()) << h.status();
-  DeviceBuffer<bf16> out(64 * 8 + 8), w(64 + 8);
-  DeviceBuffer<float> res(64 * 8 + 8);
+  DeviceBuffer<bf16> out(64 * 8 + 8);
+  DeviceBuffer<float> res(64 * 8 + 8), w(64 + 8);
   auto base = [&] {
     cuda::AllReduceParams p = h.group().Params(0, 0);
     p.rows = 8;
@@ -680,7 +678,8 @@ TEST_F(AllReduceCudaTest, FusedNormIsRmsNormCudaBitForBit) {
           res = c.mode == kFusedInit ? std::vector<float>(c.size(), 0.0f) : c.residual;
           init = c.mode == kFusedInit;
         }
-        DeviceBuffer<bf16> d_x(ToBf16(x)), d_w(ToBf16(c.weight)), d_out(c.size());
+        DeviceBuffer<bf16> d_x(ToBf16(x)), d_out(c.size());
+        DeviceBuffer<float> d_w(c.weight);
         DeviceBuffer<float> d_res(res);
         cuda::RmsNormParams p;
         p.x = d_x.get();

@@ -147,11 +147,11 @@ TEST_F(ElementwiseCudaTest, RmsNormWithAndWithoutResidual) {
     for (int mode = 0; mode < 3; ++mode) {  // 0: plain, 1: residual add, 2: residual init
       const size_t n = static_cast<size_t>(c.rows) * c.dim;
       const std::vector<float> x = RoundBf16(RandomNormal(n, rng, 2.0f));
-      const std::vector<float> w = RoundBf16(RandomNormal(c.dim, rng, 0.5f));
+      const std::vector<float> w = RandomNormal(c.dim, rng, 0.5f);  // fp32 weights
       std::vector<float> residual = RandomNormal(n, rng, 3.0f);
       if (mode == 2) std::fill(residual.begin(), residual.end(), 0.0f);
       DeviceBuffer<bf16> d_x(ToBf16(x));
-      DeviceBuffer<bf16> d_w(ToBf16(w));
+      DeviceBuffer<float> d_w(w);
       DeviceBuffer<float> d_res(mode == 2 ? RandomNormal(n, rng) : residual);  // init overwrites
       DeviceBuffer<bf16> d_out(n);
       cuda::RmsNormParams p;
@@ -217,13 +217,13 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     std::uniform_int_distribution<int32_t> pos(0, 200000);
     for (int32_t& x : positions) x = pos(rng);
     positions[0] = 0;
-    const std::vector<float> q_norm = RoundBf16(RandomNormal(c.head_dim, rng, 0.5f));
-    const std::vector<float> k_norm = RoundBf16(RandomNormal(c.head_dim, rng, 0.5f));
+    const std::vector<float> q_norm = RandomNormal(c.head_dim, rng, 0.5f);  // fp32 weights
+    const std::vector<float> k_norm = RandomNormal(c.head_dim, rng, 0.5f);
 
     DeviceBuffer<bf16> d_qkv(ToBf16(qkv));
     DeviceBuffer<int32_t> d_pos(positions);
     DeviceBuffer<float> d_freq(inv_freq);
-    DeviceBuffer<bf16> d_qn(ToBf16(q_norm)), d_kn(ToBf16(k_norm));
+    DeviceBuffer<float> d_qn(q_norm), d_kn(k_norm);
     cuda::RopeParams p;
     p.q = d_qkv.get();
     p.q_stride = stride;

@@ -100,7 +100,7 @@ struct AllReduceParams {
   bf16* out = nullptr;        // [rows, dim] bf16, device of this rank, 16-byte aligned
   float* residual = nullptr;  // [rows, dim] fp32, device of this rank, 16-byte aligned, or null
   bool residual_init = false;
-  const bf16* norm_weight = nullptr;  // [dim] bf16, device of this rank; required in fused mode
+  const float* norm_weight = nullptr;  // [dim] fp32, device of this rank; required in fused mode
   float eps = 1e-5f;
   // Push mode, used when rows * dim * 2 <= push_max_bytes: mailboxes[r], r < world_size,
   // is this site's mailbox on rank r (AllReduceMailboxBytes(world_size, push_max_bytes),

@@ -2,7 +2,10 @@
 // RmsNormCpu): out = h / sqrt(mean(h^2) + eps) * weight, where h = x, or, with a residual
 // stream, h = residual = x + residual. The residual stream stays fp32 across layers so that
 // summing dozens of sublayer outputs does not round to bf16 at every step; only the normalised
-// output, the next GEMM's input, is bf16.
+// output, the next GEMM's input, is bf16. The weight is fp32, as the checkpoint gives it (as
+// llama.cpp keeps norm vectors F32 in every format): a vector of `dim` floats costs nothing, and
+// rounding an fp32 checkpoint's norm weights to bf16 was a visible part of the bf16 backend's
+// error against fp32 (tools/oracle/bf16_emulate.py).
 #ifndef SPECD_KERNELS_CUDA_RMSNORM_H_
 #define SPECD_KERNELS_CUDA_RMSNORM_H_
 
@@ -17,8 +20,8 @@ struct RmsNormParams {
   // x + residual, or set to x when residual_init (the first layer), and the norm is taken of it.
   float* residual = nullptr;
   bool residual_init = false;
-  const bf16* weight = nullptr;  // [dim] bf16, device
-  bf16* out = nullptr;           // [rows, dim] bf16, device; may alias x
+  const float* weight = nullptr;  // [dim] fp32, device
+  bf16* out = nullptr;            // [rows, dim] bf16, device; may alias x
   int64_t rows = 0;
   int64_t dim = 0;
   float eps = 1e-5f;

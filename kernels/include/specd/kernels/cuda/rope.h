@@ -28,9 +28,10 @@ struct RopeParams {
   int64_t num_k_heads = 0;
   const int32_t* positions = nullptr;  // [num_tokens] int32, device: absolute position
   const float* inv_freq = nullptr;     // [head_dim / 2] fp32, device (RopeInvFreq)
-  // [head_dim] bf16, device, or null: Qwen3 q_norm / k_norm weights.
-  const bf16* q_norm_weight = nullptr;
-  const bf16* k_norm_weight = nullptr;
+  // [head_dim] fp32, device, or null: Qwen3 q_norm / k_norm weights (fp32 as the checkpoint
+  // gives them, like RmsNormParams::weight).
+  const float* q_norm_weight = nullptr;
+  const float* k_norm_weight = nullptr;
   float norm_eps = 1e-6f;
   int64_t num_tokens = 0;
   int64_t head_dim = 0;  // even, at most 512
