@@ -144,12 +144,6 @@ struct BackendOptions {
   // logits do not depend on how many other tokens share its step (speculative greedy equals
   // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape.
   int64_t cuda_gemm_invariant_rows = 1024;
-  // cuda: while the short kernels between two GEMMs run (norms, RoPE,
-  // attention, SwiGLU), warm L2 with the next GEMM's weights from a second
-  // stream (kernels/cuda/l2_prefetch.h). Never changes a result. The
-  // environment variable SPECD_L2_PREFETCH ("0", or four budgets in MiB)
-  // overrides it (tuning, A/B).
-  bool cuda_l2_prefetch = true;
 };
 
 // Loads the model folder `dir` onto the device named in `options`.

@@ -8,9 +8,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "common/safetensors.h"
 #include "common/token_tree.h"
 #include "engine/sampling.h"
@@ -20,7 +18,6 @@
 #include "specd/kernels/cuda/allreduce.h"
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
-#include "specd/kernels/cuda/l2_prefetch.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/sampling.h"
@@ -71,30 +68,6 @@ int64_t TokenBucket(int64_t n) { return n <= 1 ? 1 : 1 + NextPow2(n - 1); }
 bool GraphsDisabledByEnv() {
   const char *env = std::getenv("SPECD_CUDA_GRAPHS");
   return env != nullptr && std::string(env) == "0";
-}
-
-// SPECD_L2_PREFETCH="attn,norm,act,next" overrides the L2 prefetch budgets of
-// the four windows (MiB each, 0 = none) for tuning and A/B runs; "0" turns the
-// prefetch off. False (budgets untouched) when unset or malformed.
-bool PrefetchBudgetsFromEnv(int64_t budgets[], int n) {
-  const char *env = std::getenv("SPECD_L2_PREFETCH");
-  if (env == nullptr)
-    return false;
-  const std::vector<std::string> parts = absl::StrSplit(env, ',');
-  std::vector<int64_t> mib;
-  for (const std::string &part : parts) {
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(part, &v) || v < 0)
-      return false;
-    mib.push_back(v);
-  }
-  if (mib.size() == 1 && mib[0] == 0)
-    mib.assign(n, 0);
-  if (static_cast<int>(mib.size()) != n)
-    return false;
-  for (int i = 0; i < n; ++i)
-    budgets[i] = mib[i] << 20;
-  return true;
 }
 
 template <typename T> T *At(void *base, size_t offset) {
@@ -242,12 +215,6 @@ CudaBackend::~CudaBackend() {
   }
   for (void *p : allocations_)
     cudaFree(p);
-  for (cudaEvent_t e : {prefetch_fork_, prefetch_join_}) {
-    if (e != nullptr)
-      cudaEventDestroy(e);
-  }
-  if (side_stream_ != nullptr)
-    cudaStreamDestroy(side_stream_);
   if (stream_ != nullptr)
     cudaStreamDestroy(stream_);
 }
@@ -358,30 +325,6 @@ absl::Status CudaBackend::Init() {
   SPECD_CUDA_RETURN_(cudaDeviceGetAttribute(
                          &num_sms_, cudaDevAttrMultiProcessorCount, device_),
                      "reading the multiprocessor count");
-  SPECD_CUDA_RETURN_(
-      cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking),
-      "creating the prefetch stream");
-  SPECD_CUDA_RETURN_(
-      cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming),
-      "creating an event");
-  SPECD_CUDA_RETURN_(
-      cudaEventCreateWithFlags(&prefetch_join_, cudaEventDisableTiming),
-      "creating an event");
-  int l2_bytes = 0;
-  SPECD_CUDA_RETURN_(
-      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device_),
-      "reading the L2 size");
-  if (options_.cuda_l2_prefetch) {
-    // The attention window (RoPE, attention: ~10-50 us) can stream a whole
-    // o_proj; most of L2 goes to it, the rest stays for the KV cache and the
-    // activations. The other windows are one short kernel (~3 us, all-reduce
-    // included under tensor parallelism): what ~3 us of HBM brings.
-    prefetch_budget_[kAttnWindow] = int64_t{l2_bytes} * 7 / 10;
-    prefetch_budget_[kNormWindow] = int64_t{8} << 20;
-    prefetch_budget_[kActWindow] = int64_t{8} << 20;
-    prefetch_budget_[kNextWindow] = int64_t{8} << 20;
-  }
-  PrefetchBudgetsFromEnv(prefetch_budget_, kPrefetchWindows);
   // 128 MiB of cuBLASLt workspace: split-K algorithms of the narrow, deep
   // weights (down_proj) need room for up to cuda_gemm_invariant_rows rows of
   // partial sums to qualify as the one row-invariant algorithm of their shape.
@@ -740,42 +683,6 @@ absl::Status CudaBackend::Gemm(const bf16 *x, const bf16 *w, const bf16 *bias,
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::PrefetchWeights(const Step &step, int window,
-                                          const bf16 *w, int64_t n,
-                                          int64_t k) {
-  // Past a few hundred rows a GEMM is no longer bound by its weight stream.
-  constexpr int64_t kMaxRows = 512;
-  const int64_t budget = prefetch_budget_[window];
-  if (budget <= 0 || step.T > kMaxRows || w == nullptr || n <= 0 || k <= 0)
-    return absl::OkStatus();
-  cuda::L2PrefetchParams p;
-  p.base = w;
-  p.rows = n;
-  p.pitch_bytes = k * static_cast<int64_t>(sizeof(bf16));
-  p.prefix_bytes = cuda::L2PrefetchPrefixBytes(n, p.pitch_bytes, budget);
-  if (p.pitch_bytes % 16 != 0 || p.prefix_bytes <= 0)
-    return absl::OkStatus();
-  SPECD_RETURN_IF_ERROR_(JoinPrefetch());
-  // The side stream forks from stream_ here (in a capture too: the prefetch
-  // becomes a branch of the graph beside the short kernels that follow).
-  SPECD_CUDA_RETURN_(cudaEventRecord(prefetch_fork_, stream_), "forking");
-  SPECD_CUDA_RETURN_(cudaStreamWaitEvent(side_stream_, prefetch_fork_, 0),
-                     "forking");
-  SPECD_CUDA_RETURN_(cuda::L2PrefetchCuda(p, side_stream_), "L2 prefetch");
-  SPECD_CUDA_RETURN_(cudaEventRecord(prefetch_join_, side_stream_), "joining");
-  prefetch_pending_ = true;
-  return absl::OkStatus();
-}
-
-absl::Status CudaBackend::JoinPrefetch() {
-  if (!prefetch_pending_)
-    return absl::OkStatus();
-  prefetch_pending_ = false;
-  SPECD_CUDA_RETURN_(cudaStreamWaitEvent(stream_, prefetch_join_, 0),
-                     "joining");
-  return absl::OkStatus();
-}
-
 // ---------------------------------------------------------------------------------------------
 // Step layout.
 //
@@ -1087,9 +994,6 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   bf16 *gate_up = static_cast<bf16 *>(gate_up_.ptr);
   bf16 *act = static_cast<bf16 *>(act_.ptr);
   const int32_t *block_tables = At<int32_t>(meta, step.o_tables);
-  // A failed earlier Enqueue may have left a branch unjoined; it is not part
-  // of this step.
-  prefetch_pending_ = false;
 
   // Vocabulary-parallel embedding: a rank gathers the rows it holds and zeros
   // for the others, so the all-reduce that starts the residual stream is exact.
@@ -1109,10 +1013,8 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     // the previous MLP's output to it.
     SPECD_RETURN_IF_ERROR_(ReduceNorm(step, l == 0 ? kEmbedSite : kMlpSite,
                                       l == 0, w.input_norm));
-    SPECD_RETURN_IF_ERROR_(JoinPrefetch());
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
-    SPECD_RETURN_IF_ERROR_(PrefetchWeights(step, kAttnWindow, w.o_proj, H, QD));
 
     cuda::RopeParams rope;
     rope.q = qkv;
@@ -1169,42 +1071,26 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
 
-    SPECD_RETURN_IF_ERROR_(JoinPrefetch());
     SPECD_RETURN_IF_ERROR_(Gemm(attn, w.o_proj, nullptr,
                                 Partial(step, kAttnSite), false, T, H, QD));
-    SPECD_RETURN_IF_ERROR_(
-        PrefetchWeights(step, kNormWindow, w.gate_up, 2 * F, H));
     SPECD_RETURN_IF_ERROR_(ReduceNorm(step, kAttnSite, false, w.post_norm));
-    SPECD_RETURN_IF_ERROR_(JoinPrefetch());
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
-    SPECD_RETURN_IF_ERROR_(PrefetchWeights(step, kActWindow, w.down, H, F));
     cuda::SwiGluParams sw;
     sw.gate_up = gate_up;
     sw.out = act;
     sw.rows = T;
     sw.dim = F;
     SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
-    SPECD_RETURN_IF_ERROR_(JoinPrefetch());
     SPECD_RETURN_IF_ERROR_(
         Gemm(act, w.down, nullptr, Partial(step, kMlpSite), false, T, H, F));
-    // The next GEMM: the next layer's q/k/v, or the LM head.
-    if (l + 1 < c.num_layers) {
-      SPECD_RETURN_IF_ERROR_(PrefetchWeights(step, kNextWindow,
-                                             layers_[l + 1].qkv, QKVD, H));
-    } else if (R > 0) {
-      SPECD_RETURN_IF_ERROR_(
-          PrefetchWeights(step, kNextWindow, lm_head_, vocab_rows_, H));
-    }
   }
   // Final norm of every token (cheap next to the LM head), then the requested
   // rows only.
   SPECD_RETURN_IF_ERROR_(ReduceNorm(step, c.num_layers == 0 ? kEmbedSite : kMlpSite,
                                     c.num_layers == 0, final_norm_));
-  // Every forked branch rejoins stream_ before the step ends (a capture
-  // requires it).
   if (R == 0)
-    return JoinPrefetch();
+    return absl::OkStatus();
   cuda::EmbeddingParams
       gather; // a row gather: the "table" is the normed activations
   gather.tokens = At<int32_t>(meta, step.o_rows);
@@ -1215,7 +1101,6 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   gather.hidden = H;
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_),
                      "gathering logit rows");
-  SPECD_RETURN_IF_ERROR_(JoinPrefetch());
   SPECD_RETURN_IF_ERROR_(Gemm(static_cast<bf16 *>(last_.ptr), lm_head_, nullptr,
                               logits_.ptr, true, R, vocab_rows_, H));
   if (!step.verify)

@@ -243,19 +243,6 @@ private:
   int64_t PhysicalSlot(const Sequence &s, int64_t logical) const;
   absl::Status Gemm(const bf16 *x, const bf16 *w, const bf16 *bias, void *y,
                     bool y_fp32, int64_t m, int64_t n, int64_t k);
-  // L2 prefetch windows: the short kernels before o_proj (RoPE, attention),
-  // gate_up (post-attention norm), down (SwiGLU), and the next layer's q/k/v
-  // or the LM head (the next norm).
-  enum PrefetchWindow { kAttnWindow, kNormWindow, kActWindow, kNextWindow };
-  static constexpr int kPrefetchWindows = 4;
-  // Forks side_stream_ from stream_ and on it warms L2 with (a budget's worth
-  // of) the weights [n, k] of the GEMM that ends `window`
-  // (kernels/cuda/l2_prefetch.h); a no-op without a budget or for a large
-  // step. JoinPrefetch() makes stream_ wait for that branch: before the GEMM,
-  // and before the step ends.
-  absl::Status PrefetchWeights(const Step &step, int window, const bf16 *w,
-                               int64_t n, int64_t k);
-  absl::Status JoinPrefetch();
   // Forward() into host rows of stride vocab_size, this rank's columns.
   absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float *logits);
   // Where a row-parallel GEMM writes its [T, hidden] partial sums for the
@@ -279,12 +266,6 @@ private:
   int64_t heads_ = 0, kv_heads_ = 0, ffn_ = 0, vocab_rows_ = 0;
   int64_t vocab_rows_max_ = 0;  // the largest rank's vocabulary rows
   cudaStream_t stream_ = nullptr;
-  // L2 prefetch (PrefetchWeights): its stream, fork and join events, bytes a
-  // window may prefetch, and whether a branch awaits its join.
-  cudaStream_t side_stream_ = nullptr;
-  cudaEvent_t prefetch_fork_ = nullptr, prefetch_join_ = nullptr;
-  int64_t prefetch_budget_[kPrefetchWindows] = {};
-  bool prefetch_pending_ = false;
   std::unique_ptr<cuda::Gemm> gemm_;
   int num_sms_ = 0;
   std::vector<void *> allocations_; // weights and pools, freed at destruction

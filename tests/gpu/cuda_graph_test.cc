@@ -2,10 +2,7 @@
 // to buckets and replays captured graphs gives bit-identical logits and verify
 // outcomes to one that runs every step eagerly and unpadded, over many steps
 // whose batch composition, tree shapes, sampling parameters and context lengths
-// (past the attention's key-range split) keep changing. The eager backend runs
-// without the L2 weight prefetch and the graph one with it (a branch beside
-// each step's short kernels), so this also checks that the prefetch changes no
-// bit.
+// (past the attention's key-range split) keep changing.
 #include <algorithm>
 #include <memory>
 #include <random>
@@ -25,7 +22,6 @@ std::unique_ptr<CudaBackend> Load(const std::string &dir, bool graphs) {
   opts.device = "cuda:0";
   opts.kv_capacity_tokens = 1 << 16;
   opts.cuda_graphs = graphs;
-  opts.cuda_l2_prefetch = graphs;
   absl::StatusOr<std::unique_ptr<CudaBackend>> b =
       CudaBackend::Create(dir, 0, opts);
   EXPECT_TRUE(b.ok()) << b.status();

@@ -1,6 +1,5 @@
 // Embedding, RMSNorm (+ fused residual), RoPE (+ fused q/k norm) and SwiGLU on the GPU against
-// the fp32 CPU references of kernels/cpu, on random data with awkward sizes; the L2 prefetch
-// hint's contract (it changes nothing, rejects bad params, captures into a graph).
+// the fp32 CPU references of kernels/cpu, on random data with awkward sizes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,7 +11,6 @@
 #include "engine/tp_plan.h"
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
-#include "specd/kernels/cuda/l2_prefetch.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/swiglu.h"
@@ -375,69 +373,6 @@ TEST_F(ElementwiseCudaTest, BadParamsAreRejected) {
   r.num_tokens = 1;
   r.head_dim = 7;  // odd
   EXPECT_EQ(cuda::RopeCuda(r, stream_), cudaErrorInvalidValue);
-}
-
-// Host only (runs without a GPU): what a budget buys on each row.
-TEST(L2PrefetchPlanTest, PrefixSpendsTheBudgetOnEveryRow) {
-  // A 4096 x 8192-byte matrix (32 MiB) fits a 40 MiB budget whole.
-  EXPECT_EQ(cuda::L2PrefetchPrefixBytes(4096, 8192, int64_t{40} << 20), 8192);
-  EXPECT_EQ(cuda::L2PrefetchPrefixBytes(4096, 8192, int64_t{32} << 20), 8192);
-  // 8 MiB over 4096 rows: 2048 bytes of each.
-  EXPECT_EQ(cuda::L2PrefetchPrefixBytes(4096, 8192, int64_t{8} << 20), 2048);
-  // Rounded down to whole 16-byte pieces.
-  EXPECT_EQ(cuda::L2PrefetchPrefixBytes(3, 8192, 100), 32);
-  // Not even 16 bytes a row, or nothing to spend.
-  EXPECT_EQ(cuda::L2PrefetchPrefixBytes(4096, 8192, 4096 * 15), 0);
-  EXPECT_EQ(cuda::L2PrefetchPrefixBytes(4096, 8192, 0), 0);
-  EXPECT_EQ(cuda::L2PrefetchPrefixBytes(0, 8192, 1 << 20), 0);
-}
-
-TEST_F(ElementwiseCudaTest, L2PrefetchIsOnlyAHint) {
-  std::mt19937_64 rng(17);
-  const int64_t rows = 333, k = 1000;  // 2000-byte rows
-  const std::vector<float> w = RoundBf16(RandomNormal(static_cast<size_t>(rows * k), rng));
-  DeviceBuffer<bf16> d_w(ToBf16(w));
-  cuda::L2PrefetchParams p;
-  p.base = d_w.get();
-  p.rows = rows;
-  p.pitch_bytes = k * 2;
-  for (int64_t prefix : {int64_t{16}, int64_t{1024}, k * 2}) {  // a part of each row, the whole
-    p.prefix_bytes = prefix;
-    SPECD_CUDA_OK(cuda::L2PrefetchCuda(p, stream_));
-  }
-  // One piece per request at most: a 2 MiB contiguous range spreads over several requests.
-  p.rows = 1;
-  p.pitch_bytes = p.prefix_bytes = rows * k * 2 / 16 * 16;
-  p.ctas = 3;
-  SPECD_CUDA_OK(cuda::L2PrefetchCuda(p, stream_));
-  // Captured into a graph and replayed, as the backend's steps use it.
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  SPECD_CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  SPECD_CUDA_OK(cuda::L2PrefetchCuda(p, stream_));
-  SPECD_CUDA_OK(cudaStreamEndCapture(stream_, &graph));
-  SPECD_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
-  SPECD_CUDA_OK(cudaStreamSynchronize(stream_));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  EXPECT_EQ(ToFloat(d_w.Download()), w);  // nothing written
-
-  cuda::L2PrefetchParams bad = p;
-  bad.prefix_bytes = 24;  // not whole 16-byte pieces
-  EXPECT_EQ(cuda::L2PrefetchCuda(bad, stream_), cudaErrorInvalidValue);
-  bad = p;
-  bad.prefix_bytes = p.pitch_bytes + 16;  // past the row
-  EXPECT_EQ(cuda::L2PrefetchCuda(bad, stream_), cudaErrorInvalidValue);
-  bad = p;
-  bad.base = reinterpret_cast<const char*>(d_w.get()) + 8;  // misaligned
-  EXPECT_EQ(cuda::L2PrefetchCuda(bad, stream_), cudaErrorInvalidValue);
-  bad = p;
-  bad.base = nullptr;
-  EXPECT_EQ(cuda::L2PrefetchCuda(bad, stream_), cudaErrorInvalidValue);
-  bad = p;
-  bad.rows = 0;  // nothing to do
-  EXPECT_EQ(cuda::L2PrefetchCuda(bad, stream_), cudaSuccess);
 }
 
 }  // namespace
