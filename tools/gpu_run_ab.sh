@@ -5,7 +5,7 @@
 #   tools/gpu_run_ab.sh [--dev DIR] [--tp "1 2"] [--rounds 2] [--runs 9] [--contexts 2048]
 #       [--trees 64] [--model DIR] CONFIG...
 # CONFIG is label@VAR=value@VAR=value (no spaces), e.g.
-#   base@SPECD_PDL=0@SPECD_L2_PREFETCH=0  pdl@SPECD_L2_PREFETCH=0  all
+#   nopdl@SPECD_PDL=0  pdl  eager@SPECD_CUDA_GRAPHS=0
 # Needs the random 8B checkpoint (tools/bench/make_random_checkpoint.py; written here when
 # missing). Prints each run's table rows prefixed by its label, round and TP.
 set -u
