@@ -313,8 +313,9 @@ void BM_Gemm(benchmark::State& state) {
   void* y = lm_head ? static_cast<void*>(Alloc<float>(size_t(m) * n))
                     : static_cast<void*>(Alloc<bf16>(size_t(m) * n));
   std::unique_ptr<cuda::Gemm> gemm;
-  // The CUDA backend's workspace (engine/cuda/cuda_backend.cc).
-  if (cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant ? 1024 : 0) != CUBLAS_STATUS_SUCCESS) {
+  // The CUDA backend's workspace and row classes (engine/cuda/cuda_backend.cc).
+  if (cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant ? 1024 : 0, /*plan_rows=*/16,
+                         /*bucket_classes=*/true) != CUBLAS_STATUS_SUCCESS) {
     std::abort();
   }
   cudaStream_t stream;

@@ -328,8 +328,15 @@ absl::Status CudaBackend::Init() {
   // 128 MiB of cuBLASLt workspace: split-K algorithms of the narrow, deep
   // weights (down_proj) need room for up to cuda_gemm_invariant_rows rows of
   // partial sums to qualify as the one row-invariant algorithm of their shape.
-  if (cublasStatus_t st = cuda::Gemm::Create(size_t{128} << 20, &gemm_,
-                                             options_.cuda_gemm_invariant_rows);
+  // Row classes that end at the graph buckets of a batch-1 verify step (the
+  // pending token and 2^j tree nodes); SPECD_GEMM_CLASSES=pow2 restores the
+  // plain doubling classes (A/B runs).
+  const char *classes_env = std::getenv("SPECD_GEMM_CLASSES");
+  const bool bucket_classes =
+      classes_env == nullptr || std::string(classes_env) != "pow2";
+  if (cublasStatus_t st = cuda::Gemm::Create(
+          size_t{128} << 20, &gemm_, options_.cuda_gemm_invariant_rows,
+          /*plan_rows=*/16, bucket_classes);
       st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(
         absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));

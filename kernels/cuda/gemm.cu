@@ -506,17 +506,20 @@ struct Gemm::Plan {
 };
 
 cublasStatus_t Gemm::Create(size_t workspace_bytes, std::unique_ptr<Gemm> *out,
-                            int64_t invariant_rows, int64_t plan_rows) {
+                            int64_t invariant_rows, int64_t plan_rows,
+                            bool bucket_classes) {
   std::unique_ptr<Gemm> g(new Gemm());
   g->invariant_rows_ = invariant_rows > 0 ? invariant_rows : 0;
   g->plan_rows_ = std::max<int64_t>(
       1, std::min(plan_rows, std::max<int64_t>(1, invariant_rows)));
   if (g->invariant_rows_ > 0) {
-    // [1, 1] (decode of one sequence), [2, plan_rows], then doubling ranges.
+    // [1, 1] (decode of one sequence), [2, plan_rows], then doubling ranges;
+    // with bucket_classes each bound one row later (gemm.h).
+    const int64_t shift = bucket_classes ? 1 : 0;
     g->class_hi_.push_back(1);
     for (int64_t hi = std::max<int64_t>(g->plan_rows_, 2);
          g->class_hi_.back() < g->invariant_rows_; hi *= 2) {
-      g->class_hi_.push_back(std::min(hi, g->invariant_rows_));
+      g->class_hi_.push_back(std::min(hi + shift, g->invariant_rows_));
     }
   }
   if (cublasStatus_t st = cublasLtCreate(&g->handle_);

@@ -267,16 +267,23 @@ class GemmRowClassShapeTest : public GemmRowClassTest,
 TEST_P(GemmRowClassShapeTest, EveryRowEqualsTheRowAlone) {
   const Shape s = GetParam();
   std::unique_ptr<cuda::Gemm> gemm;
+  // The plain doubling classes, and the engine's (ending at the verify
+  // buckets 2^j + 1).
   ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, kEngineRows),
             CUBLAS_STATUS_SUCCESS);
   EXPECT_EQ(gemm->row_class_limits(),
             (std::vector<int64_t>{1, 16, 32, 64, 128, 256, 512, 1024}));
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, kEngineRows,
+                               /*plan_rows=*/16, /*bucket_classes=*/true),
+            CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(gemm->row_class_limits(),
+            (std::vector<int64_t>{1, 17, 33, 65, 129, 257, 513, 1024}));
   ASSERT_NO_FATAL_FAILURE(Prepare(s.n, s.k, s.y_fp32, s.bias, gemm.get()));
   cuda::GemmParams p = p_;
   p.x = x_.get();
   p.y = y_.get();
-  for (int64_t m :
-       {1, 2, 3, 16, 17, 33, 64, 65, 100, 128, 129, 256, 257, 513, 700, 1024}) {
+  for (int64_t m : {1, 2, 3, 17, 18, 33, 34, 65, 66, 100, 129, 130, 257, 258,
+                    513, 514, 700, 1024}) {
     p.m = m;
     ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
     // Twice: the second call runs the plan cached after the class's check.

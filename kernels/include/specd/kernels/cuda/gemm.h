@@ -79,7 +79,13 @@ struct GemmParams {
 //   fixed number of token rows (~64) and each further tile of tokens streams
 //   the whole weight matrix again. So m is split into row classes, [1, 1],
 //   [2, plan_rows], then doubling ranges up to invariant_rows (e.g. [17, 32],
-//   [33, 64], ..., [513, 1024]). For a class, cuBLASLt's candidates for its
+//   [33, 64], ..., [513, 1024]); with `bucket_classes`, the classes end one
+//   row later, at plan_rows + 1 and then 2^j + 1 ([2, 17], [18, 33], [34, 65],
+//   ..., [514, 1024]): a batch-1 verify step is padded to the pending token
+//   plus a tree of 2^j nodes (engine/cuda/cuda_backend.h), so each such step is
+//   the largest m of its class, where the class's algorithm was timed, rather
+//   than the smallest of a class whose algorithm also serves twice as many
+//   rows (bits are the same either way). For a class, cuBLASLt's candidates for its
 //   largest (then smallest) m go, in that order, through a self-check: on the
 //   family's real weights, their output rows at the class's smallest, middle
 //   and largest m must be bit-identical to the base algorithm's for the same
@@ -112,7 +118,8 @@ public:
   static cublasStatus_t Create(size_t workspace_bytes,
                                std::unique_ptr<Gemm> *out,
                                int64_t invariant_rows = 0,
-                               int64_t plan_rows = 16);
+                               int64_t plan_rows = 16,
+                               bool bucket_classes = false);
 
   int64_t invariant_rows() const { return invariant_rows_; }
   // Shape families (weights) for which cuBLASLt offered no candidate valid over
