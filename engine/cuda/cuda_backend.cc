@@ -133,7 +133,7 @@ CudaBackend::Create(const std::string &dir, int device,
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok())
     return config.status();
-  if (!cuda::TreeAttentionSupportsHeadDim(config->head_dim)) {
+  if (!cuda::TreeAttentionUsesMmaKernel(config->head_dim)) {
     return absl::UnimplementedError(
         absl::StrCat("cuda backend: head_dim ", config->head_dim,
                      " is not supported (16, 32, 64 or 128)"));

@@ -1037,6 +1037,205 @@ cudaError_t Launch(const TreeAttentionParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, TreeAttentionCombineKernel<HD>, p);
 }
 
+// The generic kernel: head sizes the MMA kernel is not built for (any even head_dim up to
+// kTreeAttentionMaxHeadDim), for small or unusual models, where simplicity beats speed. One warp
+// per (query, head), nothing shared between warps, so batch invariance holds by construction: a
+// warp reads only its query's vector, kv_end, mask and block-table row. It follows the MMA
+// kernel's arithmetic where that is cheap: keys by rank in the query's own key order, in the same
+// 64-rank sub-chunks and 128-rank chunks; per sub-chunk the same online-softmax update (base 2,
+// scores scaled by scale * log2(e), p = exp2(s - m) summed in fp32 into l, probabilities rounded
+// to bf16 before P V, whose products are summed in fp32 into fresh accumulators and then folded
+// in as o = o * alpha + pv); each chunk a fresh softmax, merged in chunk order with MergeWeights;
+// out = o * (1 / l) rounded to bf16. Scores are fp32 FMAs over the dims in order instead of MMAs,
+// so the bits are not the MMA kernel's (a model runs one kernel or the other, never both). It
+// never splits the key range: the tiles, num_splits, chunks_per_cta and the workspace are not
+// read.
+//
+// Lanes: for scores, lane i takes the sub-chunk's columns i and i + 32 (its key's whole head
+// dot product); for P V, lane i owns dim pairs i, i + 32, ... (kPairs of them; lanes past
+// head_dim / 2 idle) and walks the sub-chunk's columns in order, each column's probability and
+// V row offset broadcast from the lane that scored it.
+template <int kPairs>
+__global__ void __launch_bounds__(kThreads) TreeAttentionGenericKernel(TreeAttentionParams p) {
+  constexpr int kDims = 64 * kPairs;  // head dims this build serves at most
+  __shared__ float q_s[kWarps][kDims];
+  // Logical slots of the query's tree keys (mask bits in use), in rank order.
+  __shared__ int32_t tree_slot_s[kWarps][kTreeAttentionMaskBits];
+  // Launched as a programmatic dependent of RoPE (LaunchPdl): q and the cache are its outputs.
+  WaitPrerequisiteGrid();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.num_queries * p.num_heads) return;  // no block-wide barriers below
+  const int64_t qi = item / p.num_heads;
+  const int64_t head = item % p.num_heads;
+  const int hd = static_cast<int>(p.head_dim);
+  const int64_t group = p.kv_group > 0 ? p.kv_group : p.num_heads / p.num_kv_heads;
+  const int64_t kvh = (p.q_head_offset + head) / group - p.kv_head_offset;
+  const int64_t kv_dim = p.num_kv_heads * p.head_dim;
+  float* q_w = q_s[warp];
+  int32_t* tree_slot = tree_slot_s[warp];
+
+  const bf16* q_row = p.q + qi * p.q_stride + head * p.head_dim;
+  for (int i = lane; 2 * i < hd; i += 32) {
+    const float2 x = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(q_row)[i]);
+    q_w[2 * i] = x.x;
+    q_w[2 * i + 1] = x.y;
+  }
+  // Visible keys, as in the MMA kernel: ranks [0, mb) are slots [0, mb); then the mask's bits
+  // below kv_end - mb, each the slot mb + bit.
+  const int end = p.kv_end[qi];
+  const int mb = p.mask_begin != nullptr ? min(p.mask_begin[qi], end) : end;
+  const int bits = end - mb;
+  int tree_keys = 0;
+  if (bits > 0) {  // the warp agrees (mb and end are the query's)
+    uint32_t word = 0u;
+    if (lane < kMaskWords) {
+      word = p.mask[qi * kMaskWords + lane];
+      const int lo = 32 * lane;
+      if (bits <= lo) {
+        word = 0u;
+      } else if (bits < lo + 32) {
+        word &= (1u << (bits - lo)) - 1u;
+      }
+    }
+    const int count = __popc(word);
+    int row = 0;  // this lane's first rank among the tree keys
+#pragma unroll
+    for (int w = 0; w < kMaskWords; ++w) {
+      const int c = __shfl_sync(kFullMask, count, w);
+      if (w < lane) row += c;
+      tree_keys += c;
+    }
+    for (uint32_t x = word; x != 0u; x &= x - 1u) {
+      tree_slot[row++] = mb + 32 * lane + __ffs(static_cast<int>(x)) - 1;
+    }
+  }
+  __syncwarp();  // q_w and tree_slot are visible to the whole warp
+  const int num_keys = mb + tree_keys;
+
+  const int32_t* table =
+      p.block_tables + static_cast<int64_t>(p.query_seq[qi]) * p.max_blocks_per_seq;
+  const int64_t block_size = p.block_size;
+  const int64_t head_off = kvh * p.head_dim;
+  // Element offset of a rank's K (and V) head in the caches.
+  auto key_offset = [&](int rank) -> int64_t {
+    const int slot = rank < mb ? rank : tree_slot[rank - mb];
+    const int64_t phys = static_cast<int64_t>(__ldg(table + slot / block_size)) * block_size +
+                         slot % block_size;
+    return phys * kv_dim + head_off;
+  };
+  const float scale_log2 = p.scale * kLog2e;
+
+  // Merged state over the chunks done so far.
+  float big_o[kPairs][2];
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) big_o[j][0] = big_o[j][1] = 0.0f;
+  float big_m = -INFINITY, big_l = 0.0f;
+  const int num_chunks = (num_keys + kChunk - 1) / kChunk;
+  for (int chunk = 0; chunk < num_chunks; ++chunk) {
+    // This chunk's online softmax, from scratch; l is this lane's share of the sum.
+    float o[kPairs][2];
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) o[j][0] = o[j][1] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    for (int sub = chunk * kSub; sub < (chunk + 1) * kSub && sub * kKeys < num_keys; ++sub) {
+      const int R0 = sub * kKeys;
+      const int cnt = min(kKeys, num_keys - R0);  // columns with a visible key
+      float s[2];
+      int64_t off[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int c = lane + 32 * h;
+        s[h] = -INFINITY;
+        off[h] = 0;
+        if (c < cnt) {
+          off[h] = key_offset(R0 + c);
+          const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(p.k_cache + off[h]);
+          float acc = 0.0f;
+          for (int i = 0; 2 * i < hd; ++i) {
+            const float2 k = __bfloat1622float2(k2[i]);
+            acc = __fmaf_rn(q_w[2 * i], k.x, acc);
+            acc = __fmaf_rn(q_w[2 * i + 1], k.y, acc);
+          }
+          s[h] = __fmul_rn(acc, scale_log2);
+        }
+      }
+      float mx = fmaxf(s[0], s[1]);
+#pragma unroll
+      for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, x));
+      const float m_new = fmaxf(m, mx);
+      // cnt > 0 keys are visible, so m_new is finite for finite data; the guard keeps a
+      // non-finite one from turning into NaN here as in the MMA kernel.
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      const float alpha = exp2f(__fsub_rn(m, m_use));
+      const float p0 = exp2f(__fsub_rn(s[0], m_use));
+      const float p1 = exp2f(__fsub_rn(s[1], m_use));
+      l = __fmaf_rn(l, alpha, __fadd_rn(p0, p1));
+      m = m_new;
+      // P V with P rounded to bf16, as the MMA kernel's A fragment of P is.
+      const float pb0 = __bfloat162float(__float2bfloat16_rn(p0));
+      const float pb1 = __bfloat162float(__float2bfloat16_rn(p1));
+      float pv[kPairs][2];
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) pv[j][0] = pv[j][1] = 0.0f;
+      for (int c = 0; c < cnt; ++c) {
+        const float pc = __shfl_sync(kFullMask, c < 32 ? pb0 : pb1, c & 31);
+        const int64_t oc = __shfl_sync(kFullMask, c < 32 ? off[0] : off[1], c & 31);
+        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(p.v_cache + oc);
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const int i = lane + 32 * j;
+          if (2 * i < hd) {
+            const float2 v = __bfloat1622float2(v2[i]);
+            pv[j][0] = __fmaf_rn(pc, v.x, pv[j][0]);
+            pv[j][1] = __fmaf_rn(pc, v.y, pv[j][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        o[j][0] = __fmaf_rn(o[j][0], alpha, pv[j][0]);
+        o[j][1] = __fmaf_rn(o[j][1], alpha, pv[j][1]);
+      }
+    }
+    // The chunk's l summed over the warp: a butterfly, so every lane holds the same bits.
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) l = __fadd_rn(l, __shfl_xor_sync(kFullMask, l, x));
+    float a = 0.0f, b = 0.0f;
+    const int mode = MergeWeights(big_m, big_l, m, l, a, b);
+    if (mode != 0) {
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        big_o[j][0] = MergeValue(mode, big_o[j][0], o[j][0], a, b);
+        big_o[j][1] = MergeValue(mode, big_o[j][1], o[j][1], a, b);
+      }
+    }
+  }
+
+  const float inv = big_l > 0.0f ? __fdiv_rn(1.0f, big_l) : 0.0f;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + qi * p.out_stride + head * p.head_dim);
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int i = lane + 32 * j;
+    if (2 * i < hd) dst[i] = PackBf16x2(__fmul_rn(big_o[j][0], inv), __fmul_rn(big_o[j][1], inv));
+  }
+}
+
+template <int kPairs>
+cudaError_t LaunchGeneric(const TreeAttentionParams& p, cudaStream_t stream) {
+  const int64_t items = p.num_queries * p.num_heads;
+  const dim3 grid(static_cast<unsigned>((items + kWarps - 1) / kWarps));
+  return LaunchPdl(TreeAttentionGenericKernel<kPairs>, grid, dim3(kThreads), 0, stream, p);
+}
+
+cudaError_t LaunchGeneric(const TreeAttentionParams& p, cudaStream_t stream) {
+  static_assert(kTreeAttentionMaxHeadDim <= 4 * 64, "at most four dim pairs a lane");
+  if (p.head_dim <= 64) return LaunchGeneric<1>(p, stream);
+  if (p.head_dim <= 128) return LaunchGeneric<2>(p, stream);
+  if (p.head_dim <= 192) return LaunchGeneric<3>(p, stream);
+  return LaunchGeneric<4>(p, stream);
+}
+
 // Whether the tensor-parallel head mapping is well formed: the local KV heads are exactly those
 // the local query heads read, so each serves between 1 and `group` of them (rows <= kRows).
 bool HeadRangesValid(const TreeAttentionParams& p) {
@@ -1114,13 +1313,13 @@ int TreeAttentionChunks(int32_t max_kv_end) {
 
 int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_t num_heads,
                                      int64_t head_dim) {
-  if (num_splits <= 1) return 0;
+  if (num_splits <= 1 || !TreeAttentionUsesMmaKernel(head_dim)) return 0;
   return static_cast<int64_t>(num_splits) * num_queries * num_heads * (head_dim + 2);
 }
 
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream) {
   if (p.num_queries < 0 || p.num_tiles < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
-      p.num_kv_heads > 65535 || !HeadRangesValid(p) || !TreeAttentionSupportsHeadDim(p.head_dim) ||
+      p.num_kv_heads > 65535 || !HeadRangesValid(p) || !TreeAttentionHeadDimSupported(p.head_dim) ||
       p.num_splits < 1 || p.num_splits > 65535 || p.chunks_per_cta < 1 || p.block_size <= 0 ||
       p.max_blocks_per_seq <= 0 ||
       p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
@@ -1128,15 +1327,21 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
       (p.mask == nullptr) != (p.mask_begin == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  if (p.num_queries == 0 || p.num_tiles == 0) return cudaSuccess;
+  if (p.num_queries == 0) return cudaSuccess;
+  const bool mma = TreeAttentionUsesMmaKernel(p.head_dim);
+  // The generic kernel reads no tiles (it needs none: a warp per (query, head)).
+  if (mma && p.num_tiles == 0) return cudaSuccess;
   if (p.q == nullptr || p.out == nullptr || p.k_cache == nullptr || p.v_cache == nullptr ||
       p.block_tables == nullptr || p.query_seq == nullptr || p.kv_end == nullptr ||
-      p.tile_begin == nullptr || p.tile_end == nullptr ||
-      (p.num_splits > 1 && p.workspace == nullptr)) {
+      (mma && (p.tile_begin == nullptr || p.tile_end == nullptr ||
+               (p.num_splits > 1 && p.workspace == nullptr)))) {
     return cudaErrorInvalidValue;
   }
-  if (!IsAligned(p.q, 4) || !IsAligned(p.out, 4) || !IsAligned(p.k_cache, 16) ||
-      !IsAligned(p.v_cache, 16) || !IsAligned(p.workspace, 8)) {
+  // Pairs of bf16 everywhere; the MMA kernel copies 16-byte pieces of K and V (head_dim a
+  // multiple of 8 keeps every head's row 16-byte aligned in an aligned cache).
+  const uintptr_t kv_align = mma ? 16 : 4;
+  if (!IsAligned(p.q, 4) || !IsAligned(p.out, 4) || !IsAligned(p.k_cache, kv_align) ||
+      !IsAligned(p.v_cache, kv_align) || (mma && !IsAligned(p.workspace, 8))) {
     return cudaErrorInvalidValue;
   }
   switch (p.head_dim) {
@@ -1146,13 +1351,19 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
       return Launch<32>(p, stream);
     case 64:
       return Launch<64>(p, stream);
-    default:
+    case 128:
       return Launch<128>(p, stream);
+    default:
+      return LaunchGeneric(p, stream);
   }
 }
 
-bool TreeAttentionSupportsHeadDim(int64_t head_dim) {
+bool TreeAttentionUsesMmaKernel(int64_t head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+bool TreeAttentionHeadDimSupported(int64_t head_dim) {
+  return head_dim >= 2 && head_dim <= kTreeAttentionMaxHeadDim && head_dim % 2 == 0;
 }
 
 }  // namespace cuda

@@ -1,9 +1,10 @@
 // Tree attention on the GPU against kernels/cpu/tree_attention.cc: decode, prefill chains and
 // verification trees (1, 7 and 256 nodes of several shapes) below pending chains, batched over
 // sequences with context lengths that are not multiples of the block size, odd head counts,
-// head_dim 16, 32, 64 and 128, with the key range unsplit, split by the plan and split by force,
-// and tensor-parallel head ranges against the full model's heads; and bit identity of every tree
-// node with its own decode (batch invariance).
+// head_dim 16, 32, 64 and 128 (the MMA kernel) and other even sizes from 2 to 256 (the generic
+// kernel), with the key range unsplit, split by the plan and split by force (the generic kernel
+// ignores the split), and tensor-parallel head ranges against the full model's heads; and bit
+// identity of every tree node with its own decode (batch invariance).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -230,6 +231,17 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
             << "forced splits " << force_splits << " changed bits";
       }
     }
+    // The generic kernel reads no tiles, split fields or workspace: without them (null, 1), the
+    // same bits.
+    if (!cuda::TreeAttentionUsesMmaKernel(sh.head_dim)) {
+      drop_tiles_ = true;
+      const std::vector<float> got =
+          RunGpu(sh, 0, b.q, b.q_stride, b.k_cache, b.v_cache, b.tables, b.max_blocks,
+                 b.query_seq, b.kv_end, b.mask_begin, b.mask, scale);
+      drop_tiles_ = false;
+      EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(float)))
+          << "generic kernel without tiles: bits differ (head_dim " << sh.head_dim << ")";
+    }
     // Without trees the masks may be left out (null pointers), which selects the kernel built
     // without the window machinery: the same bits.
     if (b.tree_keys.empty()) {
@@ -248,7 +260,9 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
   // GPU output [num_queries, num_heads * head_dim] (bf16 values as floats). force_splits: 0
   // the plan's choice, 1 unsplit, more: one CTA per chunk (at least that many splits), -c:
   // every chunk split, c chunks a CTA. With a
-  // slice, sh holds the rank's local head counts, q and the caches its heads only.
+  // slice, sh holds the rank's local head counts, q and the caches its heads only. With
+  // drop_tiles_ (generic kernel only), no tiles, split or workspace are passed. The output
+  // starts as NaN, so an element the kernel does not write never passes.
   std::vector<float> RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q,
                             int q_stride, const std::vector<float>& k_cache,
                             const std::vector<float>& v_cache, const std::vector<int32_t>& tables,
@@ -284,6 +298,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     DeviceBuffer<bf16> d_q(ToBf16(q)), d_k(ToBf16(k_cache)), d_v(ToBf16(v_cache));
     const int out_stride = q_dim + 6;
     DeviceBuffer<bf16> d_out(static_cast<size_t>(num_queries) * out_stride);
+    EXPECT_EQ(cudaSuccess, cudaMemset(d_out.get(), 0xff, d_out.size() * sizeof(bf16)));  // NaN
     DeviceBuffer<int32_t> d_tables(tables), d_query_seq(query_seq), d_kv_end(kv_end),
         d_mask_begin(mask_begin), d_tile_begin(plan.tile_begin), d_tile_end(plan.tile_end);
     DeviceBuffer<uint32_t> d_mask(mask);
@@ -318,6 +333,12 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     p.q_head_offset = slice.q_head_offset;
     p.kv_head_offset = slice.kv_head_offset;
     p.kv_group = slice.kv_group;
+    if (drop_tiles_) {
+      p.tile_begin = p.tile_end = nullptr;
+      p.num_tiles = 0;
+      p.num_splits = p.chunks_per_cta = 1;
+      p.workspace = nullptr;
+    }
     EXPECT_EQ(cudaSuccess, cuda::TreeAttentionCuda(p, stream_));
     Sync();
     const std::vector<float> out = ToFloat(d_out.Download());
@@ -328,6 +349,8 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     }
     return got;
   }
+
+  bool drop_tiles_ = false;
 };
 
 const Shape kShapes[] = {
@@ -339,6 +362,19 @@ const Shape kShapes[] = {
     {4, 2, 32, 16},    // the reference draft model (models/pycoder-draft)
     {3, 1, 16, 16},    // the transformers fixtures (llama31, qwen2)
     {5, 1, 16, 8},     // group of 5 (the qwen3 fixture)
+};
+
+// Head sizes of the generic kernel (no MMA build): one to four dim pairs a lane, lanes partly
+// idle, sizes that are not multiples of 4 or 8.
+const Shape kGenericShapes[] = {
+    {5, 1, 8, 16},    // the mistral fixture: head_dim 8, group of 5
+    {6, 2, 24, 16},   // group of 3
+    {3, 3, 80, 8},    // no grouping (Phi-2-like head); two dim pairs a lane
+    {12, 4, 96, 32},  // Phi-3-like head
+    {7, 1, 2, 16},    // the smallest head, group of 7
+    {4, 1, 6, 16},    // not a multiple of 4
+    {9, 3, 200, 16},  // four dim pairs a lane, the last one partly used
+    {4, 2, 256, 16},  // the largest (Gemma-like)
 };
 
 TEST_F(TreeAttentionCudaTest, Decode) {
@@ -400,6 +436,67 @@ TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
   }
 }
 
+// The generic kernel (head sizes without an MMA build) on the same batches as Decode,
+// PrefillChains, VerifyTrees and LargeTreesOverLongContext; Check also runs it without tiles.
+TEST_F(TreeAttentionCudaTest, GenericKernelDecode) {
+  for (const Shape& sh : kGenericShapes) {
+    ASSERT_TRUE(cuda::TreeAttentionHeadDimSupported(sh.head_dim)) << sh.head_dim;
+    ASSERT_FALSE(cuda::TreeAttentionUsesMmaKernel(sh.head_dim)) << sh.head_dim;
+    std::vector<SeqSpec> seqs;
+    for (int committed : {0, 16, 300, 1000, 5001}) {
+      SeqSpec s;
+      s.committed = committed;
+      s.chain = 1;
+      seqs.push_back(s);
+    }
+    Check(sh, seqs, {0, 1, 3}, 600);
+  }
+}
+
+TEST_F(TreeAttentionCudaTest, GenericKernelPrefillChains) {
+  for (const Shape& sh : kGenericShapes) {
+    std::vector<SeqSpec> seqs(3);
+    seqs[0].committed = 0;
+    seqs[0].chain = 130;
+    seqs[1].committed = 37;
+    seqs[1].chain = 77;
+    seqs[2].committed = 500;
+    seqs[2].chain = 1;
+    Check(sh, seqs, {0, 2}, 700);
+  }
+}
+
+TEST_F(TreeAttentionCudaTest, GenericKernelVerifyTrees) {
+  std::mt19937_64 rng(12);
+  int shape = 0;
+  for (const Shape& sh : kGenericShapes) {
+    std::vector<SeqSpec> seqs;
+    const int committed[3][3] = {{0, 33, 2000}, {517, 0, 40}, {1, 1500, 7}};
+    for (int i = 0; i < 3; ++i) {
+      const int nodes = i == 0 ? 1 : i == 1 ? 7 : 256;
+      SeqSpec s;
+      s.committed = committed[shape % 3][i];
+      s.chain = 1 + static_cast<int>(rng() % 3);  // pending tokens before the tree
+      s.tree_parents = TreeParents(nodes, shape++ % 5, rng);
+      seqs.push_back(s);
+    }
+    Check(sh, seqs, {0, 1, 4}, 800);
+  }
+}
+
+TEST_F(TreeAttentionCudaTest, GenericKernelLargeTreesOverLongContext) {
+  std::mt19937_64 rng(13);
+  for (const Shape& sh : {kGenericShapes[0], kGenericShapes[3], kGenericShapes[7]}) {
+    for (int shape : {2, 3}) {
+      SeqSpec s;
+      s.committed = 4095;
+      s.chain = 1;
+      s.tree_parents = TreeParents(256, shape, rng);
+      Check(sh, {s}, {0}, 900 + shape);
+    }
+  }
+}
+
 // Batch invariance, bit for bit: a tree node's output equals that of the same token decoded
 // alone after its path was committed (its ancestors moved to consecutive slots, as after
 // acceptance), and that of the decode batched with other sequences, for every split choice.
@@ -407,7 +504,8 @@ TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
 // keys sat at their slot's column, so these differed in the last bits.
 TEST_F(TreeAttentionCudaTest, TreeNodeBitIdenticalToDecode) {
   std::mt19937_64 rng(9);
-  for (const Shape& sh : {kShapes[0], kShapes[4], kShapes[5], kShapes[6]}) {
+  for (const Shape& sh : {kShapes[0], kShapes[4], kShapes[5], kShapes[6], kGenericShapes[0],
+                          kGenericShapes[2], kGenericShapes[6]}) {
     const int kv_dim = sh.num_kv_heads * sh.head_dim;
     const int q_dim = sh.num_heads * sh.head_dim;
     for (int ctx : {100, 700, 3000}) {
@@ -508,7 +606,8 @@ TEST_F(TreeAttentionCudaTest, TreeNodeBitIdenticalToDecode) {
 // several sub-chunks; and contexts whose prefix ends mid-sub-chunk or right at its start.
 TEST_F(TreeAttentionCudaTest, EveryTreeNodeBitIdenticalToItsDecode) {
   std::mt19937_64 rng(11);
-  for (const Shape& sh : {kShapes[3], kShapes[4], kShapes[6], kShapes[0]}) {
+  for (const Shape& sh : {kShapes[3], kShapes[4], kShapes[6], kShapes[0], kGenericShapes[0],
+                          kGenericShapes[1]}) {
     const int kv_dim = sh.num_kv_heads * sh.head_dim;
     const int q_dim = sh.num_heads * sh.head_dim;
     for (int ctx : {37, 2000}) {
@@ -649,6 +748,9 @@ TEST_F(TreeAttentionCudaTest, TensorParallelHeadRangesMatchTheFullModel) {
   const TpCase cases[] = {
       {{64, 8, 128, 16}, 7}, {{64, 8, 64, 16}, 7}, {{12, 4, 128, 16}, 3}, {{12, 4, 64, 8}, 3},
       {{64, 8, 128, 16}, 2}, {{12, 4, 64, 16}, 2}, {{7, 1, 64, 16}, 2},   {{28, 4, 128, 32}, 3},
+      // The generic kernel: the mistral fixture's heads (4,3,3 heads over a group of 5), groups
+      // of 3 cut mid-group, and Llama-3.1-70B's head counts with head_dim 96 on 7 ranks.
+      {{5, 1, 8, 16}, 2},    {{10, 2, 8, 16}, 3},  {{12, 4, 24, 16}, 5},  {{64, 8, 96, 16}, 7},
   };
   std::mt19937_64 rng(10);
   uint64_t seed = 500;
@@ -834,13 +936,33 @@ TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
   p.head_dim = 128;
   EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
   p.num_kv_heads = 3;
-  for (int head_dim : {8, 48, 96, 256}) {  // unsupported
+  p.block_size = 16;
+  p.max_blocks_per_seq = 1;
+  for (int head_dim : {-2, 0, 1, 7, 9, 131, 258, 512}) {  // odd, or out of range
     p.head_dim = head_dim;
-    EXPECT_FALSE(cuda::TreeAttentionSupportsHeadDim(head_dim)) << head_dim;
+    p.q_stride = p.out_stride = 6 * std::max(head_dim, 2) + 2;
+    EXPECT_FALSE(cuda::TreeAttentionHeadDimSupported(head_dim)) << head_dim;
     EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue) << head_dim;
   }
-  for (int head_dim : {16, 32, 64, 128}) {
-    EXPECT_TRUE(cuda::TreeAttentionSupportsHeadDim(head_dim)) << head_dim;
+  EXPECT_EQ(cuda::kTreeAttentionMaxHeadDim, 256);
+  for (int head_dim = 2; head_dim <= cuda::kTreeAttentionMaxHeadDim; head_dim += 2) {
+    EXPECT_TRUE(cuda::TreeAttentionHeadDimSupported(head_dim)) << head_dim;
+    const bool mma = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
+    EXPECT_EQ(cuda::TreeAttentionUsesMmaKernel(head_dim), mma) << head_dim;
+    // The generic kernel never splits, so it needs no workspace whatever the split asked.
+    EXPECT_EQ(cuda::TreeAttentionWorkspaceFloats(17, 5, 6, head_dim),
+              mma ? int64_t{17} * 5 * 6 * (head_dim + 2) : 0)
+        << head_dim;
+  }
+  // Supported sizes pass the head-dim check; then the null buffers are refused (the generic
+  // kernel does not stop at num_tiles == 0, having no tiles to read).
+  for (int head_dim : {8, 24, 96, 256}) {
+    p.head_dim = head_dim;
+    p.q_stride = p.out_stride = 6 * head_dim;
+    EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue) << head_dim;
+    p.num_queries = 0;
+    EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaSuccess) << head_dim << ", no queries";
+    p.num_queries = 1;
   }
 }
 

@@ -39,6 +39,17 @@
 // softmax and chunks merge in order with one formula, in the kernel or, when the chunks are
 // split over CTAs (flash-decoding, so even a single decode token spreads over many SMs), in a
 // second kernel with the same arithmetic.
+//
+// Head sizes. The MMA kernel above is built for head_dim 16, 32, 64 and 128
+// (TreeAttentionUsesMmaKernel). Every other even head_dim up to kTreeAttentionMaxHeadDim goes to a
+// generic kernel, for small or unusual models (the mistral test fixture's head_dim 8, 24, 80, 96,
+// 256): one warp per (query, head) walks the query's keys by rank in the same sub-chunks and
+// chunks with the same online-softmax, rounding (probabilities to bf16 before P V) and merge
+// formulas, with fp32 FMAs instead of MMAs -- close to the MMA kernel's results, not its bits (a
+// model only ever runs one of the two). A warp touches nothing of another query's, so it is batch
+// invariant by construction. It never splits the key range: it reads neither the tiles nor
+// num_splits, chunks_per_cta and the workspace (TreeAttentionWorkspaceFloats is 0 for its head
+// sizes; a caller should plan num_splits = 1 for them, which is what the kernel does anyway).
 #ifndef SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 #define SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 
@@ -56,6 +67,9 @@ inline constexpr int kTreeAttentionTileRows = 64;
 // per KV head (128 CTAs for 8 KV heads, one wave on an H200's 132 SMs), while the per-chunk
 // merge and the split workspace stay small.
 inline constexpr int kTreeAttentionChunkKeys = 128;
+// The largest head_dim TreeAttentionCuda accepts: the largest that FlashAttention and vLLM serve
+// (Gemma's 256); beyond it a lane of the generic kernel would hold more than four dim pairs.
+inline constexpr int kTreeAttentionMaxHeadDim = 256;
 
 struct TreeAttentionParams {
   // [num_queries, q_stride] bf16, device (RoPE applied): head h of query t at
@@ -78,7 +92,9 @@ struct TreeAttentionParams {
   // mask_begin + b. Null exactly when mask_begin is.
   const uint32_t* mask = nullptr;
   // [num_tiles] int32, device: query ranges [tile_begin, tile_end) from PlanTreeAttention with
-  // the same head counts and kv_group (a tile holds at most 64 / kv_group queries).
+  // the same head counts and kv_group (a tile holds at most 64 / kv_group queries). MMA kernel
+  // only: the generic kernel ignores the tiles and the split fields below (they may be left as
+  // they are, or null / 1).
   const int32_t* tile_begin = nullptr;
   const int32_t* tile_end = nullptr;
   int64_t num_tiles = 0;
@@ -97,7 +113,9 @@ struct TreeAttentionParams {
   // Without kv_group, num_kv_heads divides num_heads, with num_heads / num_kv_heads <= 64.
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;  // 16, 32, 64 or 128 (TreeAttentionSupportsHeadDim)
+  // Even, in [2, kTreeAttentionMaxHeadDim] (TreeAttentionHeadDimSupported); 16, 32, 64 and 128
+  // take the MMA kernel, the others the generic one (see the top).
+  int64_t head_dim = 0;
   float scale = 1.0f;    // usually 1 / sqrt(head_dim)
   // Tensor parallelism: local query head h is global head q_head_offset + h, which reads global KV
   // head (q_head_offset + h) / kv_group, i.e. local KV head (q_head_offset + h) / kv_group -
@@ -145,13 +163,19 @@ TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_
 // Chunks of a query with `max_kv_end` keys: the num_splits that splits them all.
 int TreeAttentionChunks(int32_t max_kv_end);
 
-// Workspace floats that TreeAttentionCuda needs for `num_splits` (0 when it is 1).
+// Workspace floats that TreeAttentionCuda needs for `num_splits` (0 when it is 1, and for head
+// sizes of the generic kernel, which never splits).
 int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_t num_heads,
                                      int64_t head_dim);
 
-// The head sizes the kernel is instantiated for: whole k-steps of the m16n8k16 MMA (16 dims),
-// and V read as pairs of 8-dim tiles.
-bool TreeAttentionSupportsHeadDim(int64_t head_dim);
+// The head sizes the MMA kernel is instantiated for: whole k-steps of the m16n8k16 MMA (16 dims),
+// and V read as pairs of 8-dim tiles. Only these split the key range (PlanTreeAttention's
+// num_splits and chunks_per_cta, the workspace).
+bool TreeAttentionUsesMmaKernel(int64_t head_dim);
+
+// The head sizes TreeAttentionCuda accepts at all: every even one from 2 to
+// kTreeAttentionMaxHeadDim (the MMA kernel's, and the generic kernel for the rest).
+bool TreeAttentionHeadDimSupported(int64_t head_dim);
 
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream);
 
