@@ -133,10 +133,13 @@ CudaBackend::Create(const std::string &dir, int device,
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok())
     return config.status();
-  if (!cuda::TreeAttentionUsesMmaKernel(config->head_dim)) {
-    return absl::UnimplementedError(
-        absl::StrCat("cuda backend: head_dim ", config->head_dim,
-                     " is not supported (16, 32, 64 or 128)"));
+  // 16, 32, 64 and 128 take the tensor-core attention kernel, other even sizes
+  // up to kTreeAttentionMaxHeadDim a generic (slower) one.
+  if (!cuda::TreeAttentionHeadDimSupported(config->head_dim)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda backend: head_dim ", config->head_dim,
+        " is not supported (even, at most ", cuda::kTreeAttentionMaxHeadDim,
+        ")"));
   }
   if (config->num_kv_heads <= 0 ||
       config->num_heads % config->num_kv_heads != 0 ||
@@ -863,6 +866,12 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     plan.chunks_per_cta = cuda::TreeAttentionChunksPerCta(
         static_cast<int64_t>(plan.tile_begin.size()), kv_heads_, plan.num_splits,
         num_sms_);
+  }
+  if (!cuda::TreeAttentionUsesMmaKernel(c.head_dim)) {
+    // The generic attention kernel never splits the key range: plan no split,
+    // so that no workspace is allocated and graph keys do not vary with it.
+    plan.num_splits = 1;
+    plan.chunks_per_cta = 1;
   }
   step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());
   step->num_splits = plan.num_splits;

@@ -1,6 +1,7 @@
 // The bf16 CUDA backend against the fp32 CPU backend on random checkpoints written as real
 // Hugging Face folders (Llama with llama3 RoPE scaling, Qwen2 with QKV bias, Qwen3 with q/k
-// norm; head_dim 16, 32, 64 and 128; GQA), and its on-device Verify against the host Verify path.
+// norm; head_dim 16, 32, 64 and 128, and 8 and 24 through the generic attention kernel; GQA), and
+// its on-device Verify against the host Verify path.
 #include <algorithm>
 #include <memory>
 #include <random>
@@ -93,6 +94,20 @@ std::vector<ModelCase> Models() {
   s.head_dim = 16;
   s.tie_word_embeddings = false;
   out.push_back({"qwen3_hd16", s});
+  // Head sizes without a tensor-core attention build (the generic kernel): the mistral
+  // fixture's 8, and 24 with Qwen3's q/k norm fused into RoPE.
+  s.model_type = "llama";
+  s.hidden_size = 40;
+  s.num_heads = 5;
+  s.num_kv_heads = 1;
+  s.head_dim = 8;
+  out.push_back({"llama_hd8", s});
+  s.model_type = "qwen3";
+  s.hidden_size = 96;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 24;
+  out.push_back({"qwen3_hd24", s});
   return out;
 }
 
