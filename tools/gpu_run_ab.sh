@@ -6,6 +6,8 @@
 #       [--trees 64] [--model DIR] CONFIG...
 # CONFIG is label@VAR=value@VAR=value (no spaces), e.g.
 #   nopdl@SPECD_PDL=0  pdl  eager@SPECD_CUDA_GRAPHS=0
+# BENCH=path runs another cuda_step_bench binary (an A/B of two builds), e.g.
+#   before@BENCH=.device/bin/bench/cuda_step_bench_prev  after
 # Needs the random 8B checkpoint (tools/bench/make_random_checkpoint.py; written here when
 # missing). Prints each run's table rows prefixed by its label, round and TP.
 set -u
@@ -37,9 +39,15 @@ for round in $(seq 1 "$rounds"); do
       vars=()
       rest=${config#"$label"}
       IFS='@' read -r -a parts <<< "${rest#@}"
-      for part in "${parts[@]}"; do [ -n "$part" ] && vars+=("$part"); done
-      echo "# $label round $round TP=$tp: ${vars[*]:-(defaults)}"
-      env "${vars[@]}" timeout 200 "$dev/bin/bench/cuda_step_bench" --model "$model" --tp "$tp" \
+      bench=$dev/bin/bench/cuda_step_bench
+      for part in "${parts[@]}"; do
+        case "$part" in
+          BENCH=*) bench=${part#BENCH=} ;;
+          ?*) vars+=("$part") ;;
+        esac
+      done
+      echo "# $label round $round TP=$tp: $bench ${vars[*]:-(defaults)}"
+      env "${vars[@]}" timeout 200 "$bench" --model "$model" --tp "$tp" \
         --custom_bytes -1 --graphs on --runs "$runs" --contexts "$contexts" --trees "$trees" 2>&1 |
         grep -E "^\|" | sed "s/^/$label r$round tp$tp /"
     done

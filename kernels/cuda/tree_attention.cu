@@ -1276,16 +1276,27 @@ TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_
     }
   }
   plan.tile_end.push_back(static_cast<int32_t>(num_queries));
-  // Splitting changes no bits (see the kernel), only the CTA count: split whenever the tiles
-  // alone leave SMs idle and there is more than one chunk.
-  const int64_t ctas = static_cast<int64_t>(plan.tile_begin.size()) * num_kv_heads;
+  // Splitting changes no bits (see the kernel), only the CTA count. Split whenever the tiles
+  // alone leave SMs idle, or when the split's waves of CTAs (two resident per SM, the model of
+  // TreeAttentionChunksPerCta, plus about a chunk's worth for the combine kernel) take less than
+  // the unsplit launch, whose CTAs each walk every chunk: a 256-node tree's 136 tiles fill the
+  // SMs but only half the resident slots, and run 17 chunks in a row.
+  const int64_t tiles = static_cast<int64_t>(plan.tile_begin.size());
+  const int64_t ctas = tiles * num_kv_heads;
   const int64_t chunks = TreeAttentionChunks(max_kv);
-  if (ctas < num_sms && chunks > 1 &&
+  if (chunks > 1 &&
       TreeAttentionWorkspaceFloats(static_cast<int>(chunks), num_queries, num_heads, 128) <=
           kMaxWorkspaceFloats) {
-    plan.num_splits = static_cast<int>(chunks);
-    plan.chunks_per_cta = TreeAttentionChunksPerCta(static_cast<int64_t>(plan.tile_begin.size()),
-                                                    num_kv_heads, plan.num_splits, num_sms);
+    const int64_t slots = 2 * static_cast<int64_t>(std::max(num_sms, 1));
+    const int c = TreeAttentionChunksPerCta(tiles, num_kv_heads, static_cast<int>(chunks), num_sms);
+    const int64_t split_ctas = ctas * ((chunks + c - 1) / c);
+    const double split_cost = static_cast<double>((split_ctas + slots - 1) / slots) * (c + 0.5) + 1.0;
+    const double unsplit_cost =
+        static_cast<double>((ctas + slots - 1) / slots) * (static_cast<double>(chunks) + 0.5);
+    if (ctas < num_sms || split_cost < unsplit_cost) {
+      plan.num_splits = static_cast<int>(chunks);
+      plan.chunks_per_cta = c;
+    }
   }
   return plan;
 }

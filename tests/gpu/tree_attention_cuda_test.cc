@@ -928,6 +928,30 @@ TEST(TreeAttentionPlanTest, ChunksPerCtaFoldsLongSplitsIntoFewerWaves) {
   EXPECT_EQ(plan.chunks_per_cta, 3);
 }
 
+// Tiles that fill the SMs but not their resident slots still split when the waves of split CTAs
+// take less than every CTA walking all chunks; enough tiles to fill the slots do not.
+TEST(TreeAttentionPlanTest, SplitsWhenTheUnsplitLaunchLeavesSlotsIdle) {
+  // A 256-node tree at context 2048 (queries: the pending token and the nodes), Llama-3.1-8B
+  // heads: 17 tiles x 8 KV heads = 136 CTAs on 132 SMs, 17 chunks each unsplit.
+  std::vector<int32_t> query_seq(257, 0), kv_end(257);
+  for (int i = 0; i < 257; ++i) kv_end[i] = 2049 + i;
+  cuda::TreeAttentionPlan plan =
+      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
+  ASSERT_EQ(plan.tile_begin.size(), 17u);
+  EXPECT_EQ(plan.num_splits, 19);  // keys up to 2049 + 256
+  EXPECT_EQ(plan.chunks_per_cta, 4);  // 680 CTAs: 3 waves of 4 chunks instead of 1 of 19
+  // 64 sequences decoding at context 2048: 512 CTAs, two waves of resident slots already.
+  std::vector<int32_t> seqs(64), ends(64, 2048);
+  for (int i = 0; i < 64; ++i) seqs[i] = i;
+  plan = cuda::PlanTreeAttention(seqs.data(), ends.data(), 64, 32, 8, 132);
+  ASSERT_EQ(plan.tile_begin.size(), 64u);
+  EXPECT_EQ(plan.num_splits, 1);
+  // A workspace past the cap stays unsplit (256 nodes at 8192 keys: 65 chunks).
+  for (int i = 0; i < 257; ++i) kv_end[i] = 8193 + i;
+  plan = cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
+  EXPECT_EQ(plan.num_splits, 1);
+}
+
 TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
   cuda::TreeAttentionParams p;
   p.num_queries = 1;
