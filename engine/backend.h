@@ -142,7 +142,10 @@ struct BackendOptions {
   bool cuda_graphs = true;
   // cuda: GEMMs of up to this many rows share one cuBLASLt algorithm per weight, so a token's
   // logits do not depend on how many other tokens share its step (speculative greedy equals
-  // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape.
+  // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape. The row classes that pick
+  // faster bit-identical algorithms end at the verify buckets 2^j + 1; SPECD_GEMM_CLASSES=pow2
+  // in the environment restores plain doubling classes (A/B). Likewise SPECD_PDL=0 launches the
+  // short kernels without programmatic dependent launch (kernels/cuda/device_utils.cuh).
   int64_t cuda_gemm_invariant_rows = 1024;
 };
 
