@@ -53,6 +53,20 @@ __device__ __forceinline__ void Bf16x8ToFloat(const uint4& raw, float* f) {
   }
 }
 
+// 8 floats (16-byte aligned) through two 16-byte loads.
+__device__ __forceinline__ void LoadFloat8(const float* p, float* f) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = a.z;
+  f[3] = a.w;
+  f[4] = b.x;
+  f[5] = b.y;
+  f[6] = b.z;
+  f[7] = b.w;
+}
+
 __device__ __forceinline__ uint4 FloatToBf16x8(const float* f) {
   uint4 raw;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);

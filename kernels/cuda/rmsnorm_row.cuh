@@ -46,18 +46,13 @@ __device__ __forceinline__ void RmsNormRow8(int64_t dim, Load8 load, float* res,
     float h[8];
     load(i, h);
     if (has_res) {
-      float4* rv = reinterpret_cast<float4*>(res + i);
       if (!residual_init) {
-        const float4 a = rv[0], b = rv[1];
-        h[0] += a.x;
-        h[1] += a.y;
-        h[2] += a.z;
-        h[3] += a.w;
-        h[4] += b.x;
-        h[5] += b.y;
-        h[6] += b.z;
-        h[7] += b.w;
+        float r[8];
+        LoadFloat8(res + i, r);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] += r[j];
       }
+      float4* rv = reinterpret_cast<float4*>(res + i);
       rv[0] = make_float4(h[0], h[1], h[2], h[3]);
       rv[1] = make_float4(h[4], h[5], h[6], h[7]);
     }
@@ -69,29 +64,11 @@ __device__ __forceinline__ void RmsNormRow8(int64_t dim, Load8 load, float* res,
   for (int64_t i = threadIdx.x * 8; i < dim; i += blockDim.x * 8) {
     float h[8], w[8];
     if (has_res) {
-      const float4* rv = reinterpret_cast<const float4*>(res + i);
-      const float4 a = rv[0], b = rv[1];
-      h[0] = a.x;
-      h[1] = a.y;
-      h[2] = a.z;
-      h[3] = a.w;
-      h[4] = b.x;
-      h[5] = b.y;
-      h[6] = b.z;
-      h[7] = b.w;
+      LoadFloat8(res + i, h);
     } else {
       load(i, h);
     }
-    const float4 wa = reinterpret_cast<const float4*>(weight + i)[0];
-    const float4 wb = reinterpret_cast<const float4*>(weight + i)[1];
-    w[0] = wa.x;
-    w[1] = wa.y;
-    w[2] = wa.z;
-    w[3] = wa.w;
-    w[4] = wb.x;
-    w[5] = wb.y;
-    w[6] = wb.z;
-    w[7] = wb.w;
+    LoadFloat8(weight + i, w);
 #pragma unroll
     for (int j = 0; j < 8; ++j) h[j] = h[j] * inv * w[j];
     *reinterpret_cast<uint4*>(out + i) = FloatToBf16x8(h);
