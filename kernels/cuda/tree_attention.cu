@@ -30,9 +30,6 @@ constexpr int kSub = kChunk / kKeys;
 // tile walks all chunks, which gives the same bits.
 constexpr int64_t kMaxWorkspaceFloats = int64_t{64} << 20;
 constexpr float kLog2e = 1.4426950408889634f;
-// The combine kernel is launched as a programmatic dependent of the main kernel (sm_90), so its
-// launch overlaps the main kernel's tail instead of following it; false: a plain launch.
-constexpr bool kProgrammaticCombine = true;
 
 // K and V are kept key-major, each row padded by 8 elements (16 bytes) so that the 32-bit
 // fragment loads of K and the ldmatrix row reads of V by a warp hit 32 distinct banks. Two
@@ -106,20 +103,6 @@ __device__ __forceinline__ void CpAsyncCommit() {
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Programmatic dependent launch (sm_90): the main kernel lets the combine kernel be scheduled
-// early; the combine kernel waits for the main grid's completion and memory before reading.
-__device__ __forceinline__ void LaunchDependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void WaitPrerequisiteGrid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 }
 
 // Four 8x8 bf16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i, and
@@ -467,8 +450,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   float2(*big_o)[2][kThreads] =
       reinterpret_cast<float2(*)[2][kThreads]>(smem_raw + sizeof(AttnSmem<HD>));
   // Launched as a programmatic dependent of RoPE (LaunchPdl): q and the cache are its outputs.
-  WaitPrerequisiteGrid();
-  if constexpr (kSplit && kProgrammaticCombine) LaunchDependents();
+  internal::PdlWait();
+  // Split: the combine kernel (a programmatic dependent) is scheduled over this one's tail.
+  if constexpr (kSplit) internal::PdlTrigger();
   const int tile = blockIdx.x;
   const int kvh = blockIdx.y;
   const int tid = threadIdx.x;
@@ -937,7 +921,7 @@ template <int HD>
 __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAttentionParams p) {
   // Launched as a programmatic dependent of the main kernel: nothing it wrote may be read
   // before this.
-  WaitPrerequisiteGrid();
+  internal::PdlWait();
   const int64_t item = blockIdx.x * static_cast<int64_t>(kWarps) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   const int64_t items = p.num_queries * p.num_heads;
@@ -1024,17 +1008,9 @@ cudaError_t Launch(const TreeAttentionParams& p, cudaStream_t stream) {
   if (p.num_splits == 1) return LaunchMain<HD, false>(p, stream);
   if (cudaError_t e = LaunchMain<HD, true>(p, stream); e != cudaSuccess) return e;
   const int64_t items = p.num_queries * p.num_heads;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((items + kWarps - 1) / kWarps));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = kProgrammaticCombine ? 1 : 0;
-  return cudaLaunchKernelEx(&config, TreeAttentionCombineKernel<HD>, p);
+  return LaunchPdl(TreeAttentionCombineKernel<HD>,
+                   dim3(static_cast<unsigned>((items + kWarps - 1) / kWarps)), dim3(kThreads), 0,
+                   stream, p);
 }
 
 // The generic kernel: head sizes the MMA kernel is not built for (any even head_dim up to
@@ -1062,7 +1038,7 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionGenericKernel(TreeAtten
   // Logical slots of the query's tree keys (mask bits in use), in rank order.
   __shared__ int32_t tree_slot_s[kWarps][kTreeAttentionMaskBits];
   // Launched as a programmatic dependent of RoPE (LaunchPdl): q and the cache are its outputs.
-  WaitPrerequisiteGrid();
+  internal::PdlWait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (item >= p.num_queries * p.num_heads) return;  // no block-wide barriers below
@@ -1246,6 +1222,14 @@ bool HeadRangesValid(const TreeAttentionParams& p) {
          (p.q_head_offset + p.num_heads - 1) / group == p.kv_head_offset + p.num_kv_heads - 1;
 }
 
+// The planner's model of a launch's time: waves of `ctas` over the resident slots (two CTAs per
+// multiprocessor) times each CTA's work, its chunks plus about half a chunk of setup.
+double WaveCost(int64_t ctas, int num_sms, int64_t chunks_per_cta) {
+  const int64_t slots = 2 * static_cast<int64_t>(std::max(num_sms, 1));
+  return static_cast<double>((ctas + slots - 1) / slots) *
+         (static_cast<double>(chunks_per_cta) + 0.5);
+}
+
 }  // namespace
 
 TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
@@ -1277,23 +1261,19 @@ TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_
   }
   plan.tile_end.push_back(static_cast<int32_t>(num_queries));
   // Splitting changes no bits (see the kernel), only the CTA count. Split whenever the tiles
-  // alone leave SMs idle, or when the split's waves of CTAs (two resident per SM, the model of
-  // TreeAttentionChunksPerCta, plus about a chunk's worth for the combine kernel) take less than
-  // the unsplit launch, whose CTAs each walk every chunk: a 256-node tree's 136 tiles fill the
-  // SMs but only half the resident slots, and run 17 chunks in a row.
+  // alone leave SMs idle, or when the split's waves of CTAs (WaveCost, plus about a chunk's worth
+  // for the combine kernel) take less than the unsplit launch, whose CTAs each walk every chunk:
+  // a 256-node tree's 136 tiles fill the SMs but only half the resident slots, and would run 19
+  // chunks in a row.
   const int64_t tiles = static_cast<int64_t>(plan.tile_begin.size());
   const int64_t ctas = tiles * num_kv_heads;
   const int64_t chunks = TreeAttentionChunks(max_kv);
   if (chunks > 1 &&
       TreeAttentionWorkspaceFloats(static_cast<int>(chunks), num_queries, num_heads, 128) <=
           kMaxWorkspaceFloats) {
-    const int64_t slots = 2 * static_cast<int64_t>(std::max(num_sms, 1));
     const int c = TreeAttentionChunksPerCta(tiles, num_kv_heads, static_cast<int>(chunks), num_sms);
-    const int64_t split_ctas = ctas * ((chunks + c - 1) / c);
-    const double split_cost = static_cast<double>((split_ctas + slots - 1) / slots) * (c + 0.5) + 1.0;
-    const double unsplit_cost =
-        static_cast<double>((ctas + slots - 1) / slots) * (static_cast<double>(chunks) + 0.5);
-    if (ctas < num_sms || split_cost < unsplit_cost) {
+    const double split_cost = WaveCost(ctas * ((chunks + c - 1) / c), num_sms, c) + 1.0;
+    if (ctas < num_sms || split_cost < WaveCost(ctas, num_sms, chunks)) {
       plan.num_splits = static_cast<int>(chunks);
       plan.chunks_per_cta = c;
     }
@@ -1304,12 +1284,10 @@ TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_
 int TreeAttentionChunksPerCta(int64_t num_tiles, int64_t num_kv_heads, int num_splits,
                               int num_sms) {
   if (num_splits <= 1 || num_tiles <= 0 || num_kv_heads <= 0 || num_sms <= 0) return 1;
-  const int64_t slots = 2 * static_cast<int64_t>(num_sms);
   int best = 1;
   double best_cost = 0.0;
   for (int c = 1; c <= num_splits; ++c) {
-    const int64_t ctas = num_tiles * num_kv_heads * ((num_splits + c - 1) / c);
-    const double cost = static_cast<double>((ctas + slots - 1) / slots) * (c + 0.5);
+    const double cost = WaveCost(num_tiles * num_kv_heads * ((num_splits + c - 1) / c), num_sms, c);
     if (c == 1 || cost < best_cost) {
       best = c;
       best_cost = cost;
