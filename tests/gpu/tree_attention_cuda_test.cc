@@ -377,48 +377,70 @@ const Shape kGenericShapes[] = {
     {4, 2, 256, 16},  // the largest (Gemma-like)
 };
 
-TEST_F(TreeAttentionCudaTest, Decode) {
-  for (const Shape& sh : kShapes) {
-    std::vector<SeqSpec> seqs;
-    for (int committed : {0, 16, 300, 1000, 5001}) {
-      SeqSpec s;
-      s.committed = committed;
-      s.chain = 1;
-      seqs.push_back(s);
-    }
-    Check(sh, seqs, {0, 1, 3}, 100);
+// The batches the tests below run, on the MMA kernel's shapes and on the generic kernel's.
+// Decode: five sequences of different committed lengths, one new token each.
+std::vector<SeqSpec> DecodeBatch() {
+  std::vector<SeqSpec> seqs;
+  for (int committed : {0, 16, 300, 1000, 5001}) {
+    SeqSpec s;
+    s.committed = committed;
+    s.chain = 1;
+    seqs.push_back(s);
   }
+  return seqs;
+}
+
+// Prefill: chains from an empty cache, after a short prefix, and a single token.
+std::vector<SeqSpec> PrefillBatch() {
+  std::vector<SeqSpec> seqs(3);
+  seqs[0].committed = 0;
+  seqs[0].chain = 130;
+  seqs[1].committed = 37;
+  seqs[1].chain = 77;
+  seqs[2].committed = 500;
+  seqs[2].chain = 1;
+  return seqs;
+}
+
+// Trees of 1, 7 and 256 nodes below 1-3 pending tokens; `*shape` counts the trees made so far
+// (it picks the committed lengths, and the tree shape among `tree_shapes` of TreeParents').
+std::vector<SeqSpec> VerifyBatch(int* shape, int tree_shapes, std::mt19937_64& rng) {
+  std::vector<SeqSpec> seqs;
+  const int committed[3][3] = {{0, 33, 2000}, {517, 0, 40}, {1, 1500, 7}};
+  for (int i = 0; i < 3; ++i) {
+    const int nodes = i == 0 ? 1 : i == 1 ? 7 : 256;
+    SeqSpec s;
+    s.committed = committed[*shape % 3][i];
+    s.chain = 1 + static_cast<int>(rng() % 3);  // pending tokens before the tree
+    s.tree_parents = TreeParents(nodes, (*shape)++ % tree_shapes, rng);
+    seqs.push_back(s);
+  }
+  return seqs;
+}
+
+// A 256-node tree alone after 4095 committed keys.
+SeqSpec LongTree(int shape, std::mt19937_64& rng) {
+  SeqSpec s;
+  s.committed = 4095;
+  s.chain = 1;
+  s.tree_parents = TreeParents(256, shape, rng);
+  return s;
+}
+
+TEST_F(TreeAttentionCudaTest, Decode) {
+  for (const Shape& sh : kShapes) Check(sh, DecodeBatch(), {0, 1, 3}, 100);
 }
 
 TEST_F(TreeAttentionCudaTest, PrefillChains) {
   for (const Shape& sh : {kShapes[0], kShapes[1], kShapes[4], kShapes[5], kShapes[6]}) {
-    std::vector<SeqSpec> seqs(3);
-    seqs[0].committed = 0;
-    seqs[0].chain = 130;
-    seqs[1].committed = 37;
-    seqs[1].chain = 77;
-    seqs[2].committed = 500;
-    seqs[2].chain = 1;
-    Check(sh, seqs, {0, 2}, 200);
+    Check(sh, PrefillBatch(), {0, 2}, 200);
   }
 }
 
 TEST_F(TreeAttentionCudaTest, VerifyTrees) {
   std::mt19937_64 rng(7);
   int shape = 0;
-  for (const Shape& sh : kShapes) {
-    std::vector<SeqSpec> seqs;
-    const int committed[3][3] = {{0, 33, 2000}, {517, 0, 40}, {1, 1500, 7}};
-    for (int i = 0; i < 3; ++i) {
-      const int nodes = i == 0 ? 1 : i == 1 ? 7 : 256;
-      SeqSpec s;
-      s.committed = committed[shape % 3][i];
-      s.chain = 1 + static_cast<int>(rng() % 3);  // pending tokens before the tree
-      s.tree_parents = TreeParents(nodes, shape++ % 4, rng);
-      seqs.push_back(s);
-    }
-    Check(sh, seqs, {0, 1, 4}, 300);
-  }
+  for (const Shape& sh : kShapes) Check(sh, VerifyBatch(&shape, 4, rng), {0, 1, 4}, 300);
 }
 
 // A 256-node tree alone over a long context: one sequence, few tiles, so the plan splits the
@@ -426,13 +448,7 @@ TEST_F(TreeAttentionCudaTest, VerifyTrees) {
 TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
   std::mt19937_64 rng(8);
   for (const Shape& sh : {kShapes[1], kShapes[5], kShapes[6]}) {
-    for (int shape : {2, 3}) {
-      SeqSpec s;
-      s.committed = 4095;
-      s.chain = 1;
-      s.tree_parents = TreeParents(256, shape, rng);
-      Check(sh, {s}, {0}, 400 + shape);
-    }
+    for (int shape : {2, 3}) Check(sh, {LongTree(shape, rng)}, {0}, 400 + shape);
   }
 }
 
@@ -442,58 +458,24 @@ TEST_F(TreeAttentionCudaTest, GenericKernelDecode) {
   for (const Shape& sh : kGenericShapes) {
     ASSERT_TRUE(cuda::TreeAttentionHeadDimSupported(sh.head_dim)) << sh.head_dim;
     ASSERT_FALSE(cuda::TreeAttentionUsesMmaKernel(sh.head_dim)) << sh.head_dim;
-    std::vector<SeqSpec> seqs;
-    for (int committed : {0, 16, 300, 1000, 5001}) {
-      SeqSpec s;
-      s.committed = committed;
-      s.chain = 1;
-      seqs.push_back(s);
-    }
-    Check(sh, seqs, {0, 1, 3}, 600);
+    Check(sh, DecodeBatch(), {0, 1, 3}, 600);
   }
 }
 
 TEST_F(TreeAttentionCudaTest, GenericKernelPrefillChains) {
-  for (const Shape& sh : kGenericShapes) {
-    std::vector<SeqSpec> seqs(3);
-    seqs[0].committed = 0;
-    seqs[0].chain = 130;
-    seqs[1].committed = 37;
-    seqs[1].chain = 77;
-    seqs[2].committed = 500;
-    seqs[2].chain = 1;
-    Check(sh, seqs, {0, 2}, 700);
-  }
+  for (const Shape& sh : kGenericShapes) Check(sh, PrefillBatch(), {0, 2}, 700);
 }
 
 TEST_F(TreeAttentionCudaTest, GenericKernelVerifyTrees) {
   std::mt19937_64 rng(12);
   int shape = 0;
-  for (const Shape& sh : kGenericShapes) {
-    std::vector<SeqSpec> seqs;
-    const int committed[3][3] = {{0, 33, 2000}, {517, 0, 40}, {1, 1500, 7}};
-    for (int i = 0; i < 3; ++i) {
-      const int nodes = i == 0 ? 1 : i == 1 ? 7 : 256;
-      SeqSpec s;
-      s.committed = committed[shape % 3][i];
-      s.chain = 1 + static_cast<int>(rng() % 3);  // pending tokens before the tree
-      s.tree_parents = TreeParents(nodes, shape++ % 5, rng);
-      seqs.push_back(s);
-    }
-    Check(sh, seqs, {0, 1, 4}, 800);
-  }
+  for (const Shape& sh : kGenericShapes) Check(sh, VerifyBatch(&shape, 5, rng), {0, 1, 4}, 800);
 }
 
 TEST_F(TreeAttentionCudaTest, GenericKernelLargeTreesOverLongContext) {
   std::mt19937_64 rng(13);
   for (const Shape& sh : {kGenericShapes[0], kGenericShapes[3], kGenericShapes[7]}) {
-    for (int shape : {2, 3}) {
-      SeqSpec s;
-      s.committed = 4095;
-      s.chain = 1;
-      s.tree_parents = TreeParents(256, shape, rng);
-      Check(sh, {s}, {0}, 900 + shape);
-    }
+    for (int shape : {2, 3}) Check(sh, {LongTree(shape, rng)}, {0}, 900 + shape);
   }
 }
 
