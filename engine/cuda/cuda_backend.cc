@@ -65,9 +65,11 @@ int64_t NextPow2(int64_t n) {
 // tree rounded up to a power of two (2, 3, 5, 9, ..., 257).
 int64_t TokenBucket(int64_t n) { return n <= 1 ? 1 : 1 + NextPow2(n - 1); }
 
-bool GraphsDisabledByEnv() {
-  const char *env = std::getenv("SPECD_CUDA_GRAPHS");
-  return env != nullptr && std::string(env) == "0";
+// Whether the environment variable `name` is set to `value` (the A/B and
+// debugging switches of BackendOptions' comments).
+bool EnvIs(const char *name, const char *value) {
+  const char *env = std::getenv(name);
+  return env != nullptr && std::string(env) == value;
 }
 
 template <typename T> T *At(void *base, size_t offset) {
@@ -196,7 +198,7 @@ CudaBackend::CudaBackend(ModelConfig config, int device,
       vocab_rows_max_ = std::max(vocab_rows_max_, rp.vocab.size());
   }
   kv_dim_ = kv_heads_ * config_.head_dim;
-  graphs_enabled_ = options_.cuda_graphs && !GraphsDisabledByEnv();
+  graphs_enabled_ = options_.cuda_graphs && !EnvIs("SPECD_CUDA_GRAPHS", "0");
 }
 
 CudaBackend::~CudaBackend() {
@@ -334,12 +336,10 @@ absl::Status CudaBackend::Init() {
   // Row classes that end at the graph buckets of a batch-1 verify step (the
   // pending token and 2^j tree nodes); SPECD_GEMM_CLASSES=pow2 restores the
   // plain doubling classes (A/B runs).
-  const char *classes_env = std::getenv("SPECD_GEMM_CLASSES");
-  const bool bucket_classes =
-      classes_env == nullptr || std::string(classes_env) != "pow2";
   if (cublasStatus_t st = cuda::Gemm::Create(
           size_t{128} << 20, &gemm_, options_.cuda_gemm_invariant_rows,
-          /*plan_rows=*/16, bucket_classes);
+          /*plan_rows=*/16,
+          /*bucket_classes=*/!EnvIs("SPECD_GEMM_CLASSES", "pow2"));
       st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(
         absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));
