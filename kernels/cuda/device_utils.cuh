@@ -84,7 +84,9 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
 // scheduled while the kernel before it in the stream is still running, so it must call PdlWait()
 // before it touches global memory that an earlier kernel writes or reads (its inputs, and
 // outputs an earlier kernel may still be reading); read-only data such as weights may come
-// before. PdlTrigger() lets the next PDL kernel be scheduled: it only waits for this grid's
+// before, and so may a step's metadata that the host copied in before the step's first kernel
+// (every kernel here waits before it triggers, so when one starts, all but its predecessor have
+// finished). PdlTrigger() lets the next PDL kernel be scheduled: it only waits for this grid's
 // completion and memory in its own PdlWait(), so triggering first thing is safe, and it hides
 // the next launch behind this kernel.
 __device__ __forceinline__ void PdlWait() {

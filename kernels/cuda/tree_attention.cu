@@ -3,13 +3,20 @@
 #include <cstddef>
 
 #include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/mma_utils.cuh"
 #include "specd/kernels/cuda/tree_attention.h"
 
 namespace specd {
 namespace cuda {
 namespace {
 
+using internal::CpAsync16;
+using internal::CpAsyncCommit;
+using internal::CpAsyncWait;
 using internal::kFullMask;
+using internal::LdMatrixX4;
+using internal::LdMatrixX4Trans;
+using internal::Mma16816;
 using internal::PackBf16x2;
 
 constexpr int kWarps = 4;
@@ -84,60 +91,6 @@ constexpr int MinBlocks() {
 template <int HD, bool kSplit>
 constexpr size_t SmemBytes() {
   return sizeof(AttnSmem<HD>) + (kSplit ? 0 : sizeof(BigO<HD>));
-}
-
-// 16 bytes global -> shared without a register round trip; `valid` false writes zeros (the
-// source is then not read, but must still be a mapped address).
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most `kPending` of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Four 8x8 bf16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i, and
-// register i of lane (g = lane / 4, t = lane % 4) receives its elements [2t][g] and [2t+1][g].
-__device__ __forceinline__ void LdMatrixX4Trans(const bf16* smem, uint32_t& r0, uint32_t& r1,
-                                                uint32_t& r2, uint32_t& r3) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-// Four 8x8 bf16 matrices: lanes 8i..8i+7 give the row addresses of matrix i, and register i of
-// lane (g = lane / 4, t = lane % 4) receives its elements [g][2t] and [g][2t+1]. One instruction
-// instead of four 32-bit shared loads for the K fragments of two MMA k-steps.
-__device__ __forceinline__ void LdMatrixX4(const bf16* smem, uint32_t& r0, uint32_t& r1,
-                                           uint32_t& r2, uint32_t& r3) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-// D += A * B for one m16n8k16 tile, bf16 inputs, fp32 accumulators. Fragment layouts (PTX ISA,
-// "Matrix Fragments for mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
-//   A regs: {A[g][2t..2t+1]}, {A[g+8][2t..]}, {A[g][2t+8..]}, {A[g+8][2t+8..]}
-//   B regs: {B[2t..2t+1][g]}, {B[2t+8..2t+9][g]}
-//   D:      D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t Ld32(const bf16* p) {
@@ -449,10 +402,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   // Unsplit only: the merged chunk states (see BigO).
   float2(*big_o)[2][kThreads] =
       reinterpret_cast<float2(*)[2][kThreads]>(smem_raw + sizeof(AttnSmem<HD>));
-  // Launched as a programmatic dependent of RoPE (LaunchPdl): q and the cache are its outputs.
-  internal::PdlWait();
-  // Split: the combine kernel (a programmatic dependent) is scheduled over this one's tail.
-  if constexpr (kSplit) internal::PdlTrigger();
+  // Launched as a programmatic dependent of RoPE (LaunchPdl). Until PdlWait below, the kernel
+  // reads only the step's metadata (tiles, block tables, kv_end, masks), which the host uploaded
+  // before the step's first kernel, so that its setup overlaps RoPE; q and the cache are RoPE's
+  // outputs and wait.
   const int tile = blockIdx.x;
   const int kvh = blockIdx.y;
   const int tid = threadIdx.x;
@@ -517,17 +470,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const int lq0 = min(r0 / nh, nq - 1);
   const int lq1 = min(r1 / nh, nq - 1);
 
-  // The A fragments of the rows' query vectors (zeros for padding rows); a window pass re-reads
-  // them (LoadQueryFragments) rather than taking these.
-  const bf16* q_row0 =
-      ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
-          : nullptr;
-  const bf16* q_row1 =
-      ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
-          : nullptr;
-  uint32_t qf[HD / 16][4];
-  LoadQueryFragments<HD>(q_row0, q_row1, t4, qf);
-
   // Merged state over the chunks done so far (unsplit only; o in big_o, zero until a chunk
   // with keys is merged).
   float big_m[2] = {-INFINITY, -INFINITY};
@@ -575,6 +517,19 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const int plain_bound = s.plain_bound;
   const int irr_begin = s.irr_begin;
   const int irr_end = s.irr_end;
+  internal::PdlWait();
+  // Split: the combine kernel (a programmatic dependent) is scheduled over this one's tail.
+  if constexpr (kSplit) internal::PdlTrigger();
+  // The A fragments of the rows' query vectors (zeros for padding rows); a window pass re-reads
+  // them (LoadQueryFragments) rather than taking these.
+  const bf16* q_row0 =
+      ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
+  const bf16* q_row1 =
+      ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
+  uint32_t qf[HD / 16][4];
+  LoadQueryFragments<HD>(q_row0, q_row1, t4, qf);
   const int chunk_first = kSplit ? static_cast<int>(blockIdx.z) * p.chunks_per_cta : 0;
   const int chunk_last = kSplit ? min(chunk_first + p.chunks_per_cta, p.num_splits)
                                 : (max_keys + kChunk - 1) / kChunk;
