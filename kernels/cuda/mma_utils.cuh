@@ -1,6 +1,6 @@
 // Tensor-core and asynchronous-copy helpers private to kernels/cuda (sm_80+ PTX): cp.async
 // 16-byte copies into shared memory, ldmatrix fragment loads and the bf16 m16n8k16 MMA, shared
-// by the attention and streaming-GEMM kernels.
+// by the tensor-core kernels (tree attention).
 #ifndef SPECD_KERNELS_CUDA_MMA_UTILS_CUH_
 #define SPECD_KERNELS_CUDA_MMA_UTILS_CUH_
 
