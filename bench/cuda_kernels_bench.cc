@@ -79,10 +79,15 @@ double TimeLaunches(benchmark::State& state, cudaStream_t stream, F&& launch) {
 }
 
 // Attention of `batch` sequences of `context` committed tokens plus, per sequence, a chain of
-// one token (decode) or a tree of `nodes` random-parent nodes below one pending token. Without
-// `masks` the mask pointers are null (allowed without trees; the kernel is then built without
-// the tree machinery).
-void RunAttention(benchmark::State& state, int batch, int context, int nodes, bool masks = true) {
+// one token (decode) or a tree of `nodes` nodes below one pending token: random parents (kRandom),
+// a chain (kChain: each node's parent is the one before, so every query's keys are contiguous
+// slots and the kernel needs no window loads) or a star (kStar: every node hangs from the first,
+// so nearly every query needs a window). Without `masks` the mask pointers are null (allowed
+// without trees, and for a chain, whose keys the masks do not change; the kernel is then built
+// without the tree machinery).
+enum TreeShape { kRandom = 0, kChain = 1, kStar = 2 };
+void RunAttention(benchmark::State& state, int batch, int context, int nodes, bool masks = true,
+                  TreeShape shape = kRandom) {
   std::mt19937_64 rng(1);
   const int per_seq_keys = context + 1 + nodes;
   const int blocks_per_seq = (per_seq_keys + kBlock - 1) / kBlock;
@@ -99,7 +104,10 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
     mask.insert(mask.end(), cuda::kTreeAttentionMaskWords, 0u);
     std::vector<std::vector<int>> anc(nodes);
     for (int j = 0; j < nodes; ++j) {
-      const int parent = j == 0 ? -1 : static_cast<int>(rng() % j);
+      const int parent = j == 0              ? -1
+                         : shape == kChain ? j - 1
+                         : shape == kStar  ? 0
+                                           : static_cast<int>(rng() % j);
       if (parent >= 0) anc[j] = anc[parent];
       anc[j].push_back(j);
       std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
@@ -187,6 +195,32 @@ void BM_VerifyAttention(benchmark::State& state) {
 BENCHMARK(BM_VerifyAttention)
     ->ArgNames({"nodes", "context"})
     ->ArgsProduct({{16, 64, 256}, {2048, 8192}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+// Where a verify step's attention time goes: the same node count as a random tree, a chain (no
+// window loads; with masks, and without them as a prefill of the same tokens would run) and a
+// star (a window for nearly every node).
+void BM_VerifyAttentionShape(benchmark::State& state) {
+  const TreeShape shape = static_cast<TreeShape>(state.range(2));
+  const bool masks = state.range(3) != 0;
+  if (!masks && shape != kChain) {
+    state.SkipWithError("only a chain runs without masks");
+    return;
+  }
+  RunAttention(state, 1, static_cast<int>(state.range(1)), static_cast<int>(state.range(0)), masks,
+               shape);
+}
+BENCHMARK(BM_VerifyAttentionShape)
+    ->ArgNames({"nodes", "context", "shape", "masks"})
+    ->Args({64, 2048, kRandom, 1})
+    ->Args({64, 2048, kChain, 1})
+    ->Args({64, 2048, kChain, 0})
+    ->Args({64, 2048, kStar, 1})
+    ->Args({256, 2048, kRandom, 1})
+    ->Args({256, 2048, kChain, 1})
+    ->Args({256, 2048, kChain, 0})
+    ->Args({256, 2048, kStar, 1})
     ->UseManualTime()
     ->MinTime(0.05);
 
