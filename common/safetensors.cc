@@ -316,6 +316,9 @@ std::vector<std::string> TensorStore::Names() const {
 namespace {
 
 void ConvertToF32(const TensorView& v, int64_t begin, int64_t count, float* out) {
+  // An empty range (a tensor-parallel rank's empty share) may come with a null `out`, which
+  // memcpy must not see even for zero bytes.
+  if (count <= 0) return;
   switch (v.dtype) {
     case DType::kF32:
       std::memcpy(out, v.data + begin * 4, count * 4);
