@@ -526,7 +526,12 @@ TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
            // The dashed spelling other servers use reaches the same flag.
            {{address, metrics, "--model=" + *dir_, "--tensor-parallel=0"}, "tensor_parallel"},
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--devices=60,61"},
+#ifdef SPECD_WITH_CUDA
             "cuda:60 is not available"},
+#else
+            // A build configured with SPECD_CUDA=OFF says so instead.
+            "this build has no CUDA backend"},
+#endif
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=2", "--devices=0,x"},
             "--devices: entry 1"},
            {{"--address=nonsense", metrics, "--model=" + *dir_}, "--address"},
