@@ -3,8 +3,8 @@
 # ../shared/device/pack.sh (its library filter made to tolerate a binary whose libraries are
 # all skipped, which otherwise stops it under `set -e`), then keeps only what a GPU call runs --
 # tests/gpu binaries, CUDA benchmarks and the services, matched by KEEP (an extended regex over
-# paths under bin/) -- and tars the result into .device-x/pack.tgz (~35 MiB of the 64 MiB
-# that may travel).
+# paths under bin/) -- and tars the result into .device-x/pack.tgz (39-42 MiB with the default
+# KEEP, of the 64 MiB that may travel).
 #   tools/pack_device.sh [BUILD_DIR] [KEEP]
 # Then run with carry [".device-x"] and a command that starts
 #   mkdir -p .device && tar -xzf .device-x/pack.tgz -C .device && . .device/env.sh
