@@ -157,6 +157,14 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
   p.num_splits = plan.num_splits;
   p.chunks_per_cta = plan.chunks_per_cta;
+  // Experiment switches: BENCH_ATTN_UNSPLIT=1 runs one CTA per tile over every chunk;
+  // BENCH_ATTN_CPC=c gives each split CTA c chunks.
+  if (const char* e = std::getenv("BENCH_ATTN_UNSPLIT"); e != nullptr && e[0] == '1') {
+    p.num_splits = 1;
+    p.chunks_per_cta = 1;
+  } else if (const char* c = std::getenv("BENCH_ATTN_CPC"); c != nullptr && p.num_splits > 1) {
+    p.chunks_per_cta = std::max(1, std::min(p.num_splits, std::atoi(c)));
+  }
   p.workspace = ws;
   p.num_queries = num_queries;
   p.num_heads = kHeads;
@@ -169,7 +177,7 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   state.counters["kv_GBps"] = kv_bytes / 1e9 / sec;
   state.counters["splits"] = plan.num_splits;
   state.counters["ctas"] = double(plan.tile_begin.size()) * kKvHeads *
-                           ((plan.num_splits + plan.chunks_per_cta - 1) / plan.chunks_per_cta);
+                           ((p.num_splits + p.chunks_per_cta - 1) / p.chunks_per_cta);
   cudaStreamDestroy(stream);
   for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q),
                     static_cast<void*>(out), static_cast<void*>(d_tables), static_cast<void*>(d_qs),
