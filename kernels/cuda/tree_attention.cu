@@ -115,6 +115,14 @@ __device__ __forceinline__ int SelectBit(uint32_t x, int n) {
   return pos;
 }
 
+// 2^x with MUFU.EX2 alone (flushing subnormal results to zero: a probability below 2^-126 of
+// the row's largest). exp2f would add the range fix-ups around it on every score.
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // The lowest n set bits of x (all of them when n >= popc(x), none when n <= 0).
 __device__ __forceinline__ uint32_t LowestSetBits(uint32_t x, int n) {
   if (n <= 0) return 0u;
@@ -238,38 +246,57 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
       }
     }
   }
+  // Columns past a row's limit get -inf. Only a sub-chunk where some active row's limit falls
+  // inside it needs the test (a warp-uniform branch); in the common full sub-chunk no column is
+  // masked. Inactive rows keep whatever scores they have: their results are never stored.
+  const bool edge = (act[0] && lim[0] < R0 + kKeys) || (act[1] && lim[1] < R0 + kKeys);
+  if (__any_sync(kFullMask, edge)) {
 #pragma unroll
-  for (int n = 0; n < kKeys / 8; ++n) {
+    for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int rank = R0 + n * 8 + 2 * t4 + (e & 1);
-      sc[n][e] = rank < lim[e >> 1] ? __fmul_rn(sc[n][e], scale_log2) : -INFINITY;
+      for (int e = 0; e < 4; ++e) {
+        const int rank = R0 + n * 8 + 2 * t4 + (e & 1);
+        if (rank >= lim[e >> 1]) sc[n][e] = -INFINITY;
+      }
     }
   }
-  // Online softmax (base 2); the 4 threads of a quad share a row.
+  // Online softmax (base 2); the 4 threads of a quad share a row. The running max m is kept in
+  // scaled units. A max is exact in any order, so it is a tree over the raw scores; scaling by
+  // scale_log2 > 0 is monotone, so the scaled max is the max of the scaled scores. Each
+  // probability is ex2(s * scale_log2 - m) with one rounding (one FFMA), and a row's sum adds
+  // its 64 probabilities as a fixed pairwise tree.
   float alpha[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float mx = -INFINITY;
+    static_assert(kKeys == 64, "the max tree below");
+    float mx4[kKeys / 16];
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-      mx = fmaxf(mx, fmaxf(sc[n][2 * hr], sc[n][2 * hr + 1]));
+    for (int n = 0; n < kKeys / 16; ++n) {
+      mx4[n] = fmaxf(fmaxf(sc[2 * n][2 * hr], sc[2 * n][2 * hr + 1]),
+                     fmaxf(sc[2 * n + 1][2 * hr], sc[2 * n + 1][2 * hr + 1]));
     }
+    float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-    const float m_new = fmaxf(m[hr], mx);
+    const float m_new = fmaxf(m[hr], __fmul_rn(mx, scale_log2));
     // A row with no visible key keeps zeros; subtracting 0 instead of -inf avoids NaN.
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[hr] = exp2f(__fsub_rn(m[hr], m_use));
-    float row_sum = 0.0f;
+    const float neg_m = -m_use;
+    alpha[hr] = Ex2(__fsub_rn(m[hr], m_use));
+    float pair[kKeys / 8];
 #pragma unroll
     for (int n = 0; n < kKeys / 8; ++n) {
-      sc[n][2 * hr] = exp2f(__fsub_rn(sc[n][2 * hr], m_use));
-      sc[n][2 * hr + 1] = exp2f(__fsub_rn(sc[n][2 * hr + 1], m_use));
-      row_sum = __fadd_rn(row_sum, __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]));
+      sc[n][2 * hr] = Ex2(__fmaf_rn(sc[n][2 * hr], scale_log2, neg_m));
+      sc[n][2 * hr + 1] = Ex2(__fmaf_rn(sc[n][2 * hr + 1], scale_log2, neg_m));
+      pair[n] = __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]);
+    }
+#pragma unroll
+    for (int w = 1; w < kKeys / 8; w *= 2) {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; n += 2 * w) pair[n] = __fadd_rn(pair[n], pair[n + w]);
     }
     if (act[hr]) {
-      l[hr] = __fmaf_rn(l[hr], alpha[hr], row_sum);
+      l[hr] = __fmaf_rn(l[hr], alpha[hr], pair[0]);
       m[hr] = m_new;
     }
   }
@@ -1268,7 +1295,8 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
       p.max_blocks_per_seq <= 0 ||
       p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
       p.out_stride < p.num_heads * p.head_dim || p.out_stride % 2 != 0 ||
-      (p.mask == nullptr) != (p.mask_begin == nullptr)) {
+      (p.mask == nullptr) != (p.mask_begin == nullptr) ||
+      !(p.scale > 0.0f && p.scale < INFINITY)) {
     return cudaErrorInvalidValue;
   }
   if (p.num_queries == 0) return cudaSuccess;
