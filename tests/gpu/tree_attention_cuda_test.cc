@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -362,6 +363,7 @@ const Shape kShapes[] = {
     {4, 2, 32, 16},    // the reference draft model (models/pycoder-draft)
     {3, 1, 16, 16},    // the transformers fixtures (llama31, qwen2)
     {5, 1, 16, 8},     // group of 5 (the qwen3 fixture)
+    {8, 2, 128, 12},   // a block size that is not a power of two (the loads divide)
 };
 
 // Head sizes of the generic kernel (no MMA build): one to four dim pairs a lane, lanes partly
@@ -970,6 +972,21 @@ TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
     EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaSuccess) << head_dim << ", no queries";
     p.num_queries = 1;
   }
+  // The kernel takes the max of the raw scores as the max of the scaled ones, which needs a
+  // positive scale; and a key's offset within its block must fit 32 bits. With no queries a
+  // launch that passes its checks does nothing, so each refusal here is a check's.
+  p.num_queries = 0;
+  p.head_dim = 128;
+  p.q_stride = p.out_stride = 6 * 128;
+  for (float scale : {0.0f, -0.088f, std::numeric_limits<float>::quiet_NaN(),
+                      std::numeric_limits<float>::infinity()}) {
+    p.scale = scale;
+    EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue) << "scale " << scale;
+  }
+  p.scale = 0.088f;
+  EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaSuccess);
+  p.block_size = int64_t{1} << 23;  // 2^23 slots of 3 heads of 128: past 2^31 elements
+  EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
 }
 
 }  // namespace
