@@ -886,8 +886,9 @@ TEST_F(TreeAttentionCudaTest, HeadRangeParamsAreValidated) {
 }
 
 // The planner's chunks per CTA (host code: runs without a GPU too). One chunk a CTA while the
-// split fits one wave (a decode step: 8 KV heads x 17 chunks = 136 CTAs on 132 SMs); a 64-node
-// verify step's 5 tiles x 8 KV heads x 17 chunks (680 CTAs, 2.6 waves) fold into one wave.
+// split fits one wave (a decode step: 8 KV heads x 17 chunks = 136 CTAs on 132 SMs); 5 tiles x
+// 8 KV heads x 17 chunks (680 CTAs, 2.6 waves) fold into one wave. With 256-key chunks a 64-node
+// verify step at 2K keys has 9 chunks: 360 CTAs fold two chunks a CTA.
 TEST(TreeAttentionPlanTest, ChunksPerCtaFoldsLongSplitsIntoFewerWaves) {
   EXPECT_EQ(cuda::TreeAttentionChunksPerCta(1, 8, 17, 132), 1);
   const int verify = cuda::TreeAttentionChunksPerCta(5, 8, 17, 132);
@@ -908,30 +909,35 @@ TEST(TreeAttentionPlanTest, ChunksPerCtaFoldsLongSplitsIntoFewerWaves) {
   const cuda::TreeAttentionPlan plan =
       cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 65, 32, 8, 132);
   ASSERT_EQ(plan.tile_begin.size(), 5u);
-  EXPECT_EQ(plan.num_splits, 17);
-  EXPECT_EQ(plan.chunks_per_cta, 3);
+  static_assert(cuda::kTreeAttentionChunkKeys == 256, "the counts below");
+  EXPECT_EQ(plan.num_splits, 9);  // keys up to 2049 + 64
+  EXPECT_EQ(plan.chunks_per_cta, 2);
 }
 
 // Tiles that fill the SMs but not their resident slots still split when the waves of split CTAs
 // take less than every CTA walking all chunks; enough tiles to fill the slots do not.
 TEST(TreeAttentionPlanTest, SplitsWhenTheUnsplitLaunchLeavesSlotsIdle) {
   // A 256-node tree at context 2048 (queries: the pending token and the nodes), Llama-3.1-8B
-  // heads: 17 tiles x 8 KV heads = 136 CTAs on 132 SMs, 17 chunks each unsplit.
+  // heads: 17 tiles x 8 KV heads = 136 CTAs on 132 SMs, 10 chunks each unsplit.
   std::vector<int32_t> query_seq(257, 0), kv_end(257);
   for (int i = 0; i < 257; ++i) kv_end[i] = 2049 + i;
   cuda::TreeAttentionPlan plan =
       cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
   ASSERT_EQ(plan.tile_begin.size(), 17u);
-  EXPECT_EQ(plan.num_splits, 19);  // keys up to 2049 + 256
-  EXPECT_EQ(plan.chunks_per_cta, 4);  // 680 CTAs: 3 waves of 4 chunks instead of 1 of 19
+  EXPECT_EQ(plan.num_splits, 10);  // keys up to 2049 + 256
+  EXPECT_EQ(plan.chunks_per_cta, 2);  // 680 CTAs: 3 waves of 2 chunks instead of 1 of 10
   // 64 sequences decoding at context 2048: 512 CTAs, two waves of resident slots already.
   std::vector<int32_t> seqs(64), ends(64, 2048);
   for (int i = 0; i < 64; ++i) seqs[i] = i;
   plan = cuda::PlanTreeAttention(seqs.data(), ends.data(), 64, 32, 8, 132);
   ASSERT_EQ(plan.tile_begin.size(), 64u);
   EXPECT_EQ(plan.num_splits, 1);
-  // A workspace past the cap stays unsplit (256 nodes at 8192 keys: 65 chunks).
+  // 256 nodes at 8192 keys split (34 chunks: 36 M workspace floats); at 16384 keys the
+  // workspace would pass its cap (66 chunks, 71 M floats), so the launch stays unsplit.
   for (int i = 0; i < 257; ++i) kv_end[i] = 8193 + i;
+  plan = cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
+  EXPECT_EQ(plan.num_splits, 34);
+  for (int i = 0; i < 257; ++i) kv_end[i] = 16385 + i;
   plan = cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
   EXPECT_EQ(plan.num_splits, 1);
 }

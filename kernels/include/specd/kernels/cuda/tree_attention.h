@@ -63,10 +63,13 @@ namespace cuda {
 inline constexpr int kTreeAttentionMaskBits = 256;  // DESIGN.md: at most 256 tree nodes
 inline constexpr int kTreeAttentionMaskWords = kTreeAttentionMaskBits / 32;
 inline constexpr int kTreeAttentionTileRows = 64;
-// Keys per chunk. 128 keys (two 64-key stages): a batch-1 decode at 2K context gives 16 chunks
-// per KV head (128 CTAs for 8 KV heads, one wave on an H200's 132 SMs), while the per-chunk
-// merge and the split workspace stay small.
-inline constexpr int kTreeAttentionChunkKeys = 128;
+// Keys per chunk: four 64-key sub-chunks. Every chunk's state goes through the split workspace
+// and the combine kernel's merge, so fewer, longer chunks make verify steps cheaper (a 64-node
+// tree at 2K keys: 9 chunk states a row instead of 17), at the price of fewer CTAs for a batch-1
+// decode at short contexts (8 KV heads x 9 chunks = 72 CTAs at 2K). Measured on an H200 against
+// 128 keys (bench/RESULTS.md, seventh run): the 64-node 8B step 6.6% faster, decode at 2K 2-4%
+// slower, attention at 8K keys ~20% faster for decode and verify alike.
+inline constexpr int kTreeAttentionChunkKeys = 256;
 // The largest head_dim TreeAttentionCuda accepts: the largest that FlashAttention and vLLM serve
 // (Gemma's 256); beyond it a lane of the generic kernel would hold more than four dim pairs.
 inline constexpr int kTreeAttentionMaxHeadDim = 256;
