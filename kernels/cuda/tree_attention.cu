@@ -1032,12 +1032,12 @@ cudaError_t Launch(const TreeAttentionParams& p, cudaStream_t stream) {
 // warp reads only its query's vector, kv_end, mask and block-table row. It follows the MMA
 // kernel's structure where that is cheap: keys by rank in the query's own key order, in the same
 // 64-rank sub-chunks and kTreeAttentionChunkKeys-rank chunks; per sub-chunk an online-softmax
-// update of the same form (base 2, scores scaled by scale * log2(e), p = exp2(s - m) summed in
-// fp32 into l, probabilities rounded to bf16 before P V, whose products are summed in fp32 into
-// fresh accumulators and then folded in as o = o * alpha + pv); each chunk a fresh softmax,
-// merged in chunk order with MergeWeights;
-// out = o * (1 / l) rounded to bf16. Scores are fp32 FMAs over the dims in order instead of MMAs,
-// so the bits are not the MMA kernel's (a model runs one kernel or the other, never both). It
+// update (base 2, scores scaled by scale * log2(e), p = exp2(s - m) summed in fp32 into l,
+// probabilities rounded to bf16 before P V, whose products are summed in fp32 into fresh
+// accumulators and then folded in as o = o * alpha + pv); each chunk a fresh softmax, merged in
+// chunk order with MergeWeights; out = o * (1 / l) rounded to bf16. Scores are fp32 FMAs over
+// the dims in order instead of MMAs, and the softmax's roundings are its own, so the bits are
+// not the MMA kernel's (a model runs one kernel or the other, never both). It
 // never splits the key range: the tiles, num_splits, chunks_per_cta and the workspace are not
 // read.
 //
