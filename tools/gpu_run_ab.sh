@@ -11,6 +11,7 @@
 # Needs the random 8B checkpoint (tools/bench/make_random_checkpoint.py; written here when
 # missing). Prints each run's table rows prefixed by its label, round and TP.
 set -u
+. "$(dirname "${BASH_SOURCE[0]}")/ab_config.sh"
 dev=.device tps="1" rounds=2 runs=9 contexts=2048 trees=64 model=/tmp/specd-8b
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,17 +36,7 @@ fi
 for round in $(seq 1 "$rounds"); do
   for tp in $tps; do
     for config in "$@"; do
-      label=${config%%@*}
-      vars=()
-      rest=${config#"$label"}
-      IFS='@' read -r -a parts <<< "${rest#@}"
-      bench=$dev/bin/bench/cuda_step_bench
-      for part in "${parts[@]}"; do
-        case "$part" in
-          BENCH=*) bench=${part#BENCH=} ;;
-          ?*) vars+=("$part") ;;
-        esac
-      done
+      parse_ab_config "$config" "$dev/bin/bench/cuda_step_bench"
       echo "# $label round $round TP=$tp: $bench ${vars[*]:-(defaults)}"
       env "${vars[@]}" timeout 200 "$bench" --model "$model" --tp "$tp" \
         --custom_bytes -1 --graphs on --runs "$runs" --contexts "$contexts" --trees "$trees" 2>&1 |

@@ -9,6 +9,7 @@
 # Prints one line per case and round: label, round, case, median µs (of 3 repetitions), and the
 # case's split and CTA counters.
 set -u
+. "$(dirname "${BASH_SOURCE[0]}")/ab_config.sh"
 dev=.device rounds=2
 filter='DecodeAttention/batch:1/context:(2048|8192)/masks:0|VerifyAttention/nodes:(16|64|256)/context:2048|VerifyAttention/nodes:64/context:8192'
 while [ $# -gt 0 ]; do
@@ -25,17 +26,7 @@ done
 [ -f "$dev/env.sh" ] && . "$dev/env.sh"
 for round in $(seq 1 "$rounds"); do
   for config in "$@"; do
-    label=${config%%@*}
-    vars=()
-    rest=${config#"$label"}
-    IFS='@' read -r -a parts <<< "${rest#@}"
-    bench=$dev/bin/bench/cuda_kernels_bench
-    for part in "${parts[@]}"; do
-      case "$part" in
-        BENCH=*) bench=${part#BENCH=} ;;
-        ?*) vars+=("$part") ;;
-      esac
-    done
+    parse_ab_config "$config" "$dev/bin/bench/cuda_kernels_bench"
     # Median rows look like: BM_<case>/min_time:0.050/manual_time_median <ns> ... splits=17 ...
     env "${vars[@]}" timeout 300 "$bench" --benchmark_filter="$filter" --benchmark_repetitions=3 \
       --benchmark_report_aggregates_only=true 2>&1 |
