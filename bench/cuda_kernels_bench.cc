@@ -175,7 +175,7 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
       TimeLaunches(state, stream, [&] { Check(cuda::TreeAttentionCuda(p, stream), "attention"); });
   const double kv_bytes = double(batch) * per_seq_keys * kv_dim * 2 * sizeof(bf16);
   state.counters["kv_GBps"] = kv_bytes / 1e9 / sec;
-  state.counters["splits"] = plan.num_splits;
+  state.counters["splits"] = p.num_splits;
   state.counters["ctas"] = double(plan.tile_begin.size()) * kKvHeads *
                            ((p.num_splits + p.chunks_per_cta - 1) / p.chunks_per_cta);
   cudaStreamDestroy(stream);
