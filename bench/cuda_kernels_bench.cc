@@ -82,10 +82,12 @@ double TimeLaunches(benchmark::State& state, cudaStream_t stream, F&& launch) {
 // one token (decode) or a tree of `nodes` nodes below one pending token: random parents (kRandom),
 // a chain (kChain: each node's parent is the one before, so every query's keys are contiguous
 // slots and the kernel needs no window loads) or a star (kStar: every node hangs from the first,
-// so nearly every query needs a window). Without `masks` the mask pointers are null (allowed
+// so nearly every query needs a window) or 4-ary (kQuad: four roots below the pending token, node
+// j > 3 below node j / 4 - 1, breadth first: the top-k draft tree that cuda_step_bench verifies).
+// Without `masks` the mask pointers are null (allowed
 // without trees, and for a chain, whose keys the masks do not change; the kernel is then built
 // without the tree machinery).
-enum TreeShape { kRandom = 0, kChain = 1, kStar = 2 };
+enum TreeShape { kRandom = 0, kChain = 1, kStar = 2, kQuad = 3 };
 void RunAttention(benchmark::State& state, int batch, int context, int nodes, bool masks = true,
                   TreeShape shape = kRandom) {
   std::mt19937_64 rng(1);
@@ -107,6 +109,7 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
       const int parent = j == 0              ? -1
                          : shape == kChain ? j - 1
                          : shape == kStar  ? 0
+                         : shape == kQuad  ? (j < 4 ? -1 : j / 4 - 1)
                                            : static_cast<int>(rng() % j);
       if (parent >= 0) anc[j] = anc[parent];
       anc[j].push_back(j);
@@ -207,8 +210,8 @@ BENCHMARK(BM_VerifyAttention)
     ->MinTime(0.05);
 
 // Where a verify step's attention time goes: the same node count as a random tree, a chain (no
-// window loads; with masks, and without them as a prefill of the same tokens would run) and a
-// star (a window for nearly every node).
+// window loads; with masks, and without them as a prefill of the same tokens would run), a star
+// (a window for nearly every node) and the step benchmark's 4-ary tree.
 void BM_VerifyAttentionShape(benchmark::State& state) {
   const TreeShape shape = static_cast<TreeShape>(state.range(2));
   const bool masks = state.range(3) != 0;
@@ -225,10 +228,12 @@ BENCHMARK(BM_VerifyAttentionShape)
     ->Args({64, 2048, kChain, 1})
     ->Args({64, 2048, kChain, 0})
     ->Args({64, 2048, kStar, 1})
+    ->Args({64, 2048, kQuad, 1})
     ->Args({256, 2048, kRandom, 1})
     ->Args({256, 2048, kChain, 1})
     ->Args({256, 2048, kChain, 0})
     ->Args({256, 2048, kStar, 1})
+    ->Args({256, 2048, kQuad, 1})
     ->UseManualTime()
     ->MinTime(0.05);
 
