@@ -300,47 +300,38 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
       m[hr] = m_new;
     }
   }
-  // P V into fresh accumulators, then O = O * alpha + P V for the active rows. The score
+  // O = O * alpha, then P V accumulated straight into O by the MMAs: every 8-dim tile of O is
+  // its own accumulation chain over the k-steps in order, so the 16 chains (HD = 128) are
+  // independent of each other. An inactive row keeps its O: its alpha is 1 and its P row is
+  // zeros, and an MMA adds exact zeros (V is finite: a key or the zero row). The score
   // accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of the k-step kk; the B
   // fragments of two 8-dim tiles come from one transposed ldmatrix of V's 16 key rows (lanes
   // 0-15: dims j*8.., lanes 16-31: dims (j+1)*8..).
   uint32_t pa[kKeys / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kKeys / 16; ++kk) {
-    pa[kk][0] = PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-    pa[kk][1] = PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-    pa[kk][2] = PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-    pa[kk][3] = PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    pa[kk][0] = act[0] ? PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]) : 0u;
+    pa[kk][1] = act[1] ? PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]) : 0u;
+    pa[kk][2] = act[0] ? PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]) : 0u;
+    pa[kk][3] = act[1] ? PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]) : 0u;
   }
-  const bf16* vrow[kKeys / 16];
 #pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk)
-    vrow[kk] = val_row(kk * 16 + (lane & 15)) + (lane >> 4) * 8;
-  // Four 8-dim tiles at a time (two at HD = 16): four independent accumulation chains, each
-  // over the k-steps in order.
-  constexpr int kTilesAtOnce = HD / 8 >= 4 ? 4 : 2;
+  for (int j = 0; j < HD / 8; ++j) {
 #pragma unroll
-  for (int j = 0; j < HD / 8; j += kTilesAtOnce) {
-    float pv[kTilesAtOnce][4];
-#pragma unroll
-    for (int u = 0; u < kTilesAtOnce; ++u) pv[u][0] = pv[u][1] = pv[u][2] = pv[u][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      if (kk * 16 < cnt) {
-#pragma unroll
-        for (int u = 0; u < kTilesAtOnce; u += 2) {
-          uint32_t b0, b1, b2, b3;
-          LdMatrixX4Trans(vrow[kk] + (j + u) * 8, b0, b1, b2, b3);
-          Mma16816(pv[u], pa[kk], b0, b1);
-          Mma16816(pv[u + 1], pa[kk], b2, b3);
-        }
-      }
+    for (int e = 0; e < 4; ++e) {
+      if (act[e >> 1]) o[j][e] = __fmul_rn(o[j][e], alpha[e >> 1]);
     }
+  }
 #pragma unroll
-    for (int u = 0; u < kTilesAtOnce; ++u) {
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    if (kk * 16 < cnt) {
+      const bf16* vrow = val_row(kk * 16 + (lane & 15)) + (lane >> 4) * 8;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (act[e >> 1]) o[j + u][e] = __fmaf_rn(o[j + u][e], alpha[e >> 1], pv[u][e]);
+      for (int j = 0; j < HD / 8; j += 2) {
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4Trans(vrow + j * 8, b0, b1, b2, b3);
+        Mma16816(o[j], pa[kk], b0, b1);
+        Mma16816(o[j + 1], pa[kk], b2, b3);
       }
     }
   }
