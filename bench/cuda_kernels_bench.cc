@@ -137,6 +137,8 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   int32_t *d_qs = Upload(query_seq), *d_end = Upload(kv_end), *d_mb = Upload(mask_begin);
   uint32_t* d_mask = Upload(mask);
   int32_t *d_tb = Upload(plan.tile_begin), *d_te = Upload(plan.tile_end);
+  // As the engine sets it: the committed prefix of each sequence was written before the step.
+  int32_t* d_stable = Upload(std::vector<int32_t>(batch, context));
   float* ws = Alloc<float>(
       cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries, kHeads, kHeadDim));
   cudaStream_t stream;
@@ -155,6 +157,9 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   p.kv_end = d_end;
   p.mask_begin = masks ? d_mb : nullptr;
   p.mask = masks ? d_mask : nullptr;
+  // BENCH_ATTN_NO_EARLY=1: no kv_stable_end, so the first load waits for the PDL wait.
+  const char* no_early = std::getenv("BENCH_ATTN_NO_EARLY");
+  p.kv_stable_end = no_early != nullptr && no_early[0] == '1' ? nullptr : d_stable;
   p.tile_begin = d_tb;
   p.tile_end = d_te;
   p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
@@ -185,7 +190,8 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q),
                     static_cast<void*>(out), static_cast<void*>(d_tables), static_cast<void*>(d_qs),
                     static_cast<void*>(d_end), static_cast<void*>(d_mb), static_cast<void*>(d_mask),
-                    static_cast<void*>(d_tb), static_cast<void*>(d_te), static_cast<void*>(ws)}) {
+                    static_cast<void*>(d_tb), static_cast<void*>(d_te), static_cast<void*>(d_stable),
+                    static_cast<void*>(ws)}) {
     cudaFree(ptr);
   }
 }

@@ -845,9 +845,13 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
   step->max_blocks =
       step->padded ? std::max<int64_t>(8, NextPow2(max_blocks)) : max_blocks;
   std::vector<int32_t> block_tables(step->batch * step->max_blocks, 0);
+  // Per block-table row, the slots written before this step (attention may
+  // load them while RoPE writes the step's own slots); padding rows none.
+  std::vector<int32_t> kv_stable(step->batch, 0);
   for (int64_t b = 0; b < num_items; ++b) {
     std::copy(batch.seqs[b]->blocks.begin(), batch.seqs[b]->blocks.end(),
               block_tables.begin() + b * step->max_blocks);
+    kv_stable[b] = static_cast<int32_t>(batch.seqs[b]->committed);
   }
   const int64_t kv_group = c.num_heads / c.num_kv_heads;
   cuda::TreeAttentionPlan plan =
@@ -893,6 +897,7 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
   step->o_rows = pack->Add(rows);
   step->o_tile_begin = pack->Add(plan.tile_begin);
   step->o_tile_end = pack->Add(plan.tile_end);
+  step->o_kv_stable = pack->Add(kv_stable);
   return absl::OkStatus();
 }
 
@@ -1073,6 +1078,7 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.mask = step.tree_masks ? At<uint32_t>(meta, step.o_mask) : nullptr;
     ap.tile_begin = At<int32_t>(meta, step.o_tile_begin);
     ap.tile_end = At<int32_t>(meta, step.o_tile_end);
+    ap.kv_stable_end = At<int32_t>(meta, step.o_kv_stable);
     ap.num_tiles = step.num_tiles;
     ap.num_splits = step.num_splits;
     ap.chunks_per_cta = step.chunks_per_cta;
@@ -1269,6 +1275,7 @@ absl::Status CudaBackend::Execute(const Step &step) {
                                     static_cast<int64_t>(step.o_rows),
                                     static_cast<int64_t>(step.o_tile_begin),
                                     static_cast<int64_t>(step.o_tile_end),
+                                    static_cast<int64_t>(step.o_kv_stable),
                                     static_cast<int64_t>(step.o_row_params),
                                     static_cast<int64_t>(step.o_sample_offset),
                                     static_cast<int64_t>(step.o_node_offset),

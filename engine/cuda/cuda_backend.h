@@ -193,7 +193,7 @@ private:
     std::vector<int64_t> item_row_begin; // first logit row of each item
     size_t o_tokens = 0, o_positions = 0, o_query_seq = 0, o_kv_end = 0,
            o_mask_begin = 0, o_mask = 0, o_slots = 0, o_tables = 0, o_rows = 0,
-           o_tile_begin = 0, o_tile_end = 0;
+           o_tile_begin = 0, o_tile_end = 0, o_kv_stable = 0;
     size_t o_row_params = 0, o_sample_offset = 0, o_node_offset = 0,
            o_num_nodes = 0, o_tree_tokens = 0, o_tree_parents = 0,
            o_seq_rows = 0, o_base_slot = 0, o_sampled = 0, o_out = 0;

@@ -68,8 +68,8 @@ struct __align__(16) AttnSmem {
   uint32_t win_union[kMaskWords];
   int32_t win_mb;
   int32_t win_groups;
-  // The tile's summary (see the kernel).
-  int32_t max_keys, plain_end, plain_bound, irr_begin, irr_end;
+  // The tile's summary (see the kernel), and its sequence's kv_stable_end (0 without one).
+  int32_t max_keys, plain_end, plain_bound, irr_begin, irr_end, stable_end;
 };
 
 // The merged state of the chunks done so far when a CTA walks all chunks: thread t's
@@ -422,8 +422,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
       reinterpret_cast<float2(*)[2][kThreads]>(smem_raw + sizeof(AttnSmem<HD>));
   // Launched as a programmatic dependent of RoPE (LaunchPdl). Until PdlWait below, the kernel
   // reads only the step's metadata (tiles, block tables, kv_end, masks), which the host uploaded
-  // before the step's first kernel, so that its setup overlaps RoPE; q and the cache are RoPE's
-  // outputs and wait.
+  // before the step's first kernel, and cache slots below kv_stable_end, so that its setup and
+  // first load overlap RoPE; q and the step's own slots are RoPE's outputs and wait.
   const int tile = blockIdx.x;
   const int kvh = blockIdx.y;
   const int tid = threadIdx.x;
@@ -482,6 +482,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   for (int i = tid; i < (HD + 8) / 2; i += kThreads) {
     reinterpret_cast<uint32_t*>(s.zero_row)[i] = 0u;
   }
+  // Read here, beside the other metadata, so that its latency overlaps theirs.
+  if (tid == kThreads - 1) {
+    s.stable_end = p.kv_stable_end != nullptr ? p.kv_stable_end[p.query_seq[q0]] : 0;
+  }
 
   const int r0 = warp * 16 + g;
   const int r1 = r0 + 8;
@@ -538,25 +542,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const int plain_bound = s.plain_bound;
   const int irr_begin = s.irr_begin;
   const int irr_end = s.irr_end;
-  internal::PdlWait();
-  // Split: the combine kernel (a programmatic dependent) is scheduled over this one's tail.
-  if constexpr (kSplit) internal::PdlTrigger();
-  // The A fragments of the rows' query vectors (zeros for padding rows); a window pass re-reads
-  // them (LoadQueryFragments) rather than taking these.
-  const bf16* q_row0 =
-      ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
-          : nullptr;
-  const bf16* q_row1 =
-      ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
-          : nullptr;
-  uint32_t qf[HD / 16][4];
-  LoadQueryFragments<HD>(q_row0, q_row1, t4, qf);
   const int chunk_first = kSplit ? static_cast<int>(blockIdx.z) * p.chunks_per_cta : 0;
   const int chunk_last = kSplit ? min(chunk_first + p.chunks_per_cta, p.num_splits)
                                 : (max_keys + kChunk - 1) / kChunk;
   const int sub_limit = chunk_last * kSub;  // the CTA's sub-chunks end here
   const float scale_log2 = p.scale * kLog2e;
-
   const bf16* k_head = p.k_cache + kvh * HD;
   const bf16* v_head = p.v_cache + kvh * HD;
   const int block_size = static_cast<int>(p.block_size);
@@ -620,7 +610,32 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
       CpAsync16(&st.v[key][piece * 8], v_piece + off, valid);
     }
   };
-  int prefetched = -1;  // the plain sub-chunk whose load was issued ahead of its job
+  int issued = -1;  // the last plain job whose load was issued
+  // The CTA's first job may load before the wait when it is plain and every slot it reads was
+  // written before the step began (below kv_stable_end): RoPE, which this kernel waits for, writes
+  // only the step's own slots, and the rest of the cache was complete before the step's first
+  // GEMM. The load then overlaps RoPE instead of stalling the first job.
+  if (const int sub0 = chunk_first * kSub;
+      sub0 < min(plain_end, sub_limit) &&
+      min(sub0 * kKeys + kKeys, plain_bound) <= s.stable_end) {
+    issue_plain(sub0);
+    CpAsyncCommit();
+    issued = sub0;
+  }
+  internal::PdlWait();
+  // Split: the combine kernel (a programmatic dependent) is scheduled over this one's tail.
+  if constexpr (kSplit) internal::PdlTrigger();
+  // The A fragments of the rows' query vectors (zeros for padding rows); a window pass re-reads
+  // them (LoadQueryFragments) rather than taking these.
+  const bf16* q_row0 =
+      ok0 ? p.q + (q0 + r0 / nh) * p.q_stride + (h_lo + r0 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
+  const bf16* q_row1 =
+      ok1 ? p.q + (q0 + r1 / nh) * p.q_stride + (h_lo + r1 % nh) * static_cast<int64_t>(HD)
+          : nullptr;
+  uint32_t qf[HD / 16][4];
+  LoadQueryFragments<HD>(q_row0, q_row1, t4, qf);
+
   for (int chunk = chunk_first; chunk < chunk_last; ++chunk) {
     // This chunk's online softmax, from scratch.
     float o[HD / 8][4];
@@ -635,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
     const int win_last = kTrees ? min(sub_first + kSub, irr_end) : win_first;
 
     for (int sub = sub_first; sub < plain_last; ++sub) {
-      if (prefetched != sub) {
+      if (issued < sub) {
         issue_plain(sub);
         CpAsyncCommit();
       }
@@ -645,7 +660,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
       const int next = sub + 1;
       if (next < min(plain_end, sub_limit) && (next < plain_last || win_first >= win_last)) {
         issue_plain(next);
-        prefetched = next;
+        issued = next;
       }
       CpAsyncCommit();
       CpAsyncWait<1>();

@@ -232,6 +232,28 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
             << "forced splits " << force_splits << " changed bits";
       }
     }
+    // kv_stable_end (each sequence's committed prefix, as the engine passes it; then all of a
+    // sequence's keys, and none) lets the MMA kernel load its first job before the PDL wait: the
+    // same bits, unsplit, split and several chunks a CTA.
+    for (int which = 0; which < 3; ++which) {
+      // Sequence i has block-table row size - 1 - i (BuildBatch).
+      stable_end_.assign(seqs.size(), 0);
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        const SeqSpec& q = seqs[i];
+        const int all = q.committed + q.chain + static_cast<int>(q.tree_parents.size());
+        stable_end_[seqs.size() - 1 - i] = which == 0 ? q.committed : which == 1 ? all : 0;
+      }
+      for (int force_splits : {1, 0, -2}) {
+        const std::vector<float> got =
+            RunGpu(sh, force_splits, b.q, b.q_stride, b.k_cache, b.v_cache, b.tables,
+                   b.max_blocks, b.query_seq, b.kv_end, b.mask_begin, b.mask, scale);
+        EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(float)))
+            << "kv_stable_end case " << which << ", forced splits " << force_splits
+            << ": bits differ (heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim "
+            << sh.head_dim << ")";
+      }
+    }
+    stable_end_.clear();
     // The generic kernel reads no tiles, split fields or workspace: without them (null, 1), the
     // same bits.
     if (!cuda::TreeAttentionUsesMmaKernel(sh.head_dim)) {
@@ -303,6 +325,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     DeviceBuffer<int32_t> d_tables(tables), d_query_seq(query_seq), d_kv_end(kv_end),
         d_mask_begin(mask_begin), d_tile_begin(plan.tile_begin), d_tile_end(plan.tile_end);
     DeviceBuffer<uint32_t> d_mask(mask);
+    DeviceBuffer<int32_t> d_stable(stable_end_.empty() ? std::vector<int32_t>{0} : stable_end_);
     DeviceBuffer<float> d_ws(
         std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries,
                                                                 sh.num_heads, sh.head_dim)));
@@ -320,6 +343,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     p.kv_end = d_kv_end.get();
     p.mask_begin = d_mask_begin.get();
     p.mask = d_mask.get();
+    p.kv_stable_end = stable_end_.empty() ? nullptr : d_stable.get();
     p.tile_begin = d_tile_begin.get();
     p.tile_end = d_tile_end.get();
     p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
@@ -352,6 +376,8 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
   }
 
   bool drop_tiles_ = false;
+  // Per sequence (block-table row), passed as kv_stable_end when not empty.
+  std::vector<int32_t> stable_end_;
 };
 
 const Shape kShapes[] = {

@@ -94,6 +94,11 @@ struct TreeAttentionParams {
   // [num_queries, kTreeAttentionMaskWords] uint32, device; bit b of word b / 32 is slot
   // mask_begin + b. Null exactly when mask_begin is.
   const uint32_t* mask = nullptr;
+  // [rows of block_tables] int32, device, optional: per sequence, slots below this one were all
+  // written before the step's first kernel (its committed prefix; the step's own slots, which
+  // RoPE writes, lie at or above it). The MMA kernel may then load those slots before its
+  // programmatic-dependency wait, overlapping RoPE. Null: it waits first. Results are the same.
+  const int32_t* kv_stable_end = nullptr;
   // [num_tiles] int32, device: query ranges [tile_begin, tile_end) from PlanTreeAttention with
   // the same head counts and kv_group (a tile holds at most 64 / kv_group queries). MMA kernel
   // only: the generic kernel ignores the tiles and the split fields below (they may be left as
