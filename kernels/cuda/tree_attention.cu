@@ -302,7 +302,7 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
   }
   // O = O * alpha, then P V accumulated straight into O by the MMAs: every 8-dim tile of O is
   // its own accumulation chain over the k-steps in order, so the 16 chains (HD = 128) are
-  // independent of each other. An inactive row keeps its O: its alpha is 1 and its P row is
+  // independent of each other. An inactive row keeps its O: it is not scaled, its P row is
   // zeros, and an MMA adds exact zeros (V is finite: a key or the zero row). The score
   // accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of the k-step kk; the B
   // fragments of two 8-dim tiles come from one transposed ldmatrix of V's 16 key rows (lanes
