@@ -569,8 +569,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   // Thread t copies piece t % kPieces of keys t / kPieces + kKeyStep * it. The loop issues every
   // block-table read before any copy, so that their latencies overlap instead of each copy
   // waiting for its own, and a key's element offset is its block's base (entry * blk_elems) plus
-  // its row in the block: a plain job issues ~12 instructions a copy where the generic phys()
-  // took ~50 (ncu: the loads' issue was about a quarter of a verify step's attention).
+  // its row in the block. ncu's SASS counters (bench/RESULTS.md, eighth run) put this at ~38
+  // instructions a K/V copy pair, where the generic phys() took ~50 (seventh run: the loads'
+  // issue was then about a quarter of a verify step's attention).
   constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
   constexpr int kCopies = kKeys * kPieces / kThreads;
   constexpr int kKeyStep = kThreads / kPieces;
