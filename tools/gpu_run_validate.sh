@@ -59,8 +59,8 @@ if [ $attn -eq 1 ]; then
 fi
 if [ $step -eq 1 ]; then
   while [ ! -f "$out/.checkpoint.done" ]; do sleep 1; done
-  bash "$here/gpu_run_ab.sh" --dev "$dev" --rounds "$step_rounds" --runs 9 --contexts 2048 \
-    --trees "$trees" "prev@BENCH=$prev/cuda_step_bench_prev" new "$@" \
+  bash "$here/gpu_run_ab.sh" --dev "$dev" --model "$model" --rounds "$step_rounds" --runs 9 \
+    --contexts 2048 --trees "$trees" "prev@BENCH=$prev/cuda_step_bench_prev" new "$@" \
     > "$out/step_ab.txt" 2>&1
   # Grouped by tree size, then in run order (configuration and round).
   grep -E '\| (decode|[0-9]+) \| [0-9.]+ \|' "$out/step_ab.txt" | sort -k13,13 -s
