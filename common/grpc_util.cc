@@ -1,12 +1,12 @@
 #include "common/grpc_util.h"
 
 #include <chrono>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/health_check_service_interface.h"
 
 namespace specd {
 
@@ -95,11 +95,14 @@ std::shared_ptr<grpc::Channel> CreateServiceChannel(const std::string& address) 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options) {
   absl::StatusOr<HostPort> hp = ParseHostPort(options.address);
   if (!hp.ok()) return hp.status();
-  // Both are process-wide switches read when a builder is made, so set them first.
-  grpc::EnableDefaultHealthCheckService(true);
+  // Both are process-wide switches read when a builder is made, so set them first. gRPC's own
+  // health service is off: it answers SERVING before SetServing(false) can reach it (see
+  // common/health_service.h); ours is registered below.
+  grpc::EnableDefaultHealthCheckService(false);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   std::unique_ptr<GrpcServer> out(new GrpcServer());
+  out->health_ = std::make_unique<HealthService>(options.health_service_names);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &out->port_);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
@@ -114,29 +117,24 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   for (grpc::Service* service : options.services) builder.RegisterService(service);
+  builder.RegisterService(out->health_.get());
   out->server_ = builder.BuildAndStart();
   if (out->server_ == nullptr || out->port_ == 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.address, " (address in use or not local?)"));
   }
-  out->service_names_ = options.health_service_names;
-  out->SetServing(false);
   return out;
 }
 
 GrpcServer::~GrpcServer() { Shutdown(0); }
 
-void GrpcServer::SetServing(bool serving) {
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  if (health == nullptr) return;
-  health->SetServingStatus(serving);
-  health->SetServingStatus("", serving);
-  for (const std::string& name : service_names_) health->SetServingStatus(name, serving);
-}
+void GrpcServer::SetServing(bool serving) { health_->SetServing(serving); }
 
 void GrpcServer::Shutdown(int grace_ms) {
   if (shut_down_ || server_ == nullptr) return;
   shut_down_ = true;
+  // NOT_SERVING first, and open Watch streams end now instead of at the deadline.
+  health_->Shutdown();
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
   server_->Wait();
 }

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/health_service.h"
 #include "grpcpp/grpcpp.h"
 #include "specd/v1/generation.pb.h"
 #include "specd/v1/tree.pb.h"
@@ -69,8 +70,9 @@ struct GrpcServerOptions {
   std::vector<std::string> health_service_names;
 };
 
-// A started server with the grpc.health.v1 health service and server reflection. Health starts
-// NOT_SERVING; call SetServing(true) once the model is loaded.
+// A started server with the grpc.health.v1 health service (common/health_service.h) and server
+// reflection. Health answers NOT_SERVING from its first call; call SetServing(true) once the
+// model is loaded.
 class GrpcServer {
  public:
   static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const GrpcServerOptions& options);
@@ -89,8 +91,9 @@ class GrpcServer {
  private:
   GrpcServer() = default;
 
+  // Declared before server_ so that it outlives the server's calls into it.
+  std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
-  std::vector<std::string> service_names_;
   int port_ = 0;
   bool shut_down_ = false;
 };

@@ -1,14 +1,18 @@
 // The shared service plumbing on its own: the /metrics listener over real HTTP on loopback,
 // the Prometheus text it serves (checked by promtool when installed), status mapping, address
-// parsing, and the metric-text parser the integration tests rely on.
+// parsing, the health service (Check and Watch), and the metric-text parser the integration
+// tests rely on.
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "gmock/gmock.h"
@@ -167,6 +171,120 @@ TEST(GrpcUtil, ServerStartsNotServingThenServes) {
   EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_EQ(check("specd.v1.Verifier"), grpc::health::v1::HealthCheckResponse::SERVING);
   (*server)->Shutdown(0);
+}
+
+TEST(GrpcUtil, UnknownHealthServiceIsNotFound) {
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
+      GrpcServer::Start({"127.0.0.1:0", {}, {"specd.v1.Verifier"}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = grpc::health::v1::Health::NewStub(
+      CreateServiceChannel(absl::StrCat("127.0.0.1:", (*server)->port())));
+  grpc::ClientContext ctx;
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service("specd.v1.Drafter");
+  grpc::health::v1::HealthCheckResponse resp;
+  const grpc::Status st = stub->Check(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("specd.v1.Drafter"));
+}
+
+// Watch streams report the current status at once, then every change; at shutdown they get
+// NOT_SERVING and end with OK, so they do not hold the server open until its deadline.
+TEST(GrpcUtil, HealthWatchFollowsServingUntilShutdown) {
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
+      GrpcServer::Start({"127.0.0.1:0", {}, {"specd.v1.Verifier"}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = grpc::health::v1::Health::NewStub(
+      CreateServiceChannel(absl::StrCat("127.0.0.1:", (*server)->port())));
+  using Response = grpc::health::v1::HealthCheckResponse;
+  struct Watch {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<Response>> reader;
+    Response Next() {
+      Response r;
+      EXPECT_TRUE(reader->Read(&r));
+      return r;
+    }
+  };
+  auto watch = [&](const std::string& service) {
+    auto w = std::make_unique<Watch>();
+    w->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    w->reader = stub->Watch(&w->ctx, req);
+    return w;
+  };
+  std::unique_ptr<Watch> all = watch(""), verifier = watch("specd.v1.Verifier"),
+                         unknown = watch("specd.v1.Drafter");
+  EXPECT_EQ(all->Next().status(), Response::NOT_SERVING);
+  EXPECT_EQ(verifier->Next().status(), Response::NOT_SERVING);
+  EXPECT_EQ(unknown->Next().status(), Response::SERVICE_UNKNOWN);
+  (*server)->SetServing(true);
+  EXPECT_EQ(all->Next().status(), Response::SERVING);
+  EXPECT_EQ(verifier->Next().status(), Response::SERVING);
+  // No change, nothing sent: the next reads are the change after it. (Two changes within one
+  // write's flight may be merged into the latest, so each change is read before the next.)
+  (*server)->SetServing(true);
+  (*server)->SetServing(false);
+  EXPECT_EQ(all->Next().status(), Response::NOT_SERVING);
+  EXPECT_EQ(verifier->Next().status(), Response::NOT_SERVING);
+  (*server)->SetServing(true);
+  EXPECT_EQ(all->Next().status(), Response::SERVING);
+  EXPECT_EQ(verifier->Next().status(), Response::SERVING);
+
+  const absl::Time before = absl::Now();
+  (*server)->Shutdown(/*grace_ms=*/10000);
+  EXPECT_LT(absl::Now() - before, absl::Seconds(5)) << "open Watch streams held the shutdown";
+  EXPECT_EQ(all->Next().status(), Response::NOT_SERVING);
+  Response r;
+  EXPECT_FALSE(all->reader->Read(&r));
+  EXPECT_TRUE(all->reader->Finish().ok());
+  EXPECT_EQ(verifier->Next().status(), Response::NOT_SERVING);
+  EXPECT_FALSE(verifier->reader->Read(&r));
+  EXPECT_TRUE(verifier->reader->Finish().ok());
+  EXPECT_FALSE(unknown->reader->Read(&r));
+  EXPECT_TRUE(unknown->reader->Finish().ok());
+}
+
+// A client polling while the server comes up (a readiness probe, a test waiting for a child
+// service) must never see SERVING before SetServing(true). gRPC's built-in health service
+// answered SERVING in the moment between listening and being told otherwise; under CI load
+// that let a test send work to a verify service that was still loading.
+TEST(GrpcUtil, HealthIsNeverServingBeforeSetServing) {
+  for (int round = 0; round < 10; ++round) {
+    const int port = PickFreePort();
+    ASSERT_GT(port, 0);
+    const std::string address = absl::StrCat("127.0.0.1:", port);
+    std::atomic<bool> stop{false};
+    std::atomic<int> answers{0}, serving_answers{0};
+    std::thread poller([&] {
+      grpc::ChannelArguments args = ServiceChannelArguments();
+      args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 1);
+      args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 1);
+      args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5);
+      auto stub = grpc::health::v1::Health::NewStub(
+          grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+      while (!stop.load()) {
+        grpc::ClientContext ctx;
+        ctx.set_wait_for_ready(true);
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+        grpc::health::v1::HealthCheckResponse resp;
+        if (stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok()) {
+          ++answers;
+          if (resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) ++serving_answers;
+        }
+      }
+    });
+    absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start({address, {}, {}});
+    ASSERT_TRUE(server.ok()) << server.status();
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (answers.load() < 3 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+    stop = true;
+    poller.join();
+    EXPECT_GE(answers.load(), 3);
+    EXPECT_EQ(serving_answers.load(), 0) << "round " << round;
+    (*server)->Shutdown(0);
+  }
 }
 
 TEST(GrpcUtil, BusyAddressIsAnError) {

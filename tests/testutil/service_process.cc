@@ -128,9 +128,13 @@ absl::StatusOr<std::unique_ptr<ServiceProcess>> ServiceProcess::Start(
 }
 
 ServiceProcess::~ServiceProcess() {
-  if (Running()) (void)Stop(SIGTERM, absl::Seconds(10));
+  // Whether the child was still alive tells a crash from a clean stop when a test failed.
+  const bool was_running = Running();
+  if (was_running) (void)Stop(SIGTERM, absl::Seconds(10));
   if (::testing::Test::HasFailure()) {
-    std::fprintf(stderr, "--- log of %s ---\n%s\n", options_.binary.c_str(), Log().c_str());
+    std::fprintf(stderr, "--- log of %s (%s, exit code %d) ---\n%s\n", options_.binary.c_str(),
+                 was_running ? "stopped by the test" : "had already exited", exit_code_,
+                 Log().c_str());
   }
 }
 
