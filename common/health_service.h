@@ -26,13 +26,20 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
  public:
   using ServingStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;
 
-  // `names` are the services Check and Watch know about ("" is always known); all start
-  // NOT_SERVING. Any other name answers NOT_FOUND on Check and SERVICE_UNKNOWN on Watch.
+  // The name a liveness probe asks for: SERVING whenever the process answers at all, whatever
+  // SetServing() says. "" and the service names say whether the process can do its work (the
+  // model is loaded; for the router, the verify service is up), which is what readiness wants;
+  // a liveness probe on those would restart every router while its verify service is down.
+  static constexpr char kLivenessName[] = "liveness";
+
+  // `names` are the services whose status follows SetServing(), besides "" (the whole
+  // server); they start NOT_SERVING. kLivenessName is SERVING from the first call until
+  // Shutdown(). Any other name answers NOT_FOUND on Check and SERVICE_UNKNOWN on Watch.
   explicit HealthService(const std::vector<std::string>& names);
   ~HealthService() override;
 
-  // Sets every known name to SERVING or NOT_SERVING and tells their watchers. Ignored after
-  // Shutdown().
+  // Sets "" and the names given at construction to SERVING or NOT_SERVING and tells their
+  // watchers. Ignored after Shutdown().
   void SetServing(bool serving);
 
   // Every name becomes NOT_SERVING for good; open Watch streams get that status and then end
@@ -54,6 +61,7 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
 
   absl::Mutex mu_;
   std::map<std::string, ServingStatus> statuses_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> follow_serving_;  // "" and the constructor's names
   std::set<Watcher*> watchers_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   // Signalled when the last watcher is gone; the destructor waits for it because watchers

@@ -90,6 +90,16 @@ def check(docs, profile):
                 p = ct.get(probe, {})
                 c.expect(p.get("grpc", {}).get("port") == ports.get("grpc"),
                          f"{where}: {probe} must be a gRPC probe on the grpc port")
+            # Readiness is the server's overall status; liveness must not follow it, or a router
+            # would be restarted whenever its verify service is down.
+            c.expect(ct.get("readinessProbe", {}).get("grpc", {}).get("service", "") == "",
+                     f"{where}: readinessProbe must ask for the overall status (\"\")")
+            c.expect(ct.get("livenessProbe", {}).get("grpc", {}).get("service") == "liveness",
+                     f"{where}: livenessProbe must ask for the \"liveness\" service")
+            startup = ct.get("startupProbe", {}).get("grpc", {}).get("service", "")
+            c.expect(startup == ("liveness" if component(w) == "router" else ""),
+                     f"{where}: startupProbe of a model service waits for its model, the "
+                     "router's only for its process")
             args = ct.get("args", [])
             c.expect(ct.get("command") == [f"specd-{component(w)}"],
                      f"{where}: command must be specd-{component(w)} (the images serve several)")

@@ -651,6 +651,10 @@ TEST(RouterClusterTest, VerifyFailureIsUnavailableAndRecovers) {
   }
   ASSERT_TRUE(health.ok());
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  // Not ready, but alive: Kubernetes must not restart the router (the chart's liveness probe).
+  const absl::StatusOr<HealthStatus> live = c->router->Health("liveness");
+  ASSERT_TRUE(live.ok()) << live.status();
+  EXPECT_EQ(*live, grpc::health::v1::HealthCheckResponse::SERVING);
   const Result refused = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
 

@@ -150,7 +150,7 @@ TEST(GrpcUtil, ParseHostPort) {
   EXPECT_EQ(ModelNameFromPath("tiny"), "tiny");
 }
 
-TEST(GrpcUtil, ServerStartsNotServingThenServes) {
+TEST(GrpcUtil, ServerStartsNotServingThenServesAndStaysLive) {
   absl::StatusOr<std::unique_ptr<GrpcServer>> server =
       GrpcServer::Start({"127.0.0.1:0", {}, {"specd.v1.Verifier"}});
   ASSERT_TRUE(server.ok()) << server.status();
@@ -167,9 +167,14 @@ TEST(GrpcUtil, ServerStartsNotServingThenServes) {
   };
   EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(check("specd.v1.Verifier"), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  // Liveness does not wait for the model: the process answers, so it is alive.
+  EXPECT_EQ(check("liveness"), grpc::health::v1::HealthCheckResponse::SERVING);
   (*server)->SetServing(true);
   EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_EQ(check("specd.v1.Verifier"), grpc::health::v1::HealthCheckResponse::SERVING);
+  (*server)->SetServing(false);
+  EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(check("liveness"), grpc::health::v1::HealthCheckResponse::SERVING);
   (*server)->Shutdown(0);
 }
 

@@ -218,31 +218,39 @@ volumeMounts:
 {{- end }}
 
 {{/*
-Container ports and gRPC health probes, the same in every component.
+Container ports and gRPC health probes. Takes (dict "ctx" $ "component" "router").
+Readiness asks for "" (the model is loaded; for the router, its verify service is up). Liveness
+asks for the "liveness" service, SERVING whenever the process answers: a router whose verify
+service is down is not ready, but restarting it would not help. The startup probe of a model
+service waits for its model (long loads); the router's only for its process.
 */}}
 {{- define "specd.portsAndProbes" -}}
-{{- $p := .Values.probes }}
+{{- $p := .ctx.Values.probes }}
 ports:
   - name: grpc
-    containerPort: {{ .Values.ports.grpc }}
+    containerPort: {{ .ctx.Values.ports.grpc }}
     protocol: TCP
   - name: metrics
-    containerPort: {{ .Values.ports.metrics }}
+    containerPort: {{ .ctx.Values.ports.metrics }}
     protocol: TCP
 startupProbe:
   grpc:
-    port: {{ .Values.ports.grpc }}
+    port: {{ .ctx.Values.ports.grpc }}
+    {{- if eq .component "router" }}
+    service: liveness
+    {{- end }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 readinessProbe:
   grpc:
-    port: {{ .Values.ports.grpc }}
+    port: {{ .ctx.Values.ports.grpc }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
 livenessProbe:
   grpc:
-    port: {{ .Values.ports.grpc }}
+    port: {{ .ctx.Values.ports.grpc }}
+    service: liveness
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
