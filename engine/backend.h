@@ -144,7 +144,9 @@ struct BackendOptions {
   // logits do not depend on how many other tokens share its step (speculative greedy equals
   // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape. The row classes that pick
   // faster bit-identical algorithms end at the verify buckets 2^j + 1; SPECD_GEMM_CLASSES=pow2
-  // in the environment restores plain doubling classes (A/B). Likewise SPECD_PDL=0 launches the
+  // in the environment restores plain doubling classes (A/B). SPECD_GEMM_TIMING=0 picks every
+  // algorithm without timing (the same picks in every process, for A/B runs of other changes;
+  // possibly slower). Likewise SPECD_PDL=0 launches the
   // short kernels without programmatic dependent launch (kernels/cuda/device_utils.cuh).
   int64_t cuda_gemm_invariant_rows = 1024;
 };

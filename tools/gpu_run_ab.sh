@@ -3,7 +3,11 @@
 # benchmark (cuda_step_bench, 8B shape, graphs on) under each configuration in turn, the
 # configurations interleaved over several rounds so that drift of the machine hits them alike.
 #   tools/gpu_run_ab.sh [--dev DIR] [--tp "1 2"] [--rounds 2] [--runs 9] [--contexts 2048]
-#       [--trees 64] [--model DIR] CONFIG...
+#       [--trees 64] [--model DIR] [--untimed-gemm] CONFIG...
+# --untimed-gemm exports SPECD_GEMM_TIMING=0: every process then picks the same cuBLASLt
+# algorithms (timed picks can differ between processes; the 64-node step moved by up to 0.3 ms
+# between processes of one build in the eighth run), so an A/B of a non-GEMM change compares
+# like with like.
 # CONFIG is label@VAR=value@VAR=value (no spaces), e.g.
 #   nopdl@SPECD_PDL=0  pdl  eager@SPECD_CUDA_GRAPHS=0
 # BENCH=path runs another cuda_step_bench binary (an A/B of two builds), e.g.
@@ -22,6 +26,7 @@ while [ $# -gt 0 ]; do
     --contexts) contexts=$2; shift ;;
     --trees) trees=$2; shift ;;
     --model) model=$2; shift ;;
+    --untimed-gemm) export SPECD_GEMM_TIMING=0 ;;
     --*) echo "unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac

@@ -507,8 +507,9 @@ struct Gemm::Plan {
 
 cublasStatus_t Gemm::Create(size_t workspace_bytes, std::unique_ptr<Gemm> *out,
                             int64_t invariant_rows, int64_t plan_rows,
-                            bool bucket_classes) {
+                            bool bucket_classes, bool timed_picks) {
   std::unique_ptr<Gemm> g(new Gemm());
+  g->timed_picks_ = timed_picks;
   g->invariant_rows_ = invariant_rows > 0 ? invariant_rows : 0;
   g->plan_rows_ = std::max<int64_t>(
       1, std::min(plan_rows, std::max<int64_t>(1, invariant_rows)));
@@ -770,6 +771,10 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
   family->timed_rows = timed_m;
   if (capturing) {
     family->why = "untimed (first used while the stream captured a graph)";
+    return;
+  }
+  if (!timed_picks_) {
+    family->why = "untimed (timing off)";
     return;
   }
 
@@ -1134,6 +1139,11 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
     return;
   }
 
+  if (!timed_picks_) {
+    decide(!is_base(passed.front()), &passed.front(),
+           "first candidate that passed (timing off)");
+    return;
+  }
   // Time them at the class's smallest and largest m (input rows as the last
   // check left them).
   std::vector<size_t> timed_rows = {0};

@@ -318,6 +318,35 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{384, 72, false, false}),
     ShapeName);
 
+// With timing off (SPECD_GEMM_TIMING=0 in the engine) the base is the untimed
+// choice and each class runs the first candidate that passes its self-check:
+// still row-invariant, and the same picks in every process.
+TEST_F(GemmRowClassTest, UntimedPicksKeepRowInvariance) {
+  std::unique_ptr<cuda::Gemm> gemm;
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, kEngineRows,
+                               /*plan_rows=*/16, /*bucket_classes=*/true,
+                               /*timed_picks=*/false),
+            CUBLAS_STATUS_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(Prepare(4096, 14336, false, false, gemm.get()));
+  cuda::GemmParams p = p_;
+  p.x = x_.get();
+  p.y = y_.get();
+  for (int64_t m : {1, 17, 65}) {
+    p.m = m;
+    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
+    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
+    Sync();
+    const std::string diff = CompareRows(DownloadRows(m), m);
+    EXPECT_TRUE(diff.empty()) << "m " << m << ": " << diff;
+  }
+  const std::string summary = gemm->Summary();
+  EXPECT_EQ(gemm->untimed_bases(), 1) << summary;
+  EXPECT_NE(summary.find("untimed (timing off)"), std::string::npos) << summary;
+  EXPECT_EQ(gemm->self_check_failures(), 0) << summary;
+  EXPECT_EQ(gemm->own_algorithm_classes() + gemm->base_algorithm_classes(), 3)
+      << summary;
+}
+
 // A GEMM whose row class is new while the stream captures a CUDA graph does
 // not synchronize (that would break the capture): it runs the base algorithm,
 // and the next GEMM of that shape outside a capture decides the class. Both

@@ -74,7 +74,11 @@ struct GemmParams {
 //   launches of each of at most 9 candidates at each of the three m (a few
 //   ms; some 0.1 s for the LM head). While the stream captures a CUDA graph,
 //   or when the measurement cannot run (no scratch memory, a failed CUDA
-//   call), the base is the untimed choice (counted by untimed_bases()).
+//   call), the base is the untimed choice (counted by untimed_bases()). With
+//   `timed_picks` false nothing is timed: every base is the untimed choice and
+//   every class runs the first candidate that passes its self-check, so two
+//   processes pick the same algorithms (A/B runs of other changes; timed picks
+//   can differ between processes when candidates are within noise).
 // - One algorithm serving every m up to 1024 is slow, though: its tile covers a
 //   fixed number of token rows (~64) and each further tile of tokens streams
 //   the whole weight matrix again. So m is split into row classes, [1, 1],
@@ -119,7 +123,8 @@ public:
                                std::unique_ptr<Gemm> *out,
                                int64_t invariant_rows = 0,
                                int64_t plan_rows = 16,
-                               bool bucket_classes = false);
+                               bool bucket_classes = false,
+                               bool timed_picks = true);
 
   int64_t invariant_rows() const { return invariant_rows_; }
   // Shape families (weights) for which cuBLASLt offered no candidate valid over
@@ -233,6 +238,7 @@ private:
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int64_t invariant_rows_ = 0;
   int64_t plan_rows_ = 16;
+  bool timed_picks_ = true;
   std::vector<int64_t> class_hi_;
   int non_invariant_shapes_ = 0;
   int untimed_bases_ = 0;
