@@ -6,14 +6,18 @@
 # the last 12,000 characters; the summary lines are printed too.
 #   tools/gpu_run_validate.sh [--dev DIR] [--out DIR] [--tests "tree_attention_cuda_test ..."]
 #       [--attn-rounds 2] [--step-rounds 3] [--trees 16,64] [--attn-filter REGEX]
-#       [--no-step] [--no-attn] [-- EXTRA_CONFIG...]
+#       [--no-step] [--no-attn] [--untimed-gemm] [-- EXTRA_CONFIG...]
 # The "prev" build's benchmarks are carried as $dev/bin/bench-prev/cuda_kernels_bench_prev and
 # cuda_step_bench_prev (build/bench-prev/ here; tools/pack_device.sh keeps them). Extra
 # configurations after -- join both A/Bs (label@VAR=value, e.g. noearly@BENCH_ATTN_NO_EARLY=1).
+# --untimed-gemm runs the step A/B with SPECD_GEMM_TIMING=0 (gpu_run_ab.sh --untimed-gemm): every
+# process then runs the same cuBLASLt picks, so a non-GEMM change is not hidden by the 0.2-0.3 ms
+# that timed picks moved the 64-node step between processes. Both builds must have the switch
+# (main from 1bef617 on).
 set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 dev=.device out=${OUT:-/tmp/validate} tests="tree_attention_cuda_test cuda_model_test cuda_graph_test"
-attn_rounds=2 step_rounds=3 trees=16,64 attn_filter="" step=1 attn=1
+attn_rounds=2 step_rounds=3 trees=16,64 attn_filter="" step=1 attn=1 untimed=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) dev=$2; shift ;;
@@ -25,6 +29,7 @@ while [ $# -gt 0 ]; do
     --attn-filter) attn_filter=$2; shift ;;
     --no-step) step=0 ;;
     --no-attn) attn=0 ;;
+    --untimed-gemm) untimed=(--untimed-gemm) ;;
     --) shift; break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -59,7 +64,8 @@ if [ $attn -eq 1 ]; then
 fi
 if [ $step -eq 1 ]; then
   while [ ! -f "$out/.checkpoint.done" ]; do sleep 1; done
-  bash "$here/gpu_run_ab.sh" --dev "$dev" --model "$model" --rounds "$step_rounds" --runs 9 \
+  bash "$here/gpu_run_ab.sh" --dev "$dev" --model "$model" "${untimed[@]}" \
+    --rounds "$step_rounds" --runs 9 \
     --contexts 2048 --trees "$trees" "prev@BENCH=$prev/cuda_step_bench_prev" new "$@" \
     > "$out/step_ab.txt" 2>&1
   # Grouped by tree size, then in run order (configuration and round).
