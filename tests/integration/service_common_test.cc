@@ -2,6 +2,9 @@
 // the Prometheus text it serves (checked by promtool when installed), status mapping, address
 // parsing, the health service (Check and Watch), and the metric-text parser the integration
 // tests rely on.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -290,6 +293,25 @@ TEST(GrpcUtil, HealthIsNeverServingBeforeSetServing) {
     EXPECT_EQ(serving_answers.load(), 0) << "round " << round;
     (*server)->Shutdown(0);
   }
+}
+
+// Two test executables running in parallel (ctest -j) never get the same port: a port one
+// process picked stays claimed against the others while it lives.
+TEST(PickFreePort, PortsAreClaimedAgainstOtherTestProcesses) {
+  const int port = PickFreePort();
+  ASSERT_GT(port, 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Another process: the parent's port is taken, a fresh one is not.
+    const bool parents = ClaimPortAmongTestProcesses(port);
+    const int other = PickFreePort();
+    _exit(!parents && other > 0 && other != port ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 TEST(GrpcUtil, BusyAddressIsAnError) {

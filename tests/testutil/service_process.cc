@@ -4,7 +4,9 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -44,10 +46,32 @@ std::string SpecdBinary(const std::string& name) {
   return absl::StrCat(SPECD_BINARY_DIR, "/bin/", name);
 }
 
+// Claims `port` among the test processes of this machine for the life of this process: an
+// exclusive flock on <tmp>/specd-test-ports/<port>, released by the kernel when the process
+// ends, however it ends. Without it, two test executables running in parallel (ctest -j) could
+// both find a port free and hand it to two services, the second of which fails to listen.
+// Returns true when the port is ours, or when the lock directory is unusable (then only the
+// bind check below guards the port, as before).
+bool ClaimPortAmongTestProcesses(int port) {
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
+                                       "/specd-test-ports");
+  if (mkdir(dir.c_str(), 0777) != 0 && errno != EEXIST) return true;
+  const std::string path = absl::StrCat(dir, "/", port);
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+  if (fd < 0) return true;
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    close(fd);
+    return false;  // another test process holds it
+  }
+  return true;  // fd stays open (and locked) until this process exits
+}
+
 // Ports come from [20000, 32000), below Linux's ephemeral range (32768-60999 by default):
 // a port the kernel handed out with bind(0) can be taken again by any outgoing connection
 // (gRPC clients of tests running in parallel) before the service binds it. Candidates are
-// drawn at random per process, checked bindable, and never handed out twice by one process.
+// drawn at random per process, claimed against the other test processes, checked bindable,
+// and never handed out twice by one process.
 int PickFreePort() {
   static std::mutex mu;
   static std::set<int> given;
@@ -57,6 +81,7 @@ int PickFreePort() {
   for (int attempt = 0; attempt < 1000; ++attempt) {
     const int port = 20000 + static_cast<int>(rng() % 12000);
     if (given.count(port) > 0) continue;
+    if (!ClaimPortAmongTestProcesses(port)) continue;
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return -1;
     sockaddr_in addr{};

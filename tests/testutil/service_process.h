@@ -22,9 +22,15 @@ namespace specd {
 // Path of an executable built by this CMake tree, e.g. SpecdBinary("specd-verify").
 std::string SpecdBinary(const std::string& name);
 
-// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0 and closed again), so
-// tests running in parallel do not collide on fixed ports.
+// A TCP port on 127.0.0.1 that was free a moment ago (a bind to it succeeded) and that no
+// other test process of this machine holds (ClaimPortAmongTestProcesses), so tests running in
+// parallel do not collide on fixed ports.
 int PickFreePort();
+
+// Claims `port` for this process among the test processes of this machine, until it exits
+// (an exclusive flock on $TMPDIR/specd-test-ports/<port>). False when another process holds
+// it; true when this process got it, or when the lock directory cannot be used.
+bool ClaimPortAmongTestProcesses(int port);
 
 struct ServiceProcessOptions {
   std::string binary;             // absolute path, see SpecdBinary()
