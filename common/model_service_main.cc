@@ -1,10 +1,12 @@
 #include "common/model_service_main.h"
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <utility>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
@@ -62,7 +64,22 @@ int RunModelService(
   SPECD_LOG(INFO) << options.name << ": signal " << TerminationSignal() << ", shutting down";
   serving = false;
   (*server)->SetServing(false);
-  (*server)->Shutdown(options.shutdown_grace_ms);
+  // Drain: running sequences may finish within the grace period, new ones are refused. Then
+  // shut the server down at once: what is left are idle Step streams (a router's stays open
+  // between requests) and idle connections, and gRPC's graceful shutdown would wait for those
+  // until its deadline. Ending the streams tells each router this service is gone.
+  (*loop)->BeginDrain();
+  const absl::Time grace_end = absl::Now() + absl::Milliseconds(options.shutdown_grace_ms);
+  int64_t live = (*loop)->LiveSequences();
+  while (live > 0 && absl::Now() < grace_end) {
+    absl::SleepFor(absl::Milliseconds(10));
+    live = (*loop)->LiveSequences();
+  }
+  if (live > 0) {
+    SPECD_LOG(WARNING) << options.name << ": " << live << " sequence(s) still running after "
+                       << options.shutdown_grace_ms << " ms; cancelling them";
+  }
+  (*server)->Shutdown(0);
   (*loop)->Stop();
   (*metrics_server)->Stop();
   SPECD_LOG(INFO) << options.name << ": stopped";

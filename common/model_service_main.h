@@ -2,12 +2,15 @@
 // start, report readiness and shut down the same way:
 //   start the gRPC server (health NOT_SERVING) and the /metrics + /health listener, so probes
 //   answer while the model loads; load the model and start its loop; mark health SERVING;
-//   on SIGTERM/SIGINT mark NOT_SERVING, let running streams end (grace period), stop the loop,
-//   stop the metrics listener.
+//   on SIGTERM/SIGINT mark NOT_SERVING and drain: sequences already running go on (up to the
+//   grace period), new ones are refused; once none is left the server shuts down at once (open
+//   Step streams end, so a router sees the service go), then the loop and the metrics listener
+//   stop.
 // Flags stay in each main.cc; this takes their values as an option struct.
 #ifndef SPECD_COMMON_MODEL_SERVICE_MAIN_H_
 #define SPECD_COMMON_MODEL_SERVICE_MAIN_H_
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -25,6 +28,11 @@ class ModelLoop {
   virtual ~ModelLoop() = default;
   // The model's name as GetInfo reports it.
   virtual const std::string& model_name() const = 0;
+  // From now on steps that would start a new sequence get UNAVAILABLE; steps of sequences
+  // already running go on. Called when the service is told to stop.
+  virtual void BeginDrain() = 0;
+  // Sequences the loop holds, as of its last batch (any thread).
+  virtual int64_t LiveSequences() const = 0;
   // Answers what is queued, frees every sequence and joins the loop thread. Called after the
   // gRPC server has shut down.
   virtual void Stop() = 0;
@@ -39,7 +47,7 @@ struct ModelServiceOptions {
   std::string loading;    // what the startup log line says is being loaded
   std::string device;     // where the model runs, for the "serving" log line
   int startup_delay_ms = 0;     // wait before loading (readiness probes in tests)
-  int shutdown_grace_ms = 5000;  // how long running streams may go on after a signal
+  int shutdown_grace_ms = 5000;  // how long running sequences may go on after a signal
 };
 
 // Logs `status`'s message as an error and returns EXIT_FAILURE: how a service reports a bad

@@ -6,6 +6,7 @@
 #ifndef SPECD_COMMON_STEP_LOOP_H_
 #define SPECD_COMMON_STEP_LOOP_H_
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -43,6 +44,9 @@ class StepLoop : public ModelLoop {
   // What GetInfo answers; fixed once loaded.
   const Info& info() const { return info_; }
   const std::string& model_name() const override { return info_.model(); }
+
+  void BeginDrain() override { draining_.store(true); }
+  int64_t LiveSequences() const override { return live_sequences_.load(); }
 
   // Answers what is queued, frees every sequence and joins the thread. Call after the gRPC
   // server has shut down, so no reactor waits on a step that will never run.
@@ -117,6 +121,10 @@ class StepLoop : public ModelLoop {
       return absl::DeadlineExceededError(
           absl::StrCat(where, ".deadline_unix_ms: ", deadline_unix_ms, " has passed"));
     }
+    if (!live.has_value() && draining_.load()) {
+      return absl::UnavailableError(absl::StrCat(
+          where, ".seq_id: ", seq_id, " is new, and the service is shutting down"));
+    }
     return live;
   }
 
@@ -166,10 +174,13 @@ class StepLoop : public ModelLoop {
   }
 
   void UpdateGauges() {
+    live_sequences_.store(static_cast<int64_t>(table_.size()));
     metrics_->sequences.Set(table_.size());
     metrics_->kv_cache_usage_ratio.Set(KvCacheUsageRatio());
   }
 
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> live_sequences_{0};
   std::thread thread_;
 };
 

@@ -12,6 +12,8 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/flag_names.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
@@ -169,10 +171,15 @@ int Main() {
   SPECD_LOG(INFO) << "specd-router: signal " << TerminationSignal() << ", shutting down";
   server_ptr = nullptr;
   (*server)->SetServing(false);
-  // Stop the scheduler first: it ends every open Generate stream, so the server's shutdown
-  // does not wait on them.
+  // Stop the scheduler first: it ends every open Generate stream. Once their last chunks are
+  // written (up to 2 s for slow readers), shut the server down at once: gRPC's graceful
+  // shutdown would otherwise also wait its whole deadline for idle client connections.
   loop.Stop();
-  (*server)->Shutdown(/*grace_ms=*/2000);
+  const absl::Time grace_end = absl::Now() + absl::Seconds(2);
+  while (service.OpenGenerateStreams() > 0 && absl::Now() < grace_end) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  (*server)->Shutdown(/*grace_ms=*/0);
   (*metrics_server)->Stop();
   return 0;
 }

@@ -109,6 +109,7 @@ class GenerateReactor : public GenerateWriter {
   GenerateReactor(RouterService* service, grpc::CallbackServerContext* context,
                   const v1::GenerateRequest* request)
       : service_(service), sink_(std::make_shared<ReactorSink>(this)) {
+    service->StreamOpened();
     RouterRequest prepared;
     absl::Status status = service->Prepare(*request, &prepared);
     if (status.ok()) {
@@ -138,6 +139,7 @@ class GenerateReactor : public GenerateWriter {
 
   void OnDone() override {
     sink_->OnDone();
+    service_->StreamDone();
     delete this;
   }
 

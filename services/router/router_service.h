@@ -4,6 +4,7 @@
 #ifndef SPECD_SERVICES_ROUTER_ROUTER_SERVICE_H_
 #define SPECD_SERVICES_ROUTER_ROUTER_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -47,6 +48,12 @@ class RouterService final : public v1::Generation::CallbackService {
   RouterLoop* loop() { return loop_; }
   RouterMetrics* metrics() { return metrics_; }
 
+  // Generate RPCs whose reactor gRPC has not released yet (any thread). Shutdown waits for
+  // these to reach 0 before it stops the server, so final chunks are still delivered.
+  int OpenGenerateStreams() const { return open_streams_.load(); }
+  void StreamOpened() { open_streams_.fetch_add(1); }
+  void StreamDone() { open_streams_.fetch_sub(1); }
+
  private:
   RequestLimits CurrentLimits() const;
   uint64_t RandomSeed();
@@ -55,6 +62,7 @@ class RouterService final : public v1::Generation::CallbackService {
   const Tokenizer* const tokenizer_;
   RouterLoop* const loop_;
   RouterMetrics* const metrics_;
+  std::atomic<int> open_streams_{0};
   absl::Mutex rng_mu_;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(rng_mu_);
 };

@@ -37,7 +37,8 @@ ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
 ABSL_FLAG(int, startup_delay_ms, 0,
           "wait this long before loading the model (to exercise readiness probes in tests)");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
-          "on SIGTERM/SIGINT, how long running streams may go on before they are cancelled");
+          "on SIGTERM/SIGINT, how long running sequences may go on (new ones are refused) "
+          "before they are cancelled; the service stops as soon as none is left");
 
 namespace specd {
 namespace {

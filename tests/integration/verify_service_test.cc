@@ -31,6 +31,7 @@ namespace {
 using ::testing::Contains;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using HealthResponse = grpc::health::v1::HealthCheckResponse;
 
 constexpr int kVocab = 320;
@@ -559,6 +560,80 @@ TEST_F(VerifyServiceTest, SigtermShutsDownCleanlyWithAnOpenStream) {
   EXPECT_EQ(*code, 0);
   EXPECT_THAT(p->Log(), HasSubstr("specd-verify: stopped"));
   // The open stream was ended by the server, not left hanging.
+  v1::VerifyStepResponse response;
+  EXPECT_FALSE(stream.stream().Read(&response));
+  EXPECT_FALSE(stream.stream().Finish().ok());
+}
+
+// On SIGTERM the service drains: a sequence already running keeps stepping, a new one is
+// refused (per sequence, UNAVAILABLE), and once the last one is released the process stops at
+// once, ending the open stream, instead of waiting out its grace period.
+TEST_F(VerifyServiceTest, SigtermDrainsRunningSequencesThenStopsAtOnce) {
+  std::unique_ptr<ServiceProcess> p = StartVerify({"--shutdown_grace_ms=60000"});
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  v1::VerifyStepRequest first;
+  first.set_step_id(1);
+  AddStep(&first, 1, {1, 2, 3});
+  const v1::VerifyStepResponse r1 = stream.Step(first);
+  ASSERT_FALSE(r1.results(0).has_error());
+
+  ASSERT_EQ(kill(p->pid(), SIGTERM), 0);
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<HealthStatus> health;
+  while (absl::Now() < end) {
+    health = p->Health();
+    if (health.ok() && *health == HealthResponse::NOT_SERVING) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(health.ok()) << health.status();
+  ASSERT_EQ(*health, HealthResponse::NOT_SERVING);
+
+  v1::VerifyStepRequest second;
+  second.set_step_id(2);
+  AddStep(&second, 1, Tokens(r1.results(0)));
+  AddStep(&second, 2, {4, 5});
+  const v1::VerifyStepResponse r2 = stream.Step(second);
+  ASSERT_EQ(r2.results_size(), 2);
+  EXPECT_FALSE(r2.results(0).has_error()) << r2.results(0).error().message();
+  EXPECT_EQ(r2.results(1).error().code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(r2.results(1).error().message(), HasSubstr("shutting down"));
+  EXPECT_TRUE(p->Running()) << "stopped while a sequence was still running";
+
+  v1::VerifyStepRequest last;
+  last.set_step_id(3);
+  last.add_release_seq_ids(1);
+  stream.Step(last);
+  // Released: nothing is left, so the process ends now, not after its 60 s grace.
+  absl::StatusOr<int> code = p->WaitForExit(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_THAT(p->Log(), HasSubstr("specd-verify: stopped"));
+  EXPECT_THAT(p->Log(), Not(HasSubstr("still running after")));
+  v1::VerifyStepResponse response;
+  EXPECT_FALSE(stream.stream().Read(&response));
+  EXPECT_FALSE(stream.stream().Finish().ok());
+}
+
+// A router keeps its Step stream open between requests, and clients keep idle connections:
+// neither holds a stopping service for its grace period.
+TEST_F(VerifyServiceTest, SigtermWithAnIdleStreamStopsAtOnce) {
+  std::unique_ptr<ServiceProcess> p = StartVerify({"--shutdown_grace_ms=60000"});
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {1, 2, 3});
+  ASSERT_FALSE(stream.Step(request).results(0).has_error());
+  v1::VerifyStepRequest release;
+  release.set_step_id(2);
+  release.add_release_seq_ids(1);
+  stream.Step(release);
+  const absl::Time before = absl::Now();
+  absl::StatusOr<int> code = p->Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(absl::Now() - before, absl::Seconds(5));
   v1::VerifyStepResponse response;
   EXPECT_FALSE(stream.stream().Read(&response));
   EXPECT_FALSE(stream.stream().Finish().ok());
