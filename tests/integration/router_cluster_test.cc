@@ -81,6 +81,7 @@ struct Result {
 struct ClusterOptions {
   bool draft = true;
   std::vector<std::string> router_args;
+  std::vector<std::string> draft_args;
 };
 
 class Cluster {
@@ -109,6 +110,8 @@ class Cluster {
                            absl::StrCat("--metrics_port=", c->draft_metrics),
                            "--model=" + models.draft, "--num_threads=1"},
                           draft_address};
+      c->draft_options.args.insert(c->draft_options.args.end(), options.draft_args.begin(),
+                                   options.draft_args.end());
       absl::StatusOr<std::unique_ptr<ServiceProcess>> draft =
           ServiceProcess::Spawn(c->draft_options);
       EXPECT_TRUE(draft.ok()) << draft.status();
@@ -424,6 +427,61 @@ TEST(RouterClusterTest, DeadlineMidStreamIsDeadlineExceededAndFrees) {
   EXPECT_TRUE(c->WaitForMetric(c->draft_metrics, "specd_sequences", {}, 0));
   EXPECT_TRUE(c->WaitForMetric(c->router_metrics, "specd_requests_total",
                                {{"outcome", "deadline_exceeded"}}, 1));
+}
+
+// A draft service told to stop (SIGTERM, as Kubernetes does) drains: the request it is
+// drafting for keeps speculating to the end, a request that arrives meanwhile is refused by the
+// draft and runs target-only, both outputs equal target-only decoding, and the draft process
+// exits as soon as its last sequence is released.
+TEST(RouterClusterTest, StoppedDraftServiceDrainsWhileTheClusterKeepsServing) {
+  ClusterOptions options;
+  options.draft_args = {"--shutdown_grace_ms=60000"};
+  std::unique_ptr<Cluster> c = Cluster::Start(options);
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 600;
+  const Result reference = c->Generate(Greedy("class Node:", kTokens, v1::SPECULATION_OFF));
+  ASSERT_TRUE(reference.status.ok());
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+  Result during;
+  bool stopped = false;
+  const Result r =
+      c->Read(&ctx, Greedy("class Node:", kTokens, v1::SPECULATION_DRAFT_MODEL), [&](int) {
+        if (stopped) return;
+        stopped = true;
+        ASSERT_EQ(::kill(c->draft->pid(), SIGTERM), 0);
+        // Draining once its health says so; then a new request reaches it.
+        const absl::Time end = absl::Now() + absl::Seconds(10);
+        absl::StatusOr<HealthStatus> health;
+        do {
+          health = c->draft->Health();
+        } while (!(health.ok() && *health == grpc::health::v1::HealthCheckResponse::NOT_SERVING) &&
+                 absl::Now() < end);
+        ASSERT_TRUE(health.ok() && *health == grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+        during = c->Generate(Greedy("class Node:", 32, v1::SPECULATION_DRAFT_MODEL));
+      });
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, reference.tokens);
+  // The running request kept its drafts: the draft service served it to the end.
+  EXPECT_EQ(r.last.speculation().mode(), v1::SPECULATION_DRAFT_MODEL);
+  EXPECT_EQ(r.last.speculation().target_only_steps(), 0u);
+  EXPECT_GT(r.last.speculation().steps(), 0u);
+  // The new one was refused by the draining draft service and ran target-only, unharmed.
+  ASSERT_TRUE(during.status.ok()) << during.status.error_message();
+  EXPECT_EQ(during.tokens,
+            std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 32));
+  EXPECT_GT(during.last.speculation().target_only_steps(), 0u);
+  // Its last sequence released, the draft service exits without waiting out its 60 s grace.
+  absl::StatusOr<int> code = c->draft->WaitForExit(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_EQ(c->draft->Log().find("still running after"), std::string::npos) << c->draft->Log();
+  // The cluster goes on target-only.
+  const Result after = c->Generate(Greedy("class Node:", 16, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(after.status.ok());
+  EXPECT_EQ(after.tokens,
+            std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 16));
 }
 
 TEST(RouterClusterTest, KilledDraftServiceFallsBackToTargetOnly) {
