@@ -104,9 +104,9 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   bool finished_ = false;
 };
 
-HealthService::HealthService(const std::vector<std::string>& names) : follow_serving_(names) {
-  follow_serving_.push_back("");
-  for (const std::string& name : follow_serving_) statuses_[name] = HealthCheckResponse::NOT_SERVING;
+HealthService::HealthService(const std::vector<std::string>& names) {
+  statuses_[""] = HealthCheckResponse::NOT_SERVING;
+  for (const std::string& name : names) statuses_[name] = HealthCheckResponse::NOT_SERVING;
   statuses_[kLivenessName] = HealthCheckResponse::SERVING;
 }
 
@@ -125,8 +125,9 @@ void HealthService::SetServing(bool serving) {
   {
     absl::MutexLock lock(&mu_);
     if (shut_down_) return;
-    for (const std::string& name : follow_serving_) {
-      statuses_[name] = serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
+    for (auto& [name, status] : statuses_) {
+      if (name == kLivenessName) continue;  // alive whatever the model or upstreams say
+      status = serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
     }
     for (Watcher* w : watchers_) {
       actions.emplace_back(w, w->UpdateLocked(WatchStatusLocked(w->name()), false));

@@ -61,7 +61,6 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
 
   absl::Mutex mu_;
   std::map<std::string, ServingStatus> statuses_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> follow_serving_;  // "" and the constructor's names
   std::set<Watcher*> watchers_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   // Signalled when the last watcher is gone; the destructor waits for it because watchers
