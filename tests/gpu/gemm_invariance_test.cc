@@ -202,6 +202,18 @@ protected:
     EXPECT_TRUE(diff.empty()) << what << ": " << diff;
   }
 
+  // Runs `p` with `m` rows twice (the second call runs the plan cached after
+  // the class's check) and expects rows 0..m-1 to equal the m = 1 references.
+  void RunTwiceExpectRowsAlone(cuda::Gemm *gemm, cuda::GemmParams p,
+                               int64_t m) {
+    p.m = m;
+    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
+    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
+    Sync();
+    const std::string diff = CompareRows(DownloadRows(m), m);
+    EXPECT_TRUE(diff.empty()) << "m " << m << ": " << diff;
+  }
+
   // The first m rows of y_ on the host.
   std::vector<uint8_t> DownloadRows(int64_t m) {
     std::vector<uint8_t> host(static_cast<size_t>(m) * n_ * elem_);
@@ -284,13 +296,7 @@ TEST_P(GemmRowClassShapeTest, EveryRowEqualsTheRowAlone) {
   p.y = y_.get();
   for (int64_t m : {1, 2, 3, 17, 18, 33, 34, 65, 66, 100, 129, 130, 257, 258,
                     513, 514, 700, 1024}) {
-    p.m = m;
-    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
-    // Twice: the second call runs the plan cached after the class's check.
-    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
-    Sync();
-    const std::string diff = CompareRows(DownloadRows(m), m);
-    EXPECT_TRUE(diff.empty()) << "m " << m << ": " << diff;
+    ASSERT_NO_FATAL_FAILURE(RunTwiceExpectRowsAlone(gemm.get(), p, m));
   }
   EXPECT_EQ(gemm->non_invariant_shapes(), 0)
       << "cuBLASLt offered no row-invariant algorithm";
@@ -332,12 +338,7 @@ TEST_F(GemmRowClassTest, UntimedPicksKeepRowInvariance) {
   p.x = x_.get();
   p.y = y_.get();
   for (int64_t m : {1, 17, 65}) {
-    p.m = m;
-    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
-    ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS) << "m " << m;
-    Sync();
-    const std::string diff = CompareRows(DownloadRows(m), m);
-    EXPECT_TRUE(diff.empty()) << "m " << m << ": " << diff;
+    ASSERT_NO_FATAL_FAILURE(RunTwiceExpectRowsAlone(gemm.get(), p, m));
   }
   const std::string summary = gemm->Summary();
   EXPECT_EQ(gemm->untimed_bases(), 1) << summary;

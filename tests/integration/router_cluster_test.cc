@@ -452,13 +452,9 @@ TEST(RouterClusterTest, StoppedDraftServiceDrainsWhileTheClusterKeepsServing) {
         stopped = true;
         ASSERT_EQ(::kill(c->draft->pid(), SIGTERM), 0);
         // Draining once its health says so; then a new request reaches it.
-        const absl::Time end = absl::Now() + absl::Seconds(10);
-        absl::StatusOr<HealthStatus> health;
-        do {
-          health = c->draft->Health();
-        } while (!(health.ok() && *health == grpc::health::v1::HealthCheckResponse::NOT_SERVING) &&
-                 absl::Now() < end);
-        ASSERT_TRUE(health.ok() && *health == grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+        const absl::Status draining = c->draft->WaitForHealth(
+            grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(10));
+        ASSERT_TRUE(draining.ok()) << draining;
         during = c->Generate(Greedy("class Node:", 32, v1::SPECULATION_DRAFT_MODEL));
       });
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
@@ -700,15 +696,9 @@ TEST(RouterClusterTest, VerifyFailureIsUnavailableAndRecovers) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("verify"), std::string::npos);
   // NOT_SERVING until the verify service is back.
-  const absl::Time end = absl::Now() + absl::Seconds(10);
-  absl::StatusOr<HealthStatus> health;
-  while (absl::Now() < end) {
-    health = c->router->Health();
-    if (health.ok() && *health == grpc::health::v1::HealthCheckResponse::NOT_SERVING) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_TRUE(health.ok());
-  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  const absl::Status down = c->router->WaitForHealth(
+      grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(10));
+  ASSERT_TRUE(down.ok()) << down;
   // Not ready, but alive: Kubernetes must not restart the router (the chart's liveness probe).
   const absl::StatusOr<HealthStatus> live = c->router->Health("liveness");
   ASSERT_TRUE(live.ok()) << live.status();

@@ -153,18 +153,34 @@ TEST(GrpcUtil, ParseHostPort) {
   EXPECT_EQ(ModelNameFromPath("tiny"), "tiny");
 }
 
-TEST(GrpcUtil, ServerStartsNotServingThenServesAndStaysLive) {
+// A GrpcServer on a free loopback port whose health follows "" and specd.v1.Verifier, and a
+// health stub connected to it.
+struct HealthTarget {
+  std::unique_ptr<GrpcServer> server;
+  std::unique_ptr<grpc::health::v1::Health::Stub> stub;
+};
+
+HealthTarget StartHealthTarget() {
   absl::StatusOr<std::unique_ptr<GrpcServer>> server =
       GrpcServer::Start({"127.0.0.1:0", {}, {"specd.v1.Verifier"}});
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto channel = CreateServiceChannel(absl::StrCat("127.0.0.1:", (*server)->port()));
-  auto stub = grpc::health::v1::Health::NewStub(channel);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return {};
+  HealthTarget t;
+  t.stub = grpc::health::v1::Health::NewStub(
+      CreateServiceChannel(absl::StrCat("127.0.0.1:", (*server)->port())));
+  t.server = *std::move(server);
+  return t;
+}
+
+TEST(GrpcUtil, ServerStartsNotServingThenServesAndStaysLive) {
+  HealthTarget t = StartHealthTarget();
+  ASSERT_NE(t.server, nullptr);
   auto check = [&](const std::string& service) {
     grpc::ClientContext ctx;
     grpc::health::v1::HealthCheckRequest req;
     req.set_service(service);
     grpc::health::v1::HealthCheckResponse resp;
-    grpc::Status st = stub->Check(&ctx, req, &resp);
+    grpc::Status st = t.stub->Check(&ctx, req, &resp);
     EXPECT_TRUE(st.ok()) << st.error_message();
     return resp.status();
   };
@@ -172,26 +188,23 @@ TEST(GrpcUtil, ServerStartsNotServingThenServesAndStaysLive) {
   EXPECT_EQ(check("specd.v1.Verifier"), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   // Liveness does not wait for the model: the process answers, so it is alive.
   EXPECT_EQ(check("liveness"), grpc::health::v1::HealthCheckResponse::SERVING);
-  (*server)->SetServing(true);
+  t.server->SetServing(true);
   EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_EQ(check("specd.v1.Verifier"), grpc::health::v1::HealthCheckResponse::SERVING);
-  (*server)->SetServing(false);
+  t.server->SetServing(false);
   EXPECT_EQ(check(""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(check("liveness"), grpc::health::v1::HealthCheckResponse::SERVING);
-  (*server)->Shutdown(0);
+  t.server->Shutdown(0);
 }
 
 TEST(GrpcUtil, UnknownHealthServiceIsNotFound) {
-  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
-      GrpcServer::Start({"127.0.0.1:0", {}, {"specd.v1.Verifier"}});
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = grpc::health::v1::Health::NewStub(
-      CreateServiceChannel(absl::StrCat("127.0.0.1:", (*server)->port())));
+  HealthTarget t = StartHealthTarget();
+  ASSERT_NE(t.server, nullptr);
   grpc::ClientContext ctx;
   grpc::health::v1::HealthCheckRequest req;
   req.set_service("specd.v1.Drafter");
   grpc::health::v1::HealthCheckResponse resp;
-  const grpc::Status st = stub->Check(&ctx, req, &resp);
+  const grpc::Status st = t.stub->Check(&ctx, req, &resp);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(st.error_message(), HasSubstr("specd.v1.Drafter"));
 }
@@ -199,11 +212,8 @@ TEST(GrpcUtil, UnknownHealthServiceIsNotFound) {
 // Watch streams report the current status at once, then every change; at shutdown they get
 // NOT_SERVING and end with OK, so they do not hold the server open until its deadline.
 TEST(GrpcUtil, HealthWatchFollowsServingUntilShutdown) {
-  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
-      GrpcServer::Start({"127.0.0.1:0", {}, {"specd.v1.Verifier"}});
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = grpc::health::v1::Health::NewStub(
-      CreateServiceChannel(absl::StrCat("127.0.0.1:", (*server)->port())));
+  HealthTarget t = StartHealthTarget();
+  ASSERT_NE(t.server, nullptr);
   using Response = grpc::health::v1::HealthCheckResponse;
   struct Watch {
     grpc::ClientContext ctx;
@@ -219,7 +229,7 @@ TEST(GrpcUtil, HealthWatchFollowsServingUntilShutdown) {
     w->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     grpc::health::v1::HealthCheckRequest req;
     req.set_service(service);
-    w->reader = stub->Watch(&w->ctx, req);
+    w->reader = t.stub->Watch(&w->ctx, req);
     return w;
   };
   std::unique_ptr<Watch> all = watch(""), verifier = watch("specd.v1.Verifier"),
@@ -227,21 +237,21 @@ TEST(GrpcUtil, HealthWatchFollowsServingUntilShutdown) {
   EXPECT_EQ(all->Next().status(), Response::NOT_SERVING);
   EXPECT_EQ(verifier->Next().status(), Response::NOT_SERVING);
   EXPECT_EQ(unknown->Next().status(), Response::SERVICE_UNKNOWN);
-  (*server)->SetServing(true);
+  t.server->SetServing(true);
   EXPECT_EQ(all->Next().status(), Response::SERVING);
   EXPECT_EQ(verifier->Next().status(), Response::SERVING);
   // No change, nothing sent: the next reads are the change after it. (Two changes within one
   // write's flight may be merged into the latest, so each change is read before the next.)
-  (*server)->SetServing(true);
-  (*server)->SetServing(false);
+  t.server->SetServing(true);
+  t.server->SetServing(false);
   EXPECT_EQ(all->Next().status(), Response::NOT_SERVING);
   EXPECT_EQ(verifier->Next().status(), Response::NOT_SERVING);
-  (*server)->SetServing(true);
+  t.server->SetServing(true);
   EXPECT_EQ(all->Next().status(), Response::SERVING);
   EXPECT_EQ(verifier->Next().status(), Response::SERVING);
 
   const absl::Time before = absl::Now();
-  (*server)->Shutdown(/*grace_ms=*/10000);
+  t.server->Shutdown(/*grace_ms=*/10000);
   EXPECT_LT(absl::Now() - before, absl::Seconds(5)) << "open Watch streams held the shutdown";
   EXPECT_EQ(all->Next().status(), Response::NOT_SERVING);
   Response r;

@@ -560,9 +560,7 @@ TEST_F(VerifyServiceTest, SigtermShutsDownCleanlyWithAnOpenStream) {
   EXPECT_EQ(*code, 0);
   EXPECT_THAT(p->Log(), HasSubstr("specd-verify: stopped"));
   // The open stream was ended by the server, not left hanging.
-  v1::VerifyStepResponse response;
-  EXPECT_FALSE(stream.stream().Read(&response));
-  EXPECT_FALSE(stream.stream().Finish().ok());
+  stream.ExpectEndedByServer();
 }
 
 // On SIGTERM the service drains: a sequence already running keeps stepping, a new one is
@@ -579,15 +577,8 @@ TEST_F(VerifyServiceTest, SigtermDrainsRunningSequencesThenStopsAtOnce) {
   ASSERT_FALSE(r1.results(0).has_error());
 
   ASSERT_EQ(kill(p->pid(), SIGTERM), 0);
-  const absl::Time end = absl::Now() + absl::Seconds(10);
-  absl::StatusOr<HealthStatus> health;
-  while (absl::Now() < end) {
-    health = p->Health();
-    if (health.ok() && *health == HealthResponse::NOT_SERVING) break;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  ASSERT_TRUE(health.ok()) << health.status();
-  ASSERT_EQ(*health, HealthResponse::NOT_SERVING);
+  const absl::Status draining = p->WaitForHealth(HealthResponse::NOT_SERVING, absl::Seconds(10));
+  ASSERT_TRUE(draining.ok()) << draining;
 
   v1::VerifyStepRequest second;
   second.set_step_id(2);
@@ -610,9 +601,7 @@ TEST_F(VerifyServiceTest, SigtermDrainsRunningSequencesThenStopsAtOnce) {
   EXPECT_EQ(*code, 0);
   EXPECT_THAT(p->Log(), HasSubstr("specd-verify: stopped"));
   EXPECT_THAT(p->Log(), Not(HasSubstr("still running after")));
-  v1::VerifyStepResponse response;
-  EXPECT_FALSE(stream.stream().Read(&response));
-  EXPECT_FALSE(stream.stream().Finish().ok());
+  stream.ExpectEndedByServer();
 }
 
 // A router keeps its Step stream open between requests, and clients keep idle connections:
@@ -634,9 +623,7 @@ TEST_F(VerifyServiceTest, SigtermWithAnIdleStreamStopsAtOnce) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
   EXPECT_LT(absl::Now() - before, absl::Seconds(5));
-  v1::VerifyStepResponse response;
-  EXPECT_FALSE(stream.stream().Read(&response));
-  EXPECT_FALSE(stream.stream().Finish().ok());
+  stream.ExpectEndedByServer();
 }
 
 }  // namespace

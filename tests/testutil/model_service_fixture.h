@@ -44,6 +44,14 @@ class StepStreamClient {
     return stream_->Finish();
   }
 
+  // Expects the server to have ended the stream (a stopping service): no further reply, and a
+  // status other than OK.
+  void ExpectEndedByServer() {
+    Response response;
+    EXPECT_FALSE(stream_->Read(&response));
+    EXPECT_FALSE(stream_->Finish().ok());
+  }
+
   grpc::ClientContext& context() { return context_; }
   grpc::ClientReaderWriter<Request, Response>& stream() { return *stream_; }
 

@@ -192,23 +192,29 @@ absl::StatusOr<HealthStatus> ServiceProcess::Health(const std::string& service) 
   return response.status();
 }
 
-absl::Status ServiceProcess::WaitUntilServing(absl::Duration timeout) {
+absl::Status ServiceProcess::WaitForHealth(HealthStatus want, absl::Duration timeout) {
+  const std::string want_name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(want);
   const absl::Time end = absl::Now() + timeout;
   absl::Status last = absl::UnavailableError("no health check answered yet");
   while (absl::Now() < end) {
     if (!Running()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(options_.binary, " exited with code ", exit_code_, " before serving"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          options_.binary, " exited with code ", exit_code_, " before answering ", want_name));
     }
     absl::StatusOr<HealthStatus> health = Health();
-    if (health.ok() && *health == grpc::health::v1::HealthCheckResponse::SERVING) {
-      return absl::OkStatus();
-    }
-    last = health.ok() ? absl::UnavailableError("NOT_SERVING") : health.status();
+    if (health.ok() && *health == want) return absl::OkStatus();
+    last = health.ok() ? absl::UnavailableError(
+                             grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*health))
+                       : health.status();
     absl::SleepFor(absl::Milliseconds(50));
   }
-  return absl::DeadlineExceededError(absl::StrCat(
-      options_.binary, " not SERVING after ", absl::FormatDuration(timeout), ": ", last.message()));
+  return absl::DeadlineExceededError(absl::StrCat(options_.binary, " not ", want_name, " after ",
+                                                  absl::FormatDuration(timeout), ": ",
+                                                  last.message()));
+}
+
+absl::Status ServiceProcess::WaitUntilServing(absl::Duration timeout) {
+  return WaitForHealth(grpc::health::v1::HealthCheckResponse::SERVING, timeout);
 }
 
 bool ServiceProcess::Running() {

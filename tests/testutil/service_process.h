@@ -62,7 +62,10 @@ class ServiceProcess {
   // grpc.health.v1 Check for `service` ("" = the whole server), with a 1 s deadline.
   absl::StatusOr<HealthStatus> Health(const std::string& service = "");
 
-  // Polls Health() until SERVING; fails at `timeout` or as soon as the child exits.
+  // Polls Health() until it answers `want`; fails at `timeout` or as soon as the child exits.
+  absl::Status WaitForHealth(HealthStatus want, absl::Duration timeout);
+
+  // WaitForHealth(SERVING, timeout).
   absl::Status WaitUntilServing(absl::Duration timeout = absl::Seconds(60));
 
   // Sends `sig` and waits up to `timeout` for the child to exit (SIGKILL after that). Returns
