@@ -15,7 +15,7 @@
 # that timed picks moved the 64-node step between processes. Both builds must have the switch
 # (main from 1bef617 on).
 set -u
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+tools_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # not "here": env.sh sets that
 dev=.device out=${OUT:-/tmp/validate} tests="tree_attention_cuda_test cuda_model_test cuda_graph_test"
 attn_rounds=2 step_rounds=3 trees=16,64 attn_filter="" step=1 attn=1 untimed=()
 while [ $# -gt 0 ]; do
@@ -57,14 +57,14 @@ prev=$dev/bin/bench-prev
 if [ $attn -eq 1 ]; then
   filter_args=()
   [ -n "$attn_filter" ] && filter_args=(--filter "$attn_filter")
-  bash "$here/gpu_run_attn_ab.sh" --dev "$dev" --rounds "$attn_rounds" "${filter_args[@]}" \
+  bash "$tools_dir/gpu_run_attn_ab.sh" --dev "$dev" --rounds "$attn_rounds" "${filter_args[@]}" \
     "prev@BENCH=$prev/cuda_kernels_bench_prev" new "$@" > "$out/attn_ab.txt" 2>&1
   # Grouped by case, then by configuration.
   sort -k3,3 -k1,1 -s "$out/attn_ab.txt"
 fi
 if [ $step -eq 1 ]; then
   while [ ! -f "$out/.checkpoint.done" ]; do sleep 1; done
-  bash "$here/gpu_run_ab.sh" --dev "$dev" --model "$model" "${untimed[@]}" \
+  bash "$tools_dir/gpu_run_ab.sh" --dev "$dev" --model "$model" "${untimed[@]}" \
     --rounds "$step_rounds" --runs 9 \
     --contexts 2048 --trees "$trees" "prev@BENCH=$prev/cuda_step_bench_prev" new "$@" \
     > "$out/step_ab.txt" 2>&1
