@@ -584,16 +584,18 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   //
   // Thread t copies piece t % kPieces of keys t / kPieces + kKeyStep * it. The loop issues every
   // block-table read before any copy, so that their latencies overlap instead of each copy
-  // waiting for its own, and a key's element offset is its block's base (entry * blk_elems) plus
-  // its row in the block. ncu's SASS counters (bench/RESULTS.md, eighth run) put this at ~38
-  // instructions a K/V copy pair, where the generic phys() took ~50 (seventh run: the loads'
-  // issue was then about a quarter of a verify step's attention).
+  // waiting for its own, and a key's element offset is its block's base (entry * blk_elems, one
+  // unsigned 32 x 32 -> 64-bit multiply) plus its row in the block. ncu's SASS counters
+  // (bench/RESULTS.md, eighth run) put the loads before that multiply at ~38 instructions a K/V
+  // copy pair, where the generic phys() took ~50.
   constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
   constexpr int kCopies = kKeys * kPieces / kThreads;
   constexpr int kKeyStep = kThreads / kPieces;
   static_assert(kKeys * kPieces % kThreads == 0 && kThreads % kPieces == 0, "copy split");
   const int key0 = tid / kPieces, piece = tid % kPieces;
-  const int64_t blk_elems = static_cast<int64_t>(block_size) * kv_dim;
+  // Below 2^31 (TreeAttentionCuda), so that a block's base is one 32 x 32 -> 64-bit multiply of
+  // its (non-negative) entry.
+  const uint32_t blk_elems = static_cast<uint32_t>(block_size) * static_cast<uint32_t>(kv_dim32);
   const bf16* k_piece = k_head + piece * 8;
   const bf16* v_piece = v_head + piece * 8;
   auto issue_plain = [&](int sub) {
@@ -634,8 +636,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
 #pragma unroll
     for (int it = 0; it < kCopies; ++it) {
       const bool valid = first + it * kKeyStep < plain_bound;
-      const int64_t off =
-          valid ? entry[it] * blk_elems + static_cast<int64_t>(row[it] * kv_dim32) : 0;
+      // An invalid copy has entry 0 and reads nothing; its row is cleared too, so that no select
+      // is needed: the offset stays in bounds.
+      const uint64_t off = static_cast<uint64_t>(static_cast<uint32_t>(entry[it])) * blk_elems +
+                           static_cast<uint32_t>((valid ? row[it] : 0) * kv_dim32);
       const int key = key0 + it * kKeyStep;
       CpAsync16(&st.k[key][piece * 8], k_piece + off, valid);
       CpAsync16(&st.v[key][piece * 8], v_piece + off, valid);
