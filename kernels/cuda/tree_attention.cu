@@ -993,8 +993,9 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
   for (int d = 0; d < kPerLane; ++d) acc[d] = 0.0f;
   float big_m = -INFINITY, big_l = 0.0f;
   // The states are read kBatch chunks ahead of their merges (which stay in chunk order), so that
-  // a long split (64 chunks at 8K keys) costs a few memory latencies, not one per chunk.
-  constexpr int kBatch = 8;
+  // a long split (33 chunks at 8K keys) costs a few memory latencies, not one per chunk; 16 makes
+  // the common splits (9-10 chunks at 2K keys) one round trip instead of two.
+  constexpr int kBatch = 16;
   for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
     float cm[kBatch], cl[kBatch], part[kBatch][kPerLane];
 #pragma unroll
