@@ -384,8 +384,9 @@ __device__ __forceinline__ void WindowPass(float (&o)[HD / 8][4], float (&m)[2],
 }
 
 // The same out of line, for HD = 128: inlined, its second AttendColumns instance (besides the
-// plain jobs') makes ptxas spill across the whole kernel; out of line, the chunk state (o, m, l)
-// goes through a small local-memory frame, only in window jobs, which are a few per tile at most.
+// plain jobs') makes ptxas spill across the whole kernel; out of line, a copy of the chunk state
+// (o, m, l) goes through a small local-memory frame, only in window jobs, which are a few per
+// tile at most.
 template <int HD>
 __device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
                                                  float (&l)[2], int R0, const int (&lim)[2],
@@ -894,8 +895,24 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
               const int nk = s.num_keys[q];
               const int lim[2] = {ok0 && lq0 == q ? nk : R0, ok1 && lq1 == q ? nk : R0};
               if constexpr (HD >= 128) {
-                WindowPassOutOfLine<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q],
+                // The call takes a copy of the chunk state: were o's own address passed, ptxas
+                // would keep o in the local frame for the whole chunk (ncu of 7dba992: it
+                // zeroed, stored and reloaded it every chunk, plain-only chunks included).
+                float fo[HD / 8][4], fm[2], fl[2];
+#pragma unroll
+                for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) fo[j][e] = o[j][e];
+                }
+                fm[0] = m[0], fm[1] = m[1], fl[0] = l[0], fl[1] = l[1];
+                WindowPassOutOfLine<HD>(fo, fm, fl, R0, lim, scale_log2, lane, s.win_table[q],
                                         s.stage[0].k[0], s.zero_row, q_row0, q_row1);
+#pragma unroll
+                for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) o[j][e] = fo[j][e];
+                }
+                m[0] = fm[0], m[1] = fm[1], l[0] = fl[0], l[1] = fl[1];
               } else {
                 WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.stage[0].k[0],
                                s.zero_row, q_row0, q_row1);
