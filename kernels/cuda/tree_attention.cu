@@ -37,6 +37,10 @@ constexpr int kSub = kChunk / kKeys;
 // tile walks all chunks, which gives the same bits.
 constexpr int64_t kMaxWorkspaceFloats = int64_t{64} << 20;
 constexpr float kLog2e = 1.4426950408889634f;
+// Block-table entries a CTA keeps in shared memory, from its first chunk's block on (2048 slots at
+// 16-slot blocks: every split CTA of up to 8 chunks); jobs past them read the table in global
+// memory.
+constexpr int kTableEntries = 128;
 
 // K and V are kept key-major, each row padded by 8 elements (16 bytes) so that the 32-bit
 // fragment loads of K and the ldmatrix row reads of V by a warp hit 32 distinct banks. Two
@@ -70,6 +74,8 @@ struct __align__(16) AttnSmem {
   int32_t win_groups;
   // The tile's summary (see the kernel), and its sequence's kv_stable_end (0 without one).
   int32_t max_keys, plain_end, plain_bound, irr_begin, irr_end, stable_end;
+  // Block-table entries table_first + i (see kTableEntries).
+  int32_t table[kTableEntries];
 };
 
 // The merged state of the chunks done so far when a CTA walks all chunks: thread t's
@@ -378,8 +384,9 @@ __device__ __forceinline__ void WindowPass(float (&o)[HD / 8][4], float (&m)[2],
 }
 
 // The same out of line, for HD = 128: inlined, its second AttendColumns instance (besides the
-// plain jobs') makes ptxas spill across the whole kernel; out of line, the chunk state (o, m, l)
-// goes through a small local-memory frame, only in window jobs, which are a few per tile at most.
+// plain jobs') makes ptxas spill across the whole kernel; out of line, a copy of the chunk state
+// (o, m, l) goes through a small local-memory frame, only in window jobs, which are a few per
+// tile at most.
 template <int HD>
 __device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
                                                  float (&l)[2], int R0, const int (&lim)[2],
@@ -486,6 +493,17 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   if (tid == kThreads - 1) {
     s.stable_end = p.kv_stable_end != nullptr ? p.kv_stable_end[p.query_seq[q0]] : 0;
   }
+  // The block-table entries of the CTA's keys, from its first chunk on: a plain job then reads
+  // each entry from shared memory instead of every thread reading its 8 from global memory
+  // through a 64-bit address (~10 instructions and an L1/L2 latency each, ncu). Entries past the
+  // row are never used (they would hold slots at or past kv_end).
+  const int chunk_first = kSplit ? static_cast<int>(blockIdx.z) * p.chunks_per_cta : 0;
+  const int table_first = chunk_first * kChunk / static_cast<int>(p.block_size);
+  {
+    const int n = static_cast<int>(
+        min(static_cast<int64_t>(kTableEntries), p.max_blocks_per_seq - table_first));
+    for (int i = tid; i < n; i += kThreads) s.table[i] = __ldg(table + table_first + i);
+  }
 
   const int r0 = warp * 16 + g;
   const int r1 = r0 + 8;
@@ -542,7 +560,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const int plain_bound = s.plain_bound;
   const int irr_begin = s.irr_begin;
   const int irr_end = s.irr_end;
-  const int chunk_first = kSplit ? static_cast<int>(blockIdx.z) * p.chunks_per_cta : 0;
   const int chunk_last = kSplit ? min(chunk_first + p.chunks_per_cta, p.num_splits)
                                 : (max_keys + kChunk - 1) / kChunk;
   const int sub_limit = chunk_last * kSub;  // the CTA's sub-chunks end here
@@ -568,16 +585,18 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   //
   // Thread t copies piece t % kPieces of keys t / kPieces + kKeyStep * it. The loop issues every
   // block-table read before any copy, so that their latencies overlap instead of each copy
-  // waiting for its own, and a key's element offset is its block's base (entry * blk_elems) plus
-  // its row in the block. ncu's SASS counters (bench/RESULTS.md, eighth run) put this at ~38
-  // instructions a K/V copy pair, where the generic phys() took ~50 (seventh run: the loads'
-  // issue was then about a quarter of a verify step's attention).
+  // waiting for its own, and a key's element offset is its block's base (entry * blk_elems, one
+  // unsigned 32 x 32 -> 64-bit multiply) plus its row in the block. ncu's SASS counters
+  // (bench/RESULTS.md, eighth run) put the loads before that multiply at ~38 instructions a K/V
+  // copy pair, where the generic phys() took ~50.
   constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
   constexpr int kCopies = kKeys * kPieces / kThreads;
   constexpr int kKeyStep = kThreads / kPieces;
   static_assert(kKeys * kPieces % kThreads == 0 && kThreads % kPieces == 0, "copy split");
   const int key0 = tid / kPieces, piece = tid % kPieces;
-  const int64_t blk_elems = static_cast<int64_t>(block_size) * kv_dim;
+  // Below 2^31 (TreeAttentionCuda), so that a block's base is one 32 x 32 -> 64-bit multiply of
+  // its (non-negative) entry.
+  const uint32_t blk_elems = static_cast<uint32_t>(block_size) * static_cast<uint32_t>(kv_dim32);
   const bf16* k_piece = k_head + piece * 8;
   const bf16* v_piece = v_head + piece * 8;
   auto issue_plain = [&](int sub) {
@@ -585,27 +604,43 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
     const int first = sub * kKeys + key0;  // this thread's first slot
     int32_t entry[kCopies];
     int row[kCopies];  // the slot's row within its block
+    int blk[kCopies];
     if (bs_shift >= 0) {  // uniform: one loop or the other, no branch a copy
 #pragma unroll
       for (int it = 0; it < kCopies; ++it) {
         const int slot = first + it * kKeyStep;
         row[it] = slot & (block_size - 1);
-        entry[it] = slot < plain_bound ? __ldg(table + (slot >> bs_shift)) : 0;
+        blk[it] = slot >> bs_shift;
       }
     } else {
 #pragma unroll
       for (int it = 0; it < kCopies; ++it) {
         const int slot = first + it * kKeyStep;
-        const int blk = slot / block_size;
-        row[it] = slot - blk * block_size;
-        entry[it] = slot < plain_bound ? __ldg(table + blk) : 0;
+        blk[it] = slot / block_size;
+        row[it] = slot - blk[it] * block_size;
+      }
+    }
+    // Uniform for the CTA: whether the job's last block is among the shared entries.
+    const int last_slot = sub * kKeys + kKeys - 1;
+    const int last_blk = bs_shift >= 0 ? last_slot >> bs_shift : last_slot / block_size;
+    if (last_blk - table_first < kTableEntries) {
+#pragma unroll
+      for (int it = 0; it < kCopies; ++it) {
+        entry[it] = first + it * kKeyStep < plain_bound ? s.table[blk[it] - table_first] : 0;
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < kCopies; ++it) {
+        entry[it] = first + it * kKeyStep < plain_bound ? __ldg(table + blk[it]) : 0;
       }
     }
 #pragma unroll
     for (int it = 0; it < kCopies; ++it) {
       const bool valid = first + it * kKeyStep < plain_bound;
-      const int64_t off =
-          valid ? entry[it] * blk_elems + static_cast<int64_t>(row[it] * kv_dim32) : 0;
+      // An invalid copy has entry 0 and reads nothing; its row is cleared too, so that no select
+      // is needed: the offset stays in bounds.
+      const uint64_t off = static_cast<uint64_t>(static_cast<uint32_t>(entry[it])) * blk_elems +
+                           static_cast<uint32_t>((valid ? row[it] : 0) * kv_dim32);
       const int key = key0 + it * kKeyStep;
       CpAsync16(&st.k[key][piece * 8], k_piece + off, valid);
       CpAsync16(&st.v[key][piece * 8], v_piece + off, valid);
@@ -860,8 +895,24 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
               const int nk = s.num_keys[q];
               const int lim[2] = {ok0 && lq0 == q ? nk : R0, ok1 && lq1 == q ? nk : R0};
               if constexpr (HD >= 128) {
-                WindowPassOutOfLine<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q],
+                // The call takes a copy of the chunk state: were o's own address passed, ptxas
+                // would keep o in the local frame for the whole chunk (ncu of 7dba992: it
+                // zeroed, stored and reloaded it every chunk, plain-only chunks included).
+                float fo[HD / 8][4], fm[2], fl[2];
+#pragma unroll
+                for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) fo[j][e] = o[j][e];
+                }
+                fm[0] = m[0], fm[1] = m[1], fl[0] = l[0], fl[1] = l[1];
+                WindowPassOutOfLine<HD>(fo, fm, fl, R0, lim, scale_log2, lane, s.win_table[q],
                                         s.stage[0].k[0], s.zero_row, q_row0, q_row1);
+#pragma unroll
+                for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) o[j][e] = fo[j][e];
+                }
+                m[0] = fm[0], m[1] = fm[1], l[0] = fl[0], l[1] = fl[1];
               } else {
                 WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.stage[0].k[0],
                                s.zero_row, q_row0, q_row1);
@@ -959,8 +1010,9 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
   for (int d = 0; d < kPerLane; ++d) acc[d] = 0.0f;
   float big_m = -INFINITY, big_l = 0.0f;
   // The states are read kBatch chunks ahead of their merges (which stay in chunk order), so that
-  // a long split (64 chunks at 8K keys) costs a few memory latencies, not one per chunk.
-  constexpr int kBatch = 8;
+  // a long split (33 chunks at 8K keys) costs a few memory latencies, not one per chunk; 16 makes
+  // the common splits (9-10 chunks at 2K keys) one round trip instead of two.
+  constexpr int kBatch = 16;
   for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
     float cm[kBatch], cl[kBatch], part[kBatch][kPerLane];
 #pragma unroll
