@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -124,7 +125,11 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   const int num_blocks = batch * blocks_per_seq;
   std::vector<int32_t> pool(num_blocks);
   std::iota(pool.begin(), pool.end(), 0);
-  std::shuffle(pool.begin(), pool.end(), rng);
+  // Scattered blocks; BENCH_ATTN_ORDERED=1 keeps each sequence's blocks in order, one after
+  // another in memory, as the engine's allocator hands them out to a fresh sequence.
+  if (const char* e = std::getenv("BENCH_ATTN_ORDERED"); e == nullptr || e[0] != '1') {
+    std::shuffle(pool.begin(), pool.end(), rng);
+  }
   std::vector<int32_t> query_seq, kv_end, mask_begin;
   std::vector<uint32_t> mask;
   for (int s = 0; s < batch; ++s) {
@@ -156,10 +161,20 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
       query_seq.data(), kv_end.data(), num_queries, kHeads, kKvHeads, num_sms);
   const int64_t kv_dim = kKvHeads * kHeadDim;
   const int64_t slots = int64_t{num_blocks} * kBlock;
-  // 0x3c3c is bf16 0.0115: finite data of no consequence for timing.
+  // 0x3c3c is bf16 0.0115: finite data, every score alike. BENCH_ATTN_RANDOM=1 fills q, K and V
+  // with N(0, 1) values instead, as a model's are (to see whether the data changes the time).
   bf16* k = Alloc<bf16>(slots * kv_dim, 0x3c);
   bf16* v = Alloc<bf16>(slots * kv_dim, 0x3c);
   bf16* q = Alloc<bf16>(size_t(num_queries) * kHeads * kHeadDim, 0x3c);
+  if (const char* e = std::getenv("BENCH_ATTN_RANDOM"); e != nullptr && e[0] == '1') {
+    std::normal_distribution<float> normal;
+    for (auto [ptr, n] : {std::pair<bf16*, size_t>{k, slots * kv_dim}, {v, slots * kv_dim},
+                          {q, size_t(num_queries) * kHeads * kHeadDim}}) {
+      std::vector<bf16> h(n);
+      for (bf16& x : h) x = __float2bfloat16(normal(rng));
+      Check(cudaMemcpy(ptr, h.data(), n * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
+    }
+  }
   bf16* out = Alloc<bf16>(size_t(num_queries) * kHeads * kHeadDim);
   int32_t* d_tables = Upload(pool);
   int32_t *d_qs = Upload(query_seq), *d_end = Upload(kv_end), *d_mb = Upload(mask_begin);
