@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU-host call that asks why the verify attention kernel takes ~50 us inside a model step but
+# ~33 us in cuda_kernels_bench for the same 64-node 4-ary tree at 2048 keys (ninth run: the same
+# grid, instruction count, DRAM bytes and SM clock under ncu; neither random data, cold L2 nor
+# in-order blocks closed the gap). It profiles one launch of TreeAttentionKernel in each, with
+# the time, the achieved occupancy, what limits the occupancy, and the shared-memory
+# configuration: a step that ran one CTA an SM would take two waves of its 200 CTAs.
+#   tools/gpu_run_attn_in_step.sh [--dev DIR]
+# A 2-layer checkpoint at the 8B shape (written here, ~10 s) is enough: the kernel's inputs are
+# one layer's.
+set -u
+tools_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # not "here": env.sh sets that
+dev=.device
+[ "${1:-}" = "--dev" ] && dev=$2
+[ -f "$dev/env.sh" ] && . "$dev/env.sh"
+model=/tmp/specd-8b-2layers
+[ -f "$model/model.safetensors" ] ||
+  python3 "$tools_dir/bench/make_random_checkpoint.py" --shape llama-3.1-8b --layers 2 \
+    --out "$model" > /tmp/checkpoint.log 2>&1 || tail -3 /tmp/checkpoint.log
+metrics=gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active
+metrics+=,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers
+metrics+=,launch__shared_mem_config_size,launch__shared_mem_per_block_dynamic
+metrics+=,launch__registers_per_thread,launch__grid_size,sm__ctas_launched.max
+metrics+=,smsp__inst_executed.sum,dram__bytes_read.sum,sm__cycles_elapsed.avg.per_second
+show() { grep -E '"(gpu__|sm__|smsp__|dram__|launch__)' | awk -F'","' -v w="$1" '{print w, $13, $15}'; }
+SPECD_GEMM_TIMING=0 timeout 150 ncu --clock-control none --profile-from-start off \
+  -k regex:TreeAttentionKernel --launch-count 1 --metrics "$metrics" --csv --print-units base \
+  "$dev/bin/bench/cuda_step_bench" --model "$model" --tp 1 --graphs on --runs 1 \
+  --contexts 2048 --trees 64 --profile 64 2>&1 | show step
+timeout 100 ncu --clock-control none -k regex:TreeAttentionKernel --launch-skip 20 \
+  --launch-count 1 --metrics "$metrics" --csv --print-units base \
+  "$dev/bin/bench/cuda_kernels_bench" \
+  --benchmark_filter='VerifyAttentionShape/nodes:64/context:2048/shape:3' 2>&1 | show bench
