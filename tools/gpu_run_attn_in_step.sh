@@ -23,10 +23,13 @@ metrics+=,launch__shared_mem_config_size,launch__shared_mem_per_block_dynamic
 metrics+=,launch__registers_per_thread,launch__grid_size,sm__ctas_launched.max
 metrics+=,smsp__inst_executed.sum,dram__bytes_read.sum,sm__cycles_elapsed.avg.per_second
 show() { grep -E '"(gpu__|sm__|smsp__|dram__|launch__)' | awk -F'","' -v w="$1" '{print w, $13, $15}'; }
-SPECD_GEMM_TIMING=0 timeout 150 ncu --clock-control none --profile-from-start off \
-  -k regex:TreeAttentionKernel --launch-count 1 --metrics "$metrics" --csv --print-units base \
-  "$dev/bin/bench/cuda_step_bench" --model "$model" --tp 1 --graphs on --runs 1 \
-  --contexts 2048 --trees 64 --profile 64 2>&1 | show step
+# In the step as a graph replays it, and launched eagerly (a graph-only cause would show here).
+for graphs in on off; do
+  SPECD_GEMM_TIMING=0 timeout 150 ncu --clock-control none --profile-from-start off \
+    -k regex:TreeAttentionKernel --launch-count 1 --metrics "$metrics" --csv --print-units base \
+    "$dev/bin/bench/cuda_step_bench" --model "$model" --tp 1 --graphs "$graphs" --runs 1 \
+    --contexts 2048 --trees 64 --profile 64 2>&1 | show "step(graphs $graphs)"
+done
 timeout 100 ncu --clock-control none -k regex:TreeAttentionKernel --launch-skip 20 \
   --launch-count 1 --metrics "$metrics" --csv --print-units base \
   "$dev/bin/bench/cuda_kernels_bench" \
