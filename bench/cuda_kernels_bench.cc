@@ -132,12 +132,15 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   }
   std::vector<int32_t> query_seq, kv_end, mask_begin;
   std::vector<uint32_t> mask;
+  const char* spine_env = std::getenv("BENCH_ATTN_SPINE");
+  const bool spine_masks = spine_env != nullptr && spine_env[0] == '1';
   for (int s = 0; s < batch; ++s) {
     query_seq.push_back(s);
     kv_end.push_back(context + 1);
     mask_begin.push_back(context + 1);
     mask.insert(mask.end(), cuda::kTreeAttentionMaskWords, 0u);
     std::vector<std::vector<int>> anc(nodes);
+    int spine = 0;  // nodes 0 .. spine - 1 form a chain below the pending token
     for (int j = 0; j < nodes; ++j) {
       const int parent = j == 0              ? -1
                          : shape == kChain ? j - 1
@@ -146,11 +149,26 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
                                            : static_cast<int>(rng() % j);
       if (parent >= 0) anc[j] = anc[parent];
       anc[j].push_back(j);
+      // mask_begin is the pending token's end for every node, unless BENCH_ATTN_SPINE=1: then,
+      // as the engine encodes a tree (LayoutForward's spine), a node's leading ancestors that
+      // form the chain 0, 1, 2, ... from the pending token are given by mask_begin instead of
+      // mask bits (the same keys), so that mask_begin differs between the queries of a tile.
+      if (j == spine && parent == j - 1) ++spine;
+      int first = 0;  // the node's ancestors before anc[j][first] lie on the spine
+      if (spine_masks) {
+        while (first < static_cast<int>(anc[j].size()) && anc[j][first] == first &&
+               first < spine) {
+          ++first;
+        }
+      }
       std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
-      for (int a : anc[j]) bits[a / 32] |= 1u << (a % 32);
+      for (size_t i = first; i < anc[j].size(); ++i) {
+        const int bit = anc[j][i] - first;
+        bits[bit / 32] |= 1u << (bit % 32);
+      }
       query_seq.push_back(s);
       kv_end.push_back(context + 1 + j + 1);
-      mask_begin.push_back(context + 1);
+      mask_begin.push_back(context + 1 + first);
       mask.insert(mask.end(), bits.begin(), bits.end());
     }
   }

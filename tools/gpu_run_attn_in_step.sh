@@ -4,7 +4,8 @@
 # grid, instruction count, DRAM bytes and SM clock under ncu; neither random data, cold L2 nor
 # in-order blocks closed the gap). It profiles one launch of TreeAttentionKernel in each, with
 # the time, the achieved occupancy, what limits the occupancy, and the shared-memory
-# configuration: a step that ran one CTA an SM would take two waves of its 200 CTAs.
+# configuration (a step that ran one CTA an SM would take two waves of its 200 CTAs), then the
+# benchmark with the engine's mask_begin encoding (BENCH_ATTN_SPINE=1) beside its own.
 #   tools/gpu_run_attn_in_step.sh [--dev DIR]
 # A 2-layer checkpoint at the 8B shape (written here, ~10 s) is enough: the kernel's inputs are
 # one layer's.
@@ -34,3 +35,9 @@ timeout 100 ncu --clock-control none -k regex:TreeAttentionKernel --launch-skip 
   --launch-count 1 --metrics "$metrics" --csv --print-units base \
   "$dev/bin/bench/cuda_kernels_bench" \
   --benchmark_filter='VerifyAttentionShape/nodes:64/context:2048/shape:3' 2>&1 | show bench
+# The engine encodes a tree's spine (its leading chain below the pending token) by mask_begin,
+# which then differs between the queries of a tile; the benchmark's trees share one mask_begin
+# unless BENCH_ATTN_SPINE=1. The kernel forms one window group per run of equal mask_begin.
+bash "$tools_dir/gpu_run_attn_ab.sh" --dev "$dev" --rounds 2 \
+  --filter 'VerifyAttentionShape/nodes:(64|256)/context:2048/shape:(0|3)' \
+  shared spine@BENCH_ATTN_SPINE=1 | sort -k3,3 -s
