@@ -48,7 +48,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader 2
 
 # Tests: one line each, and the failures' first lines.
 for t in $tests; do
-  "$dev/bin/tests/$t" > "$out/$t.log" 2>&1
+  # A hung kernel (a new pipeline waiting forever) costs 5 minutes, not the whole call.
+  timeout "${TEST_TIMEOUT_S:-300}" "$dev/bin/tests/$t" > "$out/$t.log" 2>&1
   echo "$t rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$out/$t.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED|Failure' "$out/$t.log" | head -5
 done
