@@ -56,7 +56,7 @@ T* Upload(const std::vector<T>& v) {
 // BENCH_COLD=1: every launch is timed alone, after a 256 MiB memset has pushed its data out of
 // L2 (50 MiB on an H200). In a model step the KV cache and the weights come from HBM, since each
 // step streams 16 GB of weights at the 8B shape; back to back, a kernel finds its inputs in L2
-// (ninth run: cold adds 1.5-7 µs to attention, and keeps the order of the builds compared).
+// (ninth run: cold adds 2-8 µs to attention, and keeps the order of the builds compared).
 bool ColdLaunches() {
   static const bool cold = [] {
     const char* e = std::getenv("BENCH_COLD");
