@@ -12,13 +12,17 @@
 //   cuda_step_bench --model /tmp/specd-llama-3.1-8b [--label 8B] [--runs 20]
 //       [--contexts 512,2048,8192] [--trees 1,16,64,128,256]
 //       [--tp N] [--custom_bytes B] [--graphs both|on|off] [--profile NODES]
+//       [--phases 1]
 // --tp N shards the model over GPUs 0..N-1 (engine/cuda/cuda_tp_backend.h);
 // the floor is then one rank's weight bytes / the copy bandwidth, and
 // --custom_bytes is BackendOptions::cuda_custom_allreduce_max_bytes (0: NCCL
 // only, the A/B against the custom all-reduce). --profile NODES brackets the
 // last timed step of that tree size (0: decode) with cudaProfilerStart/Stop, so that
 // `ncu --profile-from-start off` times exactly one step's kernels (graph nodes
-// one by one) and none of the load-time GEMM algorithm search.
+// one by one) and none of the load-time GEMM algorithm search. --phases 1 (TP=1)
+// adds a line per case with the medians of where the step's wall time went
+// (CudaBackend::VerifyPhases): host preparation, launch, waiting, finishing, and
+// the device's own time from the metadata upload to the outcomes' copy.
 // gpt-fast and transformers at the same shapes: a later session adds them to
 // this table (bench/hf_baseline.py has the transformers harness).
 #include <cuda_profiler_api.h>
@@ -103,6 +107,7 @@ int Main(int argc, char **argv) {
   int64_t custom_bytes = -1;
   std::string graphs_mode = "both";
   int profile_nodes = -1;
+  bool phases = false;
   std::vector<int> contexts = {512, 2048, 8192}, trees = {1, 16, 64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -124,6 +129,8 @@ int Main(int argc, char **argv) {
       graphs_mode = value;
     else if (flag == "--profile")
       profile_nodes = std::atoi(value.c_str());
+    else if (flag == "--phases")
+      phases = value == "1";
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -133,7 +140,8 @@ int Main(int argc, char **argv) {
     std::fprintf(stderr,
                  "usage: cuda_step_bench --model DIR [--label L] [--runs N] "
                  "[--contexts a,b,..] [--trees a,b,..] [--tp N] "
-                 "[--custom_bytes B] [--graphs both|on|off] [--profile NODES]\n");
+                 "[--custom_bytes B] [--graphs both|on|off] [--profile NODES] "
+                 "[--phases 1]\n");
     return 2;
   }
   cudaDeviceProp prop{};
@@ -157,6 +165,8 @@ int Main(int argc, char **argv) {
   Backend &b = **loaded;
   auto *one = dynamic_cast<CudaBackend *>(&b);
   auto *group = dynamic_cast<CudaTensorParallelBackend *>(&b);
+  if (phases && one != nullptr)
+    one->SetPhaseTiming(true);
   const auto set_graphs = [&](bool on) {
     if (one != nullptr)
       one->SetGraphsEnabled(on);
@@ -227,6 +237,8 @@ int Main(int argc, char **argv) {
       sizes.insert(sizes.end(), trees.begin(), trees.end());
       for (int nodes : sizes) {
         std::vector<double> ms;
+        // Per timed step: prepare, launch, wait, finish, device (µs).
+        std::vector<double> phase[5];
         for (int r = 0; r < runs + 3; ++r) {
           VerifyItem it;
           it.seq = seq;
@@ -250,12 +262,31 @@ int Main(int argc, char **argv) {
           pending = (*out)[0].tokens.back();
           if (r >= 3)
             ms.push_back(dt);
+          if (r >= 3 && phases && one != nullptr) {
+            const CudaBackend::VerifyPhases &v = one->last_verify_phases();
+            const double values[5] = {v.prepare_us, v.launch_us, v.wait_us,
+                                      v.finish_us, v.device_us};
+            for (int i = 0; i < 5; ++i)
+              phase[i].push_back(values[i]);
+          }
         }
         const double med = Median(ms);
         std::printf("| %s | %d | %s | %d | %s | %.3f | %.4f | %.2fx |\n",
                     label.c_str(), tp, graphs ? "on" : "off", context,
                     nodes == 0 ? "decode" : std::to_string(nodes).c_str(), med,
                     med / std::max(1, c.num_layers), med / floor_ms);
+        if (!phase[0].empty()) {
+          // Wall time the device does not account for: host work before the
+          // upload and after the outcomes arrive, and the gaps between.
+          std::printf("# phases %s %s context %d, µs (median): prepare %.1f, "
+                      "launch %.1f, wait %.1f, finish %.1f; device %.1f; "
+                      "step %.1f\n",
+                      graphs ? "graphs" : "eager",
+                      nodes == 0 ? "decode" : (std::to_string(nodes) + " nodes").c_str(),
+                      context, Median(phase[0]), Median(phase[1]),
+                      Median(phase[2]), Median(phase[3]), Median(phase[4]),
+                      1e3 * med);
+        }
         std::fflush(stdout);
       }
     }

@@ -5,7 +5,8 @@
 # in-order blocks closed the gap). It profiles one launch of TreeAttentionKernel in each, with
 # the time, the achieved occupancy, what limits the occupancy, and the shared-memory
 # configuration (a step that ran one CTA an SM would take two waves of its 200 CTAs), then the
-# benchmark with the engine's mask_begin encoding (BENCH_ATTN_SPINE=1) beside its own.
+# benchmark with the engine's mask_begin encoding (BENCH_ATTN_SPINE=1) beside its own, then
+# where a verify step's wall time goes beside the device's own time (--phases 1).
 #   tools/gpu_run_attn_in_step.sh [--dev DIR]
 # A 2-layer checkpoint at the 8B shape (written here, ~10 s) is enough: the kernel's inputs are
 # one layer's.
@@ -41,3 +42,8 @@ timeout 100 ncu --clock-control none -k regex:TreeAttentionKernel --launch-skip 
 bash "$tools_dir/gpu_run_attn_ab.sh" --dev "$dev" --rounds 2 \
   --filter 'VerifyAttentionShape/nodes:(64|256)/context:2048/shape:(0|3)' \
   shared spine@BENCH_ATTN_SPINE=1 | sort -k3,3 -s
+# Where a step's wall time goes beside the device's own (cuda_step_bench --phases 1): host work
+# before the upload and after the outcomes, launch, waiting. Host work does not depend on the
+# layer count, so the 2-layer checkpoint shows it as the 8B one would.
+SPECD_GEMM_TIMING=0 timeout 120 "$dev/bin/bench/cuda_step_bench" --model "$model" --tp 1 \
+  --graphs on --runs 9 --contexts 2048 --trees 16,64 --phases 1 2>&1 | grep -E '^# phases|^\|'

@@ -1,6 +1,7 @@
 #include "engine/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -211,6 +212,10 @@ CudaBackend::~CudaBackend() {
     cudaFreeHost(host_stage_);
   if (host_out_ != nullptr)
     cudaFreeHost(host_out_);
+  for (cudaEvent_t e : phase_events_) {
+    if (e != nullptr)
+      cudaEventDestroy(e);
+  }
   gemm_.reset();
   for (Scratch *s : {&meta_, &residual_, &x_, &normed_, &qkv_, &attn_,
                      &gate_up_, &act_, &last_, &logits_, &attn_ws_, &sample_ws_, &verify_,
@@ -1416,6 +1421,7 @@ absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items,
 
 absl::StatusOr<std::vector<VerifyOutcome>>
 CudaBackend::Verify(absl::Span<const VerifyItem> items) {
+  const auto t_enter = std::chrono::steady_clock::now();
   const int vocab = config_.vocab_size;
   std::vector<ForwardItem> forward(items.size());
   std::vector<int64_t> committed(items.size());
@@ -1546,6 +1552,16 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
   step.o_out = pack.Add(std::vector<int32_t>(out_count));
 
   SPECD_RETURN_IF_ERROR_(PrepareBuffers(step, pack.bytes().size()));
+  const bool timing = phase_timing_ && world_ == 1;
+  if (timing) {
+    for (cudaEvent_t &e : phase_events_) {
+      if (e == nullptr)
+        SPECD_CUDA_RETURN_(cudaEventCreate(&e), "creating a timing event");
+    }
+    SPECD_CUDA_RETURN_(cudaEventRecord(phase_events_[0], stream_),
+                       "recording a timing event");
+  }
+  const auto t_upload = std::chrono::steady_clock::now();
   SPECD_RETURN_IF_ERROR_(UploadMeta(pack));
   SPECD_RETURN_IF_ERROR_(Execute(step));
   if (host_out_count_ < out_count) {
@@ -1564,7 +1580,13 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
                                      out_count * sizeof(int32_t),
                                      cudaMemcpyDeviceToHost, stream_),
                      "copying verify outcomes");
+  if (timing) {
+    SPECD_CUDA_RETURN_(cudaEventRecord(phase_events_[1], stream_),
+                       "recording a timing event");
+  }
+  const auto t_launched = std::chrono::steady_clock::now();
   SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "verify step");
+  const auto t_synced = std::chrono::steady_clock::now();
 
   const int32_t *out = host_out_;
   const int64_t launched = step.batch, stride = step.out_stride;
@@ -1582,6 +1604,20 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
     s.scratch_parents.clear();
     s.scratch_depth.clear();
     ReleaseBlocks(&s, CeilDiv(s.committed, kKvBlockTokens));
+  }
+  if (timing) {
+    const auto us = [](auto a, auto b) {
+      return std::chrono::duration<double, std::micro>(b - a).count();
+    };
+    float device_ms = 0;
+    SPECD_CUDA_RETURN_(cudaEventElapsedTime(&device_ms, phase_events_[0],
+                                            phase_events_[1]),
+                       "reading a timing event");
+    last_phases_.prepare_us = us(t_enter, t_upload);
+    last_phases_.launch_us = us(t_upload, t_launched);
+    last_phases_.wait_us = us(t_launched, t_synced);
+    last_phases_.finish_us = us(t_synced, std::chrono::steady_clock::now());
+    last_phases_.device_us = 1e3 * device_ms;
   }
   return outcomes;
 }

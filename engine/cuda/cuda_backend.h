@@ -86,6 +86,15 @@ struct CudaTpRank {
 
 class CudaBackend : public Backend {
 public:
+  // Where a Verify() step's wall time went, when SetPhaseTiming(true)
+  // (benchmarks): host microseconds before the metadata upload (validation,
+  // layout, attention plan), from there to the launches' return, then waiting
+  // for the device, then reading the outcomes; and the device's microseconds
+  // from the upload to the outcomes' copy (events on the stream).
+  struct VerifyPhases {
+    double prepare_us = 0, launch_us = 0, wait_us = 0, finish_us = 0;
+    double device_us = 0;
+  };
   static constexpr int64_t kKvBlockTokens = 16;
   // Padded (CUDA-graph) steps have at most this many token rows.
   static constexpr int64_t kGraphMaxTokens = 4096;
@@ -318,8 +327,16 @@ private:
   size_t host_stage_bytes_ = 0;
   int32_t *host_out_ = nullptr;
   size_t host_out_count_ = 0;
+  // SetPhaseTiming: events around a verify step's device work (created on first
+  // use) and the last step's phases.
+  bool phase_timing_ = false;
+  cudaEvent_t phase_events_[2] = {nullptr, nullptr};
+  VerifyPhases last_phases_;
 
 public:
+  void SetPhaseTiming(bool on) { phase_timing_ = on; }
+  const VerifyPhases &last_verify_phases() const { return last_phases_; }
+
   // Graph statistics, for tests and benchmarks: graphs captured and graph
   // launches so far.
   int64_t graphs_captured() const { return graphs_captured_; }
