@@ -58,6 +58,17 @@ std::vector<int32_t> Tokens(const v1::VerifySequenceResult& r) {
   return {r.tokens().begin(), r.tokens().end()};
 }
 
+// Step 1 of a stream: sequence 1 starts with pending tokens {1, 2, 3}; its result. The shutdown
+// tests' running sequence.
+v1::VerifySequenceResult StartSequenceOne(VerifyStream& stream) {
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {1, 2, 3});
+  const v1::VerifyStepResponse response = stream.Step(request);
+  EXPECT_EQ(response.results_size(), 1);
+  return response.results_size() > 0 ? response.results(0) : v1::VerifySequenceResult();
+}
+
 class VerifyServiceTest : public ModelServiceTest {
  protected:
   static void SetUpTestSuite() {
@@ -551,10 +562,7 @@ TEST_F(VerifyServiceTest, SigtermShutsDownCleanlyWithAnOpenStream) {
   std::unique_ptr<ServiceProcess> p = StartVerify();
   ASSERT_NE(p, nullptr);
   VerifyStream stream(p->channel());
-  v1::VerifyStepRequest request;
-  request.set_step_id(1);
-  AddStep(&request, 1, {1, 2, 3});
-  EXPECT_FALSE(stream.Step(request).results(0).has_error());
+  EXPECT_FALSE(StartSequenceOne(stream).has_error());
   absl::StatusOr<int> code = p->Stop(SIGTERM, absl::Seconds(10));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
@@ -570,11 +578,8 @@ TEST_F(VerifyServiceTest, SigtermDrainsRunningSequencesThenStopsAtOnce) {
   std::unique_ptr<ServiceProcess> p = StartVerify({"--shutdown_grace_ms=60000"});
   ASSERT_NE(p, nullptr);
   VerifyStream stream(p->channel());
-  v1::VerifyStepRequest first;
-  first.set_step_id(1);
-  AddStep(&first, 1, {1, 2, 3});
-  const v1::VerifyStepResponse r1 = stream.Step(first);
-  ASSERT_FALSE(r1.results(0).has_error());
+  const v1::VerifySequenceResult first = StartSequenceOne(stream);
+  ASSERT_FALSE(first.has_error());
 
   ASSERT_EQ(kill(p->pid(), SIGTERM), 0);
   const absl::Status draining = p->WaitForHealth(HealthResponse::NOT_SERVING, absl::Seconds(10));
@@ -582,7 +587,7 @@ TEST_F(VerifyServiceTest, SigtermDrainsRunningSequencesThenStopsAtOnce) {
 
   v1::VerifyStepRequest second;
   second.set_step_id(2);
-  AddStep(&second, 1, Tokens(r1.results(0)));
+  AddStep(&second, 1, Tokens(first));
   AddStep(&second, 2, {4, 5});
   const v1::VerifyStepResponse r2 = stream.Step(second);
   ASSERT_EQ(r2.results_size(), 2);
@@ -610,10 +615,7 @@ TEST_F(VerifyServiceTest, SigtermWithAnIdleStreamStopsAtOnce) {
   std::unique_ptr<ServiceProcess> p = StartVerify({"--shutdown_grace_ms=60000"});
   ASSERT_NE(p, nullptr);
   VerifyStream stream(p->channel());
-  v1::VerifyStepRequest request;
-  request.set_step_id(1);
-  AddStep(&request, 1, {1, 2, 3});
-  ASSERT_FALSE(stream.Step(request).results(0).has_error());
+  ASSERT_FALSE(StartSequenceOne(stream).has_error());
   v1::VerifyStepRequest release;
   release.set_step_id(2);
   release.add_release_seq_ids(1);
