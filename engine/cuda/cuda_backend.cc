@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -784,6 +785,17 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
       rows[row_base[b] + j] =
           static_cast<int32_t>(token_base[b] + it.logit_rows[j]);
     }
+    // The spine end that every masked token of the sequence shares where its mask can reach
+    // back to it: the attention kernel forms one window group per run of equal mask_begin among a
+    // tile's queries, and a 4-ary tree's tokens alternate between two spine ends in breadth-first
+    // order. Giving a prefix by mask_begin or by leading mask bits selects the same keys in the
+    // same order (the kernel's contract), so the bits do not change.
+    int32_t shared_a = std::numeric_limits<int32_t>::max();
+    for (int64_t j = 0; j < n; ++j) {
+      const int32_t index = static_cast<int32_t>(s.scratch_parents.size() + j);
+      if (index > batch.spine[b][j])
+        shared_a = std::min(shared_a, batch.spine[b][j]);
+    }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = token_base[b] + j;
       const int32_t index = static_cast<int32_t>(s.scratch_parents.size());
@@ -794,8 +806,12 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
       query_seq[t] = static_cast<int32_t>(b);
       slots[t] = PhysicalSlot(s, s.committed + index);
       // Visible: [0, committed + a + 1) in full, then the node's ancestors
-      // after a (itself included) through the mask.
-      const int32_t a = batch.spine[b][j];
+      // after a (itself included) through the mask. a is the node's spine end,
+      // or the sequence's shared one below it (the spine nodes between are
+      // ancestors too, given by mask bits).
+      int32_t a = batch.spine[b][j];
+      if (index > a && index - shared_a <= cuda::kTreeAttentionMaskBits)
+        a = shared_a;
       kv_end[t] = static_cast<int32_t>(s.committed + index + 1);
       mask_begin[t] = static_cast<int32_t>(s.committed + a + 1);
       uint32_t *bits =
