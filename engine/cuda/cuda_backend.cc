@@ -790,8 +790,10 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     // tile's queries, and a 4-ary tree's tokens alternate between two spine ends in breadth-first
     // order. Giving a prefix by mask_begin or by leading mask bits selects the same keys in the
     // same order (the kernel's contract), so the bits do not change.
+    // SPECD_SHARED_SPINE=0 keeps each token's own spine end (A/B runs).
+    static const bool share_spine = !EnvIs("SPECD_SHARED_SPINE", "0");
     int32_t shared_a = std::numeric_limits<int32_t>::max();
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < n && share_spine; ++j) {
       const int32_t index = static_cast<int32_t>(s.scratch_parents.size() + j);
       if (index > batch.spine[b][j])
         shared_a = std::min(shared_a, batch.spine[b][j]);
