@@ -812,7 +812,8 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
       // or the sequence's shared one below it (the spine nodes between are
       // ancestors too, given by mask bits).
       int32_t a = batch.spine[b][j];
-      if (index > a && index - shared_a <= cuda::kTreeAttentionMaskBits)
+      if (index > a && shared_a < a &&
+          index - shared_a <= cuda::kTreeAttentionMaskBits)
         a = shared_a;
       kv_end[t] = static_cast<int32_t>(s.committed + index + 1);
       mask_begin[t] = static_cast<int32_t>(s.committed + a + 1);
