@@ -147,7 +147,9 @@ struct BackendOptions {
   // in the environment restores plain doubling classes (A/B). SPECD_GEMM_TIMING=0 picks every
   // algorithm without timing (the same picks in every process, for A/B runs of other changes;
   // possibly slower). Likewise SPECD_PDL=0 launches the
-  // short kernels without programmatic dependent launch (kernels/cuda/device_utils.cuh).
+  // short kernels without programmatic dependent launch (kernels/cuda/device_utils.cuh), and
+  // SPECD_SHARED_SPINE=0 gives each verified token its own spine end as mask_begin instead of
+  // one per sequence (the same keys; more attention window groups).
   int64_t cuda_gemm_invariant_rows = 1024;
 };
 

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -13,6 +14,7 @@
 #include "common/safetensors.h"
 #include "common/token_tree.h"
 #include "engine/sampling.h"
+#include "engine/tree_mask.h"
 #include "engine/weight_shard.h"
 #include "engine/cuda/custom_allreduce.h"
 #include "engine/cuda/nccl_group.h"
@@ -647,9 +649,7 @@ CudaBackend::Validate(absl::Span<const ForwardItem> items) {
       depth.push_back(d);
       new_depth.push_back(d);
       const int32_t index = static_cast<int32_t>(base + j);
-      int32_t a = index;
-      while (a >= 0 && depth[a] != a)
-        a = parents[a];
+      const int32_t a = SpineEnd(parents, depth, index);
       if (index - a > cuda::kTreeAttentionMaskBits) {
         return absl::UnimplementedError(
             absl::StrCat("items[", b, "].parents[", j, "]: scratch node ",
@@ -789,6 +789,14 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
       rows[row_base[b] + j] =
           static_cast<int32_t>(token_base[b] + it.logit_rows[j]);
     }
+    // One spine end for the sequence's masked tokens (engine/tree_mask.h: the
+    // same keys, one attention window group a tile instead of one per run).
+    // SPECD_SHARED_SPINE=0 keeps each token's own spine end (A/B runs).
+    static const bool share_spine = !EnvIs("SPECD_SHARED_SPINE", "0");
+    const std::optional<int32_t> shared_a =
+        share_spine ? SharedSpineEnd(batch.spine[b],
+                                     static_cast<int32_t>(s.scratch_parents.size()))
+                    : std::nullopt;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = token_base[b] + j;
       const int32_t index = static_cast<int32_t>(s.scratch_parents.size());
@@ -799,16 +807,16 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
       query_seq[t] = static_cast<int32_t>(b);
       slots[t] = PhysicalSlot(s, s.committed + index);
       // Visible: [0, committed + a + 1) in full, then the node's ancestors
-      // after a (itself included) through the mask.
-      const int32_t a = batch.spine[b][j];
+      // after a (itself included) through the mask (engine/tree_mask.h).
+      const int32_t a = MaskSpineEnd(index, batch.spine[b][j], shared_a,
+                                     cuda::kTreeAttentionMaskBits);
       kv_end[t] = static_cast<int32_t>(s.committed + index + 1);
       mask_begin[t] = static_cast<int32_t>(s.committed + a + 1);
-      uint32_t *bits =
-          &mask[static_cast<size_t>(t) * cuda::kTreeAttentionMaskWords];
-      for (int32_t x = index; x > a; x = s.scratch_parents[x]) {
-        const int32_t bit = x - (a + 1);
-        bits[bit / 32] |= 1u << (bit % 32);
-      }
+      SetTreeMaskBits(
+          s.scratch_parents, index, a,
+          absl::MakeSpan(&mask[static_cast<size_t>(t) *
+                               cuda::kTreeAttentionMaskWords],
+                         cuda::kTreeAttentionMaskWords));
       real_query_seq.push_back(static_cast<int32_t>(b));
       real_kv_end.push_back(kv_end[t]);
     }
