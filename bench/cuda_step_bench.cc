@@ -12,7 +12,7 @@
 //   cuda_step_bench --model /tmp/specd-llama-3.1-8b [--label 8B] [--runs 20]
 //       [--contexts 512,2048,8192] [--trees 1,16,64,128,256]
 //       [--tp N] [--custom_bytes B] [--graphs both|on|off] [--profile NODES]
-//       [--phases 1]
+//       [--phases 1] [--trace NODES] [--trace_csv PREFIX]
 // --tp N shards the model over GPUs 0..N-1 (engine/cuda/cuda_tp_backend.h);
 // the floor is then one rank's weight bytes / the copy bandwidth, and
 // --custom_bytes is BackendOptions::cuda_custom_allreduce_max_bytes (0: NCCL
@@ -23,6 +23,10 @@
 // adds a line per case with the medians of where the step's wall time went
 // (CudaBackend::VerifyPhases): host preparation, launch, waiting, finishing, and
 // the device's own time from the metadata upload to the outcomes' copy.
+// --trace NODES (builds with CUPTI) prints the kernel timeline of the last timed step of that
+// tree size (0: decode) as it really ran, graph replays included (bench/kernel_trace.h): its
+// span, busy and idle time, the time by kernel and the idle time by the pair of kernels around
+// it; --trace_csv PREFIX also writes it to PREFIX<graphs|eager>_<nodes>_<context>.csv.
 // gpt-fast and transformers at the same shapes: a later session adds them to
 // this table (bench/hf_baseline.py has the transformers harness).
 #include <cuda_profiler_api.h>
@@ -39,10 +43,14 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "engine/backend.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_tp_backend.h"
+#ifdef SPECD_HAVE_CUPTI
+#include "bench/kernel_trace.h"
+#endif
 
 namespace specd {
 namespace {
@@ -108,6 +116,8 @@ int Main(int argc, char **argv) {
   std::string graphs_mode = "both";
   int profile_nodes = -1;
   bool phases = false;
+  int trace_nodes = -1;
+  std::string trace_csv;
   std::vector<int> contexts = {512, 2048, 8192}, trees = {1, 16, 64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -131,6 +141,10 @@ int Main(int argc, char **argv) {
       profile_nodes = std::atoi(value.c_str());
     else if (flag == "--phases")
       phases = value == "1";
+    else if (flag == "--trace")
+      trace_nodes = std::atoi(value.c_str());
+    else if (flag == "--trace_csv")
+      trace_csv = value;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -141,9 +155,24 @@ int Main(int argc, char **argv) {
                  "usage: cuda_step_bench --model DIR [--label L] [--runs N] "
                  "[--contexts a,b,..] [--trees a,b,..] [--tp N] "
                  "[--custom_bytes B] [--graphs both|on|off] [--profile NODES] "
-                 "[--phases 1]\n");
+                 "[--phases 1] [--trace NODES] [--trace_csv PREFIX]\n");
     return 2;
   }
+#ifdef SPECD_HAVE_CUPTI
+  bench::KernelTrace trace;
+  if (trace_nodes >= 0) {
+    // Before the backend exists, so that every kernel, graph replays included, is recorded.
+    if (absl::Status s = trace.Enable(); !s.ok()) {
+      std::fprintf(stderr, "--trace: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+#else
+  if (trace_nodes >= 0) {
+    std::fprintf(stderr, "--trace: this build has no CUPTI\n");
+    return 2;
+  }
+#endif
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   const double copy_bw = CopyBandwidth();
@@ -245,12 +274,38 @@ int Main(int argc, char **argv) {
           it.pending = {pending};
           it.tree = Tree(nodes, c.vocab_size, rng);
           const bool profiled = nodes == profile_nodes && r == runs + 2;
+          const bool traced = nodes == trace_nodes && r == runs + 2;
           if (profiled)
             cudaProfilerStart();
+#ifdef SPECD_HAVE_CUPTI
+          const uint64_t trace_t0 = traced ? bench::KernelTrace::Now() : 0;
+#endif
           const auto s0 = std::chrono::steady_clock::now();
           absl::StatusOr<std::vector<VerifyOutcome>> out = b.Verify({it});
           if (profiled)
             cudaProfilerStop();
+#ifdef SPECD_HAVE_CUPTI
+          if (traced) {
+            // Verify returns once the outcomes are on the host: every kernel of the step has
+            // started (and ended) before this.
+            const std::vector<bench::KernelTrace::Kernel> ks =
+                trace.Window(trace_t0, bench::KernelTrace::Now());
+            const std::string name =
+                absl::StrCat(graphs ? "graphs" : "eager", " ",
+                             nodes == 0 ? "decode" : absl::StrCat(nodes, " nodes"),
+                             " context ", context);
+            bench::KernelTrace::Summarize(name, ks, stdout);
+            if (!trace_csv.empty()) {
+              const std::string path =
+                  absl::StrCat(trace_csv, graphs ? "graphs" : "eager", "_", nodes, "_",
+                               context, ".csv");
+              if (absl::Status s = bench::KernelTrace::WriteCsv(ks, path); !s.ok())
+                std::fprintf(stderr, "--trace_csv: %s\n", s.ToString().c_str());
+            }
+          }
+#else
+          (void)traced;
+#endif
           const double dt = std::chrono::duration<double, std::milli>(
                                 std::chrono::steady_clock::now() - s0)
                                 .count();
