@@ -892,6 +892,15 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     plan.num_splits = 1;
     plan.chunks_per_cta = 1;
   }
+  // SPECD_ATTN_CHUNKS_PER_CTA=N, an A/B switch: N key chunks a CTA instead of the planner's
+  // choice (its WaveCost model), to time the model against the step. It changes the CTA count,
+  // never the bits.
+  static const int chunks_override = [] {
+    const char *env = std::getenv("SPECD_ATTN_CHUNKS_PER_CTA");
+    return env != nullptr ? std::max(0, std::atoi(env)) : 0;
+  }();
+  if (chunks_override > 0 && plan.num_splits > 1)
+    plan.chunks_per_cta = std::min(chunks_override, plan.num_splits);
   step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());
   step->num_splits = plan.num_splits;
   step->chunks_per_cta = plan.chunks_per_cta;
