@@ -315,12 +315,13 @@ cudaError_t Launch(const AllReduceParams& p, int cap, cudaStream_t stream) {
     int64_t grid = (vectors + kPlainThreads - 1) / kPlainThreads;
     grid = grid < 1 ? 1 : (grid > cap ? cap : grid);
     auto* kernel = push ? AllReducePushPlainKernel<N> : AllReducePlainKernel<N>;
-    return LaunchPdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kPlainThreads), 0, stream, p);
+    return LaunchPdl("allreduce", kernel, dim3(static_cast<unsigned>(grid)),
+                     dim3(kPlainThreads), 0, stream, p);
   }
   const int64_t grid = p.rows < 1 ? 1 : (p.rows > cap ? cap : p.rows);
   auto* kernel = push ? AllReducePushFusedKernel<N> : AllReduceFusedKernel<N>;
-  return LaunchPdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(RmsNormThreads(p.dim)), 0,
-                   stream, p);
+  return LaunchPdl("allreduce", kernel, dim3(static_cast<unsigned>(grid)),
+                   dim3(RmsNormThreads(p.dim)), 0, stream, p);
 }
 
 }  // namespace

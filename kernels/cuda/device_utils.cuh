@@ -103,32 +103,64 @@ __device__ __forceinline__ void PdlTrigger() {
 
 }  // namespace internal
 
-// Host side: whether launches use programmatic dependent launch. SPECD_PDL=0 in the environment
-// turns it off (A/B runs, debugging); read once.
-inline bool PdlEnabled() {
-  static const bool enabled = [] {
+// Host side: whether launches at `site` ("rmsnorm", "swiglu", "rope", "embedding", "attention",
+// "combine", "allreduce") use programmatic dependent launch. SPECD_PDL=0 in the environment
+// turns it off everywhere, SPECD_PDL_OFF=site,site,... at those sites only (A/B runs: an early
+// dependent's resident CTAs can slow the kernel they wait on, cuda_step_bench --trace shows
+// where); read once.
+inline bool PdlEnabled(const char* site) {
+  static const bool all = [] {
     const char* env = std::getenv("SPECD_PDL");
     return env == nullptr || std::strcmp(env, "0") != 0;
   }();
-  return enabled;
+  static const char* const off = std::getenv("SPECD_PDL_OFF");
+  if (!all) return false;
+  if (off == nullptr) return true;
+  // `site` as a whole entry of the comma-separated list.
+  const size_t n = std::strlen(site);
+  for (const char* at = std::strstr(off, site); at != nullptr; at = std::strstr(at + 1, site)) {
+    if ((at == off || at[-1] == ',') && (at[n] == '\0' || at[n] == ',')) return false;
+  }
+  return true;
 }
 
 // Launches `kernel` as a programmatic dependent of the stream's previous kernel (when
-// PdlEnabled()); the kernel must call internal::PdlWait() as described above. Works under
+// PdlEnabled(site)); the kernel must call internal::PdlWait() as described above. Works under
 // stream capture (a programmatic graph edge).
 template <typename... Params, typename... Args>
-cudaError_t LaunchPdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                      cudaStream_t stream, Args&&... args) {
+cudaError_t LaunchPdl(const char* site, void (*kernel)(Params...), dim3 grid, dim3 block,
+                      size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  unsigned n = 0;
+  if (PdlEnabled(site)) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  // Every launch asks for the largest shared-memory share of L1 (100%). An SM changes its split
+  // only when idle, and a kernel launched early by PDL lands on SMs where its predecessor still
+  // runs: behind RoPE under a small split, the 64-node verify attention (200 CTAs of 80 KB, two
+  // an SM) fitted one CTA on some SMs and ran 43-45 us a layer instead of 37 (cuda_step_bench
+  // --trace). Asking for the same split everywhere took 0.18 ms off that 8B step and left decode
+  // and 16 nodes as they were (bench/RESULTS.md, tenth run); none of these kernels leans on L1.
+  // SPECD_SMEM_CARVEOUT=P (0-100) asks for P instead, a negative value for nothing (the
+  // driver's choice), for A/B runs.
+  static const int carveout = [] {
+    const char* env = std::getenv("SPECD_SMEM_CARVEOUT");
+    return env != nullptr ? std::atoi(env) : 100;
+  }();
+  if (carveout >= 0 && carveout <= 100) {
+    attribute[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+    attribute[n].val.sharedMemCarveout = static_cast<unsigned>(carveout);
+    ++n;
+  }
   config.attrs = attribute;
-  config.numAttrs = PdlEnabled() ? 1 : 0;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

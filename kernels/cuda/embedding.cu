@@ -39,8 +39,9 @@ cudaError_t EmbeddingCuda(const EmbeddingParams& p, cudaStream_t stream) {
   if (p.tokens == nullptr || p.table == nullptr || p.out == nullptr) return cudaErrorInvalidValue;
   const bool vec = p.hidden % 8 == 0 && IsAligned(p.table, 16) && IsAligned(p.out, 16);
   const int threads = 128;
-  return LaunchPdl(vec ? EmbeddingKernel<8> : EmbeddingKernel<1>,
-                   dim3(static_cast<unsigned>(p.num_tokens)), dim3(threads), 0, stream, p);
+  return LaunchPdl("embedding", vec ? EmbeddingKernel<8> : EmbeddingKernel<1>,
+                   dim3(static_cast<unsigned>(p.num_tokens)), dim3(threads), 0,
+                   stream, p);
 }
 
 }  // namespace cuda

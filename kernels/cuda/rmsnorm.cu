@@ -58,8 +58,9 @@ cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream) {
   const bool vec = p.dim % 8 == 0 && IsAligned(p.x, 16) && IsAligned(p.weight, 16) &&
                    IsAligned(p.out, 16) && (p.residual == nullptr || IsAligned(p.residual, 16));
   const int threads = RmsNormThreads(p.dim);
-  return LaunchPdl(vec ? RmsNormKernel<8> : RmsNormKernel<1>, dim3(static_cast<unsigned>(p.rows)),
-                   dim3(threads), 0, stream, p);
+  return LaunchPdl("rmsnorm", vec ? RmsNormKernel<8> : RmsNormKernel<1>,
+                   dim3(static_cast<unsigned>(p.rows)), dim3(threads), 0,
+                   stream, p);
 }
 
 }  // namespace cuda

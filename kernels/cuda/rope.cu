@@ -107,7 +107,7 @@ cudaError_t RopeCuda(const RopeParams& p, cudaStream_t stream) {
   const int64_t heads = p.num_q_heads + p.num_k_heads * (cache ? 2 : 1);
   const dim3 grid(static_cast<unsigned>(p.num_tokens),
                   static_cast<unsigned>((heads + kWarps - 1) / kWarps));
-  return LaunchPdl(RopeKernel, grid, dim3(kWarps * 32), 0, stream, p);
+  return LaunchPdl("rope", RopeKernel, grid, dim3(kWarps * 32), 0, stream, p);
 }
 
 }  // namespace cuda

@@ -51,8 +51,8 @@ cudaError_t SwiGluCuda(const SwiGluParams& p, cudaStream_t stream) {
   const int threads = 256;
   const unsigned blocks =
       static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 1 << 16));
-  return LaunchPdl(vec ? SwiGluKernel<8> : SwiGluKernel<1>, dim3(blocks), dim3(threads), 0,
-                   stream, p);
+  return LaunchPdl("swiglu", vec ? SwiGluKernel<8> : SwiGluKernel<1>,
+                   dim3(blocks), dim3(threads), 0, stream, p);
 }
 
 }  // namespace cuda

@@ -1063,8 +1063,8 @@ cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  return LaunchPdl(TreeAttentionKernel<HD, kSplit, kTrees>, grid, dim3(kThreads), kSmem, stream,
-                   p);
+  return LaunchPdl("attention", TreeAttentionKernel<HD, kSplit, kTrees>, grid,
+                   dim3(kThreads), kSmem, stream, p);
 }
 
 // Without masks every query's keys are its own slots, so the kernel is built without the window
@@ -1080,9 +1080,9 @@ cudaError_t Launch(const TreeAttentionParams& p, cudaStream_t stream) {
   if (p.num_splits == 1) return LaunchMain<HD, false>(p, stream);
   if (cudaError_t e = LaunchMain<HD, true>(p, stream); e != cudaSuccess) return e;
   const int64_t items = p.num_queries * p.num_heads;
-  return LaunchPdl(TreeAttentionCombineKernel<HD>,
-                   dim3(static_cast<unsigned>((items + kWarps - 1) / kWarps)), dim3(kThreads), 0,
-                   stream, p);
+  return LaunchPdl("combine", TreeAttentionCombineKernel<HD>,
+                   dim3(static_cast<unsigned>((items + kWarps - 1) / kWarps)),
+                   dim3(kThreads), 0, stream, p);
 }
 
 // The generic kernel: head sizes the MMA kernel is not built for (any even head_dim up to
@@ -1274,7 +1274,8 @@ template <int kPairs>
 cudaError_t LaunchGeneric(const TreeAttentionParams& p, cudaStream_t stream) {
   const int64_t items = p.num_queries * p.num_heads;
   const dim3 grid(static_cast<unsigned>((items + kWarps - 1) / kWarps));
-  return LaunchPdl(TreeAttentionGenericKernel<kPairs>, grid, dim3(kThreads), 0, stream, p);
+  return LaunchPdl("attention", TreeAttentionGenericKernel<kPairs>, grid,
+                   dim3(kThreads), 0, stream, p);
 }
 
 cudaError_t LaunchGeneric(const TreeAttentionParams& p, cudaStream_t stream) {
