@@ -293,6 +293,9 @@ TEST_F(DraftServiceTest, ReleasesAndStreamEndsFreeSequences) {
 
 TEST_F(DraftServiceTest, StartupErrorsAndSigterm) {
   const std::string empty = MakeTempDir("specd-no-draft-model");
+  const int port = PickFreePort();
+  const std::vector<std::string> base = {absl::StrCat("--address=127.0.0.1:", port),
+                                         absl::StrCat("--metrics_port=", PickFreePort())};
   struct Case {
     std::vector<std::string> args;
     std::string message;
@@ -302,14 +305,10 @@ TEST_F(DraftServiceTest, StartupErrorsAndSigterm) {
                          {{}, "--vocab_size"},
                          {{"--model=" + *dir_, "--vocab_size=7"}, "vocab_size"},
                          {{"--vocab_size=300", "--tree_max_nodes=999"}, "max_nodes"}}) {
-    // Fresh ports a case: one freed by the case before could meanwhile be an ephemeral port of
-    // another test's connection (ctest -j), and its bind error would replace the message.
-    const std::string target = absl::StrCat("127.0.0.1:", PickFreePort());
-    std::vector<std::string> args = {"--address=" + target,
-                                     absl::StrCat("--metrics_port=", PickFreePort())};
+    std::vector<std::string> args = base;
     args.insert(args.end(), c.args.begin(), c.args.end());
     absl::StatusOr<std::unique_ptr<ServiceProcess>> p =
-        ServiceProcess::Spawn({SpecdBinary("specd-draft"), args, target});
+        ServiceProcess::Spawn({SpecdBinary("specd-draft"), args, absl::StrCat("127.0.0.1:", port)});
     ASSERT_TRUE(p.ok());
     absl::StatusOr<int> code = (*p)->WaitForExit(absl::Seconds(30));
     ASSERT_TRUE(code.ok()) << code.status();

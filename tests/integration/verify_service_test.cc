@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/grpc_util.h"
@@ -529,12 +528,10 @@ TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
     std::vector<std::string> args;
     std::string message;
   };
-  // Most cases fail after the service has bound its ports. Each case picks its own, just before
-  // it starts: a port freed by the case before could meanwhile be an ephemeral port of another
-  // test's connection (ctest -j), and the bind error would replace the message looked for.
-  const std::string address = "--address=@ADDRESS@";
-  const std::string metrics = "--metrics_port=@METRICS@";
-  for (Case c : std::vector<Case>{
+  const int port = PickFreePort();
+  const std::string address = absl::StrCat("--address=127.0.0.1:", port);
+  const std::string metrics = absl::StrCat("--metrics_port=", PickFreePort());
+  for (const Case& c : std::vector<Case>{
            {{address, metrics, "--model=" + empty}, "config.json"},
            {{address, metrics}, "--model: required"},
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=0"}, "tensor_parallel"},
@@ -551,13 +548,8 @@ TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
             "--devices: entry 1"},
            {{"--address=nonsense", metrics, "--model=" + *dir_}, "--address"},
            {{address, metrics, "--model=" + *dir_, "--devices=cpu,cpu"}, "--devices"}}) {
-    const std::string target = absl::StrCat("127.0.0.1:", PickFreePort());
-    for (std::string& arg : c.args) {
-      arg = absl::StrReplaceAll(
-          arg, {{"@ADDRESS@", target}, {"@METRICS@", absl::StrCat(PickFreePort())}});
-    }
-    absl::StatusOr<std::unique_ptr<ServiceProcess>> p =
-        ServiceProcess::Spawn({SpecdBinary("specd-verify"), c.args, target});
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
+        {SpecdBinary("specd-verify"), c.args, absl::StrCat("127.0.0.1:", port)});
     ASSERT_TRUE(p.ok());
     absl::StatusOr<int> code = (*p)->WaitForExit(absl::Seconds(30));
     ASSERT_TRUE(code.ok()) << code.status();
