@@ -124,6 +124,24 @@ inline bool PdlEnabled(const char* site) {
   return true;
 }
 
+// Host side: the shared-memory share of L1, in percent, that LaunchPdl asks for; -1 for none.
+// Every launch asks for the largest share (100). An SM changes its split only when idle, and a
+// kernel launched early by PDL lands on SMs where its predecessor still runs: behind RoPE under
+// a small split, the 64-node verify attention (200 CTAs of 80 KB, two an SM) fitted one CTA on
+// some SMs and ran 43-45 us a layer instead of 37 (cuda_step_bench --trace). Asking for the same
+// split everywhere took 0.18 ms off that 8B step and left decode and 16 nodes as they were
+// (bench/RESULTS.md, tenth run); none of these kernels leans on L1. SPECD_SMEM_CARVEOUT=P
+// (0-100) asks for P instead, a value outside 0-100 for nothing (the driver's choice), for A/B
+// runs; read once.
+inline int SmemCarveout() {
+  static const int carveout = [] {
+    const char* env = std::getenv("SPECD_SMEM_CARVEOUT");
+    const int p = env != nullptr ? std::atoi(env) : 100;
+    return p >= 0 && p <= 100 ? p : -1;
+  }();
+  return carveout;
+}
+
 // Launches `kernel` as a programmatic dependent of the stream's previous kernel (when
 // PdlEnabled(site)); the kernel must call internal::PdlWait() as described above. Works under
 // stream capture (a programmatic graph edge).
@@ -142,19 +160,7 @@ cudaError_t LaunchPdl(const char* site, void (*kernel)(Params...), dim3 grid, di
     attribute[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
   }
-  // Every launch asks for the largest shared-memory share of L1 (100%). An SM changes its split
-  // only when idle, and a kernel launched early by PDL lands on SMs where its predecessor still
-  // runs: behind RoPE under a small split, the 64-node verify attention (200 CTAs of 80 KB, two
-  // an SM) fitted one CTA on some SMs and ran 43-45 us a layer instead of 37 (cuda_step_bench
-  // --trace). Asking for the same split everywhere took 0.18 ms off that 8B step and left decode
-  // and 16 nodes as they were (bench/RESULTS.md, tenth run); none of these kernels leans on L1.
-  // SPECD_SMEM_CARVEOUT=P (0-100) asks for P instead, a negative value for nothing (the
-  // driver's choice), for A/B runs.
-  static const int carveout = [] {
-    const char* env = std::getenv("SPECD_SMEM_CARVEOUT");
-    return env != nullptr ? std::atoi(env) : 100;
-  }();
-  if (carveout >= 0 && carveout <= 100) {
+  if (const int carveout = SmemCarveout(); carveout >= 0) {
     attribute[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
     attribute[n].val.sharedMemCarveout = static_cast<unsigned>(carveout);
     ++n;
