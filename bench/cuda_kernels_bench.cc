@@ -16,7 +16,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "benchmark/benchmark.h"
+#include "engine/tree_mask.h"
 #include "specd/kernels/cuda/gemm.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/sampling.h"
@@ -139,33 +141,24 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
     kv_end.push_back(context + 1);
     mask_begin.push_back(context + 1);
     mask.insert(mask.end(), cuda::kTreeAttentionMaskWords, 0u);
-    std::vector<std::vector<int>> anc(nodes);
-    int spine = 0;  // nodes 0 .. spine - 1 form a chain below the pending token
+    std::vector<int32_t> parents, depth;  // of the nodes; -1: the pending token
     for (int j = 0; j < nodes; ++j) {
       const int parent = j == 0              ? -1
                          : shape == kChain ? j - 1
                          : shape == kStar  ? 0
                          : shape == kQuad  ? (j < 4 ? -1 : j / 4 - 1)
                                            : static_cast<int>(rng() % j);
-      if (parent >= 0) anc[j] = anc[parent];
-      anc[j].push_back(j);
+      parents.push_back(parent);
+      depth.push_back(parent < 0 ? 0 : depth[parent] + 1);
       // mask_begin is the pending token's end for every node, unless BENCH_ATTN_SPINE=1: then,
-      // as the engine encodes a tree (LayoutForward's spine), a node's leading ancestors that
-      // form the chain 0, 1, 2, ... from the pending token are given by mask_begin instead of
-      // mask bits (the same keys), so that mask_begin differs between the queries of a tile.
-      if (j == spine && parent == j - 1) ++spine;
-      int first = 0;  // the node's ancestors before anc[j][first] lie on the spine
-      if (spine_masks) {
-        while (first < static_cast<int>(anc[j].size()) && anc[j][first] == first &&
-               first < spine) {
-          ++first;
-        }
-      }
+      // as the engine encoded a tree before it shared one spine end a sequence
+      // (engine/tree_mask.h), a node's leading ancestors that form the chain 0, 1, 2, ... from
+      // the pending token are given by mask_begin instead of mask bits (the same keys), so that
+      // mask_begin differs between the queries of a tile.
+      const int32_t a = spine_masks ? SpineEnd(parents, depth, j) : -1;
+      const int first = a + 1;  // the node's ancestors before node `first` lie on the spine
       std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
-      for (size_t i = first; i < anc[j].size(); ++i) {
-        const int bit = anc[j][i] - first;
-        bits[bit / 32] |= 1u << (bit % 32);
-      }
+      SetTreeMaskBits(parents, j, a, absl::MakeSpan(bits));
       query_seq.push_back(s);
       kv_end.push_back(context + 1 + j + 1);
       mask_begin.push_back(context + 1 + first);
