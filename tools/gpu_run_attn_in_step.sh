@@ -47,26 +47,3 @@ bash "$tools_dir/gpu_run_attn_ab.sh" --dev "$dev" --rounds 2 \
 # layer count, so the 2-layer checkpoint shows it as the 8B one would.
 SPECD_GEMM_TIMING=0 timeout 120 "$dev/bin/bench/cuda_step_bench" --model "$model" --tp 1 \
   --graphs on --runs 9 --contexts 2048 --trees 16,64 --phases 1 2>&1 | grep -E '^# phases|^\|'
-# Every kernel of one step (decode, and the 64-node tree), summed by kernel: where the verify
-# step's extra time over decode goes once attention is fixed. Two layers give the per-layer
-# kernels twice and the LM head and sampling once.
-for nodes in 0 64; do
-  SPECD_GEMM_TIMING=0 timeout 150 ncu --clock-control none --profile-from-start off \
-    --metrics gpu__time_duration.sum --csv --print-units base \
-    "$dev/bin/bench/cuda_step_bench" --model "$model" --tp 1 --graphs on --runs 1 \
-    --contexts 2048 --trees 64 --profile "$nodes" 2>/dev/null |
-    python3 -c '
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in sys.stdin if l.startswith("\""))]
-head, body = rows[0], rows[1:]
-k, v = head.index("Kernel Name"), head.index("Metric Value")
-agg = collections.OrderedDict()
-for r in body:
-    name = r[k].split("(")[0].split("<")[0][:60]
-    agg.setdefault(name, []).append(float(r[v].replace(",", "")) / 1e3)
-total = sum(sum(x) for x in agg.values())
-for name, xs in agg.items():
-    print("kernels(nodes %s) %-60s n=%3d sum=%8.1f us" % (sys.argv[1], name, len(xs), sum(xs)))
-print("kernels(nodes %s) total %.1f us" % (sys.argv[1], total))
-' "$nodes"
-done
