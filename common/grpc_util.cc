@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 
 namespace specd {
@@ -137,6 +138,18 @@ void GrpcServer::Shutdown(int grace_ms) {
   health_->Shutdown();
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
   server_->Wait();
+}
+
+int64_t GrpcServer::DrainAndShutdown(const std::function<int64_t()>& in_flight,
+                                     absl::Duration grace) {
+  const absl::Time end = absl::Now() + grace;
+  int64_t left = in_flight();
+  while (left > 0 && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(10));
+    left = in_flight();
+  }
+  Shutdown(0);
+  return left;
 }
 
 }  // namespace specd

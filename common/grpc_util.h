@@ -4,6 +4,8 @@
 #ifndef SPECD_COMMON_GRPC_UTIL_H_
 #define SPECD_COMMON_GRPC_UTIL_H_
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "common/health_service.h"
 #include "grpcpp/grpcpp.h"
 #include "specd/v1/generation.pb.h"
@@ -87,6 +90,13 @@ class GrpcServer {
 
   // Stops accepting calls, lets running calls end for up to `grace_ms`, then cancels them.
   void Shutdown(int grace_ms);
+
+  // Drains, then shuts down at once: polls `in_flight` (every 10 ms) until it returns 0 or
+  // `grace` has passed, then Shutdown(0). A stopping service counts the work it lets finish
+  // (running sequences, open Generate streams); whatever else is open -- idle streams and
+  // connections -- would otherwise hold a graceful shutdown to its deadline. Returns in_flight's
+  // last value: the work cut off.
+  int64_t DrainAndShutdown(const std::function<int64_t()>& in_flight, absl::Duration grace);
 
  private:
   GrpcServer() = default;

@@ -6,7 +6,6 @@
 #include <utility>
 
 #include "absl/synchronization/notification.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
@@ -69,17 +68,12 @@ int RunModelService(
   // between requests) and idle connections, and gRPC's graceful shutdown would wait for those
   // until its deadline. Ending the streams tells each router this service is gone.
   (*loop)->BeginDrain();
-  const absl::Time grace_end = absl::Now() + absl::Milliseconds(options.shutdown_grace_ms);
-  int64_t live = (*loop)->LiveSequences();
-  while (live > 0 && absl::Now() < grace_end) {
-    absl::SleepFor(absl::Milliseconds(10));
-    live = (*loop)->LiveSequences();
-  }
+  const int64_t live = (*server)->DrainAndShutdown(
+      [&] { return (*loop)->LiveSequences(); }, absl::Milliseconds(options.shutdown_grace_ms));
   if (live > 0) {
     SPECD_LOG(WARNING) << options.name << ": " << live << " sequence(s) still running after "
                        << options.shutdown_grace_ms << " ms; cancelling them";
   }
-  (*server)->Shutdown(0);
   (*loop)->Stop();
   (*metrics_server)->Stop();
   SPECD_LOG(INFO) << options.name << ": stopped";

@@ -12,7 +12,6 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flag_names.h"
 #include "common/grpc_util.h"
@@ -175,11 +174,7 @@ int Main() {
   // written (up to 2 s for slow readers), shut the server down at once: gRPC's graceful
   // shutdown would otherwise also wait its whole deadline for idle client connections.
   loop.Stop();
-  const absl::Time grace_end = absl::Now() + absl::Seconds(2);
-  while (service.OpenGenerateStreams() > 0 && absl::Now() < grace_end) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  (*server)->Shutdown(/*grace_ms=*/0);
+  (*server)->DrainAndShutdown([&] { return service.OpenGenerateStreams(); }, absl::Seconds(2));
   (*metrics_server)->Stop();
   return 0;
 }
