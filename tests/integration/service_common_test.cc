@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -207,6 +208,41 @@ TEST(GrpcUtil, UnknownHealthServiceIsNotFound) {
   const grpc::Status st = t.stub->Check(&ctx, req, &resp);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(st.error_message(), HasSubstr("specd.v1.Drafter"));
+}
+
+// DrainAndShutdown waits for the work it is told about, then shuts down at once: it returns as
+// soon as the count reaches 0 (well before the grace), or at the grace with what is left.
+TEST(GrpcUtil, DrainAndShutdownWaitsForInFlightWorkUpToTheGrace) {
+  {
+    HealthTarget t = StartHealthTarget();
+    ASSERT_NE(t.server, nullptr);
+    std::atomic<int64_t> in_flight{2};
+    std::thread finisher([&] {
+      absl::SleepFor(absl::Milliseconds(100));
+      in_flight = 1;
+      absl::SleepFor(absl::Milliseconds(100));
+      in_flight = 0;
+    });
+    const absl::Time start = absl::Now();
+    EXPECT_EQ(t.server->DrainAndShutdown([&] { return in_flight.load(); }, absl::Seconds(30)),
+              0);
+    const absl::Duration took = absl::Now() - start;
+    finisher.join();
+    EXPECT_GE(took, absl::Milliseconds(190));
+    EXPECT_LT(took, absl::Seconds(10));
+    // Shut down: the server no longer answers.
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    grpc::health::v1::HealthCheckResponse resp;
+    EXPECT_FALSE(t.stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok());
+  }
+  {
+    HealthTarget t = StartHealthTarget();
+    ASSERT_NE(t.server, nullptr);
+    const absl::Time start = absl::Now();
+    EXPECT_EQ(t.server->DrainAndShutdown([] { return int64_t{3}; }, absl::Milliseconds(200)), 3);
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  }
 }
 
 // Watch streams report the current status at once, then every change; at shutdown they get
