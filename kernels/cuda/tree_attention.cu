@@ -1,6 +1,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
+#include <cstdlib>
+
+#include <cuda.h>  // CUtensorMap; its encoder comes through the runtime (no libcuda link)
+#include <cudaTypedefs.h>
 
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/mma_utils.cuh"
@@ -16,7 +20,14 @@ using internal::CpAsyncWait;
 using internal::kFullMask;
 using internal::LdMatrixX4;
 using internal::LdMatrixX4Trans;
+using internal::BarrierArriveExpectTx;
+using internal::BarrierInit;
+using internal::BarrierWait;
+using internal::FenceBarrierInit;
+using internal::FenceProxyAsyncShared;
 using internal::Mma16816;
+using internal::SmemAddr;
+using internal::TmaLoad3d;
 using internal::PackBf16x2;
 
 constexpr int kWarps = 4;
@@ -42,18 +53,53 @@ constexpr float kLog2e = 1.4426950408889634f;
 // memory.
 constexpr int kTableEntries = 128;
 
-// K and V are kept key-major, each row padded by 8 elements (16 bytes) so that the 32-bit
-// fragment loads of K and the ldmatrix row reads of V by a warp hit 32 distinct banks. Two
-// stages: while one sub-chunk is computed on, cp.async brings the next.
+// K and V are kept key-major; two stages: while one sub-chunk is computed on, the next one
+// loads. At head_dim 64 and 128 ("swizzled"), a key's head is split into 64-dim halves of 128
+// bytes, half-major ([half][key][64]), and the 16-byte piece p of key r's half sits at piece
+// p ^ (r % 8): the tensor memory accelerator's 128-byte swizzle, so that one TMA box per block
+// of keys and half fills a stage, and the ldmatrix reads of 8 keys at one piece still hit 32
+// distinct banks. Other head sizes keep each key's row padded by 8 elements (16 bytes) for the
+// same bank spread, and load through cp.async.
 template <int HD>
+constexpr bool kSwizzled = HD == 64 || HD == 128;
+
+template <int HD, bool kSwz = kSwizzled<HD>>
 struct __align__(16) AttnStage {
   bf16 k[kKeys][HD + 8];
   bf16 v[kKeys][HD + 8];
+  __device__ __forceinline__ bf16* K(int key, int d) { return &k[key][d]; }
+  __device__ __forceinline__ bf16* V(int key, int d) { return &v[key][d]; }
+  __device__ __forceinline__ const bf16* K(int key, int d) const { return &k[key][d]; }
+  __device__ __forceinline__ const bf16* V(int key, int d) const { return &v[key][d]; }
+};
+
+// The swizzle pattern is a function of shared-memory address bits 4-9, so each 8-key group of
+// a half must start on a 1024-byte boundary: the stage is aligned so, and the kernel checks the
+// dynamic shared memory's base (else it loads through cp.async, which writes the same layout).
+template <int HD>
+struct __align__(1024) AttnStage<HD, true> {
+  static constexpr int kHalves = HD / 64;
+  bf16 k[kHalves][kKeys][64];
+  bf16 v[kHalves][kKeys][64];
+  // Element d (within a 16-byte piece: d % 8 is kept) of key `key`'s head.
+  __device__ __forceinline__ static int Offset(int key, int d) {
+    return ((d >> 6) * kKeys + key) * 64 + ((((d >> 3) & 7) ^ (key & 7)) << 3) + (d & 7);
+  }
+  __device__ __forceinline__ bf16* K(int key, int d) { return &k[0][0][0] + Offset(key, d); }
+  __device__ __forceinline__ bf16* V(int key, int d) { return &v[0][0][0] + Offset(key, d); }
+  __device__ __forceinline__ const bf16* K(int key, int d) const {
+    return &k[0][0][0] + Offset(key, d);
+  }
+  __device__ __forceinline__ const bf16* V(int key, int d) const {
+    return &v[0][0][0] + Offset(key, d);
+  }
 };
 
 template <int HD>
 struct __align__(16) AttnSmem {
   AttnStage<HD> stage[kStages];
+  // TMA loads only: per stage, the barrier its plain-job loads complete on.
+  uint64_t stage_bar[kStages];
   bf16 zero_row[HD + 8];  // K and V of a window pass's padding columns
   // Per local query: the mask with bits past kv_end cleared; mask_begin clamped to kv_end;
   // num_keys = visible keys (ranks); plain_subs: its leading sub-chunks whose ranks are their own
@@ -185,18 +231,19 @@ __device__ __forceinline__ float MergeValue(int mode, float big, float o, float 
 }
 
 // One warp's pass over the 64 rank columns [R0, R0 + 64) of a sub-chunk: scores, online-softmax
-// update and P V for its rows with lim > R0 (their ranks [R0, lim) are visible). key_row(c) and
-// val_row(c) give the shared-memory K and V rows (HD + 8 bf16) of column c: the stage's row c in
-// a plain job, the row a query's window table picks in a window pass. A row's arithmetic is the
+// update and P V for its rows with lim > R0 (their ranks [R0, lim) are visible). key_at(c, d)
+// and val_at(c, d) give the shared-memory address of dim d (a multiple of 8, plus up to 7) of
+// column c's K and V: the stage's key c in a plain job, the window row a query's table picks in
+// a window pass. A row's arithmetic is the
 // same whichever rows share the warp and whatever other columns hold: MMA rows are independent,
 // a column past the row's limit gets score -inf and probability exactly 0 (its V finite: a key
 // or zeros), and the MMAs skipped -- key tiles and k-steps past every active row's limit -- would
 // only add exact-zero products.
-template <int HD, typename KeyRow, typename ValRow>
+template <int HD, typename KeyAt, typename ValAt>
 __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
                                               float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
                                               int R0, const int (&lim)[2], float scale_log2,
-                                              int lane, KeyRow key_row, ValRow val_row) {
+                                              int lane, KeyAt key_at, ValAt val_at) {
   const int g = lane >> 2, t4 = lane & 3;
   const bool act[2] = {lim[0] > R0, lim[1] > R0};
   int mine = 0;
@@ -220,7 +267,7 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {
           uint32_t b0, b1, b2, b3;
-          LdMatrixX4(key_row(n * 8 + (lane & 7)) + (lane >> 3) * 8 + kp * 32, b0, b1, b2, b3);
+          LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
           Mma16816(sc[n], qf[2 * kp], b0, b1);
           Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
         }
@@ -229,11 +276,10 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
 #pragma unroll
       for (int n = 0; n < kKeys / 8; ++n) {
         if (n * 8 < cnt) {
-          const bf16* krow = key_row(n * 8 + (lane & 7)) + (lane >> 3) * 8;
 #pragma unroll
           for (int kp = 0; kp < HD / 32; ++kp) {
             uint32_t b0, b1, b2, b3;
-            LdMatrixX4(krow + kp * 32, b0, b1, b2, b3);
+            LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
             Mma16816(sc[n], qf[2 * kp], b0, b1);
             Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
           }
@@ -244,10 +290,10 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
 #pragma unroll
     for (int n = 0; n < kKeys / 8; ++n) {
       if (n * 8 < cnt) {
-        const bf16* krow = key_row(n * 8 + g) + 2 * t4;
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
-          Mma16816(sc[n], qf[kk], Ld32(krow + kk * 16), Ld32(krow + kk * 16 + 8));
+          Mma16816(sc[n], qf[kk], Ld32(key_at(n * 8 + g, kk * 16 + 2 * t4)),
+                   Ld32(key_at(n * 8 + g, kk * 16 + 8 + 2 * t4)));
         }
       }
     }
@@ -331,11 +377,10 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
 #pragma unroll
   for (int kk = 0; kk < kKeys / 16; ++kk) {
     if (kk * 16 < cnt) {
-      const bf16* vrow = val_row(kk * 16 + (lane & 15)) + (lane >> 4) * 8;
 #pragma unroll
       for (int j = 0; j < HD / 8; j += 2) {
         uint32_t b0, b1, b2, b3;
-        LdMatrixX4Trans(vrow + j * 8, b0, b1, b2, b3);
+        LdMatrixX4Trans(val_at(kk * 16 + (lane & 15), (lane >> 4) * 8 + j * 8), b0, b1, b2, b3);
         Mma16816(o[j], pa[kk], b0, b1);
         Mma16816(o[j + 1], pa[kk], b2, b3);
       }
@@ -364,22 +409,21 @@ __device__ __forceinline__ void LoadQueryFragments(const bf16* q_row0, const bf1
 template <int HD>
 __device__ __forceinline__ void WindowPass(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
                                            int R0, const int (&lim)[2], float scale_log2, int lane,
-                                           const uint8_t* tab, const bf16* stage0_k,
+                                           const uint8_t* tab, const AttnStage<HD>* stages,
                                            const bf16* zero_row, const bf16* q_row0,
                                            const bf16* q_row1) {
   uint32_t qf[HD / 16][4];
   LoadQueryFragments<HD>(q_row0, q_row1, lane & 3, qf);
-  static_assert(offsetof(AttnStage<HD>, v) == kKeys * (HD + 8) * sizeof(bf16), "V after K");
-  constexpr int kStageElems = sizeof(AttnStage<HD>) / sizeof(bf16);
-  auto row_k = [&](int row) -> const bf16* {
-    return row == kZeroRow ? zero_row
-                           : stage0_k + (row / kKeys) * kStageElems + (row % kKeys) * (HD + 8);
-  };
+  // Window row w is key w % kKeys of stage w / kKeys; the zero row is the same in any layout.
   AttendColumns<HD>(
-      qf, o, m, l, R0, lim, scale_log2, lane, [&](int c) { return row_k(tab[c]); },
-      [&](int c) {
+      qf, o, m, l, R0, lim, scale_log2, lane,
+      [&](int c, int d) -> const bf16* {
         const int row = tab[c];
-        return row == kZeroRow ? zero_row : row_k(row) + kKeys * (HD + 8);
+        return row == kZeroRow ? zero_row + d : stages[row / kKeys].K(row % kKeys, d);
+      },
+      [&](int c, int d) -> const bf16* {
+        const int row = tab[c];
+        return row == kZeroRow ? zero_row + d : stages[row / kKeys].V(row % kKeys, d);
       });
 }
 
@@ -391,10 +435,21 @@ template <int HD>
 __device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
                                                  float (&l)[2], int R0, const int (&lim)[2],
                                                  float scale_log2, int lane, const uint8_t* tab,
-                                                 const bf16* stage0_k, const bf16* zero_row,
+                                                 const AttnStage<HD>* stages, const bf16* zero_row,
                                                  const bf16* q_row0, const bf16* q_row1) {
-  WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, tab, stage0_k, zero_row, q_row0, q_row1);
+  WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, tab, stages, zero_row, q_row0, q_row1);
 }
+
+// The KV cache as TMA sees it (swizzled stages only), built on the host per launch: one 3-D
+// tensor per cache, dims (head_dim, num_kv_heads, num_slots) innermost first, boxes of 64 dims x
+// 1 head x box_rows slots with the 128-byte swizzle. box_rows = min(block_size, kKeys), so that a
+// box never crosses a block; 0 when the plain loads go through cp.async instead (a block size
+// that is not a power of two or is below 8, an unknown num_slots, no driver entry point).
+struct KvTensorMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+  int box_rows;
+};
 
 // grid = (tiles, kv heads, splits). The KV head serves local query heads [h_lo, h_lo + nh): its
 // whole group of `group` heads, or under tensor parallelism the part of it this rank owns. Warp w
@@ -420,9 +475,9 @@ __device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&
 // (null masks: every sub-chunk is plain) compiles the window machinery out.
 template <int HD, bool kSplit, bool kTrees>
 __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
-    TreeAttentionKernel(TreeAttentionParams p) {
+    TreeAttentionKernel(TreeAttentionParams p, const __grid_constant__ KvTensorMaps maps) {
   static_assert(HD % 16 == 0 && HD >= 16, "whole MMA k-steps and pairs of 8-dim V tiles");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
   AttnSmem<HD>& s = *reinterpret_cast<AttnSmem<HD>*>(smem_raw);
   // Unsplit only: the merged chunk states (see BigO).
   float2(*big_o)[2][kThreads] =
@@ -489,9 +544,17 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   for (int i = tid; i < (HD + 8) / 2; i += kThreads) {
     reinterpret_cast<uint32_t*>(s.zero_row)[i] = 0u;
   }
+  // Plain jobs load through TMA when the host built the maps and the stages sit on the
+  // swizzle's 1024-byte grid (uniform for the CTA).
+  const bool use_tma = kSwizzled<HD> && maps.box_rows > 0 && (SmemAddr(&s.stage[0]) & 1023u) == 0;
   // Read here, beside the other metadata, so that its latency overlaps theirs.
   if (tid == kThreads - 1) {
     s.stable_end = p.kv_stable_end != nullptr ? p.kv_stable_end[p.query_seq[q0]] : 0;
+    if (use_tma) {
+      BarrierInit(&s.stage_bar[0], 1);
+      BarrierInit(&s.stage_bar[1], 1);
+      FenceBarrierInit();
+    }
   }
   // The block-table entries of the CTA's keys, from its first chunk on: a plain job then reads
   // each entry from shared memory instead of every thread reading its 8 from global memory
@@ -599,7 +662,41 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const uint32_t blk_elems = static_cast<uint32_t>(block_size) * static_cast<uint32_t>(kv_dim32);
   const bf16* k_piece = k_head + piece * 8;
   const bf16* v_piece = v_head + piece * 8;
+  // TMA: one thread issues the job's boxes (per block of box_rows keys: K and V, each half),
+  // and every thread then waits on the stage's barrier. A box whose first slot is at or past
+  // plain_bound is aimed below slot 0, which TMA fills with zeros. A box that straddles
+  // plain_bound brings the block's later slots as they are: the cache is zeroed at allocation
+  // and holds only keys written since, so they are finite, and their probabilities are 0.
+  const int box_rows = maps.box_rows;
+  auto issue_plain_tma = [&](int sub) {
+    if (tid != 0) return;
+    AttnStage<HD>& st = s.stage[sub & 1];
+    uint64_t* bar = &s.stage_bar[sub & 1];
+    // Orders the generic-proxy accesses to this stage before the block barrier that freed it
+    // (ldmatrix reads, a window's cp.async writes) before the TMA writes.
+    FenceProxyAsyncShared();
+    BarrierArriveExpectTx(bar, 2u * kKeys * HD * sizeof(bf16));
+    for (int b = 0; b < kKeys; b += box_rows) {
+      const int slot = sub * kKeys + b;
+      int row = -box_rows;  // past plain_bound: the whole box is zeros
+      if (slot < plain_bound) {
+        const int blk = bs_shift >= 0 ? slot >> bs_shift : slot / block_size;
+        const int entry = blk - table_first < kTableEntries ? s.table[blk - table_first]
+                                                             : __ldg(table + blk);
+        row = entry * block_size + (slot & (block_size - 1));
+      }
+#pragma unroll
+      for (int h = 0; h < HD / 64; ++h) {
+        TmaLoad3d(st.K(b, h * 64), &maps.k, bar, h * 64, kvh, row);
+        TmaLoad3d(st.V(b, h * 64), &maps.v, bar, h * 64, kvh, row);
+      }
+    }
+  };
   auto issue_plain = [&](int sub) {
+    if (use_tma) {
+      issue_plain_tma(sub);
+      return;
+    }
     AttnStage<HD>& st = s.stage[sub & 1];
     const int first = sub * kKeys + key0;  // this thread's first slot
     int32_t entry[kCopies];
@@ -642,11 +739,14 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
       const uint64_t off = static_cast<uint64_t>(static_cast<uint32_t>(entry[it])) * blk_elems +
                            static_cast<uint32_t>((valid ? row[it] : 0) * kv_dim32);
       const int key = key0 + it * kKeyStep;
-      CpAsync16(&st.k[key][piece * 8], k_piece + off, valid);
-      CpAsync16(&st.v[key][piece * 8], v_piece + off, valid);
+      CpAsync16(st.K(key, piece * 8), k_piece + off, valid);
+      CpAsync16(st.V(key, piece * 8), v_piece + off, valid);
     }
   };
   int issued = -1;  // the last plain job whose load was issued
+  // TMA: bit i is the parity of stage i's next barrier phase (every issued job is waited for
+  // once, in issue order).
+  uint32_t tma_phases = 0;
   // The CTA's first job may load before the wait when it is plain and every slot it reads was
   // written before the step began (below kv_stable_end): RoPE, which this kernel waits for, writes
   // only the step's own slots, and the rest of the cache was complete before the step's first
@@ -699,16 +799,22 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
         issued = next;
       }
       CpAsyncCommit();
-      CpAsyncWait<1>();
-      __syncthreads();
+      if (use_tma) {
+        // Each thread sees the TMA data through the barrier itself: no block barrier needed.
+        BarrierWait(&s.stage_bar[sub & 1], (tma_phases >> (sub & 1)) & 1u);
+        tma_phases ^= 1u << (sub & 1);
+      } else {
+        CpAsyncWait<1>();
+        __syncthreads();
+      }
       const AttnStage<HD>& st = s.stage[sub & 1];
       const int R0 = sub * kKeys;
       // Rows plain here see ranks [R0, num_keys); the others sit this job out.
       const int lim[2] = {ok0 && sub < s.plain_subs[lq0] ? s.num_keys[lq0] : R0,
                           ok1 && sub < s.plain_subs[lq1] ? s.num_keys[lq1] : R0};
       AttendColumns<HD>(
-          qf, o, m, l, R0, lim, scale_log2, lane, [&](int c) { return &st.k[c][0]; },
-          [&](int c) { return &st.v[c][0]; });
+          qf, o, m, l, R0, lim, scale_log2, lane, [&](int c, int d) { return st.K(c, d); },
+          [&](int c, int d) { return st.V(c, d); });
       __syncthreads();  // this stage is read no more; a later job may refill it
     }
 
@@ -881,8 +987,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
             const int row = i / kPieces, c = i % kPieces;
             const int64_t off = phys(s.win_slot[row]) * kv_dim + c * 8;
             AttnStage<HD>& st = s.stage[row / kKeys];
-            CpAsync16(&st.k[row % kKeys][c * 8], k_head + off, true);
-            CpAsync16(&st.v[row % kKeys][c * 8], v_head + off, true);
+            CpAsync16(st.K(row % kKeys, c * 8), k_head + off, true);
+            CpAsync16(st.V(row % kKeys, c * 8), v_head + off, true);
           }
           CpAsyncCommit();
           CpAsyncWait<0>();
@@ -906,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
                 }
                 fm[0] = m[0], fm[1] = m[1], fl[0] = l[0], fl[1] = l[1];
                 WindowPassOutOfLine<HD>(fo, fm, fl, R0, lim, scale_log2, lane, s.win_table[q],
-                                        s.stage[0].k[0], s.zero_row, q_row0, q_row1);
+                                        s.stage, s.zero_row, q_row0, q_row1);
 #pragma unroll
                 for (int j = 0; j < HD / 8; ++j) {
 #pragma unroll
@@ -914,7 +1020,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
                 }
                 m[0] = fm[0], m[1] = fm[1], l[0] = fl[0], l[1] = fl[1];
               } else {
-                WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.stage[0].k[0],
+                WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.stage,
                                s.zero_row, q_row0, q_row1);
               }
             }
@@ -1048,6 +1154,61 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
     dst[lane + 32 * d] = __float2bfloat16_rn(__fmul_rn(acc[d], inv));
 }
 
+// cuTensorMapEncodeTiled from the driver, through the runtime; null if the driver lacks it.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The TMA view of the caches (see KvTensorMaps), or box_rows 0 for cp.async loads. Encoding is
+// host arithmetic only (no device call), cheap beside a launch, and a captured graph keeps the
+// maps it was launched with. SPECD_ATTN_TMA=0 turns TMA off (A/B runs; read once).
+template <int HD>
+KvTensorMaps MakeKvMaps(const TreeAttentionParams& p) {
+  KvTensorMaps maps = {};
+  maps.box_rows = 0;
+  static const bool enabled = [] {
+    const char* env = std::getenv("SPECD_ATTN_TMA");
+    return env == nullptr || std::atoi(env) != 0;
+  }();
+  const int64_t bs = p.block_size;
+  if (!kSwizzled<HD> || !enabled || p.num_slots <= 0 || p.num_slots > INT_MAX || bs < 8 ||
+      (bs & (bs - 1)) != 0) {
+    return maps;
+  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return maps;
+  const int box_rows = static_cast<int>(std::min<int64_t>(bs, kKeys));
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(HD), static_cast<cuuint64_t>(p.num_kv_heads),
+                              static_cast<cuuint64_t>(p.num_slots)};
+  // Byte strides of dims 1 and 2 (dim 0 is contiguous).
+  const cuuint64_t strides[2] = {HD * sizeof(bf16), p.num_kv_heads * HD * sizeof(bf16)};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  for (int i = 0; i < 2; ++i) {
+    const bf16* base = i == 0 ? p.k_cache : p.v_cache;
+    if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return maps;
+    if (encode(i == 0 ? &maps.k : &maps.v, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+               const_cast<bf16*>(base), dims, strides, box, elem_strides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      return maps;
+    }
+  }
+  maps.box_rows = box_rows;
+  return maps;
+}
+
 template <int HD, bool kSplit, bool kTrees>
 cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
   const int ctas_z = kSplit ? (p.num_splits + p.chunks_per_cta - 1) / p.chunks_per_cta : 1;
@@ -1063,8 +1224,9 @@ cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
+  const KvTensorMaps maps = MakeKvMaps<HD>(p);
   return LaunchPdl("attention", TreeAttentionKernel<HD, kSplit, kTrees>, grid,
-                   dim3(kThreads), kSmem, stream, p);
+                   dim3(kThreads), kSmem, stream, p, maps);
 }
 
 // Without masks every query's keys are its own slots, so the kernel is built without the window
@@ -1384,6 +1546,7 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
   if (p.num_queries < 0 || p.num_tiles < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
       p.num_kv_heads > 65535 || !HeadRangesValid(p) || !TreeAttentionHeadDimSupported(p.head_dim) ||
       p.num_splits < 1 || p.num_splits > 65535 || p.chunks_per_cta < 1 || p.block_size <= 0 ||
+      p.num_slots < 0 ||
       p.max_blocks_per_seq <= 0 ||
       p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
       p.out_stride < p.num_heads * p.head_dim || p.out_stride % 2 != 0 ||
