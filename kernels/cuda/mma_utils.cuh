@@ -138,6 +138,130 @@ __device__ __forceinline__ void TmaLoad3d(void* smem, const void* map, uint64_t*
 #endif
 }
 
+// wgmma exists on sm_90a only (the arch-specific target: CMAKE_CUDA_ARCHITECTURES=90a); built for
+// plain sm_90 these helpers are empty and kernels take their mma.sync paths instead.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+inline constexpr bool kHasWgmma = true;
+#else
+inline constexpr bool kHasWgmma = false;
+#endif
+
+// A wgmma shared-memory matrix descriptor for a 128-byte-swizzled layout (PTX ISA, "Matrix
+// Descriptor Format"): start address, leading- and stride-dimension byte offsets (each >> 4),
+// layout type 1 (128-byte swizzle) in bits 62-63, base offset 0 (the swizzle atoms sit on
+// 1024-byte boundaries; a k-step inside an atom moves the start address only).
+__device__ __forceinline__ uint64_t GmmaDescSw128(uint32_t smem_addr, uint32_t lbo_bytes,
+                                                  uint32_t sbo_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3ffffu) >> 4) |
+         (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fffu) << 16) |
+         (static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fffu) << 32) | (uint64_t{1} << 62);
+}
+
+// Before a warpgroup's first wgmma that reads registers (accumulators, A) written by ordinary
+// instructions.
+__device__ __forceinline__ void WgmmaFence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void WgmmaCommit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Keeps the compiler from moving reads or writes of wgmma accumulators across this point (it
+// does not know that WgmmaWait is what makes them ready).
+__device__ __forceinline__ void WgmmaFenceOperands(float (&d)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+  }
+}
+
+__device__ __forceinline__ void WgmmaFenceOperands(float (&d)[16][4]) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+  }
+}
+
+// D[64 x 64] += A[64 x 16] * B[16 x 64] for the warpgroup (wgmma, bf16 inputs, fp32
+// accumulators). A comes from registers: each warp its 16 rows, in m16n8k16's A fragment
+// layout. B comes from shared memory through `desc`; kTransB 0: B stored K-major (each
+// column's 16 k-values contiguous), 1: MN-major. Per warp, D is m16n8k16's D fragment
+// for 8-column tile j at d[j]. Issue between WgmmaFence() and WgmmaCommit(), and touch
+// neither d nor a until WgmmaWait<0>() and WgmmaFenceOperands(d).
+template <int kTransB>
+__device__ __forceinline__ void Wgmma64x64x16(float (&d)[8][4], const uint32_t (&a)[4],
+                                          uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(kTransB), "r"(1));
+#endif
+}
+
+// D[64 x 128] += A[64 x 16] * B[16 x 128] for the warpgroup (wgmma, bf16 inputs, fp32
+// accumulators). A comes from registers: each warp its 16 rows, in m16n8k16's A fragment
+// layout. B comes from shared memory through `desc`; kTransB 0: B stored K-major (each
+// column's 16 k-values contiguous), 1: MN-major. Per warp, D is m16n8k16's D fragment
+// for 8-column tile j at d[j]. Issue between WgmmaFence() and WgmmaCommit(), and touch
+// neither d nor a until WgmmaWait<0>() and WgmmaFenceOperands(d).
+template <int kTransB>
+__device__ __forceinline__ void Wgmma64x128x16(float (&d)[16][4], const uint32_t (&a)[4],
+                                          uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(kTransB), "r"(1));
+#endif
+}
+
 }  // namespace internal
 }  // namespace cuda
 }  // namespace specd

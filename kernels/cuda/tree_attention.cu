@@ -25,6 +25,13 @@ using internal::BarrierInit;
 using internal::BarrierWait;
 using internal::FenceBarrierInit;
 using internal::FenceProxyAsyncShared;
+using internal::GmmaDescSw128;
+using internal::Wgmma64x128x16;
+using internal::Wgmma64x64x16;
+using internal::WgmmaCommit;
+using internal::WgmmaFence;
+using internal::WgmmaFenceOperands;
+using internal::WgmmaWait;
 using internal::Mma16816;
 using internal::SmemAddr;
 using internal::TmaLoad3d;
@@ -62,6 +69,9 @@ constexpr int kTableEntries = 128;
 // same bank spread, and load through cp.async.
 template <int HD>
 constexpr bool kSwizzled = HD == 64 || HD == 128;
+// Plain jobs of swizzled stages run on wgmma where the build has it (sm_90a).
+template <int HD>
+constexpr bool kWgPlain = kSwizzled<HD> && internal::kHasWgmma;
 
 template <int HD, bool kSwz = kSwizzled<HD>>
 struct __align__(16) AttnStage {
@@ -239,18 +249,28 @@ __device__ __forceinline__ float MergeValue(int mode, float big, float o, float 
 // a column past the row's limit gets score -inf and probability exactly 0 (its V finite: a key
 // or zeros), and the MMAs skipped -- key tiles and k-steps past every active row's limit -- would
 // only add exact-zero products.
-template <int HD, typename KeyAt, typename ValAt>
+//
+// kWg (plain jobs of swizzled stages): the warpgroup's four warps compute S and P V together with
+// wgmma, B read straight from the stage (K at k_smem, V at v_smem: shared-memory addresses), and
+// every warp must call, rows or not. A wgmma adds each 16-wide k-step's products into the fp32
+// accumulator as m16n8k16 does (bench/RESULTS.md: cuBLASLt's Hopper kernels and an mma.sync
+// chain give the same bits; tree_attention_cuda_test checks plain wgmma jobs against window
+// mma.sync passes bit for bit), so the arithmetic of a row does not depend on the path.
+template <int HD, bool kWg = false, typename KeyAt, typename ValAt>
 __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
                                               float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
                                               int R0, const int (&lim)[2], float scale_log2,
-                                              int lane, KeyAt key_at, ValAt val_at) {
+                                              int lane, KeyAt key_at, ValAt val_at,
+                                              uint32_t k_smem = 0, uint32_t v_smem = 0) {
   const int g = lane >> 2, t4 = lane & 3;
   const bool act[2] = {lim[0] > R0, lim[1] > R0};
   int mine = 0;
   if (act[0]) mine = min(kKeys, lim[0] - R0);
   if (act[1]) mine = max(mine, min(kKeys, lim[1] - R0));
   const int cnt = __reduce_max_sync(kFullMask, mine);  // columns with a visible key for any row
-  if (cnt == 0) return;
+  if constexpr (!kWg) {
+    if (cnt == 0) return;
+  }
   // Scores S = Q K^T for the warp's 16 rows and the 64 columns. Each key tile's accumulator
   // takes its k-steps in order (the bits); which tile's MMA issues next is free. With every
   // column in use, the k-step loop is outermost, so that consecutive MMAs are independent
@@ -260,16 +280,43 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
   float sc[kKeys / 8][4];
 #pragma unroll
   for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-  if constexpr (HD % 32 == 0) {
-    if (cnt == kKeys) {
+  if constexpr (kWg) {
+    // K-major B: 64-dim halves 8 KB apart, 32 bytes a k-step inside one, 8-key groups 1 KB
+    // apart.
+    WgmmaFence();
 #pragma unroll
-      for (int kp = 0; kp < HD / 32; ++kp) {
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      Wgmma64x64x16<0>(sc, qf[kk],
+                       GmmaDescSw128(k_smem + (kk / 4) * 8192 + (kk % 4) * 32, 16, 1024));
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    WgmmaFenceOperands(sc);
+  } else {
+    if constexpr (HD % 32 == 0) {
+      if (cnt == kKeys) {
+#pragma unroll
+        for (int kp = 0; kp < HD / 32; ++kp) {
+#pragma unroll
+          for (int n = 0; n < kKeys / 8; ++n) {
+            uint32_t b0, b1, b2, b3;
+            LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
+            Mma16816(sc[n], qf[2 * kp], b0, b1);
+            Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
+          }
+        }
+      } else {
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {
-          uint32_t b0, b1, b2, b3;
-          LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
-          Mma16816(sc[n], qf[2 * kp], b0, b1);
-          Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
+          if (n * 8 < cnt) {
+#pragma unroll
+            for (int kp = 0; kp < HD / 32; ++kp) {
+              uint32_t b0, b1, b2, b3;
+              LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
+              Mma16816(sc[n], qf[2 * kp], b0, b1);
+              Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
+            }
+          }
         }
       }
     } else {
@@ -277,112 +324,122 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
       for (int n = 0; n < kKeys / 8; ++n) {
         if (n * 8 < cnt) {
 #pragma unroll
-          for (int kp = 0; kp < HD / 32; ++kp) {
-            uint32_t b0, b1, b2, b3;
-            LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
-            Mma16816(sc[n], qf[2 * kp], b0, b1);
-            Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
+          for (int kk = 0; kk < HD / 16; ++kk) {
+            Mma16816(sc[n], qf[kk], Ld32(key_at(n * 8 + g, kk * 16 + 2 * t4)),
+                     Ld32(key_at(n * 8 + g, kk * 16 + 8 + 2 * t4)));
           }
         }
       }
     }
+  }
+  uint32_t pa[kKeys / 16][4];
+  if (kWg && cnt == 0) {  // a warp without rows here joins the warpgroup's P V with zeros
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
   } else {
+    // Columns past a row's limit get -inf. Only a sub-chunk where some active row's limit falls
+    // inside it needs the test (a warp-uniform branch); in the common full sub-chunk no column is
+    // masked. Inactive rows keep whatever scores they have: their results are never stored.
+    const bool edge = (act[0] && lim[0] < R0 + kKeys) || (act[1] && lim[1] < R0 + kKeys);
+    if (__any_sync(kFullMask, edge)) {
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-      if (n * 8 < cnt) {
+      for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-          Mma16816(sc[n], qf[kk], Ld32(key_at(n * 8 + g, kk * 16 + 2 * t4)),
-                   Ld32(key_at(n * 8 + g, kk * 16 + 8 + 2 * t4)));
+        for (int e = 0; e < 4; ++e) {
+          const int rank = R0 + n * 8 + 2 * t4 + (e & 1);
+          if (rank >= lim[e >> 1]) sc[n][e] = -INFINITY;
         }
       }
     }
-  }
-  // Columns past a row's limit get -inf. Only a sub-chunk where some active row's limit falls
-  // inside it needs the test (a warp-uniform branch); in the common full sub-chunk no column is
-  // masked. Inactive rows keep whatever scores they have: their results are never stored.
-  const bool edge = (act[0] && lim[0] < R0 + kKeys) || (act[1] && lim[1] < R0 + kKeys);
-  if (__any_sync(kFullMask, edge)) {
+    // Online softmax (base 2); the 4 threads of a quad share a row. The running max m is kept in
+    // scaled units. A max is exact in any order, so it is a tree over the raw scores; scaling by
+    // scale_log2 > 0 is monotone, so the scaled max is the max of the scaled scores. Each
+    // probability is ex2(s * scale_log2 - m) with one rounding (one FFMA), and a row's sum adds
+    // its 64 probabilities as a fixed pairwise tree.
+    float alpha[2];
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
+    for (int hr = 0; hr < 2; ++hr) {
+      static_assert(kKeys == 64, "the max tree below");
+      float mx4[kKeys / 16];
+#pragma unroll
+      for (int n = 0; n < kKeys / 16; ++n) {
+        mx4[n] = fmaxf(fmaxf(sc[2 * n][2 * hr], sc[2 * n][2 * hr + 1]),
+                       fmaxf(sc[2 * n + 1][2 * hr], sc[2 * n + 1][2 * hr + 1]));
+      }
+      float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+      const float m_new = fmaxf(m[hr], __fmul_rn(mx, scale_log2));
+      // A row with no visible key keeps zeros; subtracting 0 instead of -inf avoids NaN.
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      const float neg_m = -m_use;
+      alpha[hr] = Ex2(__fsub_rn(m[hr], m_use));
+      float pair[kKeys / 8];
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+        sc[n][2 * hr] = Ex2(__fmaf_rn(sc[n][2 * hr], scale_log2, neg_m));
+        sc[n][2 * hr + 1] = Ex2(__fmaf_rn(sc[n][2 * hr + 1], scale_log2, neg_m));
+        pair[n] = __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]);
+      }
+#pragma unroll
+      for (int w = 1; w < kKeys / 8; w *= 2) {
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; n += 2 * w) pair[n] = __fadd_rn(pair[n], pair[n + w]);
+      }
+      if (act[hr]) {
+        l[hr] = __fmaf_rn(l[hr], alpha[hr], pair[0]);
+        m[hr] = m_new;
+      }
+    }
+    // O = O * alpha, then P V accumulated straight into O by the MMAs: every 8-dim tile of O is
+    // its own accumulation chain over the k-steps in order, so the 16 chains (HD = 128) are
+    // independent of each other. An inactive row keeps its O: it is not scaled, its P row is
+    // zeros, and an MMA adds exact zeros (V is finite: a key or the zero row). The score
+    // accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of the k-step kk; the B
+    // fragments of two 8-dim tiles come from one transposed ldmatrix of V's 16 key rows (lanes
+    // 0-15: dims j*8.., lanes 16-31: dims (j+1)*8..).
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      pa[kk][0] = act[0] ? PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]) : 0u;
+      pa[kk][1] = act[1] ? PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]) : 0u;
+      pa[kk][2] = act[0] ? PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]) : 0u;
+      pa[kk][3] = act[1] ? PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int rank = R0 + n * 8 + 2 * t4 + (e & 1);
-        if (rank >= lim[e >> 1]) sc[n][e] = -INFINITY;
+        if (act[e >> 1]) o[j][e] = __fmul_rn(o[j][e], alpha[e >> 1]);
       }
     }
   }
-  // Online softmax (base 2); the 4 threads of a quad share a row. The running max m is kept in
-  // scaled units. A max is exact in any order, so it is a tree over the raw scores; scaling by
-  // scale_log2 > 0 is monotone, so the scaled max is the max of the scaled scores. Each
-  // probability is ex2(s * scale_log2 - m) with one rounding (one FFMA), and a row's sum adds
-  // its 64 probabilities as a fixed pairwise tree.
-  float alpha[2];
+  if constexpr (kWg) {
+    // MN-major B (V's dims contiguous): 64-dim halves 8 KB apart, 16 keys (a k-step) 2 KB.
+    WgmmaFence();
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    static_assert(kKeys == 64, "the max tree below");
-    float mx4[kKeys / 16];
-#pragma unroll
-    for (int n = 0; n < kKeys / 16; ++n) {
-      mx4[n] = fmaxf(fmaxf(sc[2 * n][2 * hr], sc[2 * n][2 * hr + 1]),
-                     fmaxf(sc[2 * n + 1][2 * hr], sc[2 * n + 1][2 * hr + 1]));
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      const uint64_t desc = GmmaDescSw128(v_smem + kk * 2048, 8192, 1024);
+      if constexpr (HD == 128) {
+        Wgmma64x128x16<1>(o, pa[kk], desc);
+      } else {
+        Wgmma64x64x16<1>(o, pa[kk], desc);
+      }
     }
-    float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
-    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-    const float m_new = fmaxf(m[hr], __fmul_rn(mx, scale_log2));
-    // A row with no visible key keeps zeros; subtracting 0 instead of -inf avoids NaN.
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    const float neg_m = -m_use;
-    alpha[hr] = Ex2(__fsub_rn(m[hr], m_use));
-    float pair[kKeys / 8];
+    WgmmaCommit();
+    WgmmaWait<0>();
+    WgmmaFenceOperands(o);
+  } else {
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-      sc[n][2 * hr] = Ex2(__fmaf_rn(sc[n][2 * hr], scale_log2, neg_m));
-      sc[n][2 * hr + 1] = Ex2(__fmaf_rn(sc[n][2 * hr + 1], scale_log2, neg_m));
-      pair[n] = __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]);
-    }
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      if (kk * 16 < cnt) {
 #pragma unroll
-    for (int w = 1; w < kKeys / 8; w *= 2) {
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; n += 2 * w) pair[n] = __fadd_rn(pair[n], pair[n + w]);
-    }
-    if (act[hr]) {
-      l[hr] = __fmaf_rn(l[hr], alpha[hr], pair[0]);
-      m[hr] = m_new;
-    }
-  }
-  // O = O * alpha, then P V accumulated straight into O by the MMAs: every 8-dim tile of O is
-  // its own accumulation chain over the k-steps in order, so the 16 chains (HD = 128) are
-  // independent of each other. An inactive row keeps its O: it is not scaled, its P row is
-  // zeros, and an MMA adds exact zeros (V is finite: a key or the zero row). The score
-  // accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment of the k-step kk; the B
-  // fragments of two 8-dim tiles come from one transposed ldmatrix of V's 16 key rows (lanes
-  // 0-15: dims j*8.., lanes 16-31: dims (j+1)*8..).
-  uint32_t pa[kKeys / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk) {
-    pa[kk][0] = act[0] ? PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]) : 0u;
-    pa[kk][1] = act[1] ? PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]) : 0u;
-    pa[kk][2] = act[0] ? PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]) : 0u;
-    pa[kk][3] = act[1] ? PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]) : 0u;
-  }
-#pragma unroll
-  for (int j = 0; j < HD / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (act[e >> 1]) o[j][e] = __fmul_rn(o[j][e], alpha[e >> 1]);
-    }
-  }
-#pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk) {
-    if (kk * 16 < cnt) {
-#pragma unroll
-      for (int j = 0; j < HD / 8; j += 2) {
-        uint32_t b0, b1, b2, b3;
-        LdMatrixX4Trans(val_at(kk * 16 + (lane & 15), (lane >> 4) * 8 + j * 8), b0, b1, b2, b3);
-        Mma16816(o[j], pa[kk], b0, b1);
-        Mma16816(o[j + 1], pa[kk], b2, b3);
+        for (int j = 0; j < HD / 8; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          LdMatrixX4Trans(val_at(kk * 16 + (lane & 15), (lane >> 4) * 8 + j * 8), b0, b1, b2,
+                          b3);
+          Mma16816(o[j], pa[kk], b0, b1);
+          Mma16816(o[j + 1], pa[kk], b2, b3);
+        }
       }
     }
   }
@@ -669,7 +726,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   // and holds only keys written since, so they are finite, and their probabilities are 0.
   const int box_rows = maps.box_rows;
   auto issue_plain_tma = [&](int sub) {
-    if (tid != 0) return;
+    // The last warp issues: in a decode tile (4 rows, all in warp 0) it has no rows of its own.
+    if (tid != kThreads - 32) return;
     AttnStage<HD>& st = s.stage[sub & 1];
     uint64_t* bar = &s.stage_bar[sub & 1];
     // Orders the generic-proxy accesses to this stage before the block barrier that freed it
@@ -805,6 +863,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
         tma_phases ^= 1u << (sub & 1);
       } else {
         CpAsyncWait<1>();
+        // The wgmma reads the stage through the async proxy: order this thread's copies before
+        // them, then the block barrier orders everyone's.
+        if constexpr (kWgPlain<HD>) FenceProxyAsyncShared();
         __syncthreads();
       }
       const AttnStage<HD>& st = s.stage[sub & 1];
@@ -812,9 +873,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
       // Rows plain here see ranks [R0, num_keys); the others sit this job out.
       const int lim[2] = {ok0 && sub < s.plain_subs[lq0] ? s.num_keys[lq0] : R0,
                           ok1 && sub < s.plain_subs[lq1] ? s.num_keys[lq1] : R0};
-      AttendColumns<HD>(
+      AttendColumns<HD, kWgPlain<HD>>(
           qf, o, m, l, R0, lim, scale_log2, lane, [&](int c, int d) { return st.K(c, d); },
-          [&](int c, int d) { return st.V(c, d); });
+          [&](int c, int d) { return st.V(c, d); }, SmemAddr(st.K(0, 0)), SmemAddr(st.V(0, 0)));
       __syncthreads();  // this stage is read no more; a later job may refill it
     }
 
