@@ -204,7 +204,6 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   p.out_stride = kHeads * kHeadDim;
   p.k_cache = k;
   p.v_cache = v;
-  p.num_slots = slots;
   p.block_tables = d_tables;
   p.max_blocks_per_seq = blocks_per_seq;
   p.block_size = kBlock;

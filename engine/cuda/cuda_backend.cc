@@ -1090,7 +1090,6 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.out_stride = QD;
     ap.k_cache = rope.k_cache;
     ap.v_cache = rope.v_cache;
-    ap.num_slots = num_blocks_ * kKvBlockTokens;
     ap.block_tables = block_tables;
     ap.max_blocks_per_seq = step.max_blocks;
     ap.block_size = kKvBlockTokens;

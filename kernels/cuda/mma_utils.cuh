@@ -1,7 +1,6 @@
 // Tensor-core and asynchronous-copy helpers private to kernels/cuda (sm_80+ PTX): cp.async
 // 16-byte copies into shared memory, ldmatrix fragment loads and the bf16 m16n8k16 MMA, shared
-// by the tensor-core kernels (tree attention); and, sm_90 only, the tensor-memory-accelerator
-// (TMA) tile loads with the shared-memory barriers they complete on.
+// by the tensor-core kernels (tree attention); and, sm_90a only, the warpgroup MMA (wgmma).
 #ifndef SPECD_KERNELS_CUDA_MMA_UTILS_CUH_
 #define SPECD_KERNELS_CUDA_MMA_UTILS_CUH_
 
@@ -73,68 +72,12 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// A shared-memory barrier (mbarrier, 8 bytes) used as a transaction counter: one arrival (the
-// thread that issues the loads, announcing their bytes) and the loads' bytes complete a phase.
-// Call before any thread uses it, then fence it for the TMA unit (FenceBarrierInit) and sync.
-__device__ __forceinline__ void BarrierInit(uint64_t* bar, uint32_t arrivals) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(arrivals)
-               : "memory");
-#endif
-}
-
-__device__ __forceinline__ void FenceBarrierInit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-
-// Orders this thread's earlier generic-proxy accesses to shared memory (and, after a block
-// barrier, the other threads' it synchronized with) before its later async-proxy ones (TMA
-// writes): a TMA load into a buffer that cp.async or ld.shared used before.
+// Orders this thread's earlier generic-proxy writes to shared memory (cp.async copies included)
+// before async-proxy reads of them (wgmma operands); a block barrier after it extends that to
+// every thread's writes.
 __device__ __forceinline__ void FenceProxyAsyncShared() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// The issuing thread's arrival, announcing `bytes` of TMA loads that will complete the phase.
-__device__ __forceinline__ void BarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-#endif
-}
-
-// Waits until the phase with the given parity (0 for the barrier's first phase, then 1, 0, ...)
-// has completed; its loads' data are then visible to the waiting thread.
-__device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemAddr(bar)), "r"(parity)
-        : "memory");
-  } while (done == 0);
-#endif
-}
-
-// One TMA load of a 3-D box (coordinates innermost first, in elements; a box part outside the
-// tensor is filled with zeros, negative coordinates included) into shared memory at `smem`,
-// completing `bytes` of the barrier's current phase. `map` is a CUtensorMap in parameter,
-// constant or global memory (here: a __grid_constant__ kernel parameter).
-__device__ __forceinline__ void TmaLoad3d(void* smem, const void* map, uint64_t* bar, int c0,
-                                          int c1, int c2) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3, %4}], [%5];\n" ::"r"(SmemAddr(smem)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar))
-      : "memory");
 #endif
 }
 

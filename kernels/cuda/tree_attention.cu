@@ -1,10 +1,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
-#include <cstdlib>
 
-#include <cuda.h>  // CUtensorMap; its encoder comes through the runtime (no libcuda link)
-#include <cudaTypedefs.h>
 
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/mma_utils.cuh"
@@ -20,10 +17,6 @@ using internal::CpAsyncWait;
 using internal::kFullMask;
 using internal::LdMatrixX4;
 using internal::LdMatrixX4Trans;
-using internal::BarrierArriveExpectTx;
-using internal::BarrierInit;
-using internal::BarrierWait;
-using internal::FenceBarrierInit;
 using internal::FenceProxyAsyncShared;
 using internal::GmmaDescSw128;
 using internal::Wgmma64x128x16;
@@ -34,7 +27,6 @@ using internal::WgmmaFenceOperands;
 using internal::WgmmaWait;
 using internal::Mma16816;
 using internal::SmemAddr;
-using internal::TmaLoad3d;
 using internal::PackBf16x2;
 
 constexpr int kWarps = 4;
@@ -43,7 +35,7 @@ constexpr int kRows = 16 * kWarps;  // one m16 MMA row block per warp
 static_assert(kRows == kTreeAttentionTileRows, "tile rows");
 constexpr int kKeys = 64;  // ranks per shared-memory stage (a sub-chunk)
 constexpr int kStages = 2;
-// A window job holds up to this many distinct keys: both stages, seen as one array of rows.
+// A window job holds up to this many distinct keys (WindowRows, in the stages' memory).
 constexpr int kWindowRows = kStages * kKeys;
 constexpr uint8_t kZeroRow = 0xff;  // window-table entry of a padding column
 static_assert(kWindowRows <= kZeroRow, "window rows fit the table's bytes");
@@ -60,13 +52,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 // memory.
 constexpr int kTableEntries = 128;
 
-// K and V are kept key-major; two stages: while one sub-chunk is computed on, the next one
-// loads. At head_dim 64 and 128 ("swizzled"), a key's head is split into 64-dim halves of 128
+// K and V are kept key-major; two stages: while one sub-chunk is computed on, cp.async brings
+// the next. At head_dim 64 and 128 ("swizzled"), a key's head is split into 64-dim halves of 128
 // bytes, half-major ([half][key][64]), and the 16-byte piece p of key r's half sits at piece
-// p ^ (r % 8): the tensor memory accelerator's 128-byte swizzle, so that one TMA box per block
-// of keys and half fills a stage, and the ldmatrix reads of 8 keys at one piece still hit 32
-// distinct banks. Other head sizes keep each key's row padded by 8 elements (16 bytes) for the
-// same bank spread, and load through cp.async.
+// p ^ (r % 8): the 128-byte swizzle that wgmma reads its B operand in (K as K-major, V as
+// MN-major), which also keeps the ldmatrix reads of 8 keys at one piece on 32 distinct banks.
+// Other head sizes keep each key's row padded by 8 elements (16 bytes) for the same bank
+// spread.
 template <int HD>
 constexpr bool kSwizzled = HD == 64 || HD == 128;
 // Plain jobs of swizzled stages run on wgmma where the build has it (sm_90a).
@@ -83,9 +75,9 @@ struct __align__(16) AttnStage {
   __device__ __forceinline__ const bf16* V(int key, int d) const { return &v[key][d]; }
 };
 
-// The swizzle pattern is a function of shared-memory address bits 4-9, so each 8-key group of
-// a half must start on a 1024-byte boundary: the stage is aligned so, and the kernel checks the
-// dynamic shared memory's base (else it loads through cp.async, which writes the same layout).
+// wgmma applies the swizzle to shared-memory address bits 4-6 from bits 7-9, so each 8-key group
+// of a half starts on a 1024-byte boundary (the stage's alignment, and the dynamic shared
+// memory's).
 template <int HD>
 struct __align__(1024) AttnStage<HD, true> {
   static constexpr int kHalves = HD / 64;
@@ -105,11 +97,25 @@ struct __align__(1024) AttnStage<HD, true> {
   }
 };
 
+// A window job's rows (see the kernel): each key's row padded by 8 elements, whatever the head
+// size. A window pass reads K and V rows through a query's table, so consecutive columns are
+// rows from anywhere in the window; padded rows keep its ldmatrix reads on distinct banks with
+// plain row addresses, where the swizzle would cost an XOR per row and dim piece (measured: 16-
+// and 64-node steps 0.2-0.3 ms slower with the window in the swizzled stages).
+template <int HD>
+struct __align__(16) WindowRows {
+  bf16 k[kWindowRows][HD + 8];
+  bf16 v[kWindowRows][HD + 8];
+};
+
 template <int HD>
 struct __align__(16) AttnSmem {
-  AttnStage<HD> stage[kStages];
-  // TMA loads only: per stage, the barrier its plain-job loads complete on.
-  uint64_t stage_bar[kStages];
+  // Plain jobs stream through the stages; a window job, with nothing in flight across it, puts
+  // its rows in the same memory.
+  union {
+    AttnStage<HD> stage[kStages];
+    WindowRows<HD> win;
+  };
   bf16 zero_row[HD + 8];  // K and V of a window pass's padding columns
   // Per local query: the mask with bits past kv_end cleared; mask_begin clamped to kv_end;
   // num_keys = visible keys (ranks); plain_subs: its leading sub-chunks whose ranks are their own
@@ -466,21 +472,20 @@ __device__ __forceinline__ void LoadQueryFragments(const bf16* q_row0, const bf1
 template <int HD>
 __device__ __forceinline__ void WindowPass(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
                                            int R0, const int (&lim)[2], float scale_log2, int lane,
-                                           const uint8_t* tab, const AttnStage<HD>* stages,
+                                           const uint8_t* tab, const WindowRows<HD>& win,
                                            const bf16* zero_row, const bf16* q_row0,
                                            const bf16* q_row1) {
   uint32_t qf[HD / 16][4];
   LoadQueryFragments<HD>(q_row0, q_row1, lane & 3, qf);
-  // Window row w is key w % kKeys of stage w / kKeys; the zero row is the same in any layout.
   AttendColumns<HD>(
       qf, o, m, l, R0, lim, scale_log2, lane,
       [&](int c, int d) -> const bf16* {
         const int row = tab[c];
-        return row == kZeroRow ? zero_row + d : stages[row / kKeys].K(row % kKeys, d);
+        return row == kZeroRow ? zero_row + d : &win.k[row][d];
       },
       [&](int c, int d) -> const bf16* {
         const int row = tab[c];
-        return row == kZeroRow ? zero_row + d : stages[row / kKeys].V(row % kKeys, d);
+        return row == kZeroRow ? zero_row + d : &win.v[row][d];
       });
 }
 
@@ -492,21 +497,10 @@ template <int HD>
 __device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
                                                  float (&l)[2], int R0, const int (&lim)[2],
                                                  float scale_log2, int lane, const uint8_t* tab,
-                                                 const AttnStage<HD>* stages, const bf16* zero_row,
+                                                 const WindowRows<HD>& win, const bf16* zero_row,
                                                  const bf16* q_row0, const bf16* q_row1) {
-  WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, tab, stages, zero_row, q_row0, q_row1);
+  WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, tab, win, zero_row, q_row0, q_row1);
 }
-
-// The KV cache as TMA sees it (swizzled stages only), built on the host per launch: one 3-D
-// tensor per cache, dims (head_dim, num_kv_heads, num_slots) innermost first, boxes of 64 dims x
-// 1 head x box_rows slots with the 128-byte swizzle. box_rows = min(block_size, kKeys), so that a
-// box never crosses a block; 0 when the plain loads go through cp.async instead (a block size
-// that is not a power of two or is below 8, an unknown num_slots, no driver entry point).
-struct KvTensorMaps {
-  CUtensorMap k;
-  CUtensorMap v;
-  int box_rows;
-};
 
 // grid = (tiles, kv heads, splits). The KV head serves local query heads [h_lo, h_lo + nh): its
 // whole group of `group` heads, or under tensor parallelism the part of it this rank owns. Warp w
@@ -523,7 +517,7 @@ struct KvTensorMaps {
 // (a tree node's tail: the end of the prefix and its ancestors) are "window" sub-chunks: the
 // tile's queries that need one are grouped so that the distinct keys of a group -- the prefix
 // slots from the sub-chunk's start and the union of their ancestors with ranks there -- fit the
-// two stages, seen as one window of 128 rows; the window is loaded once per group, and each warp
+// window of 128 rows (WindowRows, over the stages' memory); the window is loaded once per group, and each warp
 // then makes one pass per query of the group among its rows, reading K and V rows through the
 // query's table (column -> window row, or a zero row past its keys), so that each key still sits
 // in the column of its rank. In a chunk, plain jobs come before window jobs; a query's plain
@@ -532,7 +526,7 @@ struct KvTensorMaps {
 // (null masks: every sub-chunk is plain) compiles the window machinery out.
 template <int HD, bool kSplit, bool kTrees>
 __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
-    TreeAttentionKernel(TreeAttentionParams p, const __grid_constant__ KvTensorMaps maps) {
+    TreeAttentionKernel(TreeAttentionParams p) {
   static_assert(HD % 16 == 0 && HD >= 16, "whole MMA k-steps and pairs of 8-dim V tiles");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   AttnSmem<HD>& s = *reinterpret_cast<AttnSmem<HD>*>(smem_raw);
@@ -601,17 +595,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   for (int i = tid; i < (HD + 8) / 2; i += kThreads) {
     reinterpret_cast<uint32_t*>(s.zero_row)[i] = 0u;
   }
-  // Plain jobs load through TMA when the host built the maps and the stages sit on the
-  // swizzle's 1024-byte grid (uniform for the CTA).
-  const bool use_tma = kSwizzled<HD> && maps.box_rows > 0 && (SmemAddr(&s.stage[0]) & 1023u) == 0;
   // Read here, beside the other metadata, so that its latency overlaps theirs.
   if (tid == kThreads - 1) {
     s.stable_end = p.kv_stable_end != nullptr ? p.kv_stable_end[p.query_seq[q0]] : 0;
-    if (use_tma) {
-      BarrierInit(&s.stage_bar[0], 1);
-      BarrierInit(&s.stage_bar[1], 1);
-      FenceBarrierInit();
-    }
   }
   // The block-table entries of the CTA's keys, from its first chunk on: a plain job then reads
   // each entry from shared memory instead of every thread reading its 8 from global memory
@@ -719,42 +705,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   const uint32_t blk_elems = static_cast<uint32_t>(block_size) * static_cast<uint32_t>(kv_dim32);
   const bf16* k_piece = k_head + piece * 8;
   const bf16* v_piece = v_head + piece * 8;
-  // TMA: one thread issues the job's boxes (per block of box_rows keys: K and V, each half),
-  // and every thread then waits on the stage's barrier. A box whose first slot is at or past
-  // plain_bound is aimed below slot 0, which TMA fills with zeros. A box that straddles
-  // plain_bound brings the block's later slots as they are: the cache is zeroed at allocation
-  // and holds only keys written since, so they are finite, and their probabilities are 0.
-  const int box_rows = maps.box_rows;
-  auto issue_plain_tma = [&](int sub) {
-    // The last warp issues: in a decode tile (4 rows, all in warp 0) it has no rows of its own.
-    if (tid != kThreads - 32) return;
-    AttnStage<HD>& st = s.stage[sub & 1];
-    uint64_t* bar = &s.stage_bar[sub & 1];
-    // Orders the generic-proxy accesses to this stage before the block barrier that freed it
-    // (ldmatrix reads, a window's cp.async writes) before the TMA writes.
-    FenceProxyAsyncShared();
-    BarrierArriveExpectTx(bar, 2u * kKeys * HD * sizeof(bf16));
-    for (int b = 0; b < kKeys; b += box_rows) {
-      const int slot = sub * kKeys + b;
-      int row = -box_rows;  // past plain_bound: the whole box is zeros
-      if (slot < plain_bound) {
-        const int blk = bs_shift >= 0 ? slot >> bs_shift : slot / block_size;
-        const int entry = blk - table_first < kTableEntries ? s.table[blk - table_first]
-                                                             : __ldg(table + blk);
-        row = entry * block_size + (slot & (block_size - 1));
-      }
-#pragma unroll
-      for (int h = 0; h < HD / 64; ++h) {
-        TmaLoad3d(st.K(b, h * 64), &maps.k, bar, h * 64, kvh, row);
-        TmaLoad3d(st.V(b, h * 64), &maps.v, bar, h * 64, kvh, row);
-      }
-    }
-  };
   auto issue_plain = [&](int sub) {
-    if (use_tma) {
-      issue_plain_tma(sub);
-      return;
-    }
     AttnStage<HD>& st = s.stage[sub & 1];
     const int first = sub * kKeys + key0;  // this thread's first slot
     int32_t entry[kCopies];
@@ -802,9 +753,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
     }
   };
   int issued = -1;  // the last plain job whose load was issued
-  // TMA: bit i is the parity of stage i's next barrier phase (every issued job is waited for
-  // once, in issue order).
-  uint32_t tma_phases = 0;
   // The CTA's first job may load before the wait when it is plain and every slot it reads was
   // written before the step began (below kv_stable_end): RoPE, which this kernel waits for, writes
   // only the step's own slots, and the rest of the cache was complete before the step's first
@@ -857,17 +805,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
         issued = next;
       }
       CpAsyncCommit();
-      if (use_tma) {
-        // Each thread sees the TMA data through the barrier itself: no block barrier needed.
-        BarrierWait(&s.stage_bar[sub & 1], (tma_phases >> (sub & 1)) & 1u);
-        tma_phases ^= 1u << (sub & 1);
-      } else {
-        CpAsyncWait<1>();
-        // The wgmma reads the stage through the async proxy: order this thread's copies before
-        // them, then the block barrier orders everyone's.
-        if constexpr (kWgPlain<HD>) FenceProxyAsyncShared();
-        __syncthreads();
-      }
+      CpAsyncWait<1>();
+      // The wgmma reads the stage through the async proxy: order this thread's copies before
+      // them, then the block barrier orders everyone's.
+      if constexpr (kWgPlain<HD>) FenceProxyAsyncShared();
+      __syncthreads();
       const AttnStage<HD>& st = s.stage[sub & 1];
       const int R0 = sub * kKeys;
       // Rows plain here see ranks [R0, num_keys); the others sit this job out.
@@ -1047,9 +989,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
           for (int i = tid; i < win_rows * kPieces; i += kThreads) {
             const int row = i / kPieces, c = i % kPieces;
             const int64_t off = phys(s.win_slot[row]) * kv_dim + c * 8;
-            AttnStage<HD>& st = s.stage[row / kKeys];
-            CpAsync16(st.K(row % kKeys, c * 8), k_head + off, true);
-            CpAsync16(st.V(row % kKeys, c * 8), v_head + off, true);
+            CpAsync16(&s.win.k[row][c * 8], k_head + off, true);
+            CpAsync16(&s.win.v[row][c * 8], v_head + off, true);
           }
           CpAsyncCommit();
           CpAsyncWait<0>();
@@ -1073,7 +1014,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
                 }
                 fm[0] = m[0], fm[1] = m[1], fl[0] = l[0], fl[1] = l[1];
                 WindowPassOutOfLine<HD>(fo, fm, fl, R0, lim, scale_log2, lane, s.win_table[q],
-                                        s.stage, s.zero_row, q_row0, q_row1);
+                                        s.win, s.zero_row, q_row0, q_row1);
 #pragma unroll
                 for (int j = 0; j < HD / 8; ++j) {
 #pragma unroll
@@ -1081,7 +1022,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
                 }
                 m[0] = fm[0], m[1] = fm[1], l[0] = fl[0], l[1] = fl[1];
               } else {
-                WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.stage,
+                WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.win,
                                s.zero_row, q_row0, q_row1);
               }
             }
@@ -1215,61 +1156,6 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
     dst[lane + 32 * d] = __float2bfloat16_rn(__fmul_rn(acc[d], inv));
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime; null if the driver lacks it.
-PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// The TMA view of the caches (see KvTensorMaps), or box_rows 0 for cp.async loads. Encoding is
-// host arithmetic only (no device call), cheap beside a launch, and a captured graph keeps the
-// maps it was launched with. SPECD_ATTN_TMA=0 turns TMA off (A/B runs; read once).
-template <int HD>
-KvTensorMaps MakeKvMaps(const TreeAttentionParams& p) {
-  KvTensorMaps maps = {};
-  maps.box_rows = 0;
-  static const bool enabled = [] {
-    const char* env = std::getenv("SPECD_ATTN_TMA");
-    return env == nullptr || std::atoi(env) != 0;
-  }();
-  const int64_t bs = p.block_size;
-  if (!kSwizzled<HD> || !enabled || p.num_slots <= 0 || p.num_slots > INT_MAX || bs < 8 ||
-      (bs & (bs - 1)) != 0) {
-    return maps;
-  }
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
-  if (encode == nullptr) return maps;
-  const int box_rows = static_cast<int>(std::min<int64_t>(bs, kKeys));
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(HD), static_cast<cuuint64_t>(p.num_kv_heads),
-                              static_cast<cuuint64_t>(p.num_slots)};
-  // Byte strides of dims 1 and 2 (dim 0 is contiguous).
-  const cuuint64_t strides[2] = {HD * sizeof(bf16), p.num_kv_heads * HD * sizeof(bf16)};
-  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  for (int i = 0; i < 2; ++i) {
-    const bf16* base = i == 0 ? p.k_cache : p.v_cache;
-    if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return maps;
-    if (encode(i == 0 ? &maps.k : &maps.v, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-               const_cast<bf16*>(base), dims, strides, box, elem_strides,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-      return maps;
-    }
-  }
-  maps.box_rows = box_rows;
-  return maps;
-}
-
 template <int HD, bool kSplit, bool kTrees>
 cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
   const int ctas_z = kSplit ? (p.num_splits + p.chunks_per_cta - 1) / p.chunks_per_cta : 1;
@@ -1285,9 +1171,8 @@ cudaError_t LaunchMain(const TreeAttentionParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  const KvTensorMaps maps = MakeKvMaps<HD>(p);
   return LaunchPdl("attention", TreeAttentionKernel<HD, kSplit, kTrees>, grid,
-                   dim3(kThreads), kSmem, stream, p, maps);
+                   dim3(kThreads), kSmem, stream, p);
 }
 
 // Without masks every query's keys are its own slots, so the kernel is built without the window
@@ -1607,7 +1492,6 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
   if (p.num_queries < 0 || p.num_tiles < 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
       p.num_kv_heads > 65535 || !HeadRangesValid(p) || !TreeAttentionHeadDimSupported(p.head_dim) ||
       p.num_splits < 1 || p.num_splits > 65535 || p.chunks_per_cta < 1 || p.block_size <= 0 ||
-      p.num_slots < 0 ||
       p.max_blocks_per_seq <= 0 ||
       p.q_stride < p.num_heads * p.head_dim || p.q_stride % 2 != 0 ||
       p.out_stride < p.num_heads * p.head_dim || p.out_stride % 2 != 0 ||

@@ -336,7 +336,6 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     p.out_stride = out_stride;
     p.k_cache = d_k.get();
     p.v_cache = d_v.get();
-    p.num_slots = static_cast<int64_t>(k_cache.size()) / (sh.num_kv_heads * sh.head_dim);
     p.block_tables = d_tables.get();
     p.max_blocks_per_seq = max_blocks;
     p.block_size = sh.block_size;

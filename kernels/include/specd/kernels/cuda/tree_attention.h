@@ -83,11 +83,6 @@ struct TreeAttentionParams {
   int64_t out_stride = 0;
   const bf16* k_cache = nullptr;  // [num_slots, num_kv_heads * head_dim] bf16, device (one layer)
   const bf16* v_cache = nullptr;  // [num_slots, num_kv_heads * head_dim] bf16, device
-  // Slots in each cache. Optional (0: unknown); with it, the MMA kernel at head_dim 64 and 128
-  // loads the committed keys through the tensor memory accelerator (block sizes that are powers
-  // of two from 8 on), else through cp.async; the results are the same. Slots a block table
-  // names past kv_end must hold finite values (a zeroed cache, or keys written before).
-  int64_t num_slots = 0;
   const int32_t* block_tables = nullptr;  // [*, max_blocks_per_seq] int32, device
   int64_t max_blocks_per_seq = 0;
   int64_t block_size = 0;
