@@ -5,13 +5,15 @@
 # the time by kernel, and the idle time by the pair of kernels around it. The timelines go to
 # $OUT (or --out DIR) as CSV files.
 #   tools/gpu_run_trace.sh [--dev DIR] [--out DIR] [--trees 64] [--context 2048] [--graphs on]
-#       [--tag NAME] [-- VAR=value ...]
+#       [--tag NAME] [--bench PATH] [-- VAR=value ...]
 # Variables after -- go to cuda_step_bench's environment (e.g. SPECD_PDL=0), and --tag names the
-# files of that configuration. The SM clock and power are sampled while each process runs
-# (nvidia-smi, every 100 ms): a compute-bound kernel slows when the clock drops under load.
+# files of that configuration; --bench PATH traces another build's cuda_step_bench (e.g. the
+# carried bench-prev/cuda_step_bench_prev). The SM clock and power are sampled while each
+# process runs (nvidia-smi, every 100 ms): a compute-bound kernel slows when the clock drops
+# under load.
 set -u
 tools_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # not "here": env.sh sets that
-dev=.device out=${OUT:-/tmp/trace} trees=64 context=2048 graphs=on tag=default
+dev=.device out=${OUT:-/tmp/trace} trees=64 context=2048 graphs=on tag=default bench=
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) dev=$2; shift ;;
@@ -20,6 +22,7 @@ while [ $# -gt 0 ]; do
     --context) context=$2; shift ;;
     --graphs) graphs=$2; shift ;;
     --tag) tag=$2; shift ;;
+    --bench) bench=$2; shift ;;
     --) shift; break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -37,7 +40,7 @@ for nodes in 0 ${trees//,/ }; do
   nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 \
     > "$out/smi.txt" 2>/dev/null &
   smi=$!
-  env SPECD_GEMM_TIMING=0 "$@" timeout 200 "$dev/bin/bench/cuda_step_bench" --model "$model" \
+  env SPECD_GEMM_TIMING=0 "$@" timeout 200 "${bench:-$dev/bin/bench/cuda_step_bench}" --model "$model" \
     --tp 1 --graphs "$graphs" --runs 5 --contexts "$context" --trees "$trees" --trace "$nodes" \
     --trace_csv "$out/${tag}_" > "$out/${tag}_$nodes.log" 2>&1
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
