@@ -14,20 +14,20 @@ namespace {
 using internal::CpAsync16;
 using internal::CpAsyncCommit;
 using internal::CpAsyncWait;
+using internal::FenceProxyAsyncShared;
+using internal::GmmaDescSw128;
 using internal::kFullMask;
 using internal::LdMatrixX4;
 using internal::LdMatrixX4Trans;
-using internal::FenceProxyAsyncShared;
-using internal::GmmaDescSw128;
+using internal::Mma16816;
+using internal::PackBf16x2;
+using internal::SmemAddr;
 using internal::Wgmma64x128x16;
 using internal::Wgmma64x64x16;
 using internal::WgmmaCommit;
 using internal::WgmmaFence;
 using internal::WgmmaFenceOperands;
 using internal::WgmmaWait;
-using internal::Mma16816;
-using internal::SmemAddr;
-using internal::PackBf16x2;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -250,11 +250,10 @@ __device__ __forceinline__ float MergeValue(int mode, float big, float o, float 
 // update and P V for its rows with lim > R0 (their ranks [R0, lim) are visible). key_at(c, d)
 // and val_at(c, d) give the shared-memory address of dim d (a multiple of 8, plus up to 7) of
 // column c's K and V: the stage's key c in a plain job, the window row a query's table picks in
-// a window pass. A row's arithmetic is the
-// same whichever rows share the warp and whatever other columns hold: MMA rows are independent,
-// a column past the row's limit gets score -inf and probability exactly 0 (its V finite: a key
-// or zeros), and the MMAs skipped -- key tiles and k-steps past every active row's limit -- would
-// only add exact-zero products.
+// a window pass. A row's arithmetic is the same whichever rows share the warp and whatever other
+// columns hold: MMA rows are independent, a column past the row's limit gets score -inf and
+// probability exactly 0 (its V finite: a key or zeros), and the MMAs skipped -- key tiles and
+// k-steps past every active row's limit -- would only add exact-zero products.
 //
 // kWg (plain jobs of swizzled stages): the warpgroup's four warps compute S and P V together with
 // wgmma, B read straight from the stage (K at k_smem, V at v_smem: shared-memory addresses), and
