@@ -123,17 +123,10 @@ __device__ __forceinline__ void WgmmaWait() {
 
 // Keeps the compiler from moving reads or writes of wgmma accumulators across this point (it
 // does not know that WgmmaWait is what makes them ready).
-__device__ __forceinline__ void WgmmaFenceOperands(float (&d)[8][4]) {
+template <int kTiles>
+__device__ __forceinline__ void WgmmaFenceOperands(float (&d)[kTiles][4]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
-  }
-}
-
-__device__ __forceinline__ void WgmmaFenceOperands(float (&d)[16][4]) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < kTiles; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
   }
@@ -147,7 +140,7 @@ __device__ __forceinline__ void WgmmaFenceOperands(float (&d)[16][4]) {
 // neither d nor a until WgmmaWait<0>() and WgmmaFenceOperands(d).
 template <int kTransB>
 __device__ __forceinline__ void Wgmma64x64x16(float (&d)[8][4], const uint32_t (&a)[4],
-                                          uint64_t desc) {
+                                              uint64_t desc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
@@ -175,7 +168,7 @@ __device__ __forceinline__ void Wgmma64x64x16(float (&d)[8][4], const uint32_t (
 // neither d nor a until WgmmaWait<0>() and WgmmaFenceOperands(d).
 template <int kTransB>
 __device__ __forceinline__ void Wgmma64x128x16(float (&d)[16][4], const uint32_t (&a)[4],
-                                          uint64_t desc) {
+                                               uint64_t desc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
