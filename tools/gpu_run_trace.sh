@@ -40,8 +40,8 @@ for nodes in 0 ${trees//,/ }; do
   nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 \
     > "$out/smi.txt" 2>/dev/null &
   smi=$!
-  env SPECD_GEMM_TIMING=0 "$@" timeout 200 "${bench:-$dev/bin/bench/cuda_step_bench}" --model "$model" \
-    --tp 1 --graphs "$graphs" --runs 5 --contexts "$context" --trees "$trees" --trace "$nodes" \
+  env SPECD_GEMM_TIMING=0 "$@" timeout 200 "${bench:-$dev/bin/bench/cuda_step_bench}" \
+    --model "$model" --tp 1 --graphs "$graphs" --runs 5 --contexts "$context" --trees "$trees" --trace "$nodes" \
     --trace_csv "$out/${tag}_" > "$out/${tag}_$nodes.log" 2>&1
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
   grep -E '^# trace|^\| model' "$out/${tag}_$nodes.log" | sed "s/^/$tag /"

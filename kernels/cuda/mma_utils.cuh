@@ -13,12 +13,17 @@ namespace internal {
 
 using bf16 = __nv_bfloat16;
 
+// The 32-bit shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // 16 bytes global -> shared without a register round trip; `valid` false writes zeros (the
 // source is then not read, but must still be a mapped address).
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
+               "r"(bytes)
                : "memory");
 }
 
@@ -36,7 +41,7 @@ __device__ __forceinline__ void CpAsyncWait() {
 // register i of lane (g = lane / 4, t = lane % 4) receives its elements [2t][g] and [2t+1][g].
 __device__ __forceinline__ void LdMatrixX4Trans(const bf16* smem, uint32_t& r0, uint32_t& r1,
                                                 uint32_t& r2, uint32_t& r3) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const uint32_t addr = SmemAddr(smem);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
@@ -47,7 +52,7 @@ __device__ __forceinline__ void LdMatrixX4Trans(const bf16* smem, uint32_t& r0, 
 // instead of four 32-bit shared loads for the K fragments of two MMA k-steps.
 __device__ __forceinline__ void LdMatrixX4(const bf16* smem, uint32_t& r0, uint32_t& r1,
                                            uint32_t& r2, uint32_t& r3) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const uint32_t addr = SmemAddr(smem);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
@@ -65,11 +70,6 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The 32-bit shared-memory address of a generic pointer into shared memory.
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 // Orders this thread's earlier generic-proxy writes to shared memory (cp.async copies included)

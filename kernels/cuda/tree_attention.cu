@@ -516,10 +516,10 @@ __device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&
 // (a tree node's tail: the end of the prefix and its ancestors) are "window" sub-chunks: the
 // tile's queries that need one are grouped so that the distinct keys of a group -- the prefix
 // slots from the sub-chunk's start and the union of their ancestors with ranks there -- fit the
-// window of 128 rows (WindowRows, over the stages' memory); the window is loaded once per group, and each warp
-// then makes one pass per query of the group among its rows, reading K and V rows through the
-// query's table (column -> window row, or a zero row past its keys), so that each key still sits
-// in the column of its rank. In a chunk, plain jobs come before window jobs; a query's plain
+// window of 128 rows (WindowRows, over the stages' memory); the window is loaded once per group,
+// and each warp then makes one pass per query of the group among its rows, reading K and V rows
+// through the query's table (column -> window row, or a zero row past its keys), so that each
+// key still sits in the column of its rank. In a chunk, plain jobs come before window jobs; a query's plain
 // sub-chunks all precede its window ones, so each row still sees its sub-chunks in rank order,
 // one AttendColumns pass each, with the same arithmetic as in any other batch. kTrees false
 // (null masks: every sub-chunk is plain) compiles the window machinery out.
