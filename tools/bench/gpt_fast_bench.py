@@ -47,8 +47,11 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse
 import ast
+import atexit
 import contextlib
 import datetime
+import fcntl
+import glob
 import sys
 import time
 import traceback
@@ -78,6 +81,45 @@ def err(msg):
 def short(e):
     text = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
     return text[:160]
+
+
+class Gate:
+    """Lets several single-case processes compile at once and time one at a time (--gate-dir):
+    each marks itself ready once its case is compiled and warm (or when it exits, whatever
+    happened), waits until --gate-count processes are ready, so that no compilation or
+    autotuning runs beside a timed loop, then times under an exclusive lock on DIR/lock.
+    Without a directory it does nothing."""
+
+    def __init__(self, directory, count, timeout_s):
+        self.dir, self.count, self.timeout_s = directory, count, timeout_s
+        self.lock = None
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            atexit.register(self.ready)
+
+    def ready(self):
+        if self.dir:
+            open(os.path.join(self.dir, f"ready.{os.getpid()}"), "a").close()
+
+    def enter(self):
+        if not self.dir or self.lock is not None:
+            return
+        self.ready()
+        t = time.time()
+        while (len(glob.glob(os.path.join(self.dir, "ready.*"))) < self.count and
+               time.time() - t < self.timeout_s):
+            time.sleep(0.5)
+        waited = time.time() - t
+        self.lock = open(os.path.join(self.dir, "lock"), "a")
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        log(f"gate: {waited:.0f} s for the others to compile, "
+            f"{time.time() - t - waited:.0f} s for the lock")
+
+    def leave(self):
+        if self.lock is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.lock.close()
+            self.lock = None
 
 
 def import_gpt_fast(path):
@@ -339,6 +381,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--std", type=float, default=0.02)
     ap.add_argument("--json", default="")
+    ap.add_argument("--gate-dir", default="",
+                    help="time only once --gate-count processes sharing this directory have "
+                    "compiled, one at a time (see Gate; single-case processes run side by side "
+                    "by gpu_run_baselines.sh with GF_PARALLEL)")
+    ap.add_argument("--gate-count", type=int, default=1)
+    ap.add_argument("--gate-timeout-s", type=float, default=900)
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -353,6 +401,7 @@ def main():
         dist.init_process_group(backend="nccl", rank=RANK, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout_s))
     sync_ranks = Dist(device)
+    gate = Gate(args.gate_dir if RANK == 0 else "", args.gate_count, args.gate_timeout_s)
     gf_model, fns, commit = import_gpt_fast(args.gpt_fast_dir)
     settings = {} if args.no_compile else configure_compiler(args)
     contexts = st.ints(args.contexts)
@@ -486,8 +535,11 @@ def main():
                             forward_fn(model, x, pos)
                     sync_ranks.barrier()
                     with torch.no_grad():
-                        first_s, step_ms, b2b_ms, _ = st.measure(call, device, args.runs,
-                                                                 args.warmup)
+                        try:
+                            first_s, step_ms, b2b_ms, _ = st.measure(
+                                call, device, args.runs, args.warmup, before_timing=gate.enter)
+                        finally:
+                            gate.leave()
                     results.append((c, first_s, step_ms, b2b_ms))
             except Exception as e:
                 traceback.print_exc()

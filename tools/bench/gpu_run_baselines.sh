@@ -32,6 +32,13 @@
 #                   one per context and token count (its short-context rows then attend over the
 #                   long cache)
 #   GPT_FAST_DIR    .carry-gptfast/gpt-fast
+#   GF_PARALLEL     K > 1: gpt-fast's cases (every GF_CONTEXTS x (decode unless --no-decode in
+#                   GF_ARGS, GF_TREES), or GF_CASES) run as single-case processes, K at a time:
+#                   the K compile side by side (each with nproc / K inductor compile threads),
+#                   then time one after another, none while another compiles (--gate-dir of
+#                   gpt_fast_bench.py). Compilation is most of a case's time, so this takes
+#                   about one case's time per K cases. Mind the GPU memory: K weights.
+#   GF_CASES        with GF_PARALLEL: CONTEXT:NODES,... (NODES 0 = decode), in place of the grid
 #
 # Writes OUT/IMPL-SHAPE.log (everything) and OUT/IMPL-SHAPE.json (rows + versions) for each
 # part, OUT defaulting to /tmp/specd-baselines; prints each part's final table. NVLink
@@ -53,6 +60,61 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
 
+# gptfast_parallel SHAPE NAME: see GF_PARALLEL. Each case logs to OUT/NAME-cCONTEXT-nNODES.log
+# (and .json); the rows of every case are printed at the end.
+gptfast_parallel() {
+  local full=$1 name=$2 k=${GF_PARALLEL} cases=() c n
+  if [ -n "${GF_CASES:-}" ]; then
+    IFS=, read -r -a cases <<< "$GF_CASES"
+  else
+    local ctxs trs
+    IFS=, read -r -a ctxs <<< "${GF_CONTEXTS:-$contexts}"
+    IFS=, read -r -a trs <<< "${GF_TREES:-$trees}"
+    case " ${GF_ARGS:-} " in *" --no-decode "*) ;; *) trs=(0 "${trs[@]}") ;; esac
+    for n in "${trs[@]}"; do for c in "${ctxs[@]}"; do cases+=("$c:$n"); done; done
+  fi
+  local threads=$(( $(nproc) / k )) rc=0 batch=0 i
+  [ "$threads" -ge 1 ] || threads=1
+  echo "== $name: ${#cases[@]} cases, $k at a time, $threads compile threads each"
+  for ((i = 0; i < ${#cases[@]}; i += k)); do
+    local part=("${cases[@]:i:k}") gate="$out/gate-$name-$batch" pids=() logs=()
+    batch=$((batch + 1))
+    rm -rf "$gate"
+    local start=$(date +%s)
+    for cn in "${part[@]}"; do
+      c=${cn%%:*}; n=${cn#*:}
+      local tag="$name-c$c-n$n" targs=(--trees "$n")
+      [ "$n" = 0 ] && targs=(--trees=)
+      [ "$n" != 0 ] && targs+=(--no-decode)
+      logs+=("$out/$tag.log")
+      TORCHINDUCTOR_COMPILE_THREADS=$threads timeout "${GF_TIMEOUT_S:-600}" python3 \
+        tools/bench/gpt_fast_bench.py --shape "$full" --gpt-fast-dir "$gf_dir" --contexts "$c" \
+        "${targs[@]}" --runs "$runs" --budget-s 1e9 --json "$out/$tag.json" \
+        --gate-dir "$gate" --gate-count "${#part[@]}" ${GF_ARGS:-} > "$out/$tag.log" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    echo "== $name batch $batch (${part[*]}): $(( $(date +%s) - start )) s"
+    for log in "${logs[@]}"; do
+      grep -h 'gate:' "$log" | sed "s|^|   $(basename "$log" .log): |"
+    done
+  done
+  echo "## gpt-fast, $full, single-case processes ($k at a time)"
+  local header=0
+  for cn in "${cases[@]}"; do
+    c=${cn%%:*}; n=${cn#*:}
+    local log="$out/$name-c$c-n$n.log" table
+    # The final section's table: its header once, then each case's row.
+    table=$(sed -n '/^## /,$p' "$log" | grep '^|')
+    if [ -z "$table" ]; then
+      echo "$cn: no rows; end of $log:"; tail -n 5 "$log"; rc=1; continue
+    fi
+    [ $header = 1 ] || { head -n 2 <<< "$table"; header=1; }
+    tail -n +3 <<< "$table"
+  done
+  return $rc
+}
+
 fail=0
 for part in "$@"; do
   impl=${part%%:*}
@@ -72,6 +134,10 @@ for part in "$@"; do
            --contexts "${HF_CONTEXTS:-$contexts}" --trees "${HF_TREES:-$trees}" --runs "$runs"
            --budget-s "$hf_budget" --json "$json" ${HF_ARGS:-}) ;;
     gptfast|gptfast-tp2)
+      if [ "$impl" = gptfast ] && [ "${GF_PARALLEL:-1}" -gt 1 ]; then
+        gptfast_parallel "$full" "$name" || fail=$((fail + 1))
+        continue
+      fi
       if [ ! -f "$gf_dir/model.py" ]; then
         echo "== $name: no $gf_dir/model.py (run tools/bench/fetch_gpt_fast.sh on the" \
              "development machine and carry .carry-gptfast)" >&2

@@ -30,11 +30,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(call, device, runs, warmup, between=None):
+def measure(call, device, runs, warmup, between=None, before_timing=None):
     """Times call() (which issues one step). Returns (first_call_s, step_ms_median,
     back_to_back_ms, all step ms). The first call includes any compilation; warmup counts it.
     between(), if given, runs after every call (host-side bookkeeping such as cropping a cache
-    back to the context): outside the timed region for step ms, inline for back-to-back."""
+    back to the context): outside the timed region for step ms, inline for back-to-back.
+    before_timing(), if given, runs once between the warmup and the timed calls (a process
+    that compiled beside others waits there for the GPU to itself)."""
     import torch
     between = between or (lambda: None)
     t = time.perf_counter()
@@ -46,6 +48,8 @@ def measure(call, device, runs, warmup, between=None):
         call()
         sync(device)
         between()
+    if before_timing is not None:
+        before_timing()
     steps = []
     for _ in range(runs):
         sync(device)
