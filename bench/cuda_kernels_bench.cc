@@ -12,10 +12,12 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "benchmark/benchmark.h"
 #include "engine/tree_mask.h"
@@ -118,6 +120,56 @@ double TimeLaunches(benchmark::State& state, cudaStream_t stream, F&& launch) {
 // Without `masks` the mask pointers are null (allowed
 // without trees, and for a chain, whose keys the masks do not change; the kernel is then built
 // without the tree machinery).
+#ifdef SPECD_ATTN_PROFILE
+// Where the last launch's CTAs spent their time (profiling builds, TreeAttentionProfile), split
+// into CTAs that ran window jobs and those that did not: how many, when they started after the
+// first (waves), how long they took, and their cycles until the PDL wait, in plain jobs and in
+// window jobs (µs at the SM clock). One line a class, on stdout.
+void PrintAttentionProfile(const std::string& name, int64_t ctas) {
+  static std::set<std::string> printed;  // a benchmark runs its case several times
+  if (!printed.insert(name).second) return;
+  ctas = std::min<int64_t>(ctas, cuda::kTreeAttentionProfileCtas);
+  constexpr int kF = cuda::kTreeAttentionProfileFields;
+  std::vector<unsigned long long> r(static_cast<size_t>(ctas) * kF);
+  Check(cuda::TreeAttentionProfile(r.data(), ctas), "attention profile");
+  int clock_khz = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
+  const double cyc_us = 1e3 / clock_khz;
+  unsigned long long t0 = ~0ull, t1 = 0;
+  for (int64_t c = 0; c < ctas; ++c) {
+    t0 = std::min(t0, r[c * kF]);
+    t1 = std::max(t1, r[c * kF + 1]);
+  }
+  const auto stats = [](std::vector<double> v) {
+    if (v.empty()) return std::string("-");
+    std::sort(v.begin(), v.end());
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.1f/%.1f/%.1f", v.front(), v[v.size() / 2], v.back());
+    return std::string(buf);
+  };
+  std::printf("# profile %s: %lld CTAs, span %.2f us (min/median/max us)\n", name.c_str(),
+              static_cast<long long>(ctas), (t1 - t0) * 1e-3);
+  for (int win = 0; win < 2; ++win) {
+    std::vector<double> v[10];
+    for (int64_t c = 0; c < ctas; ++c) {
+      const unsigned long long* x = &r[c * kF];
+      if ((x[11] > 0) != (win == 1)) continue;
+      v[0].push_back((x[0] - t0) * 1e-3);
+      v[1].push_back((x[1] - x[0]) * 1e-3);
+      for (int f = 3; f < 10; ++f) v[f - 1].push_back(x[f] * cyc_us);
+      v[9].push_back(static_cast<double>(x[11]));
+    }
+    if (v[0].empty()) continue;
+    std::printf("#   %s %zu: start %s, duration %s, to PDL wait %s, plain %s, window %s "
+                "(group %s, tables %s, load %s, passes %s), window sub-chunks %s\n",
+                win ? "window CTAs" : "plain CTAs", v[0].size(), stats(v[0]).c_str(),
+                stats(v[1]).c_str(), stats(v[2]).c_str(), stats(v[3]).c_str(),
+                stats(v[4]).c_str(), stats(v[5]).c_str(), stats(v[6]).c_str(),
+                stats(v[7]).c_str(), stats(v[8]).c_str(), stats(v[9]).c_str());
+  }
+}
+#endif
+
 enum TreeShape { kRandom = 0, kChain = 1, kStar = 2, kQuad = 3 };
 void RunAttention(benchmark::State& state, int batch, int context, int nodes, bool masks = true,
                   TreeShape shape = kRandom) {
@@ -240,6 +292,11 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   state.counters["splits"] = p.num_splits;
   state.counters["ctas"] = double(plan.tile_begin.size()) * kKvHeads *
                            ((p.num_splits + p.chunks_per_cta - 1) / p.chunks_per_cta);
+#ifdef SPECD_ATTN_PROFILE
+  PrintAttentionProfile(absl::StrCat("batch ", batch, " context ", context, " nodes ", nodes,
+                                     " masks ", masks, " shape ", shape),
+                        static_cast<int64_t>(state.counters["ctas"]));
+#endif
   cudaStreamDestroy(stream);
   for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q),
                     static_cast<void*>(out), static_cast<void*>(d_tables), static_cast<void*>(d_qs),
@@ -284,6 +341,12 @@ void BM_VerifyAttentionShape(benchmark::State& state) {
 }
 BENCHMARK(BM_VerifyAttentionShape)
     ->ArgNames({"nodes", "context", "shape", "masks"})
+    ->Args({64, 512, kChain, 0})
+    ->Args({64, 512, kChain, 1})
+    ->Args({64, 512, kQuad, 1})
+    ->Args({16, 512, kQuad, 1})
+    ->Args({128, 512, kQuad, 1})
+    ->Args({16, 2048, kQuad, 1})
     ->Args({64, 2048, kRandom, 1})
     ->Args({64, 2048, kChain, 1})
     ->Args({64, 2048, kChain, 0})

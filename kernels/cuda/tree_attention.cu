@@ -52,6 +52,20 @@ constexpr float kLog2e = 1.4426950408889634f;
 // memory.
 constexpr int kTableEntries = 128;
 
+#ifdef SPECD_ATTN_PROFILE
+// Profiling builds (cmake -DSPECD_ATTN_PROFILE=ON) only: where each CTA of the last main-kernel
+// launch spent its time (TreeAttentionProfile). The slot of a CTA is its linear block index.
+__device__ unsigned long long g_attn_prof[kTreeAttentionProfileCtas][kTreeAttentionProfileFields];
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+#define SPECD_PROF(...) __VA_ARGS__
+#else
+#define SPECD_PROF(...)
+#endif
+
 // K and V are kept key-major; two stages: while one sub-chunk is computed on, cp.async brings
 // the next. At head_dim 64 and 128 ("swizzled"), a key's head is split into 64-dim halves of 128
 // bytes, half-major ([half][key][64]), and the 16-byte piece p of key r's half sits at piece
@@ -529,6 +543,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   static_assert(HD % 16 == 0 && HD >= 16, "whole MMA k-steps and pairs of 8-dim V tiles");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   AttnSmem<HD>& s = *reinterpret_cast<AttnSmem<HD>*>(smem_raw);
+  SPECD_PROF(const unsigned long long prof_t0 = GlobalTimer();
+             const long long prof_c0 = clock64(); long long prof_wait = 0, prof_plain = 0,
+             prof_win = 0, prof_mark = 0, prof_win_mark = 0, prof_grp = 0, prof_tab = 0,
+             prof_load = 0, prof_pass = 0; int prof_subs = 0;)
   // Unsplit only: the merged chunk states (see BigO).
   float2(*big_o)[2][kThreads] =
       reinterpret_cast<float2(*)[2][kThreads]>(smem_raw + sizeof(AttnSmem<HD>));
@@ -764,6 +782,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
     issued = sub0;
   }
   internal::PdlWait();
+  SPECD_PROF(prof_wait = clock64() - prof_c0;)
   // Split: the combine kernel (a programmatic dependent) is scheduled over this one's tail.
   if constexpr (kSplit) internal::PdlTrigger();
   // The A fragments of the rows' query vectors (zeros for padding rows); a window pass re-reads
@@ -790,6 +809,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
     const int win_first = max(sub_first, irr_begin);
     const int win_last = kTrees ? min(sub_first + kSub, irr_end) : win_first;
 
+    SPECD_PROF(prof_mark = clock64();)
     for (int sub = sub_first; sub < plain_last; ++sub) {
       if (issued < sub) {
         issue_plain(sub);
@@ -820,8 +840,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
       __syncthreads();  // this stage is read no more; a later job may refill it
     }
 
+    SPECD_PROF(prof_plain += clock64() - prof_mark; prof_mark = clock64();)
     if constexpr (kTrees) {
       for (int sub = win_first; sub < win_last; ++sub) {
+        SPECD_PROF(prof_win_mark = clock64();)
         const int R0 = sub * kKeys;
         // Which queries need a window here, their mask bits with ranks in the sub-chunk, and
         // their groups: all in one when they share mask_begin and their keys fit, else greedily
@@ -913,6 +935,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
         }
         __syncthreads();
         const int groups = s.win_groups;
+        SPECD_PROF(++prof_subs; prof_grp += clock64() - prof_win_mark; prof_win_mark = clock64();)
         for (int grp = 0; grp < groups; ++grp) {
           if (grp > 0) {  // the group's window: the union of its members' bits
             if (warp == 0) {
@@ -940,6 +963,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
             }
             __syncthreads();
           }
+          SPECD_PROF(prof_grp += clock64() - prof_win_mark; prof_win_mark = clock64();)
           // Window rows: [0, pre) the prefix slots R0.., then the union's slots in slot order.
           // Tables: column c < pre -> row c; a tree key's column (its rank - R0) -> its row;
           // columns past the query's keys -> the zero row.
@@ -981,6 +1005,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
             }
           }
           __syncthreads();
+          SPECD_PROF(prof_tab += clock64() - prof_win_mark; prof_win_mark = clock64();)
           // Load the window (at most kWindowRows rows by the grouping).
           int win_rows = pre;
 #pragma unroll
@@ -994,6 +1019,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
           CpAsyncCommit();
           CpAsyncWait<0>();
           __syncthreads();
+          SPECD_PROF(prof_load += clock64() - prof_win_mark; prof_win_mark = clock64();)
           // One pass per member query among the warp's rows.
           if (warp * 16 < rows) {
             const int qa = warp * 16 / nh, qb = min((warp * 16 + 15) / nh, nq - 1);
@@ -1027,10 +1053,12 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
             }
           }
           __syncthreads();  // the window and tables are read no more
+          SPECD_PROF(prof_pass += clock64() - prof_win_mark; prof_win_mark = clock64();)
         }
       }
     }
 
+    SPECD_PROF(prof_win += clock64() - prof_mark;)
     // The chunk's state per row: l summed over the quad (same value in all four threads).
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -1091,6 +1119,27 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
       }
     }
   }
+#ifdef SPECD_ATTN_PROFILE
+  if (tid == 0) {
+    const int64_t cta =
+        blockIdx.x + gridDim.x * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+    if (cta < kTreeAttentionProfileCtas) {
+      unsigned long long* r = g_attn_prof[cta];
+      r[0] = prof_t0;
+      r[1] = GlobalTimer();
+      r[2] = static_cast<unsigned long long>(clock64() - prof_c0);
+      r[3] = static_cast<unsigned long long>(prof_wait);
+      r[4] = static_cast<unsigned long long>(prof_plain);
+      r[5] = static_cast<unsigned long long>(prof_win);
+      r[6] = static_cast<unsigned long long>(prof_grp);
+      r[7] = static_cast<unsigned long long>(prof_tab);
+      r[8] = static_cast<unsigned long long>(prof_load);
+      r[9] = static_cast<unsigned long long>(prof_pass);
+      r[10] = blockIdx.z;
+      r[11] = static_cast<unsigned long long>(prof_subs);
+    }
+  }
+#endif
 }
 
 // One warp per (query, head): the chunk states merged in chunk order with MergeWeights, exactly
@@ -1529,6 +1578,15 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
       return LaunchGeneric(p, stream);
   }
 }
+
+#ifdef SPECD_ATTN_PROFILE
+cudaError_t TreeAttentionProfile(unsigned long long* records, int64_t ctas) {
+  const int64_t n = std::min<int64_t>(ctas, kTreeAttentionProfileCtas);
+  return cudaMemcpyFromSymbol(records, g_attn_prof,
+                              static_cast<size_t>(n) * kTreeAttentionProfileFields *
+                                  sizeof(unsigned long long));
+}
+#endif
 
 bool TreeAttentionUsesMmaKernel(int64_t head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;

@@ -187,6 +187,18 @@ bool TreeAttentionHeadDimSupported(int64_t head_dim);
 
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream);
 
+#ifdef SPECD_ATTN_PROFILE
+// Profiling builds only (cmake -DSPECD_ATTN_PROFILE=ON; never a release): the MMA kernel's last
+// launch, per CTA (linear block index x + X (y + Y z)), kTreeAttentionProfileFields values:
+// globaltimer ns at its start and at its end; SM cycles in all, until its PDL wait returned, in
+// plain jobs, in window jobs, and within those grouping queries, building tables, loading and
+// in the passes; blockIdx.z; its window sub-chunks. Copies the first `ctas` CTAs'
+// records (at most kTreeAttentionProfileCtas) to host memory `records`.
+inline constexpr int kTreeAttentionProfileCtas = 1 << 14;
+inline constexpr int kTreeAttentionProfileFields = 12;
+cudaError_t TreeAttentionProfile(unsigned long long* records, int64_t ctas);
+#endif
+
 }  // namespace cuda
 }  // namespace specd
 
