@@ -209,6 +209,11 @@ CudaBackend::~CudaBackend() {
     return;
   if (stream_ != nullptr)
     cudaStreamSynchronize(stream_);
+  // The GEMM algorithms this process ended up with, per weight shape and row
+  // class (benchmark runs: which cuBLASLt kernel a step's time went to).
+  if (gemm_ != nullptr && EnvIs("SPECD_GEMM_SUMMARY", "1"))
+    std::fprintf(stderr, "GEMM picks, device %d:\n%s", device_,
+                 gemm_->Summary().c_str());
   ClearGraphs();
   if (host_stage_ != nullptr)
     cudaFreeHost(host_stage_);
