@@ -393,12 +393,18 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;
       const float neg_m = -m_use;
       alpha[hr] = Ex2(__fsub_rn(m[hr], m_use));
+      // Key tiles past cnt hold -inf for every active row, whose probabilities are exact zeros:
+      // they are set rather than computed (a window pass's few columns, a sub-chunk's edge).
       float pair[kKeys / 8];
 #pragma unroll
       for (int n = 0; n < kKeys / 8; ++n) {
-        sc[n][2 * hr] = Ex2(__fmaf_rn(sc[n][2 * hr], scale_log2, neg_m));
-        sc[n][2 * hr + 1] = Ex2(__fmaf_rn(sc[n][2 * hr + 1], scale_log2, neg_m));
-        pair[n] = __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]);
+        if (n * 8 < cnt) {
+          sc[n][2 * hr] = Ex2(__fmaf_rn(sc[n][2 * hr], scale_log2, neg_m));
+          sc[n][2 * hr + 1] = Ex2(__fmaf_rn(sc[n][2 * hr + 1], scale_log2, neg_m));
+          pair[n] = __fadd_rn(sc[n][2 * hr], sc[n][2 * hr + 1]);
+        } else {
+          sc[n][2 * hr] = sc[n][2 * hr + 1] = pair[n] = 0.0f;
+        }
       }
 #pragma unroll
       for (int w = 1; w < kKeys / 8; w *= 2) {
@@ -479,40 +485,49 @@ __device__ __forceinline__ void LoadQueryFragments(const bf16* q_row0, const bf1
   }
 }
 
-// A window pass of the kernel: one query's rows over the window, each column's K and V rows picked
-// by the query's table (kZeroRow: the zero row). The query fragments are re-read from global
-// memory (L1/L2 hits) rather than passed in.
+// A warp's window passes of one window job: for each member query q of group `grp` among the
+// warp's rows (local queries qa..qb), its rows over the window, each column's K and V rows picked
+// by q's table (kZeroRow: the zero row); the warp's other rows sit the pass out (their limits are
+// R0). One call a job rather than one a query: the query fragments are read once (from global
+// memory, L1/L2 hits, rather than kept live across the kernel) and, out of line, the chunk state
+// crosses the call once.
 template <int HD>
-__device__ __forceinline__ void WindowPass(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
-                                           int R0, const int (&lim)[2], float scale_log2, int lane,
-                                           const uint8_t* tab, const WindowRows<HD>& win,
-                                           const bf16* zero_row, const bf16* q_row0,
-                                           const bf16* q_row1) {
+__device__ __forceinline__ void WindowPasses(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
+                                             int R0, int qa, int qb, int grp, int lq0, int lq1,
+                                             float scale_log2, int lane, const AttnSmem<HD>& s,
+                                             const bf16* q_row0, const bf16* q_row1) {
   uint32_t qf[HD / 16][4];
   LoadQueryFragments<HD>(q_row0, q_row1, lane & 3, qf);
-  AttendColumns<HD>(
-      qf, o, m, l, R0, lim, scale_log2, lane,
-      [&](int c, int d) -> const bf16* {
-        const int row = tab[c];
-        return row == kZeroRow ? zero_row + d : &win.k[row][d];
-      },
-      [&](int c, int d) -> const bf16* {
-        const int row = tab[c];
-        return row == kZeroRow ? zero_row + d : &win.v[row][d];
-      });
+  for (int q = qa; q <= qb; ++q) {
+    if (s.win_group[q] != grp) continue;
+    const int nk = s.num_keys[q];
+    const int lim[2] = {q_row0 != nullptr && lq0 == q ? nk : R0,
+                        q_row1 != nullptr && lq1 == q ? nk : R0};
+    const uint8_t* tab = s.win_table[q];
+    AttendColumns<HD>(
+        qf, o, m, l, R0, lim, scale_log2, lane,
+        [&](int c, int d) -> const bf16* {
+          const int row = tab[c];
+          return row == kZeroRow ? s.zero_row + d : &s.win.k[row][d];
+        },
+        [&](int c, int d) -> const bf16* {
+          const int row = tab[c];
+          return row == kZeroRow ? s.zero_row + d : &s.win.v[row][d];
+        });
+  }
 }
 
-// The same out of line, for HD = 128: inlined, its second AttendColumns instance (besides the
-// plain jobs') makes ptxas spill across the whole kernel; out of line, a copy of the chunk state
-// (o, m, l) goes through a small local-memory frame, only in window jobs, which are a few per
-// tile at most.
+// The same out of line, for HD = 128: inlined, its AttendColumns instance (besides the plain
+// jobs') makes ptxas spill across the whole kernel; out of line, a copy of the chunk state (o, m,
+// l) goes through a small local-memory frame, only in window jobs, which are a few per tile at
+// most.
 template <int HD>
-__device__ __noinline__ void WindowPassOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
-                                                 float (&l)[2], int R0, const int (&lim)[2],
-                                                 float scale_log2, int lane, const uint8_t* tab,
-                                                 const WindowRows<HD>& win, const bf16* zero_row,
-                                                 const bf16* q_row0, const bf16* q_row1) {
-  WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, tab, win, zero_row, q_row0, q_row1);
+__device__ __noinline__ void WindowPassesOutOfLine(float (&o)[HD / 8][4], float (&m)[2],
+                                                   float (&l)[2], int R0, int qa, int qb, int grp,
+                                                   int lq0, int lq1, float scale_log2, int lane,
+                                                   const AttnSmem<HD>& s, const bf16* q_row0,
+                                                   const bf16* q_row1) {
+  WindowPasses<HD>(o, m, l, R0, qa, qb, grp, lq0, lq1, scale_log2, lane, s, q_row0, q_row1);
 }
 
 // grid = (tiles, kv heads, splits). The KV head serves local query heads [h_lo, h_lo + nh): its
@@ -1023,33 +1038,28 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
           // One pass per member query among the warp's rows.
           if (warp * 16 < rows) {
             const int qa = warp * 16 / nh, qb = min((warp * 16 + 15) / nh, nq - 1);
-            for (int q = qa; q <= qb; ++q) {
-              if (s.win_group[q] != grp) continue;
-              const int nk = s.num_keys[q];
-              const int lim[2] = {ok0 && lq0 == q ? nk : R0, ok1 && lq1 == q ? nk : R0};
-              if constexpr (HD >= 128) {
-                // The call takes a copy of the chunk state: were o's own address passed, ptxas
-                // would keep o in the local frame for the whole chunk (ncu of 7dba992: it
-                // zeroed, stored and reloaded it every chunk, plain-only chunks included).
-                float fo[HD / 8][4], fm[2], fl[2];
+            if constexpr (HD >= 128) {
+              // The call takes a copy of the chunk state: were o's own address passed, ptxas
+              // would keep o in the local frame for the whole chunk (ncu of 7dba992: it
+              // zeroed, stored and reloaded it every chunk, plain-only chunks included).
+              float fo[HD / 8][4], fm[2], fl[2];
 #pragma unroll
-                for (int j = 0; j < HD / 8; ++j) {
+              for (int j = 0; j < HD / 8; ++j) {
 #pragma unroll
-                  for (int e = 0; e < 4; ++e) fo[j][e] = o[j][e];
-                }
-                fm[0] = m[0], fm[1] = m[1], fl[0] = l[0], fl[1] = l[1];
-                WindowPassOutOfLine<HD>(fo, fm, fl, R0, lim, scale_log2, lane, s.win_table[q],
-                                        s.win, s.zero_row, q_row0, q_row1);
-#pragma unroll
-                for (int j = 0; j < HD / 8; ++j) {
-#pragma unroll
-                  for (int e = 0; e < 4; ++e) o[j][e] = fo[j][e];
-                }
-                m[0] = fm[0], m[1] = fm[1], l[0] = fl[0], l[1] = fl[1];
-              } else {
-                WindowPass<HD>(o, m, l, R0, lim, scale_log2, lane, s.win_table[q], s.win,
-                               s.zero_row, q_row0, q_row1);
+                for (int e = 0; e < 4; ++e) fo[j][e] = o[j][e];
               }
+              fm[0] = m[0], fm[1] = m[1], fl[0] = l[0], fl[1] = l[1];
+              WindowPassesOutOfLine<HD>(fo, fm, fl, R0, qa, qb, grp, lq0, lq1, scale_log2, lane,
+                                        s, q_row0, q_row1);
+#pragma unroll
+              for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[j][e] = fo[j][e];
+              }
+              m[0] = fm[0], m[1] = fm[1], l[0] = fl[0], l[1] = fl[1];
+            } else {
+              WindowPasses<HD>(o, m, l, R0, qa, qb, grp, lq0, lq1, scale_log2, lane, s, q_row0,
+                               q_row1);
             }
           }
           __syncthreads();  // the window and tables are read no more
