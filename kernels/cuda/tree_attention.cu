@@ -269,13 +269,17 @@ __device__ __forceinline__ float MergeValue(int mode, float big, float o, float 
 // probability exactly 0 (its V finite: a key or zeros), and the MMAs skipped -- key tiles and
 // k-steps past every active row's limit -- would only add exact-zero products.
 //
+// kFewColumns (window passes, a handful of columns each as a rule) compiles only the scores loop
+// that skips key tiles past cnt, the one that serves any cnt with the same bits: a smaller body,
+// which the instruction cache holds better (ncu: "no instruction" stalls in window passes).
+//
 // kWg (plain jobs of swizzled stages): the warpgroup's four warps compute S and P V together with
 // wgmma, B read straight from the stage (K at k_smem, V at v_smem: shared-memory addresses), and
 // every warp must call, rows or not. A wgmma adds each 16-wide k-step's products into the fp32
 // accumulator as m16n8k16 does (bench/RESULTS.md: cuBLASLt's Hopper kernels and an mma.sync
 // chain give the same bits; tree_attention_cuda_test checks plain wgmma jobs against window
 // mma.sync passes bit for bit), so the arithmetic of a row does not depend on the path.
-template <int HD, bool kWg = false, typename KeyAt, typename ValAt>
+template <int HD, bool kWg = false, bool kFewColumns = false, typename KeyAt, typename ValAt>
 __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
                                               float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
                                               int R0, const int (&lim)[2], float scale_log2,
@@ -313,7 +317,7 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
     WgmmaFenceOperands(sc);
   } else {
     if constexpr (HD % 32 == 0) {
-      if (cnt == kKeys) {
+      if (!kFewColumns && cnt == kKeys) {
 #pragma unroll
         for (int kp = 0; kp < HD / 32; ++kp) {
 #pragma unroll
@@ -504,7 +508,7 @@ __device__ __forceinline__ void WindowPasses(float (&o)[HD / 8][4], float (&m)[2
     const int lim[2] = {q_row0 != nullptr && lq0 == q ? nk : R0,
                         q_row1 != nullptr && lq1 == q ? nk : R0};
     const uint8_t* tab = s.win_table[q];
-    AttendColumns<HD>(
+    AttendColumns<HD, false, true>(
         qf, o, m, l, R0, lim, scale_log2, lane,
         [&](int c, int d) -> const bf16* {
           const int row = tab[c];
@@ -527,7 +531,21 @@ __device__ __noinline__ void WindowPassesOutOfLine(float (&o)[HD / 8][4], float 
                                                    int lq0, int lq1, float scale_log2, int lane,
                                                    const AttnSmem<HD>& s, const bf16* q_row0,
                                                    const bf16* q_row1) {
-  WindowPasses<HD>(o, m, l, R0, qa, qb, grp, lq0, lq1, scale_log2, lane, s, q_row0, q_row1);
+  // The state in registers for the passes: through the references themselves, ptxas read and
+  // wrote the caller's frame at every access (ncu: local loads and stores in the passes).
+  float ro[HD / 8][4], rm[2] = {m[0], m[1]}, rl[2] = {l[0], l[1]};
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ro[j][e] = o[j][e];
+  }
+  WindowPasses<HD>(ro, rm, rl, R0, qa, qb, grp, lq0, lq1, scale_log2, lane, s, q_row0, q_row1);
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = ro[j][e];
+  }
+  m[0] = rm[0], m[1] = rm[1], l[0] = rl[0], l[1] = rl[1];
 }
 
 // grid = (tiles, kv heads, splits). The KV head serves local query heads [h_lo, h_lo + nh): its
