@@ -317,28 +317,25 @@ __device__ __forceinline__ void AttendColumns(const uint32_t (&qf)[HD / 16][4],
     WgmmaFenceOperands(sc);
   } else {
     if constexpr (HD % 32 == 0) {
+      // Key tile n's k-steps 2kp and 2kp + 1.
+      const auto score_pair = [&](int n, int kp) {
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
+        Mma16816(sc[n], qf[2 * kp], b0, b1);
+        Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
+      };
       if (!kFewColumns && cnt == kKeys) {
 #pragma unroll
         for (int kp = 0; kp < HD / 32; ++kp) {
 #pragma unroll
-          for (int n = 0; n < kKeys / 8; ++n) {
-            uint32_t b0, b1, b2, b3;
-            LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
-            Mma16816(sc[n], qf[2 * kp], b0, b1);
-            Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
-          }
+          for (int n = 0; n < kKeys / 8; ++n) score_pair(n, kp);
         }
       } else {
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {
           if (n * 8 < cnt) {
 #pragma unroll
-            for (int kp = 0; kp < HD / 32; ++kp) {
-              uint32_t b0, b1, b2, b3;
-              LdMatrixX4(key_at(n * 8 + (lane & 7), (lane >> 3) * 8 + kp * 32), b0, b1, b2, b3);
-              Mma16816(sc[n], qf[2 * kp], b0, b1);
-              Mma16816(sc[n], qf[2 * kp + 1], b2, b3);
-            }
+            for (int kp = 0; kp < HD / 32; ++kp) score_pair(n, kp);
           }
         }
       }
