@@ -83,9 +83,8 @@ gptfast_parallel() {
     local start=$(date +%s)
     for cn in "${part[@]}"; do
       c=${cn%%:*}; n=${cn#*:}
-      local tag="$name-c$c-n$n" targs=(--trees "$n")
-      [ "$n" = 0 ] && targs=(--trees=)
-      [ "$n" != 0 ] && targs+=(--no-decode)
+      local tag="$name-c$c-n$n" targs=(--trees=)  # NODES 0: decode alone
+      [ "$n" = 0 ] || targs=(--trees "$n" --no-decode)
       logs+=("$out/$tag.log")
       TORCHINDUCTOR_COMPILE_THREADS=$threads timeout "${GF_TIMEOUT_S:-600}" python3 \
         tools/bench/gpt_fast_bench.py --shape "$full" --gpt-fast-dir "$gf_dir" --contexts "$c" \
