@@ -545,7 +545,8 @@ Gemm::~Gemm() {
 }
 
 cublasStatus_t Gemm::MakeLayouts(const Key &key, Plan *plan) {
-  const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y] = key;
+  const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y, splits] =
+      key;
   (void)align_x;
   (void)align_w;
   (void)align_y;
@@ -568,13 +569,33 @@ cublasStatus_t Gemm::MakeLayouts(const Key &key, Plan *plan) {
                                    &bias_type, sizeof(bias_type));
   }
   const cudaDataType_t y_type = y_fp32 ? CUDA_R_32F : CUDA_R_16BF;
-  if ((st = cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16BF, k, n, k)) !=
+  // A K split is a strided batch: batch s reads the K range [s k/S, (s+1) k/S)
+  // of w and x in place (leading dimension k, batch offset k/S elements) and
+  // writes its own [m, n] slab of y.
+  const int64_t part = k / splits;
+  if ((st = cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16BF, part, n, k)) !=
           CUBLAS_STATUS_SUCCESS ||
-      (st = cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, k, m, k)) !=
+      (st = cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, part, m, k)) !=
           CUBLAS_STATUS_SUCCESS ||
       (st = cublasLtMatrixLayoutCreate(&plan->d, y_type, n, m, n)) !=
           CUBLAS_STATUS_SUCCESS) {
     return st;
+  }
+  if (splits > 1) {
+    const int32_t count = splits;
+    const int64_t slab = m * n;
+    for (const auto &[layout, offset] :
+         {std::pair{plan->a, part}, std::pair{plan->b, part},
+          std::pair{plan->d, slab}}) {
+      if ((st = cublasLtMatrixLayoutSetAttribute(
+               layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+               sizeof(count))) != CUBLAS_STATUS_SUCCESS ||
+          (st = cublasLtMatrixLayoutSetAttribute(
+               layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset,
+               sizeof(offset))) != CUBLAS_STATUS_SUCCESS) {
+        return st;
+      }
+    }
   }
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -595,7 +616,8 @@ size_t Gemm::ClassOf(int64_t m) const {
 
 cublasStatus_t Gemm::ChooseAlgo(const Key &key, const GemmParams &p,
                                 cudaStream_t stream, Plan *plan) {
-  const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y] = key;
+  const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y, splits] =
+      key;
   plan->provisional = false;
   if (invariant_rows_ > 0 && m <= invariant_rows_) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -611,7 +633,7 @@ cublasStatus_t Gemm::ChooseAlgo(const Key &key, const GemmParams &p,
       if (!rc.decided && !capturing) {
         const auto start = std::chrono::steady_clock::now();
         DecideClass(
-            FamilyKey{n, k, y_fp32, has_bias, align_x, align_w, align_y},
+            FamilyKey{n, k, y_fp32, has_bias, align_x, align_w, align_y, splits},
             &family, c, p, stream);
         rc.decide_ms = std::chrono::duration<float, std::milli>(
                            std::chrono::steady_clock::now() - start)
@@ -649,9 +671,11 @@ cublasStatus_t Gemm::ChooseAlgo(const Key &key, const GemmParams &p,
 
 Gemm::Family &Gemm::FamilyFor(const Key &key, const GemmParams &p,
                               cudaStream_t stream, bool capturing) {
-  const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y] = key;
+  const auto [m, n, k, y_fp32, has_bias, align_x, align_w, align_y, splits] =
+      key;
   (void)m;
-  const FamilyKey fk{n, k, y_fp32, has_bias, align_x, align_w, align_y};
+  const FamilyKey fk{n, k, y_fp32, has_bias, align_x, align_w, align_y,
+                     splits};
   auto found = families_.find(fk);
   if (found != families_.end())
     return found->second;
@@ -674,9 +698,9 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
   const int64_t n = std::get<0>(fk), k = std::get<1>(fk);
   const bool y_fp32 = std::get<2>(fk), has_bias = std::get<3>(fk);
   const int align_x = std::get<4>(fk), align_w = std::get<5>(fk),
-            align_y = std::get<6>(fk);
+            align_y = std::get<6>(fk), splits = std::get<7>(fk);
   const auto key_for = [&](int64_t m) {
-    return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y};
+    return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y, splits};
   };
   // The timed row counts (capped at invariant_rows; a row count capped onto
   // an earlier one is dropped with its weight) and the largest of them.
@@ -824,8 +848,8 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
   const size_t slots = pool.size() * timed_m.size();
   CheckScratch scratch(stream);
   if (!scratch.Allocate(static_cast<size_t>(max_timed * k) * sizeof(bf16),
-                        static_cast<size_t>(max_timed * n) * elem, 0, slots,
-                        FlushBytes(n, k))) {
+                        static_cast<size_t>(splits * max_timed * n) * elem, 0,
+                        slots, FlushBytes(n, k))) {
     family->why = "untimed (no device memory for the measurement)";
     return;
   }
@@ -853,8 +877,8 @@ void Gemm::ChooseBase(const FamilyKey &fk, const GemmParams &p,
         continue;
       }
       usable[slot] = 1;
-      ok = Fingerprint(scratch.y, y_fp32, timed_m[t] * n, scratch.count + slot,
-                       stream) == cudaSuccess;
+      ok = Fingerprint(scratch.y, y_fp32, splits * timed_m[t] * n,
+                       scratch.count + slot, stream) == cudaSuccess;
     }
   }
   ok = ok &&
@@ -966,7 +990,7 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
   const int64_t n = std::get<0>(fk), k = std::get<1>(fk);
   const bool y_fp32 = std::get<2>(fk), has_bias = std::get<3>(fk);
   const int align_x = std::get<4>(fk), align_w = std::get<5>(fk),
-            align_y = std::get<6>(fk);
+            align_y = std::get<6>(fk), splits = std::get<7>(fk);
   const auto decide = [&](bool own, const cublasLtMatmulAlgo_t *algo,
                           const char *why) {
     rc.decided = true;
@@ -979,7 +1003,7 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
       ++self_check_failures_;
   };
   const auto key_for = [&](int64_t m) {
-    return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y};
+    return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y, splits};
   };
   const int64_t lo = c == 0 ? 1 : class_hi_[c - 1] + 1, hi = class_hi_[c];
   const int64_t probe = std::min(kProbeRows, invariant_rows_);
@@ -1051,8 +1075,8 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
   const size_t elem = y_fp32 ? sizeof(float) : sizeof(bf16);
   CheckScratch scratch(stream);
   if (!scratch.Allocate(static_cast<size_t>(hi * k) * sizeof(bf16),
-                        static_cast<size_t>(hi * n) * elem,
-                        static_cast<size_t>(probe * n) * elem, 1,
+                        static_cast<size_t>(splits * hi * n) * elem,
+                        static_cast<size_t>(splits * probe * n) * elem, 1,
                         FlushBytes(n, k))) {
     decide(false, nullptr, "base (no device memory for the self-check)");
     return;
@@ -1089,9 +1113,16 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
         cudaGetLastError();
         return Check::kUnusable;
       }
-      if (CountMismatches(scratch.y, scratch.ref, y_fp32, rows[i], n, probe,
-                          scratch.count, stream) != cudaSuccess)
-        return Check::kBroken;
+      // Each K range's slab against the same slab of the reference.
+      for (int s = 0; s < splits; ++s) {
+        if (CountMismatches(static_cast<char *>(scratch.y) +
+                                static_cast<size_t>(s * rows[i] * n) * elem,
+                            static_cast<char *>(scratch.ref) +
+                                static_cast<size_t>(s * probe * n) * elem,
+                            y_fp32, rows[i], n, probe, scratch.count,
+                            stream) != cudaSuccess)
+          return Check::kBroken;
+      }
     }
     unsigned long long mismatches = 0;
     if (cudaMemcpyAsync(&mismatches, scratch.count, sizeof(mismatches),
@@ -1197,9 +1228,14 @@ std::string Gemm::Summary() const {
   std::string out;
   char buf[256];
   for (const auto &[fk, family] : families_) {
-    const auto [n, k, y_fp32, has_bias, align_x, align_w, align_y] = fk;
-    std::snprintf(buf, sizeof(buf), "n %lld k %lld %s%s align x/w/y %d/%d/%d: ",
+    const auto [n, k, y_fp32, has_bias, align_x, align_w, align_y, splits] =
+        fk;
+    std::snprintf(buf, sizeof(buf),
+                  "n %lld k %lld%s %s%s align x/w/y %d/%d/%d: ",
                   static_cast<long long>(n), static_cast<long long>(k),
+                  splits > 1 ? (" in " + std::to_string(splits) + " K ranges")
+                                   .c_str()
+                             : "",
                   y_fp32 ? "fp32 out" : "bf16 out", has_bias ? " +bias" : "",
                   align_x, align_w, align_y);
     out += buf;
@@ -1266,21 +1302,38 @@ std::string Gemm::Summary() const {
 }
 
 cublasStatus_t Gemm::Run(const GemmParams &p, cudaStream_t stream) {
-  if (p.m < 0 || p.n <= 0 || p.k <= 0 || (p.bias != nullptr && p.y_fp32)) {
+  if (p.m < 0 || p.n <= 0 || p.k <= 0 || (p.bias != nullptr && p.y_fp32) ||
+      p.k_splits < 1 ||
+      (p.k_splits > 1 &&
+       (!p.y_fp32 || p.k % (int64_t{8} * p.k_splits) != 0))) {
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   if (p.m == 0)
     return CUBLAS_STATUS_SUCCESS;
   if (p.x == nullptr || p.w == nullptr || p.y == nullptr)
     return CUBLAS_STATUS_INVALID_VALUE;
+  // With a K split, the alignments cuBLASLt may assume hold for every batch's
+  // pointers: a K range starts k/S elements after its predecessor in x and w,
+  // a slab m n elements after its predecessor in y (taken as a multiple of n,
+  // so that the alignment, and with it the family, does not depend on m).
+  const int64_t part_bytes =
+      p.k / p.k_splits * static_cast<int64_t>(sizeof(bf16));
+  const int64_t slab_bytes = p.n * static_cast<int64_t>(sizeof(float));
+  const auto align = [&](const void *ptr, int64_t step) {
+    int a = Alignment(ptr);
+    while (p.k_splits > 1 && a > 1 && step % a != 0)
+      a /= 2;
+    return a;
+  };
   const Key key{p.m,
                 p.n,
                 p.k,
                 p.y_fp32,
                 p.bias != nullptr,
-                Alignment(p.x),
-                Alignment(p.w),
-                Alignment(p.y)};
+                align(p.x, part_bytes),
+                align(p.w, part_bytes),
+                align(p.y, slab_bytes),
+                p.k_splits};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     auto plan = std::make_unique<Plan>();

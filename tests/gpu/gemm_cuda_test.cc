@@ -1,5 +1,6 @@
 // cuBLASLt GEMMs against the CPU reference LinearNaiveCpu (double accumulation) on the same
 // bf16-rounded inputs: bf16 and fp32 (LM head) outputs, with and without bias, awkward shapes.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -85,6 +86,65 @@ TEST_P(GemmCudaRowsTest, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(InvariantRows, GemmCudaRowsTest, ::testing::Values(0, 1024));
 
+// A K-split GEMM (GemmParams::k_splits): slab s is the product over the K range s alone.
+TEST_P(GemmCudaRowsTest, KSplitSlabsAreTheRangesProducts) {
+  const int64_t invariant_rows = GetParam();
+  std::unique_ptr<cuda::Gemm> gemm;
+  ASSERT_EQ(cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant_rows), CUBLAS_STATUS_SUCCESS);
+  std::mt19937_64 rng(43);
+  struct Case {
+    int m, n, k, splits;
+  };
+  for (const Case c : {Case{1, 4096, 1024, 2}, Case{65, 1000, 512, 2}, Case{7, 384, 768, 4},
+                       Case{3, 320, 384, 3}, Case{257, 512, 256, 2}}) {
+    const std::vector<float> x = RoundBf16(RandomNormal(static_cast<size_t>(c.m) * c.k, rng));
+    const std::vector<float> w =
+        RoundBf16(RandomNormal(static_cast<size_t>(c.n) * c.k, rng, 1.0f / std::sqrt(float(c.k))));
+    DeviceBuffer<bf16> d_x(ToBf16(x)), d_w(ToBf16(w));
+    DeviceBuffer<float> d_y(static_cast<size_t>(c.splits) * c.m * c.n);
+    cuda::GemmParams p;
+    p.x = d_x.get();
+    p.w = d_w.get();
+    p.y = d_y.get();
+    p.y_fp32 = true;
+    p.m = c.m;
+    p.n = c.n;
+    p.k = c.k;
+    p.k_splits = c.splits;
+    for (int rep = 0; rep < 2; ++rep) {
+      ASSERT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS)
+          << "m " << c.m << " n " << c.n << " k " << c.k << " splits " << c.splits;
+    }
+    Sync();
+    const std::vector<float> got = d_y.Download();
+    const int part = c.k / c.splits;
+    for (int s = 0; s < c.splits; ++s) {
+      // The K range s of x and w as matrices of their own.
+      std::vector<float> xs(static_cast<size_t>(c.m) * part), ws(static_cast<size_t>(c.n) * part);
+      for (int r = 0; r < c.m; ++r)
+        std::copy_n(x.begin() + r * c.k + s * part, part, xs.begin() + r * part);
+      for (int r = 0; r < c.n; ++r)
+        std::copy_n(w.begin() + r * c.k + s * part, part, ws.begin() + r * part);
+      std::vector<float> want(static_cast<size_t>(c.m) * c.n);
+      LinearParams ref;
+      ref.x = xs.data();
+      ref.w = ws.data();
+      ref.y = want.data();
+      ref.rows = c.m;
+      ref.in_features = part;
+      ref.out_features = c.n;
+      LinearNaiveCpu(ref);
+      const std::vector<float> slab(got.begin() + static_cast<size_t>(s) * c.m * c.n,
+                                    got.begin() + static_cast<size_t>(s + 1) * c.m * c.n);
+      EXPECT_TRUE(AllClose(slab, want, 1e-3f, 1e-3f))
+          << "slab " << s << " of m " << c.m << " n " << c.n << " k " << c.k << " splits "
+          << c.splits << " invariant_rows " << invariant_rows;
+    }
+  }
+  EXPECT_EQ(gemm->self_check_failures(), 0) << gemm->Summary();
+  EXPECT_EQ(gemm->untimed_bases(), 0) << gemm->Summary();
+}
+
 TEST_F(GemmCudaTest, BadParamsAreRejected) {
   std::unique_ptr<cuda::Gemm> gemm;
   ASSERT_EQ(cuda::Gemm::Create(0, &gemm), CUBLAS_STATUS_SUCCESS);
@@ -93,6 +153,28 @@ TEST_F(GemmCudaTest, BadParamsAreRejected) {
   p.n = 0;
   p.k = 4;
   EXPECT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_INVALID_VALUE);
+  // A K split needs an fp32 output, 16-byte aligned K ranges and no bias.
+  DeviceBuffer<bf16> x(64), w(64 * 8), bias(8);
+  DeviceBuffer<float> y(4 * 8);
+  p.x = x.get();
+  p.w = w.get();
+  p.y = y.get();
+  p.y_fp32 = true;
+  p.n = 8;
+  p.k = 64;
+  p.k_splits = 0;
+  EXPECT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_INVALID_VALUE);
+  p.k_splits = 3;  // 64 is not a multiple of 24
+  EXPECT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_INVALID_VALUE);
+  p.k_splits = 2;
+  p.y_fp32 = false;
+  EXPECT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_INVALID_VALUE);
+  p.y_fp32 = true;
+  p.bias = bias.get();
+  EXPECT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_INVALID_VALUE);
+  p.bias = nullptr;
+  EXPECT_EQ(gemm->Run(p, stream_), CUBLAS_STATUS_SUCCESS);
+  Sync();
 }
 
 }  // namespace

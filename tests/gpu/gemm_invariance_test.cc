@@ -112,15 +112,18 @@ constexpr int kEngineRows = 1024;
 // decode step has them): the bits every larger GEMM must reproduce.
 class GemmRowClassTest : public gpu_test::GpuTest {
 protected:
-  void Prepare(int n, int k, bool y_fp32, bool bias, cuda::Gemm *gemm) {
-    Upload(n, k, y_fp32, bias);
+  void Prepare(int n, int k, bool y_fp32, bool bias, cuda::Gemm *gemm,
+               int k_splits = 1) {
+    Upload(n, k, y_fp32, bias, k_splits);
     ComputeReferences(gemm);
   }
 
-  // The weight, bias and input rows, without running a GEMM.
-  void Upload(int n, int k, bool y_fp32, bool bias) {
+  // The weight, bias and input rows, without running a GEMM. With k_splits >
+  // 1 a row's output is its k_splits slabs' rows, side by side.
+  void Upload(int n, int k, bool y_fp32, bool bias, int k_splits = 1) {
     n_ = n;
     k_ = k;
+    splits_ = k_splits;
     elem_ = y_fp32 ? 4 : 2;
     std::vector<bf16> x =
         RandomBf16(static_cast<size_t>(kEngineRows) * k, n * 7 + k, 1.0f);
@@ -137,20 +140,21 @@ protected:
                          1.0f / std::sqrt(static_cast<float>(k))));
     if (bias)
       bias_.Upload(RandomBf16(n, n + 5, 1.0f));
-    y_.Resize(static_cast<size_t>(kEngineRows) * n * elem_);
+    y_.Resize(static_cast<size_t>(kEngineRows) * k_splits * n * elem_);
     row_x_.Resize(k);
-    row_y_.Resize(static_cast<size_t>(n) * elem_);
+    row_y_.Resize(static_cast<size_t>(k_splits) * n * elem_);
     p_ = cuda::GemmParams();
     p_.w = w_.get();
     p_.bias = bias ? bias_.get() : nullptr;
     p_.y_fp32 = y_fp32;
     p_.n = n;
     p_.k = k;
+    p_.k_splits = k_splits;
   }
 
   // Each input row's output alone (m = 1), into ref_.
   void ComputeReferences(cuda::Gemm *gemm) {
-    const size_t row_bytes = static_cast<size_t>(n_) * elem_;
+    const size_t row_bytes = static_cast<size_t>(splits_) * n_ * elem_;
     gpu_test::DeviceBuffer<uint8_t> ref(static_cast<size_t>(kEngineRows) *
                                         row_bytes);
     cuda::GemmParams one = p_;
@@ -191,7 +195,8 @@ protected:
   // null), and expects rows 0..m-1 to equal the m = 1 references.
   void ExpectRowsAlone(cudaGraphExec_t exec, cuda::Gemm *gemm,
                        const cuda::GemmParams &p, const char *what) {
-    SPECD_CUDA_OK(cudaMemsetAsync(y_.get(), 0xff, p.m * n_ * elem_, stream_));
+    SPECD_CUDA_OK(
+        cudaMemsetAsync(y_.get(), 0xff, p.m * splits_ * n_ * elem_, stream_));
     if (exec != nullptr) {
       SPECD_CUDA_OK(cudaGraphLaunch(exec, stream_));
     } else {
@@ -214,19 +219,31 @@ protected:
     EXPECT_TRUE(diff.empty()) << "m " << m << ": " << diff;
   }
 
-  // The first m rows of y_ on the host.
+  // The first m rows of y_ on the host, each row's slabs side by side (the
+  // layout of a one-row output).
   std::vector<uint8_t> DownloadRows(int64_t m) {
-    std::vector<uint8_t> host(static_cast<size_t>(m) * n_ * elem_);
+    std::vector<uint8_t> host(static_cast<size_t>(m) * splits_ * n_ * elem_);
     EXPECT_EQ(
         cudaMemcpy(host.data(), y_.get(), host.size(), cudaMemcpyDeviceToHost),
         cudaSuccess);
-    return host;
+    if (splits_ == 1)
+      return host;
+    const size_t part = static_cast<size_t>(n_) * elem_;
+    std::vector<uint8_t> rows(host.size());
+    for (int64_t r = 0; r < m; ++r) {
+      for (int s = 0; s < splits_; ++s) {
+        std::memcpy(rows.data() + (r * splits_ + s) * part,
+                    host.data() + (s * m + r) * part, part);
+      }
+    }
+    return rows;
   }
 
   // Empty when rows 0..m-1 of `got` equal the m = 1 references bit for bit;
   // else which rows differ, and in how many elements.
   std::string CompareRows(const std::vector<uint8_t> &got, int64_t m) const {
-    const size_t row_bytes = static_cast<size_t>(n_) * elem_;
+    const int row_elems = splits_ * n_;
+    const size_t row_bytes = static_cast<size_t>(row_elems) * elem_;
     int bad = 0;
     std::ostringstream detail;
     for (int64_t r = 0; r < m; ++r) {
@@ -236,10 +253,10 @@ protected:
         continue;
       if (bad < 5) {
         int elems = 0;
-        for (int c = 0; c < n_; ++c) {
+        for (int c = 0; c < row_elems; ++c) {
           elems += std::memcmp(g + c * elem_, want + c * elem_, elem_) != 0;
         }
-        detail << " row " << r << " (" << elems << " of " << n_
+        detail << " row " << r << " (" << elems << " of " << row_elems
                << " elements);";
       }
       ++bad;
@@ -252,7 +269,7 @@ protected:
     return out.str();
   }
 
-  int n_ = 0, k_ = 0;
+  int n_ = 0, k_ = 0, splits_ = 1;
   size_t elem_ = 2;
   gpu_test::DeviceBuffer<bf16> x_, w_, bias_, row_x_;
   gpu_test::DeviceBuffer<uint8_t> y_, row_y_;
@@ -263,12 +280,14 @@ protected:
 struct Shape {
   int n, k;
   bool y_fp32, bias;
+  int k_splits = 1;
 };
 
 std::string ShapeName(const ::testing::TestParamInfo<Shape> &info) {
   const Shape &s = info.param;
   return "n" + std::to_string(s.n) + "_k" + std::to_string(s.k) +
-         (s.y_fp32 ? "_fp32" : "_bf16") + (s.bias ? "_bias" : "");
+         (s.y_fp32 ? "_fp32" : "_bf16") + (s.bias ? "_bias" : "") +
+         (s.k_splits > 1 ? "_split" + std::to_string(s.k_splits) : "");
 }
 
 class GemmRowClassShapeTest : public GemmRowClassTest,
@@ -290,7 +309,8 @@ TEST_P(GemmRowClassShapeTest, EveryRowEqualsTheRowAlone) {
             CUBLAS_STATUS_SUCCESS);
   EXPECT_EQ(gemm->row_class_limits(),
             (std::vector<int64_t>{1, 17, 33, 65, 129, 257, 513, 1024}));
-  ASSERT_NO_FATAL_FAILURE(Prepare(s.n, s.k, s.y_fp32, s.bias, gemm.get()));
+  ASSERT_NO_FATAL_FAILURE(
+      Prepare(s.n, s.k, s.y_fp32, s.bias, gemm.get(), s.k_splits));
   cuda::GemmParams p = p_;
   p.x = x_.get();
   p.y = y_.get();
@@ -318,6 +338,10 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{6144, 4096, false, false}, Shape{4096, 4096, false, false},
         Shape{28672, 4096, false, false}, Shape{4096, 14336, false, false},
         Shape{128256, 4096, true, false},
+        // The engine's sublayer outputs cut into K ranges (o_proj, down; the
+        // 1B's o_proj), and an awkward one.
+        Shape{4096, 4096, true, false, 2}, Shape{4096, 14336, true, false, 2},
+        Shape{2048, 2048, true, false, 2}, Shape{1000, 384, true, false, 3},
         // A QKV bias (Qwen-style), and shapes of no tile size.
         Shape{6144, 4096, false, true}, Shape{1000, 256, true, false},
         Shape{1001, 136, false, true}, Shape{8192, 576, true, false},

@@ -24,11 +24,21 @@ struct GemmParams {
   const bf16 *w = nullptr; // [n, k] bf16, device, row-major
   const bf16 *bias =
       nullptr;       // [n] bf16, device, or null (only with a bf16 output)
-  void *y = nullptr; // [m, n] device, row-major: fp32 if y_fp32, else bf16
+  // [m, n] device, row-major: fp32 if y_fp32, else bf16. With k_splits > 1:
+  // [k_splits, m, n] fp32 (y_fp32 must be set).
+  void *y = nullptr;
   bool y_fp32 = false;
   int64_t m = 0;
   int64_t n = 0;
   int64_t k = 0;
+  // > 1: K is cut into k_splits equal ranges and y[s] = x[:, K_s] w[:, K_s]^T
+  // for range s, each partial product in fp32, left for the caller to add
+  // (RmsNormParams::partials adds them inside the norm that reads them). This
+  // is a split-K GEMM without cuBLASLt's separate reduction launch: one
+  // strided-batched GEMM. k must be a multiple of 8 * k_splits (16-byte
+  // aligned ranges); no bias. Row invariance holds per range, as for any
+  // family (the split is part of the family, not of m).
+  int k_splits = 1;
 };
 
 // Owns a cuBLASLt handle, a workspace and, per problem shape, the algorithm
@@ -168,12 +178,14 @@ public:
 
 private:
   struct Plan;
-  // (m, n, k, y_fp32, has_bias, alignment of x, w, y in bytes, capped at 256)
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, int>;
+  // (m, n, k, y_fp32, has_bias, alignment of x, w, y in bytes, capped at 256,
+  // k_splits)
+  using Key =
+      std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, int, int>;
 
-  // (n, k, y_fp32, has_bias, alignment of x, w, y): the shape family a base
-  // algorithm serves.
-  using FamilyKey = std::tuple<int64_t, int64_t, bool, bool, int, int, int>;
+  // (n, k, y_fp32, has_bias, alignment of x, w, y, k_splits): the shape family
+  // a base algorithm serves.
+  using FamilyKey = std::tuple<int64_t, int64_t, bool, bool, int, int, int, int>;
   struct RowClass {
     bool decided = false;
     bool own = false; // runs `algo`; else the family's base
