@@ -202,6 +202,18 @@ CudaBackend::CudaBackend(ModelConfig config, int device,
   }
   kv_dim_ = kv_heads_ * config_.head_dim;
   graphs_enabled_ = options_.cuda_graphs && !EnvIs("SPECD_CUDA_GRAPHS", "0");
+  if (world_ == 1) {
+    residual_splits_ = 2;
+    if (const char *env = std::getenv("SPECD_RESIDUAL_SPLITS")) {
+      residual_splits_ = std::clamp(std::atoi(env), 1, 8);
+    }
+  }
+}
+
+int CudaBackend::ResidualSplits(int64_t k) const {
+  return residual_splits_ > 1 && k % (int64_t{8} * residual_splits_) == 0
+             ? residual_splits_
+             : 1;
 }
 
 CudaBackend::~CudaBackend() {
@@ -687,8 +699,9 @@ CudaBackend::Validate(absl::Span<const ForwardItem> items) {
 
 absl::Status CudaBackend::Gemm(const bf16 *x, const bf16 *w, const bf16 *bias,
                                void *y, bool y_fp32, int64_t m, int64_t n,
-                               int64_t k) {
+                               int64_t k, int k_splits) {
   cuda::GemmParams p;
+  p.k_splits = k_splits;
   p.x = x;
   p.w = w;
   p.bias = bias;
@@ -938,6 +951,10 @@ absl::Status CudaBackend::PrepareBuffers(const Step &step, size_t meta_bytes) {
   SPECD_RETURN_IF_ERROR_(Ensure(&meta_, meta_bytes));
   SPECD_RETURN_IF_ERROR_(Ensure(&residual_, T * H * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&x_, T * H * sizeof(bf16)));
+  if (residual_splits_ > 1) {
+    SPECD_RETURN_IF_ERROR_(
+        Ensure(&split_, residual_splits_ * T * H * sizeof(float)));
+  }
   SPECD_RETURN_IF_ERROR_(Ensure(&normed_, T * H * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&qkv_, T * QKVD * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&attn_, T * QD * sizeof(bf16)));
@@ -994,7 +1011,7 @@ CudaBackend::bf16 *CudaBackend::Partial(const Step &step, int site) {
 }
 
 absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
-                                     const float *weight) {
+                                     const float *weight, int k_splits) {
   const ModelConfig &c = config_;
   const int64_t H = c.hidden_size;
   float *residual = static_cast<float *>(residual_.ptr);
@@ -1017,7 +1034,12 @@ absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
         tp_.rank, x, x, static_cast<size_t>(step.T * H), stream_));
   }
   cuda::RmsNormParams p;
-  p.x = x;
+  if (k_splits > 1) {
+    p.partials = static_cast<const float *>(split_.ptr);
+    p.num_partials = k_splits;
+  } else {
+    p.x = x;
+  }
   p.residual = residual;
   p.residual_init = init;
   p.weight = weight;
@@ -1057,12 +1079,24 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   emb.hidden = H;
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(emb, stream_), "embedding");
 
+  // A sublayer's output (o_proj, down_proj): a K-split GEMM into split_ whose
+  // slabs the next norm adds, or bf16 into the site's partial (x_ without
+  // tensor parallelism).
+  const int attn_splits = ResidualSplits(QD), mlp_splits = ResidualSplits(F);
+  const auto sublayer_out = [&](const bf16 *in, const bf16 *weight, int64_t k,
+                                int k_splits, int site) {
+    return k_splits > 1 ? Gemm(in, weight, nullptr, split_.ptr, true, T, H, k,
+                               k_splits)
+                        : Gemm(in, weight, nullptr, Partial(step, site), false,
+                               T, H, k);
+  };
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights &w = layers_[l];
     // Layer 0 starts the residual stream from the embedding; later layers add
     // the previous MLP's output to it.
     SPECD_RETURN_IF_ERROR_(ReduceNorm(step, l == 0 ? kEmbedSite : kMlpSite,
-                                      l == 0, w.input_norm));
+                                      l == 0, w.input_norm,
+                                      l == 0 ? 1 : mlp_splits));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
 
@@ -1122,9 +1156,10 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
 
-    SPECD_RETURN_IF_ERROR_(Gemm(attn, w.o_proj, nullptr,
-                                Partial(step, kAttnSite), false, T, H, QD));
-    SPECD_RETURN_IF_ERROR_(ReduceNorm(step, kAttnSite, false, w.post_norm));
+    SPECD_RETURN_IF_ERROR_(
+        sublayer_out(attn, w.o_proj, QD, attn_splits, kAttnSite));
+    SPECD_RETURN_IF_ERROR_(
+        ReduceNorm(step, kAttnSite, false, w.post_norm, attn_splits));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
     cuda::SwiGluParams sw;
@@ -1133,13 +1168,13 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     sw.rows = T;
     sw.dim = F;
     SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
-    SPECD_RETURN_IF_ERROR_(
-        Gemm(act, w.down, nullptr, Partial(step, kMlpSite), false, T, H, F));
+    SPECD_RETURN_IF_ERROR_(sublayer_out(act, w.down, F, mlp_splits, kMlpSite));
   }
   // Final norm of every token (cheap next to the LM head), then the requested
   // rows only.
   SPECD_RETURN_IF_ERROR_(ReduceNorm(step, c.num_layers == 0 ? kEmbedSite : kMlpSite,
-                                    c.num_layers == 0, final_norm_));
+                                    c.num_layers == 0, final_norm_,
+                                    c.num_layers == 0 ? 1 : mlp_splits));
   if (R == 0)
     return absl::OkStatus();
   cuda::EmbeddingParams

@@ -251,7 +251,11 @@ private:
   void ReleaseBlocks(Sequence *s, int64_t keep_blocks);
   int64_t PhysicalSlot(const Sequence &s, int64_t logical) const;
   absl::Status Gemm(const bf16 *x, const bf16 *w, const bf16 *bias, void *y,
-                    bool y_fp32, int64_t m, int64_t n, int64_t k);
+                    bool y_fp32, int64_t m, int64_t n, int64_t k,
+                    int k_splits = 1);
+  // The K split of a sublayer's output GEMM (o_proj, down_proj) of depth k:
+  // residual_splits_ where it divides k into 16-byte aligned ranges, else 1.
+  int ResidualSplits(int64_t k) const;
   // Forward() into host rows of stride vocab_size, this rank's columns.
   absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float *logits);
   // Where a row-parallel GEMM writes its [T, hidden] partial sums for the
@@ -259,8 +263,10 @@ private:
   bf16 *Partial(const Step &step, int site);
   // Sums the partials of `site` over the ranks into the residual stream
   // (starting it when `init`) and writes RMSNorm(residual) * weight to normed_.
+  // k_splits > 1 (one rank only): the sublayer's output is the k_splits fp32
+  // slabs of its K-split GEMM in split_, added up by the norm.
   absl::Status ReduceNorm(const Step &step, int site, bool init,
-                          const float *weight);
+                          const float *weight, int k_splits = 1);
   // Turns the [R, local vocab] logits into sampled tokens (verify steps).
   absl::Status SampleRows(const Step &step, int32_t *tokens);
 
@@ -271,6 +277,11 @@ private:
   // its sizes: query heads, KV heads, FFN columns, vocabulary rows.
   CudaTpRank tp_;
   int world_ = 1;
+  // A sublayer's output GEMM (o_proj, down_proj) cut into this many K ranges
+  // whose fp32 slabs the following RMSNorm adds: split-K without cuBLASLt's
+  // separate reduction kernel. 1 under tensor parallelism (the all-reduce
+  // takes bf16 partials) or with SPECD_RESIDUAL_SPLITS=1.
+  int residual_splits_ = 1;
   TpRankPlan slice_;
   int64_t heads_ = 0, kv_heads_ = 0, ffn_ = 0, vocab_rows_ = 0;
   int64_t vocab_rows_max_ = 0;  // the largest rank's vocabulary rows
@@ -297,6 +308,9 @@ private:
   Scratch meta_;     // step metadata, uploaded in one copy
   Scratch residual_; // [T, hidden] fp32
   Scratch x_;        // [T, hidden] bf16: embedding, then each sublayer's output
+  // [residual_splits_, T, hidden] fp32: the K ranges' slabs of a sublayer's
+  // output GEMM, which the next RMSNorm adds (one rank only).
+  Scratch split_;
   Scratch normed_;   // [T, hidden] bf16
   Scratch qkv_;      // [T, q_dim + 2 kv_dim] bf16
   Scratch attn_;     // [T, q_dim] bf16

@@ -183,6 +183,59 @@ TEST_F(ElementwiseCudaTest, RmsNormWithAndWithoutResidual) {
   }
 }
 
+// The norm of a K-split GEMM's output: the input row is the sum of fp32 slabs
+// (RmsNormParams::partials), added in slab order, with the residual add and without.
+TEST_F(ElementwiseCudaTest, RmsNormOfKSplitPartials) {
+  std::mt19937_64 rng(14);
+  struct Case {
+    int rows, dim, parts;
+  };
+  for (const Case c : {Case{1, 4096, 2}, Case{65, 4096, 2}, Case{7, 64, 3}, Case{33, 100, 2},
+                       Case{3, 1000, 4}, Case{2, 2048, 1}}) {
+    for (int mode = 0; mode < 2; ++mode) {  // 0: plain, 1: residual add
+      const size_t n = static_cast<size_t>(c.rows) * c.dim;
+      const std::vector<float> parts = RandomNormal(n * c.parts, rng, 2.0f);
+      const std::vector<float> w = RandomNormal(c.dim, rng, 0.5f);
+      std::vector<float> residual = RandomNormal(n, rng, 3.0f);
+      DeviceBuffer<float> d_parts(parts), d_w(w), d_res(residual);
+      DeviceBuffer<bf16> d_out(n);
+      cuda::RmsNormParams p;
+      p.partials = d_parts.get();
+      p.num_partials = c.parts;
+      p.residual = mode == 0 ? nullptr : d_res.get();
+      p.weight = d_w.get();
+      p.out = d_out.get();
+      p.rows = c.rows;
+      p.dim = c.dim;
+      p.eps = 1e-5f;
+      SPECD_CUDA_OK(cuda::RmsNormCuda(p, stream_));
+      Sync();
+      std::vector<float> x(n), want(n);
+      for (size_t i = 0; i < n; ++i) {
+        float sum = parts[i];
+        for (int s = 1; s < c.parts; ++s) sum += parts[s * n + i];
+        x[i] = sum;
+      }
+      RmsNormParams ref;
+      ref.x = x.data();
+      ref.residual = mode == 0 ? nullptr : residual.data();
+      ref.weight = w.data();
+      ref.out = want.data();
+      ref.rows = c.rows;
+      ref.dim = c.dim;
+      ref.eps = 1e-5f;
+      RmsNormCpu(ref);
+      EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol))
+          << "rows " << c.rows << " dim " << c.dim << " parts " << c.parts << " mode " << mode;
+      if (mode != 0) {
+        // The slabs' sum in slab order, plus the residual: the same fp32 operations.
+        EXPECT_TRUE(AllClose(d_res.Download(), residual, 0.0f, 0.0f))
+            << "residual, rows " << c.rows << " dim " << c.dim << " parts " << c.parts;
+      }
+    }
+  }
+}
+
 // RoPE over q and k of a fused QKV row, with llama3-scaled frequencies and positions up to
 // 2e5, optionally with Qwen3's per-head norm fused in front.
 TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
@@ -369,6 +422,23 @@ TEST_F(ElementwiseCudaTest, SwiGluMatchesReference) {
 TEST_F(ElementwiseCudaTest, BadParamsAreRejected) {
   cuda::RmsNormParams p;  // no pointers, dim 0
   EXPECT_EQ(cuda::RmsNormCuda(p, stream_), cudaErrorInvalidValue);
+  {
+    // Both x and partials, or partials without a count.
+    DeviceBuffer<bf16> x(8), out(8);
+    DeviceBuffer<float> parts(8), w(8);
+    cuda::RmsNormParams q;
+    q.x = x.get();
+    q.partials = parts.get();
+    q.num_partials = 1;
+    q.weight = w.get();
+    q.out = out.get();
+    q.rows = 1;
+    q.dim = 8;
+    EXPECT_EQ(cuda::RmsNormCuda(q, stream_), cudaErrorInvalidValue);
+    q.x = nullptr;
+    q.num_partials = 0;
+    EXPECT_EQ(cuda::RmsNormCuda(q, stream_), cudaErrorInvalidValue);
+  }
   cuda::RopeParams r;
   r.num_tokens = 1;
   r.head_dim = 7;  // odd

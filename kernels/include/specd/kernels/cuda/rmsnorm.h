@@ -16,6 +16,12 @@ namespace cuda {
 
 struct RmsNormParams {
   const bf16* x = nullptr;  // [rows, dim] bf16, device (a sublayer's output, or the embedding)
+  // Instead of x (which is then null): [num_partials, rows, dim] fp32, device, the slabs of a
+  // K-split GEMM (GemmParams::k_splits); the input row is their sum, added in slab order in
+  // fp32. So the sublayer's output reaches the fp32 residual stream without a rounding to bf16
+  // and without a reduction launch of its own.
+  const float* partials = nullptr;
+  int num_partials = 0;
   // [rows, dim] fp32, device, or null (plain norm of x). When set it is updated in place to
   // x + residual, or set to x when residual_init (the first layer), and the norm is taken of it.
   float* residual = nullptr;
