@@ -16,6 +16,7 @@
 # missing). Prints each run's table rows prefixed by its label, round and TP.
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/ab_config.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/checkpoint.sh"
 dev=.device tps="1" rounds=2 runs=9 contexts=2048 trees=64 model=/tmp/specd-8b
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,9 +36,7 @@ done
 [ $# -gt 0 ] || { echo "no configuration given" >&2; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 [ -f "$dev/env.sh" ] && . "$dev/env.sh"
-if [ ! -f "$model/model.safetensors" ]; then
-  python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out "$model" || exit 1
-fi
+ensure_checkpoint llama-3.1-8b "$model" || exit 1
 for round in $(seq 1 "$rounds"); do
   for tp in $tps; do
     for config in "$@"; do

@@ -16,9 +16,8 @@ dev=.device
 [ "${1:-}" = "--dev" ] && dev=$2
 [ -f "$dev/env.sh" ] && . "$dev/env.sh"
 model=/tmp/specd-8b-2layers
-[ -f "$model/model.safetensors" ] ||
-  python3 "$tools_dir/bench/make_random_checkpoint.py" --shape llama-3.1-8b --layers 2 \
-    --out "$model" > /tmp/checkpoint.log 2>&1 || tail -3 /tmp/checkpoint.log
+. "$tools_dir/checkpoint.sh"
+ensure_checkpoint llama-3.1-8b "$model" --layers 2
 metrics=gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active
 metrics+=,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers
 metrics+=,launch__shared_mem_config_size,launch__shared_mem_per_block_dynamic

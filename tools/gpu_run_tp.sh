@@ -89,9 +89,9 @@ if [ $attn -eq 1 ]; then
     2>&1 | tee "$logs/tp_attn_bench.log" | grep -E "^BM_" | head -40
 fi
 
+. "$(dirname "${BASH_SOURCE[0]}")/checkpoint.sh"
 ensure_8b() {  # the random Llama-3.1-8B-shaped checkpoint, written once per host
-  [ -f /tmp/specd-8b/model.safetensors ] ||
-    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
+  ensure_checkpoint llama-3.1-8b /tmp/specd-8b
 }
 steps() {  # model label tp custom_bytes extra...
   local model=$1 label=$2 tp=$3 cb=$4; shift 4
@@ -128,8 +128,7 @@ fi
 if [ $b70 -eq 1 ]; then
   L=${LAYERS70:-8}
   stamp "70B-shaped checkpoint, $L layers"
-  [ -f /tmp/specd-70b/model.safetensors ] ||
-    python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-70b --layers "$L" --out /tmp/specd-70b
+  ensure_checkpoint llama-3.1-70b /tmp/specd-70b --layers "$L"
   stamp "70B steps, TP=1"
   steps /tmp/specd-70b "llama-3.1-70b/$L" 1 -1 --runs 9 --contexts 2048 --trees 64
   if [ "$ngpu" -ge 2 ]; then
@@ -150,8 +149,7 @@ if [ $hf -eq 1 ]; then
 fi
 if [ $b1 -eq 1 ]; then
   stamp "1B checkpoint"
-  [ -f /tmp/specd-1b/model.safetensors ] ||
-    python3 tools/bench/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/specd-1b
+  ensure_checkpoint llama-3.2-1b /tmp/specd-1b
   steps /tmp/specd-1b llama-3.2-1b 1 -1 --runs 9 --contexts 512,2048,8192 --trees 16,64,128,256
   OUT=$logs GF_TREES=${GF_TREES:-64} GF_BUDGET_S=${GF_BUDGET_S:-100} GF_TIMEOUT_S=${GF_TIMEOUT_S:-200} \
     CONTEXTS=${CONTEXTS:-2048} timeout 300 tools/bench/gpu_run_baselines.sh gptfast:1b 2>&1 | tail -20

@@ -31,9 +31,8 @@ done
 mkdir -p "$out"
 [ -f "$dev/env.sh" ] && . "$dev/env.sh"
 model=/tmp/specd-8b
-[ -f "$model/model.safetensors" ] ||
-  python3 "$tools_dir/bench/make_random_checkpoint.py" --shape llama-3.1-8b --out "$model" \
-    > /tmp/checkpoint.log 2>&1 || tail -3 /tmp/checkpoint.log
+. "$tools_dir/checkpoint.sh"
+ensure_checkpoint llama-3.1-8b "$model"
 # One traced size a process (--trace takes one); untimed GEMM picks, so that every process runs
 # the same cuBLASLt kernels.
 for nodes in 0 ${trees//,/ }; do

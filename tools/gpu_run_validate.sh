@@ -38,9 +38,10 @@ done
 mkdir -p "$out"
 [ -f "$dev/env.sh" ] && . "$dev/env.sh"
 model=/tmp/specd-8b
-if [ $step -eq 1 ] && [ ! -f "$model/model.safetensors" ]; then
-  (python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out "$model" \
-    > "$out/checkpoint.log" 2>&1; touch "$out/.checkpoint.done") &
+. "$tools_dir/checkpoint.sh"
+if [ $step -eq 1 ]; then
+  (ensure_checkpoint llama-3.1-8b "$model" > "$out/checkpoint.log" 2>&1
+   touch "$out/.checkpoint.done") &
 else
   touch "$out/.checkpoint.done"
 fi
