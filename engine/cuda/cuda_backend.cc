@@ -210,8 +210,14 @@ CudaBackend::CudaBackend(ModelConfig config, int device,
   }
 }
 
-int CudaBackend::ResidualSplits(int64_t k) const {
-  return residual_splits_ > 1 && k % (int64_t{8} * residual_splits_) == 0
+int CudaBackend::SiteSplits(int site) const {
+  // The depth of the site's GEMM: o_proj reads the attention output, down_proj
+  // the MLP's activations; the embedding has no GEMM.
+  const int64_t k = site == kAttnSite  ? heads_ * config_.head_dim
+                    : site == kMlpSite ? ffn_
+                                       : 0;
+  return k > 0 && residual_splits_ > 1 &&
+                 cuda::Gemm::KSplitFits(k, residual_splits_)
              ? residual_splits_
              : 1;
 }
@@ -1011,7 +1017,7 @@ CudaBackend::bf16 *CudaBackend::Partial(const Step &step, int site) {
 }
 
 absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
-                                     const float *weight, int k_splits) {
+                                     const float *weight) {
   const ModelConfig &c = config_;
   const int64_t H = c.hidden_size;
   float *residual = static_cast<float *>(residual_.ptr);
@@ -1034,7 +1040,7 @@ absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
         tp_.rank, x, x, static_cast<size_t>(step.T * H), stream_));
   }
   cuda::RmsNormParams p;
-  if (k_splits > 1) {
+  if (const int k_splits = SiteSplits(site); k_splits > 1) {
     p.partials = static_cast<const float *>(split_.ptr);
     p.num_partials = k_splits;
   } else {
@@ -1080,11 +1086,11 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(emb, stream_), "embedding");
 
   // A sublayer's output (o_proj, down_proj): a K-split GEMM into split_ whose
-  // slabs the next norm adds, or bf16 into the site's partial (x_ without
+  // slabs the site's norm adds, or bf16 into the site's partial (x_ without
   // tensor parallelism).
-  const int attn_splits = ResidualSplits(QD), mlp_splits = ResidualSplits(F);
   const auto sublayer_out = [&](const bf16 *in, const bf16 *weight, int64_t k,
-                                int k_splits, int site) {
+                                int site) {
+    const int k_splits = SiteSplits(site);
     return k_splits > 1 ? Gemm(in, weight, nullptr, split_.ptr, true, T, H, k,
                                k_splits)
                         : Gemm(in, weight, nullptr, Partial(step, site), false,
@@ -1095,8 +1101,7 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     // Layer 0 starts the residual stream from the embedding; later layers add
     // the previous MLP's output to it.
     SPECD_RETURN_IF_ERROR_(ReduceNorm(step, l == 0 ? kEmbedSite : kMlpSite,
-                                      l == 0, w.input_norm,
-                                      l == 0 ? 1 : mlp_splits));
+                                      l == 0, w.input_norm));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
 
@@ -1156,10 +1161,8 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
 
-    SPECD_RETURN_IF_ERROR_(
-        sublayer_out(attn, w.o_proj, QD, attn_splits, kAttnSite));
-    SPECD_RETURN_IF_ERROR_(
-        ReduceNorm(step, kAttnSite, false, w.post_norm, attn_splits));
+    SPECD_RETURN_IF_ERROR_(sublayer_out(attn, w.o_proj, QD, kAttnSite));
+    SPECD_RETURN_IF_ERROR_(ReduceNorm(step, kAttnSite, false, w.post_norm));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
     cuda::SwiGluParams sw;
@@ -1168,13 +1171,12 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     sw.rows = T;
     sw.dim = F;
     SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
-    SPECD_RETURN_IF_ERROR_(sublayer_out(act, w.down, F, mlp_splits, kMlpSite));
+    SPECD_RETURN_IF_ERROR_(sublayer_out(act, w.down, F, kMlpSite));
   }
   // Final norm of every token (cheap next to the LM head), then the requested
   // rows only.
   SPECD_RETURN_IF_ERROR_(ReduceNorm(step, c.num_layers == 0 ? kEmbedSite : kMlpSite,
-                                    c.num_layers == 0, final_norm_,
-                                    c.num_layers == 0 ? 1 : mlp_splits));
+                                    c.num_layers == 0, final_norm_));
   if (R == 0)
     return absl::OkStatus();
   cuda::EmbeddingParams

@@ -253,9 +253,10 @@ private:
   absl::Status Gemm(const bf16 *x, const bf16 *w, const bf16 *bias, void *y,
                     bool y_fp32, int64_t m, int64_t n, int64_t k,
                     int k_splits = 1);
-  // The K split of a sublayer's output GEMM (o_proj, down_proj) of depth k:
-  // residual_splits_ where it divides k into 16-byte aligned ranges, else 1.
-  int ResidualSplits(int64_t k) const;
+  // The K split of the GEMM whose output reaches the residual stream at `site`
+  // (o_proj, down_proj): residual_splits_ where Gemm::KSplitFits its depth,
+  // else 1 (and 1 for the embedding, which has no GEMM).
+  int SiteSplits(int site) const;
   // Forward() into host rows of stride vocab_size, this rank's columns.
   absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float *logits);
   // Where a row-parallel GEMM writes its [T, hidden] partial sums for the
@@ -263,10 +264,10 @@ private:
   bf16 *Partial(const Step &step, int site);
   // Sums the partials of `site` over the ranks into the residual stream
   // (starting it when `init`) and writes RMSNorm(residual) * weight to normed_.
-  // k_splits > 1 (one rank only): the sublayer's output is the k_splits fp32
-  // slabs of its K-split GEMM in split_, added up by the norm.
+  // Where SiteSplits(site) > 1 (one rank only), the sublayer's output is the
+  // fp32 slabs of its K-split GEMM in split_, added up by the norm.
   absl::Status ReduceNorm(const Step &step, int site, bool init,
-                          const float *weight, int k_splits = 1);
+                          const float *weight);
   // Turns the [R, local vocab] logits into sampled tokens (verify steps).
   absl::Status SampleRows(const Step &step, int32_t *tokens);
 

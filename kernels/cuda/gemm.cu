@@ -1304,8 +1304,7 @@ std::string Gemm::Summary() const {
 cublasStatus_t Gemm::Run(const GemmParams &p, cudaStream_t stream) {
   if (p.m < 0 || p.n <= 0 || p.k <= 0 || (p.bias != nullptr && p.y_fp32) ||
       p.k_splits < 1 ||
-      (p.k_splits > 1 &&
-       (!p.y_fp32 || p.k % (int64_t{8} * p.k_splits) != 0))) {
+      (p.k_splits > 1 && (!p.y_fp32 || !KSplitFits(p.k, p.k_splits)))) {
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   if (p.m == 0)

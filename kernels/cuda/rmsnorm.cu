@@ -96,12 +96,12 @@ cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream) {
   if ((p.x == nullptr) == !parts || (parts && p.num_partials < 1) || p.weight == nullptr ||
       p.out == nullptr)
     return cudaErrorInvalidValue;
-  const bool vec = p.dim % 8 == 0 && IsAligned(parts ? static_cast<const void*>(p.partials) : p.x, 16) &&
-                   IsAligned(p.weight, 16) && IsAligned(p.out, 16) &&
-                   (p.residual == nullptr || IsAligned(p.residual, 16));
-  // A sum of slabs is a row's only input read (32 bytes per element pair of slabs against 2):
-  // one 8-element group a thread, so that each thread's loads all issue at once. The bf16 path
-  // keeps RmsNormThreads, whose bits the fused all-reduce reproduces (rmsnorm_row.cuh).
+  const void* input = parts ? static_cast<const void*>(p.partials) : p.x;
+  const bool vec = p.dim % 8 == 0 && IsAligned(input, 16) && IsAligned(p.weight, 16) &&
+                   IsAligned(p.out, 16) && (p.residual == nullptr || IsAligned(p.residual, 16));
+  // Slabs cost 4 bytes an element each (a bf16 input 2), so a row of them is read with one
+  // 8-element group a thread: each thread's loads all issue at once. The bf16 path keeps
+  // RmsNormThreads, whose bits the fused all-reduce reproduces (rmsnorm_row.cuh).
   int threads = RmsNormThreads(p.dim);
   if (parts && vec) {
     while (threads < 1024 && threads * 8 < p.dim) threads *= 2;

@@ -36,8 +36,8 @@ struct GemmParams {
   // (RmsNormParams::partials adds them inside the norm that reads them). This
   // is a split-K GEMM without cuBLASLt's separate reduction launch: one
   // strided-batched GEMM. k must be a multiple of 8 * k_splits (16-byte
-  // aligned ranges); no bias. Row invariance holds per range, as for any
-  // family (the split is part of the family, not of m).
+  // aligned ranges, Gemm::KSplitFits); no bias. Row invariance holds per
+  // range, as for any family (the split is part of the family, not of m).
   int k_splits = 1;
 };
 
@@ -135,6 +135,12 @@ public:
                                int64_t plan_rows = 16,
                                bool bucket_classes = false,
                                bool timed_picks = true);
+
+  // Whether GemmParams::k_splits may cut a depth of k: k_splits >= 1 ranges of
+  // whole 16-byte pieces.
+  static bool KSplitFits(int64_t k, int k_splits) {
+    return k_splits >= 1 && k % (int64_t{8} * k_splits) == 0;
+  }
 
   int64_t invariant_rows() const { return invariant_rows_; }
   // Shape families (weights) for which cuBLASLt offered no candidate valid over
