@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "engine/model_config.h"
@@ -34,7 +35,34 @@ using gpu_test::ToFloat;
 // bf16 outputs carry a relative rounding error of up to 2^-8.
 constexpr float kBf16Rtol = 1.0f / 128;
 
-class ElementwiseCudaTest : public gpu_test::GpuTest {};
+class ElementwiseCudaTest : public gpu_test::GpuTest {
+ protected:
+  // Runs RmsNormCuda(p), whose input row sums to x (host, fp32), and expects its output to match
+  // RmsNormCpu's on x, and, when `residual` is given (the host copy of what d_res held before),
+  // d_res to hold the reference's updated residual within residual_tol.
+  void ExpectRmsNormMatchesCpu(const cuda::RmsNormParams& p, const std::vector<float>& x,
+                               const std::vector<float>& w, std::vector<float>* residual,
+                               DeviceBuffer<float>& d_res, DeviceBuffer<bf16>& d_out,
+                               float residual_tol, const std::string& what) {
+    SPECD_CUDA_OK(cuda::RmsNormCuda(p, stream_));
+    Sync();
+    std::vector<float> want(x.size());
+    RmsNormParams ref;
+    ref.x = x.data();
+    ref.residual = residual != nullptr ? residual->data() : nullptr;
+    ref.weight = w.data();
+    ref.out = want.data();
+    ref.rows = p.rows;
+    ref.dim = p.dim;
+    ref.eps = p.eps;
+    RmsNormCpu(ref);
+    EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol)) << what;
+    if (residual != nullptr) {
+      EXPECT_TRUE(AllClose(d_res.Download(), *residual, residual_tol, residual_tol))
+          << "residual, " << what;
+    }
+  }
+};
 
 TEST_F(ElementwiseCudaTest, EmbeddingGathersRows) {
   std::mt19937_64 rng(11);
@@ -161,24 +189,9 @@ TEST_F(ElementwiseCudaTest, RmsNormWithAndWithoutResidual) {
       p.rows = c.rows;
       p.dim = c.dim;
       p.eps = 1e-5f;
-      SPECD_CUDA_OK(cuda::RmsNormCuda(p, stream_));
-      Sync();
-      std::vector<float> want(n);
-      RmsNormParams ref;
-      ref.x = x.data();
-      ref.residual = mode == 0 ? nullptr : residual.data();
-      ref.weight = w.data();
-      ref.out = want.data();
-      ref.rows = c.rows;
-      ref.dim = c.dim;
-      ref.eps = 1e-5f;
-      RmsNormCpu(ref);
-      EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol))
-          << "rows " << c.rows << " dim " << c.dim << " mode " << mode;
-      if (mode != 0) {
-        EXPECT_TRUE(AllClose(d_res.Download(), residual, 1e-6f, 1e-6f))
-            << "residual, rows " << c.rows << " dim " << c.dim << " mode " << mode;
-      }
+      ExpectRmsNormMatchesCpu(p, x, w, mode == 0 ? nullptr : &residual, d_res, d_out, 1e-6f,
+                              "rows " + std::to_string(c.rows) + " dim " +
+                                  std::to_string(c.dim) + " mode " + std::to_string(mode));
     }
   }
 }
@@ -208,30 +221,18 @@ TEST_F(ElementwiseCudaTest, RmsNormOfKSplitPartials) {
       p.rows = c.rows;
       p.dim = c.dim;
       p.eps = 1e-5f;
-      SPECD_CUDA_OK(cuda::RmsNormCuda(p, stream_));
-      Sync();
-      std::vector<float> x(n), want(n);
+      std::vector<float> x(n);
       for (size_t i = 0; i < n; ++i) {
         float sum = parts[i];
         for (int s = 1; s < c.parts; ++s) sum += parts[s * n + i];
         x[i] = sum;
       }
-      RmsNormParams ref;
-      ref.x = x.data();
-      ref.residual = mode == 0 ? nullptr : residual.data();
-      ref.weight = w.data();
-      ref.out = want.data();
-      ref.rows = c.rows;
-      ref.dim = c.dim;
-      ref.eps = 1e-5f;
-      RmsNormCpu(ref);
-      EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol))
-          << "rows " << c.rows << " dim " << c.dim << " parts " << c.parts << " mode " << mode;
-      if (mode != 0) {
-        // The slabs' sum in slab order, plus the residual: the same fp32 operations.
-        EXPECT_TRUE(AllClose(d_res.Download(), residual, 0.0f, 0.0f))
-            << "residual, rows " << c.rows << " dim " << c.dim << " parts " << c.parts;
-      }
+      // The residual exactly: the slabs' sum in slab order plus the residual is the same fp32
+      // operations on both sides.
+      ExpectRmsNormMatchesCpu(p, x, w, mode == 0 ? nullptr : &residual, d_res, d_out, 0.0f,
+                              "rows " + std::to_string(c.rows) + " dim " +
+                                  std::to_string(c.dim) + " parts " + std::to_string(c.parts) +
+                                  " mode " + std::to_string(mode));
     }
   }
 }

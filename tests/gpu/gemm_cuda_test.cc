@@ -24,14 +24,15 @@ using gpu_test::ToFloat;
 // Per-shape picks (invariant_rows 0) and, as the engine runs it, one algorithm per row class
 // (invariant_rows 1024; each class's algorithm is then first used, and self-checked, here).
 class GemmCudaTest : public gpu_test::GpuTest {};
+// The CUDA backend's cuBLASLt workspace (engine/cuda/cuda_backend.cc).
+constexpr size_t kBackendWorkspace = size_t{128} << 20;
 class GemmCudaRowsTest : public gpu_test::GpuTest,
                          public ::testing::WithParamInterface<int64_t> {};
 
 TEST_P(GemmCudaRowsTest, MatchesReference) {
   const int64_t invariant_rows = GetParam();
   std::unique_ptr<cuda::Gemm> gemm;
-  // The CUDA backend's workspace (engine/cuda/cuda_backend.cc).
-  ASSERT_EQ(cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant_rows), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, invariant_rows), CUBLAS_STATUS_SUCCESS);
   std::mt19937_64 rng(41);
   struct Case {
     int m, n, k;
@@ -90,7 +91,7 @@ INSTANTIATE_TEST_SUITE_P(InvariantRows, GemmCudaRowsTest, ::testing::Values(0, 1
 TEST_P(GemmCudaRowsTest, KSplitSlabsAreTheRangesProducts) {
   const int64_t invariant_rows = GetParam();
   std::unique_ptr<cuda::Gemm> gemm;
-  ASSERT_EQ(cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant_rows), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cuda::Gemm::Create(kBackendWorkspace, &gemm, invariant_rows), CUBLAS_STATUS_SUCCESS);
   std::mt19937_64 rng(43);
   struct Case {
     int m, n, k, splits;
