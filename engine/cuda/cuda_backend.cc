@@ -202,12 +202,22 @@ CudaBackend::CudaBackend(ModelConfig config, int device,
   }
   kv_dim_ = kv_heads_ * config_.head_dim;
   graphs_enabled_ = options_.cuda_graphs && !EnvIs("SPECD_CUDA_GRAPHS", "0");
+  l2_discard_ = !EnvIs("SPECD_L2_DISCARD", "0");
   if (world_ == 1) {
     residual_splits_ = 2;
     if (const char *env = std::getenv("SPECD_RESIDUAL_SPLITS")) {
       residual_splits_ = std::clamp(std::atoi(env), 1, 8);
     }
   }
+}
+
+// The measured break-even lies between decode (1 token: drops cost ~1 us a
+// layer) and a 64-node verify (65 tokens: GEMMs 3.6 us a layer faster), see
+// bench/RESULTS.md.
+constexpr int64_t kL2DiscardMinTokens = 16;
+
+bool CudaBackend::DropDead(const Step &step) const {
+  return l2_discard_ && step.T >= kL2DiscardMinTokens;
 }
 
 int CudaBackend::SiteSplits(int site) const {
@@ -1017,7 +1027,9 @@ CudaBackend::bf16 *CudaBackend::Partial(const Step &step, int site) {
 }
 
 absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
-                                     const float *weight) {
+                                     const float *weight,
+                                     cuda::DeadRows dead0,
+                                     cuda::DeadRows dead1) {
   const ModelConfig &c = config_;
   const int64_t H = c.hidden_size;
   float *residual = static_cast<float *>(residual_.ptr);
@@ -1043,6 +1055,7 @@ absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
   if (const int k_splits = SiteSplits(site); k_splits > 1) {
     p.partials = static_cast<const float *>(split_.ptr);
     p.num_partials = k_splits;
+    p.discard_partials = DropDead(step);
   } else {
     p.x = x;
   }
@@ -1053,6 +1066,10 @@ absl::Status CudaBackend::ReduceNorm(const Step &step, int site, bool init,
   p.rows = step.T;
   p.dim = H;
   p.eps = c.rms_norm_eps;
+  if (DropDead(step)) {
+    p.dead[0] = dead0;
+    p.dead[1] = dead1;
+  }
   SPECD_CUDA_RETURN_(cuda::RmsNormCuda(p, stream_), "RMSNorm");
   return absl::OkStatus();
 }
@@ -1096,12 +1113,16 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
                         : Gemm(in, weight, nullptr, Partial(step, site), false,
                                T, H, k);
   };
+  // Buffers dead once the next GEMM has read them; the kernel after it drops
+  // them from L2 (l2_discard_).
+  const cuda::DeadRows act_rows{act, F * static_cast<int64_t>(sizeof(bf16))};
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights &w = layers_[l];
     // Layer 0 starts the residual stream from the embedding; later layers add
     // the previous MLP's output to it.
     SPECD_RETURN_IF_ERROR_(ReduceNorm(step, l == 0 ? kEmbedSite : kMlpSite,
-                                      l == 0, w.input_norm));
+                                      l == 0, w.input_norm,
+                                      l == 0 ? cuda::DeadRows{} : act_rows));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
 
@@ -1151,6 +1172,7 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.num_splits = step.num_splits;
     ap.chunks_per_cta = step.chunks_per_cta;
     ap.workspace = static_cast<float *>(attn_ws_.ptr);
+    ap.discard_workspace = DropDead(step);
     ap.num_queries = T;
     ap.num_heads = heads_;
     ap.num_kv_heads = kv_heads_;
@@ -1162,7 +1184,10 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
 
     SPECD_RETURN_IF_ERROR_(sublayer_out(attn, w.o_proj, QD, kAttnSite));
-    SPECD_RETURN_IF_ERROR_(ReduceNorm(step, kAttnSite, false, w.post_norm));
+    SPECD_RETURN_IF_ERROR_(ReduceNorm(
+        step, kAttnSite, false, w.post_norm,
+        {qkv, QKVD * static_cast<int64_t>(sizeof(bf16))},
+        {attn, QD * static_cast<int64_t>(sizeof(bf16))}));
     SPECD_RETURN_IF_ERROR_(
         Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
     cuda::SwiGluParams sw;
@@ -1170,13 +1195,17 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     sw.out = act;
     sw.rows = T;
     sw.dim = F;
+    sw.discard_gate_up = DropDead(step);
+    if (sw.discard_gate_up)
+      sw.dead = {normed, H * static_cast<int64_t>(sizeof(bf16))};
     SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
     SPECD_RETURN_IF_ERROR_(sublayer_out(act, w.down, F, kMlpSite));
   }
   // Final norm of every token (cheap next to the LM head), then the requested
   // rows only.
-  SPECD_RETURN_IF_ERROR_(ReduceNorm(step, c.num_layers == 0 ? kEmbedSite : kMlpSite,
-                                    c.num_layers == 0, final_norm_));
+  SPECD_RETURN_IF_ERROR_(ReduceNorm(
+      step, c.num_layers == 0 ? kEmbedSite : kMlpSite, c.num_layers == 0,
+      final_norm_, c.num_layers == 0 ? cuda::DeadRows{} : act_rows));
   if (R == 0)
     return absl::OkStatus();
   cuda::EmbeddingParams

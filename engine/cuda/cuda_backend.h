@@ -265,9 +265,13 @@ private:
   // Sums the partials of `site` over the ranks into the residual stream
   // (starting it when `init`) and writes RMSNorm(residual) * weight to normed_.
   // Where SiteSplits(site) > 1 (one rank only), the sublayer's output is the
-  // fp32 slabs of its K-split GEMM in split_, added up by the norm.
+  // fp32 slabs of its K-split GEMM in split_, added up by the norm. `dead`:
+  // [T, row_bytes] buffers that nothing reads again (the GEMMs' inputs before
+  // it), which the norm drops from L2 when l2_discard_ (as it does the slabs).
   absl::Status ReduceNorm(const Step &step, int site, bool init,
-                          const float *weight);
+                          const float *weight,
+                          cuda::DeadRows dead0 = {},
+                          cuda::DeadRows dead1 = {});
   // Turns the [R, local vocab] logits into sampled tokens (verify steps).
   absl::Status SampleRows(const Step &step, int32_t *tokens);
 
@@ -283,6 +287,14 @@ private:
   // separate reduction kernel. 1 under tensor parallelism (the all-reduce
   // takes bf16 partials) or with SPECD_RESIDUAL_SPLITS=1.
   int residual_splits_ = 1;
+  // Whether the kernels drop a layer's dead intermediates (the attention
+  // workspace, the gate_up and K-split outputs, the GEMM inputs) from L2
+  // without write-back (cuda::DeadRows); SPECD_L2_DISCARD=0 turns it off.
+  bool l2_discard_ = true;
+  // l2_discard_, for a step of this many tokens: from kL2DiscardMinTokens on.
+  // A drop costs an L2 round trip in the kernel that issues it, while a few
+  // rows' intermediates cost little write-back: decode would only lose.
+  bool DropDead(const Step &step) const;
   TpRankPlan slice_;
   int64_t heads_ = 0, kv_heads_ = 0, ffn_ = 0, vocab_rows_ = 0;
   int64_t vocab_rows_max_ = 0;  // the largest rank's vocabulary rows

@@ -73,6 +73,14 @@ __global__ void RmsNormKernel(RmsNormParams p) {
       };
       RmsNormRow1(p, load, res, out, scratch);
     }
+    // Every thread's reads of the slabs came before the block sum's barrier (with a residual,
+    // pass 2 reads the residual instead).
+    if (p.discard_partials && res != nullptr) {
+      for (int s = 0; s < n; ++s) {
+        internal::DiscardL2(parts + s * slab, p.dim * static_cast<int64_t>(sizeof(float)),
+                            static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+      }
+    }
   } else {
     const bf16* x = p.x + r * p.dim;
     if constexpr (kVec == 8) {
@@ -85,6 +93,8 @@ __global__ void RmsNormKernel(RmsNormParams p) {
       RmsNormRow1(p, [x](int64_t i) { return __bfloat162float(x[i]); }, res, out, scratch);
     }
   }
+  // Their readers are earlier grids, complete since PdlWait.
+  for (const DeadRows& d : p.dead) internal::DiscardRow(d.ptr, d.row_bytes, r);
 }
 
 }  // namespace

@@ -1221,6 +1221,19 @@ __global__ void __launch_bounds__(kThreads) TreeAttentionCombineKernel(TreeAtten
       }
     }
   }
+  if constexpr (HD % 32 == 0) {
+    if (p.discard_workspace && (reinterpret_cast<uintptr_t>(p.workspace) & 127) == 0) {
+      // The merges above consumed every lane's loads; the warp's barrier orders them all before
+      // the drops. An item's partial output is HD floats of its own, kLines whole lines; the
+      // warp's lanes take one line each (a drop costs its thread about an L2 round trip).
+      constexpr int kLines = HD * static_cast<int>(sizeof(float)) / 128;
+      __syncwarp();
+      for (int idx = lane; idx < p.num_splits * kLines; idx += 32) {
+        internal::DiscardL2Line(p.workspace + ((idx / kLines) * items + item) * HD +
+                                (idx % kLines) * 32);
+      }
+    }
+  }
   const float inv = big_l > 0.0f ? __fdiv_rn(1.0f, big_l) : 0.0f;
   const int64_t qi = item / p.num_heads, head = item % p.num_heads;
   bf16* dst = p.out + qi * p.out_stride + head * HD;

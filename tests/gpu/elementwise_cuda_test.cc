@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/model_config.h"
@@ -205,7 +206,9 @@ TEST_F(ElementwiseCudaTest, RmsNormOfKSplitPartials) {
   };
   for (const Case c : {Case{1, 4096, 2}, Case{65, 4096, 2}, Case{7, 64, 3}, Case{33, 100, 2},
                        Case{3, 1000, 4}, Case{2, 2048, 1}}) {
-    for (int mode = 0; mode < 2; ++mode) {  // 0: plain, 1: residual add
+    // 0: plain, 1: residual add, 2: residual add, the slabs and a dead buffer dropped from L2
+    // after they are read (RmsNormParams::discard_partials, dead), as the backend runs it.
+    for (int mode = 0; mode < 3; ++mode) {
       const size_t n = static_cast<size_t>(c.rows) * c.dim;
       const std::vector<float> parts = RandomNormal(n * c.parts, rng, 2.0f);
       const std::vector<float> w = RandomNormal(c.dim, rng, 0.5f);
@@ -216,6 +219,11 @@ TEST_F(ElementwiseCudaTest, RmsNormOfKSplitPartials) {
       p.partials = d_parts.get();
       p.num_partials = c.parts;
       p.residual = mode == 0 ? nullptr : d_res.get();
+      DeviceBuffer<bf16> d_dead(n);
+      if (mode == 2) {
+        p.discard_partials = true;
+        p.dead[1] = {d_dead.get(), static_cast<int64_t>(c.dim * sizeof(bf16))};
+      }
       p.weight = d_w.get();
       p.out = d_out.get();
       p.rows = c.rows;
@@ -389,16 +397,26 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
 
 TEST_F(ElementwiseCudaTest, SwiGluMatchesReference) {
   std::mt19937_64 rng(14);
-  for (auto [rows, dim] : {std::pair{5, 1000}, std::pair{3, 77}, std::pair{64, 2816}}) {
+  // discard: gate_up and a dead buffer dropped from L2 after they are read
+  // (SwiGluParams::discard_gate_up, dead), as the backend runs it.
+  for (auto [rows, dim, discard] :
+       {std::tuple{5, 1000, false}, std::tuple{3, 77, false}, std::tuple{64, 2816, false},
+        std::tuple{5, 1000, true}, std::tuple{3, 77, true}, std::tuple{65, 14336, true},
+        std::tuple{2, 56, true}}) {
     const std::vector<float> gate_up =
         RoundBf16(RandomNormal(static_cast<size_t>(rows) * 2 * dim, rng, 3.0f));
     DeviceBuffer<bf16> d_in(ToBf16(gate_up));
     DeviceBuffer<bf16> d_out(static_cast<size_t>(rows) * dim);
+    DeviceBuffer<bf16> d_dead(static_cast<size_t>(rows) * 40);
     cuda::SwiGluParams p;
     p.gate_up = d_in.get();
     p.out = d_out.get();
     p.rows = rows;
     p.dim = dim;
+    if (discard) {
+      p.discard_gate_up = true;
+      p.dead = {d_dead.get(), static_cast<int64_t>(40 * sizeof(bf16))};
+    }
     SPECD_CUDA_OK(cuda::SwiGluCuda(p, stream_));
     Sync();
     std::vector<float> gate(static_cast<size_t>(rows) * dim), up(static_cast<size_t>(rows) * dim),
@@ -416,7 +434,7 @@ TEST_F(ElementwiseCudaTest, SwiGluMatchesReference) {
     ref.n = int64_t{rows} * dim;
     SwiGluCpu(ref);
     EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol))
-        << "rows " << rows << " dim " << dim;
+        << "rows " << rows << " dim " << dim << " discard " << discard;
   }
 }
 

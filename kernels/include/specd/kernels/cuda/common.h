@@ -18,6 +18,18 @@ namespace cuda {
 
 using bf16 = __nv_bfloat16;
 
+// A buffer that no kernel reads again once the kernel given it runs: [rows, row_bytes] bytes,
+// device, or null. That kernel drops its lines from L2 without writing them back (PTX
+// `discard.global.L2`; only 128-byte lines wholly inside a row). Why: a verify step's
+// intermediates (tens of MB a layer at 65 rows) sit dirty in L2 until the next GEMM's weight
+// stream evicts them, and their write-back then takes HBM bandwidth from that GEMM. The caller
+// promises that nothing reads the rows before they are written again: their contents become
+// indeterminate.
+struct DeadRows {
+  const void* ptr = nullptr;
+  int64_t row_bytes = 0;
+};
+
 }  // namespace cuda
 }  // namespace specd
 

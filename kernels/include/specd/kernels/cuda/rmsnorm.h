@@ -31,6 +31,11 @@ struct RmsNormParams {
   int64_t rows = 0;
   int64_t dim = 0;
   float eps = 1e-5f;
+  // With a residual: drop the partials' lines of the row from L2 once it is read (they are dead
+  // after this kernel; DeadRows in common.h says why).
+  bool discard_partials = false;
+  // Up to two buffers whose row r block r drops from L2 (the previous GEMMs' inputs, say).
+  DeadRows dead[2];
 };
 
 cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream);

@@ -15,6 +15,11 @@ struct SwiGluParams {
   bf16* out = nullptr;  // [rows, dim] bf16, device
   int64_t rows = 0;
   int64_t dim = 0;  // intermediate size
+  // Drop gate_up's lines from L2 once read (it is dead after this kernel; DeadRows in common.h
+  // says why). Lines are dropped by the warp that read them, where dim % 8 == 0.
+  bool discard_gate_up = false;
+  // A buffer whose rows [0, rows) are dropped too (the gate_up GEMM's input, say).
+  DeadRows dead;
 };
 
 cudaError_t SwiGluCuda(const SwiGluParams& p, cudaStream_t stream);

@@ -116,6 +116,10 @@ struct TreeAttentionParams {
   int chunks_per_cta = 1;
   // [TreeAttentionWorkspaceFloats(...)] fp32, device; needed when num_splits > 1.
   float* workspace = nullptr;
+  // Split only: the combine kernel drops the chunks' partial outputs from L2 once it has merged
+  // them, without write-back (DeadRows in common.h says why): the workspace's contents are then
+  // indeterminate until the next launch writes them.
+  bool discard_workspace = false;
   int64_t num_queries = 0;
   // Local counts: q holds num_heads heads per query, the caches num_kv_heads heads per slot.
   // Without kv_group, num_kv_heads divides num_heads, with num_heads / num_kv_heads <= 64.
