@@ -457,7 +457,10 @@ BENCHMARK(BM_Sample)
 void BM_Gemm(benchmark::State& state) {
   const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
   const bool invariant = state.range(3) != 0;
+  // K ranges (GemmParams::k_splits): fp32 slabs, as the backend runs o_proj and down.
+  const int splits = static_cast<int>(state.range(4));
   const bool lm_head = n == kVocab;
+  const bool fp32_out = lm_head || splits > 1;
   const size_t w_elems = size_t(n) * k;
   const size_t w_stride = (w_elems * sizeof(bf16) + 255) / 256 * 256 / sizeof(bf16);
   const size_t w_bytes = w_stride * sizeof(bf16);
@@ -480,8 +483,8 @@ void BM_Gemm(benchmark::State& state) {
   for (int c = 0; c < copies; ++c) tile(w + w_stride * c, w_elems);
   bf16* x = Alloc<bf16>(size_t(m) * k);
   tile(x, size_t(m) * k);
-  void* y = lm_head ? static_cast<void*>(Alloc<float>(size_t(m) * n))
-                    : static_cast<void*>(Alloc<bf16>(size_t(m) * n));
+  void* y = fp32_out ? static_cast<void*>(Alloc<float>(size_t(splits) * m * n))
+                     : static_cast<void*>(Alloc<bf16>(size_t(m) * n));
   std::unique_ptr<cuda::Gemm> gemm;
   // The CUDA backend's workspace and row classes (engine/cuda/cuda_backend.cc).
   if (cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant ? 1024 : 0, /*plan_rows=*/16,
@@ -493,7 +496,8 @@ void BM_Gemm(benchmark::State& state) {
   cuda::GemmParams p;
   p.x = x;
   p.y = y;
-  p.y_fp32 = lm_head;
+  p.y_fp32 = fp32_out;
+  p.k_splits = splits;
   p.m = m;
   p.n = n;
   p.k = k;
@@ -527,13 +531,18 @@ void BM_Gemm(benchmark::State& state) {
   cudaFree(d_block);
 }
 BENCHMARK(BM_Gemm)
-    ->ArgNames({"m", "n", "k", "invariant"})
+    ->ArgNames({"m", "n", "k", "invariant", "splits"})
     ->Apply([](benchmark::internal::Benchmark* b) {
       const int64_t shapes[][2] = {
           {6144, kHidden}, {4096, kHidden}, {28672, kHidden}, {4096, 14336}, {kVocab, kHidden}};
       for (const auto& shape : shapes) {
         for (int64_t invariant : {1, 0}) {
-          for (int64_t m : {1, 16, 65, 129, 257}) b->Args({m, shape[0], shape[1], invariant});
+          for (int64_t m : {1, 16, 65, 129, 257}) b->Args({m, shape[0], shape[1], invariant, 1});
+        }
+        // Two K ranges, row-invariant (the backend's residual splits), for every shape but the
+        // LM head.
+        if (shape[0] != kVocab) {
+          for (int64_t m : {1, 65}) b->Args({m, shape[0], shape[1], 1, 2});
         }
       }
     })

@@ -203,6 +203,8 @@ CudaBackend::CudaBackend(ModelConfig config, int device,
   kv_dim_ = kv_heads_ * config_.head_dim;
   graphs_enabled_ = options_.cuda_graphs && !EnvIs("SPECD_CUDA_GRAPHS", "0");
   l2_discard_ = !EnvIs("SPECD_L2_DISCARD", "0");
+  if (const char *env = std::getenv("SPECD_L2_DISCARD_MIN_TOKENS"))
+    l2_discard_min_tokens_ = std::max(1, std::atoi(env));
   if (world_ == 1) {
     residual_splits_ = 2;
     if (const char *env = std::getenv("SPECD_RESIDUAL_SPLITS")) {
@@ -211,13 +213,8 @@ CudaBackend::CudaBackend(ModelConfig config, int device,
   }
 }
 
-// The measured break-even lies between decode (1 token: drops cost ~1 us a
-// layer) and a 64-node verify (65 tokens: GEMMs 3.6 us a layer faster), see
-// bench/RESULTS.md.
-constexpr int64_t kL2DiscardMinTokens = 16;
-
 bool CudaBackend::DropDead(const Step &step) const {
-  return l2_discard_ && step.T >= kL2DiscardMinTokens;
+  return l2_discard_ && step.T >= l2_discard_min_tokens_;
 }
 
 int CudaBackend::SiteSplits(int site) const {

@@ -291,9 +291,14 @@ private:
   // workspace, the gate_up and K-split outputs, the GEMM inputs) from L2
   // without write-back (cuda::DeadRows); SPECD_L2_DISCARD=0 turns it off.
   bool l2_discard_ = true;
-  // l2_discard_, for a step of this many tokens: from kL2DiscardMinTokens on.
-  // A drop costs an L2 round trip in the kernel that issues it, while a few
-  // rows' intermediates cost little write-back: decode would only lose.
+  // The fewest tokens of a step whose kernels drop (SPECD_L2_DISCARD_MIN_TOKENS
+  // overrides it; 1 drops on every step, as tests do to exercise the drops). A
+  // drop costs an L2 round trip in the kernel that issues it, while a few
+  // rows' intermediates cost little write-back: the measured break-even lies
+  // between decode (1 token: drops cost ~1 us a layer) and a 64-node verify
+  // (65 tokens: the GEMMs 3.6 us a layer faster), bench/RESULTS.md.
+  int64_t l2_discard_min_tokens_ = 16;
+  // l2_discard_, for a step of step.T tokens.
   bool DropDead(const Step &step) const;
   TpRankPlan slice_;
   int64_t heads_ = 0, kv_heads_ = 0, ffn_ = 0, vocab_rows_ = 0;
