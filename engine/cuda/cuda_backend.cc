@@ -372,13 +372,15 @@ absl::Status CudaBackend::Init() {
   // partial sums to qualify as the one row-invariant algorithm of their shape.
   // Row classes that end at the graph buckets of a batch-1 verify step (the
   // pending token and 2^j tree nodes); SPECD_GEMM_CLASSES=pow2 restores the
-  // plain doubling classes, and SPECD_GEMM_TIMING=0 picks algorithms without
-  // timing them, the same in every process (A/B runs).
+  // plain doubling classes, SPECD_GEMM_TIMING=0 picks algorithms without
+  // timing them, the same in every process (A/B runs), and SPECD_GEMM_RETILE=0
+  // keeps row classes to cuBLASLt's own candidates.
   if (cublasStatus_t st = cuda::Gemm::Create(
           size_t{128} << 20, &gemm_, options_.cuda_gemm_invariant_rows,
           /*plan_rows=*/16,
           /*bucket_classes=*/!EnvIs("SPECD_GEMM_CLASSES", "pow2"),
-          /*timed_picks=*/!EnvIs("SPECD_GEMM_TIMING", "0"));
+          /*timed_picks=*/!EnvIs("SPECD_GEMM_TIMING", "0"),
+          /*retile=*/!EnvIs("SPECD_GEMM_RETILE", "0"));
       st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(
         absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <utility>
 
 namespace specd {
@@ -32,6 +33,21 @@ constexpr double kCostWeights[] = {1.0, 0.5, 0.25};
 // flip the choice from run to run.
 constexpr double kDisplace = 0.97;
 constexpr int kThreads = 256;
+
+// cuBLASLt's tile ids by shape, for re-tiled class candidates (DecideClass): tile
+// (64 * (i + 1)) x (8 * (j + 1)) is kRetileTiles[i][j], where the first extent counts rows of
+// the weight (cuBLAS's M: y^T = w x^T) and the second token rows.
+constexpr cublasLtMatmulTile_t kRetileTiles[4][32] = {
+    {CUBLASLT_MATMUL_TILE_64x8, CUBLASLT_MATMUL_TILE_64x16, CUBLASLT_MATMUL_TILE_64x24, CUBLASLT_MATMUL_TILE_64x32, CUBLASLT_MATMUL_TILE_64x40, CUBLASLT_MATMUL_TILE_64x48, CUBLASLT_MATMUL_TILE_64x56, CUBLASLT_MATMUL_TILE_64x64, CUBLASLT_MATMUL_TILE_64x72, CUBLASLT_MATMUL_TILE_64x80, CUBLASLT_MATMUL_TILE_64x88, CUBLASLT_MATMUL_TILE_64x96, CUBLASLT_MATMUL_TILE_64x104, CUBLASLT_MATMUL_TILE_64x112, CUBLASLT_MATMUL_TILE_64x120, CUBLASLT_MATMUL_TILE_64x128, CUBLASLT_MATMUL_TILE_64x136, CUBLASLT_MATMUL_TILE_64x144, CUBLASLT_MATMUL_TILE_64x152, CUBLASLT_MATMUL_TILE_64x160, CUBLASLT_MATMUL_TILE_64x168, CUBLASLT_MATMUL_TILE_64x176, CUBLASLT_MATMUL_TILE_64x184, CUBLASLT_MATMUL_TILE_64x192, CUBLASLT_MATMUL_TILE_64x200, CUBLASLT_MATMUL_TILE_64x208, CUBLASLT_MATMUL_TILE_64x216, CUBLASLT_MATMUL_TILE_64x224, CUBLASLT_MATMUL_TILE_64x232, CUBLASLT_MATMUL_TILE_64x240, CUBLASLT_MATMUL_TILE_64x248, CUBLASLT_MATMUL_TILE_64x256},
+    {CUBLASLT_MATMUL_TILE_128x8, CUBLASLT_MATMUL_TILE_128x16, CUBLASLT_MATMUL_TILE_128x24, CUBLASLT_MATMUL_TILE_128x32, CUBLASLT_MATMUL_TILE_128x40, CUBLASLT_MATMUL_TILE_128x48, CUBLASLT_MATMUL_TILE_128x56, CUBLASLT_MATMUL_TILE_128x64, CUBLASLT_MATMUL_TILE_128x72, CUBLASLT_MATMUL_TILE_128x80, CUBLASLT_MATMUL_TILE_128x88, CUBLASLT_MATMUL_TILE_128x96, CUBLASLT_MATMUL_TILE_128x104, CUBLASLT_MATMUL_TILE_128x112, CUBLASLT_MATMUL_TILE_128x120, CUBLASLT_MATMUL_TILE_128x128, CUBLASLT_MATMUL_TILE_128x136, CUBLASLT_MATMUL_TILE_128x144, CUBLASLT_MATMUL_TILE_128x152, CUBLASLT_MATMUL_TILE_128x160, CUBLASLT_MATMUL_TILE_128x168, CUBLASLT_MATMUL_TILE_128x176, CUBLASLT_MATMUL_TILE_128x184, CUBLASLT_MATMUL_TILE_128x192, CUBLASLT_MATMUL_TILE_128x200, CUBLASLT_MATMUL_TILE_128x208, CUBLASLT_MATMUL_TILE_128x216, CUBLASLT_MATMUL_TILE_128x224, CUBLASLT_MATMUL_TILE_128x232, CUBLASLT_MATMUL_TILE_128x240, CUBLASLT_MATMUL_TILE_128x248, CUBLASLT_MATMUL_TILE_128x256},
+    {CUBLASLT_MATMUL_TILE_192x8, CUBLASLT_MATMUL_TILE_192x16, CUBLASLT_MATMUL_TILE_192x24, CUBLASLT_MATMUL_TILE_192x32, CUBLASLT_MATMUL_TILE_192x40, CUBLASLT_MATMUL_TILE_192x48, CUBLASLT_MATMUL_TILE_192x56, CUBLASLT_MATMUL_TILE_192x64, CUBLASLT_MATMUL_TILE_192x72, CUBLASLT_MATMUL_TILE_192x80, CUBLASLT_MATMUL_TILE_192x88, CUBLASLT_MATMUL_TILE_192x96, CUBLASLT_MATMUL_TILE_192x104, CUBLASLT_MATMUL_TILE_192x112, CUBLASLT_MATMUL_TILE_192x120, CUBLASLT_MATMUL_TILE_192x128, CUBLASLT_MATMUL_TILE_192x136, CUBLASLT_MATMUL_TILE_192x144, CUBLASLT_MATMUL_TILE_192x152, CUBLASLT_MATMUL_TILE_192x160, CUBLASLT_MATMUL_TILE_192x168, CUBLASLT_MATMUL_TILE_192x176, CUBLASLT_MATMUL_TILE_192x184, CUBLASLT_MATMUL_TILE_192x192, CUBLASLT_MATMUL_TILE_192x200, CUBLASLT_MATMUL_TILE_192x208, CUBLASLT_MATMUL_TILE_192x216, CUBLASLT_MATMUL_TILE_192x224, CUBLASLT_MATMUL_TILE_192x232, CUBLASLT_MATMUL_TILE_192x240, CUBLASLT_MATMUL_TILE_192x248, CUBLASLT_MATMUL_TILE_192x256},
+    {CUBLASLT_MATMUL_TILE_256x8, CUBLASLT_MATMUL_TILE_256x16, CUBLASLT_MATMUL_TILE_256x24, CUBLASLT_MATMUL_TILE_256x32, CUBLASLT_MATMUL_TILE_256x40, CUBLASLT_MATMUL_TILE_256x48, CUBLASLT_MATMUL_TILE_256x56, CUBLASLT_MATMUL_TILE_256x64, CUBLASLT_MATMUL_TILE_256x72, CUBLASLT_MATMUL_TILE_256x80, CUBLASLT_MATMUL_TILE_256x88, CUBLASLT_MATMUL_TILE_256x96, CUBLASLT_MATMUL_TILE_256x104, CUBLASLT_MATMUL_TILE_256x112, CUBLASLT_MATMUL_TILE_256x120, CUBLASLT_MATMUL_TILE_256x128, CUBLASLT_MATMUL_TILE_256x136, CUBLASLT_MATMUL_TILE_256x144, CUBLASLT_MATMUL_TILE_256x152, CUBLASLT_MATMUL_TILE_256x160, CUBLASLT_MATMUL_TILE_256x168, CUBLASLT_MATMUL_TILE_256x176, CUBLASLT_MATMUL_TILE_256x184, CUBLASLT_MATMUL_TILE_256x192, CUBLASLT_MATMUL_TILE_256x200, CUBLASLT_MATMUL_TILE_256x208, CUBLASLT_MATMUL_TILE_256x216, CUBLASLT_MATMUL_TILE_256x224, CUBLASLT_MATMUL_TILE_256x232, CUBLASLT_MATMUL_TILE_256x240, CUBLASLT_MATMUL_TILE_256x248, CUBLASLT_MATMUL_TILE_256x256}};
+// Classes up to this many rows get re-tiled candidates (the tables' widest token extent).
+constexpr int64_t kRetileMaxRows = 256;
+// Candidates (in cuBLASLt's order) that are re-tiled, and the cluster shapes tried besides their
+// own: 1x1x1 and 4x1x1.
+constexpr size_t kRetileSources = 4;
+constexpr uint16_t kRetileClusters[] = {CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_4x1x1};
 
 int Alignment(const void *p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -507,9 +523,11 @@ struct Gemm::Plan {
 
 cublasStatus_t Gemm::Create(size_t workspace_bytes, std::unique_ptr<Gemm> *out,
                             int64_t invariant_rows, int64_t plan_rows,
-                            bool bucket_classes, bool timed_picks) {
+                            bool bucket_classes, bool timed_picks,
+                            bool retile) {
   std::unique_ptr<Gemm> g(new Gemm());
   g->timed_picks_ = timed_picks;
+  g->retile_ = retile;
   g->invariant_rows_ = invariant_rows > 0 ? invariant_rows : 0;
   g->plan_rows_ = std::max<int64_t>(
       1, std::min(plan_rows, std::max<int64_t>(1, invariant_rows)));
@@ -1088,6 +1106,63 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
                           plan.b, &beta, y, plan.d, y, plan.d, &algo,
                           workspace_, workspace_bytes_, stream);
   };
+  // Re-tiled candidates. For a few rows cuBLASLt's lists lean on wide tiles:
+  // at the 8B's gate_up and 65 rows its picks run 256 weight rows a CTA (112
+  // CTAs, 62-63 us), while the same kernels re-tiled to 128 rows, with the
+  // class's token extent and another cluster shape, run in 59 us with the same
+  // bits (bench/RESULTS.md, fourteenth run). So in classes of up to
+  // kRetileMaxRows rows the first kRetileSources candidates are also tried at
+  // every tile width and at two more cluster shapes, and then every candidate
+  // is timed once at the class's largest m and the list put in that order, so
+  // that the self-check and the final timing below see the fastest first.
+  if (retile_ && timed_picks_ && hi <= kRetileMaxRows) {
+    const size_t sources = std::min(kRetileSources, candidates.size());
+    const int extent = static_cast<int>((hi + 7) / 8) - 1;
+    for (size_t i = 0; i < sources; ++i) {
+      for (const cublasLtMatmulTile_t tile : {kRetileTiles[0][extent],
+                                             kRetileTiles[1][extent],
+                                             kRetileTiles[2][extent],
+                                             kRetileTiles[3][extent]}) {
+        for (int c = -1; c < static_cast<int>(sizeof(kRetileClusters) /
+                                              sizeof(kRetileClusters[0]));
+             ++c) {
+          cublasLtMatmulAlgo_t variant = candidates[i];
+          const uint32_t t = tile;
+          cublasLtMatmulAlgoConfigSetAttribute(
+              &variant, CUBLASLT_ALGO_CONFIG_TILE_ID, &t, sizeof(t));
+          if (c >= 0) {
+            cublasLtMatmulAlgoConfigSetAttribute(
+                &variant, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                &kRetileClusters[c], sizeof(kRetileClusters[c]));
+          }
+          bool fits = SameKSplit(ReadConfig(variant), base_config);
+          for (const auto &plan : plans)
+            fits = fits && AlgoFits(variant, *plan);
+          if (fits)
+            add(variant);
+        }
+      }
+    }
+    std::vector<float> quick;
+    if (!candidates.empty() &&
+        TimeLaunches(
+            candidates.size(),
+            [&](size_t i) {
+              return matmul(candidates[i], *plans.back(), scratch.y) ==
+                     CUBLAS_STATUS_SUCCESS;
+            },
+            scratch, stream, &quick)) {
+      std::vector<size_t> order(candidates.size());
+      std::iota(order.begin(), order.end(), size_t{0});
+      std::stable_sort(order.begin(), order.end(),
+                       [&](size_t a, size_t b) { return quick[a] < quick[b]; });
+      std::vector<cublasLtMatmulAlgo_t> sorted;
+      for (size_t i : order)
+        sorted.push_back(candidates[i]);
+      candidates.swap(sorted);
+    }
+    rc.retiled = true;
+  }
   // The reference: the base algorithm on the probe rows alone.
   if (FillCheckRows(scratch.x, probe, k, probe, stream) != cudaSuccess ||
       matmul(family->base, ref_plan, scratch.ref) != CUBLAS_STATUS_SUCCESS) {
@@ -1277,9 +1352,11 @@ std::string Gemm::Summary() const {
         continue;
       }
       std::snprintf(buf, sizeof(buf),
-                    "%s; %d candidates checked, %d differed, %d timed "
+                    "%s; %d candidates checked%s, %d differed, %d timed "
                     "(base included when it passed)",
-                    rc.why, rc.checked, rc.mismatched, rc.passed);
+                    rc.why, rc.checked,
+                    rc.retiled ? " (re-tiled ones too, fastest first)" : "",
+                    rc.mismatched, rc.passed);
       out += buf;
       if (rc.us[0] >= 0.0f) {
         std::snprintf(buf, sizeof(buf), "; %.1f / %.1f us at m %lld / %lld",

@@ -88,7 +88,11 @@ struct GemmParams {
 //   `timed_picks` false nothing is timed: every base is the untimed choice and
 //   every class runs the first candidate that passes its self-check, so two
 //   processes pick the same algorithms (A/B runs of other changes; timed picks
-//   can differ between processes when candidates are within noise).
+//   can differ between processes when candidates are within noise). With
+//   `retile` (and timed picks), a class of up to 256 rows also tries the first
+//   few candidates re-tiled to every tile width with its token extent and at
+//   two more cluster shapes, and checks its candidates fastest first by one
+//   quick timing at its largest m (DecideClass says why).
 // - One algorithm serving every m up to 1024 is slow, though: its tile covers a
 //   fixed number of token rows (~64) and each further tile of tokens streams
 //   the whole weight matrix again. So m is split into row classes, [1, 1],
@@ -134,7 +138,8 @@ public:
                                int64_t invariant_rows = 0,
                                int64_t plan_rows = 16,
                                bool bucket_classes = false,
-                               bool timed_picks = true);
+                               bool timed_picks = true,
+                               bool retile = true);
 
   // Whether GemmParams::k_splits may cut a depth of k: k_splits >= 1 ranges of
   // whole 16-byte pieces.
@@ -206,6 +211,9 @@ private:
     float base_us[2] = {-1.0f, -1.0f};
     const char *why = "";   // how the decision came about
     float decide_ms = 0.0f; // host time the decision took (Summary)
+    // Re-tiled candidates joined the pool and the pool was ordered by a quick
+    // timing at the class's largest m (`retile`, classes up to 256 rows).
+    bool retiled = false;
   };
   struct Family {
     bool found = false; // has a base algorithm (else not row-invariant)
@@ -257,6 +265,7 @@ private:
   int64_t invariant_rows_ = 0;
   int64_t plan_rows_ = 16;
   bool timed_picks_ = true;
+  bool retile_ = true;
   std::vector<int64_t> class_hi_;
   int non_invariant_shapes_ = 0;
   int untimed_bases_ = 0;
