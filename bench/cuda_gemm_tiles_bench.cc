@@ -1,11 +1,13 @@
 // Which cuBLASLt configurations of one GEMM shape run fastest, beyond the heuristic's own list:
-// for y[m, n] = x[m, k] w[n, k]^T (bf16, fp32 accumulation, the layouts of cuda::Gemm without a
-// K split), the heuristic's candidates for m, and each of them re-tiled (CUBLASLT_ALGO_CONFIG_TILE_ID
+// for y[m, n] = x[m, k] w[n, k]^T (bf16, fp32 accumulation, the layouts of cuda::Gemm; with
+// --splits S > 1 its K split: S strided batches over K ranges into fp32 slabs), the heuristic's
+// candidates for m, and each of them re-tiled (CUBLASLT_ALGO_CONFIG_TILE_ID
 // from --tiles) and re-clustered (--clusters), kept where cublasLtMatmulAlgoCheck accepts them.
 // Each runs over enough weight copies (>= 256 MiB) that weights stream from HBM; prints µs
 // (median of 5 rounds of 20 launches), waves and whether its output has the bits of the
 // heuristic's first pick (the row-invariance families of cuda::Gemm need that).
-//   cuda_gemm_tiles_bench --n 28672 --k 4096 --m 65 [--tiles 317,399,455,492] [--clusters 2,3,4]
+//   cuda_gemm_tiles_bench --n 28672 --k 4096 --m 65 [--splits 1] [--tiles 317,399,455,492]
+//       [--clusters 2,3,4]
 // A diagnostic for the GPU host (bench/RESULTS.md), not a test.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -48,13 +50,14 @@ T Config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t n = 28672, k = 4096, m = 65;
+  int64_t n = 28672, k = 4096, m = 65, splits = 1;
   std::vector<int> tiles = {317, 399, 455, 492}, clusters = {0};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--n") n = std::atoll(v.c_str());
     else if (a == "--k") k = std::atoll(v.c_str());
     else if (a == "--m") m = std::atoll(v.c_str());
+    else if (a == "--splits") splits = std::max<int64_t>(1, std::atoll(v.c_str()));
     else if (a == "--tiles") tiles = Ints(v);
     else if (a == "--clusters") clusters = Ints(v);
     else Die("unknown flag");
@@ -66,10 +69,25 @@ int main(int argc, char** argv) {
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
   cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+  if (k % splits != 0) Die("--splits must divide k");
+  const int64_t part = k / splits;
+  const cudaDataType_t y_type = splits > 1 ? CUDA_R_32F : CUDA_R_16BF;
+  const size_t y_elem = splits > 1 ? 4 : 2;
   cublasLtMatrixLayout_t la, lb, ld;
-  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, k, n, k);
-  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, k, m, k);
-  cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, n, m, n);
+  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, part, n, k);
+  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, part, m, k);
+  cublasLtMatrixLayoutCreate(&ld, y_type, n, m, n);
+  if (splits > 1) {
+    const int32_t count = static_cast<int32_t>(splits);
+    const int64_t offsets[3] = {part, part, m * n};
+    cublasLtMatrixLayout_t layouts[3] = {la, lb, ld};
+    for (int i = 0; i < 3; ++i) {
+      cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                       sizeof(count));
+      cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                       &offsets[i], sizeof(offsets[i]));
+    }
+  }
   const size_t ws_bytes = size_t{128} << 20;
   void* ws = nullptr;
   cudaMalloc(&ws, ws_bytes);
@@ -128,7 +146,8 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<float> u(-0.05f, 0.05f);
   for (auto& v : host) v = __float2bfloat16(u(rng));
-  __nv_bfloat16 *w = nullptr, *x = nullptr, *y = nullptr, *y0 = nullptr;
+  __nv_bfloat16 *w = nullptr, *x = nullptr;
+  void *y = nullptr, *y0 = nullptr;
   if (cudaMalloc(&w, w_elems * 2 * copies) != cudaSuccess) Die("cudaMalloc");
   for (int c = 0; c < copies; ++c) {
     cudaMemcpy(w + w_elems * c, host.data(), w_elems * 2, cudaMemcpyHostToDevice);
@@ -137,8 +156,9 @@ int main(int argc, char** argv) {
   for (auto& v : hx) v = __float2bfloat16(u(rng) * 20);
   cudaMalloc(&x, hx.size() * 2);
   cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice);
-  cudaMalloc(&y, static_cast<size_t>(m) * n * 2);
-  cudaMalloc(&y0, static_cast<size_t>(m) * n * 2);
+  const size_t y_bytes = static_cast<size_t>(splits * m * n) * y_elem;
+  cudaMalloc(&y, y_bytes);
+  cudaMalloc(&y0, y_bytes);
   cudaStream_t stream;
   cudaStreamCreate(&stream);
   const float alpha = 1.0f, beta = 0.0f;
@@ -146,15 +166,17 @@ int main(int argc, char** argv) {
     return cublasLtMatmul(handle, desc, &alpha, wp, la, x, lb, &beta, out, ld, out, ld, &a, ws,
                           ws_bytes, stream);
   };
-  std::vector<__nv_bfloat16> ref(static_cast<size_t>(m) * n), got(ref.size());
+  std::vector<unsigned char> ref(y_bytes), got(y_bytes);
   if (run(cands[0], w, y0) != CUBLAS_STATUS_SUCCESS) Die("first pick failed");
-  cudaMemcpy(ref.data(), y0, ref.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(ref.data(), y0, y_bytes, cudaMemcpyDeviceToHost);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  std::printf("# n %lld k %lld m %lld: %zu candidates (%zu from the heuristic), %d weight copies\n",
-              static_cast<long long>(n), static_cast<long long>(k), static_cast<long long>(m),
-              cands.size(), heuristic, copies);
+  std::printf(
+      "# n %lld k %lld m %lld splits %lld: %zu candidates (%zu from the heuristic), %d weight "
+      "copies\n",
+      static_cast<long long>(n), static_cast<long long>(k), static_cast<long long>(m),
+      static_cast<long long>(splits), cands.size(), heuristic, copies);
   struct Row {
     double us;
     std::string text;
@@ -166,8 +188,8 @@ int main(int argc, char** argv) {
       cudaGetLastError();
       continue;
     }
-    cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost);
-    const bool same = std::memcmp(got.data(), ref.data(), got.size() * 2) == 0;
+    cudaMemcpy(got.data(), y, y_bytes, cudaMemcpyDeviceToHost);
+    const bool same = std::memcmp(got.data(), ref.data(), y_bytes) == 0;
     std::vector<double> us;
     int next = 0;
     for (int r = 0; r < 5; ++r) {

@@ -44,10 +44,10 @@ constexpr cublasLtMatmulTile_t kRetileTiles[4][32] = {
     {CUBLASLT_MATMUL_TILE_256x8, CUBLASLT_MATMUL_TILE_256x16, CUBLASLT_MATMUL_TILE_256x24, CUBLASLT_MATMUL_TILE_256x32, CUBLASLT_MATMUL_TILE_256x40, CUBLASLT_MATMUL_TILE_256x48, CUBLASLT_MATMUL_TILE_256x56, CUBLASLT_MATMUL_TILE_256x64, CUBLASLT_MATMUL_TILE_256x72, CUBLASLT_MATMUL_TILE_256x80, CUBLASLT_MATMUL_TILE_256x88, CUBLASLT_MATMUL_TILE_256x96, CUBLASLT_MATMUL_TILE_256x104, CUBLASLT_MATMUL_TILE_256x112, CUBLASLT_MATMUL_TILE_256x120, CUBLASLT_MATMUL_TILE_256x128, CUBLASLT_MATMUL_TILE_256x136, CUBLASLT_MATMUL_TILE_256x144, CUBLASLT_MATMUL_TILE_256x152, CUBLASLT_MATMUL_TILE_256x160, CUBLASLT_MATMUL_TILE_256x168, CUBLASLT_MATMUL_TILE_256x176, CUBLASLT_MATMUL_TILE_256x184, CUBLASLT_MATMUL_TILE_256x192, CUBLASLT_MATMUL_TILE_256x200, CUBLASLT_MATMUL_TILE_256x208, CUBLASLT_MATMUL_TILE_256x216, CUBLASLT_MATMUL_TILE_256x224, CUBLASLT_MATMUL_TILE_256x232, CUBLASLT_MATMUL_TILE_256x240, CUBLASLT_MATMUL_TILE_256x248, CUBLASLT_MATMUL_TILE_256x256}};
 // Classes up to this many rows get re-tiled candidates (the tables' widest token extent).
 constexpr int64_t kRetileMaxRows = 256;
-// Candidates (in cuBLASLt's order) that are re-tiled, and the cluster shapes tried besides their
-// own: 1x1x1 and 4x1x1.
-constexpr size_t kRetileSources = 4;
-constexpr uint16_t kRetileClusters[] = {CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_4x1x1};
+// The cluster shapes a re-tiled candidate is tried at besides its own (the LM head's best at one
+// row is 192 x 8 at 1x2x1, gate_up's at 65 rows 128 x 72 at 4x1x1: bench/RESULTS.md).
+constexpr uint16_t kRetileClusters[] = {CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_2x1x1,
+                                        CUBLASLT_CLUSTER_SHAPE_4x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1};
 
 int Alignment(const void *p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -1111,12 +1111,12 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
   // CTAs, 62-63 us), while the same kernels re-tiled to 128 rows, with the
   // class's token extent and another cluster shape, run in 59 us with the same
   // bits (bench/RESULTS.md, fourteenth run). So in classes of up to
-  // kRetileMaxRows rows the first kRetileSources candidates are also tried at
-  // every tile width and at two more cluster shapes, and then every candidate
-  // is timed once at the class's largest m and the list put in that order, so
-  // that the self-check and the final timing below see the fastest first.
+  // kRetileMaxRows rows every candidate is also tried at every tile width and
+  // at the kRetileClusters shapes, and then every candidate is timed once at
+  // the class's largest m and the list put in that order, so that the
+  // self-check and the final timing below see the fastest first.
   if (retile_ && timed_picks_ && hi <= kRetileMaxRows) {
-    const size_t sources = std::min(kRetileSources, candidates.size());
+    const size_t sources = candidates.size();
     const int extent = static_cast<int>((hi + 7) / 8) - 1;
     for (size_t i = 0; i < sources; ++i) {
       for (const cublasLtMatmulTile_t tile : {kRetileTiles[0][extent],

@@ -89,10 +89,11 @@ struct GemmParams {
 //   every class runs the first candidate that passes its self-check, so two
 //   processes pick the same algorithms (A/B runs of other changes; timed picks
 //   can differ between processes when candidates are within noise). With
-//   `retile` (and timed picks), a class of up to 256 rows also tries the first
-//   few candidates re-tiled to every tile width with its token extent and at
-//   two more cluster shapes, and checks its candidates fastest first by one
-//   quick timing at its largest m (DecideClass says why).
+//   `retile` (and timed picks), a class of up to 256 rows also tries its
+//   candidates re-tiled to every tile width with its token extent and at four
+//   more cluster shapes, and checks them fastest first by one quick timing at
+//   its largest m (DecideClass says why). That makes a class's decision take
+//   up to ~0.2 s instead of a few ms, once per process and shape.
 // - One algorithm serving every m up to 1024 is slow, though: its tile covers a
 //   fixed number of token rows (~64) and each further tile of tokens streams
 //   the whole weight matrix again. So m is split into row classes, [1, 1],
