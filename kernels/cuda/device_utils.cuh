@@ -101,29 +101,27 @@ __device__ __forceinline__ void PdlTrigger() {
 #endif
 }
 
-// Drops from L2, without write-back, the 128-byte lines wholly inside [begin, begin + bytes)
-// (a partial line at either end may hold live data and stays); thread i of n takes lines i,
-// i + n, .... Every read of those lines, by any thread, must be ordered before this (program
-// order in the thread that read, else a barrier or an earlier grid's completion). See DeadRows
-// (common.h) for why.
-__device__ __forceinline__ void DiscardL2(const void* begin, int64_t bytes, int i, int n) {
+// Drops one 128-byte aligned line from L2 without write-back (PTX discard.global.L2). A drop
+// costs the issuing thread about an L2 round trip, so a kernel spreads its lines over its threads
+// rather than looping in a few. Every read of the line, by any thread, must be ordered before
+// this (program order in the thread that read, else a barrier or an earlier grid's completion).
+// See DeadRows (common.h) for why.
+__device__ __forceinline__ void DiscardL2Line(const void* line) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(line) : "memory");
+#endif
+}
+
+// DiscardL2Line over the lines wholly inside [begin, begin + bytes) (a partial line at either end
+// may hold live data and stays); thread i of n takes lines i, i + n, ....
+__device__ __forceinline__ void DiscardL2(const void* begin, int64_t bytes, int i, int n) {
   const uintptr_t b = reinterpret_cast<uintptr_t>(begin);
   const uintptr_t lo = (b + 127) & ~uintptr_t{127};
   const uintptr_t hi = (b + static_cast<uintptr_t>(bytes)) & ~uintptr_t{127};
   for (uintptr_t a = lo + static_cast<uintptr_t>(i) * 128; a < hi;
        a += static_cast<uintptr_t>(n) * 128) {
-    asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(a) : "memory");
+    DiscardL2Line(reinterpret_cast<const void*>(a));
   }
-#endif
-}
-
-// One line of DiscardL2's: `line` is 128-byte aligned. A drop costs the issuing thread about an
-// L2 round trip, so a kernel spreads its lines over its threads rather than looping in a few.
-__device__ __forceinline__ void DiscardL2Line(const void* line) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(line) : "memory");
-#endif
 }
 
 // DeadRows' row r, by the threads of a block.
