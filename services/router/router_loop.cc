@@ -31,6 +31,24 @@ void ToProto(const TokenTree& t, v1::TokenTree* p) {
   p->mutable_draft_logprobs()->Assign(t.draft_logprobs.begin(), t.draft_logprobs.end());
 }
 
+// A client whose deadline passes cancels its stream, and the cancellation reaches the router
+// before the router's copy of the deadline does: the server-side deadline is the client's
+// timeout counted from when the request arrived, so it lags the client's by the request's
+// one-way latency. A cancellation this close to the deadline is the deadline passing.
+constexpr absl::Duration kDeadlineLag = absl::Milliseconds(250);
+
+// Why a request that was cancelled or whose deadline passed ends, or OK while it is live.
+grpc::Status EndedStatus(const RouterRequest& request, bool cancelled, absl::Time now,
+                         const char* deadline_message) {
+  const bool lagging_deadline = request.deadline != absl::InfiniteFuture() &&
+                                now >= request.deadline - kDeadlineLag;
+  if (now >= request.deadline || (cancelled && lagging_deadline)) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, deadline_message);
+  }
+  if (cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+  return grpc::Status::OK;
+}
+
 int TreeDepth(const TokenTree& t) {
   int depth = 0;
   for (int d : TreeDepths(t)) depth = std::max(depth, d + 1);
@@ -218,14 +236,16 @@ void RouterLoop::Run() {
 }
 
 void RouterLoop::Admit() {
-  std::vector<Queued> expired;
+  std::vector<std::pair<Queued, grpc::Status>> expired;
   std::vector<Queued> admitted;
   const absl::Time now = absl::Now();
   {
     absl::MutexLock lock(&mu_);
     for (auto it = queue_.begin(); it != queue_.end();) {
-      if (it->sink->Cancelled() || now >= it->request.deadline) {
-        expired.push_back(std::move(*it));
+      grpc::Status ended = EndedStatus(it->request, it->sink->Cancelled(), now,
+                                       "the deadline passed while the request was queued");
+      if (!ended.ok()) {
+        expired.emplace_back(std::move(*it), std::move(ended));
         it = queue_.erase(it);
       } else {
         ++it;
@@ -238,12 +258,7 @@ void RouterLoop::Admit() {
     }
     metrics_->requests_waiting.Set(queue_.size());
   }
-  for (Queued& q : expired) {
-    const grpc::Status status =
-        now >= q.request.deadline
-            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                           "the deadline passed while the request was queued")
-            : grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+  for (auto& [q, status] : expired) {
     q.sink->Finish(status);
     metrics_->CountOutcome(status.error_code());
   }
@@ -289,11 +304,9 @@ void RouterLoop::Admit() {
 void RouterLoop::Step() {
   const absl::Time now = absl::Now();
   for (auto& seq : running_) {
-    if (now >= seq->request.deadline) {
-      Fail(*seq, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the deadline passed"));
-    } else if (seq->sink->Cancelled()) {
-      Fail(*seq, grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
-    }
+    const grpc::Status ended =
+        EndedStatus(seq->request, seq->sink->Cancelled(), now, "the deadline passed");
+    if (!ended.ok()) Fail(*seq, ended);
   }
   RemoveDone();
   DraftStep();
