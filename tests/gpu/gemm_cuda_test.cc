@@ -21,6 +21,34 @@ using gpu_test::RoundBf16;
 using gpu_test::ToBf16;
 using gpu_test::ToFloat;
 
+// Row-major bf16-rounded GEMM inputs: x [m, k] and w [n, k], scaled so that the products are
+// O(1) whatever k is.
+struct Operands {
+  std::vector<float> x, w;
+};
+Operands RandomOperands(int m, int n, int k, std::mt19937_64& rng) {
+  Operands o;
+  o.x = RoundBf16(RandomNormal(static_cast<size_t>(m) * k, rng));
+  o.w = RoundBf16(RandomNormal(static_cast<size_t>(n) * k, rng, 1.0f / std::sqrt(float(k))));
+  return o;
+}
+
+// The CPU reference y [m, n] = x [m, k] · w [n, k]ᵀ (+ bias [n] where not null), host fp32.
+std::vector<float> CpuProduct(const float* x, const float* w, const float* bias, int m, int n,
+                              int k) {
+  std::vector<float> y(static_cast<size_t>(m) * n);
+  LinearParams ref;
+  ref.x = x;
+  ref.w = w;
+  ref.bias = bias;
+  ref.y = y.data();
+  ref.rows = m;
+  ref.in_features = k;
+  ref.out_features = n;
+  LinearNaiveCpu(ref);
+  return y;
+}
+
 // Per-shape picks (invariant_rows 0) and, as the engine runs it, one algorithm per row class
 // (invariant_rows 1024; each class's algorithm is then first used, and self-checked, here).
 class GemmCudaTest : public gpu_test::GpuTest {};
@@ -42,10 +70,7 @@ TEST_P(GemmCudaRowsTest, MatchesReference) {
                        Case{64, 320, 64, true, false}, Case{257, 1001, 200, false, false},
                        Case{3, 4096, 1024, true, false}, Case{1, 1001, 136, true, false},
                        Case{65, 2048, 512, false, true}, Case{1024, 512, 256, true, false}}) {
-    // Inputs scaled so that outputs are O(1) whatever k is.
-    const std::vector<float> x = RoundBf16(RandomNormal(static_cast<size_t>(c.m) * c.k, rng));
-    const std::vector<float> w =
-        RoundBf16(RandomNormal(static_cast<size_t>(c.n) * c.k, rng, 1.0f / std::sqrt(float(c.k))));
+    const auto [x, w] = RandomOperands(c.m, c.n, c.k, rng);
     const std::vector<float> bias = RoundBf16(RandomNormal(c.n, rng));
     DeviceBuffer<bf16> d_x(ToBf16(x)), d_w(ToBf16(w)), d_bias(ToBf16(bias));
     DeviceBuffer<bf16> d_y16(static_cast<size_t>(c.m) * c.n);
@@ -65,16 +90,8 @@ TEST_P(GemmCudaRowsTest, MatchesReference) {
           << "m " << c.m << " n " << c.n << " k " << c.k;
     }
     Sync();
-    std::vector<float> want(static_cast<size_t>(c.m) * c.n);
-    LinearParams ref;
-    ref.x = x.data();
-    ref.w = w.data();
-    ref.bias = c.bias ? bias.data() : nullptr;
-    ref.y = want.data();
-    ref.rows = c.m;
-    ref.in_features = c.k;
-    ref.out_features = c.n;
-    LinearNaiveCpu(ref);
+    const std::vector<float> want =
+        CpuProduct(x.data(), w.data(), c.bias ? bias.data() : nullptr, c.m, c.n, c.k);
     const std::vector<float> got = c.y_fp32 ? d_y32.Download() : ToFloat(d_y16.Download());
     // fp32 accumulation of O(1) sums; a bf16 output adds its rounding.
     EXPECT_TRUE(AllClose(got, want, c.y_fp32 ? 1e-3f : 1e-2f, c.y_fp32 ? 1e-3f : 1.0f / 128))
@@ -98,9 +115,7 @@ TEST_P(GemmCudaRowsTest, KSplitSlabsAreTheRangesProducts) {
   };
   for (const Case c : {Case{1, 4096, 1024, 2}, Case{65, 1000, 512, 2}, Case{7, 384, 768, 4},
                        Case{3, 320, 384, 3}, Case{257, 512, 256, 2}}) {
-    const std::vector<float> x = RoundBf16(RandomNormal(static_cast<size_t>(c.m) * c.k, rng));
-    const std::vector<float> w =
-        RoundBf16(RandomNormal(static_cast<size_t>(c.n) * c.k, rng, 1.0f / std::sqrt(float(c.k))));
+    const auto [x, w] = RandomOperands(c.m, c.n, c.k, rng);
     DeviceBuffer<bf16> d_x(ToBf16(x)), d_w(ToBf16(w));
     DeviceBuffer<float> d_y(static_cast<size_t>(c.splits) * c.m * c.n);
     cuda::GemmParams p;
@@ -126,15 +141,7 @@ TEST_P(GemmCudaRowsTest, KSplitSlabsAreTheRangesProducts) {
         std::copy_n(x.begin() + r * c.k + s * part, part, xs.begin() + r * part);
       for (int r = 0; r < c.n; ++r)
         std::copy_n(w.begin() + r * c.k + s * part, part, ws.begin() + r * part);
-      std::vector<float> want(static_cast<size_t>(c.m) * c.n);
-      LinearParams ref;
-      ref.x = xs.data();
-      ref.w = ws.data();
-      ref.y = want.data();
-      ref.rows = c.m;
-      ref.in_features = part;
-      ref.out_features = c.n;
-      LinearNaiveCpu(ref);
+      const std::vector<float> want = CpuProduct(xs.data(), ws.data(), nullptr, c.m, c.n, part);
       const std::vector<float> slab(got.begin() + static_cast<size_t>(s) * c.m * c.n,
                                     got.begin() + static_cast<size_t>(s + 1) * c.m * c.n);
       EXPECT_TRUE(AllClose(slab, want, 1e-3f, 1e-3f))
