@@ -1,7 +1,9 @@
 // specd-http: an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-// /health, /metrics) in front of specd-router's gRPC Generation API. docs/http.md has examples.
+// /tokenize, /detokenize, /version, /health, /metrics) in front of specd-router's gRPC
+// Generation API. docs/http.md has examples.
 //
 //   specd-http --address 0.0.0.0:8000 --router 127.0.0.1:50050 [--model_dir models/target]
+//       [--chat_template FILE]
 #include <memory>
 #include <string>
 
@@ -14,7 +16,7 @@
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/signals.h"
-#include "services/http/chat_format.h"
+#include "services/http/chat_template.h"
 #include "services/http/openai_server.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:8000", "host:port of the HTTP API");
@@ -23,9 +25,11 @@ ABSL_FLAG(std::string, model_name, "",
           "model name /v1/models reports and requests may give; empty = the last path "
           "component of the router's GetModelInfo target_model");
 ABSL_FLAG(std::string, model_dir, "",
-          "optional Hugging Face folder of the served model; only its tokenizer_config.json is "
-          "read, for the chat format (ChatML or Llama 3 when its chat_template is one of those, "
-          "else plain \"role: content\" lines)");
+          "Hugging Face folder of the served model; its chat template (chat_template.jinja, or "
+          "tokenizer_config.json's chat_template) and special tokens (bos_token, eos_token...) "
+          "are read from it. Without a template, chat requests are refused");
+ABSL_FLAG(std::string, chat_template, "",
+          "a file with the Jinja chat template to use instead of the model's own");
 ABSL_FLAG(int, metrics_port, -1,
           "serve /metrics and /health on this port too (0 = pick a free one); -1 = only on "
           "--address, next to the API");
@@ -56,10 +60,15 @@ int Main() {
     return Fail(r.status().ToString());
   }
   options.model_name = absl::GetFlag(FLAGS_model_name);
-  if (const std::string dir = absl::GetFlag(FLAGS_model_dir); !dir.empty()) {
-    absl::StatusOr<ChatFormat> format = ChatFormatFromModelDir(dir);
-    if (!format.ok()) return Fail(absl::StrCat("--model_dir: ", format.status().ToString()));
-    options.chat_format = *format;
+  {
+    absl::StatusOr<std::optional<ChatTemplate>> chat_template =
+        ChatTemplate::Load(absl::GetFlag(FLAGS_model_dir), absl::GetFlag(FLAGS_chat_template));
+    if (!chat_template.ok()) {
+      return Fail(absl::StrCat("--model_dir / --chat_template: ", chat_template.status().ToString()));
+    }
+    if (chat_template->has_value()) {
+      options.chat_template = std::make_shared<const ChatTemplate>(**std::move(chat_template));
+    }
   }
   const int timeout_ms = absl::GetFlag(FLAGS_request_timeout_ms);
   if (timeout_ms < 0) return Fail("--request_timeout_ms: must be >= 0");
@@ -92,8 +101,9 @@ int Main() {
   SPECD_LOG(INFO) << "specd-http: HTTP on " << options.host << ":" << (*server)->port()
                   << (metrics_server ? absl::StrCat(", metrics on port ", metrics_server->port())
                                      : std::string())
-                  << "; router " << options.router_address << "; chat format "
-                  << ChatFormatName(options.chat_format);
+                  << "; router " << options.router_address << "; chat template "
+                  << (options.chat_template ? options.chat_template->origin()
+                                            : std::string("none (chat requests are refused)"));
 
   WatchTerminationSignals().WaitForNotification();
   SPECD_LOG(INFO) << "specd-http: signal " << TerminationSignal() << ", shutting down";
@@ -109,7 +119,8 @@ int Main() {
 int main(int argc, char** argv) {
   specd::WatchTerminationSignals();
   absl::SetProgramUsageMessage(
-      "specd-http --address HOST:PORT --router HOST:PORT [--model_dir DIR] [--model_name NAME]");
+      "specd-http --address HOST:PORT --router HOST:PORT [--model_dir DIR] [--chat_template FILE] "
+      "[--model_name NAME]");
   specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();

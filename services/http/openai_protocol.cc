@@ -298,6 +298,8 @@ absl::Status ParseMaxTokens(Endpoint endpoint, const json& body, const ProtocolO
   return absl::OkStatus();
 }
 
+}  // namespace
+
 absl::Status CheckModel(const json& body, const ProtocolOptions& options) {
   const json* model = Field(body, "model");
   if (model == nullptr) return absl::OkStatus();
@@ -310,6 +312,8 @@ absl::Status CheckModel(const json& body, const ProtocolOptions& options) {
   return absl::NotFoundError(absl::StrCat(
       "model: '", name, "' is not served here; this server serves '", options.model_name, "'"));
 }
+
+namespace {
 
 // The field a message's "name: reason" prefix names, or "" when the message has no such prefix.
 std::string MessageField(absl::string_view message) {
@@ -433,11 +437,28 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
   if (endpoint == Endpoint::kCompletions) {
     if (absl::Status s = ParsePrompt(body, &g); !s.ok()) return s;
   } else {
-    const json* messages = Field(body, "messages");
-    if (messages == nullptr) return Invalid("messages", "required");
-    absl::StatusOr<std::string> prompt = RenderChat(*messages, options.chat_format);
+    // Object key order reaches the template (dict iteration, tojson), so the fields it sees are
+    // read again in the order of the text.
+    absl::StatusOr<ChatTemplate::Request> chat =
+        ParseChatTemplateFields(nlohmann::ordered_json::parse(body_text));
+    if (!chat.ok()) return chat.status();
+    absl::StatusOr<bool> add_special = OptionalBool(body, "add_special_tokens", false);
+    if (!add_special.ok()) return add_special.status();
+    if (absl::StatusOr<bool> echo = OptionalBool(body, "echo", false); !echo.ok()) {
+      return echo.status();
+    } else if (*echo) {
+      return Invalid("echo", "not supported");
+    }
+    if (options.chat_template == nullptr) {
+      return absl::FailedPreconditionError(
+          "the served model has no chat template (tokenizer_config.json's chat_template or "
+          "chat_template.jinja); start specd-http with --model_dir, or --chat_template FILE");
+    }
+    absl::StatusOr<std::string> prompt = options.chat_template->Render(*chat);
     if (!prompt.ok()) return prompt.status();
     g.set_prompt(*std::move(prompt));
+    out.tokenize_prompt = true;
+    out.add_special_tokens = *add_special;
   }
   if (absl::Status s = ParseMaxTokens(endpoint, body, options, &g); !s.ok()) return s;
   if (absl::Status s = ParseSampling(body, &g); !s.ok()) return s;

@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
-#include "services/http/chat_format.h"
+#include "services/http/chat_template.h"
 #include "specd/v1/generation.pb.h"
 
 namespace specd {
@@ -32,13 +32,20 @@ struct ProtocolOptions {
   // max_tokens of /v1/completions requests that set none. OpenAI's legacy completions default
   // to 16; chat completions default to the router's limit (0 here = the router's default).
   uint32_t default_completion_max_tokens = 16;
-  ChatFormat chat_format = ChatFormat::kPlain;
+  // The served model's chat template; null when it has none (chat requests are then refused).
+  const ChatTemplate* chat_template = nullptr;
 };
 
 struct ParsedRequest {
   v1::GenerateRequest generate;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  // Chat requests: generate.prompt() is the prompt the chat template rendered. It already holds
+  // the template's special tokens, so it goes to the router as ids from its Tokenize with
+  // `add_special_tokens` (false unless the request asks, as in vLLM), not as text, which the
+  // router would give a second BOS.
+  bool tokenize_prompt = false;
+  bool add_special_tokens = false;
 };
 
 // Parses and checks a POST body. Checks the OpenAI-level rules (types, n, logprobs and other
@@ -47,6 +54,10 @@ struct ParsedRequest {
 // NOT_FOUND (param "model") when the request names another model.
 absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view body,
                                            const ProtocolOptions& options);
+
+// A request's `model`: absent, null, empty, the served name or an alias; else NOT_FOUND naming
+// the field.
+absl::Status CheckModel(const nlohmann::json& body, const ProtocolOptions& options);
 
 // An OpenAI error object and the HTTP status that carries it.
 struct ApiError {

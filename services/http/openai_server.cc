@@ -14,6 +14,7 @@
 #include "common/metrics.h"
 #include "httplib.h"
 #include "services/http/generate_call.h"
+#include "services/http/tokenize_protocol.h"
 
 namespace specd {
 namespace {
@@ -22,12 +23,14 @@ using nlohmann::json;
 
 constexpr absl::Duration kRouterProbeTimeout = absl::Seconds(1);
 constexpr absl::Duration kModelInfoTimeout = absl::Seconds(2);
+// Tokenize and Detokenize are quick; a router that does not answer them in this long is stuck.
+constexpr absl::Duration kUtilityTimeout = absl::Seconds(30);
 
 // Label values of the per-endpoint metrics: the fixed routes, so a scan of random paths cannot
 // grow the label set.
 std::string EndpointLabel(const std::string& path) {
-  for (const char* known :
-       {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}) {
+  for (const char* known : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                            "/metrics", "/tokenize", "/detokenize", "/version"}) {
     if (path == known) return known;
   }
   if (path.rfind("/v1/models/", 0) == 0) return "/v1/models";
@@ -217,6 +220,18 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   });
   http.Get("/v1/models",
            [self](const httplib::Request&, httplib::Response& res) { self->HandleModels(res); });
+  // Model ids may contain '/' (meta-llama/Llama-3.1-8B-Instruct).
+  http.Get(R"(/v1/models/(.+))", [self](const httplib::Request& req, httplib::Response& res) {
+    self->HandleModel(req.matches[1], res);
+  });
+  http.Post("/tokenize", [self](const httplib::Request& req, httplib::Response& res) {
+    self->HandleTokenize(req, res);
+  });
+  http.Post("/detokenize", [self](const httplib::Request& req, httplib::Response& res) {
+    self->HandleDetokenize(req, res);
+  });
+  http.Get("/version",
+           [self](const httplib::Request&, httplib::Response& res) { self->HandleVersion(res); });
   http.Get("/health",
            [self](const httplib::Request&, httplib::Response& res) { self->HandleHealth(res); });
   http.Get("/metrics",
@@ -284,7 +299,7 @@ ProtocolOptions OpenAiServer::CurrentProtocolOptions() {
       ProtocolOptions p;
       p.model_name = model_name_;
       p.model_aliases = model_aliases_;
-      p.chat_format = options_.chat_format;
+      p.chat_template = options_.chat_template.get();
       p.default_completion_max_tokens = options_.default_completion_max_tokens;
       return p;
     }
@@ -311,7 +326,7 @@ ProtocolOptions OpenAiServer::CurrentProtocolOptions() {
   ProtocolOptions p;
   p.model_name = model_name_;
   p.model_aliases = model_aliases_;
-  p.chat_format = options_.chat_format;
+  p.chat_template = options_.chat_template.get();
   p.default_completion_max_tokens = options_.default_completion_max_tokens;
   return p;
 }
@@ -352,6 +367,15 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
   if (!parsed.ok()) {
     SendError(ToApiError(parsed.status(), endpoint), res);
     return;
+  }
+  if (parsed->tokenize_prompt) {
+    absl::StatusOr<std::vector<int32_t>> ids =
+        Tokenize(parsed->generate.prompt(), parsed->add_special_tokens);
+    if (!ids.ok()) {
+      SendError(ToApiError(ids.status(), endpoint), res);
+      return;
+    }
+    parsed->generate.mutable_prompt_ids()->mutable_ids()->Assign(ids->begin(), ids->end());
   }
   ResponseIdentity identity;
   identity.id = RandomId(endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-");
@@ -481,26 +505,93 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
       });
 }
 
+bool OpenAiServer::HaveModel(const ProtocolOptions& protocol, httplib::Response& res) {
+  if (!protocol.model_name.empty()) return true;
+  SendError(ToApiError(absl::UnavailableError(absl::StrCat("the router at ",
+                                                           options_.router_address,
+                                                           " does not answer GetModelInfo")),
+                       Endpoint::kCompletions),
+            res);
+  return false;
+}
+
 void OpenAiServer::HandleModels(httplib::Response& res) {
   const ProtocolOptions protocol = CurrentProtocolOptions();
-  if (protocol.model_name.empty()) {
-    SendError(
-        ToApiError(absl::UnavailableError(absl::StrCat("the router at ", options_.router_address,
-                                                       " does not answer GetModelInfo")),
-                   Endpoint::kCompletions),
-        res);
+  if (!HaveModel(protocol, res)) return;
+  absl::MutexLock lock(&model_mu_);
+  res.set_content(DumpJson({{"object", "list"},
+                            {"data", json::array({ModelJson(protocol.model_name, max_context_)})}}),
+                  "application/json");
+}
+
+void OpenAiServer::HandleModel(const std::string& id, httplib::Response& res) {
+  const ProtocolOptions protocol = CurrentProtocolOptions();
+  if (!HaveModel(protocol, res)) return;
+  const bool served =
+      id == protocol.model_name ||
+      std::find(protocol.model_aliases.begin(), protocol.model_aliases.end(), id) !=
+          protocol.model_aliases.end();
+  if (!served) {
+    SendError(ModelNotFound(id), res);
     return;
   }
-  uint32_t max_context;
-  {
-    absl::MutexLock lock(&model_mu_);
-    max_context = max_context_;
+  absl::MutexLock lock(&model_mu_);
+  res.set_content(DumpJson(ModelJson(protocol.model_name, max_context_)), "application/json");
+}
+
+absl::StatusOr<std::vector<int32_t>> OpenAiServer::Tokenize(const std::string& text,
+                                                             bool add_special_tokens) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(std::min(Deadline(), absl::Now() + kUtilityTimeout)));
+  v1::TokenizeRequest request;
+  request.set_text(text);
+  request.set_add_special_tokens(add_special_tokens);
+  v1::TokenizeResponse response;
+  const grpc::Status status = stub_->Tokenize(&ctx, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::vector<int32_t>(response.ids().begin(), response.ids().end());
+}
+
+void OpenAiServer::HandleTokenize(const httplib::Request& req, httplib::Response& res) {
+  const ProtocolOptions protocol = CurrentProtocolOptions();
+  if (!HaveModel(protocol, res)) return;
+  absl::StatusOr<TokenizeCall> call = ParseTokenizeRequest(req.body, protocol);
+  if (!call.ok()) {
+    SendError(TokenizeApiError(call.status()), res);
+    return;
   }
-  json model = {
-      {"id", protocol.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "specd"}};
-  if (max_context > 0) model["max_model_len"] = max_context;
-  res.set_content(DumpJson({{"object", "list"}, {"data", json::array({model})}}),
-                  "application/json");
+  absl::StatusOr<std::vector<int32_t>> ids = Tokenize(call->text, call->add_special_tokens);
+  if (!ids.ok()) {
+    SendError(TokenizeApiError(ids.status()), res);
+    return;
+  }
+  absl::MutexLock lock(&model_mu_);
+  res.set_content(DumpJson(TokenizeResponseJson(*ids, max_context_)), "application/json");
+}
+
+void OpenAiServer::HandleDetokenize(const httplib::Request& req, httplib::Response& res) {
+  const ProtocolOptions protocol = CurrentProtocolOptions();
+  if (!HaveModel(protocol, res)) return;
+  absl::StatusOr<std::vector<int32_t>> ids = ParseDetokenizeRequest(req.body, protocol);
+  if (!ids.ok()) {
+    SendError(TokenizeApiError(ids.status()), res);
+    return;
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(std::min(Deadline(), absl::Now() + kUtilityTimeout)));
+  v1::DetokenizeRequest request;
+  request.mutable_ids()->Assign(ids->begin(), ids->end());
+  v1::DetokenizeResponse response;
+  const grpc::Status status = stub_->Detokenize(&ctx, request, &response);
+  if (!status.ok()) {
+    SendError(TokenizeApiError(FromGrpcStatus(status)), res);
+    return;
+  }
+  res.set_content(DumpJson(DetokenizeResponseJson(response.text())), "application/json");
+}
+
+void OpenAiServer::HandleVersion(httplib::Response& res) {
+  res.set_content(DumpJson({{"version", SPECD_VERSION}}), "application/json");
 }
 
 void OpenAiServer::HandleHealth(httplib::Response& res) {

@@ -2,7 +2,8 @@
 // cpp-httplib server.
 //
 //   POST /v1/completions, POST /v1/chat/completions  (JSON, or SSE with "stream": true)
-//   GET  /v1/models, GET /health, GET /metrics
+//   POST /tokenize, POST /detokenize, GET /version (vLLM's utility endpoints)
+//   GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
 //
 // Each HTTP request is served by one thread of httplib's pool (a streaming one holds its thread
 // until the stream ends) and makes one Generate call on the router. The edge keeps no model
@@ -28,7 +29,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "services/http/chat_format.h"
+#include "services/http/chat_template.h"
 #include "services/http/openai_protocol.h"
 #include "specd/v1/generation.grpc.pb.h"
 
@@ -49,7 +50,8 @@ struct OpenAiServerOptions {
   // Reported by /v1/models and accepted in requests' "model". Empty: the last path component of
   // the router's GetModelInfo target_model, fetched on first use.
   std::string model_name;
-  ChatFormat chat_format = ChatFormat::kPlain;
+  // The served model's chat template (null: chat requests are refused with a 400 saying so).
+  std::shared_ptr<const ChatTemplate> chat_template;
   // Deadline of each Generate call (propagated by the router to the services); 0 = none.
   absl::Duration request_timeout = absl::ZeroDuration();
   int threads = 64;  // httplib worker threads = most requests served at once
@@ -84,6 +86,14 @@ class OpenAiServer {
 
   void HandleGenerate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
   void HandleModels(httplib::Response& res);
+  void HandleModel(const std::string& id, httplib::Response& res);
+  void HandleTokenize(const httplib::Request& req, httplib::Response& res);
+  void HandleDetokenize(const httplib::Request& req, httplib::Response& res);
+  void HandleVersion(httplib::Response& res);
+  // The router's Tokenize, under the request deadline (and at most kUtilityTimeout).
+  absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_special_tokens);
+  // Sends 503 and returns false when the router has not told the model's name yet.
+  bool HaveModel(const ProtocolOptions& protocol, httplib::Response& res);
   void HandleHealth(httplib::Response& res);
   void HandleMetrics(httplib::Response& res);
   void SendError(const ApiError& error, httplib::Response& res);

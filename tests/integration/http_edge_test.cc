@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,8 +39,22 @@ constexpr int kMaxContext = 4096;
 struct Models {
   std::string target;
   std::string draft;
-  std::string chatml_dir;  // only a tokenizer_config.json with a ChatML template
+  // A copy of `target` whose tokenizer_config.json makes the router's tokenizer add <|bos|> to
+  // text prompts and carries Llama 2's real chat template (which writes {{ bos_token }} itself).
+  std::string chat_target;
 };
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+constexpr char kLlama2Template[] = "tests/fixtures/chat_templates/llama-2-7b-chat.jinja";
+constexpr char kQwen25Template[] = "tests/fixtures/chat_templates/qwen2.5-7b-instruct.jinja";
+constexpr int32_t kBos = 257;  // <|bos|> of the random test model's tokenizer
 
 const Models& TestModels() {
   static const Models* models = [] {
@@ -54,11 +69,13 @@ const Models& TestModels() {
                      " --max_position_embeddings=",
                      kMaxContext, " > /dev/null");
     if (std::system(cmd.c_str()) != 0) ADD_FAILURE() << "failed: " << cmd;
-    m->chatml_dir = dir + "/chatml";
-    std::filesystem::create_directories(m->chatml_dir);
-    std::ofstream(m->chatml_dir + "/tokenizer_config.json")
-        << R"({"chat_template": "{% for message in messages %}{{'<|im_start|>' + message['role'])"
-           R"( + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"})";
+    m->chat_target = dir + "/chat_target";
+    std::filesystem::copy(m->target, m->chat_target, std::filesystem::copy_options::recursive);
+    const json config = {{"add_bos_token", true},
+                         {"bos_token", "<|bos|>"},
+                         {"eos_token", {{"content", "<|eos|>"}, {"special", true}}},
+                         {"chat_template", ReadFile(kLlama2Template)}};
+    std::ofstream(m->chat_target + "/tokenizer_config.json") << config.dump(2);
     return m;
   }();
   return *models;
@@ -78,8 +95,10 @@ struct GrpcResult {
 
 class Cluster {
  public:
-  static std::unique_ptr<Cluster> Start() {
+  // `target` = the target model folder for every service (default: TestModels().target).
+  static std::unique_ptr<Cluster> Start(std::string target = "") {
     const Models& models = TestModels();
+    if (target.empty()) target = models.target;
     auto c = std::make_unique<Cluster>();
     const std::string verify_address = absl::StrCat("127.0.0.1:", PickFreePort());
     const std::string draft_address = absl::StrCat("127.0.0.1:", PickFreePort());
@@ -93,7 +112,7 @@ class Cluster {
              {&c->verify,
               {SpecdBinary("specd-verify"),
                {"--address=" + verify_address, absl::StrCat("--metrics_port=", PickFreePort()),
-                "--model=" + models.target, "--num_threads=1"},
+                "--model=" + target, "--num_threads=1"},
                verify_address}},
              {&c->draft,
               {SpecdBinary("specd-draft"),
@@ -103,7 +122,7 @@ class Cluster {
              {&c->router,
               {SpecdBinary("specd-router"),
                {"--address=" + c->router_address,
-                absl::StrCat("--metrics_port=", c->router_metrics), "--model=" + models.target,
+                absl::StrCat("--metrics_port=", c->router_metrics), "--model=" + target,
                 "--verify_address=" + verify_address, "--draft_address=" + draft_address,
                 "--max_new_tokens_limit=4000"},
                c->router_address}},
@@ -160,6 +179,29 @@ class Cluster {
     }
     r.status = reader->Finish();
     return r;
+  }
+
+  std::vector<int32_t> Tokenize(const std::string& text, bool add_special_tokens) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::TokenizeRequest request;
+    request.set_text(text);
+    request.set_add_special_tokens(add_special_tokens);
+    v1::TokenizeResponse response;
+    const grpc::Status status = stub->Tokenize(&ctx, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return {response.ids().begin(), response.ids().end()};
+  }
+
+  std::string Detokenize(const std::vector<int32_t>& ids) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::DetokenizeRequest request;
+    request.mutable_ids()->Assign(ids.begin(), ids.end());
+    v1::DetokenizeResponse response;
+    const grpc::Status status = stub->Detokenize(&ctx, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.text();
   }
 
   double RouterMetric(const std::string& name, const std::map<std::string, std::string>& labels) {
@@ -396,57 +438,217 @@ TEST(HttpEdgeTest, CompletionMatchesGrpcGenerateAndStreamingMatchesNonStreaming)
   EXPECT_EQ(c->RouterMetric("specd_requests_total", {{"outcome", "cancelled"}}), 0);
 }
 
-TEST(HttpEdgeTest, ChatCompletionsPlainAndChatMl) {
+TEST(HttpEdgeTest, ChatCompletionsRenderTheChatTemplate) {
   std::unique_ptr<Cluster> c = Cluster::Start();
   ASSERT_NE(c, nullptr);
-  Http plain = c->StartHttp();
-  Http chatml = c->StartHttp({"--model_dir=" + TestModels().chatml_dir});
-  ASSERT_NE(plain.process, nullptr);
-  ASSERT_NE(chatml.process, nullptr);
+  Http none = c->StartHttp();
+  Http qwen = c->StartHttp({absl::StrCat("--chat_template=", kQwen25Template)});
+  ASSERT_NE(none.process, nullptr);
+  ASSERT_NE(qwen.process, nullptr);
 
   const json messages = json::array({{{"role", "system"}, {"content", "You are terse."}},
                                      {{"role", "user"}, {"content", "Hello"}}});
-  struct Case {
-    const Http* http;
-    std::string prompt;
-  };
-  for (const Case& k : {Case{&plain, "system: You are terse.\nuser: Hello\nassistant:"},
-                        Case{&chatml,
-                             "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
-                             "Hello<|im_end|>\n<|im_start|>assistant\n"}}) {
-    SCOPED_TRACE(k.prompt);
-    v1::GenerateRequest g;
-    g.set_prompt(k.prompt);
-    g.set_max_new_tokens(16);
-    g.set_ignore_eos(true);
-    const GrpcResult want = c->Generate(g);
-    ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+  const json body = {
+      {"model", "target"}, {"messages", messages}, {"max_tokens", 16}, {"ignore_eos", true}};
 
-    const json body = {
-        {"model", "target"}, {"messages", messages}, {"max_tokens", 16}, {"ignore_eos", true}};
-    const HttpReply reply = Post(k.http->port, "/v1/chat/completions", body.dump());
-    ASSERT_EQ(reply.status, 200) << reply.body;
-    const json r = ParseJson(reply.body);
-    EXPECT_EQ(r["object"], "chat.completion");
-    EXPECT_TRUE(absl::StartsWith(r["id"].get<std::string>(), "chatcmpl-"));
-    EXPECT_EQ(r["choices"][0]["message"]["role"], "assistant");
-    EXPECT_EQ(r["choices"][0]["message"]["content"], want.text);
-    EXPECT_EQ(Ids(r["specd"]["token_ids"]), want.tokens);
-    EXPECT_EQ(r["usage"]["prompt_tokens"], want.last.usage().prompt_tokens());
+  // The model folder has no template and none was given: refused, as vLLM refuses it.
+  const HttpReply refused = Post(none.port, "/v1/chat/completions", body.dump());
+  EXPECT_EQ(refused.status, 400) << refused.body;
+  EXPECT_TRUE(absl::StrContains(ParseJson(refused.body)["error"]["message"].get<std::string>(),
+                                "no chat template"))
+      << refused.body;
 
-    json stream_body = body;
-    stream_body["stream"] = true;
-    const HttpReply sreply = Post(k.http->port, "/v1/chat/completions", stream_body.dump());
-    ASSERT_EQ(sreply.status, 200) << sreply.body;
-    const StreamResult s = ReadStream(sreply, /*chat=*/true);
-    EXPECT_TRUE(s.done_last);
-    EXPECT_EQ(s.text, want.text);
-    ASSERT_FALSE(s.chunks.empty());
-    EXPECT_EQ(s.chunks.front()["object"], "chat.completion.chunk");
-    EXPECT_EQ(s.chunks.front()["choices"][0]["delta"]["role"], "assistant");
-    EXPECT_EQ(s.chunks.back()["choices"][0]["finish_reason"], "length");
-    EXPECT_FALSE(s.chunks.back().contains("usage"));  // not asked for
+  // Qwen2.5's real template, rendered, then tokenized by the router without special tokens.
+  const std::string prompt =
+      "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+      "<|im_start|>assistant\n";
+  v1::GenerateRequest g;
+  for (int32_t id : c->Tokenize(prompt, /*add_special_tokens=*/false)) {
+    g.mutable_prompt_ids()->add_ids(id);
   }
+  g.set_max_new_tokens(16);
+  g.set_ignore_eos(true);
+  const GrpcResult want = c->Generate(g);
+  ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+
+  const HttpReply reply = Post(qwen.port, "/v1/chat/completions", body.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const json r = ParseJson(reply.body);
+  EXPECT_EQ(r["object"], "chat.completion");
+  EXPECT_TRUE(absl::StartsWith(r["id"].get<std::string>(), "chatcmpl-"));
+  EXPECT_EQ(r["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(r["choices"][0]["message"]["content"], want.text);
+  EXPECT_EQ(Ids(r["specd"]["token_ids"]), want.tokens);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], g.prompt_ids().ids_size());
+
+  json stream_body = body;
+  stream_body["stream"] = true;
+  const HttpReply sreply = Post(qwen.port, "/v1/chat/completions", stream_body.dump());
+  ASSERT_EQ(sreply.status, 200) << sreply.body;
+  const StreamResult s = ReadStream(sreply, /*chat=*/true);
+  EXPECT_TRUE(s.done_last);
+  EXPECT_EQ(s.text, want.text);
+  ASSERT_FALSE(s.chunks.empty());
+  EXPECT_EQ(s.chunks.front()["object"], "chat.completion.chunk");
+  EXPECT_EQ(s.chunks.front()["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(s.chunks.back()["choices"][0]["finish_reason"], "length");
+  EXPECT_FALSE(s.chunks.back().contains("usage"));  // not asked for
+}
+
+// A model whose tokenizer adds BOS to text prompts and whose template writes bos_token itself
+// (Llama 2's): the prompt carries one BOS, not two, through chat completions and /tokenize; the
+// utility endpoints answer as vLLM's do.
+TEST(HttpEdgeTest, TemplateBosTokenizeDetokenizeVersionAndModel) {
+  const std::string target = TestModels().chat_target;
+  std::unique_ptr<Cluster> c = Cluster::Start(target);
+  ASSERT_NE(c, nullptr);
+  Http http = c->StartHttp({"--model_dir=" + target});
+  ASSERT_NE(http.process, nullptr);
+
+  // The hazard is real: the router's text prompts get <|bos|>.
+  ASSERT_EQ(c->Tokenize("Hi", true).front(), kBos);
+
+  const json messages = json::array({{{"role", "system"}, {"content", "You are terse."}},
+                                     {{"role", "user"}, {"content", "Hello"}}});
+  const std::string prompt = "<|bos|>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nHello [/INST]";
+  const std::vector<int32_t> prompt_ids = c->Tokenize(prompt, /*add_special_tokens=*/false);
+  ASSERT_EQ(prompt_ids.front(), kBos);
+  ASSERT_NE(prompt_ids[1], kBos);
+
+  const HttpReply tok = Post(http.port, "/tokenize", json({{"messages", messages}}).dump());
+  ASSERT_EQ(tok.status, 200) << tok.body;
+  const json t = ParseJson(tok.body);
+  EXPECT_EQ(Ids(t["tokens"]), prompt_ids);
+  EXPECT_EQ(t["count"], prompt_ids.size());
+  EXPECT_EQ(t["max_model_len"], kMaxContext);
+  EXPECT_TRUE(t["token_strs"].is_null());
+
+  // The same prompt drives the chat completion: same tokens as gRPC Generate from those ids.
+  v1::GenerateRequest g;
+  for (int32_t id : prompt_ids) g.mutable_prompt_ids()->add_ids(id);
+  g.set_max_new_tokens(12);
+  g.set_ignore_eos(true);
+  const GrpcResult want = c->Generate(g);
+  ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+  const HttpReply chat = Post(
+      http.port, "/v1/chat/completions",
+      json({{"messages", messages}, {"max_tokens", 12}, {"ignore_eos", true}}).dump());
+  ASSERT_EQ(chat.status, 200) << chat.body;
+  const json r = ParseJson(chat.body);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], prompt_ids.size());
+  EXPECT_EQ(Ids(r["specd"]["token_ids"]), want.tokens);
+  EXPECT_EQ(r["choices"][0]["message"]["content"], want.text);
+
+  // Asking for special tokens on top of the template's gives the second BOS, as vLLM does.
+  const HttpReply doubled = Post(
+      http.port, "/tokenize", json({{"messages", messages}, {"add_special_tokens", true}}).dump());
+  ASSERT_EQ(doubled.status, 200) << doubled.body;
+  EXPECT_EQ(Ids(ParseJson(doubled.body)["tokens"]), c->Tokenize(prompt, true));
+
+  // continue_final_message leaves the assistant's turn open.
+  json open = messages;
+  open.push_back({{"role", "assistant"}, {"content", "Sure,"}});
+  const HttpReply cont = Post(http.port, "/tokenize",
+                              json({{"messages", open},
+                                    {"add_generation_prompt", false},
+                                    {"continue_final_message", true}})
+                                  .dump());
+  ASSERT_EQ(cont.status, 200) << cont.body;
+  EXPECT_EQ(Ids(ParseJson(cont.body)["tokens"]), c->Tokenize(prompt + " Sure,", false));
+
+  // The template's own checks are the request's 400s: Llama 2 wants alternating roles.
+  const HttpReply twice = Post(
+      http.port, "/v1/chat/completions",
+      json({{"messages", json::array({{{"role", "user"}, {"content", "a"}},
+                                      {{"role", "user"}, {"content", "b"}}})}})
+          .dump());
+  EXPECT_EQ(twice.status, 400) << twice.body;
+  const json te = ParseJson(twice.body);
+  EXPECT_EQ(te["error"]["param"], "messages");
+  EXPECT_TRUE(absl::StrContains(te["error"]["message"].get<std::string>(),
+                                "Conversation roles must alternate"))
+      << twice.body;
+
+  // /tokenize of a prompt: special tokens added unless asked not to.
+  for (const bool special : {true, false}) {
+    const HttpReply p = Post(http.port, "/tokenize",
+                             json({{"prompt", "Hi there"}, {"add_special_tokens", special}}).dump());
+    ASSERT_EQ(p.status, 200) << p.body;
+    EXPECT_EQ(Ids(ParseJson(p.body)["tokens"]), c->Tokenize("Hi there", special));
+  }
+  const HttpReply plain = Post(http.port, "/tokenize", R"({"prompt": "Hi there"})");
+  ASSERT_EQ(plain.status, 200);
+  EXPECT_EQ(Ids(ParseJson(plain.body)["tokens"]), c->Tokenize("Hi there", true));
+
+  // /detokenize keeps special tokens, as vLLM's does.
+  const HttpReply detok = Post(http.port, "/detokenize", json({{"tokens", prompt_ids}}).dump());
+  ASSERT_EQ(detok.status, 200) << detok.body;
+  EXPECT_EQ(ParseJson(detok.body)["prompt"], c->Detokenize(prompt_ids));
+  EXPECT_EQ(ParseJson(detok.body)["prompt"], prompt);
+
+  struct Bad {
+    std::string path, body;
+    int status;
+    json param;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {"/detokenize", R"({"tokens": [1, 100000]})", 400, "tokens[1]"},
+           {"/detokenize", R"({"tokens": "1"})", 400, "tokens"},
+           {"/tokenize", R"({"prompt": "a", "return_token_strs": true})", 400, "return_token_strs"},
+           {"/tokenize", R"({"prompt": "a", "model": "other"})", 404, "model"},
+           {"/tokenize", R"({"messages": [{"role": "user", "content": "a"}],
+                             "chat_template": "{{ 1 }}"})",
+            400, "chat_template"},
+       }) {
+    SCOPED_TRACE(b.body);
+    const HttpReply reply = Post(http.port, b.path, b.body);
+    EXPECT_EQ(reply.status, b.status) << reply.body;
+    EXPECT_EQ(ParseJson(reply.body)["error"]["param"], b.param) << reply.body;
+  }
+
+  int status = 0;
+  absl::StatusOr<std::string> version = HttpGet("127.0.0.1", http.port, "/version", &status);
+  ASSERT_TRUE(version.ok());
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(ParseJson(*version)["version"], "0.1.0");
+
+  absl::StatusOr<std::string> model =
+      HttpGet("127.0.0.1", http.port, "/v1/models/chat_target", &status);
+  ASSERT_TRUE(model.ok());
+  EXPECT_EQ(status, 200) << *model;
+  const json m = ParseJson(*model);
+  EXPECT_EQ(m["id"], "chat_target");
+  EXPECT_EQ(m["object"], "model");
+  EXPECT_EQ(m["max_model_len"], kMaxContext);
+  // Ids may hold slashes, as Hugging Face names do.
+  absl::StatusOr<std::string> missing =
+      HttpGet("127.0.0.1", http.port, "/v1/models/meta-llama/Llama-3", &status);
+  ASSERT_TRUE(missing.ok());
+  EXPECT_EQ(status, 404);
+  EXPECT_EQ(ParseJson(*missing)["error"]["code"], "model_not_found");
+  EXPECT_EQ(Cluster::WaitForMetric(http.port, "specd_http_requests_total",
+                                   {{"endpoint", "/tokenize"}, {"status", "200"}}, 6),
+            6);
+}
+
+// A template the engine cannot run stops specd-http at startup, naming the construct.
+TEST(HttpEdgeTest, UnsupportedTemplateFailsAtStartup) {
+  const std::string dir = MakeTempDir("http_edge_template");
+  std::ofstream(dir + "/t.jinja") << "{% for m in messages %}\n{{ m.content | truncate(9) }}"
+                                     "{% endfor %}";
+  const int port = PickFreePort();
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
+      {SpecdBinary("specd-http"),
+       {absl::StrCat("--address=127.0.0.1:", port), "--router=127.0.0.1:1",
+        "--chat_template=" + dir + "/t.jinja"},
+       absl::StrCat("127.0.0.1:", port)});
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<int> code = (*p)->WaitForExit(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 1);
+  EXPECT_TRUE(absl::StrContains((*p)->Log(), "line 2, column 16: the filter 'truncate' is not "
+                                              "supported"))
+      << (*p)->Log();
 }
 
 TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {

@@ -1,24 +1,31 @@
 // The OpenAI <-> specd.v1.Generation translation of specd-http: request parsing and its
-// errors, error mapping, response and chunk shapes, chat formats.
-#include <fstream>
+// errors, error mapping, response and chunk shapes. Chat templates: http_chat_test.cc.
 #include <string>
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "services/http/chat_format.h"
+#include "services/http/chat_template.h"
 #include "services/http/openai_protocol.h"
-#include "tests/testutil/random_checkpoint.h"
 
 namespace specd {
 namespace {
 
 using nlohmann::json;
 
-ProtocolOptions Options(ChatFormat format = ChatFormat::kPlain) {
+// A ChatML template, as Qwen's and many fine-tunes' templates render a plain conversation.
+const ChatTemplate* ChatMl() {
+  static const ChatTemplate* t = new ChatTemplate(*ChatTemplate::FromSource(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+      nlohmann::ordered_json::object(), "chatml"));
+  return t;
+}
+
+ProtocolOptions Options(const ChatTemplate* chat_template = ChatMl()) {
   ProtocolOptions o;
   o.model_name = "target";
   o.model_aliases = {"/models/target"};
-  o.chat_format = format;
+  o.chat_template = chat_template;
   return o;
 }
 
@@ -178,19 +185,29 @@ TEST(HttpProtocolTest, StreamOptions) {
 TEST(HttpProtocolTest, ChatRequest) {
   absl::StatusOr<ParsedRequest> r =
       ParseRequest(Endpoint::kChatCompletions,
-                   R"({"messages": [{"role": "system", "content": "Be brief."},
+                   R"({"messages": [{"role": "developer", "content": "Be brief."},
                        {"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                                    {"type": "text", "text": "!"}]}],
+                                                    {"type": "text", "text": "there"}]}],
           "max_completion_tokens": 9, "max_tokens": 100, "logprobs": false})",
                    Options());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->generate.prompt(), "system: Be brief.\nuser: Hi!\nassistant:");
+  // The template's text, tokenized by the router without special tokens (vLLM's default).
+  EXPECT_EQ(r->generate.prompt(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi\nthere<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  EXPECT_TRUE(r->tokenize_prompt);
+  EXPECT_FALSE(r->add_special_tokens);
   EXPECT_EQ(r->generate.max_new_tokens(), 9u);
 
   absl::StatusOr<ParsedRequest> d = ParseRequest(
-      Endpoint::kChatCompletions, R"({"messages": [{"role": "user", "content": "a"}]})", Options());
+      Endpoint::kChatCompletions,
+      R"({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": true,
+          "add_generation_prompt": false})",
+      Options());
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->generate.max_new_tokens(), 0u);  // the router's default
+  EXPECT_TRUE(d->add_special_tokens);
+  EXPECT_EQ(d->generate.prompt(), "<|im_start|>user\na<|im_end|>\n");
 
   EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions, R"({"prompt": "x"})").param, "messages");
   EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions, R"({"messages": []})").param, "messages");
@@ -216,58 +233,25 @@ TEST(HttpProtocolTest, ChatRequest) {
                          "tools": [{"type": "function"}]})")
                 .param,
             "tools");
-}
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user", "content": "a"}], "echo": true})")
+                .param,
+            "echo");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user", "content": "a"}],
+                         "add_special_tokens": "yes"})")
+                .param,
+            "add_special_tokens");
 
-TEST(HttpProtocolTest, ChatFormats) {
-  const json messages = json::parse(R"([{"role": "developer", "content": "S"},
-                                        {"role": "user", "content": "U"},
-                                        {"role": "assistant", "content": "A"},
-                                        {"role": "user", "content": "V"}])");
-  EXPECT_EQ(*RenderChat(messages, ChatFormat::kPlain),
-            "system: S\nuser: U\nassistant: A\nuser: V\nassistant:");
-  EXPECT_EQ(*RenderChat(messages, ChatFormat::kChatMl),
-            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
-            "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nV<|im_end|>\n"
-            "<|im_start|>assistant\n");
-  EXPECT_EQ(*RenderChat(messages, ChatFormat::kLlama3),
-            "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
-            "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
-            "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
-            "<|start_header_id|>user<|end_header_id|>\n\nV<|eot_id|>"
-            "<|start_header_id|>assistant<|end_header_id|>\n\n");
-  EXPECT_EQ(ChatFormatFromTemplate("{% for m in messages %}<|im_start|>{{ m.role }}..."),
-            ChatFormat::kChatMl);
-  EXPECT_EQ(ChatFormatFromTemplate("{{ bos_token }}<|start_header_id|>..."), ChatFormat::kLlama3);
-  EXPECT_EQ(ChatFormatFromTemplate("[INST] {{ m.content }} [/INST]"), ChatFormat::kPlain);
-  EXPECT_EQ(ChatFormatFromTemplate(""), ChatFormat::kPlain);
-}
-
-void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
-
-TEST(HttpProtocolTest, ChatFormatFromModelDir) {
-  const std::string dir = MakeTempDir("http_protocol_test");
-  absl::StatusOr<ChatFormat> none = ChatFormatFromModelDir(dir);
-  ASSERT_TRUE(none.ok()) << none.status();
-  EXPECT_EQ(*none, ChatFormat::kPlain);
-
-  WriteFile(dir + "/tokenizer_config.json",
-            R"({"chat_template": "{% for message in messages %}<|im_start|>..."})");
-  EXPECT_EQ(*ChatFormatFromModelDir(dir), ChatFormat::kChatMl);
-
-  WriteFile(dir + "/tokenizer_config.json",
-            R"({"chat_template": [{"name": "tool_use", "template": "<|im_start|>"},
-                                  {"name": "default", "template": "<|start_header_id|>"}]})");
-  EXPECT_EQ(*ChatFormatFromModelDir(dir), ChatFormat::kLlama3);
-
-  WriteFile(dir + "/tokenizer_config.json", R"({"bos_token": "<s>"})");
-  EXPECT_EQ(*ChatFormatFromModelDir(dir), ChatFormat::kPlain);
-
-  WriteFile(dir + "/tokenizer_config.json", "{not json");
-  absl::StatusOr<ChatFormat> bad = ChatFormatFromModelDir(dir);
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("tokenizer_config.json"), std::string::npos);
-
-  EXPECT_FALSE(ChatFormatFromModelDir(dir + "/missing").ok());
+  // No template: a 400 that says so, with no field at fault.
+  const ApiError none = ErrorFor(Endpoint::kChatCompletions,
+                                 R"({"messages": [{"role": "user", "content": "a"}]})",
+                                 Options(/*chat_template=*/nullptr));
+  EXPECT_EQ(none.http_status, 400);
+  EXPECT_FALSE(none.param.has_value());
+  EXPECT_NE(none.message.find("no chat template"), std::string::npos) << none.message;
+  // Completions do not need one.
+  EXPECT_TRUE(ParseRequest(Endpoint::kCompletions, R"({"prompt": "x"})", Options(nullptr)).ok());
 }
 
 TEST(HttpProtocolTest, RouterErrorsMapToHttp) {

@@ -287,6 +287,7 @@ ENGINE_CASES = [
     # Globals.
     ("globals", "{{ range(3) | list }} {{ range(1, 10, 3) | list }} {{ range(5, 0, -2) | list }} {{ dict(a=1, b='x') }} {{ namespace(z=1).z }}", {}),
     ("strftime_now", "{{ strftime_now('%Y-%m-%d %H:%M:%S') }} {{ strftime_now('%d %b %Y') }} {{ strftime_now('%B %d, %Y %A %j %f') }} [{{ strftime_now('%z%Z') }}]", {}),
+    ("filter_block", "{% filter upper | replace('A', '4') %}\n  abc {{ 'x' }}\n{% endfilter %}|{% filter indent(2, true) %}a\nb{% endfilter %}", {}),
     ("generation_tag", "a{% generation %}b{{ 1 }}{% endgeneration %}c", {}),
     ("dict_literal_nested", "{% set d = {'a': {'b': [1, {'c': 'x'}]}, 'n': none} %}{{ d.a.b[1].c }} {{ d | tojson }}", {}),
     # Errors jinja2 raises while rendering.

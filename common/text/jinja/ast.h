@@ -52,6 +52,10 @@ struct Expr {
   std::vector<ExprPtr> operands;                        // kCompare
 };
 
+// The variable a {% filter %} block's filter chain reads its body from; no template can name
+// it (the lexer never makes a name with a '$').
+inline constexpr char kFilterBlockBody[] = "$filter_body";
+
 struct Node;
 using NodeList = std::vector<std::unique_ptr<Node>>;
 
@@ -80,6 +84,7 @@ struct Node {
     kContinue,
     kScope,  // body in a scope of its own ({% with %}: target/exprs assignments first)
     kBody,   // body inline ({% generation %} of transformers' AssistantTracker)
+    kFilterBlock,  // expr (filters applied to kFilterBlockBody) of the rendered body
   };
 
   Kind kind;

@@ -137,6 +137,17 @@ absl::StatusOr<Interpreter::Flow> Interpreter::Execute(const Node& node,
     }
     case Node::Kind::kBody:
       return RenderBody(node.body, frame, out);
+    case Node::Kind::kFilterBlock: {
+      auto scope = std::make_shared<Frame>(frame);
+      std::string text;
+      absl::StatusOr<Flow> f = RenderBody(node.body, scope, &text);
+      if (!f.ok()) return f;
+      scope->Set(kFilterBlockBody, Value::String(std::move(text)));
+      absl::StatusOr<Value> v = Eval(*node.expr, scope);
+      if (!v.ok()) return v.status();
+      *out += v->ToStr();
+      return Flow::kNormal;
+    }
   }
   return Flow::kNormal;
 }

@@ -329,6 +329,13 @@ Value GetAttribute(const Value& object, const std::string& name) {
   switch (object.kind()) {
     case Value::Kind::kString:
       if (StrMethods().contains(name)) return Bound(object, name, &CallStrMethod);
+      if (UnsupportedPythonMethods().contains(name)) {
+        // Defined, as in Python; calls to it are refused when the template is parsed.
+        return Value::Callable(name, [name](Interpreter&, CallArgs&) -> absl::StatusOr<Value> {
+          return absl::InvalidArgumentError(
+              absl::StrCat("the method '", name, "()' is not supported"));
+        });
+      }
       return NoAttribute(object, name);
     case Value::Kind::kList:
     case Value::Kind::kTuple:

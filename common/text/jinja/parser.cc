@@ -227,7 +227,10 @@ class Parser {
       std::string end;
       if (s = ExpectBlockEnd(); s.ok()) s = Subparse({"endgeneration"}, &n->body, &end);
       if (s.ok()) s = ExpectBlockEnd();
-    } else if (name == "call" || name == "filter" || name == "block" || name == "extends" ||
+    } else if (name == "filter") {
+      Next();
+      s = FilterBlock(n.get());
+    } else if (name == "call" || name == "block" || name == "extends" ||
                name == "include" || name == "import" || name == "from" ||
                name == "autoescape" || name == "trans" || name == "pluralize") {
       return Error(absl::StrCat("'{% ", name, " %}' is not supported by ", kEngine));
@@ -311,11 +314,8 @@ class Parser {
     if (!s.ok()) return s;
     if (end == "else") {
       if (s = ExpectBlockEnd(); !s.ok()) return s;
-      // The else body runs when the loop did not iterate; break there is outside any loop.
-      const int saved = loop_depth_;
-      loop_depth_ = 0;
+      // The else body runs outside this loop (when it did not iterate).
       s = Subparse({"endfor"}, &n->else_body, &end);
-      loop_depth_ = saved;
       if (!s.ok()) return s;
     }
     return ExpectBlockEnd();
@@ -381,6 +381,23 @@ class Parser {
     }
     n->uses_varargs = NodesUseName(n->body, "varargs");
     n->uses_kwargs = NodesUseName(n->body, "kwargs");
+    return ExpectBlockEnd();
+  }
+
+  // {% filter f(args) | g %}body{% endfilter %}: the body's text goes through the filters.
+  absl::Status FilterBlock(Node* n) {
+    n->kind = Node::Kind::kFilterBlock;
+    ExprPtr body = NewExpr(Expr::Kind::kName, Cur());
+    body->name = kFilterBlockBody;
+    n->expr = std::move(body);
+    do {
+      absl::StatusOr<ExprPtr> e = ParseFilter(std::move(n->expr));
+      if (!e.ok()) return e.status();
+      n->expr = *std::move(e);
+    } while (IsOp("|"));
+    if (absl::Status s = ExpectBlockEnd(); !s.ok()) return s;
+    std::string end;
+    if (absl::Status s = Subparse({"endfilter"}, &n->body, &end); !s.ok()) return s;
     return ExpectBlockEnd();
   }
 
@@ -828,8 +845,9 @@ class Parser {
     return name;
   }
 
+  // At `|`, or at the first filter name of a {% filter %} block.
   absl::StatusOr<ExprPtr> ParseFilter(ExprPtr node) {
-    Next();  // |
+    SkipOp("|");
     const Token& at = Cur();
     absl::StatusOr<std::string> name = DottedName();
     if (!name.ok()) return name.status();
