@@ -169,8 +169,8 @@ absl::StatusOr<std::string> ChatTemplate::Render(const Request& request) const {
   for (const auto& [k, v] : request.kwargs.items()) context[k] = v;
   absl::StatusOr<std::string> rendered = template_.Render(context);
   if (!rendered.ok()) {
-    return Invalid("messages", absl::StrCat("the chat template (", origin_,
-                                            ") failed at ", rendered.status().message()));
+    return Invalid("messages",
+                   absl::StrCat("the chat template failed at ", rendered.status().message()));
   }
   if (!request.continue_final_message) return rendered;
   // transformers leaves the final message open: the text up to the end of its content, with

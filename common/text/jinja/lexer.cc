@@ -1,6 +1,7 @@
 #include "common/text/jinja/lexer.h"
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstdlib>
 
@@ -31,39 +32,44 @@ bool IsAsciiSpace(char c) {
   return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
 }
 
+// The code point at byte `pos` of `s` and its length in bytes (1 for a byte that is not UTF-8).
+std::pair<uint32_t, size_t> CodePointAt(absl::string_view s, size_t pos) {
+  const size_t n = std::min<size_t>(4, s.size() - pos);
+  const std::vector<uint32_t> cps = DecodeUtf8(s.substr(pos, n));
+  std::string first;
+  AppendUtf8(cps[0], &first);
+  return {cps[0], first.size()};
+}
+
 // Python's str.rstrip() with no argument.
 absl::string_view RstripPython(absl::string_view s) {
-  const std::vector<uint32_t> cps = DecodeUtf8(s);
-  size_t keep = cps.size();
-  while (keep > 0 && IsPythonSpace(cps[keep - 1])) --keep;
-  size_t bytes = 0;
-  for (size_t i = 0; i < keep; ++i) {
-    std::string tmp;
-    AppendUtf8(cps[i], &tmp);
-    bytes += tmp.size();
+  size_t end = s.size();
+  while (end > 0) {
+    // Step back to the start of the last character (at most 3 continuation bytes).
+    size_t start = end - 1;
+    while (start > 0 && end - start < 4 && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) {
+      --start;
+    }
+    const auto [cp, len] = CodePointAt(s, start);
+    if (start + len != end || !IsPythonSpace(cp)) break;
+    end = start;
   }
-  return s.substr(0, bytes);
+  return s.substr(0, end);
 }
 
 // Length of the Python whitespace run (\s*) at `pos`.
 size_t SpaceRun(absl::string_view s, size_t pos) {
-  const std::vector<uint32_t> cps = DecodeUtf8(s.substr(pos));
-  size_t bytes = 0;
-  for (uint32_t cp : cps) {
+  size_t i = pos;
+  while (i < s.size()) {
+    const auto [cp, len] = CodePointAt(s, i);
     if (!IsPythonSpace(cp)) break;
-    std::string tmp;
-    AppendUtf8(cp, &tmp);
-    bytes += tmp.size();
+    i += len;
   }
-  return bytes;
+  return i - pos;
 }
 
 bool AllPythonSpace(absl::string_view s) {
-  if (s.empty()) return false;
-  for (uint32_t cp : DecodeUtf8(s)) {
-    if (!IsPythonSpace(cp)) return false;
-  }
-  return true;
+  return !s.empty() && SpaceRun(s, 0) == s.size();
 }
 
 class Lexer {

@@ -298,21 +298,39 @@ std::string JinjaTitle(absl::string_view s) {
 }
 
 std::string PythonStrip(absl::string_view s, const std::string* chars, bool left, bool right) {
-  const std::vector<uint32_t> cps = DecodeUtf8(s);
   std::vector<uint32_t> set;
   if (chars != nullptr) set = DecodeUtf8(*chars);
   auto strip = [&](uint32_t cp) {
     return chars == nullptr ? IsPythonSpace(cp)
                             : std::find(set.begin(), set.end(), cp) != set.end();
   };
-  size_t b = 0, e = cps.size();
+  // Only the ends are decoded: contents can be long.
+  auto decode_at = [&](size_t pos) {
+    const std::vector<uint32_t> cps = DecodeUtf8(s.substr(pos, std::min<size_t>(4, s.size() - pos)));
+    std::string first;
+    AppendUtf8(cps[0], &first);
+    return std::make_pair(cps[0], first.size());
+  };
+  size_t b = 0, e = s.size();
   if (left) {
-    while (b < e && strip(cps[b])) ++b;
+    while (b < e) {
+      const auto [cp, len] = decode_at(b);
+      if (!strip(cp)) break;
+      b += len;
+    }
   }
   if (right) {
-    while (e > b && strip(cps[e - 1])) --e;
+    while (e > b) {
+      size_t start = e - 1;
+      while (start > b && e - start < 4 && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) {
+        --start;
+      }
+      const auto [cp, len] = decode_at(start);
+      if (start + len != e || !strip(cp)) break;
+      e = start;
+    }
   }
-  return EncodeUtf8(std::vector<uint32_t>(cps.begin() + b, cps.begin() + e));
+  return std::string(s.substr(b, e - b));
 }
 
 // ---- attribute and item access ----

@@ -456,6 +456,14 @@ absl::StatusOr<Value> CallStrMethod(const Value& self, const std::string& name, 
   if (name == "startswith" || name == "endswith") {
     auto a = bind({"prefix", "start", "end"}, 1);
     if (!a.ok()) return a.status();
+    if (!(*a)[1].has_value() && !(*a)[2].has_value() && (*a)[0]->is_string()) {
+      // Whole-string checks need no code-point view: UTF-8 prefixes are byte prefixes.
+      const std::string& x = (*a)[0]->str();
+      const bool r = name == "startswith"
+                         ? s.compare(0, x.size(), x) == 0
+                         : s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
+      return Value::Bool(r);
+    }
     const CodePoints cps = DecodeUtf8(s);
     int64_t b, e;
     if (absl::Status st = Range(*a, 1, static_cast<int64_t>(cps.size()), &b, &e); !st.ok()) {
