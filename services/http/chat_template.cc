@@ -65,7 +65,8 @@ absl::StatusOr<std::string> MessageContent(const ojson& content, const std::stri
     if (!part.is_object()) return Invalid(part_field, "must be an object");
     const auto type = part.find("type");
     if (type == part.end() || !type->is_string() || type->get<std::string>() != "text") {
-      return Invalid(absl::StrCat(part_field, ".type"), "only \"text\" content parts are supported");
+      return Invalid(absl::StrCat(part_field, ".type"),
+                     "only \"text\" content parts are supported");
     }
     const auto text = part.find("text");
     if (text == part.end() || !text->is_string()) {
@@ -75,6 +76,19 @@ absl::StatusOr<std::string> MessageContent(const ojson& content, const std::stri
   }
   return absl::StrJoin(texts, "\n");
 }
+
+// Whether `v` nests arrays and objects deeper than `limit`. The engine converts values
+// recursively, so request JSON it renders is kept shallow.
+bool DeeperThan(const ojson& v, int limit) {
+  if (!v.is_structured()) return false;
+  if (limit == 0) return true;
+  for (const ojson& child : v) {
+    if (DeeperThan(child, limit - 1)) return true;
+  }
+  return false;
+}
+
+constexpr int kMaxKwargsDepth = 32;
 
 }  // namespace
 
@@ -153,7 +167,8 @@ absl::StatusOr<std::optional<ChatTemplate>> ChatTemplate::Load(const std::string
     }
   }
   if (config_template.has_value()) {
-    absl::StatusOr<ChatTemplate> t = FromSource(*config_template, std::move(special), config_origin);
+    absl::StatusOr<ChatTemplate> t =
+        FromSource(*config_template, std::move(special), config_origin);
     if (!t.ok()) return t.status();
     return std::optional<ChatTemplate>(*std::move(t));
   }
@@ -184,9 +199,8 @@ absl::StatusOr<std::string> ChatTemplate::Render(const Request& request) const {
                    "the final message does not appear in the prompt the chat template renders");
   }
   const std::string lstripped = jinja::PythonStrip(final_message, nullptr, true, false);
-  const size_t keep = rendered->compare(at, lstripped.size(), lstripped) == 0
-                          ? lstripped.size()
-                          : stripped.size();
+  const size_t keep =
+      rendered->compare(at, lstripped.size(), lstripped) == 0 ? lstripped.size() : stripped.size();
   return rendered->substr(0, at + keep);
 }
 
@@ -252,9 +266,9 @@ absl::StatusOr<ChatTemplate::Request> ParseChatTemplateFields(const ojson& body)
   absl::StatusOr<ojson> normalized = NormalizeMessages(*messages);
   if (!normalized.ok()) return normalized.status();
   r.messages = *std::move(normalized);
-  for (auto [name, out] : {std::pair<const char*, bool*>{"add_generation_prompt",
-                                                          &r.add_generation_prompt},
-                           {"continue_final_message", &r.continue_final_message}}) {
+  for (auto [name, out] :
+       {std::pair<const char*, bool*>{"add_generation_prompt", &r.add_generation_prompt},
+        {"continue_final_message", &r.continue_final_message}}) {
     if (const ojson* v = field(name)) {
       if (!v->is_boolean()) return Invalid(name, "must be true or false");
       *out = v->get<bool>();
@@ -266,6 +280,10 @@ absl::StatusOr<ChatTemplate::Request> ParseChatTemplateFields(const ojson& body)
   }
   if (const ojson* kwargs = field("chat_template_kwargs")) {
     if (!kwargs->is_object()) return Invalid("chat_template_kwargs", "must be an object");
+    if (DeeperThan(*kwargs, kMaxKwargsDepth)) {
+      return Invalid("chat_template_kwargs",
+                     absl::StrCat("nests deeper than ", kMaxKwargsDepth, " levels"));
+    }
     for (const auto& [k, v] : kwargs->items()) {
       if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt" ||
           k == "continue_final_message") {

@@ -57,7 +57,8 @@ class ChatTemplate {
 
  private:
   ChatTemplate(jinja::Template t, nlohmann::ordered_json special_tokens, std::string origin)
-      : template_(std::move(t)), special_tokens_(std::move(special_tokens)),
+      : template_(std::move(t)),
+        special_tokens_(std::move(special_tokens)),
         origin_(std::move(origin)) {}
 
   jinja::Template template_;

@@ -64,7 +64,8 @@ int Main() {
     absl::StatusOr<std::optional<ChatTemplate>> chat_template =
         ChatTemplate::Load(absl::GetFlag(FLAGS_model_dir), absl::GetFlag(FLAGS_chat_template));
     if (!chat_template.ok()) {
-      return Fail(absl::StrCat("--model_dir / --chat_template: ", chat_template.status().ToString()));
+      return Fail(
+          absl::StrCat("--model_dir / --chat_template: ", chat_template.status().ToString()));
     }
     if (chat_template->has_value()) {
       options.chat_template = std::make_shared<const ChatTemplate>(**std::move(chat_template));

@@ -507,11 +507,11 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
 
 bool OpenAiServer::HaveModel(const ProtocolOptions& protocol, httplib::Response& res) {
   if (!protocol.model_name.empty()) return true;
-  SendError(ToApiError(absl::UnavailableError(absl::StrCat("the router at ",
-                                                           options_.router_address,
-                                                           " does not answer GetModelInfo")),
-                       Endpoint::kCompletions),
-            res);
+  SendError(
+      ToApiError(absl::UnavailableError(absl::StrCat("the router at ", options_.router_address,
+                                                     " does not answer GetModelInfo")),
+                 Endpoint::kCompletions),
+      res);
   return false;
 }
 
@@ -527,10 +527,9 @@ void OpenAiServer::HandleModels(httplib::Response& res) {
 void OpenAiServer::HandleModel(const std::string& id, httplib::Response& res) {
   const ProtocolOptions protocol = CurrentProtocolOptions();
   if (!HaveModel(protocol, res)) return;
-  const bool served =
-      id == protocol.model_name ||
-      std::find(protocol.model_aliases.begin(), protocol.model_aliases.end(), id) !=
-          protocol.model_aliases.end();
+  const bool served = id == protocol.model_name ||
+                      std::find(protocol.model_aliases.begin(), protocol.model_aliases.end(), id) !=
+                          protocol.model_aliases.end();
   if (!served) {
     SendError(ModelNotFound(id), res);
     return;
@@ -540,7 +539,7 @@ void OpenAiServer::HandleModel(const std::string& id, httplib::Response& res) {
 }
 
 absl::StatusOr<std::vector<int32_t>> OpenAiServer::Tokenize(const std::string& text,
-                                                             bool add_special_tokens) {
+                                                            bool add_special_tokens) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(std::min(Deadline(), absl::Now() + kUtilityTimeout)));
   v1::TokenizeRequest request;

@@ -20,7 +20,8 @@ absl::StatusOr<ojson> ParseBody(absl::string_view text) {
   if (body.is_discarded()) {
     return absl::InvalidArgumentError("invalid JSON in the request body");
   }
-  if (!body.is_object()) return absl::InvalidArgumentError("the request body must be a JSON object");
+  if (!body.is_object())
+    return absl::InvalidArgumentError("the request body must be a JSON object");
   return body;
 }
 
@@ -58,12 +59,13 @@ absl::StatusOr<TokenizeCall> ParseTokenizeRequest(absl::string_view text,
     if (it != body->end() && !it->is_null()) return Invalid(unsupported, "not supported");
   }
   const bool chat = body->contains("messages");
-  if (chat && body->contains("prompt")) return Invalid("prompt", "give prompt or messages, not both");
+  if (chat && body->contains("prompt"))
+    return Invalid("prompt", "give prompt or messages, not both");
   if (!chat && !body->contains("prompt")) return Invalid("prompt", "required (or messages)");
   TokenizeCall call;
   if (!chat) {
-    if (absl::Status s = OnlyKnownFields(*body, {"model", "prompt", "add_special_tokens",
-                                                 "return_token_strs"});
+    if (absl::Status s =
+            OnlyKnownFields(*body, {"model", "prompt", "add_special_tokens", "return_token_strs"});
         !s.ok()) {
       return s;
     }

@@ -12,9 +12,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -530,9 +530,9 @@ TEST(HttpEdgeTest, TemplateBosTokenizeDetokenizeVersionAndModel) {
   g.set_ignore_eos(true);
   const GrpcResult want = c->Generate(g);
   ASSERT_TRUE(want.status.ok()) << want.status.error_message();
-  const HttpReply chat = Post(
-      http.port, "/v1/chat/completions",
-      json({{"messages", messages}, {"max_tokens", 12}, {"ignore_eos", true}}).dump());
+  const HttpReply chat =
+      Post(http.port, "/v1/chat/completions",
+           json({{"messages", messages}, {"max_tokens", 12}, {"ignore_eos", true}}).dump());
   ASSERT_EQ(chat.status, 200) << chat.body;
   const json r = ParseJson(chat.body);
   EXPECT_EQ(r["usage"]["prompt_tokens"], prompt_ids.size());
@@ -548,20 +548,19 @@ TEST(HttpEdgeTest, TemplateBosTokenizeDetokenizeVersionAndModel) {
   // continue_final_message leaves the assistant's turn open.
   json open = messages;
   open.push_back({{"role", "assistant"}, {"content", "Sure,"}});
-  const HttpReply cont = Post(http.port, "/tokenize",
-                              json({{"messages", open},
-                                    {"add_generation_prompt", false},
-                                    {"continue_final_message", true}})
-                                  .dump());
+  const HttpReply cont = Post(
+      http.port, "/tokenize",
+      json({{"messages", open}, {"add_generation_prompt", false}, {"continue_final_message", true}})
+          .dump());
   ASSERT_EQ(cont.status, 200) << cont.body;
   EXPECT_EQ(Ids(ParseJson(cont.body)["tokens"]), c->Tokenize(prompt + " Sure,", false));
 
   // The template's own checks are the request's 400s: Llama 2 wants alternating roles.
-  const HttpReply twice = Post(
-      http.port, "/v1/chat/completions",
-      json({{"messages", json::array({{{"role", "user"}, {"content", "a"}},
-                                      {{"role", "user"}, {"content", "b"}}})}})
-          .dump());
+  const HttpReply twice =
+      Post(http.port, "/v1/chat/completions",
+           json({{"messages", json::array({{{"role", "user"}, {"content", "a"}},
+                                           {{"role", "user"}, {"content", "b"}}})}})
+               .dump());
   EXPECT_EQ(twice.status, 400) << twice.body;
   const json te = ParseJson(twice.body);
   EXPECT_EQ(te["error"]["param"], "messages");
@@ -571,8 +570,9 @@ TEST(HttpEdgeTest, TemplateBosTokenizeDetokenizeVersionAndModel) {
 
   // /tokenize of a prompt: special tokens added unless asked not to.
   for (const bool special : {true, false}) {
-    const HttpReply p = Post(http.port, "/tokenize",
-                             json({{"prompt", "Hi there"}, {"add_special_tokens", special}}).dump());
+    const HttpReply p =
+        Post(http.port, "/tokenize",
+             json({{"prompt", "Hi there"}, {"add_special_tokens", special}}).dump());
     ASSERT_EQ(p.status, 200) << p.body;
     EXPECT_EQ(Ids(ParseJson(p.body)["tokens"]), c->Tokenize("Hi there", special));
   }
@@ -637,17 +637,18 @@ TEST(HttpEdgeTest, UnsupportedTemplateFailsAtStartup) {
   std::ofstream(dir + "/t.jinja") << "{% for m in messages %}\n{{ m.content | truncate(9) }}"
                                      "{% endfor %}";
   const int port = PickFreePort();
-  absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
-      {SpecdBinary("specd-http"),
-       {absl::StrCat("--address=127.0.0.1:", port), "--router=127.0.0.1:1",
-        "--chat_template=" + dir + "/t.jinja"},
-       absl::StrCat("127.0.0.1:", port)});
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> p =
+      ServiceProcess::Spawn({SpecdBinary("specd-http"),
+                             {absl::StrCat("--address=127.0.0.1:", port), "--router=127.0.0.1:1",
+                              "--chat_template=" + dir + "/t.jinja"},
+                             absl::StrCat("127.0.0.1:", port)});
   ASSERT_TRUE(p.ok()) << p.status();
   absl::StatusOr<int> code = (*p)->WaitForExit(absl::Seconds(20));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 1);
-  EXPECT_TRUE(absl::StrContains((*p)->Log(), "line 2, column 16: the filter 'truncate' is not "
-                                              "supported"))
+  EXPECT_TRUE(absl::StrContains((*p)->Log(),
+                                "line 2, column 16: the filter 'truncate' is not "
+                                "supported"))
       << (*p)->Log();
 }
 

@@ -55,8 +55,9 @@ TEST(HttpChatTest, LoadFindsTheTemplateAndTheSpecialTokens) {
   WriteFile(dir + "/tokenizer_config.json",
             R"({"chat_template": [{"name": "tool_use", "template": "T"},
                                   {"name": "default", "template": "D{{ messages | length }}"}]})");
-  EXPECT_EQ(*(*ChatTemplate::Load(dir, ""))->Render(Messages(R"([{"role": "user", "content": "x"}])")),
-            "D1");
+  EXPECT_EQ(
+      *(*ChatTemplate::Load(dir, ""))->Render(Messages(R"([{"role": "user", "content": "x"}])")),
+      "D1");
   WriteFile(dir + "/tokenizer_config.json",
             R"({"chat_template": [{"name": "tool_use", "template": "T"}]})");
   absl::StatusOr<std::optional<ChatTemplate>> no_default = ChatTemplate::Load(dir, "");
@@ -83,7 +84,8 @@ TEST(HttpChatTest, LoadFindsTheTemplateAndTheSpecialTokens) {
 
   // Errors name the file, and a construct the engine lacks is named.
   WriteFile(dir + "/broken.jinja", "{% for m in messages %}{{ m | groupby('x') }}{% endfor %}");
-  absl::StatusOr<std::optional<ChatTemplate>> broken = ChatTemplate::Load("", dir + "/broken.jinja");
+  absl::StatusOr<std::optional<ChatTemplate>> broken =
+      ChatTemplate::Load("", dir + "/broken.jinja");
   ASSERT_FALSE(broken.ok());
   EXPECT_NE(broken.status().message().find("the filter 'groupby' is not supported"),
             std::string::npos)
@@ -106,9 +108,10 @@ TEST(HttpChatTest, NormalizeMessages) {
            "refusal": null, "tool_calls": []},
           {"role": "assistant", "content": "<think>r</think>x", "reasoning_content": "r"}])"));
   ASSERT_TRUE(m.ok()) << m.status();
-  EXPECT_EQ(m->dump(), R"([{"role":"system","content":"S"},)"
-                       R"({"role":"user","content":"a\nb","name":"ann"},)"
-                       R"({"role":"assistant","content":"<think>r</think>x","reasoning_content":"r"}])");
+  EXPECT_EQ(m->dump(),
+            R"([{"role":"system","content":"S"},)"
+            R"({"role":"user","content":"a\nb","name":"ann"},)"
+            R"({"role":"assistant","content":"<think>r</think>x","reasoning_content":"r"}])");
   struct Case {
     std::string messages;
     std::string message;
@@ -156,6 +159,9 @@ TEST(HttpChatTest, RequestFields) {
             "documents"},
            {R"({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": 1})",
             "add_generation_prompt"},
+           {R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": )" +
+                std::string(40, '[') + std::string(40, ']') + "}}",
+            "chat_template_kwargs"},
        }) {
     absl::StatusOr<ChatTemplate::Request> bad = ParseChatTemplateFields(ojson::parse(body));
     ASSERT_FALSE(bad.ok()) << body;
@@ -187,9 +193,9 @@ TEST(HttpChatTest, RealTemplatesKwargsAndContinueFinalMessage) {
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
             "assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nSure, ");
 
-  absl::StatusOr<ChatTemplate> mistral = ChatTemplate::FromSource(
-      ReadFile(fixtures + "mistral-7b-instruct-v0.3.jinja"),
-      ojson{{"bos_token", "<s>"}, {"eos_token", "</s>"}}, "mistral");
+  absl::StatusOr<ChatTemplate> mistral =
+      ChatTemplate::FromSource(ReadFile(fixtures + "mistral-7b-instruct-v0.3.jinja"),
+                               ojson{{"bos_token", "<s>"}, {"eos_token", "</s>"}}, "mistral");
   ASSERT_TRUE(mistral.ok());
   // Mistral trims assistant turns: the trailing space is not in the prompt, so it is not kept.
   EXPECT_EQ(*mistral->Render(r), "<s>[INST] Hi[/INST] Sure,");
@@ -235,7 +241,8 @@ TEST(HttpChatTest, TokenizeAndDetokenizeRequests) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->text, "hi");
   EXPECT_TRUE(p->add_special_tokens);
-  p = ParseTokenizeRequest(R"({"prompt": "hi", "add_special_tokens": false, "model": "target"})", o);
+  p = ParseTokenizeRequest(R"({"prompt": "hi", "add_special_tokens": false, "model": "target"})",
+                           o);
   ASSERT_TRUE(p.ok());
   EXPECT_FALSE(p->add_special_tokens);
 
@@ -264,7 +271,8 @@ TEST(HttpChatTest, TokenizeAndDetokenizeRequests) {
     EXPECT_EQ(e.http_status, 400) << body;
     EXPECT_EQ(e.param, param) << body << ": " << e.message;
   }
-  const ApiError other = TokenizeApiError(ParseTokenizeRequest(R"({"prompt": "a", "model": "gpt"})", o).status());
+  const ApiError other =
+      TokenizeApiError(ParseTokenizeRequest(R"({"prompt": "a", "model": "gpt"})", o).status());
   EXPECT_EQ(other.http_status, 404);
   EXPECT_EQ(other.code, "model_not_found");
   const ApiError no_template = TokenizeApiError(
@@ -297,8 +305,9 @@ TEST(HttpChatTest, TokenizeAndDetokenizeRequests) {
 }
 
 TEST(HttpChatTest, ModelObjects) {
-  EXPECT_EQ(ModelJson("target", 4096).dump(),
-            R"({"created":0,"id":"target","max_model_len":4096,"object":"model","owned_by":"specd"})");
+  EXPECT_EQ(
+      ModelJson("target", 4096).dump(),
+      R"({"created":0,"id":"target","max_model_len":4096,"object":"model","owned_by":"specd"})");
   const ApiError e = ModelNotFound("nope/x");
   EXPECT_EQ(e.http_status, 404);
   EXPECT_EQ(e.code, "model_not_found");

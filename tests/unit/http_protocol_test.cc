@@ -199,11 +199,11 @@ TEST(HttpProtocolTest, ChatRequest) {
   EXPECT_FALSE(r->add_special_tokens);
   EXPECT_EQ(r->generate.max_new_tokens(), 9u);
 
-  absl::StatusOr<ParsedRequest> d = ParseRequest(
-      Endpoint::kChatCompletions,
-      R"({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": true,
+  absl::StatusOr<ParsedRequest> d =
+      ParseRequest(Endpoint::kChatCompletions,
+                   R"({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": true,
           "add_generation_prompt": false})",
-      Options());
+                   Options());
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->generate.max_new_tokens(), 0u);  // the router's default
   EXPECT_TRUE(d->add_special_tokens);
@@ -244,9 +244,9 @@ TEST(HttpProtocolTest, ChatRequest) {
             "add_special_tokens");
 
   // No template: a 400 that says so, with no field at fault.
-  const ApiError none = ErrorFor(Endpoint::kChatCompletions,
-                                 R"({"messages": [{"role": "user", "content": "a"}]})",
-                                 Options(/*chat_template=*/nullptr));
+  const ApiError none =
+      ErrorFor(Endpoint::kChatCompletions, R"({"messages": [{"role": "user", "content": "a"}]})",
+               Options(/*chat_template=*/nullptr));
   EXPECT_EQ(none.http_status, 400);
   EXPECT_FALSE(none.param.has_value());
   EXPECT_NE(none.message.find("no chat template"), std::string::npos) << none.message;

@@ -68,7 +68,8 @@ TEST(JinjaEngineTest, MatchesJinja2OnEveryConstruct) {
 }
 
 TEST(JinjaEngineTest, RenderErrorsNameTheLine) {
-  absl::StatusOr<Template> t = Template::Parse("a\n{% if true %}\n{{ raise_exception('no') }}\n{% endif %}");
+  absl::StatusOr<Template> t =
+      Template::Parse("a\n{% if true %}\n{{ raise_exception('no') }}\n{% endif %}");
   ASSERT_TRUE(t.ok()) << t.status();
   absl::StatusOr<std::string> out = t->Render(ordered::object());
   ASSERT_FALSE(out.ok());

@@ -39,14 +39,14 @@ struct Expr {
   Kind kind;
   int line = 0;
   int column = 0;
-  Value value;       // kLiteral
-  std::string name;  // kName, kGetAttr, kFilter, kTest, kBinary (the operator)
-  bool negated = false;                                 // kTest
-  ExprPtr object;                                       // most postfix kinds; kNot/kNeg/kPos
-  ExprPtr index, start, stop, step;                     // kGetItem, kSlice
-  ExprPtr left, right;                                  // kBinary; kCompare's left
-  ExprPtr cond, then, otherwise;                        // kCondition
-  std::vector<ExprPtr> items;                           // kList, kTuple, kDict, kCall/kFilter/kTest args
+  Value value;                       // kLiteral
+  std::string name;                  // kName, kGetAttr, kFilter, kTest, kBinary (the operator)
+  bool negated = false;              // kTest
+  ExprPtr object;                    // most postfix kinds; kNot/kNeg/kPos
+  ExprPtr index, start, stop, step;  // kGetItem, kSlice
+  ExprPtr left, right;               // kBinary; kCompare's left
+  ExprPtr cond, then, otherwise;     // kCondition
+  std::vector<ExprPtr> items;        // kList, kTuple, kDict, kCall/kFilter/kTest args
   std::vector<std::pair<std::string, ExprPtr>> kwargs;  // kCall, kFilter, kTest
   std::vector<std::string> ops;                         // kCompare
   std::vector<ExprPtr> operands;                        // kCompare
@@ -82,8 +82,8 @@ struct Node {
     kMacro,     // name(params): body
     kBreak,
     kContinue,
-    kScope,  // body in a scope of its own ({% with %}: target/exprs assignments first)
-    kBody,   // body inline ({% generation %} of transformers' AssistantTracker)
+    kScope,        // body in a scope of its own ({% with %}: target/exprs assignments first)
+    kBody,         // body inline ({% generation %} of transformers' AssistantTracker)
     kFilterBlock,  // expr (filters applied to kFilterBlockBody) of the rendered body
   };
 

@@ -19,31 +19,31 @@ using Args = std::vector<std::optional<Value>>;
 
 const absl::flat_hash_set<std::string>& SupportedFilters() {
   static const auto* s = new absl::flat_hash_set<std::string>{
-      "abs",    "attr",    "batch",   "capitalize", "center",      "count",   "d",
-      "default", "dictsort", "e",     "escape",     "first",       "float",   "forceescape",
-      "format", "indent",  "int",     "items",      "join",        "last",    "length",
-      "list",   "lower",   "map",     "max",        "min",         "reject",  "rejectattr",
-      "replace", "reverse", "round",  "safe",       "select",      "selectattr", "sort",
-      "string", "sum",     "title",   "tojson",     "trim",        "unique",  "upper",
+      "abs",      "attr",     "batch", "capitalize", "center", "count",      "d",
+      "default",  "dictsort", "e",     "escape",     "first",  "float",      "forceescape",
+      "format",   "indent",   "int",   "items",      "join",   "last",       "length",
+      "list",     "lower",    "map",   "max",        "min",    "reject",     "rejectattr",
+      "replace",  "reverse",  "round", "safe",       "select", "selectattr", "sort",
+      "string",   "sum",      "title", "tojson",     "trim",   "unique",     "upper",
       "wordcount"};
   return *s;
 }
 
 const absl::flat_hash_set<std::string>& UnsupportedFilters() {
   static const auto* s = new absl::flat_hash_set<std::string>{
-      "filesizeformat", "groupby", "pprint", "random",  "slice",   "striptags",
+      "filesizeformat", "groupby",   "pprint", "random",   "slice",  "striptags",
       "truncate",       "urlencode", "urlize", "wordwrap", "xmlattr"};
   return *s;
 }
 
 const absl::flat_hash_set<std::string>& SupportedTests() {
   static const auto* s = new absl::flat_hash_set<std::string>{
-      "odd",      "even",    "divisibleby", "defined", "undefined", "filter",   "test",
-      "none",     "boolean", "false",       "true",    "integer",   "float",    "lower",
-      "upper",    "string",  "mapping",     "number",  "sequence",  "iterable", "callable",
-      "sameas",   "escaped", "in",          "==",      "eq",        "equalto",  "!=",
-      "ne",       ">",       "gt",          "greaterthan", "ge",    ">=",       "<",
-      "lt",       "lessthan", "<=",         "le"};
+      "odd",    "even",     "divisibleby", "defined",     "undefined", "filter",   "test",
+      "none",   "boolean",  "false",       "true",        "integer",   "float",    "lower",
+      "upper",  "string",   "mapping",     "number",      "sequence",  "iterable", "callable",
+      "sameas", "escaped",  "in",          "==",          "eq",        "equalto",  "!=",
+      "ne",     ">",        "gt",          "greaterthan", "ge",        ">=",       "<",
+      "lt",     "lessthan", "<=",          "le"};
   return *s;
 }
 
@@ -51,12 +51,23 @@ std::string HtmlEscape(absl::string_view s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out.push_back(c);
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out.push_back(c);
     }
   }
   return out;
@@ -111,8 +122,7 @@ absl::StatusOr<Value> SortKey(const Value& item, const std::optional<Value>& att
   return IgnoreCase(*k, case_sensitive);
 }
 
-absl::Status StableSortBy(std::vector<Value>* items, const std::vector<Value>& keys,
-                          bool reverse) {
+absl::Status StableSortBy(std::vector<Value>* items, const std::vector<Value>& keys, bool reverse) {
   std::vector<size_t> order(items->size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   absl::Status error;
@@ -506,7 +516,8 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& interp, absl::string_view name, c
     }
     std::vector<Value> out, seen;
     for (size_t i = 0; i < items->size(); ++i) {
-      if (std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return Equals(s, keys[i]); })) {
+      if (std::any_of(seen.begin(), seen.end(),
+                      [&](const Value& s) { return Equals(s, keys[i]); })) {
         continue;
       }
       seen.push_back(keys[i]);
@@ -560,7 +571,8 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& interp, absl::string_view name, c
     std::vector<Value> out, row;
     for (Value& item : *items) {
       row.push_back(std::move(item));
-      if (static_cast<int64_t>(row.size()) == *n) out.push_back(Value::List(std::exchange(row, {})));
+      if (static_cast<int64_t>(row.size()) == *n)
+        out.push_back(Value::List(std::exchange(row, {})));
     }
     if (!row.empty()) {
       if ((*a)[1].has_value() && !(*a)[1]->is_none()) {
@@ -641,7 +653,8 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& interp, absl::string_view name, c
     return items->front();
   }
   if (name == "last") {
-    if (v.kind() == Value::Kind::kIterator) return TypeError("'generator' object is not reversible");
+    if (v.kind() == Value::Kind::kIterator)
+      return TypeError("'generator' object is not reversible");
     absl::StatusOr<std::vector<Value>> items = Interpreter::Iterate(v);
     if (!items.ok()) return items.status();
     if (items->empty()) return Value::Undefined("No last item, sequence was empty.");

@@ -21,12 +21,23 @@ std::string HtmlEscape(absl::string_view s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out.push_back(c);
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out.push_back(c);
     }
   }
   return out;
@@ -117,7 +128,7 @@ absl::StatusOr<Interpreter::Flow> Interpreter::Execute(const Node& node,
       const Node* macro = &node;
       std::shared_ptr<Frame> defined_in = frame;
       frame->Set(node.name, Value::Callable(node.name, [macro, defined_in](Interpreter& interp,
-                                                                          CallArgs& args) {
+                                                                           CallArgs& args) {
                    return interp.CallMacro(*macro, defined_in, args);
                  }));
       return Flow::kNormal;
@@ -175,8 +186,8 @@ absl::Status Interpreter::Assign(const Target& target, const Value& value, Frame
         absl::StrCat("too many values to unpack (expected ", want, ")"));
   }
   if (items->size() < want) {
-    return absl::InvalidArgumentError(absl::StrCat("not enough values to unpack (expected ", want,
-                                                   ", got ", items->size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("not enough values to unpack (expected ", want, ", got ", items->size(), ")"));
   }
   for (size_t i = 0; i < want; ++i) frame.Set(target.names[i], (*items)[i]);
   return absl::OkStatus();
@@ -244,8 +255,8 @@ absl::StatusOr<Value> Interpreter::CallMacro(const Node& macro,
     while (i < macro.params.size() && macro.params[i].name != name) ++i;
     if (i < macro.params.size()) {
       if (bound[i]) {
-        return TypeError(absl::StrCat("macro '", macro.name, "' got multiple values for argument '",
-                                      name, "'"));
+        return TypeError(
+            absl::StrCat("macro '", macro.name, "' got multiple values for argument '", name, "'"));
       }
       scope->Set(name, value);
       bound[i] = true;
@@ -260,8 +271,8 @@ absl::StatusOr<Value> Interpreter::CallMacro(const Node& macro,
     if (bound[i]) continue;
     const MacroParam& p = macro.params[i];
     if (p.default_value == nullptr) {
-      scope->Set(p.name, Value::Undefined(absl::StrCat("parameter '", p.name,
-                                                       "' was not provided")));
+      scope->Set(p.name,
+                 Value::Undefined(absl::StrCat("parameter '", p.name, "' was not provided")));
       continue;
     }
     absl::StatusOr<Value> v = Eval(*p.default_value, scope);
@@ -376,8 +387,8 @@ absl::StatusOr<Value> Interpreter::EvalInner(const Expr& e, const std::shared_pt
       if (!object->is_sequence()) {
         return TypeError(absl::StrCat("'", object->TypeName(), "' object is not subscriptable"));
       }
-      absl::StatusOr<std::vector<int64_t>> idx = SliceIndices(
-          static_cast<int64_t>(object->items().size()), parts[0], parts[1], parts[2]);
+      absl::StatusOr<std::vector<int64_t>> idx =
+          SliceIndices(static_cast<int64_t>(object->items().size()), parts[0], parts[1], parts[2]);
       if (!idx.ok()) return idx.status();
       std::vector<Value> out;
       for (int64_t i : *idx) out.push_back(object->items()[i]);
@@ -419,7 +430,8 @@ absl::StatusOr<Value> Interpreter::EvalInner(const Expr& e, const std::shared_pt
       if (v->is_undefined()) return UndefinedError(*v);
       const char* op = e.kind == Expr::Kind::kNeg ? "-" : "+";
       if (!v->is_number()) {
-        return TypeError(absl::StrCat("bad operand type for unary ", op, ": '", v->TypeName(), "'"));
+        return TypeError(
+            absl::StrCat("bad operand type for unary ", op, ": '", v->TypeName(), "'"));
       }
       if (e.kind == Expr::Kind::kPos) return v->is_bool() ? Value::Int(v->as_int()) : *v;
       if (v->is_integral()) return Value::Int(-v->as_int());
@@ -520,8 +532,8 @@ absl::StatusOr<bool> Interpreter::Contains(const Value& container, const Value& 
       return false;
     case Value::Kind::kString:
       if (!item.is_string()) {
-        return TypeError(absl::StrCat("'in <string>' requires string as left operand, not ",
-                                      item.TypeName()));
+        return TypeError(
+            absl::StrCat("'in <string>' requires string as left operand, not ", item.TypeName()));
       }
       return container.str().find(item.str()) != std::string::npos;
     case Value::Kind::kList:
@@ -567,9 +579,8 @@ absl::StatusOr<Value> Interpreter::Arithmetic(absl::string_view op, const Value&
     if (a.is_string() && b.is_string()) {
       // markupsafe.Markup escapes what is added to it.
       if (a.markup() != b.markup()) {
-        return Value::String(a.markup() ? a.str() + HtmlEscape(b.str())
-                                        : HtmlEscape(a.str()) + b.str(),
-                             true);
+        return Value::String(
+            a.markup() ? a.str() + HtmlEscape(b.str()) : HtmlEscape(a.str()) + b.str(), true);
       }
       return Value::String(a.str() + b.str(), a.markup());
     }
@@ -580,8 +591,8 @@ absl::StatusOr<Value> Interpreter::Arithmetic(absl::string_view op, const Value&
                                             : Value::Tuple(std::move(items));
     }
     if (a.is_string() || a.is_sequence()) {
-      return TypeError(absl::StrCat("can only concatenate ", a.TypeName(), " (not \"",
-                                    b.TypeName(), "\") to ", a.TypeName()));
+      return TypeError(absl::StrCat("can only concatenate ", a.TypeName(), " (not \"", b.TypeName(),
+                                    "\") to ", a.TypeName()));
     }
     return Unsupported("+", a, b);
   }

@@ -43,8 +43,7 @@ class Interpreter {
 
   // Renders `nodes` in `frame`. Errors are INVALID_ARGUMENT with jinja2's message; line() says
   // where the first one happened.
-  absl::Status Render(const NodeList& nodes, const std::shared_ptr<Frame>& frame,
-                      std::string* out);
+  absl::Status Render(const NodeList& nodes, const std::shared_ptr<Frame>& frame, std::string* out);
   int error_line() const { return error_line_; }
 
   absl::StatusOr<Value> Eval(const Expr& e, const std::shared_ptr<Frame>& frame);

@@ -1,9 +1,9 @@
 #include "common/text/jinja/lexer.h"
 
 #include <algorithm>
-#include <utility>
 #include <cmath>
 #include <cstdlib>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -68,9 +68,7 @@ size_t SpaceRun(absl::string_view s, size_t pos) {
   return i - pos;
 }
 
-bool AllPythonSpace(absl::string_view s) {
-  return !s.empty() && SpaceRun(s, 0) == s.size();
-}
+bool AllPythonSpace(absl::string_view s) { return !s.empty() && SpaceRun(s, 0) == s.size(); }
 
 class Lexer {
  public:
@@ -216,8 +214,8 @@ class Lexer {
 
   // Lexes the inside of {{ ... }} or {% ... %} from `p`; returns the offset after its end.
   absl::StatusOr<size_t> Tag(bool variable, size_t start, size_t p) {
-    Emit(variable ? TokenType::kVariableBegin : TokenType::kBlockBegin,
-         variable ? "{{" : "{%", start);
+    Emit(variable ? TokenType::kVariableBegin : TokenType::kBlockBegin, variable ? "{{" : "{%",
+         start);
     std::vector<char> balance;
     size_t i = p;
     while (true) {
@@ -388,17 +386,38 @@ class Lexer {
       const char e = src_[j + 1];
       j += 2;
       switch (e) {
-        case '\\': value.push_back('\\'); break;
-        case '\'': value.push_back('\''); break;
-        case '"': value.push_back('"'); break;
-        case 'a': value.push_back('\a'); break;
-        case 'b': value.push_back('\b'); break;
-        case 'f': value.push_back('\f'); break;
-        case 'n': value.push_back('\n'); break;
-        case 'r': value.push_back('\r'); break;
-        case 't': value.push_back('\t'); break;
-        case 'v': value.push_back('\v'); break;
-        case '\n': break;  // line continuation
+        case '\\':
+          value.push_back('\\');
+          break;
+        case '\'':
+          value.push_back('\'');
+          break;
+        case '"':
+          value.push_back('"');
+          break;
+        case 'a':
+          value.push_back('\a');
+          break;
+        case 'b':
+          value.push_back('\b');
+          break;
+        case 'f':
+          value.push_back('\f');
+          break;
+        case 'n':
+          value.push_back('\n');
+          break;
+        case 'r':
+          value.push_back('\r');
+          break;
+        case 't':
+          value.push_back('\t');
+          break;
+        case 'v':
+          value.push_back('\v');
+          break;
+        case '\n':
+          break;  // line continuation
         case 'x':
         case 'u':
         case 'U': {

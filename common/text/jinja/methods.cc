@@ -47,37 +47,79 @@ bool IsAlphaChar(uint32_t cp) {
 }
 bool IsDigitChar(uint32_t cp) {
   if (cp < 0x80) return cp >= '0' && cp <= '9';
-  return !Tagged(cp) && Utf8Locale() != static_cast<locale_t>(0) &&
-         iswalnum_l(cp, Utf8Locale()) && !iswalpha_l(cp, Utf8Locale());
+  return !Tagged(cp) && Utf8Locale() != static_cast<locale_t>(0) && iswalnum_l(cp, Utf8Locale()) &&
+         !iswalpha_l(cp, Utf8Locale());
 }
 
 // Full upper-case mappings that are longer than one character (Unicode's SpecialCasing).
 void AppendUpper(uint32_t cp, std::string* out) {
   switch (cp) {
-    case 0xDF: *out += "SS"; return;
-    case 0x149: *out += "\u02BCN"; return;
-    case 0xFB00: *out += "FF"; return;
-    case 0xFB01: *out += "FI"; return;
-    case 0xFB02: *out += "FL"; return;
-    case 0xFB03: *out += "FFI"; return;
-    case 0xFB04: *out += "FFL"; return;
+    case 0xDF:
+      *out += "SS";
+      return;
+    case 0x149:
+      *out += "\u02BCN";
+      return;
+    case 0xFB00:
+      *out += "FF";
+      return;
+    case 0xFB01:
+      *out += "FI";
+      return;
+    case 0xFB02:
+      *out += "FL";
+      return;
+    case 0xFB03:
+      *out += "FFI";
+      return;
+    case 0xFB04:
+      *out += "FFL";
+      return;
     case 0xFB05:
-    case 0xFB06: *out += "ST"; return;
-    default: AppendUtf8(UpperOf(cp), out);
+    case 0xFB06:
+      *out += "ST";
+      return;
+    default:
+      AppendUtf8(UpperOf(cp), out);
   }
 }
 
 void AppendTitle(uint32_t cp, std::string* out) {
   switch (cp) {
-    case 0xDF: *out += "Ss"; return;
-    case 0xFB00: *out += "Ff"; return;
-    case 0xFB01: *out += "Fi"; return;
-    case 0xFB02: *out += "Fl"; return;
-    case 0x1C4: case 0x1C5: case 0x1C6: *out += "\u01C5"; return;
-    case 0x1C7: case 0x1C8: case 0x1C9: *out += "\u01C8"; return;
-    case 0x1CA: case 0x1CB: case 0x1CC: *out += "\u01CB"; return;
-    case 0x1F1: case 0x1F2: case 0x1F3: *out += "\u01F2"; return;
-    default: AppendUpper(cp, out);
+    case 0xDF:
+      *out += "Ss";
+      return;
+    case 0xFB00:
+      *out += "Ff";
+      return;
+    case 0xFB01:
+      *out += "Fi";
+      return;
+    case 0xFB02:
+      *out += "Fl";
+      return;
+    case 0x1C4:
+    case 0x1C5:
+    case 0x1C6:
+      *out += "\u01C5";
+      return;
+    case 0x1C7:
+    case 0x1C8:
+    case 0x1C9:
+      *out += "\u01C8";
+      return;
+    case 0x1CA:
+    case 0x1CB:
+    case 0x1CC:
+      *out += "\u01CB";
+      return;
+    case 0x1F1:
+    case 0x1F2:
+    case 0x1F3:
+      *out += "\u01F2";
+      return;
+    default:
+      AppendUpper(cp, out);
   }
 }
 
@@ -111,35 +153,35 @@ Value NoAttribute(const Value& v, const std::string& name) {
 }
 
 Value Unsafe(const Value& v, const std::string& name) {
-  return Value::Undefined(absl::StrCat("access to attribute '", name, "' of '", v.TypeName(),
-                                       "' object is unsafe."));
+  return Value::Undefined(
+      absl::StrCat("access to attribute '", name, "' of '", v.TypeName(), "' object is unsafe."));
 }
 
 const absl::flat_hash_set<std::string>& StrMethods() {
   static const auto* s = new absl::flat_hash_set<std::string>{
-      "strip",      "lstrip",     "rstrip",      "startswith", "endswith",   "split",
-      "rsplit",     "splitlines", "replace",     "upper",      "lower",      "title",
-      "capitalize", "swapcase",   "casefold",    "find",       "rfind",      "index",
-      "rindex",     "count",      "join",        "isdigit",    "isdecimal",  "isnumeric",
-      "isalpha",    "isalnum",    "isspace",     "isupper",    "islower",    "istitle",
-      "removeprefix", "removesuffix", "center",  "ljust",      "rjust",      "zfill",
-      "partition",  "rpartition", "format",      "isascii"};
+      "strip",        "lstrip",       "rstrip",   "startswith", "endswith",  "split",
+      "rsplit",       "splitlines",   "replace",  "upper",      "lower",     "title",
+      "capitalize",   "swapcase",     "casefold", "find",       "rfind",     "index",
+      "rindex",       "count",        "join",     "isdigit",    "isdecimal", "isnumeric",
+      "isalpha",      "isalnum",      "isspace",  "isupper",    "islower",   "istitle",
+      "removeprefix", "removesuffix", "center",   "ljust",      "rjust",     "zfill",
+      "partition",    "rpartition",   "format",   "isascii"};
   return *s;
 }
 
 // Every other method of Python 3's str, list and dict: a template calling one is refused.
 const absl::flat_hash_set<std::string>& UnsupportedPythonMethods() {
   static const auto* s = new absl::flat_hash_set<std::string>{
-      "encode", "expandtabs", "format_map", "isidentifier", "isprintable", "maketrans",
-      "translate", "fromkeys"};
+      "encode",      "expandtabs", "format_map", "isidentifier",
+      "isprintable", "maketrans",  "translate",  "fromkeys"};
   return *s;
 }
 
 const absl::flat_hash_set<std::string>& MutatingMethods(const Value& v) {
   static const auto* list = new absl::flat_hash_set<std::string>{
       "append", "clear", "extend", "insert", "pop", "remove", "reverse", "sort"};
-  static const auto* dict = new absl::flat_hash_set<std::string>{
-      "clear", "pop", "popitem", "setdefault", "update"};
+  static const auto* dict =
+      new absl::flat_hash_set<std::string>{"clear", "pop", "popitem", "setdefault", "update"};
   static const auto* none = new absl::flat_hash_set<std::string>{};
   if (v.kind() == Value::Kind::kList) return *list;
   if (v.is_dict()) return *dict;
@@ -166,21 +208,24 @@ Value LoopAttribute(const Value& loop_value, const std::string& name) {
     return i + 1 < n ? (*loop.items)[i + 1] : Value::Undefined("there is no next item");
   }
   if (name == "cycle") {
-    return Value::Callable("cycle", [loop_value](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
-      if (args.positional.empty()) return TypeError("no items for cycling given");
-      return args.positional[loop_value.loop().index0 % args.positional.size()];
-    });
+    return Value::Callable(
+        "cycle", [loop_value](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
+          if (args.positional.empty()) return TypeError("no items for cycling given");
+          return args.positional[loop_value.loop().index0 % args.positional.size()];
+        });
   }
   if (name == "changed") {
-    return Value::Callable("changed", [loop_value](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
-      LoopData& l = loop_value.loop();
-      bool same = l.changed_last.has_value() && l.changed_last->size() == args.positional.size();
-      for (size_t k = 0; same && k < args.positional.size(); ++k) {
-        same = Equals((*l.changed_last)[k], args.positional[k]);
-      }
-      l.changed_last = args.positional;
-      return Value::Bool(!same);
-    });
+    return Value::Callable(
+        "changed", [loop_value](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
+          LoopData& l = loop_value.loop();
+          bool same =
+              l.changed_last.has_value() && l.changed_last->size() == args.positional.size();
+          for (size_t k = 0; same && k < args.positional.size(); ++k) {
+            same = Equals((*l.changed_last)[k], args.positional[k]);
+          }
+          l.changed_last = args.positional;
+          return Value::Bool(!same);
+        });
   }
   return NoAttribute(loop_value, name);
 }
@@ -189,9 +234,10 @@ Value LoopAttribute(const Value& loop_value, const std::string& name) {
 
 // ---- argument binding ----
 
-absl::StatusOr<std::vector<std::optional<Value>>> BindArgs(
-    const CallArgs& args, absl::string_view function, std::vector<absl::string_view> params,
-    size_t required) {
+absl::StatusOr<std::vector<std::optional<Value>>> BindArgs(const CallArgs& args,
+                                                           absl::string_view function,
+                                                           std::vector<absl::string_view> params,
+                                                           size_t required) {
   std::vector<std::optional<Value>> out(params.size());
   if (args.positional.size() > params.size()) {
     return TypeError(absl::StrCat(function, "() takes at most ", params.size(), " argument(s) (",
@@ -201,7 +247,8 @@ absl::StatusOr<std::vector<std::optional<Value>>> BindArgs(
   for (const auto& [name, value] : args.keyword) {
     const auto it = std::find(params.begin(), params.end(), name);
     if (it == params.end()) {
-      return TypeError(absl::StrCat(function, "() got an unexpected keyword argument '", name, "'"));
+      return TypeError(
+          absl::StrCat(function, "() got an unexpected keyword argument '", name, "'"));
     }
     const size_t i = it - params.begin();
     if (out[i].has_value()) {
@@ -228,8 +275,8 @@ absl::StatusOr<std::string> StringArg(const Value& v, absl::string_view what) {
 absl::StatusOr<int64_t> IntArg(const Value& v, absl::string_view what) {
   if (v.is_undefined()) return UndefinedError(v);
   if (!v.is_integral()) {
-    return TypeError(absl::StrCat(what, ": '", v.TypeName(),
-                                  "' object cannot be interpreted as an integer"));
+    return TypeError(
+        absl::StrCat(what, ": '", v.TypeName(), "' object cannot be interpreted as an integer"));
   }
   return v.as_int();
 }
@@ -306,7 +353,8 @@ std::string PythonStrip(absl::string_view s, const std::string* chars, bool left
   };
   // Only the ends are decoded: contents can be long.
   auto decode_at = [&](size_t pos) {
-    const std::vector<uint32_t> cps = DecodeUtf8(s.substr(pos, std::min<size_t>(4, s.size() - pos)));
+    const std::vector<uint32_t> cps =
+        DecodeUtf8(s.substr(pos, std::min<size_t>(4, s.size() - pos)));
     std::string first;
     AppendUtf8(cps[0], &first);
     return std::make_pair(cps[0], first.size());
@@ -341,8 +389,8 @@ Value GetAttribute(const Value& object, const std::string& name) {
     if (object.is_dict()) {
       if (const Value* v = object.dict().Find(Value::String(name))) return *v;
     }
-    return Value::Undefined(absl::StrCat("access to attribute '", name, "' of '",
-                                         object.TypeName(), "' object is unsafe."));
+    return Value::Undefined(absl::StrCat("access to attribute '", name, "' of '", object.TypeName(),
+                                         "' object is unsafe."));
   }
   switch (object.kind()) {
     case Value::Kind::kString:
@@ -384,8 +432,7 @@ Value GetAttribute(const Value& object, const std::string& name) {
 absl::StatusOr<Value> GetItem(const Value& object, const Value& key) {
   auto no_element = [&]() {
     if (key.is_string()) return NoAttribute(object, key.str());
-    return Value::Undefined(
-        absl::StrCat("'", TypeObject(object), "' has no element ", key.Repr()));
+    return Value::Undefined(absl::StrCat("'", TypeObject(object), "' has no element ", key.Repr()));
   };
   switch (object.kind()) {
     case Value::Kind::kDict:
@@ -428,8 +475,8 @@ Value MakeRange() {
   return Value::Callable("range", [](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
     if (!args.keyword.empty()) return TypeError("range() takes no keyword arguments");
     if (args.positional.empty() || args.positional.size() > 3) {
-      return TypeError(absl::StrCat("range expected 1 to 3 arguments, got ",
-                                    args.positional.size()));
+      return TypeError(
+          absl::StrCat("range expected 1 to 3 arguments, got ", args.positional.size()));
     }
     int64_t v[3] = {0, 0, 1};
     for (size_t i = 0; i < args.positional.size(); ++i) {
@@ -442,8 +489,9 @@ Value MakeRange() {
     for (int64_t i = v[0]; v[2] > 0 ? i < v[1] : i > v[1]; i += v[2]) {
       // jinja2's sandbox caps ranges at 100000 items.
       if (items.size() >= 100000) {
-        return absl::InvalidArgumentError("Range too big. The sandbox blocks ranges larger than "
-                                          "MAX_RANGE (100000).");
+        return absl::InvalidArgumentError(
+            "Range too big. The sandbox blocks ranges larger than "
+            "MAX_RANGE (100000).");
       }
       items.push_back(Value::Int(i));
     }
@@ -523,8 +571,8 @@ bool PythonIsDigit(absl::string_view s) {
 bool PythonIsAlnum(absl::string_view s) {
   const std::vector<uint32_t> cps = DecodeUtf8(s);
   return !cps.empty() && std::all_of(cps.begin(), cps.end(), [](uint32_t cp) {
-           return IsAlphaChar(cp) || IsDigitChar(cp);
-         });
+    return IsAlphaChar(cp) || IsDigitChar(cp);
+  });
 }
 
 std::string PythonSwapcase(absl::string_view s) {

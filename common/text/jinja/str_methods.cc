@@ -32,8 +32,7 @@ absl::Status Range(const std::vector<std::optional<Value>>& a, size_t first, int
   return absl::OkStatus();
 }
 
-int64_t Find(const CodePoints& s, const CodePoints& sub, int64_t begin, int64_t end,
-             bool reverse) {
+int64_t Find(const CodePoints& s, const CodePoints& sub, int64_t begin, int64_t end, bool reverse) {
   if (end - begin < static_cast<int64_t>(sub.size())) return -1;
   const int64_t last = end - static_cast<int64_t>(sub.size());
   for (int64_t k = 0; k <= last - begin; ++k) {
@@ -142,7 +141,8 @@ absl::StatusOr<std::string> Convert(const std::string& flags, int64_t width, int
     case 'r':
     case 'a': {
       body = type == 's' ? v.ToStr() : v.Repr();
-      if (precision >= 0) body = EncodeUtf8([&] {
+      if (precision >= 0)
+        body = EncodeUtf8([&] {
           CodePoints cps = DecodeUtf8(body);
           cps.resize(std::min<size_t>(cps.size(), precision));
           return cps;
@@ -164,8 +164,10 @@ absl::StatusOr<std::string> Convert(const std::string& flags, int64_t width, int
     case 'g':
     case 'G': {
       if (!v.is_number()) {
-        return TypeError(absl::StrCat("%", std::string(1, type), " format: a real number is "
-                                      "required, not ", v.TypeName()));
+        return TypeError(absl::StrCat("%", std::string(1, type),
+                                      " format: a real number is "
+                                      "required, not ",
+                                      v.TypeName()));
       }
       std::string spec = "%" + flags;
       if (width > 0) absl::StrAppend(&spec, width);
@@ -216,7 +218,8 @@ absl::StatusOr<std::string> FormatField(const Value& v, const std::string& spec)
   if (i < cps.size() && cps[i] == '.') {
     precision = 0;
     ++i;
-    while (i < cps.size() && cps[i] >= '0' && cps[i] <= '9') precision = precision * 10 + (cps[i++] - '0');
+    while (i < cps.size() && cps[i] >= '0' && cps[i] <= '9')
+      precision = precision * 10 + (cps[i++] - '0');
   }
   char type = 0;
   if (i < cps.size()) type = static_cast<char>(cps[i++]);
@@ -247,11 +250,13 @@ absl::StatusOr<std::string> FormatField(const Value& v, const std::string& spec)
         return absl::InvalidArgumentError(
             absl::StrCat("Unknown format code '", std::string(1, type), "' for float"));
       }
-      std::snprintf(buf, sizeof(buf), type == 'd' ? "%lld" : type == 'x' ? "%llx" : "%llX",
+      std::snprintf(buf, sizeof(buf),
+                    type == 'd'   ? "%lld"
+                    : type == 'x' ? "%llx"
+                                  : "%llX",
                     static_cast<long long>(v.as_int()));
     } else if (type == '%') {
-      std::snprintf(buf, sizeof(buf), "%.*f%%", precision < 0 ? 6 : precision,
-                    v.as_double() * 100);
+      std::snprintf(buf, sizeof(buf), "%.*f%%", precision < 0 ? 6 : precision, v.as_double() * 100);
     } else {
       const std::string f = absl::StrCat("%.*", std::string(1, type));
       std::snprintf(buf, sizeof(buf), f.c_str(), precision < 0 ? 6 : precision, v.as_double());
@@ -301,8 +306,9 @@ absl::StatusOr<std::string> StrFormat(const std::string& format, const CallArgs&
       field.resize(bang);
     }
     if (field.find_first_of(".[") != std::string::npos) {
-      return absl::InvalidArgumentError("attribute and index lookups in format fields are not "
-                                        "supported");
+      return absl::InvalidArgumentError(
+          "attribute and index lookups in format fields are not "
+          "supported");
     }
     const Value* value = nullptr;
     if (field.empty() || absl::ascii_isdigit(field[0])) {
@@ -316,7 +322,8 @@ absl::StatusOr<std::string> StrFormat(const std::string& format, const CallArgs&
       for (const auto& [k, v] : args.keyword) {
         if (k == field) value = &v;
       }
-      if (value == nullptr) return absl::InvalidArgumentError(absl::StrCat("KeyError: '", field, "'"));
+      if (value == nullptr)
+        return absl::InvalidArgumentError(absl::StrCat("KeyError: '", field, "'"));
     }
     Value shown = *value;
     if (conversion == 'r') shown = Value::String(value->Repr());
@@ -388,12 +395,14 @@ absl::StatusOr<std::string> PercentFormat(absl::string_view format, const Value&
       flags.push_back(format[i++]);
     }
     int64_t width = 0;
-    while (i < format.size() && absl::ascii_isdigit(format[i])) width = width * 10 + (format[i++] - '0');
+    while (i < format.size() && absl::ascii_isdigit(format[i]))
+      width = width * 10 + (format[i++] - '0');
     int precision = -1;
     if (i < format.size() && format[i] == '.') {
       precision = 0;
       ++i;
-      while (i < format.size() && absl::ascii_isdigit(format[i])) precision = precision * 10 + (format[i++] - '0');
+      while (i < format.size() && absl::ascii_isdigit(format[i]))
+        precision = precision * 10 + (format[i++] - '0');
     }
     if (i >= format.size()) return absl::InvalidArgumentError("incomplete format");
     if (value == nullptr) {
@@ -426,8 +435,8 @@ absl::StatusOr<Value> CallStrMethod(const Value& self, const std::string& name, 
       if (!c.ok()) return c.status();
       chars = *c;
     }
-    return Value::String(PythonStrip(s, have ? &chars : nullptr, name != "rstrip",
-                                     name != "lstrip"));
+    return Value::String(
+        PythonStrip(s, have ? &chars : nullptr, name != "rstrip", name != "lstrip"));
   }
   if (name == "upper") return Value::String(PythonUpper(s));
   if (name == "lower" || name == "casefold") return Value::String(PythonLower(s));
@@ -478,8 +487,8 @@ absl::StatusOr<Value> CallStrMethod(const Value& self, const std::string& name, 
     }
     for (const Value& c : candidates) {
       if (!c.is_string()) {
-        return TypeError(absl::StrCat(name, " first arg must be str or a tuple of str, not ",
-                                      c.TypeName()));
+        return TypeError(
+            absl::StrCat(name, " first arg must be str or a tuple of str, not ", c.TypeName()));
       }
       const CodePoints sub = DecodeUtf8(c.str());
       if (static_cast<int64_t>(sub.size()) > e - b) continue;
@@ -543,8 +552,7 @@ absl::StatusOr<Value> CallStrMethod(const Value& self, const std::string& name, 
     out.append(s, pos, std::string::npos);
     return Value::String(std::move(out));
   }
-  if (name == "find" || name == "rfind" || name == "index" || name == "rindex" ||
-      name == "count") {
+  if (name == "find" || name == "rfind" || name == "index" || name == "rindex" || name == "count") {
     auto a = bind({"sub", "start", "end"}, 1);
     if (!a.ok()) return a.status();
     absl::StatusOr<std::string> sub = StringArg(*(*a)[0], "must be str");
@@ -618,7 +626,10 @@ absl::StatusOr<Value> CallStrMethod(const Value& self, const std::string& name, 
       }
       fill = *f;
     }
-    return Value::String(Pad(s, *width, fill, name == "center" ? '^' : name == "ljust" ? '<' : '>'));
+    return Value::String(Pad(s, *width, fill,
+                             name == "center"  ? '^'
+                             : name == "ljust" ? '<'
+                                               : '>'));
   }
   if (name == "partition" || name == "rpartition") {
     auto a = bind({"sep"}, 1);
@@ -660,14 +671,16 @@ absl::StatusOr<Value> CallSequenceMethod(const Value& self, const std::string& n
     ++n;
   }
   if (name == "index") {
-    return absl::InvalidArgumentError(absl::StrCat((*a)[0]->Repr(), " is not in ", self.TypeName()));
+    return absl::InvalidArgumentError(
+        absl::StrCat((*a)[0]->Repr(), " is not in ", self.TypeName()));
   }
   return Value::Int(n);
 }
 
 absl::StatusOr<Value> CallDictMethod(const Value& self, const std::string& name, CallArgs& args) {
   if (name == "get") {
-    absl::StatusOr<std::vector<std::optional<Value>>> a = BindArgs(args, "get", {"key", "default"}, 1);
+    absl::StatusOr<std::vector<std::optional<Value>>> a =
+        BindArgs(args, "get", {"key", "default"}, 1);
     if (!a.ok()) return a.status();
     if (const Value* v = self.dict().Find(*(*a)[0])) return *v;
     return (*a)[1].has_value() ? *(*a)[1] : Value::None();

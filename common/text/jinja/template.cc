@@ -59,13 +59,14 @@ Globals Globals::Transformers(std::function<absl::Time()> clock, absl::TimeZone 
              [](const std::vector<nlohmann::json>& args) -> absl::StatusOr<nlohmann::json> {
                return absl::InvalidArgumentError(ArgString(args, 0));
              });
-  g.Register("strftime_now", [clock, time_zone](const std::vector<nlohmann::json>& args)
-                                 -> absl::StatusOr<nlohmann::json> {
-    if (args.size() != 1 || !args[0].is_string()) {
-      return absl::InvalidArgumentError("strftime_now() takes one format string");
-    }
-    return nlohmann::json(Strftime(args[0].get<std::string>(), clock(), time_zone));
-  });
+  g.Register("strftime_now",
+             [clock, time_zone](
+                 const std::vector<nlohmann::json>& args) -> absl::StatusOr<nlohmann::json> {
+               if (args.size() != 1 || !args[0].is_string()) {
+                 return absl::InvalidArgumentError("strftime_now() takes one format string");
+               }
+               return nlohmann::json(Strftime(args[0].get<std::string>(), clock(), time_zone));
+             });
   return g;
 }
 
@@ -93,22 +94,22 @@ absl::StatusOr<std::string> Template::Render(const nlohmann::ordered_json& conte
       {"range", MakeRange()}, {"dict", MakeDict()}, {"namespace", MakeNamespace()}};
   for (const auto& [name, function] : globals.functions_) {
     Function fn = function;
-    builtins[name] = Value::Callable(name, [fn](Interpreter&, CallArgs& args)
-                                               -> absl::StatusOr<Value> {
-      std::vector<nlohmann::json> json_args;
-      for (const Value& v : args.positional) {
-        if (v.is_undefined()) {
-          json_args.push_back(nullptr);
-          continue;
-        }
-        absl::StatusOr<nlohmann::json> j = ToNlohmann(v);
-        if (!j.ok()) return j.status();
-        json_args.push_back(*std::move(j));
-      }
-      absl::StatusOr<nlohmann::json> r = fn(json_args);
-      if (!r.ok()) return r.status();
-      return Value::FromJson(nlohmann::ordered_json(*r));
-    });
+    builtins[name] =
+        Value::Callable(name, [fn](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
+          std::vector<nlohmann::json> json_args;
+          for (const Value& v : args.positional) {
+            if (v.is_undefined()) {
+              json_args.push_back(nullptr);
+              continue;
+            }
+            absl::StatusOr<nlohmann::json> j = ToNlohmann(v);
+            if (!j.ok()) return j.status();
+            json_args.push_back(*std::move(j));
+          }
+          absl::StatusOr<nlohmann::json> r = fn(json_args);
+          if (!r.ok()) return r.status();
+          return Value::FromJson(nlohmann::ordered_json(*r));
+        });
   }
   auto root = std::make_shared<Frame>(nullptr);
   for (const auto& [key, value] : context.items()) root->Set(key, Value::FromJson(value));
@@ -116,7 +117,8 @@ absl::StatusOr<std::string> Template::Render(const nlohmann::ordered_json& conte
   std::string out;
   absl::Status s = interp.Render(*nodes_, root, &out);
   if (!s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("line ", interp.error_line(), ": ", s.message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("line ", interp.error_line(), ": ", s.message()));
   }
   return out;
 }

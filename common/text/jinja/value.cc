@@ -86,7 +86,8 @@ Value Value::Namespace(std::shared_ptr<DictData> attributes) {
 Value Value::Callable(std::string name,
                       std::function<absl::StatusOr<Value>(Interpreter&, CallArgs&)> call) {
   Value v(Kind::kCallable);
-  v.callable_ = std::make_shared<const CallableData>(CallableData{std::move(name), std::move(call)});
+  v.callable_ =
+      std::make_shared<const CallableData>(CallableData{std::move(name), std::move(call)});
   return v;
 }
 
@@ -188,8 +189,8 @@ void AppendPythonStringRepr(absl::string_view s, std::string* out) {
       // Python escapes what str.isprintable() rejects; below U+0100 that is exactly these.
       absl::StrAppendFormat(out, "\\x%02x", cp);
     } else if ((cp >= 0x2000 && cp <= 0x200F) || (cp >= 0x2028 && cp <= 0x202F) ||
-               (cp >= 0x205F && cp <= 0x206F) || cp == 0x1680 || cp == 0x3000 ||
-               cp == 0xFEFF || (cp >= 0xD800 && cp <= 0xDFFF) || (cp >= 0xE000 && cp <= 0xF8FF)) {
+               (cp >= 0x205F && cp <= 0x206F) || cp == 0x1680 || cp == 0x3000 || cp == 0xFEFF ||
+               (cp >= 0xD800 && cp <= 0xDFFF) || (cp >= 0xE000 && cp <= 0xF8FF)) {
       // Separators, format characters and private use: not printable either.
       absl::StrAppendFormat(out, "\\u%04x", cp);
     } else {
@@ -387,8 +388,8 @@ absl::StatusOr<bool> LessThan(const Value& a, const Value& b) {
   }
   if (a.is_undefined()) return UndefinedError(a);
   if (b.is_undefined()) return UndefinedError(b);
-  return TypeError(absl::StrCat("'<' not supported between instances of '", a.TypeName(),
-                                "' and '", b.TypeName(), "'"));
+  return TypeError(absl::StrCat("'<' not supported between instances of '", a.TypeName(), "' and '",
+                                b.TypeName(), "'"));
 }
 
 std::string FormatFloat(double f) {
@@ -547,8 +548,8 @@ absl::Status AppendJson(const Value& v, const JsonOptions& o, int depth, std::st
             k = "null";
             break;
           default:
-            return TypeError(absl::StrCat("keys must be str, int, float, bool or None, not ",
-                                          key.TypeName()));
+            return TypeError(
+                absl::StrCat("keys must be str, int, float, bool or None, not ", key.TypeName()));
         }
         items.emplace_back(std::move(k), &value);
       }
@@ -619,9 +620,7 @@ absl::StatusOr<nlohmann::json> ToNlohmann(const Value& value) {
   }
 }
 
-absl::Status TypeError(absl::string_view message) {
-  return absl::InvalidArgumentError(message);
-}
+absl::Status TypeError(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
 absl::Status UndefinedError(const Value& undefined) {
   return absl::InvalidArgumentError(undefined.str());

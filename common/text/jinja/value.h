@@ -117,13 +117,13 @@ class Value {
   bool markup() const { return markup_; }
 
   bool as_bool() const { return int_ != 0; }
-  int64_t as_int() const { return int_; }                  // kInt, kBool
-  double as_double() const;                                 // any number
-  const std::string& str() const { return *string_; }       // kString, kUndefined (hint)
+  int64_t as_int() const { return int_; }                     // kInt, kBool
+  double as_double() const;                                   // any number
+  const std::string& str() const { return *string_; }         // kString, kUndefined (hint)
   const std::vector<Value>& items() const { return *list_; }  // kList, kTuple
   const std::shared_ptr<const std::vector<Value>>& shared_items() const { return list_; }
-  const DictData& dict() const { return *dict_; }           // kDict, kNamespace
-  DictData& mutable_namespace() const { return *dict_; }    // kNamespace
+  const DictData& dict() const { return *dict_; }         // kDict, kNamespace
+  DictData& mutable_namespace() const { return *dict_; }  // kNamespace
   const std::shared_ptr<DictData>& shared_dict() const { return dict_; }
   const CallableData& callable() const { return *callable_; }
   LoopData& loop() const { return *loop_; }
