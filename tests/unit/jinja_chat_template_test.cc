@@ -1,5 +1,6 @@
 // The real chat templates of tests/fixtures/chat_templates (Llama-3.1/3.2-Instruct,
-// Mistral-7B-Instruct-v0.3, Qwen2.5-Instruct, Qwen3 with and without thinking, Llama-2-chat)
+// Mistral-7B-Instruct-v0.3, Qwen2.5-Instruct, Qwen3 with and without thinking, Llama-2-chat,
+// and Hermes-3, Functionary v3.2, gpt-oss and Granite 3.3 for more constructs)
 // rendered by specd's Jinja engine over the message lists of goldens.json, byte for byte equal to
 // what Python's jinja2 rendered in the environment transformers uses (see
 // tools/oracle/make_chat_goldens.py), including the cases where the template raises.
@@ -50,15 +51,26 @@ TEST(JinjaChatTemplateTest, RealTemplatesMatchJinja2ByteForByte) {
         ++rendered[file];
       } else {
         ASSERT_FALSE(out.ok()) << *out;
-        // Only raise_exception fails these templates; its message passes through unchanged.
-        ASSERT_TRUE(c.value("raised", false)) << c["error"];
-        EXPECT_TRUE(absl::EndsWith(out.status().message(), ": " + c["error"].get<std::string>()))
-            << out.status();
+        // raise_exception's message passes through unchanged; other errors carry jinja2's
+        // message without Python's exception class ("TypeError: ").
+        std::string want = c["error"];
+        if (!c.value("raised", false)) {
+          if (const size_t colon = want.find("Error: "); colon != std::string::npos) {
+            want = want.substr(colon + 7);
+          }
+        }
+        EXPECT_TRUE(absl::EndsWith(out.status().message(), ": " + want)) << out.status();
       }
     }
   }
-  EXPECT_EQ(rendered.size(), 6u);
-  for (const auto& [file, n] : rendered) EXPECT_GE(n, 20) << file;
+  // Hermes-3's tool-use template needs tools (it iterates them): only its tool case renders.
+  EXPECT_EQ(rendered.size(), 10u);
+  int total = 0;
+  for (const auto& [file, n] : rendered) {
+    EXPECT_GE(n, 2) << file;
+    total += n;
+  }
+  EXPECT_EQ(total, 358);
 }
 
 }  // namespace

@@ -92,6 +92,11 @@ MODELS = [
     ("qwen3.jinja", None, "<|im_end|>",
      [{}, {"enable_thinking": True}, {"enable_thinking": False}]),
     ("llama-2-7b-chat.jinja", "<s>", "</s>", [{}]),
+    # More constructs (macros over tool schemas, tojson with indent, string methods, dates).
+    ("hermes-3-llama-3.1-8b-tool-use.jinja", "<|begin_of_text|>", "<|im_end|>", [{}]),
+    ("functionary-medium-v3.2.jinja", "<|begin_of_text|>", "<|eot_id|>", [{}]),
+    ("gpt-oss-120b.jinja", None, "<|return|>", [{}, {"reasoning_effort": "high"}]),
+    ("granite-3.3-2b-instruct.jinja", None, "<|end_of_text|>", [{}, {"thinking": True}]),
 ]
 
 U = {"role": "user"}
