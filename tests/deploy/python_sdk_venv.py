@@ -32,7 +32,9 @@ def run(cmd, **kw):
 
 def make_venv(path):
     shutil.rmtree(path, ignore_errors=True)
-    run([sys.executable, "-m", "venv", "--system-site-packages", path])
+    # Debian's pip is visible through the system site packages: seeding a pip copy into every
+    # venv (ensurepip) would only cost time.
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", path])
     return os.path.join(path, "bin", "python")
 
 
