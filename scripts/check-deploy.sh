@@ -170,6 +170,20 @@ c = yaml.safe_load(open("deploy/compose.yaml"))
 need = {"router", "http", "draft", "verify", "prometheus", "grafana"}
 missing = need - set(c["services"])
 assert not missing, f"compose lacks services {missing}"
+# The services reach each other on the ports the chart and the README use, and each mounts
+# only the model folder it reads.
+s = c["services"]
+def flag(svc, name):
+    return next((a.split("=", 1)[1] for a in s[svc]["command"] if a.startswith(name + "=")), None)
+for svc, port in (("router", 50050), ("draft", 50051), ("verify", 50052), ("http", 8000)):
+    assert flag(svc, "--address") == f"0.0.0.0:{port}", f"{svc} --address"
+assert flag("router", "--draft_address") == "draft:50051"
+assert flag("router", "--verify_address") == "verify:50052"
+assert flag("http", "--router") == "router:50050"
+for svc, model in (("router", "TARGET"), ("http", "TARGET"), ("verify", "TARGET"), ("draft", "DRAFT")):
+    vols = s[svc]["volumes"]
+    assert len(vols) == 1 and vols[0]["read_only"] and f"SPECD_{model}_MODEL" in vols[0]["source"], svc
+    assert vols[0]["target"] in (flag(svc, "--model") or flag(svc, "--model_dir")), svc
 EOF
 
 echo "check-deploy: OK"
