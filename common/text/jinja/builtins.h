@@ -52,7 +52,7 @@ std::string PythonCapitalize(absl::string_view s);
 // str.strip(chars) / lstrip / rstrip; chars == nullptr strips Python whitespace.
 std::string PythonStrip(absl::string_view s, const std::string* chars, bool left, bool right);
 
-// Name of the interpreter-provided global functions (range, dict, namespace).
+// jinja2's globals range(), dict() and namespace() as callables.
 Value MakeRange();
 Value MakeDict();
 Value MakeNamespace();
