@@ -171,10 +171,11 @@ The models volume (nothing for models.source = image). Takes the root context.
 {{/*
 The files the router reads from the target's folder (--model: vocabulary, context and EOS ids
 from config.json and generation_config.json, the tokenizer from tokenizer.json and
-tokenizer_config.json); "?" marks the optional ones. specd-http reads tokenizer_config.json.
+tokenizer_config.json); "?" marks the optional ones. specd-http reads the chat template
+(chat_template.jinja, else tokenizer_config.json's) and the special tokens from the same copy.
 */}}
 {{- define "specd.routerModelFiles" -}}
-config.json tokenizer.json ?tokenizer_config.json ?generation_config.json
+config.json tokenizer.json ?tokenizer_config.json ?generation_config.json ?chat_template.jinja
 {{- end }}
 
 {{/*
