@@ -325,20 +325,32 @@ def engine_goldens():
     return out
 
 
-def write(path, data):
+def compact(value):
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def write(path, text):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+        f.write(text)
     print(f"wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
+
+
+def cases_text(cases):
+    """A JSON array with one case per line, so a regenerated file diffs case by case."""
+    return "[\n" + ",\n".join(compact(c) for c in cases) + "\n]"
 
 
 def main():
     meta = {"jinja2": jinja2.__version__, "python": sys.version.split()[0],
             "frozen_now": FROZEN_NOW.isoformat()}
-    write(os.path.join(TEMPLATES, "goldens.json"), {"meta": meta, "templates": chat_goldens()})
+    templates = ",\n".join(
+        '{"template":' + compact(t["template"]) + ',"cases":' + cases_text(t["cases"]) + "}"
+        for t in chat_goldens())
+    write(os.path.join(TEMPLATES, "goldens.json"),
+          '{"meta":' + compact(meta) + ',"templates":[\n' + templates + "]}\n")
     write(os.path.join(ROOT, "tests", "fixtures", "jinja", "engine_cases.json"),
-          {"meta": meta, "cases": engine_goldens()})
+          '{"meta":' + compact(meta) + ',"cases":' + cases_text(engine_goldens()) + "}\n")
 
 
 if __name__ == "__main__":
