@@ -76,10 +76,12 @@ class GenerateStreamImpl final : public GenerateStream {
       }
       if (!status.ok() && !received_ && !cancelled()) {
         const absl::Duration delay = RandomRetryDelay(retry_, attempts_);
-        if (ShouldRetry(retry_, status.code(), attempts_, delay, deadline_) &&
-            WaitUnlessCancelled(delay)) {
-          StartAttempt();
-          continue;
+        if (ShouldRetry(retry_, status.code(), attempts_, delay, deadline_)) {
+          if (WaitUnlessCancelled(delay)) {
+            StartAttempt();
+            continue;
+          }
+          status = absl::CancelledError("the call was cancelled by the client");
         }
       }
       if (cancelled() && (status.ok() || absl::IsCancelled(status))) {
