@@ -205,8 +205,7 @@ bool ParseIds(const std::string& text, const std::string& name, std::vector<int3
 }
 
 // The whole file, or a usage error naming `flag`.
-bool ReadFlagFile(const Args& args, const std::string& flag, std::string* out,
-                  std::string* error) {
+bool ReadFlagFile(const Args& args, const std::string& flag, std::string* out, std::string* error) {
   if (!args.Has(flag)) return true;
   const std::string path = args.Get(flag);
   std::ifstream in(path, std::ios::binary);
@@ -345,23 +344,22 @@ int Generate(const Args& args) {
   const uint32_t completion_tokens = completion->usage.completion_tokens;
   const double tokens_per_second = elapsed > 0 ? completion_tokens / elapsed : 0.0;
   if (as_json) {
-    json summary = {
-        {"finish_reason", FinishReasonLabel(completion->finish_reason)},
-        {"usage",
-         {{"prompt_tokens", completion->usage.prompt_tokens},
-          {"completion_tokens", completion_tokens}}},
-        {"speculation",
-         {{"mode", SpeculationName(spec.mode)},
-          {"steps", spec.steps},
-          {"draft_tokens", spec.draft_tokens},
-          {"accepted_tokens", spec.accepted_tokens},
-          {"accepted_per_position", spec.accepted_per_position},
-          {"target_only_steps", spec.target_only_steps},
-          {"acceptance_rate", acceptance},
-          {"mean_accepted_length", mean_accepted_length}}},
-        {"elapsed_seconds", elapsed},
-        {"time_to_first_token_seconds", ttft < 0 ? json(nullptr) : json(ttft)},
-        {"tokens_per_second", tokens_per_second}};
+    json summary = {{"finish_reason", FinishReasonLabel(completion->finish_reason)},
+                    {"usage",
+                     {{"prompt_tokens", completion->usage.prompt_tokens},
+                      {"completion_tokens", completion_tokens}}},
+                    {"speculation",
+                     {{"mode", SpeculationName(spec.mode)},
+                      {"steps", spec.steps},
+                      {"draft_tokens", spec.draft_tokens},
+                      {"accepted_tokens", spec.accepted_tokens},
+                      {"accepted_per_position", spec.accepted_per_position},
+                      {"target_only_steps", spec.target_only_steps},
+                      {"acceptance_rate", acceptance},
+                      {"mean_accepted_length", mean_accepted_length}}},
+                    {"elapsed_seconds", elapsed},
+                    {"time_to_first_token_seconds", ttft < 0 ? json(nullptr) : json(ttft)},
+                    {"tokens_per_second", tokens_per_second}};
     if (completion->finish_reason == FinishReason::kStopString) {
       summary["matched_stop"] = completion->matched_stop;
     }
@@ -399,8 +397,7 @@ int Detokenize(const Args& args) {
   int exit_code = 0;
   std::unique_ptr<Client> client = Connect(args, &exit_code);
   if (client == nullptr) return exit_code;
-  const absl::StatusOr<std::string> text =
-      client->Detokenize(ids, args.Has("skip-special-tokens"));
+  const absl::StatusOr<std::string> text = client->Detokenize(ids, args.Has("skip-special-tokens"));
   if (!text.ok()) return RpcFailed(text.status());
   std::printf("%s\n", text->c_str());
   return 0;

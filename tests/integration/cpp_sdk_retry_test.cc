@@ -173,9 +173,9 @@ TEST(CppSdkRetryTest, OtherErrorsAreReturnedAsTheyCameWithoutRetry) {
   auto server = StartServer();
   auto client = Connect(server->address(), QuickRetry(5));
   size_t calls = 0;
-  for (StatusCode code : {StatusCode::kInvalidArgument, StatusCode::kInternal,
-                          StatusCode::kPermissionDenied, StatusCode::kUnauthenticated,
-                          StatusCode::kFailedPrecondition}) {
+  for (StatusCode code :
+       {StatusCode::kInvalidArgument, StatusCode::kInternal, StatusCode::kPermissionDenied,
+        StatusCode::kUnauthenticated, StatusCode::kFailedPrecondition}) {
     server->Script({Fail(code, "temperature: must be a finite number >= 0, got -1")});
     const absl::StatusOr<Completion> c = client->Generate(Request("hi"));
     EXPECT_EQ(c.status().code(), code);
@@ -406,7 +406,8 @@ TEST(CppSdkRetryTest, BadOptionsAndRequestsNameTheField) {
   };
   const std::vector<Case> cases = {
       {"target", [](ClientOptions* o) { o->target = ""; }},
-      {"token_file", [](ClientOptions* o) {
+      {"token_file",
+       [](ClientOptions* o) {
          o->bearer_token = "a";
          o->token_file = "/t";
        }},
@@ -414,13 +415,20 @@ TEST(CppSdkRetryTest, BadOptionsAndRequestsNameTheField) {
       {"retry.max_attempts", [](ClientOptions* o) { o->retry.max_attempts = 0; }},
       {"retry.multiplier", [](ClientOptions* o) { o->retry.multiplier = 0.5; }},
       {"retry.jitter", [](ClientOptions* o) { o->retry.jitter = 1.5; }},
-      {"retry.max_backoff",
-       [](ClientOptions* o) { o->retry.max_backoff = absl::Milliseconds(1); }},
+      {"retry.max_backoff", [](ClientOptions* o) { o->retry.max_backoff = absl::Milliseconds(1); }},
       {"default_timeout", [](ClientOptions* o) { o->default_timeout = absl::ZeroDuration(); }},
       {"tls.private_key_pem",
-       [](ClientOptions* o) { o->tls = TlsOptions{"", "-----BEGIN CERTIFICATE-----", "", ""}; }},
-      {"metadata", [](ClientOptions* o) { o->metadata = {{"X-Upper", "v"}}; }},
-      {"metadata", [](ClientOptions* o) { o->metadata = {{"x-newline", "a\nb"}}; }},
+       [](ClientOptions* o) {
+         o->tls = TlsOptions{"", "-----BEGIN CERTIFICATE-----", "", ""};
+       }},
+      {"metadata",
+       [](ClientOptions* o) {
+         o->metadata = {{"X-Upper", "v"}};
+       }},
+      {"metadata",
+       [](ClientOptions* o) {
+         o->metadata = {{"x-newline", "a\nb"}};
+       }},
   };
   for (const Case& k : cases) {
     ClientOptions options;

@@ -216,13 +216,13 @@ TEST(CppSdkTest, DeadlineMidStreamIsDeadlineExceededAndFrees) {
   CallOptions call;
   call.timeout = absl::Milliseconds(400);
   size_t tokens = 0;
-  const absl::StatusOr<Completion> r =
-      client->Generate(Greedy("import os", 3000, Speculation::kDraftModel),
-                       [&](const Chunk& chunk) {
-                         tokens += chunk.token_ids.size();
-                         return true;
-                       },
-                       call);
+  const absl::StatusOr<Completion> r = client->Generate(
+      Greedy("import os", 3000, Speculation::kDraftModel),
+      [&](const Chunk& chunk) {
+        tokens += chunk.token_ids.size();
+        return true;
+      },
+      call);
   EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status();
   EXPECT_GT(tokens, 0u) << "the deadline should pass mid-stream";
   EXPECT_LT(tokens, 3000u);
@@ -254,8 +254,7 @@ TEST(CppSdkTest, InvalidArgumentNamesTheFieldAndIsNotRetried) {
     GenerateRequest r = Greedy("def f(x):", 8, Speculation::kAuto);
     k.mutate(&r);
     const absl::StatusOr<Completion> res = client->Generate(r);
-    EXPECT_EQ(res.status().code(), StatusCode::kInvalidArgument) << k.field << ": "
-                                                                  << res.status();
+    EXPECT_EQ(res.status().code(), StatusCode::kInvalidArgument) << k.field << ": " << res.status();
     EXPECT_TRUE(absl::StartsWith(res.status().message(), k.field + ":"))
         << "want the message to start with '" << k.field << ":', got: " << res.status();
   }
@@ -272,13 +271,11 @@ TEST(CppSdkTest, ResourceExhaustedIsRetriedUntilTheRequestGetsIn) {
   ASSERT_NE(c, nullptr);
   std::unique_ptr<Client> client = Connect(*c);
   // One long request runs, a second waits: the queue is full.
-  std::unique_ptr<GenerateStream> running =
-      client->Stream(Greedy("a", 3000, Speculation::kOff));
+  std::unique_ptr<GenerateStream> running = client->Stream(Greedy("a", 3000, Speculation::kOff));
   Chunk chunk;
   ASSERT_TRUE(running->Next(&chunk));
   absl::StatusOr<Completion> waiting;
-  std::thread waiter(
-      [&] { waiting = client->Generate(Greedy("b", 5, Speculation::kOff)); });
+  std::thread waiter([&] { waiting = client->Generate(Greedy("b", 5, Speculation::kOff)); });
   ASSERT_OK(CpuCluster::WaitForMetric(c->router_metrics, "specd_requests_waiting", {}, 1));
 
   // Without retries the refusal comes straight back.
@@ -296,8 +293,7 @@ TEST(CppSdkTest, ResourceExhaustedIsRetriedUntilTheRequestGetsIn) {
   patient.max_backoff = absl::Milliseconds(100);
   std::unique_ptr<Client> retrying = Connect(*c, patient);
   absl::StatusOr<Completion> retried;
-  std::thread retrier(
-      [&] { retried = retrying->Generate(Greedy("c", 8, Speculation::kOff)); });
+  std::thread retrier([&] { retried = retrying->Generate(Greedy("c", 8, Speculation::kOff)); });
   // Refused twice more at least: it did come back.
   const absl::Time end = absl::Now() + absl::Seconds(20);
   while (RouterMetric(*c, "specd_requests_total", {{"outcome", "resource_exhausted"}}) < 3 &&

@@ -16,8 +16,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "gtest/gtest.h"
 #include "grpcpp/security/server_credentials.h"
+#include "gtest/gtest.h"
 #include "specd/client.h"
 #include "tests/testutil/random_checkpoint.h"
 #include "tests/testutil/scripted_generation_server.h"
@@ -63,11 +63,11 @@ const Pki& Certificates() {
         {"client", "extendedKeyUsage=clientAuth"}};
     for (const auto& [name, ext] : leaves) {
       std::ofstream(absl::StrCat(d, "/", name, ".ext")) << ext << "\n";
-      cmds.push_back(absl::StrCat("openssl req ", key, " -keyout ", d, "/", name, ".key -out ",
-                                  d, "/", name, ".csr -subj /CN=", name));
+      cmds.push_back(absl::StrCat("openssl req ", key, " -keyout ", d, "/", name, ".key -out ", d,
+                                  "/", name, ".csr -subj /CN=", name));
       cmds.push_back(absl::StrCat("openssl x509 -req -in ", d, "/", name, ".csr -CA ", d,
-                                  "/ca.pem -CAkey ", d, "/ca.key -CAcreateserial -days 2 -out ",
-                                  d, "/", name, ".pem -extfile ", d, "/", name, ".ext"));
+                                  "/ca.pem -CAkey ", d, "/ca.key -CAcreateserial -days 2 -out ", d,
+                                  "/", name, ".pem -extfile ", d, "/", name, ".ext"));
     }
     std::ofstream(d + "/token") << "tls-token\n";
     for (const std::string& cmd : cmds) {
@@ -211,22 +211,22 @@ TEST(CppSdkTlsTest, CliSpeaksMutualTlsAndSendsTheTokenFile) {
   }
 
   // No client certificate: refused, and said so.
-  const CliRun anonymous = RunCli(absl::StrCat("info --server ", server->address(),
-                                               " --tls-ca ", pki.Path("ca.pem")));
+  const CliRun anonymous =
+      RunCli(absl::StrCat("info --server ", server->address(), " --tls-ca ", pki.Path("ca.pem")));
   EXPECT_EQ(anonymous.exit_code, 1) << anonymous.out;
   EXPECT_TRUE(absl::StrContains(anonymous.out, "error: UNAVAILABLE: ")) << anonymous.out;
   // Bad flags are usage errors naming the flag.
-  const CliRun missing = RunCli(absl::StrCat("info --server ", server->address(),
-                                             " --tls-ca /nonexistent/ca.pem"));
+  const CliRun missing =
+      RunCli(absl::StrCat("info --server ", server->address(), " --tls-ca /nonexistent/ca.pem"));
   EXPECT_EQ(missing.exit_code, 2) << missing.out;
   EXPECT_TRUE(absl::StrContains(missing.out, "--tls-ca: cannot read /nonexistent/ca.pem"))
       << missing.out;
-  const CliRun half = RunCli(absl::StrCat("info --server ", server->address(), " --tls-cert ",
-                                          pki.Path("client.pem")));
+  const CliRun half = RunCli(
+      absl::StrCat("info --server ", server->address(), " --tls-cert ", pki.Path("client.pem")));
   EXPECT_EQ(half.exit_code, 2) << half.out;
   EXPECT_TRUE(absl::StrContains(half.out, "--tls-key:")) << half.out;
-  const CliRun no_token = RunCli(absl::StrCat("info --server ", server->address(),
-                                              " --token-file /nonexistent/token"));
+  const CliRun no_token =
+      RunCli(absl::StrCat("info --server ", server->address(), " --token-file /nonexistent/token"));
   EXPECT_EQ(no_token.exit_code, 2) << no_token.out;
   EXPECT_TRUE(absl::StrContains(no_token.out, "--token-file: cannot read")) << no_token.out;
   EXPECT_EQ(server->received().size(), 2u);

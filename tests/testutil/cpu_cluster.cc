@@ -25,12 +25,12 @@ const Models& TestModels() {
     m->dir = MakeTempDir("cpu_cluster");
     m->target = m->dir + "/target";
     m->draft = m->dir + "/draft";
-    const std::string cmd = absl::StrCat(
-        SpecdBinary("specd-make-test-model"), " --target_dir=", m->target,
-        " --draft_dir=", m->draft,
-        " --hidden_size=64 --intermediate_size=128 --num_layers=4 --draft_layers=1"
-        " --max_position_embeddings=",
-        kCpuClusterMaxContext, " > /dev/null");
+    const std::string cmd =
+        absl::StrCat(SpecdBinary("specd-make-test-model"), " --target_dir=", m->target,
+                     " --draft_dir=", m->draft,
+                     " --hidden_size=64 --intermediate_size=128 --num_layers=4 --draft_layers=1"
+                     " --max_position_embeddings=",
+                     kCpuClusterMaxContext, " > /dev/null");
     if (std::system(cmd.c_str()) != 0) m->status = absl::InternalError("failed: " + cmd);
     std::atexit([] {
       std::error_code ec;
@@ -45,19 +45,17 @@ std::string Address() { return absl::StrCat("127.0.0.1:", PickFreePort()); }
 
 }  // namespace
 
-std::string CpuCluster::TargetModel() { return TestModels().target; }
-
 absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOptions& options) {
   const Models& models = TestModels();
   if (!models.status.ok()) return models.status;
   auto c = std::make_unique<CpuCluster>();
   c->verify_metrics = PickFreePort();
   const std::string verify_address = Address();
-  c->verify_options = {SpecdBinary("specd-verify"),
-                       {"--address=" + verify_address,
-                        absl::StrCat("--metrics_port=", c->verify_metrics),
-                        "--model=" + models.target, "--num_threads=1"},
-                       verify_address};
+  c->verify_options = {
+      SpecdBinary("specd-verify"),
+      {"--address=" + verify_address, absl::StrCat("--metrics_port=", c->verify_metrics),
+       "--model=" + models.target, "--num_threads=1"},
+      verify_address};
   absl::StatusOr<std::unique_ptr<ServiceProcess>> verify = ServiceProcess::Spawn(c->verify_options);
   if (!verify.ok()) return verify.status();
   c->verify = *std::move(verify);
@@ -75,13 +73,13 @@ absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOp
   }
   c->router_metrics = PickFreePort();
   c->router_address = Address();
-  std::vector<std::string> args = {"--address=" + c->router_address,
-                                   absl::StrCat("--metrics_port=", c->router_metrics),
-                                   "--model=" + models.target,
-                                   "--verify_address=" + verify_address,
-                                   "--draft_address=" + draft_address,
-                                   absl::StrCat("--max_new_tokens_limit=",
-                                                kCpuClusterMaxNewTokensLimit)};
+  std::vector<std::string> args = {
+      "--address=" + c->router_address,
+      absl::StrCat("--metrics_port=", c->router_metrics),
+      "--model=" + models.target,
+      "--verify_address=" + verify_address,
+      "--draft_address=" + draft_address,
+      absl::StrCat("--max_new_tokens_limit=", kCpuClusterMaxNewTokensLimit)};
   args.insert(args.end(), options.router_args.begin(), options.router_args.end());
   absl::StatusOr<std::unique_ptr<ServiceProcess>> router =
       ServiceProcess::Spawn({SpecdBinary("specd-router"), args, c->router_address});

@@ -40,11 +40,8 @@ class CpuCluster {
 
   // Polls until the metric equals `want`; the error says what it was instead.
   static absl::Status WaitForMetric(int port, const std::string& name,
-                                    const std::map<std::string, std::string>& labels,
-                                    double want, absl::Duration timeout = absl::Seconds(10));
-
-  // The target model folder (tokenizer included).
-  static std::string TargetModel();
+                                    const std::map<std::string, std::string>& labels, double want,
+                                    absl::Duration timeout = absl::Seconds(10));
 
   std::string router_address;
   int router_metrics = 0, verify_metrics = 0, draft_metrics = 0;

@@ -10,8 +10,8 @@ namespace specd {
 namespace {
 
 TEST(ClientTypesTest, SpeculationNamesRoundTrip) {
-  for (Speculation s : {Speculation::kAuto, Speculation::kOff, Speculation::kDraftModel,
-                        Speculation::kNgram}) {
+  for (Speculation s :
+       {Speculation::kAuto, Speculation::kOff, Speculation::kDraftModel, Speculation::kNgram}) {
     EXPECT_EQ(ParseSpeculation(SpeculationName(s)), s);
   }
   EXPECT_STREQ(SpeculationName(Speculation::kDraftModel), "draft_model");

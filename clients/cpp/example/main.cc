@@ -38,8 +38,8 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<specd::ModelInfo> info = (*client)->GetModelInfo();
   if (!info.ok()) return Fail(info.status());
-  std::cout << "model: " << info->target_model << " (draft: "
-            << (info->draft_available ? info->draft_model : "none") << ", context "
+  std::cout << "model: " << info->target_model
+            << " (draft: " << (info->draft_available ? info->draft_model : "none") << ", context "
             << info->max_context << " tokens)\n";
 
   specd::GenerateRequest request;

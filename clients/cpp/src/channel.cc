@@ -96,9 +96,9 @@ absl::Status ValidateOptions(const ClientOptions& options) {
   }
   if (absl::Status s = ValidateMetadata(options.metadata, "metadata"); !s.ok()) return s;
   if (!ValidDuration(options.default_timeout)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "default_timeout: must be positive (InfiniteDuration() for none), got ",
-        absl::FormatDuration(options.default_timeout)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("default_timeout: must be positive (InfiniteDuration() for none), got ",
+                     absl::FormatDuration(options.default_timeout)));
   }
   const RetryPolicy& r = options.retry;
   if (r.max_attempts < 1) {
@@ -171,8 +171,8 @@ absl::Status ValidateMetadata(const Metadata& metadata, const std::string& field
   for (const auto& [key, value] : metadata) {
     bool ok = !key.empty() && key[0] != ':';
     for (char c : key) {
-      ok = ok && (absl::ascii_isdigit(c) || absl::ascii_islower(c) || c == '-' || c == '_' ||
-                  c == '.');
+      ok = ok &&
+           (absl::ascii_isdigit(c) || absl::ascii_islower(c) || c == '-' || c == '_' || c == '.');
     }
     if (!ok) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -36,8 +36,8 @@ class GenerateStreamImpl final : public GenerateStream {
  public:
   // `request` and `metadata` carry an error found before the call starts; Next() reports it.
   GenerateStreamImpl(std::shared_ptr<Stub> stub, const RetryPolicy& retry,
-                     absl::StatusOr<v1::GenerateRequest> request,
-                     absl::StatusOr<Metadata> metadata, absl::Time deadline)
+                     absl::StatusOr<v1::GenerateRequest> request, absl::StatusOr<Metadata> metadata,
+                     absl::Time deadline)
       : stub_(std::move(stub)), retry_(retry), deadline_(deadline) {
     if (!request.ok()) {
       End(request.status());
@@ -168,8 +168,7 @@ class ClientImpl final : public Client {
     return Generate(request, nullptr, call);
   }
 
-  absl::StatusOr<Completion> Generate(const GenerateRequest& request,
-                                      const ChunkCallback& on_chunk,
+  absl::StatusOr<Completion> Generate(const GenerateRequest& request, const ChunkCallback& on_chunk,
                                       const CallOptions& call) override {
     std::unique_ptr<GenerateStream> stream = Stream(request, call);
     CompletionBuilder builder;
@@ -198,9 +197,8 @@ class ClientImpl final : public Client {
     request.set_text(std::string(text));
     request.set_add_special_tokens(add_special_tokens);
     v1::TokenizeResponse response;
-    const absl::Status s = Unary(call, [&](grpc::ClientContext* ctx) {
-      return stub_->Tokenize(ctx, request, &response);
-    });
+    const absl::Status s = Unary(
+        call, [&](grpc::ClientContext* ctx) { return stub_->Tokenize(ctx, request, &response); });
     if (!s.ok()) return s;
     return std::vector<int32_t>(response.ids().begin(), response.ids().end());
   }
@@ -211,9 +209,8 @@ class ClientImpl final : public Client {
     request.mutable_ids()->Assign(ids.begin(), ids.end());
     request.set_skip_special_tokens(skip_special_tokens);
     v1::DetokenizeResponse response;
-    const absl::Status s = Unary(call, [&](grpc::ClientContext* ctx) {
-      return stub_->Detokenize(ctx, request, &response);
-    });
+    const absl::Status s = Unary(
+        call, [&](grpc::ClientContext* ctx) { return stub_->Detokenize(ctx, request, &response); });
     if (!s.ok()) return s;
     return std::move(*response.mutable_text());
   }

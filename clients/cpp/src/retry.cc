@@ -10,9 +10,9 @@ namespace client_internal {
 
 absl::Duration RetryDelay(const RetryPolicy& policy, int retry, double unit) {
   const double exponent = std::max(0, retry - 1);
-  const double base_s = std::min(absl::ToDoubleSeconds(policy.max_backoff),
-                                 absl::ToDoubleSeconds(policy.initial_backoff) *
-                                     std::pow(policy.multiplier, exponent));
+  const double base_s = std::min(
+      absl::ToDoubleSeconds(policy.max_backoff),
+      absl::ToDoubleSeconds(policy.initial_backoff) * std::pow(policy.multiplier, exponent));
   return absl::Seconds(base_s * (1.0 + policy.jitter * (2.0 * unit - 1.0)));
 }
 

@@ -45,7 +45,9 @@ namespace specd {
 
 // Transport security. PEM contents, not paths: TlsOptions::FromFiles reads files.
 struct TlsOptions {
-  std::string root_ca_pem;  // CAs to trust; empty: the system's roots
+  // CAs to trust; empty: gRPC's default roots ($GRPC_DEFAULT_SSL_ROOTS_FILE_PATH, else the
+  // bundle gRPC was installed with, /usr/share/grpc/roots.pem on Debian).
+  std::string root_ca_pem;
   // Client certificate chain and private key, both or neither: mutual TLS.
   std::string cert_chain_pem;
   std::string private_key_pem;

@@ -73,7 +73,7 @@ struct SpeculationStats {
   uint64_t draft_tokens = 0;     // draft nodes sent to verify
   uint64_t accepted_tokens = 0;  // draft tokens accepted (bonus tokens not counted)
   std::vector<uint64_t> accepted_per_position;
-  uint64_t target_only_steps = 0;  // verify steps without a draft
+  uint64_t target_only_steps = 0;         // verify steps without a draft
   Speculation mode = Speculation::kAuto;  // what was used in the end
 
   // accepted / draft tokens; nullopt when no draft token was sent.
