@@ -7,6 +7,12 @@
 //   specd-cli tokenize --server HOST:PORT --text TEXT [--add-special-tokens]
 //   specd-cli detokenize --server HOST:PORT --ids 1,2,3 [--skip-special-tokens]
 //   specd-cli info --server HOST:PORT
+// Every command also takes the connection flags --tls (TLS with gRPC's default roots),
+// --tls-ca FILE, --tls-cert FILE --tls-key FILE (mutual TLS), --tls-server-name NAME and
+// --token-file FILE (sent as "authorization: Bearer <token>").
+//
+// It is a thin shell over the C++ SDK (clients/cpp, specd::Client): calls that fail with
+// UNAVAILABLE or RESOURCE_EXHAUSTED before any output are retried with backoff.
 //
 // generate streams the completion to stdout as it arrives. With --json it prints one JSON
 // object per streamed chunk ({"token_ids": [...], "text": "..."}) and a last line with the
@@ -15,23 +21,29 @@
 //
 // Flags are parsed here rather than with absl flags so that they can be spelled with dashes
 // and repeated (--stop), as users of other serving CLIs expect.
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <iostream>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/service/grpc_util.h"
-#include "grpcpp/grpcpp.h"
+#include "absl/time/time.h"
 #include "nlohmann/json.hpp"
-#include "specd/v1/generation.grpc.pb.h"
+#include "specd/client.h"
 
 namespace specd {
 namespace {
@@ -50,35 +62,26 @@ const char* kUsage =
     "      [--timeout-ms MS] [--request-id ID] [--json]\n"
     "  specd-cli tokenize --server HOST:PORT --text TEXT [--add-special-tokens]\n"
     "  specd-cli detokenize --server HOST:PORT --ids 1,2,3 [--skip-special-tokens]\n"
-    "  specd-cli info --server HOST:PORT\n";
+    "  specd-cli info --server HOST:PORT\n"
+    "connection flags (every command): [--tls] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]\n"
+    "      [--tls-server-name NAME] [--token-file FILE]\n";
 
 // The status code's name as gRPC and Abseil spell it (they share the numbering).
-std::string CodeName(grpc::StatusCode code) {
-  const std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+std::string CodeName(absl::StatusCode code) {
+  const std::string name = absl::StatusCodeToString(code);
   return name.empty() ? "UNKNOWN" : name;
 }
 
-const char* FinishReasonName(v1::FinishReason reason) {
-  switch (reason) {
-    case v1::FINISH_REASON_LENGTH:
-      return "length";
-    case v1::FINISH_REASON_EOS:
-      return "eos";
-    case v1::FINISH_REASON_STOP_TOKEN:
-      return "stop_token";
-    case v1::FINISH_REASON_STOP_STRING:
-      return "stop";
-    case v1::FINISH_REASON_CONTEXT:
-      return "context";
-    default:
-      return "unspecified";
-  }
+// As the CLI has always printed it: "stop" for a stop string (OpenAI's word), where the SDK
+// says "stop_string".
+const char* FinishReasonLabel(FinishReason reason) {
+  return reason == FinishReason::kStopString ? "stop" : FinishReasonName(reason);
 }
 
-int RpcFailed(const grpc::Status& status) {
+int RpcFailed(const absl::Status& status) {
   std::fflush(stdout);
-  std::fprintf(stderr, "error: %s: %s\n", CodeName(status.error_code()).c_str(),
-               status.error_message().c_str());
+  std::fprintf(stderr, "error: %s: %s\n", CodeName(status.code()).c_str(),
+               std::string(status.message()).c_str());
   return kRpcError;
 }
 
@@ -118,6 +121,12 @@ class Args {
         {"ids", true},
         {"add-special-tokens", false},
         {"skip-special-tokens", false},
+        {"tls", false},
+        {"tls-ca", true},
+        {"tls-cert", true},
+        {"tls-key", true},
+        {"tls-server-name", true},
+        {"token-file", true},
     };
     for (int i = first; i < argc; ++i) {
       std::string arg = argv[i];
@@ -195,149 +204,164 @@ bool ParseIds(const std::string& text, const std::string& name, std::vector<int3
   return true;
 }
 
-std::unique_ptr<v1::Generation::Stub> Connect(const Args& args) {
-  return v1::Generation::NewStub(grpc::CreateCustomChannel(
-      args.Get("server"), grpc::InsecureChannelCredentials(), ServiceChannelArguments()));
+// The whole file, or a usage error naming `flag`.
+bool ReadFlagFile(const Args& args, const std::string& flag, std::string* out, std::string* error) {
+  if (!args.Has(flag)) return true;
+  const std::string path = args.Get(flag);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    *error = absl::StrCat("--", flag, ": cannot read ", path, ": ", std::strerror(errno));
+    return false;
+  }
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  *out = contents.str();
+  return true;
 }
 
-void SetTimeout(int64_t timeout_ms, grpc::ClientContext* ctx) {
-  if (timeout_ms > 0) {
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+// A client of --server with the TLS and token flags; nullptr after printing a usage error.
+std::unique_ptr<Client> Connect(const Args& args, int* exit_code) {
+  ClientOptions options;
+  options.target = args.Get("server");
+  std::string error;
+  if (args.Has("tls") || args.Has("tls-ca") || args.Has("tls-cert") || args.Has("tls-key") ||
+      args.Has("tls-server-name")) {
+    TlsOptions tls;
+    if (!ReadFlagFile(args, "tls-ca", &tls.root_ca_pem, &error) ||
+        !ReadFlagFile(args, "tls-cert", &tls.cert_chain_pem, &error) ||
+        !ReadFlagFile(args, "tls-key", &tls.private_key_pem, &error)) {
+      *exit_code = UsageError(error);
+      return nullptr;
+    }
+    tls.server_name_override = args.Get("tls-server-name");
+    options.tls = std::move(tls);
   }
+  options.token_file = args.Get("token-file");
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
+  if (!client.ok()) {
+    // The options come from flags: name those.
+    static const std::pair<const char*, const char*> kFlagOf[] = {
+        {"target:", "--server:"},
+        {"token_file:", "--token-file:"},
+        {"tls.private_key_pem:", "--tls-key:"}};
+    std::string message(client.status().message());
+    for (const auto& [field, flag] : kFlagOf) {
+      if (absl::StartsWith(message, field)) {
+        message = absl::StrCat(flag, message.substr(std::strlen(field)));
+      }
+    }
+    *exit_code = UsageError(message);
+    return nullptr;
+  }
+  return *std::move(client);
+}
+
+CallOptions Call(int64_t timeout_ms) {
+  CallOptions call;
+  if (timeout_ms > 0) call.timeout = absl::Milliseconds(timeout_ms);
+  return call;
 }
 
 int Generate(const Args& args) {
   std::string error;
-  v1::GenerateRequest request;
+  GenerateRequest request;
   if (args.Has("prompt") == args.Has("prompt-ids")) {
     return UsageError("give exactly one of --prompt and --prompt-ids");
   }
   if (args.Has("prompt")) {
-    request.set_prompt(args.Get("prompt"));
+    request.prompt = args.Get("prompt");
   } else {
-    std::vector<int32_t> ids;
-    if (!ParseIds(args.Get("prompt-ids"), "prompt-ids", &ids, &error)) return UsageError(error);
-    request.mutable_prompt_ids()->mutable_ids()->Assign(ids.begin(), ids.end());
+    if (!ParseIds(args.Get("prompt-ids"), "prompt-ids", &request.prompt_ids, &error)) {
+      return UsageError(error);
+    }
   }
-  uint32_t max_new = 0, depth = 0, top_k_draft = 0, max_nodes = 0;
   float temperature = 0, top_p = 1;
   int32_t top_k = 0;
   uint64_t seed = 0;
   int64_t timeout_ms = 0;
-  if (!ParseNumber(args, "max-new-tokens", &max_new, &error) ||
+  if (!ParseNumber(args, "max-new-tokens", &request.max_new_tokens, &error) ||
       !ParseNumber(args, "temperature", &temperature, &error) ||
       !ParseNumber(args, "top-p", &top_p, &error) || !ParseNumber(args, "top-k", &top_k, &error) ||
       !ParseNumber(args, "seed", &seed, &error) ||
-      !ParseNumber(args, "draft-depth", &depth, &error) ||
-      !ParseNumber(args, "draft-top-k", &top_k_draft, &error) ||
-      !ParseNumber(args, "draft-max-nodes", &max_nodes, &error) ||
+      !ParseNumber(args, "draft-depth", &request.draft_depth, &error) ||
+      !ParseNumber(args, "draft-top-k", &request.draft_top_k, &error) ||
+      !ParseNumber(args, "draft-max-nodes", &request.draft_max_nodes, &error) ||
       !ParseNumber(args, "timeout-ms", &timeout_ms, &error)) {
     return UsageError(error);
   }
-  request.set_max_new_tokens(max_new);
   // Only what the user gave is sent; the router validates the values and fills defaults.
-  if (args.Has("temperature")) request.set_temperature(temperature);
-  if (args.Has("top-p")) request.set_top_p(top_p);
-  if (args.Has("top-k")) request.set_top_k(top_k);
-  if (args.Has("seed")) request.set_seed(seed);
-  request.set_draft_depth(depth);
-  request.set_draft_top_k(top_k_draft);
-  request.set_draft_max_nodes(max_nodes);
-  request.set_ignore_eos(args.Has("ignore-eos"));
-  request.set_request_id(args.Get("request-id"));
-  for (const std::string& s : args.All("stop")) request.add_stop(s);
+  if (args.Has("temperature")) request.temperature = temperature;
+  if (args.Has("top-p")) request.top_p = top_p;
+  if (args.Has("top-k")) request.top_k = top_k;
+  if (args.Has("seed")) request.seed = seed;
+  request.ignore_eos = args.Has("ignore-eos");
+  request.request_id = args.Get("request-id");
+  request.stop = args.All("stop");
   for (const std::string& s : args.All("stop-token-id")) {
-    std::vector<int32_t> ids;
-    if (!ParseIds(s, "stop-token-id", &ids, &error)) return UsageError(error);
-    for (int32_t id : ids) request.add_stop_token_ids(id);
+    if (!ParseIds(s, "stop-token-id", &request.stop_token_ids, &error)) return UsageError(error);
   }
   if (args.Has("speculation")) {
-    const std::string s = args.Get("speculation");
-    if (s == "auto") {
-      request.set_speculation(v1::SPECULATION_AUTO);
-    } else if (s == "off") {
-      request.set_speculation(v1::SPECULATION_OFF);
-    } else if (s == "draft_model" || s == "draft-model") {
-      request.set_speculation(v1::SPECULATION_DRAFT_MODEL);
-    } else if (s == "ngram") {
-      request.set_speculation(v1::SPECULATION_NGRAM);
-    } else {
-      return UsageError("--speculation: one of auto, off, draft_model, ngram");
-    }
+    const std::optional<Speculation> s = ParseSpeculation(args.Get("speculation"));
+    if (!s.has_value()) return UsageError("--speculation: one of auto, off, draft_model, ngram");
+    request.speculation = *s;
   }
   const bool as_json = args.Has("json");
 
-  auto stub = Connect(args);
-  grpc::ClientContext ctx;
-  SetTimeout(timeout_ms, &ctx);
+  int exit_code = 0;
+  std::unique_ptr<Client> client = Connect(args, &exit_code);
+  if (client == nullptr) return exit_code;
   const auto start = std::chrono::steady_clock::now();
-  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub->Generate(&ctx, request);
-  v1::GenerateResponse chunk;
-  v1::GenerateResponse last;
   double ttft = -1;
-  bool got_last = false;
   bool streamed_text = false;
-  while (reader->Read(&chunk)) {
-    const double now =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (ttft < 0 && chunk.token_ids_size() > 0) ttft = now;
-    if (as_json) {
-      if (chunk.token_ids_size() > 0 || !chunk.text().empty()) {
-        json line = {
-            {"token_ids", std::vector<int32_t>(chunk.token_ids().begin(), chunk.token_ids().end())},
-            {"text", chunk.text()}};
-        std::printf("%s\n", Dump(line).c_str());
-      }
-    } else {
-      std::fwrite(chunk.text().data(), 1, chunk.text().size(), stdout);
-      streamed_text = streamed_text || !chunk.text().empty();
-    }
-    std::fflush(stdout);
-    if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-      last = chunk;
-      got_last = true;
-    }
-  }
-  const grpc::Status status = reader->Finish();
+  const absl::StatusOr<Completion> completion = client->Generate(
+      request,
+      [&](const Chunk& chunk) {
+        const double now =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (ttft < 0 && !chunk.token_ids.empty()) ttft = now;
+        if (as_json) {
+          if (!chunk.token_ids.empty() || !chunk.text.empty()) {
+            json line = {{"token_ids", chunk.token_ids}, {"text", chunk.text}};
+            std::printf("%s\n", Dump(line).c_str());
+          }
+        } else {
+          std::fwrite(chunk.text.data(), 1, chunk.text.size(), stdout);
+          streamed_text = streamed_text || !chunk.text.empty();
+        }
+        std::fflush(stdout);
+        return true;
+      },
+      Call(timeout_ms));
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (!status.ok()) {
+  if (!completion.ok()) {
     if (!as_json && streamed_text) std::printf("\n");
-    return RpcFailed(status);
+    return RpcFailed(completion.status());
   }
-  if (!got_last) {
-    return RpcFailed(
-        grpc::Status(grpc::StatusCode::INTERNAL, "the stream ended without a finish reason"));
-  }
-  const v1::SpeculationStats& spec = last.speculation();
-  const double acceptance = spec.draft_tokens() > 0
-                                ? static_cast<double>(spec.accepted_tokens()) / spec.draft_tokens()
-                                : 0.0;
-  // Tokens per speculative step, bonus included (docs/metrics.md).
-  const double mean_accepted_length =
-      spec.steps() > 0 ? 1.0 + static_cast<double>(spec.accepted_tokens()) / spec.steps() : 0.0;
-  const uint32_t completion = last.usage().completion_tokens();
-  const double tokens_per_second = elapsed > 0 ? completion / elapsed : 0.0;
+  const SpeculationStats& spec = completion->speculation;
+  const double acceptance = spec.acceptance_rate().value_or(0.0);
+  const double mean_accepted_length = spec.mean_accepted_length().value_or(0.0);
+  const uint32_t completion_tokens = completion->usage.completion_tokens;
+  const double tokens_per_second = elapsed > 0 ? completion_tokens / elapsed : 0.0;
   if (as_json) {
-    json summary = {
-        {"finish_reason", FinishReasonName(last.finish_reason())},
-        {"usage",
-         {{"prompt_tokens", last.usage().prompt_tokens()}, {"completion_tokens", completion}}},
-        {"speculation",
-         {{"mode", SpeculationName(spec.mode())},
-          {"steps", spec.steps()},
-          {"draft_tokens", spec.draft_tokens()},
-          {"accepted_tokens", spec.accepted_tokens()},
-          {"accepted_per_position", std::vector<uint64_t>(spec.accepted_per_position().begin(),
-                                                          spec.accepted_per_position().end())},
-          {"target_only_steps", spec.target_only_steps()},
-          {"acceptance_rate", acceptance},
-          {"mean_accepted_length", mean_accepted_length}}},
-        {"elapsed_seconds", elapsed},
-        {"time_to_first_token_seconds", ttft < 0 ? json(nullptr) : json(ttft)},
-        {"tokens_per_second", tokens_per_second}};
-    if (last.finish_reason() == v1::FINISH_REASON_STOP_STRING) {
-      summary["matched_stop"] = last.matched_stop();
+    json summary = {{"finish_reason", FinishReasonLabel(completion->finish_reason)},
+                    {"usage",
+                     {{"prompt_tokens", completion->usage.prompt_tokens},
+                      {"completion_tokens", completion_tokens}}},
+                    {"speculation",
+                     {{"mode", SpeculationName(spec.mode)},
+                      {"steps", spec.steps},
+                      {"draft_tokens", spec.draft_tokens},
+                      {"accepted_tokens", spec.accepted_tokens},
+                      {"accepted_per_position", spec.accepted_per_position},
+                      {"target_only_steps", spec.target_only_steps},
+                      {"acceptance_rate", acceptance},
+                      {"mean_accepted_length", mean_accepted_length}}},
+                    {"elapsed_seconds", elapsed},
+                    {"time_to_first_token_seconds", ttft < 0 ? json(nullptr) : json(ttft)},
+                    {"tokens_per_second", tokens_per_second}};
+    if (completion->finish_reason == FinishReason::kStopString) {
+      summary["matched_stop"] = completion->matched_stop;
     }
     std::printf("%s\n", Dump(summary).c_str());
   } else {
@@ -346,26 +370,22 @@ int Generate(const Args& args) {
     std::fprintf(stderr,
                  "[finish: %s, %u prompt + %u completion tokens, %.2f s, %.1f tokens/s; "
                  "speculation %s: %llu steps, acceptance %.2f, mean accepted length %.2f]\n",
-                 FinishReasonName(last.finish_reason()), last.usage().prompt_tokens(), completion,
-                 elapsed, tokens_per_second, SpeculationName(spec.mode()),
-                 static_cast<unsigned long long>(spec.steps()), acceptance, mean_accepted_length);
+                 FinishReasonLabel(completion->finish_reason), completion->usage.prompt_tokens,
+                 completion_tokens, elapsed, tokens_per_second, SpeculationName(spec.mode),
+                 static_cast<unsigned long long>(spec.steps), acceptance, mean_accepted_length);
   }
   return 0;
 }
 
 int Tokenize(const Args& args) {
   if (!args.Has("text")) return UsageError("tokenize needs --text");
-  auto stub = Connect(args);
-  grpc::ClientContext ctx;
-  v1::TokenizeRequest request;
-  request.set_text(args.Get("text"));
-  request.set_add_special_tokens(args.Has("add-special-tokens"));
-  v1::TokenizeResponse response;
-  const grpc::Status status = stub->Tokenize(&ctx, request, &response);
-  if (!status.ok()) return RpcFailed(status);
-  std::printf(
-      "%s\n",
-      Dump(json(std::vector<int32_t>(response.ids().begin(), response.ids().end()))).c_str());
+  int exit_code = 0;
+  std::unique_ptr<Client> client = Connect(args, &exit_code);
+  if (client == nullptr) return exit_code;
+  const absl::StatusOr<std::vector<int32_t>> ids =
+      client->Tokenize(args.Get("text"), args.Has("add-special-tokens"));
+  if (!ids.ok()) return RpcFailed(ids.status());
+  std::printf("%s\n", Dump(json(*ids)).c_str());
   return 0;
 }
 
@@ -374,32 +394,28 @@ int Detokenize(const Args& args) {
   std::vector<int32_t> ids;
   if (!args.Has("ids")) return UsageError("detokenize needs --ids");
   if (!ParseIds(args.Get("ids"), "ids", &ids, &error)) return UsageError(error);
-  auto stub = Connect(args);
-  grpc::ClientContext ctx;
-  v1::DetokenizeRequest request;
-  request.mutable_ids()->Assign(ids.begin(), ids.end());
-  request.set_skip_special_tokens(args.Has("skip-special-tokens"));
-  v1::DetokenizeResponse response;
-  const grpc::Status status = stub->Detokenize(&ctx, request, &response);
-  if (!status.ok()) return RpcFailed(status);
-  std::printf("%s\n", response.text().c_str());
+  int exit_code = 0;
+  std::unique_ptr<Client> client = Connect(args, &exit_code);
+  if (client == nullptr) return exit_code;
+  const absl::StatusOr<std::string> text = client->Detokenize(ids, args.Has("skip-special-tokens"));
+  if (!text.ok()) return RpcFailed(text.status());
+  std::printf("%s\n", text->c_str());
   return 0;
 }
 
 int Info(const Args& args) {
-  auto stub = Connect(args);
-  grpc::ClientContext ctx;
-  v1::ModelInfo info;
-  const grpc::Status status = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
-  if (!status.ok()) return RpcFailed(status);
-  json j = {{"target_model", info.target_model()},
-            {"draft_model", info.draft_model()},
-            {"vocab_size", info.vocab_size()},
-            {"max_context", info.max_context()},
-            {"eos_token_ids",
-             std::vector<int32_t>(info.eos_token_ids().begin(), info.eos_token_ids().end())},
-            {"max_new_tokens_limit", info.max_new_tokens_limit()},
-            {"draft_available", info.draft_available()}};
+  int exit_code = 0;
+  std::unique_ptr<Client> client = Connect(args, &exit_code);
+  if (client == nullptr) return exit_code;
+  const absl::StatusOr<ModelInfo> info = client->GetModelInfo();
+  if (!info.ok()) return RpcFailed(info.status());
+  json j = {{"target_model", info->target_model},
+            {"draft_model", info->draft_model},
+            {"vocab_size", info->vocab_size},
+            {"max_context", info->max_context},
+            {"eos_token_ids", info->eos_token_ids},
+            {"max_new_tokens_limit", info->max_new_tokens_limit},
+            {"draft_available", info->draft_available}};
   std::printf("%s\n", Dump(j).c_str());
   return 0;
 }

@@ -1,0 +1,121 @@
+// Plain request and result types of the specd C++ SDK: what specd::Client takes and returns
+// instead of protobuf messages, so that including the SDK does not pull in generated code.
+// The fields mirror specd.v1.GenerateRequest / GenerateResponse / ModelInfo
+// (proto/specd/v1/generation.proto); range checks are the router's, which answers a bad value
+// with INVALID_ARGUMENT and a message that starts with the field's name.
+#ifndef SPECD_CLIENTS_CPP_INCLUDE_SPECD_TYPES_H_
+#define SPECD_CLIENTS_CPP_INCLUDE_SPECD_TYPES_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace specd {
+
+// How the router drafts for a request.
+enum class Speculation {
+  kAuto = 0,        // the router's default drafter; target-only when none answers
+  kOff = 1,         // target-only decoding
+  kDraftModel = 2,  // the draft service's draft model
+  kNgram = 3,       // n-gram prompt lookup
+};
+
+// "auto", "off", "draft_model", "ngram".
+const char* SpeculationName(Speculation speculation);
+// The inverse of SpeculationName ("draft-model" is accepted too); nullopt for anything else.
+std::optional<Speculation> ParseSpeculation(std::string_view name);
+
+enum class FinishReason {
+  kUnspecified = 0,  // not the last chunk
+  kLength = 1,       // max_new_tokens reached
+  kEos = 2,          // the model's end-of-sequence token
+  kStopToken = 3,    // one of stop_token_ids
+  kStopString = 4,   // one of stop
+  kContext = 5,      // the model's context is full
+};
+
+// "unspecified", "length", "eos", "stop_token", "stop_string", "context" (the Python SDK's
+// names).
+const char* FinishReasonName(FinishReason reason);
+
+struct GenerateRequest {
+  // The prompt: text (tokenized by the router) or, when prompt_ids is not empty, token ids.
+  // Giving both is INVALID_ARGUMENT.
+  std::string prompt;
+  std::vector<int32_t> prompt_ids;
+  uint32_t max_new_tokens = 0;  // 0: the router's default
+  // Unset: the router's defaults (greedy, no top-p/top-k cut, a random seed).
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  std::optional<int32_t> top_k;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;  // stop strings, never part of the output
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  Speculation speculation = Speculation::kAuto;
+  // Draft tree shape; 0: the router's default.
+  uint32_t draft_depth = 0;
+  uint32_t draft_top_k = 0;
+  uint32_t draft_max_nodes = 0;
+  std::string request_id;  // echoed in the router's logs
+};
+
+struct Usage {
+  uint32_t prompt_tokens = 0;
+  uint32_t completion_tokens = 0;  // every token generated, stop tokens included
+};
+
+// Speculation counters of one request (docs/metrics.md has the definitions).
+struct SpeculationStats {
+  uint64_t steps = 0;            // verify steps that carried a draft tree
+  uint64_t draft_tokens = 0;     // draft nodes sent to verify
+  uint64_t accepted_tokens = 0;  // draft tokens accepted (bonus tokens not counted)
+  std::vector<uint64_t> accepted_per_position;
+  uint64_t target_only_steps = 0;         // verify steps without a draft
+  Speculation mode = Speculation::kAuto;  // what was used in the end
+
+  // accepted / draft tokens; nullopt when no draft token was sent.
+  std::optional<double> acceptance_rate() const;
+  // Tokens emitted per speculative step, bonus included: 1 + accepted / steps; nullopt
+  // without speculative steps.
+  std::optional<double> mean_accepted_length() const;
+};
+
+// One streamed piece of a completion. finish_reason, usage, speculation and matched_stop are
+// set on the last chunk only.
+struct Chunk {
+  std::vector<int32_t> token_ids;
+  std::string text;  // whole UTF-8 characters only
+  FinishReason finish_reason = FinishReason::kUnspecified;
+  Usage usage;
+  SpeculationStats speculation;
+  std::string matched_stop;  // the stop string that ended generation (kStopString)
+
+  bool last() const { return finish_reason != FinishReason::kUnspecified; }
+};
+
+// A whole completion: the chunks joined.
+struct Completion {
+  std::string text;
+  std::vector<int32_t> token_ids;
+  FinishReason finish_reason = FinishReason::kUnspecified;
+  Usage usage;
+  SpeculationStats speculation;
+  std::string matched_stop;
+};
+
+struct ModelInfo {
+  std::string target_model;
+  std::string draft_model;
+  uint32_t vocab_size = 0;
+  uint32_t max_context = 0;
+  std::vector<int32_t> eos_token_ids;
+  uint32_t max_new_tokens_limit = 0;
+  bool draft_available = false;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_CLIENTS_CPP_INCLUDE_SPECD_TYPES_H_

@@ -1,0 +1,121 @@
+#include "convert.h"
+
+namespace specd {
+namespace client_internal {
+namespace {
+
+v1::Speculation ToProto(Speculation s) {
+  switch (s) {
+    case Speculation::kOff:
+      return v1::SPECULATION_OFF;
+    case Speculation::kDraftModel:
+      return v1::SPECULATION_DRAFT_MODEL;
+    case Speculation::kNgram:
+      return v1::SPECULATION_NGRAM;
+    case Speculation::kAuto:
+      break;
+  }
+  return v1::SPECULATION_AUTO;
+}
+
+// An unknown value from a newer router reads as the default rather than being cast blindly.
+Speculation FromProto(v1::Speculation s) {
+  switch (s) {
+    case v1::SPECULATION_OFF:
+      return Speculation::kOff;
+    case v1::SPECULATION_DRAFT_MODEL:
+      return Speculation::kDraftModel;
+    case v1::SPECULATION_NGRAM:
+      return Speculation::kNgram;
+    default:
+      return Speculation::kAuto;
+  }
+}
+
+FinishReason FromProto(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_LENGTH:
+      return FinishReason::kLength;
+    case v1::FINISH_REASON_EOS:
+      return FinishReason::kEos;
+    case v1::FINISH_REASON_STOP_TOKEN:
+      return FinishReason::kStopToken;
+    case v1::FINISH_REASON_STOP_STRING:
+      return FinishReason::kStopString;
+    case v1::FINISH_REASON_CONTEXT:
+      return FinishReason::kContext;
+    default:
+      return FinishReason::kUnspecified;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<v1::GenerateRequest> ToProto(const GenerateRequest& request) {
+  v1::GenerateRequest out;
+  if (!request.prompt_ids.empty()) {
+    if (!request.prompt.empty()) {
+      return absl::InvalidArgumentError(
+          "prompt_ids: give either prompt (text) or prompt_ids (token ids), not both");
+    }
+    out.mutable_prompt_ids()->mutable_ids()->Assign(request.prompt_ids.begin(),
+                                                    request.prompt_ids.end());
+  } else {
+    out.set_prompt(request.prompt);
+  }
+  out.set_max_new_tokens(request.max_new_tokens);
+  if (request.temperature.has_value()) out.set_temperature(*request.temperature);
+  if (request.top_p.has_value()) out.set_top_p(*request.top_p);
+  if (request.top_k.has_value()) out.set_top_k(*request.top_k);
+  if (request.seed.has_value()) out.set_seed(*request.seed);
+  out.mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(),
+                                       request.stop_token_ids.end());
+  for (const std::string& s : request.stop) out.add_stop(s);
+  out.set_ignore_eos(request.ignore_eos);
+  out.set_speculation(ToProto(request.speculation));
+  out.set_draft_depth(request.draft_depth);
+  out.set_draft_top_k(request.draft_top_k);
+  out.set_draft_max_nodes(request.draft_max_nodes);
+  out.set_request_id(request.request_id);
+  return out;
+}
+
+Chunk FromProto(const v1::GenerateResponse& response) {
+  Chunk chunk;
+  chunk.token_ids.assign(response.token_ids().begin(), response.token_ids().end());
+  chunk.text = response.text();
+  chunk.finish_reason = FromProto(response.finish_reason());
+  if (chunk.last()) {
+    chunk.usage.prompt_tokens = response.usage().prompt_tokens();
+    chunk.usage.completion_tokens = response.usage().completion_tokens();
+    const v1::SpeculationStats& s = response.speculation();
+    chunk.speculation.steps = s.steps();
+    chunk.speculation.draft_tokens = s.draft_tokens();
+    chunk.speculation.accepted_tokens = s.accepted_tokens();
+    chunk.speculation.accepted_per_position.assign(s.accepted_per_position().begin(),
+                                                   s.accepted_per_position().end());
+    chunk.speculation.target_only_steps = s.target_only_steps();
+    chunk.speculation.mode = FromProto(s.mode());
+    chunk.matched_stop = response.matched_stop();
+  }
+  return chunk;
+}
+
+ModelInfo FromProto(const v1::ModelInfo& info) {
+  ModelInfo out;
+  out.target_model = info.target_model();
+  out.draft_model = info.draft_model();
+  out.vocab_size = info.vocab_size();
+  out.max_context = info.max_context();
+  out.eos_token_ids.assign(info.eos_token_ids().begin(), info.eos_token_ids().end());
+  out.max_new_tokens_limit = info.max_new_tokens_limit();
+  out.draft_available = info.draft_available();
+  return out;
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+}  // namespace client_internal
+}  // namespace specd
