@@ -178,7 +178,9 @@ absl::StatusOr<EagleHeadWeights> LoadEagleHeadWeights(const EagleHeadConfig& c,
   for (int l = 0; l < h.num_layers; ++l) {
     const std::string p = e3 ? std::string("midlayer.") : absl::StrCat("layers.", l, ".");
     EagleHeadWeights::Layer& L = w.layers[l];
-    if (e3 || l > 0) SPECD_RETURN_IF_ERROR_(r.Read(p + "input_layernorm.weight", {H}, &L.input_norm));
+    if (e3 || l > 0) {
+      SPECD_RETURN_IF_ERROR_(r.Read(p + "input_layernorm.weight", {H}, &L.input_norm));
+    }
     if (e3) SPECD_RETURN_IF_ERROR_(r.Read(p + "hidden_norm.weight", {H}, &L.hidden_norm));
     SPECD_RETURN_IF_ERROR_(r.Read(p + "post_attention_layernorm.weight", {H}, &L.post_norm));
     SPECD_RETURN_IF_ERROR_(r.Read(p + "self_attn.q_proj.weight", {Q, in}, &L.q_proj));

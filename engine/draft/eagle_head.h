@@ -86,7 +86,8 @@ struct EagleHeadWeights {
   };
   std::vector<Layer> layers;
   std::vector<float> norm;     // [H] EAGLE-3's final norm, else empty
-  std::vector<float> lm_head;  // EAGLE-3 [draft vocab, H]; EAGLE-1/2 the target's LM head [vocab, H]
+  // EAGLE-3 [draft vocab, H]; EAGLE-1/2 the target's LM head [vocab, H].
+  std::vector<float> lm_head;
   std::vector<int32_t> draft_to_target;  // [draft vocab]: target id of each draft id
 };
 

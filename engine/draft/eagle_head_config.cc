@@ -134,7 +134,8 @@ absl::StatusOr<EagleHeadConfig> ParseEagleHeadConfig(const std::string& json_tex
   if (h.attention_bias) return Bad(src, "attention_bias: q/k/v biases are not supported in a head");
   if (h.qk_norm) return Bad(src, "model_type qwen3: q/k norms are not supported in a head");
   if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
-    return Bad(src, absl::StrCat("hidden_act ", j["hidden_act"].dump(), " is not supported (silu)"));
+    return Bad(src,
+               absl::StrCat("hidden_act ", j["hidden_act"].dump(), " is not supported (silu)"));
   }
   if (j.contains("mlp_bias") && j["mlp_bias"] == true) {
     return Bad(src, "mlp_bias: MLP biases are not supported in a head");

@@ -6,9 +6,9 @@
 //     three target taps, its own final norm and LM head over a draft vocabulary of
 //     draft_vocab_size tokens (d2t/t2d map it to the target's).
 //   EAGLE-1/2 (any other architectures entry, `LlamaForCausalLM` in the published heads): fc
-//     [H, 2H] (with a bias unless `bias` is false) over concat(embedding, feature), num_hidden_layers
-//     Llama layers, the first without an input norm, and the target's LM head. The feature is the
-//     target's last hidden state after its final norm.
+//     [H, 2H] (with a bias unless `bias` is false) over concat(embedding, feature),
+//     num_hidden_layers Llama layers, the first without an input norm, and the target's LM head.
+//     The feature is the target's last hidden state after its final norm.
 //
 // Taps: specd names a tap by the target layer whose INPUT it is. Tap L is the residual stream
 // entering decoder layer L: tap 0 is the token embeddings, tap N (N = the target's

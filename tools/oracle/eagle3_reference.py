@@ -11,9 +11,10 @@ specd's conventions (docs/eagle.md states them for users):
 * Taps. A tap is named by the target decoder layer whose INPUT it is: tap L is the residual stream
   entering layer L (tap 0 is the token embeddings, tap N the last layer's output before the final
   norm). EAGLE-3 concatenates three taps in increasing L; the default is 2, N // 2, N - 3, the
-  layers EAGLE, SGLang and vLLM capture by default. The config key `eagle_aux_hidden_state_layer_ids`
-  (under `eagle_config`, written by SpecForge and read by SGLang) names layer OUTPUTS, so id i is
-  tap i + 1; specd's own key `specd_tap_layer_inputs` names taps directly.
+  layers EAGLE, SGLang and vLLM capture by default. The config key
+  `eagle_aux_hidden_state_layer_ids` (under `eagle_config`, written by SpecForge and read by SGLang)
+  names layer OUTPUTS, so id i is tap i + 1; specd's own key `specd_tap_layer_inputs` names taps
+  directly.
   EAGLE-1/2 heads take one feature: the target's last hidden state after its final norm.
 * Head positions. The head's KV position p holds the pair (target feature at position p, token at
   position p + 1). A prefill of n prompt tokens t_0..t_{n-1} whose target step produced t_n feeds
@@ -49,7 +50,7 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 def rope_inv_freq(head_dim, theta, scaling=None):
     """[head_dim / 2] fp32, as specd's RopeInvFreq: double precision rounded to fp32, then the
-    llama3 or linear scaling of the rope_scaling / rope_parameters dict (None or "default": none)."""
+    llama3 or linear scaling of a rope_scaling / rope_parameters dict (None, "default": none)."""
     inv = [float(torch.tensor(1.0 / theta ** (2.0 * i / head_dim), dtype=torch.float32))
            for i in range(head_dim // 2)]
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
