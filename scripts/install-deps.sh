@@ -4,7 +4,9 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compiler-grpc
       libprotobuf-dev protobuf-compiler libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
       libbenchmark-dev libre2-dev nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev python3-grpcio
-      python3-grpc-tools python3-pytest prometheus yamllint)
+      python3-grpc-tools python3-pytest prometheus yamllint
+      # The EAGLE oracle and head tools' tests (tests/tools/test_eagle_oracle.py).
+      python3-torch python3-regex)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
