@@ -310,6 +310,36 @@ TEST(EagleHeadTest, BadItemsAreRefusedWithoutChangingAnySequence) {
   EXPECT_EQ(*head->CommittedLength(2), 0);
 }
 
+// The trained head committed for the reference target loads against it as published.
+TEST(EagleHeadTest, TheReferenceHeadLoads) {
+  EagleHeadOptions options;
+  options.num_threads = 1;
+  absl::StatusOr<std::unique_ptr<EagleHead>> head =
+      CreateEagleHead((RepoRoot() / "models" / "pycoder-eagle3").string(),
+                      (RepoRoot() / "models" / "pycoder-target").string(), options);
+  ASSERT_TRUE(head.ok()) << head.status();
+  const EagleHeadConfig& c = (*head)->config();
+  EXPECT_EQ(c.kind, EagleKind::kEagle3);
+  EXPECT_EQ(c.taps, (std::vector<int>{1, 2, 4}));
+  EXPECT_EQ(c.draft_vocab_size, 2048);
+  EXPECT_EQ((*head)->context_length(), 1024);
+  const absl::Span<const int32_t> d2t = (*head)->draft_to_target();
+  ASSERT_EQ(d2t.size(), 2048u);
+  for (size_t i = 1; i < d2t.size(); ++i) ASSERT_LT(d2t[i - 1], d2t[i]);
+  ASSERT_TRUE((*head)->AddSequence(1).ok());
+  std::vector<float> feats(4 * c.feature_size(), 0.1f);
+  EagleHeadItem item;
+  item.seq = 1;
+  item.tokens = {10, 11, 12, 13};
+  item.parents = {-1, 0, 1, 2};
+  item.inputs = feats;
+  item.output_rows = {3};
+  EagleHeadOutputs out;
+  ASSERT_TRUE((*head)->Forward({item}, &out).ok());
+  EXPECT_EQ(out.logits.size(), 2048u);
+  EXPECT_EQ(out.hidden.size(), 320u);
+}
+
 TEST(EagleHeadTest, OptionsAreChecked) {
   const std::string head = (FixtureDir() / "eagle3_head").string();
   const std::string target = (FixtureDir() / "target").string();

@@ -128,12 +128,13 @@ class ByteLevelBPE:
 
 
 def load_tokenizer(path):
-    """The `tokenizers` library's encoder when it is installed (fast), else ByteLevelBPE; both
-    give the same ids for the tokenizers this file supports. Returns a function text -> ids."""
+    """The `tokenizers` library's encoder when it is installed (fast, parallel), else
+    ByteLevelBPE; both give the same ids for the tokenizers this file supports. Returns a function
+    [texts] -> [ids]."""
     try:
         import tokenizers
-        tok = tokenizers.Tokenizer.from_file(path)
-        return lambda text: tok.encode(text, add_special_tokens=False).ids
     except ImportError:
         bpe = ByteLevelBPE(path)
-        return bpe.encode
+        return lambda texts: [bpe.encode(t) for t in texts]
+    tok = tokenizers.Tokenizer.from_file(path)
+    return lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]

@@ -78,8 +78,8 @@ def load_corpus(tokenizer_path, max_train_chars, max_val_files):
 
     def stream(docs):
         ids = []
-        for _, text in docs:
-            ids.extend(encode(text))
+        for doc in encode([text for _, text in docs]):
+            ids.extend(doc)
             ids.append(EOS)
         return torch.tensor(ids, dtype=torch.int64)
 
@@ -102,12 +102,15 @@ def generate(target, prompts, new_tokens, temperatures, gen):
     logits, _, _ = target.forward(prompts, cache=cache)
     out = [prompts]
     temps = torch.tensor(temperatures, device=prompts.device, dtype=torch.float32)
+    sample = bool((temps > 0).any())
     last = logits[:, -1].float()
     for _ in range(new_tokens):
-        greedy = last.argmax(-1)
-        probs = torch.softmax(last / temps.clamp(min=1e-6).unsqueeze(1), dim=-1)
-        sampled = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(1).to(prompts.device)
-        nxt = torch.where(temps > 0, sampled, greedy).unsqueeze(1)
+        nxt = last.argmax(-1)
+        if sample:  # `gen` lives on the device of `prompts`
+            probs = torch.softmax(last / temps.clamp(min=1e-6).unsqueeze(1), dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            nxt = torch.where(temps > 0, sampled, nxt)
+        nxt = nxt.unsqueeze(1)
         out.append(nxt)
         logits, _, _ = target.forward(nxt, cache=cache)
         last = logits[:, -1].float()
@@ -346,7 +349,7 @@ def heldout_sequences(target, val, n, prompt_len, new_tokens, device):
     stride = max(prompt_len, (val.numel() - prompt_len - 1) // n)
     starts = [i * stride for i in range(n) if i * stride + prompt_len < val.numel()]
     prompts = torch.stack([val[s:s + prompt_len] for s in starts]).to(device)
-    seqs = generate(target, prompts, new_tokens, [0.0] * len(starts), torch.Generator())
+    seqs = generate(target, prompts, new_tokens, [0.0] * len(starts), None)
     out = []
     for row in seqs.cpu():
         cont = row[prompt_len:].tolist()
@@ -389,12 +392,16 @@ def evaluate(head, target, seqs, prompt_len, taps, draft=None, depth=7):
         res[name] = {"tau": round(e / max(st, 1), 3), "steps": st,
                      "accepted_per_step": round(a / max(st, 1), 3)}
     res["top1_agreement_by_step"] = [round(h / max(n, 1), 4) for h, n in hits]
+    # Continuation tokens the head can propose at all (the rest are outside its vocabulary).
+    cont = torch.cat([s[prompt_len + 1:] for s in seqs]).to(head.t2d.device)
+    res["continuation_in_draft_vocab"] = round(float(head.t2d[cont].float().mean()), 4)
     if draft is not None:
         matches = []
         for s in seqs:
+            # From the token after the target's first one, as the head is measured.
             dl, _, _ = draft.forward(s.unsqueeze(0).to(draft.device))
-            pred = dl[0, prompt_len - 1:-1].argmax(-1).cpu()
-            matches.append((pred == s[prompt_len:]).tolist())
+            pred = dl[0, prompt_len:-1].argmax(-1).cpu()
+            matches.append((pred == s[prompt_len + 1:]).tolist())
         for k in (4,):
             e = st = a = 0
             for ms in matches:
@@ -464,6 +471,9 @@ def main():
     ap.add_argument("--eval-new", type=int, default=128)
     ap.add_argument("--max-val-files", type=int, default=200)
     ap.add_argument("--eval-only", action="store_true", help="evaluate the head in --out")
+    ap.add_argument("--init-from", default="",
+                    help="continue training the head in this folder (its draft vocabulary and "
+                         "taps; a fresh optimizer and schedule)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -494,18 +504,30 @@ def main():
         return
 
     counts = torch.bincount(train, minlength=target.cfg.vocab_size)
-    draft_ids = torch.topk(counts, args.draft_vocab).indices.sort().values
+    previous = None
+    if args.init_from:
+        head = ref.load_head(args.init_from, target32, dtype=torch.float32).to(device)
+        taps = head.cfg.taps
+        draft_ids = (torch.arange(head.cfg.draft_vocab_size) + head.d2t.cpu()).sort().values
+        summary_path = os.path.join(args.init_from, "train_summary.json")
+        if os.path.exists(summary_path):
+            with open(summary_path) as f:
+                previous = json.load(f)
+            previous.pop("history", None)
+        log(f"continuing {args.init_from}")
+    else:
+        draft_ids = torch.topk(counts, args.draft_vocab).indices.sort().values
+        head = ref.Eagle3Head(head_config(target, taps, args.draft_vocab),
+                              target.embed.float()).to(device)
+        head.set_draft_vocab(draft_ids.tolist())
+        with torch.no_grad():
+            # Start the LM head and final norm from the target's: the head's output then begins
+            # in the space the target's own LM head reads.
+            head.lm_head.weight.copy_(target.lm_head[draft_ids.to(device)].float())
+            head.norm.weight.copy_(target.w["model.norm.weight"].float())
     coverage = float(counts[draft_ids].sum() / counts.sum())
-    log(f"draft vocabulary: the {args.draft_vocab} most frequent training tokens cover "
-        f"{coverage:.4f} of them")
-    head = ref.Eagle3Head(head_config(target, taps, args.draft_vocab),
-                          target.embed.float()).to(device)
-    head.set_draft_vocab(draft_ids.tolist())
-    with torch.no_grad():
-        # Start the LM head and final norm from the target's: the head's output then begins in
-        # the space the target's own LM head reads.
-        head.lm_head.weight.copy_(target.lm_head[draft_ids.to(device)].float())
-        head.norm.weight.copy_(target.w["model.norm.weight"].float())
+    log(f"draft vocabulary: {draft_ids.numel()} tokens, covering {coverage:.4f} of the "
+        f"training tokens")
     draft_ids = draft_ids.to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     decay_p = [p for p in params if p.dim() == 2]
@@ -516,7 +538,8 @@ def main():
     n_params = sum(p.numel() for p in params)
     log(f"head: {n_params} parameters, taps {taps}, depth {args.depth}, lr {args.lr}")
 
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)  # prompt windows
+    sample_gen = torch.Generator(device=device).manual_seed(args.seed + 1)  # continuations
     budget = args.minutes * 60.0
     start = time.time()
     step = 0
@@ -534,7 +557,7 @@ def main():
         prompts = windows(train, args.batch, args.prompt_len, gen).to(device)
         temps = [0.0 if random.random() < args.greedy_share else 0.8 for _ in range(args.batch)]
         with torch.no_grad():
-            seqs = generate(target, prompts, args.gen_len, temps, gen)
+            seqs = generate(target, prompts, args.gen_len, temps, sample_gen)
             tlogits, states, _ = target.forward(seqs, taps=taps)
             feats = torch.cat([states[t] for t in taps], dim=-1)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
@@ -559,15 +582,18 @@ def main():
     log(f"trained {step} steps, {seen_tokens} tokens, {train_s:.0f} s")
 
     summary = {
-        "target": os.path.relpath(args.target, ROOT) if args.target.startswith(ROOT)
-        else args.target,
+        # The folder's last two parts ("models/pycoder-target"): no machine's absolute paths.
+        "target": os.path.join(*os.path.normpath(os.path.abspath(args.target)).split(os.sep)[-2:]),
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""),
         "torch": torch.__version__, "threads": args.threads if not cuda else None,
-        "args": {k: v for k, v in vars(args).items() if k not in ("out", "target", "draft")},
+        "args": {k: (os.path.basename(os.path.normpath(v)) if k == "init_from" and v else v)
+                 for k, v in vars(args).items() if k not in ("out", "target", "draft")},
         "parameters": n_params, "taps": taps, "draft_vocab_coverage": round(coverage, 4),
         "data": data_info, "steps": step, "train_tokens": seen_tokens,
         "train_seconds": round(train_s, 1), "history": history,
     }
+    if previous is not None:
+        summary["previous_stage"] = previous
     save_head(head, args.out, summary)
     # Evaluate the saved head as specd will read it: bf16 weights from the file, fp32 math.
     saved = ref.load_head(args.out, target32, dtype=torch.float32).to(device)

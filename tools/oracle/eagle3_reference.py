@@ -77,10 +77,11 @@ def rope_inv_freq(head_dim, theta, scaling=None):
 
 
 def rope_cos_sin(positions, inv_freq, dtype):
-    """positions: int tensor [...]; returns cos, sin [..., head_dim / 2] in `dtype` from fp32
-    angles."""
+    """positions: int tensor [...]; returns cos, sin [..., head_dim / 2] in `dtype`, taken in at
+    least fp32 of fp32 angles (a bf16 angle would be off by whole radians at position 300)."""
     angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
-    return angle.to(dtype).cos(), angle.to(dtype).sin()
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return angle.to(work).cos().to(dtype), angle.to(work).sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -373,9 +374,9 @@ class Eagle3Head(nn.Module):
 
     def set_draft_vocab(self, target_ids):
         """The draft vocabulary: sorted target ids (len draft_vocab_size); fills d2t and t2d."""
-        ids = torch.as_tensor(sorted(target_ids), dtype=torch.int64)
+        ids = torch.as_tensor(sorted(target_ids), dtype=torch.int64, device=self.d2t.device)
         assert len(ids) == self.cfg.draft_vocab_size
-        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
 
