@@ -60,7 +60,7 @@ def oracle_tensors():
     return safetensors_io.load(os.path.join(EAGLE, "oracle.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_nbr", "eagle1"])
 def test_fixtures_are_the_reference_outputs(name):
     with open(os.path.join(EAGLE, "oracle.json")) as f:
         oracle = json.load(f)

@@ -1,7 +1,7 @@
 // specd's CPU EAGLE head forward against the PyTorch reference (tools/oracle/eagle3_reference.py).
 // tests/fixtures/eagle3 (tools/oracle/make_eagle_fixtures.py) holds a tiny target, a random
-// EAGLE-3 head (draft vocabulary 64 of 256) and a random two-layer EAGLE-1/2 head in their
-// published layouts, and for each head a script of Forward/Commit calls with the reference's
+// EAGLE-3 head (draft vocabulary 64 of 256; also read with norm_before_residual) and a random
+// two-layer EAGLE-1/2 head in their published layouts, and for each head a script of Forward/Commit calls with the reference's
 // outputs: a prefill chain from the target's features, three tree levels fed with the head's own
 // outputs, a commit, a second chain and one more level; and a 2100-pair chain with two levels
 // beyond the head's 2048-position RoPE table. The replay feeds each level the outputs specd
@@ -225,7 +225,7 @@ TEST_P(EagleOracleTest, BatchedSequencesMatchTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Scenarios, EagleOracleTest,
-                         ::testing::Values("eagle3", "eagle1", "long"));
+                         ::testing::Values("eagle3", "eagle3_nbr", "eagle1", "long"));
 
 TEST(EagleHeadTest, ServesTheTargetsContextNotTheHeadsTable) {
   std::unique_ptr<EagleHead> head = LoadHead("eagle3_head");

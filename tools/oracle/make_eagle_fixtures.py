@@ -8,6 +8,7 @@ Writes tests/fixtures/eagle3/:
   eagle3_head/   a random EAGLE-3 head in the published layout (LlamaForCausalLMEagle3,
                  draft_vocab_size 64 < vocab 256 with d2t/t2d, taps 1, 4, 6 in both spellings,
                  rope_theta 5000, max_position_embeddings 2048)
+  eagle3_nbr_head/  the EAGLE-3 head's weights with norm_before_residual: true
   eagle1_head/   a random EAGLE-1/2 head (fc 2H -> H with bias, two decoder layers, the first
                  without an input norm; the target's LM head)
   oracle.safetensors, oracle.json: the target's features at the taps and its final normed hidden
@@ -25,6 +26,7 @@ tests/fixtures/models/{llama31,mistral} and stops if they differ.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -142,6 +144,11 @@ def make_heads(gen, out, target):
     h1 = ref.Eagle1Head(e1, target.embed, target.lm_head).double()
     randomise(gen, h1)
     save_folder(os.path.join(out, "eagle1_head"), e1.to_json(), h1.state_dict())
+
+    # The same EAGLE-3 weights read with norm_before_residual (the residual stream starts from
+    # hidden_norm(x)), a flag some checkpoints carry.
+    nbr = dataclasses.replace(e3, norm_before_residual=True)
+    save_folder(os.path.join(out, "eagle3_nbr_head"), nbr.to_json(), h3.state_dict())
 
 
 class Script:
@@ -262,7 +269,7 @@ def main():
     print(f"reference target vs transformers: max relative error {worst:.3g}")
 
     out = args.out
-    for sub in ("target", "eagle3_head", "eagle1_head"):
+    for sub in ("target", "eagle3_head", "eagle3_nbr_head", "eagle1_head"):
         shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
     gen = torch.Generator().manual_seed(SEED)
@@ -273,6 +280,8 @@ def main():
     make_heads(gen, out, target)
     h3 = ref.load_head(os.path.join(out, "eagle3_head"), target)
     h1 = ref.load_head(os.path.join(out, "eagle1_head"), target)
+    h3n = ref.load_head(os.path.join(out, "eagle3_nbr_head"), target)
+    assert h3n.cfg.norm_before_residual
     assert h3.cfg.taps == TAPS and h1.cfg.kind == "eagle1"
 
     ids = list(prompt)
@@ -288,6 +297,7 @@ def main():
     with torch.no_grad():
         calls3 = run_scenario(h3, "eagle3", taps.double(), ids, tensors)
         calls1 = run_scenario(h1, "eagle1", final.double(), ids, tensors)
+        calls3n = run_scenario(h3n, "eagle3_nbr", taps.double(), ids, tensors)
         calls_long = run_long(h3, tensors)
     safetensors_io.save(os.path.join(out, "oracle.safetensors"), tensors)
     oracle = {
@@ -301,6 +311,7 @@ def main():
         "scenarios": {
             "eagle3": {"head": "eagle3_head", "features": "taps", "calls": calls3},
             "eagle1": {"head": "eagle1_head", "features": "final_hidden", "calls": calls1},
+            "eagle3_nbr": {"head": "eagle3_nbr_head", "features": "taps", "calls": calls3n},
             "long": {"head": "eagle3_head", "features": "long/base_features",
                      "calls": calls_long},
         },
