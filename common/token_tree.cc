@@ -1,8 +1,22 @@
 #include "common/token_tree.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace specd {
+
+absl::Status CheckTokenIds(absl::Span<const int32_t> ids, int vocab_size,
+                           absl::string_view field) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: token id ", ids[i],
+                                                     " is outside the vocabulary [0, ",
+                                                     vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateTree(const TokenTree& tree, int vocab_size, int max_nodes) {
   const size_t n = tree.tokens.size();
@@ -19,12 +33,8 @@ absl::Status ValidateTree(const TokenTree& tree, int vocab_size, int max_nodes) 
                                                    tree.draft_logprobs.size(),
                                                    " entries for ", n, " tokens"));
   }
+  if (absl::Status s = CheckTokenIds(tree.tokens, vocab_size, "tree.tokens"); !s.ok()) return s;
   for (size_t i = 0; i < n; ++i) {
-    if (tree.tokens[i] < 0 || tree.tokens[i] >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("tree.tokens[", i, "]: token id ",
-                                                     tree.tokens[i], " outside [0, ",
-                                                     vocab_size, ")"));
-    }
     if (tree.parents[i] < -1 || tree.parents[i] >= static_cast<int32_t>(i)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tree.parents[", i, "]: ", tree.parents[i],
@@ -40,6 +50,12 @@ std::vector<int> TreeDepths(const TokenTree& tree) {
     depth[i] = tree.parents[i] < 0 ? 0 : depth[tree.parents[i]] + 1;
   }
   return depth;
+}
+
+int TreeMaxDepth(const TokenTree& tree) {
+  int max_depth = 0;
+  for (int d : TreeDepths(tree)) max_depth = std::max(max_depth, d + 1);
+  return max_depth;
 }
 
 TokenTree ChainTree(const std::vector<int32_t>& tokens) {

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace specd {
 
@@ -24,11 +26,19 @@ struct TokenTree {
   bool empty() const { return tokens.empty(); }
 };
 
+// INVALID_ARGUMENT "<field>[i]: token id X is outside the vocabulary [0, vocab_size)" for the
+// first id of `ids` outside the vocabulary; the one vocabulary check of every service and
+// drafter, so that clients see the same message wherever an id is refused.
+absl::Status CheckTokenIds(absl::Span<const int32_t> ids, int vocab_size, absl::string_view field);
+
 // Checks shape and topology; names the offending field (tokens, parents, draft_logprobs).
 absl::Status ValidateTree(const TokenTree& tree, int vocab_size, int max_nodes = kMaxTreeNodes);
 
 // Depth of each node; roots have depth 0.
 std::vector<int> TreeDepths(const TokenTree& tree);
+
+// Longest root-to-leaf path in tokens (0 for an empty tree).
+int TreeMaxDepth(const TokenTree& tree);
 
 // A chain tree: tokens[i] is the child of tokens[i-1].
 TokenTree ChainTree(const std::vector<int32_t>& tokens);

@@ -127,8 +127,8 @@ struct BackendOptions {
   std::string device = "cpu";       // "cpu" or "cuda:N"
   int64_t kv_capacity_tokens = 1 << 20;  // total cached tokens over all sequences
   int num_threads = 0;              // cpu: 0 = all cores
-  // Ranks the model is sharded over (engine/tp_plan.h), any value >= 1. On "cpu", > 1 selects
-  // the simulated tensor-parallel backend (engine/tp_cpu_backend.h), one thread per rank.
+  // Ranks the model is sharded over (engine/tp/tp_plan.h), any value >= 1. On "cpu", > 1 selects
+  // the simulated tensor-parallel backend (engine/tp/tp_cpu_backend.h), one thread per rank.
   int tensor_parallel = 1;
   // cuda with tensor_parallel > 1: rank r's GPU index (tensor_parallel entries, distinct).
   // Empty: consecutive GPUs from the one `device` names.

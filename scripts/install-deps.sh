@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages specd builds and tests with (see ../shared/notes/ECOSYSTEM.md).
+# Installs the Debian 12 packages specd builds and tests with. The Python SDK's tests build its
+# wheel offline and install it into a fresh venv (python3-venv, -pip, -setuptools, -wheel; grpcio
+# and protobuf from Debian); git and curl run in them too.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compiler-grpc
       libprotobuf-dev protobuf-compiler libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
       libbenchmark-dev libre2-dev nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev python3-grpcio
-      python3-grpc-tools python3-pytest prometheus yamllint
+      python3-grpc-tools python3-pytest prometheus yamllint python3-protobuf python3-yaml
+      python3-venv python3-pip python3-setuptools python3-wheel git curl unzip
       # The EAGLE oracle and head tools' tests (tests/tools/test_eagle_oracle.py).
       python3-torch python3-regex)
 missing=()

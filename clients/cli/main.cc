@@ -28,7 +28,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "specd/v1/generation.grpc.pb.h"

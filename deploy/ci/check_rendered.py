@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Checks what `helm template` rendered from helm/specd beyond schema validity: that the parts
 fit together (Service and PodDisruptionBudget selectors match pods, the HPA targets the router,
-the router reaches the draft and verify Services, the ServiceMonitor finds the metrics
-Services) and that each values file gets what it asks for (GPU counts, tensor-parallel flags,
-/dev/shm, NCCL_NVLS_ENABLE=0, no GPU anywhere in the CPU install).
+the router reaches the draft and verify Services and specd-http the router's, the helm test
+pod reaches both, the ServiceMonitor finds the metrics Services, every pod mounts the models it
+needs and only those: draft and verify their own folder, the router and specd-http copies of
+the small files; the download Job writes the claim the pods read) and that each values file
+gets what it asks for (GPU counts, tensor-parallel flags, /dev/shm, NCCL_NVLS_ENABLE=0,
+runtime and priority classes, no GPU anywhere in the CPU install).
 
   check_rendered.py --profile 8gpu-tp7 rendered.yaml --json-out manifests.json
 
@@ -58,8 +61,86 @@ def arg_value(args, flag):
     return None
 
 
+def resolve(value, env):
+    """Expands $(VAR) the way the kubelet does in args."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
+                  value or "")
+
+
+def service_port(services, address, port_name):
+    """Whether host:port is a Service of the release with that port under port_name."""
+    host, _, port = (address or "").rpartition(":")
+    return any(s["metadata"]["name"] == host and
+               any(str(p["port"]) == port and p["name"] == port_name for p in s["spec"]["ports"])
+               for s in services)
+
+
 def gpu_count(container, kind):
     return int(container.get("resources", {}).get(kind, {}).get(GPU, 0))
+
+
+def check_http(c, w, services):
+    """specd-http: its own ports, HTTP probes (readiness on /health, the others on /metrics,
+    all on the metrics listener) and the router Service's gRPC port."""
+    ct = w["spec"]["template"]["spec"]["containers"][0]
+    where = f"{w['metadata']['name']}/{ct['name']}"
+    ports = {p["name"]: p["containerPort"] for p in ct.get("ports", [])}
+    args = ct.get("args", [])
+    c.expect(ct.get("command") == ["specd-http"], f"{where}: command must be specd-http")
+    c.expect({"http", "metrics"} <= set(ports), f"{where}: needs http and metrics ports")
+    c.expect(arg_value(args, "--address") == f"0.0.0.0:{ports.get('http')}",
+             f"{where}: --address does not listen on the http port")
+    c.expect(arg_value(args, "--metrics_port") == str(ports.get("metrics")),
+             f"{where}: --metrics_port is not the metrics port")
+    c.expect(service_port(services, arg_value(args, "--router"), "grpc"),
+             f"{where}: --router is no Service's grpc port")
+    for probe, path in (("startupProbe", "/metrics"), ("readinessProbe", "/health"),
+                        ("livenessProbe", "/metrics")):
+        get = ct.get(probe, {}).get("httpGet", {})
+        c.expect(get.get("path") == path and get.get("port") == "metrics",
+                 f"{where}: {probe} must GET {path} on the metrics port")
+    model_dir = arg_value(args, "--model_dir")
+    mounts = {m["mountPath"]: m["name"] for m in ct.get("volumeMounts", [])}
+    c.expect("models" not in mounts.values(), f"{where}: mounts the models volume")
+    if model_dir and "model-files" in mounts.values():
+        c.expect(mounts.get(model_dir) == "model-files",
+                 f"{where}: --model_dir={model_dir} is not the copied files")
+
+
+def check_jobs_and_tests(c, by_kind, services, comps, claims, config):
+    """The download Job writes the claim the pods read; the helm test pod reaches the router
+    (and specd-http) through their Services."""
+    for job in by_kind.get("Job", []):
+        spec = job["spec"]["template"]["spec"]
+        where = f"Job {job['metadata']['name']}"
+        c.expect(spec.get("restartPolicy") in ("Never", "OnFailure"), f"{where}: restartPolicy")
+        vols = {v["name"]: v for v in spec["volumes"]}
+        claim = vols.get("models", {}).get("persistentVolumeClaim", {})
+        pod_claims = {v["persistentVolumeClaim"]["claimName"]
+                      for w in comps.values() for v in w["spec"]["template"]["spec"]["volumes"]
+                      if "persistentVolumeClaim" in v}
+        c.expect(claim.get("claimName") and not claim.get("readOnly") and
+                 pod_claims == {claim.get("claimName")},
+                 f"{where}: must write the claim the pods read ({pod_claims})")
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        c.expect(config.get("SPECD_TARGET_MODEL", "").endswith("/" + env["SPECD_TARGET_MODEL"]),
+                 f"{where}: fetches {env['SPECD_TARGET_MODEL']}, the pods read "
+                 f"{config.get('SPECD_TARGET_MODEL')}")
+        if "draft" in comps:
+            c.expect(config.get("SPECD_DRAFT_MODEL", "").endswith("/" + env["SPECD_DRAFT_MODEL"]),
+                     f"{where}: fetches another draft folder than the pods read")
+    for pod in by_kind.get("Pod", []):
+        hook = pod["metadata"].get("annotations", {}).get("helm.sh/hook")
+        c.expect(hook == "test", f"Pod {pod['metadata']['name']}: not a helm test hook")
+        cmd = pod["spec"]["containers"][0]["command"]
+        router, http = cmd[4], cmd[5]
+        c.expect(service_port(services, router, "grpc") and router.split(":")[0].endswith(
+            "-router"), f"helm test: {router} is not the router's gRPC Service")
+        if "http" in comps:
+            c.expect(service_port(services, http, "http"),
+                     f"helm test: {http} is not specd-http's Service")
+        else:
+            c.expect(http == "", "helm test: specd-http address without specd-http")
 
 
 def check(docs, profile):
@@ -70,6 +151,11 @@ def check(docs, profile):
     workloads = by_kind.get("Deployment", []) + by_kind.get("StatefulSet", [])
     services = by_kind.get("Service", [])
     comps = {component(w): w for w in workloads}
+    config = {}
+    for cm in by_kind.get("ConfigMap", []):
+        if "SPECD_TARGET_MODEL" in cm.get("data", {}):
+            config = cm["data"]
+    claims = {pvc["metadata"]["name"] for pvc in by_kind.get("PersistentVolumeClaim", [])}
 
     for w in workloads:
         name = w["metadata"]["name"]
@@ -82,6 +168,18 @@ def check(docs, profile):
             c.expect(k in w["spec"]["selector"]["matchLabels"], f"{name}: selector lacks {k}")
         spec = tpl["spec"]
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for ct in spec.get("initContainers", []):
+            for m in ct.get("volumeMounts", []):
+                c.expect(m["name"] in volumes,
+                         f"{name}/{ct['name']}: mounts {m['name']}, no such volume")
+        if "models" in volumes and "persistentVolumeClaim" in volumes["models"]:
+            claim = volumes["models"]["persistentVolumeClaim"]
+            c.expect(claim.get("readOnly") is True, f"{name}: mounts the models claim writable")
+            c.expect(claim["claimName"] in claims or profile in ("variant",),
+                     f"{name}: claim {claim['claimName']} is not the chart's")
+        if component(w) == "http":
+            check_http(c, w, services)
+            continue
         for ct in spec["containers"]:
             where = f"{name}/{ct['name']}"
             ports = {p["name"]: p["containerPort"] for p in ct.get("ports", [])}
@@ -118,6 +216,27 @@ def check(docs, profile):
             mounts = {m["mountPath"]: m["name"] for m in ct.get("volumeMounts", [])}
             for path, vol in mounts.items():
                 c.expect(vol in volumes, f"{where}: mounts {vol} at {path}, no such volume")
+            model = resolve(arg_value(args, "--model"), config)
+            model_mounts = [m for m in ct.get("volumeMounts", [])
+                            if m["name"] in ("models", "model-files")]
+            if "models" not in volumes:
+                c.expect(not model_mounts, f"{where}: model mounts without a models volume")
+            elif component(w) == "router":
+                # The router reads a few files of the target, copied by its init container.
+                c.expect([m["name"] for m in model_mounts] == ["model-files"] and
+                         model_mounts[0]["mountPath"] == model,
+                         f"{where}: must see only the copied files at --model={model}")
+                inits = spec.get("initContainers", [])
+                c.expect(len(inits) == 1 and "config.json" in inits[0]["command"] and
+                         "tokenizer.json" in inits[0]["command"],
+                         f"{where}: no init container copying config.json and tokenizer.json")
+            else:
+                # Draft and verify mount only their own model folder.
+                c.expect(len(model_mounts) == 1 and model_mounts[0]["name"] == "models" and
+                         model_mounts[0].get("readOnly") is True and
+                         model_mounts[0]["mountPath"] == model and
+                         model.endswith("/" + model_mounts[0].get("subPath", "//")),
+                         f"{where}: must mount only its model folder (subPath) at {model}")
             if component(w) in ("draft", "verify"):
                 env = {e["name"]: e.get("value") for e in ct.get("env", [])}
                 c.expect(env.get("NCCL_NVLS_ENABLE") == "0",
@@ -133,12 +252,19 @@ def check(docs, profile):
                     device = arg_value(args, "--devices").split(",")[0]
                 if gpus:
                     c.expect(device == "cuda:0", f"{where}: has GPUs but --device={device}")
+                    if profile == "8gpu-tp7":
+                        c.expect(spec.get("runtimeClassName") == "nvidia" and
+                                 spec.get("priorityClassName") == "specd-gpu",
+                                 f"{where}: GPU pod without gpu.runtimeClassName or "
+                                 "gpu.priorityClassName")
                     c.expect(any(t.get("key") == GPU for t in spec.get("tolerations", [])),
                              f"{where}: GPU pod without the {GPU} toleration")
                     c.expect(w["spec"].get("strategy", {}).get("type") != "RollingUpdate",
                              f"{where}: a GPU Deployment must not surge (use Recreate)")
                 else:
                     c.expect(device == "cpu", f"{where}: no GPU but --device={device}")
+                    c.expect("runtimeClassName" not in spec,
+                             f"{where}: a CPU pod with gpu.runtimeClassName")
                 if component(w) == "verify":
                     tp = arg_value(args, "--tensor_parallel")
                     if gpus:
@@ -188,12 +314,10 @@ def check(docs, profile):
             if comp not in comps:
                 c.expect(addr is None, f"router: {flag} set but no {comp} workload")
                 continue
-            host, _, port = (addr or "").rpartition(":")
-            c.expect(any(s["metadata"]["name"] == host and
-                         any(str(p["port"]) == port and p["name"] == "grpc"
-                             for p in s["spec"]["ports"])
-                         for s in services),
+            c.expect(service_port(services, addr, "grpc"),
                      f"router: {flag}={addr} is no Service's grpc port")
+
+    check_jobs_and_tests(c, by_kind, services, comps, claims, config)
 
     metric_services = [s for s in services
                        if s["metadata"]["labels"].get("specd.io/metrics") == "true"]
@@ -215,9 +339,16 @@ def check(docs, profile):
             for k, w in comps.items()}
     kinds = set(by_kind)
     if profile == "default":
-        c.expect(gpus == {"router": 0, "draft": 1, "verify": 1}, f"GPUs {gpus}")
+        c.expect(gpus == {"router": 0, "http": 0, "draft": 1, "verify": 1}, f"GPUs {gpus}")
         c.expect("HorizontalPodAutoscaler" in kinds, "default install has an HPA")
         c.expect("ServiceMonitor" not in kinds, "ServiceMonitor is off by default")
+        c.expect(len(by_kind.get("PersistentVolumeClaim", [])) == 1 and
+                 len(by_kind.get("Job", [])) == 1,
+                 "the default install creates the models claim and the download Job")
+        for w in workloads:
+            inits = w["spec"]["template"]["spec"].get("initContainers", [])
+            c.expect(len(inits) == 1 and "/.specd-complete" in inits[0]["command"][2],
+                     f"{w['metadata']['name']}: does not wait for the download")
     elif profile == "cpu":
         c.expect(all(v == 0 for v in gpus.values()), f"CPU install asks for GPUs: {gpus}")
         c.expect(GPU not in json.dumps([d["doc"] for d in docs]),
@@ -226,17 +357,34 @@ def check(docs, profile):
             for ct in w["spec"]["template"]["spec"]["containers"]:
                 c.expect("specd-cpu" in ct["image"], f"{ct['name']}: not the CPU image")
     elif profile == "8gpu-tp7":
-        c.expect(gpus == {"router": 0, "draft": 1, "verify": 7}, f"GPUs {gpus}")
+        c.expect(gpus == {"router": 0, "http": 0, "draft": 1, "verify": 7}, f"GPUs {gpus}")
         c.expect(sum(gpus.values()) == 8, "draft + verify fill the 8-GPU host")
         c.expect("ServiceMonitor" in kinds, "the 8-GPU example enables the ServiceMonitor")
+        dashboards = [cm for cm in by_kind.get("ConfigMap", [])
+                      if cm["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+        c.expect(len(dashboards) == 1 and
+                 all(json.loads(v)["panels"] for v in dashboards[0]["data"].values()),
+                 "the 8-GPU example ships the dashboard for Grafana's sidecar")
     elif profile == "variant":
-        # models.source=initContainer, no draft service, ServiceMonitor on.
+        # An existing claim and a hub token value, no draft service, ServiceMonitor, Ingress.
         c.expect("draft" not in comps, "draft.enabled=false leaves no draft workload")
+        c.expect("PersistentVolumeClaim" not in kinds, "existingClaim creates no claim")
+        c.expect(len(by_kind.get("Secret", [])) == 1, "hubToken.value creates a Secret")
+        c.expect("Ingress" in kinds, "http.ingress.enabled renders an Ingress")
+        env = {e["name"]: e for e in
+               by_kind["Job"][0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        c.expect(env.get("HF_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
+                 .get("name") == by_kind["Secret"][0]["metadata"]["name"],
+                 "the download Job reads HF_TOKEN from the hub token Secret")
+        c.expect("SPECD_DRAFT_REPO" not in env, "no draft service, no draft download")
+    elif profile == "image-volume":
+        # models.source=imageVolume, no download, no specd-http, no helm test.
+        c.expect("http" not in comps and "Pod" not in kinds and "Job" not in kinds,
+                 "http, tests and download disabled")
         for w in workloads:
-            inits = w["spec"]["template"]["spec"].get("initContainers", [])
-            c.expect(len(inits) == 1 and any(m["name"] == "models"
-                                             for m in inits[0]["volumeMounts"]),
-                     f"{w['metadata']['name']}: no model init container")
+            vol = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+            c.expect(vol.get("models", {}).get("image", {}).get("reference"),
+                     f"{w['metadata']['name']}: no image volume")
     else:
         c.expect(False, f"unknown profile {profile}")
     return c.problems
@@ -247,7 +395,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rendered")
     ap.add_argument("--profile", required=True,
-                    choices=["default", "cpu", "8gpu-tp7", "variant"])
+                    choices=["default", "cpu", "8gpu-tp7", "variant", "image-volume"])
     ap.add_argument("--json-out")
     args = ap.parse_args()
     docs = load(args.rendered)

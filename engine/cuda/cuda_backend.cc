@@ -11,11 +11,11 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 #include "common/token_tree.h"
 #include "engine/sampling.h"
 #include "engine/tree_mask.h"
-#include "engine/weight_shard.h"
+#include "engine/tp/weight_shard.h"
 #include "engine/cuda/custom_allreduce.h"
 #include "engine/cuda/nccl_group.h"
 #include "specd/kernels/cuda/allreduce.h"

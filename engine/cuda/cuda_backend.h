@@ -31,7 +31,7 @@
 //
 // Tensor parallelism (engine/cuda/cuda_tp_backend.h). Given a CudaTpRank, the
 // backend is one rank of a group: it loads only its slice of the checkpoint
-// (engine/tp_plan.h: query heads, the KV heads they read, FFN columns and
+// (engine/tp/tp_plan.h: query heads, the KV heads they read, FFN columns and
 // vocabulary rows), keeps only its KV heads, and all-reduces the row-parallel
 // partial sums (vocabulary-parallel embedding, o_proj, down_proj) with the
 // custom one-shot all-reduce fused with the residual add and the RMSNorm that
@@ -64,9 +64,9 @@
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/model_config.h"
-#include "common/safetensors.h"
-#include "engine/tp_plan.h"
-#include "engine/weight_shard.h"
+#include "common/io/safetensors.h"
+#include "engine/tp/tp_plan.h"
+#include "engine/tp/weight_shard.h"
 #include "specd/kernels/cuda/gemm.h"
 
 namespace specd {

@@ -1,7 +1,7 @@
 // Tensor-parallel CUDA backend: the model sharded over N GPUs of one process, any N >= 1
 // (DESIGN.md: the reference deployment verifies on 7). One worker thread a GPU (RankWorkers),
 // each driving one CudaBackend rank that holds its slice of the weights and KV cache
-// (engine/tp_plan.h); the ranks all-reduce through the custom one-shot kernel over NVLink peer
+// (engine/tp/tp_plan.h); the ranks all-reduce through the custom one-shot kernel over NVLink peer
 // memory (engine/cuda/custom_allreduce.h) and NCCL (engine/cuda/nccl_group.h).
 //
 // The ranks run SPMD: every call goes to every rank, each keeps identical sequence bookkeeping
@@ -22,8 +22,8 @@
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/cuda/cuda_backend.h"
-#include "engine/rank_workers.h"
-#include "engine/tp_plan.h"
+#include "engine/tp/rank_workers.h"
+#include "engine/tp/tp_plan.h"
 
 namespace specd {
 

@@ -34,7 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 #include "engine/backend.h"
 #include "engine/draft/eagle_head_config.h"
 #include "engine/model_config.h"

@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "engine/cpu_model.h"
+#include "engine/cpu/cpu_model.h"
 #include "specd/kernels/kv_cache.h"
 #include "specd/kernels/linear.h"
 #include "specd/kernels/rmsnorm.h"

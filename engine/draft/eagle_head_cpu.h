@@ -1,7 +1,7 @@
 // The fp32 CPU forward of an EAGLE head (engine/draft/eagle_head.h): the reference the CUDA
 // version will be checked against, on the CPU kernels the CPU backend uses (OpenBLAS GEMMs in
 // batch-invariant row blocks, RMSNorm, RoPE, paged tree attention) and the same KV bookkeeping
-// (engine/paged_kv_table.h, one pool a head layer).
+// (engine/kv/paged_kv_table.h, one pool a head layer).
 //
 // Determinism: as CpuModel, every row's result depends only on its own inputs and keys, so a
 // sequence's outputs do not depend on the other sequences of a batch.
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "engine/draft/eagle_head.h"
-#include "engine/paged_kv_table.h"
+#include "engine/kv/paged_kv_table.h"
 #include "engine/thread_pool.h"
 
 namespace specd {

@@ -241,7 +241,7 @@ __device__ __forceinline__ bool IsFiltered(const SampleRowParams& rp, int vocab)
   return rp.temperature > 0.0f && ((rp.top_k > 0 && rp.top_k < vocab) || rp.top_p < 1.0f);
 }
 
-// Rows candidate mode accepts (engine/tp_plan.h VocabParallelSamplingSupported): top_k is judged
+// Rows candidate mode accepts (engine/tp/tp_plan.h VocabParallelSamplingSupported): top_k is judged
 // against the global vocabulary, which a shard does not know, so only "no limit" passes.
 __device__ __forceinline__ bool CandidateAllowed(const SampleRowParams& rp) {
   return !(rp.temperature > 0.0f) || (rp.top_k == 0 && rp.top_p >= 1.0f);

@@ -6,8 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/tree_proto.h"
 
 namespace specd {
 
@@ -108,13 +109,8 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
     return absl::InvalidArgumentError(absl::StrCat(
         where, ".new_tokens: empty (send the prompt at the first step, then the emitted tokens)"));
   }
-  for (int j = 0; j < step.new_tokens_size(); ++j) {
-    const int32_t t = step.new_tokens(j);
-    if (t < 0 || t >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".new_tokens[", j, "]: token id ", t,
-                                                     " is outside the vocabulary [0, ", vocab,
-                                                     ")"));
-    }
+  if (absl::Status s = CheckTokenIds(step.new_tokens(), vocab, where + ".new_tokens"); !s.ok()) {
+    return s;
   }
   switch (step.method()) {
     case v1::DRAFT_METHOD_MODEL:
@@ -263,10 +259,7 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
       seq.fed[d] = seq.history.size();
       const TokenTree& tree = *trees[k];
       if (d == kModel) tokens += slot.request.new_tokens.size() + tree.size();
-      v1::TokenTree* out = result->mutable_tree();
-      out->mutable_tokens()->Add(tree.tokens.begin(), tree.tokens.end());
-      out->mutable_parents()->Add(tree.parents.begin(), tree.parents.end());
-      out->mutable_draft_logprobs()->Add(tree.draft_logprobs.begin(), tree.draft_logprobs.end());
+      TreeToProto(tree, result->mutable_tree());
     }
   }
   if (batch_size > 0) RecordStep(start, batch_size, tokens);

@@ -5,7 +5,7 @@
 //
 // Per-sequence state. The loop keeps every sequence's token history, so a sequence may switch
 // method between steps: a drafter that has not seen some of the history is fed it first (the
-// catch-up rule of engine/drafter.h).
+// catch-up rule of engine/draft/drafter.h).
 //
 // Errors are per sequence (SequenceError) and leave the others served:
 //   INVALID_ARGUMENT, FAILED_PRECONDITION (no draft model loaded): nothing changes; the step's
@@ -24,11 +24,12 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "common/metrics.h"
-#include "common/step_loop.h"
-#include "common/step_stream.h"
+#include "common/service/metrics.h"
+#include "common/service/step_loop.h"
+#include "common/service/step_stream.h"
 #include "engine/backend.h"
-#include "engine/drafter.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/draft/ngram_drafter.h"
 #include "specd/v1/draft.pb.h"
 
 namespace specd {

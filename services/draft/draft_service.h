@@ -3,7 +3,7 @@
 #ifndef SPECD_SERVICES_DRAFT_DRAFT_SERVICE_H_
 #define SPECD_SERVICES_DRAFT_DRAFT_SERVICE_H_
 
-#include "common/model_step_service.h"
+#include "common/service/model_step_service.h"
 #include "specd/v1/draft.grpc.pb.h"
 
 namespace specd {

@@ -8,8 +8,8 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "common/flag_names.h"
-#include "common/metrics.h"
-#include "common/model_service_main.h"
+#include "common/service/metrics.h"
+#include "common/service/model_service_main.h"
 #include "services/draft/draft_loop.h"
 #include "services/draft/draft_service.h"
 

@@ -6,7 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 
 namespace specd {
 namespace {

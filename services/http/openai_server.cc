@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "common/logging.h"
-#include "common/metrics.h"
+#include "common/service/metrics.h"
 #include "httplib.h"
 #include "services/http/generate_call.h"
 

@@ -10,16 +10,6 @@ namespace {
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
-absl::Status CheckIds(absl::Span<const int32_t> ids, const std::string& field, int vocab_size) {
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] >= vocab_size) {
-      return Invalid(absl::StrCat(field, "[", i, "]: token id ", ids[i],
-                                  " is outside the vocabulary [0, ", vocab_size, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const RequestLimits& limits) {
@@ -50,7 +40,7 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
   if (r.has_top_k() && r.top_k() < 0) {
     return Invalid(absl::StrCat("top_k: must be >= 0 (0 = no limit), got ", r.top_k()));
   }
-  if (absl::Status s = CheckIds(r.stop_token_ids(), "stop_token_ids", limits.vocab_size); !s.ok()) {
+  if (absl::Status s = CheckTokenIds(r.stop_token_ids(), limits.vocab_size, "stop_token_ids"); !s.ok()) {
     return s;
   }
   if (r.stop_size() > limits.max_stop_strings) {
@@ -82,7 +72,7 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
 absl::Status ValidatePrompt(absl::Span<const int32_t> prompt, const char* field,
                             const RequestLimits& limits) {
   if (prompt.empty()) return Invalid(absl::StrCat(field, ": must not be empty"));
-  if (absl::Status s = CheckIds(prompt, field, limits.vocab_size); !s.ok()) return s;
+  if (absl::Status s = CheckTokenIds(prompt, limits.vocab_size, field); !s.ok()) return s;
   if (static_cast<int64_t>(prompt.size()) >= limits.max_context) {
     return Invalid(absl::StrCat(field, ": the prompt is ", prompt.size(),
                                 " tokens; the model's context holds ", limits.max_context,

@@ -6,8 +6,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/tree_proto.h"
 #include "common/token_tree.h"
 
 namespace specd {
@@ -15,20 +16,6 @@ namespace {
 
 int64_t ToUnixMillisOrZero(absl::Time t) {
   return t == absl::InfiniteFuture() ? 0 : absl::ToUnixMillis(t);
-}
-
-TokenTree FromProto(const v1::TokenTree& p) {
-  TokenTree t;
-  t.tokens.assign(p.tokens().begin(), p.tokens().end());
-  t.parents.assign(p.parents().begin(), p.parents().end());
-  t.draft_logprobs.assign(p.draft_logprobs().begin(), p.draft_logprobs().end());
-  return t;
-}
-
-void ToProto(const TokenTree& t, v1::TokenTree* p) {
-  p->mutable_tokens()->Assign(t.tokens.begin(), t.tokens.end());
-  p->mutable_parents()->Assign(t.parents.begin(), t.parents.end());
-  p->mutable_draft_logprobs()->Assign(t.draft_logprobs.begin(), t.draft_logprobs.end());
 }
 
 // A client whose deadline passes cancels its stream, and the cancellation reaches the router
@@ -46,12 +33,6 @@ grpc::Status EndedStatus(const RouterRequest& request, bool cancelled, absl::Tim
   }
   if (cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
   return grpc::Status::OK;
-}
-
-int TreeDepth(const TokenTree& t) {
-  int depth = 0;
-  for (int d : TreeDepths(t)) depth = std::max(depth, d + 1);
-  return depth;
 }
 
 class StreamDecoder : public TokenTextDecoder {
@@ -413,7 +394,7 @@ void RouterLoop::DraftStep() {
       seq.draft_epoch = 0;
       continue;
     }
-    TokenTree tree = FromProto(result.tree());
+    TokenTree tree = TreeFromProto(result.tree());
     if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size); !valid.ok()) {
       SPECD_LOG(WARNING) << "draft service sent a bad tree for sequence " << seq.id << ": "
                          << valid.message();
@@ -424,7 +405,7 @@ void RouterLoop::DraftStep() {
   // Trees deeper than what was asked would run past the context: drop them.
   for (const v1::DraftSequenceStep& step : request.steps()) {
     Sequence& seq = *by_id[step.seq_id()];
-    if (!seq.tree.empty() && TreeDepth(seq.tree) > static_cast<int>(step.depth())) {
+    if (!seq.tree.empty() && TreeMaxDepth(seq.tree) > static_cast<int>(step.depth())) {
       SPECD_LOG(WARNING) << "draft tree deeper than " << step.depth() << " dropped";
       seq.tree = TokenTree();
     }
@@ -444,7 +425,7 @@ void RouterLoop::VerifyStep() {
     v1::VerifySequenceStep* step = request.add_steps();
     step->set_seq_id(seq.id);
     step->mutable_pending()->Assign(seq.tokens.begin() + seq.verify_cached, seq.tokens.end());
-    if (!seq.tree.empty()) ToProto(seq.tree, step->mutable_tree());
+    if (!seq.tree.empty()) TreeToProto(seq.tree, step->mutable_tree());
     v1::SamplingParams* sampling = step->mutable_sampling();
     sampling->set_temperature(seq.request.sampling.temperature);
     sampling->set_top_k(seq.request.sampling.top_k);
@@ -489,7 +470,7 @@ void RouterLoop::VerifyStep() {
 void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result) {
   const int accepted = static_cast<int>(result.accepted_draft());
   if (result.tokens_size() != accepted + 1 ||
-      (seq.tree.empty() ? accepted != 0 : accepted > TreeDepth(seq.tree))) {
+      (seq.tree.empty() ? accepted != 0 : accepted > TreeMaxDepth(seq.tree))) {
     Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL,
                            absl::StrCat("the verify service returned ", result.tokens_size(),
                                         " tokens with ", accepted, " accepted drafts")));

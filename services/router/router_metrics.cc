@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "common/metrics.h"
+#include "common/service/metrics.h"
 
 namespace specd {
 

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "common/logging.h"
 #include "services/router/request_validation.h"
 
@@ -208,15 +208,10 @@ grpc::ServerUnaryReactor* RouterService::Detokenize(grpc::CallbackServerContext*
                                                     const v1::DetokenizeRequest* request,
                                                     v1::DetokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  for (int i = 0; i < request->ids_size(); ++i) {
-    const int32_t id = request->ids(i);
-    if (id < 0 || id >= options_.limits.vocab_size) {
-      reactor->Finish(grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("ids[", i, "]: token id ", id, " is outside the vocabulary [0, ",
-                       options_.limits.vocab_size, ")")));
-      return reactor;
-    }
+  if (absl::Status s = CheckTokenIds(request->ids(), options_.limits.vocab_size, "ids");
+      !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
   }
   response->set_text(
       tokenizer_->Decode(std::vector<int32_t>(request->ids().begin(), request->ids().end()),

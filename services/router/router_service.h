@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/synchronization/mutex.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "grpcpp/grpcpp.h"
 #include "services/router/request.h"
 #include "services/router/router_loop.h"

@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/flag_names.h"
-#include "common/metrics.h"
-#include "common/model_service_main.h"
+#include "common/service/metrics.h"
+#include "common/service/model_service_main.h"
 #include "services/verify/verify_loop.h"
 #include "services/verify/verify_service.h"
 

@@ -6,25 +6,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/tree_proto.h"
 
 namespace specd {
-namespace {
-
-absl::Status CheckTokenIds(const google::protobuf::RepeatedField<int32_t>& tokens, int vocab,
-                           const std::string& field) {
-  for (int j = 0; j < tokens.size(); ++j) {
-    if (tokens[j] < 0 || tokens[j] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, "[", j, "]: token id ", tokens[j], " is outside the vocabulary [0, ", vocab, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopOptions& options,
                                                                VerifyStepQueue* queue,
                                                                ModelServiceMetrics* metrics) {
@@ -85,10 +71,7 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
       !s.ok()) {
     return s;
   }
-  item->tree.tokens.assign(step.tree().tokens().begin(), step.tree().tokens().end());
-  item->tree.parents.assign(step.tree().parents().begin(), step.tree().parents().end());
-  item->tree.draft_logprobs.assign(step.tree().draft_logprobs().begin(),
-                                   step.tree().draft_logprobs().end());
+  item->tree = TreeFromProto(step.tree());
   if (absl::Status s = ValidateTree(item->tree, config.vocab_size); !s.ok()) {
     return Prefixed(s, where + ".");
   }
@@ -106,8 +89,7 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
     if (!len.ok()) return len.status();
     committed = *len;
   }
-  int depth = 0;
-  for (int d : TreeDepths(item->tree)) depth = std::max(depth, d + 1);
+  const int depth = TreeMaxDepth(item->tree);
   // The bonus token after the deepest accepted node must still have a position.
   const int64_t reach = committed + step.pending_size() + depth + 1;
   if (reach > config.max_position_embeddings) {

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "common/metrics.h"
-#include "common/step_loop.h"
-#include "common/step_stream.h"
+#include "common/service/metrics.h"
+#include "common/service/step_loop.h"
+#include "common/service/step_stream.h"
 #include "engine/backend.h"
 #include "specd/v1/verify.pb.h"
 

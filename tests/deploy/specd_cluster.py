@@ -28,7 +28,7 @@ def binary(name):
 
 
 def missing_binaries():
-    names = [binary(n) for n in SERVICES + ("specd-cli",)]
+    names = [binary(n) for n in SERVICES + ("specd-cli", "specd-http")]
     names.append(os.environ.get("SPECD_RANDOM_MODEL", ""))
     return [n for n in names if not (n and os.path.isfile(n) and os.access(n, os.X_OK))]
 
@@ -67,17 +67,23 @@ def health(address, timeout=1.0):
 
 
 class Cluster:
-    """verify + draft + router on 127.0.0.1. The draft model is a copy of the target (same
-    weights and tokenizer), so greedy drafts are accepted and sampled ones partly."""
+    """verify + draft + router on 127.0.0.1, and with http=True specd-http in front of the
+    router. The draft model is a copy of the target (same weights and tokenizer), so greedy
+    drafts are accepted and sampled ones partly. router_model: the router's --model folder
+    (default: the target's)."""
 
-    def __init__(self, workdir=None, router_args=()):
+    def __init__(self, workdir=None, router_args=(), http=False, router_model=None):
         self.own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="specd-cluster-")
         self.router_args = list(router_args)
+        self.router_model = router_model
         self.procs = {}
         self.logs = {}
         self.grpc = {n: f"127.0.0.1:{free_port()}" for n in SERVICES}
         self.metrics_port = {n: free_port() for n in SERVICES}
+        self.http = f"127.0.0.1:{free_port()}" if http else None
+        if http:
+            self.metrics_port["specd-http"] = free_port()
 
     @property
     def address(self):
@@ -99,14 +105,40 @@ class Cluster:
         common = ["--device=cpu", "--num_threads=1"]
         self._spawn("specd-verify", [f"--model={target}"] + common)
         self._spawn("specd-draft", [f"--model={draft}"] + common)
-        self._spawn("specd-router", [f"--model={target}",
+        self._spawn("specd-router", [f"--model={self.router_model or target}",
                                      f"--verify_address={self.grpc['specd-verify']}",
                                      f"--draft_address={self.grpc['specd-draft']}"]
                     + self.router_args)
         for name in SERVICES:
             self.wait_serving(name, timeout)
         self.wait_draft_available(timeout)
+        if self.http:
+            self._spawn_http(target, timeout)
         return self
+
+    def _spawn_http(self, target, timeout):
+        log = open(os.path.join(self.dir, "specd-http.log"), "wb")
+        self.logs["specd-http"] = log.name
+        self.procs["specd-http"] = subprocess.Popen(
+            [binary("specd-http"), f"--address={self.http}", f"--router={self.address}",
+             f"--metrics_port={self.metrics_port['specd-http']}", f"--model_dir={target}",
+             "--threads=4"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.metrics_port['specd-http']}/health"
+        while True:
+            if self.procs["specd-http"].poll() is not None:
+                raise RuntimeError("specd-http exited:\n" + self.log("specd-http"))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("specd-http not healthy:\n" + self.log("specd-http"))
+            time.sleep(0.1)
 
     def wait_draft_available(self, timeout=60):
         """The router connects to the draft service in the background (and reconnects with
@@ -183,11 +215,12 @@ class Cluster:
         return r
 
     def stop(self):
-        for name in reversed(SERVICES):
+        order = ("specd-http",) + tuple(reversed(SERVICES))
+        for name in order:
             p = self.procs.get(name)
             if p is not None and p.poll() is None:
                 p.terminate()
-        for name in reversed(SERVICES):
+        for name in order:
             p = self.procs.get(name)
             if p is None:
                 continue

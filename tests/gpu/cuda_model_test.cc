@@ -19,8 +19,8 @@
 
 #include "absl/types/span.h"
 #include "engine/backend.h"
-#include "engine/drafter.h"
-#include "engine/generator.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/spec/generator.h"
 #include "nlohmann/json.hpp"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/testutil/hf_fixtures.h"

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "engine/model_config.h"
-#include "engine/tp_plan.h"
+#include "engine/tp/tp_plan.h"
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
 #include "specd/kernels/cuda/rmsnorm.h"

@@ -10,7 +10,7 @@
 #include "common/token_tree.h"
 #include "engine/backend.h"
 #include "engine/sampling.h"
-#include "engine/tp_plan.h"
+#include "engine/tp/tp_plan.h"
 #include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/cuda/tree_accept.h"
 #include "tests/gpu/gpu_test_util.h"

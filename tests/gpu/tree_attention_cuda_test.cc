@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/tp_plan.h"
+#include "engine/tp/tp_plan.h"
 #include "specd/kernels/cuda/tree_attention.h"
 #include "specd/kernels/tree_attention.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -746,7 +746,7 @@ TEST_F(TreeAttentionCudaTest, EveryTreeNodeBitIdenticalToItsDecode) {
 }
 
 // Tensor parallelism: each rank runs the kernel on its contiguous range of query heads (split as
-// engine/tp_plan.h does, so ranges need not align with the KV-head groups) and on the KV heads
+// engine/tp/tp_plan.h does, so ranges need not align with the KV-head groups) and on the KV heads
 // those read (a KV head whose group spans two ranks is on both), with the global offsets. Its
 // output must be bit-identical to the full model's output for those heads, whatever the split
 // choice (the same arithmetic per (query, head)), and close to the CPU reference.

@@ -11,9 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "engine/backend.h"
-#include "engine/drafter.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/draft/ngram_drafter.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "specd/v1/draft.grpc.pb.h"

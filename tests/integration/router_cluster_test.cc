@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "engine/backend.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

@@ -17,8 +17,8 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
-#include "common/metrics.h"
+#include "common/service/grpc_util.h"
+#include "common/service/metrics.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"

@@ -2,7 +2,7 @@
 #include <string>
 #include <vector>
 
-#include "common/step_stream.h"
+#include "common/service/step_stream.h"
 #include "gtest/gtest.h"
 #include "specd/v1/verify.pb.h"
 

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "engine/backend.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

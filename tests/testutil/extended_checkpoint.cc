@@ -9,7 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace specd {

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 
 namespace specd {
 

@@ -26,7 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
+#include "common/service/grpc_util.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 #include "grpc/health/v1/health.grpc.pb.h"

@@ -2,7 +2,7 @@
 // from scratch in double, no KV cache) on real checkpoint folders, plus the properties
 // speculative decoding relies on: tree nodes, chains, single decodes and batches of sequences
 // give bit-identical logits for the same token after the same prefix.
-#include "engine/cpu_backend.h"
+#include "engine/cpu/cpu_backend.h"
 
 #include <cmath>
 #include <filesystem>
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 #include "engine/backend.h"
 #include "engine/model_config.h"
 #include "gmock/gmock.h"

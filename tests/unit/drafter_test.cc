@@ -2,7 +2,8 @@
 // draft model's own top-k (checked against Backend::Forward directly), cumulative log-probs,
 // the max_nodes cut, KV continuity across steps, batching, errors, and n-gram lookup against
 // hand-computed continuations.
-#include "engine/drafter.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/draft/ngram_drafter.h"
 
 #include <algorithm>
 #include <cmath>

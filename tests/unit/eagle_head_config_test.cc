@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 #include "engine/draft/eagle_head.h"
 #include "engine/draft/eagle_head_config.h"
 #include "gmock/gmock.h"

@@ -1,4 +1,4 @@
-#include "engine/rank_workers.h"
+#include "engine/tp/rank_workers.h"
 
 #include <algorithm>
 #include <atomic>

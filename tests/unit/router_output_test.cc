@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "services/router/output_stream.h"
 #include "tests/testutil/random_checkpoint.h"

@@ -1,4 +1,4 @@
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 
 #include <cstring>
 #include <filesystem>

@@ -1,6 +1,6 @@
 // SequenceState: the stop and feeding logic the Generator and the router share, driven with
 // hand-made verify outcomes.
-#include "engine/sequence_state.h"
+#include "engine/spec/sequence_state.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

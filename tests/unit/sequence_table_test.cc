@@ -1,5 +1,5 @@
 // SequenceTable: ids scoped by stream, deadlines, tombstones.
-#include "common/sequence_table.h"
+#include "common/service/sequence_table.h"
 
 #include <algorithm>
 #include <vector>

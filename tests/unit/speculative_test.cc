@@ -16,8 +16,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
-#include "engine/drafter.h"
-#include "engine/generator.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/draft/ngram_drafter.h"
+#include "engine/spec/generator.h"
 #include "engine/sampling.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 

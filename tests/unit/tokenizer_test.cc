@@ -1,7 +1,7 @@
 // Unit tests of the tokenizer with small hand-made tokenizer.json files whose results are
 // worked out by hand in the comments. tokenizer_fixture_test.cc compares against the
 // Hugging Face library itself.
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 
 #include <filesystem>
 #include <fstream>
@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "common/pretokenizer.h"
-#include "common/unicode.h"
+#include "common/text/pretokenizer.h"
+#include "common/text/unicode.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testutil/random_checkpoint.h"

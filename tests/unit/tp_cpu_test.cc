@@ -1,4 +1,4 @@
-// The CPU tensor-parallel backend (engine/tp_cpu_backend.h) on real checkpoint folders whose
+// The CPU tensor-parallel backend (engine/tp/tp_cpu_backend.h) on real checkpoint folders whose
 // head counts the world sizes do not divide: 7 query heads over 1 KV head (llama, llama3 rope
 // scaling), 6 over 3 (qwen2 biases, tied embeddings; at N = 4 one KV head is replicated), 3 over
 // 1 (qwen3 q/k norm, bf16 weights; N = 7 leaves ranks without heads), and Llama-3.1-70B's own
@@ -19,10 +19,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
-#include "engine/drafter.h"
-#include "engine/generator.h"
-#include "engine/tp_backend.h"
-#include "engine/tp_cpu_backend.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/spec/generator.h"
+#include "engine/tp/tp_backend.h"
+#include "engine/tp/tp_cpu_backend.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -311,7 +311,7 @@ TEST(TpCpuTest, OneRankThroughTheTensorParallelBackendMatchesCpuBackend) {
 }
 
 // Verification relies on a tree node's logits being those of the same token decoded after its
-// path (engine/cpu_backend.h, determinism); the sharded model keeps that, bit for bit.
+// path (engine/cpu/cpu_backend.h, determinism); the sharded model keeps that, bit for bit.
 TEST(TpCpuTest, TreeNodesEqualSequentialDecodeBitForBit) {
   for (int tp : {3, 7}) {
     std::unique_ptr<Backend> be = Load(M().llama, tp);

@@ -1,7 +1,7 @@
-// The tensor-parallel sharding plan (engine/tp_plan.h), checked exhaustively over world sizes
+// The tensor-parallel sharding plan (engine/tp/tp_plan.h), checked exhaustively over world sizes
 // 1..9 and head layouts that N does not divide; vocabulary-parallel token choice against
 // SampleToken(); and the CPU tree-attention kernel on a head slice with offsets.
-#include "engine/tp_plan.h"
+#include "engine/tp/tp_plan.h"
 
 #include <algorithm>
 #include <cmath>

@@ -215,7 +215,7 @@ class TreeNode:
 
 
 def better(nodes, a, b):
-    """specd's drafter order (engine/draft_model_drafter.cc): cumulative log-probability, then
+    """specd's drafter order (engine/draft/draft_model_drafter.cc): cumulative log-probability, then
     shallower, then creation order."""
     na, nb = nodes[a], nodes[b]
     if na.logprob != nb.logprob:

@@ -25,7 +25,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/safetensors.h"
+#include "common/io/safetensors.h"
 #include "nlohmann/json.hpp"
 #include "tests/testutil/random_checkpoint.h"
 

@@ -8,13 +8,7 @@ import grpc
 
 from .types import Chunk, GenerateResult, ModelInfo, SpeculationStats, Usage
 
-try:
-    from .v1 import generation_pb2, generation_pb2_grpc  # noqa: F401  (generated)
-except ImportError as e:  # pragma: no cover - depends on the build
-    raise ImportError(
-        "specd's generated gRPC stubs (specd.v1.generation_pb2) are missing: build them with "
-        "`python3 clients/python/gen_protos.py` (or build the CMake target specd_python_stubs, "
-        "which writes them to <build>/python)") from e
+from .v1 import generation_pb2, generation_pb2_grpc  # noqa: F401  (gen_protos.py)
 
 pb = generation_pb2
 

@@ -16,7 +16,7 @@ from .types import Chunk, GenerateResult, ModelInfo
 class AsyncClient:
     """The asyncio twin of specd.Client, with the same arguments and methods as coroutines:
 
-        async with specd.AsyncClient("localhost:50051") as client:
+        async with specd.AsyncClient("localhost:50050") as client:
             async for chunk in client.generate_stream("def fib(n):"):
                 print(chunk.text, end="")
     """

@@ -14,7 +14,7 @@ from .types import Chunk, GenerateResult, ModelInfo
 class Client:
     """A connection to a specd router (service specd.v1.Generation).
 
-        with specd.Client("localhost:50051", timeout=30) as client:
+        with specd.Client("localhost:50050", timeout=30) as client:
             result = client.generate("def fib(n):", max_new_tokens=64)
             print(result.text, result.speculation.acceptance_rate)
 

@@ -3,6 +3,7 @@
 server that injects those faults on cue, which the real router cannot be made to do."""
 
 import asyncio
+import os
 import threading
 from concurrent import futures
 
@@ -13,6 +14,16 @@ import specd
 from specd import _common
 from specd.v1 import generation_pb2 as pb
 from specd.v1 import generation_pb2_grpc as pb_grpc
+
+
+def test_the_installed_package_is_under_test():
+    """ctest runs these tests in a venv with the SDK installed from its wheel
+    (tests/deploy/python_sdk_venv.py); make sure that copy, not a source folder, was imported."""
+    venv = os.environ.get("SPECD_SDK_INSTALLED")
+    if not venv:
+        pytest.skip("SPECD_SDK_INSTALLED not set: testing whatever `import specd` finds")
+    assert os.path.realpath(specd.__file__).startswith(os.path.realpath(venv) + os.sep)
+    assert os.path.isfile(os.path.join(os.path.dirname(specd.__file__), "py.typed"))
 
 
 # -- request building and conversion ---------------------------------------------------------

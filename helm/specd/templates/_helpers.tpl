@@ -88,14 +88,25 @@ Takes (dict "ctx" $ "device" "cuda").
 {{- end }}
 
 {{/*
-Pod-level settings shared by every component. Takes (dict "ctx" $ "component" "draft"
-"values" .Values.draft "device" "cuda").
+Pod-level settings shared by every component. Takes (dict "ctx" $ "values" .Values.draft
+"device" "cuda"). GPU pods get gpu.runtimeClassName and, unless their own is set,
+gpu.priorityClassName.
 */}}
 {{- define "specd.podSpecCommon" -}}
 {{- $ctx := .ctx }}
 {{- $v := .values }}
 serviceAccountName: {{ include "specd.serviceAccountName" $ctx }}
 automountServiceAccountToken: false
+{{- $priority := default "" $v.priorityClassName }}
+{{- if eq .device "cuda" }}
+{{- $priority = default $ctx.Values.gpu.priorityClassName $priority }}
+{{- with $ctx.Values.gpu.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- end }}
+{{- with $priority }}
+priorityClassName: {{ . }}
+{{- end }}
 {{- with $ctx.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -124,74 +135,135 @@ affinity:
 {{- end }}
 
 {{/*
-Init container that fills the models emptyDir (models.source = initContainer).
-Takes (dict "ctx" $ "component" "draft").
+Whether specd pods wait for the download Job's marker before they start.
 */}}
-{{- define "specd.modelInitContainers" -}}
-{{- $m := .ctx.Values.models }}
-{{- if eq $m.source "initContainer" }}
-initContainers:
-  - name: fetch-models
-    image: {{ $m.initContainer.image }}
-    imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
-    {{- with $m.initContainer.command }}
-    command:
-      {{- toYaml . | nindent 6 }}
-    {{- end }}
-    env:
-      - name: MODELS_DIR
-        value: {{ $m.mountPath | quote }}
-      - name: SPECD_TARGET_MODEL
-        value: {{ $m.target | quote }}
-      - name: SPECD_DRAFT_MODEL
-        value: {{ $m.draft | quote }}
-      - name: SPECD_COMPONENT
-        value: {{ .component }}
-      - name: HOME
-        value: /tmp
-      {{- with $m.initContainer.env }}
-      {{- toYaml . | nindent 6 }}
-      {{- end }}
-    {{- with $m.initContainer.resources }}
-    resources:
-      {{- toYaml . | nindent 6 }}
-    {{- end }}
-    securityContext:
-      allowPrivilegeEscalation: false
-      capabilities:
-        drop:
-          - ALL
-    volumeMounts:
-      - name: models
-        mountPath: {{ $m.mountPath }}
-      - name: tmp
-        mountPath: /tmp
+{{- define "specd.waitsForDownload" -}}
+{{- if and (eq .Values.models.source "pvc") .Values.models.download.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "specd.modelsClaimName" -}}
+{{- default (printf "%s-models" (include "specd.fullname" .)) .Values.models.pvc.existingClaim }}
+{{- end }}
+
+{{/*
+The models volume (nothing for models.source = image). Takes the root context.
+*/}}
+{{- define "specd.modelsVolume" -}}
+{{- $m := .Values.models }}
+{{- if eq $m.source "pvc" }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ include "specd.modelsClaimName" . }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: models
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- else if eq $m.source "imageVolume" }}
+- name: models
+  image:
+    reference: {{ required "models.imageVolume.reference: the image that holds the models" $m.imageVolume.reference }}
+    pullPolicy: {{ $m.imageVolume.pullPolicy }}
 {{- end }}
 {{- end }}
 
 {{/*
-Volumes: models (unless baked into the image), /tmp (the root filesystem is read-only), and
-/dev/shm when shmSize is set. Takes (dict "ctx" $ "shmSize" "16Gi").
+The files the router reads from the target's folder (--model: vocabulary, context and EOS ids
+from config.json and generation_config.json, the tokenizer from tokenizer.json and
+tokenizer_config.json); "?" marks the optional ones. specd-http reads tokenizer_config.json.
+*/}}
+{{- define "specd.routerModelFiles" -}}
+config.json tokenizer.json ?tokenizer_config.json ?generation_config.json
+{{- end }}
+
+{{/*
+Shell script of the model init containers: waits for SRC/.specd-complete when WAIT is 1, then
+copies FILES from SRC to DST ("?name": only if present). Arguments: SRC DST WAIT FILES...
+tests/deploy/test_chart_commands.py runs it as rendered.
+*/}}
+{{- define "specd.modelInitScript" -}}
+set -eu
+src=$1 dst=$2 wait=$3
+shift 3
+if [ "$wait" = 1 ]; then
+  until [ -f "$src/.specd-complete" ]; do
+    echo "waiting for $src/.specd-complete (the model download Job)"
+    sleep 10
+  done
+fi
+for f in "$@"; do
+  case $f in
+    \?*) f=${f#?}; [ -f "$src/$f" ] || continue ;;
+    *) [ -f "$src/$f" ] || { echo "$src/$f is missing: is it a model folder?" >&2; exit 1; } ;;
+  esac
+  cp "$src/$f" "$dst/$f"
+  echo "copied $f"
+done
+{{- end }}
+
+{{/*
+Init containers that give a pod its model files. Takes (dict "ctx" $ "image" IMAGE "folder"
+FOLDER "files" "a ?b" "dst" DIR): with files, copies them from the models volume into the
+emptyDir "model-files" (mounted at dst by the caller); without, only waits for the download
+Job's marker of the folder (and renders nothing when there is nothing to wait for).
+*/}}
+{{- define "specd.modelInitContainers" -}}
+{{- $ctx := .ctx }}
+{{- $m := $ctx.Values.models }}
+{{- $wait := include "specd.waitsForDownload" $ctx }}
+{{- if and (ne $m.source "image") (or .files $wait) }}
+initContainers:
+  - name: {{ ternary "model-files" "wait-for-model" (not (empty .files)) }}
+    image: {{ .image }}
+    imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+    command:
+      - sh
+      - -c
+      - |
+        {{- include "specd.modelInitScript" $ctx | nindent 8 }}
+      - model-init
+      - {{ printf "/model-source/%s" .folder | quote }}
+      - {{ default "-" .dst | quote }}
+      - {{ ternary "1" "0" (eq $wait "true") | quote }}
+      {{- range (splitList " " (default "" .files)) }}
+      {{- if . }}
+      - {{ . | quote }}
+      {{- end }}
+      {{- end }}
+    resources:
+      requests:
+        cpu: 10m
+        memory: 16Mi
+      limits:
+        memory: 64Mi
+    securityContext:
+      {{- toYaml $ctx.Values.securityContext | nindent 6 }}
+    volumeMounts:
+      - name: models
+        mountPath: /model-source
+        readOnly: true
+      {{- if .files }}
+      - name: model-files
+        mountPath: {{ .dst }}
+      {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Volumes: /tmp (the root filesystem is read-only), the models volume, the model-files emptyDir
+(withFiles) and /dev/shm when shmSize is set. Takes (dict "ctx" $ "shmSize" "16Gi" "withFiles"
+true).
 */}}
 {{- define "specd.volumes" -}}
-{{- $m := .ctx.Values.models }}
 volumes:
   - name: tmp
     emptyDir: {}
-  {{- if eq $m.source "pvc" }}
-  - name: models
-    persistentVolumeClaim:
-      claimName: {{ $m.pvc.claimName }}
-      readOnly: true
-  {{- else if eq $m.source "hostPath" }}
-  - name: models
-    hostPath:
-      path: {{ $m.hostPath.path }}
-      type: {{ $m.hostPath.type }}
-  {{- else if eq $m.source "initContainer" }}
-  - name: models
+  {{- with (include "specd.modelsVolume" .ctx | trim) }}{{ . | nindent 2 }}{{ end }}
+  {{- if and .withFiles (ne .ctx.Values.models.source "image") }}
+  - name: model-files
     emptyDir:
-      sizeLimit: {{ $m.initContainer.sizeLimit }}
+      sizeLimit: 256Mi
   {{- end }}
   {{- if .shmSize }}
   - name: dshm
@@ -201,15 +273,28 @@ volumes:
   {{- end }}
 {{- end }}
 
+{{/*
+Volume mounts of a main container: /tmp, and either its own model folder from the models
+volume (folder; subPath, so that draft and verify see only their model) or the copied files
+at dst (withFiles), and /dev/shm. Takes (dict "ctx" $ "folder" F "withFiles" B "dst" D
+"shmSize" S).
+*/}}
 {{- define "specd.volumeMounts" -}}
 {{- $m := .ctx.Values.models }}
 volumeMounts:
   - name: tmp
     mountPath: /tmp
   {{- if ne $m.source "image" }}
-  - name: models
-    mountPath: {{ $m.mountPath }}
+  {{- if .withFiles }}
+  - name: model-files
+    mountPath: {{ .dst }}
     readOnly: true
+  {{- else if .folder }}
+  - name: models
+    mountPath: {{ printf "%s/%s" (trimSuffix "/" $m.mountPath) .folder }}
+    subPath: {{ .folder }}
+    readOnly: true
+  {{- end }}
   {{- end }}
   {{- if .shmSize }}
   - name: dshm
@@ -218,7 +303,8 @@ volumeMounts:
 {{- end }}
 
 {{/*
-Container ports and gRPC health probes. Takes (dict "ctx" $ "component" "router").
+Container ports (grpc: ports.<component>) and gRPC health probes. Takes (dict "ctx" $
+"component" "router").
 Readiness asks for "" (the model is loaded; for the router, its verify service is up). Liveness
 asks for the "liveness" service, SERVING whenever the process answers: a router whose verify
 service is down is not ready, but restarting it would not help. The startup probe of a model
@@ -226,16 +312,17 @@ service waits for its model (long loads); the router's only for its process.
 */}}
 {{- define "specd.portsAndProbes" -}}
 {{- $p := .ctx.Values.probes }}
+{{- $port := index .ctx.Values.ports .component }}
 ports:
   - name: grpc
-    containerPort: {{ .ctx.Values.ports.grpc }}
+    containerPort: {{ $port }}
     protocol: TCP
   - name: metrics
     containerPort: {{ .ctx.Values.ports.metrics }}
     protocol: TCP
 startupProbe:
   grpc:
-    port: {{ .ctx.Values.ports.grpc }}
+    port: {{ $port }}
     {{- if eq .component "router" }}
     service: liveness
     {{- end }}
@@ -243,13 +330,13 @@ startupProbe:
   failureThreshold: {{ $p.startup.failureThreshold }}
 readinessProbe:
   grpc:
-    port: {{ .ctx.Values.ports.grpc }}
+    port: {{ $port }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
 livenessProbe:
   grpc:
-    port: {{ .ctx.Values.ports.grpc }}
+    port: {{ $port }}
     service: liveness
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
@@ -275,7 +362,7 @@ resources:
 
 {{/*
 Environment of the GPU services. NCCL_NVLS_ENABLE=0 always: specd never uses NVLink
-multicast (see DESIGN.md), and NCCL's NVLS setup fails on hosts without it configured.
+multicast (docs/tensor-parallel.md), and NCCL's NVLS setup fails on hosts without it configured.
 */}}
 {{- define "specd.gpuEnv" -}}
 - name: NCCL_NVLS_ENABLE

@@ -20,7 +20,7 @@
 // vocab_offset + vocab_size), keys the noise by global ids (so a shard scores its tokens exactly
 // as the full row does) and, for greedy and plain-temperature rows, reduces its shard to one
 // SampleCandidate; ReduceCandidatesCuda picks the row's token from the ranks' candidates, which
-// is SampleToken() of the full row (engine/tp_plan.h ShardCandidate / ReduceCandidates).
+// is SampleToken() of the full row (engine/tp/tp_plan.h ShardCandidate / ReduceCandidates).
 #ifndef SPECD_KERNELS_CUDA_SAMPLING_H_
 #define SPECD_KERNELS_CUDA_SAMPLING_H_
 
@@ -40,7 +40,7 @@ struct SampleRowParams {
   int32_t reserved = 0;
 };
 
-// One rank's best token of a vocabulary shard (engine/tp_plan.h VocabCandidate), laid out for
+// One rank's best token of a vocabulary shard (engine/tp/tp_plan.h VocabCandidate), laid out for
 // an all-gather.
 struct alignas(16) SampleCandidate {
   double score;   // logit (greedy) or logit / temperature + Gumbel noise, fp64; -inf if none
@@ -65,7 +65,7 @@ struct SampleParams {
   int64_t vocab_offset = 0;
   // Optional: instead of tokens, write each row's best (score, global id) over this shard for
   // rows whose sampling is greedy or temperature without top-k/top-p (top_k == 0, top_p >= 1:
-  // engine/tp_plan.h VocabParallelSamplingSupported), the only rows allowed when set; the row
+  // engine/tp/tp_plan.h VocabParallelSamplingSupported), the only rows allowed when set; the row
   // parameters live on the device, so any other row gets token -1 and score -inf. score = logit
   // for greedy, logit / temperature + Gumbel noise otherwise, in fp64, as ShardCandidate.
   SampleCandidate* candidates = nullptr;  // [num_rows] device
@@ -82,7 +82,7 @@ struct ReduceCandidatesParams {
   int world_size = 1;
   int64_t num_rows = 0;
   // [num_rows] int32, device: the highest score, lowest id on ties, skipping token -1
-  // (engine/tp_plan.h ReduceCandidates); -1 if every rank's candidate is empty.
+  // (engine/tp/tp_plan.h ReduceCandidates); -1 if every rank's candidate is empty.
   int32_t* tokens = nullptr;
 };
 

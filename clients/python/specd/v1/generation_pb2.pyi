@@ -1,0 +1,153 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+FINISH_REASON_CONTEXT: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP_STRING: FinishReason
+FINISH_REASON_STOP_TOKEN: FinishReason
+FINISH_REASON_UNSPECIFIED: FinishReason
+SPECULATION_AUTO: Speculation
+SPECULATION_DRAFT_MODEL: Speculation
+SPECULATION_NGRAM: Speculation
+SPECULATION_OFF: Speculation
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ["ids", "skip_special_tokens"]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: bool = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ["text"]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ["draft_depth", "draft_max_nodes", "draft_top_k", "ignore_eos", "max_new_tokens", "prompt", "prompt_ids", "request_id", "seed", "speculation", "stop", "stop_token_ids", "temperature", "top_k", "top_p"]
+    DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    draft_depth: int
+    draft_max_nodes: int
+    draft_top_k: int
+    ignore_eos: bool
+    max_new_tokens: int
+    prompt: str
+    prompt_ids: TokenIds
+    request_id: str
+    seed: int
+    speculation: Speculation
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: bool = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_depth: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., draft_max_nodes: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ["finish_reason", "matched_stop", "speculation", "text", "token_ids", "usage"]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    matched_stop: str
+    speculation: SpeculationStats
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    usage: Usage
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., matched_stop: _Optional[str] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = []
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ["draft_available", "draft_model", "eos_token_ids", "max_context", "max_new_tokens_limit", "target_model", "vocab_size"]
+    DRAFT_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    draft_available: bool
+    draft_model: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_context: int
+    max_new_tokens_limit: int
+    target_model: str
+    vocab_size: int
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., draft_available: bool = ...) -> None: ...
+
+class SpeculationStats(_message.Message):
+    __slots__ = ["accepted_per_position", "accepted_tokens", "draft_tokens", "mode", "steps", "target_only_steps"]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ONLY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_tokens: int
+    draft_tokens: int
+    mode: Speculation
+    steps: int
+    target_only_steps: int
+    def __init__(self, steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_only_steps: _Optional[int] = ..., mode: _Optional[_Union[Speculation, str]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ["ids"]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ["add_special_tokens", "text"]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    add_special_tokens: bool
+    text: str
+    def __init__(self, text: _Optional[str] = ..., add_special_tokens: bool = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ["ids"]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ["completion_tokens", "prompt_tokens"]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    completion_tokens: int
+    prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = []
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = []

@@ -1,0 +1,109 @@
+// Prometheus metrics for the specd services: a thin layer over prometheus-cpp core (registry,
+// metric families, TextSerializer) plus our own HTTP listener for GET /metrics and GET /health.
+// prometheus-cpp's civetweb Exposer is not used: it cannot start in a process that links
+// cuBLASLt (../shared/device/README.md, "Pitfalls"). Metric names are the contract in
+// docs/metrics.md.
+#ifndef SPECD_COMMON_SERVICE_METRICS_H_
+#define SPECD_COMMON_SERVICE_METRICS_H_
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace specd {
+
+using MetricLabels = std::map<std::string, std::string>;
+
+// Bucket boundaries in seconds from 100 µs to 60 s, roughly three per decade (1, 2.5, 5), for
+// step, round-trip and request latencies.
+prometheus::Histogram::BucketBoundaries LatencyBuckets();
+
+// Bucket boundaries for counts such as sequences per batched step or tree sizes: powers of two
+// from 1 to 1024.
+prometheus::Histogram::BucketBoundaries BatchSizeBuckets();
+
+// Registers a family and returns its one child with `labels` (usually none). The registry owns
+// both, so the references live as long as the registry.
+prometheus::Counter& AddCounter(prometheus::Registry& registry, const std::string& name,
+                                const std::string& help, const MetricLabels& labels = {});
+prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& name,
+                            const std::string& help, const MetricLabels& labels = {});
+prometheus::Histogram& AddHistogram(prometheus::Registry& registry, const std::string& name,
+                                    const std::string& help,
+                                    const prometheus::Histogram::BucketBoundaries& buckets,
+                                    const MetricLabels& labels = {});
+
+// Families whose children are added per label value (outcome, reason, position).
+prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& registry,
+                                                          const std::string& name,
+                                                          const std::string& help);
+
+// The registry's current state in the Prometheus text exposition format (version 0.0.4).
+std::string SerializeMetrics(prometheus::Registry& registry);
+
+// The metrics the draft and verify services share (docs/metrics.md, "draft and verify").
+// Updated only by the loop thread that owns the model; scraped from the HTTP thread, which is
+// safe because prometheus-cpp metrics are internally synchronised.
+struct ModelServiceMetrics {
+  explicit ModelServiceMetrics(prometheus::Registry& registry);
+
+  prometheus::Gauge& sequences;             // specd_sequences
+  prometheus::Gauge& kv_cache_usage_ratio;  // specd_kv_cache_usage_ratio
+  prometheus::Histogram& step_seconds;      // specd_step_seconds
+  prometheus::Histogram& step_batch_size;   // specd_step_batch_size
+  prometheus::Counter& step_tokens;         // specd_step_tokens_total
+  prometheus::Counter& freed_finished;      // specd_sequences_freed_total{reason="finished"}
+  prometheus::Counter& freed_cancelled;     // specd_sequences_freed_total{reason="cancelled"}
+};
+
+struct MetricsServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 0;  // 0: pick a free port; MetricsServer::port() tells which
+};
+
+// Serves GET /metrics (text format of `registry`) and GET /health (200 "ok" while `healthy`
+// returns true or is empty, 503 otherwise) from its own threads until destroyed.
+class MetricsServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      const MetricsServerOptions& options, std::shared_ptr<prometheus::Registry> registry,
+      std::function<bool()> healthy = nullptr);
+
+  ~MetricsServer();
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  int port() const { return port_; }
+
+  // Stops listening and joins the listener thread; idempotent.
+  void Stop();
+
+ private:
+  MetricsServer() = default;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::function<bool()> healthy_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;
+  std::atomic<bool> listen_returned_{false};
+  int port_ = 0;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_COMMON_SERVICE_METRICS_H_

@@ -1,0 +1,83 @@
+#include "common/service/model_service_main.h"
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <utility>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/service/grpc_util.h"
+#include "common/logging.h"
+#include "common/signals.h"
+
+namespace specd {
+
+int FailStartup(const absl::Status& status) {
+  SPECD_LOG(ERROR) << status.message();
+  return EXIT_FAILURE;
+}
+
+absl::Status CheckModelServiceOptions(const ModelServiceOptions& options) {
+  return ParseHostPort(options.address, "--address").status();
+}
+
+int RunModelService(
+    const ModelServiceOptions& options,
+    const std::function<absl::StatusOr<std::unique_ptr<ModelLoop>>(ModelServiceMetrics*)>&
+        create_loop) {
+  absl::Notification& stop = WatchTerminationSignals();
+  absl::StatusOr<HostPort> host_port = ParseHostPort(options.address, "--address");
+  if (!host_port.ok()) return FailStartup(host_port.status());
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  ModelServiceMetrics metrics(*registry);
+  std::atomic<bool> serving{false};
+
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
+      GrpcServer::Start({options.address, {options.service}, {options.service_full_name}});
+  if (!server.ok()) return FailStartup(server.status());
+  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
+      {host_port->host.empty() ? "0.0.0.0" : host_port->host, options.metrics_port}, registry,
+      [&serving] { return serving.load(); });
+  if (!metrics_server.ok()) return FailStartup(metrics_server.status());
+  SPECD_LOG(INFO) << options.name << ": gRPC on port " << (*server)->port()
+                  << ", metrics on port " << (*metrics_server)->port() << "; loading "
+                  << options.loading;
+
+  if (stop.WaitForNotificationWithTimeout(absl::Milliseconds(options.startup_delay_ms))) {
+    (*server)->Shutdown(0);
+    return EXIT_SUCCESS;
+  }
+  absl::StatusOr<std::unique_ptr<ModelLoop>> loop = create_loop(&metrics);
+  if (!loop.ok()) {
+    (*server)->Shutdown(0);
+    return FailStartup(loop.status());
+  }
+  (*server)->SetServing(true);
+  serving = true;
+  SPECD_LOG(INFO) << options.name << ": serving " << (*loop)->model_name() << " on "
+                  << options.device;
+
+  stop.WaitForNotification();
+  SPECD_LOG(INFO) << options.name << ": signal " << TerminationSignal() << ", shutting down";
+  serving = false;
+  (*server)->SetServing(false);
+  // Drain: running sequences may finish within the grace period, new ones are refused. Then
+  // shut the server down at once: what is left are idle Step streams (a router's stays open
+  // between requests) and idle connections, and gRPC's graceful shutdown would wait for those
+  // until its deadline. Ending the streams tells each router this service is gone.
+  (*loop)->BeginDrain();
+  const int64_t live = (*server)->DrainAndShutdown(
+      [&] { return (*loop)->LiveSequences(); }, absl::Milliseconds(options.shutdown_grace_ms));
+  if (live > 0) {
+    SPECD_LOG(WARNING) << options.name << ": " << live << " sequence(s) still running after "
+                       << options.shutdown_grace_ms << " ms; cancelling them";
+  }
+  (*loop)->Stop();
+  (*metrics_server)->Stop();
+  SPECD_LOG(INFO) << options.name << ": stopped";
+  return EXIT_SUCCESS;
+}
+
+}  // namespace specd

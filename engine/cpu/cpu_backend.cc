@@ -1,0 +1,78 @@
+#include "engine/cpu/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/io/safetensors.h"
+
+namespace specd {
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const std::string& dir,
+                                                               const BackendOptions& options) {
+  if (absl::Status s = CheckCpuBackendOptions(options); !s.ok()) return s;
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  if (!config.ok()) return config.status();
+  std::unique_ptr<CpuBackend> backend(new CpuBackend(*std::move(config), options));
+  absl::StatusOr<std::unique_ptr<TensorStore>> store =
+      TensorStore::OpenFolder(backend->config_.dir);
+  if (!store.ok()) return store.status();
+  if (absl::Status s = backend->model_.Load(**store, "cpu backend"); !s.ok()) return s;
+  return backend;
+}
+
+CpuBackend::CpuBackend(ModelConfig config, const BackendOptions& options)
+    : config_(std::move(config)),
+      table_(kKvBlockTokens, options.kv_capacity_tokens, config_.vocab_size,
+             config_.max_position_embeddings),
+      model_(config_, FullModelSlice(config_)) {
+  const int threads = CpuBackendThreads(options);
+  // OpenBLAS keeps one global thread count; only an explicit request changes it.
+  if (options.num_threads > 0) openblas_set_num_threads(threads);
+  pool_ = std::make_unique<ThreadPool>(threads);
+}
+
+CpuBackend::~CpuBackend() = default;
+
+absl::Status CpuBackend::AddSequence(SeqId seq) { return table_.AddSequence(seq); }
+
+absl::Status CpuBackend::RemoveSequence(SeqId seq) { return table_.RemoveSequence(seq); }
+
+bool CpuBackend::HasSequence(SeqId seq) const { return table_.HasSequence(seq); }
+
+absl::StatusOr<int64_t> CpuBackend::CommittedLength(SeqId seq) const {
+  return table_.CommittedLength(seq);
+}
+
+absl::StatusOr<int64_t> CpuBackend::ScratchLength(SeqId seq) const {
+  return table_.ScratchLength(seq);
+}
+
+KvUsage CpuBackend::Usage() const { return table_.Usage(); }
+
+absl::Status CpuBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
+  std::vector<int64_t> src, dst;
+  if (absl::Status s = table_.PrepareCommit(seq, path, &src, &dst); !s.ok()) return s;
+  model_.CopyKvSlots(src, dst);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) {
+  if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
+  logits->clear();
+  // PrepareForward validates the whole batch before changing anything, so a bad item leaves
+  // all sequences as they were.
+  StepLayout layout;
+  if (absl::Status s = table_.PrepareForward(items, &layout); !s.ok()) return s;
+  if (items.empty()) return absl::OkStatus();
+  model_.ReserveKvBlocks(table_.allocated_blocks());
+  std::vector<float> residual, sub;
+  model_.Hidden(layout, pool_.get(), /*comm=*/nullptr, &residual, &sub);
+  logits->resize(layout.logit_tokens.size() * config_.vocab_size);
+  model_.Logits(layout, residual, sub, logits->data());
+  return absl::OkStatus();
+}
+
+}  // namespace specd

@@ -1,0 +1,77 @@
+// The fp32 CPU backend: the reference implementation of Backend (engine/backend.h) and what CI
+// runs. Weights are converted to fp32 at load; GEMMs go through OpenBLAS (batch-invariant, see
+// kernels/include/specd/kernels/linear.h) and attention is split over (token, head) pairs on a
+// thread pool.
+//
+// KV cache. Keys and values live in a paged pool (kKvBlockTokens slots a block, blocks handed
+// out on demand up to BackendOptions::kv_capacity_tokens). A sequence's committed prefix takes
+// logical slots [0, L) of its block table and its scratch nodes the slots after it, in the
+// order they were appended; Commit() moves the accepted path's slots down to [L, L + n) and
+// returns the blocks no longer needed. Scratch nodes therefore count against the capacity.
+//
+// The bookkeeping is engine/kv/paged_kv_table.h and the model engine/cpu/cpu_model.h, both shared with
+// the tensor-parallel CPU backend.
+//
+// Determinism. Every per-token computation is independent of batching: the GEMMs are
+// batch-invariant and attention visits the committed prefix then the node's ancestors in
+// order, so a tree node's logits are bit-identical to those of the same token decoded alone
+// after its path, and a sequence's logits do not depend on the other sequences in the batch.
+//
+// Not thread-safe: one thread drives a backend (DESIGN.md: one thread owns each model).
+#ifndef SPECD_ENGINE_CPU_CPU_BACKEND_H_
+#define SPECD_ENGINE_CPU_CPU_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/backend.h"
+#include "engine/cpu/cpu_model.h"
+#include "engine/model_config.h"
+#include "engine/kv/paged_kv_table.h"
+#include "engine/thread_pool.h"
+
+namespace specd {
+
+class CpuBackend : public Backend {
+ public:
+  // Reads dir/config.json and the safetensors weights; every tensor's presence and shape is
+  // checked, with errors naming the file and the tensor.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const std::string& dir,
+                                                            const BackendOptions& options);
+  ~CpuBackend() override;
+
+  const ModelConfig& config() const override { return config_; }
+  absl::Status AddSequence(SeqId seq) override;
+  absl::Status RemoveSequence(SeqId seq) override;
+  bool HasSequence(SeqId seq) const override;
+  absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override;
+  absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
+  absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
+  // used_tokens counts committed and scratch tokens; blocks are allocated kKvBlockTokens at a
+  // time, so RESOURCE_EXHAUSTED can come up to one partly filled block per sequence early.
+  KvUsage Usage() const override;
+
+  // Number of scratch nodes appended since the last Commit() (for tests and drafters).
+  absl::StatusOr<int64_t> ScratchLength(SeqId seq) const;
+
+  // Rows per sgemm call: kLinearRowBlock, or 1 when the load-time probe found this machine's
+  // BLAS not batch-invariant in blocks (see specd/kernels/linear.h).
+  int64_t linear_row_block() const { return model_.row_block(); }
+
+ private:
+  CpuBackend(ModelConfig config, const BackendOptions& options);
+
+  ModelConfig config_;
+  std::unique_ptr<ThreadPool> pool_;
+  // Sequences, block tables and scratch trees; the K/V pools live in model_.
+  PagedKvTable table_;
+  CpuModel model_;  // the whole model: FullModelSlice()
+};
+
+}  // namespace specd
+
+#endif  // SPECD_ENGINE_CPU_CPU_BACKEND_H_

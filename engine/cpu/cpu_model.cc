@@ -1,0 +1,324 @@
+#include "engine/cpu/cpu_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "engine/tp/tp_backend.h"
+#include "engine/tp/weight_shard.h"
+#include "specd/kernels/kv_cache.h"
+#include "specd/kernels/rmsnorm.h"
+#include "specd/kernels/rope.h"
+#include "specd/kernels/swiglu.h"
+#include "specd/kernels/tree_attention.h"
+
+namespace specd {
+namespace {
+
+#define SPECD_RETURN_IF_ERROR_(expr) \
+  do {                               \
+    absl::Status _s = (expr);        \
+    if (!_s.ok()) return _s;         \
+  } while (0)
+
+// Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
+constexpr int64_t kInlineAttentionWork = 1 << 16;
+
+}  // namespace
+
+absl::Status CheckCpuBackendOptions(const BackendOptions& options) {
+  if (options.kv_capacity_tokens <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_capacity_tokens must be positive, got ", options.kv_capacity_tokens));
+  }
+  if (options.num_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_threads must be >= 0, got ", options.num_threads));
+  }
+  return absl::OkStatus();
+}
+
+int CpuBackendThreads(const BackendOptions& options) {
+  if (options.num_threads > 0) return options.num_threads;
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+
+CpuModel::CpuModel(const ModelConfig& config, const TpRankPlan& slice)
+    : config_(config),
+      slice_(slice),
+      kv_group_(config.num_heads / config.num_kv_heads),
+      inv_freq_(RopeInvFreq(config)) {}
+
+absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden_size, hd = c.head_dim, f = c.intermediate_size, v = c.vocab_size;
+  const int64_t q = int64_t{c.num_heads} * hd, kv = int64_t{c.num_kv_heads} * hd;
+  const TpRange q_rows{slice_.q_heads.begin * hd, slice_.q_heads.end * hd};
+  const TpRange kv_rows{slice_.kv_heads.begin * hd, slice_.kv_heads.end * hd};
+  const TpRange vocab = slice_.vocab, ffn = slice_.ffn, none;
+  SPECD_RETURN_IF_ERROR_(
+      ReadShard(st, "model.embed_tokens.weight", {v, h}, ShardSlice::kRows, vocab, &embed_));
+  SPECD_RETURN_IF_ERROR_(ReadShard(st, "model.norm.weight", {h}, ShardSlice::kAll, none, &final_norm_));
+  if (!c.tie_word_embeddings) {
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_));
+  }
+  layers_.resize(c.num_layers);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    LayerWeights& w = layers_[l];
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "input_layernorm.weight", {h}, ShardSlice::kAll, none, &w.input_norm));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, ShardSlice::kRows, q_rows, &w.q_proj));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.k_proj));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.v_proj));
+    if (c.attention_bias) {
+      SPECD_RETURN_IF_ERROR_(
+          ReadShard(st, p + "self_attn.q_proj.bias", {q}, ShardSlice::kRows, q_rows, &w.q_bias));
+      SPECD_RETURN_IF_ERROR_(
+          ReadShard(st, p + "self_attn.k_proj.bias", {kv}, ShardSlice::kRows, kv_rows, &w.k_bias));
+      SPECD_RETURN_IF_ERROR_(
+          ReadShard(st, p + "self_attn.v_proj.bias", {kv}, ShardSlice::kRows, kv_rows, &w.v_bias));
+    }
+    if (c.qk_norm) {
+      SPECD_RETURN_IF_ERROR_(
+          ReadShard(st, p + "self_attn.q_norm.weight", {hd}, ShardSlice::kAll, none, &w.q_norm));
+      SPECD_RETURN_IF_ERROR_(
+          ReadShard(st, p + "self_attn.k_norm.weight", {hd}, ShardSlice::kAll, none, &w.k_norm));
+    }
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "self_attn.o_proj.weight", {h, q}, ShardSlice::kCols, q_rows, &w.o_proj));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "post_attention_layernorm.weight", {h}, ShardSlice::kAll, none, &w.post_norm));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "mlp.gate_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.gate_proj));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "mlp.up_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.up_proj));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "mlp.down_proj.weight", {h, f}, ShardSlice::kCols, ffn, &w.down_proj));
+  }
+  k_pool_.resize(c.num_layers);
+  v_pool_.resize(c.num_layers);
+
+  // Every GEMM shape of the slice, probed once: the layers share shapes.
+  const LayerWeights& w0 = layers_[0];
+  const struct {
+    const std::vector<float>* w;
+    int64_t out, in;
+  } shapes[] = {{&w0.q_proj, q_rows.size(), h},
+                {&w0.k_proj, kv_rows.size(), h},
+                {&w0.o_proj, h, q_rows.size()},
+                {&w0.gate_proj, ffn.size(), h},
+                {&w0.down_proj, h, ffn.size()},
+                {lm_head_.empty() ? &embed_ : &lm_head_, vocab.size(), h}};
+  row_block_ = kLinearRowBlock;
+  for (const auto& s : shapes) {
+    if (s.out == 0 || s.in == 0) continue;  // a part this slice does not hold
+    if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
+      std::fprintf(stderr,
+                   "specd %s: this BLAS is not row-invariant in blocks of %lld for a "
+                   "[%lld, %lld] weight; using one sgemm per row (slower, still lossless)\n",
+                   who, static_cast<long long>(kLinearRowBlock), static_cast<long long>(s.out),
+                   static_cast<long long>(s.in));
+      row_block_ = 1;
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void CpuModel::ReserveKvBlocks(int64_t blocks) {
+  if (blocks <= kv_blocks_) return;
+  const size_t elems = static_cast<size_t>(blocks * kKvBlockTokens * local_kv_dim());
+  for (int l = 0; l < config_.num_layers; ++l) {
+    k_pool_[l].resize(elems);
+    v_pool_[l].resize(elems);
+  }
+  kv_blocks_ = blocks;
+}
+
+void CpuModel::CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst) {
+  if (src.empty() || local_kv_dim() == 0) return;
+  for (int l = 0; l < config_.num_layers; ++l) {
+    KvCacheCopyParams p;
+    p.k_cache = k_pool_[l].data();
+    p.v_cache = v_pool_[l].data();
+    p.src_slots = src.data();
+    p.dst_slots = dst.data();
+    p.num_copies = static_cast<int64_t>(src.size());
+    p.kv_dim = local_kv_dim();
+    KvCacheCopyCpu(p);
+  }
+}
+
+void CpuModel::Norm(const float* x, float* residual, const std::vector<float>& w, float* out,
+                    int64_t rows, int64_t dim) const {
+  RmsNormParams p;
+  p.x = x;
+  p.residual = residual;
+  p.weight = w.data();
+  p.out = out;
+  p.rows = rows;
+  p.dim = dim;
+  p.eps = config_.rms_norm_eps;
+  RmsNormCpu(p);
+}
+
+void CpuModel::Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
+                      float* y, int64_t rows, int64_t in, int64_t out) const {
+  LinearParams p;
+  p.x = x;
+  p.w = w.data();
+  p.bias = bias != nullptr && !bias->empty() ? bias->data() : nullptr;
+  p.y = y;
+  p.rows = rows;
+  p.in_features = in;
+  p.out_features = out;
+  p.row_block = row_block_;
+  LinearCpu(p);
+}
+
+void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* comm,
+                      std::vector<float>* residual_out, std::vector<float>* sub_out) {
+  const ModelConfig& c = config_;
+  const int64_t T = l.num_tokens, H = c.hidden_size, hd = c.head_dim;
+  const int64_t QH = slice_.q_heads.size(), KVH = slice_.kv_heads.size();
+  const int64_t QD = QH * hd, KVD = KVH * hd, F = slice_.ffn.size();
+  std::vector<float>& residual = *residual_out;
+  std::vector<float>& sub = *sub_out;
+  residual.assign(T * H, 0.0f);
+  sub.assign(T * H, 0.0f);
+  std::vector<float> normed(T * H), q(T * QD), k(T * KVD), v(T * KVD), attn(T * QD), gate(T * F),
+      up(T * F);
+  const auto all_reduce = [&](std::vector<float>* x) {
+    if (comm != nullptr) comm->AllReduceSum(x->data(), T * H);
+  };
+
+  // Vocab-parallel embedding: each token's row comes from the one slice that holds it; the
+  // others add zeros, so the all-reduce reproduces the row exactly.
+  for (int64_t t = 0; t < T; ++t) {
+    if (slice_.vocab.contains(l.tokens[t])) {
+      std::memcpy(&residual[t * H], &embed_[(l.tokens[t] - slice_.vocab.begin) * H],
+                  sizeof(float) * H);
+    }
+  }
+  all_reduce(&residual);
+
+  int64_t attention_keys = 0;  // keys summed over queries: the attention's work per head
+  for (int64_t i = 0; i < T; ++i) {
+    attention_keys += l.prefix_len[i] + l.key_offsets[i + 1] - l.key_offsets[i];
+  }
+  const auto rope = [&](float* x, int64_t heads) {
+    RopeParams p;
+    p.x = x;
+    p.positions = l.positions.data();
+    p.inv_freq = inv_freq_.data();
+    p.num_tokens = T;
+    p.num_heads = heads;
+    p.head_dim = hd;
+    p.row_stride = heads * hd;
+    RopeCpu(p);
+  };
+
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    const LayerWeights& w = layers_[layer];
+    // The previous layer's (all-reduced) MLP output joins the residual stream here.
+    Norm(layer == 0 ? residual.data() : sub.data(), layer == 0 ? nullptr : residual.data(),
+         w.input_norm, normed.data(), T, H);
+    if (QH > 0) {
+      Linear(normed.data(), w.q_proj, &w.q_bias, q.data(), T, H, QD);
+      Linear(normed.data(), w.k_proj, &w.k_bias, k.data(), T, H, KVD);
+      Linear(normed.data(), w.v_proj, &w.v_bias, v.data(), T, H, KVD);
+      if (c.qk_norm) {
+        Norm(q.data(), nullptr, w.q_norm, q.data(), T * QH, hd);
+        Norm(k.data(), nullptr, w.k_norm, k.data(), T * KVH, hd);
+      }
+      rope(q.data(), QH);
+      rope(k.data(), KVH);
+
+      KvCacheWriteParams kw;
+      kw.k = k.data();
+      kw.v = v.data();
+      kw.k_cache = k_pool_[layer].data();
+      kw.v_cache = v_pool_[layer].data();
+      kw.slots = l.slots.data();
+      kw.num_tokens = T;
+      kw.kv_dim = KVD;
+      KvCacheWriteCpu(kw);
+
+      TreeAttentionParams ap;
+      ap.q = q.data();
+      ap.out = attn.data();
+      ap.k_cache = k_pool_[layer].data();
+      ap.v_cache = v_pool_[layer].data();
+      ap.block_tables = l.block_tables.data();
+      ap.query_seq = l.query_seq.data();
+      ap.prefix_len = l.prefix_len.data();
+      ap.tree_key_offsets = l.key_offsets.data();
+      ap.tree_keys = l.tree_keys.data();
+      ap.num_queries = T;
+      ap.num_heads = QH;
+      ap.num_kv_heads = KVH;
+      ap.head_dim = hd;
+      ap.block_size = kKvBlockTokens;
+      ap.max_blocks_per_seq = l.max_blocks_per_seq;
+      ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      ap.kv_group = kv_group_;
+      ap.q_head_offset = slice_.q_heads.begin;
+      ap.kv_head_offset = slice_.kv_heads.begin;
+      if (attention_keys * QH * hd < kInlineAttentionWork) {
+        TreeAttentionCpu(ap);  // waking the pool would cost more than the work
+      } else {
+        pool->ParallelFor(T * QH, 1, [&ap](int64_t begin, int64_t end) {
+          TreeAttentionCpuItems(ap, begin, end);
+        });
+      }
+      // Row-parallel o_proj: this slice's heads' share of the output.
+      Linear(attn.data(), w.o_proj, nullptr, sub.data(), T, QD, H);
+    } else {
+      std::fill(sub.begin(), sub.end(), 0.0f);
+    }
+    all_reduce(&sub);
+
+    Norm(sub.data(), residual.data(), w.post_norm, normed.data(), T, H);
+    if (F > 0) {
+      Linear(normed.data(), w.gate_proj, nullptr, gate.data(), T, H, F);
+      Linear(normed.data(), w.up_proj, nullptr, up.data(), T, H, F);
+      SwiGluParams sp;
+      sp.gate = gate.data();
+      sp.up = up.data();
+      sp.out = gate.data();
+      sp.n = T * F;
+      SwiGluCpu(sp);
+      Linear(gate.data(), w.down_proj, nullptr, sub.data(), T, F, H);
+    } else {
+      std::fill(sub.begin(), sub.end(), 0.0f);
+    }
+    all_reduce(&sub);
+  }
+}
+
+void CpuModel::Logits(const StepLayout& l, const std::vector<float>& residual,
+                      const std::vector<float>& sub, float* out) const {
+  const int64_t H = config_.hidden_size, V = slice_.vocab.size();
+  const int64_t R = static_cast<int64_t>(l.logit_tokens.size());
+  if (V == 0 || R == 0) return;
+  // Only the requested rows go through the final norm and the LM head.
+  std::vector<float> last_sub(R * H), last_res(R * H), last_norm(R * H);
+  for (int64_t r = 0; r < R; ++r) {
+    std::memcpy(&last_sub[r * H], &sub[l.logit_tokens[r] * H], sizeof(float) * H);
+    std::memcpy(&last_res[r * H], &residual[l.logit_tokens[r] * H], sizeof(float) * H);
+  }
+  Norm(last_sub.data(), last_res.data(), final_norm_, last_norm.data(), R, H);
+  Linear(last_norm.data(), lm_head_.empty() ? embed_ : lm_head_, nullptr, out, R, H, V);
+}
+
+}  // namespace specd

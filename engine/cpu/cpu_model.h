@@ -1,0 +1,97 @@
+// The fp32 CPU decoder, shared by CpuBackend (the whole model on one device) and the
+// tensor-parallel CPU rank executor (one rank's shard, engine/tp/tp_cpu_backend.h). A CpuModel holds
+// the weights of one TpRankPlan slice of the checkpoint and that slice's KV pools; CpuBackend
+// uses FullModelSlice(), for which every all-reduce is skipped, so the two backends run the same
+// layer code and a one-rank slice is the unsharded model.
+//
+// Determinism: every per-token result is independent of batching (batch-invariant GEMMs, see
+// specd/kernels/linear.h; attention per (token, head) item), which both backends rely on.
+#ifndef SPECD_ENGINE_CPU_CPU_MODEL_H_
+#define SPECD_ENGINE_CPU_CPU_MODEL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "common/io/safetensors.h"
+#include "engine/backend.h"
+#include "engine/model_config.h"
+#include "engine/kv/paged_kv_table.h"
+#include "engine/thread_pool.h"
+#include "engine/tp/tp_plan.h"
+#include "specd/kernels/linear.h"
+
+namespace specd {
+
+class TpCommunicator;
+
+// Tokens per KV block of the CPU backends' paged pools.
+inline constexpr int64_t kKvBlockTokens = 16;
+
+// The checks of BackendOptions both CPU backends make: INVALID_ARGUMENT naming the field.
+absl::Status CheckCpuBackendOptions(const BackendOptions& options);
+// Threads for options.num_threads: the hardware's when 0.
+int CpuBackendThreads(const BackendOptions& options);
+
+class CpuModel {
+ public:
+  // `slice` must come from a plan for `config` (MakeTpPlan, or FullModelSlice).
+  CpuModel(const ModelConfig& config, const TpRankPlan& slice);
+
+  // Reads the slice's part of every tensor, checking each tensor's full shape (errors name the
+  // file and the tensor), then probes the slice's GEMM shapes for row invariance in blocks;
+  // `who` names the backend in the stderr note when it falls back to one sgemm per row.
+  absl::Status Load(const TensorStore& store, const char* who);
+
+  // Rows per sgemm call (kLinearRowBlock, or 1 after a failed probe).
+  int64_t row_block() const { return row_block_; }
+
+  // Makes the KV pools hold physical blocks [0, blocks) (contents kept; only grows).
+  void ReserveKvBlocks(int64_t blocks);
+  // Copies K/V of physical slots src[i] to dst[i], in order, in every layer.
+  void CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst);
+
+  // Embedding and every decoder layer over `layout`, writing the step's K/V into the pools. On return the hidden state of token t is
+  // residual[t] + sub[t] (the last MLP output is not yet added; Logits() adds it in its norm).
+  // residual, sub: [T, H] fp32, host. `comm` sums partial results over the ranks; null for the
+  // full-model slice.
+  void Hidden(const StepLayout& layout, ThreadPool* pool, TpCommunicator* comm,
+              std::vector<float>* residual, std::vector<float>* sub);
+
+  // Final norm and LM head of the requested rows (layout.logit_tokens), over this slice's
+  // vocabulary range. residual, sub: as Hidden() left them. out: [R, slice vocab] fp32, host.
+  void Logits(const StepLayout& layout, const std::vector<float>& residual,
+              const std::vector<float>& sub, float* out) const;
+
+ private:
+  struct LayerWeights {
+    std::vector<float> input_norm, post_norm;   // [H], replicated
+    std::vector<float> q_proj, k_proj, v_proj;  // [heads held * head_dim, H]: rows
+    std::vector<float> q_bias, k_bias, v_bias;  // same rows (Qwen2), else empty
+    std::vector<float> q_norm, k_norm;          // [head_dim], replicated (Qwen3), else empty
+    std::vector<float> o_proj;                  // [H, local q dim]: input columns
+    std::vector<float> gate_proj, up_proj;      // [local ffn, H]
+    std::vector<float> down_proj;               // [H, local ffn]
+  };
+
+  void Norm(const float* x, float* residual, const std::vector<float>& w, float* out, int64_t rows,
+            int64_t dim) const;
+  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
+              float* y, int64_t rows, int64_t in, int64_t out) const;
+  int64_t local_kv_dim() const { return slice_.kv_heads.size() * config_.head_dim; }
+
+  const ModelConfig config_;
+  const TpRankPlan slice_;
+  const int64_t kv_group_;  // query heads per KV head
+  std::vector<float> inv_freq_;
+  std::vector<float> embed_, final_norm_, lm_head_;  // embed_, lm_head_: [slice vocab, H]
+  std::vector<LayerWeights> layers_;
+  int64_t row_block_ = kLinearRowBlock;
+  int64_t kv_blocks_ = 0;
+  std::vector<std::vector<float>> k_pool_, v_pool_;  // per layer [slots, local kv dim] fp32
+};
+
+}  // namespace specd
+
+#endif  // SPECD_ENGINE_CPU_CPU_MODEL_H_

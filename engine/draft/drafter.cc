@@ -1,0 +1,35 @@
+#include "engine/draft/drafter.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace specd {
+
+absl::Status ValidateDraftParams(const DraftParams& p) {
+  if (p.depth < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("depth: ", p.depth, " must be >= 1"));
+  }
+  if (p.top_k < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k: ", p.top_k, " must be >= 1"));
+  }
+  if (p.max_nodes < 1 || p.max_nodes > kMaxTreeNodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_nodes: ", p.max_nodes, " must be in [1, ", kMaxTreeNodes, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDraftRequest(const DraftRequest& r, bool known, int vocab_size,
+                               absl::string_view kind) {
+  if (!known) {
+    return absl::NotFoundError(absl::StrCat("seq: ", kind, " sequence ", r.seq, " does not exist"));
+  }
+  if (r.new_tokens.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("new_tokens: empty for sequence ", r.seq,
+                     "; each step must feed at least the last emitted token"));
+  }
+  if (absl::Status s = CheckTokenIds(r.new_tokens, vocab_size, "new_tokens"); !s.ok()) return s;
+  return ValidateDraftParams(r.params);
+}
+
+}  // namespace specd

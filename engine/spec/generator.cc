@@ -1,0 +1,150 @@
+#include "engine/spec/generator.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace specd {
+
+absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(Backend* target, Drafter* drafter) {
+  if (target == nullptr) return absl::InvalidArgumentError("target: null backend");
+  if (drafter != nullptr && drafter->vocab_size() != target->config().vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "drafter: vocab_size ", drafter->vocab_size(), " differs from the target's ",
+        target->config().vocab_size));
+  }
+  return std::unique_ptr<Generator>(new Generator(target, drafter));
+}
+
+absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
+    absl::Span<const GenerationRequest> requests, const TokenCallback& on_tokens) {
+  const ModelConfig& config = target_->config();
+  std::vector<SequenceState> states;
+  states.reserve(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const GenerationRequest& r = requests[i];
+    auto prefix = [i](const absl::Status& s) {
+      return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
+    };
+    if (absl::Status s = ValidateSamplingParams(r.sampling); !s.ok()) {
+      return prefix(absl::InvalidArgumentError(absl::StrCat("sampling.", s.message())));
+    }
+    if (drafter_ != nullptr && r.speculate) {
+      if (absl::Status s = ValidateDraftParams(r.draft); !s.ok()) {
+        return prefix(absl::InvalidArgumentError(absl::StrCat("draft.", s.message())));
+      }
+    }
+    StopConditions stop;
+    stop.max_new_tokens = r.max_new_tokens;
+    stop.eos_token_ids = config.eos_token_ids;
+    stop.stop_token_ids = r.stop_token_ids;
+    stop.ignore_eos = r.ignore_eos;
+    stop.max_total_tokens = config.max_position_embeddings;
+    absl::StatusOr<SequenceState> st = SequenceState::Create(r.prompt, stop, config.vocab_size);
+    if (!st.ok()) return prefix(st.status());
+    states.push_back(*std::move(st));
+  }
+
+  // Sequence ids of this call; live[i] while request i holds KV in the target / drafter.
+  std::vector<SeqId> ids(requests.size());
+  std::vector<char> in_target(requests.size(), 0), in_drafter(requests.size(), 0);
+  auto release = [&](size_t i) {
+    if (in_target[i]) target_->RemoveSequence(ids[i]).IgnoreError();
+    if (in_drafter[i]) drafter_->Release(ids[i]).IgnoreError();
+    in_target[i] = in_drafter[i] = 0;
+  };
+  auto release_all = [&] {
+    for (size_t i = 0; i < requests.size(); ++i) release(i);
+  };
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ids[i] = next_seq_++;
+    if (absl::Status s = target_->AddSequence(ids[i]); !s.ok()) {
+      release_all();
+      return s;
+    }
+    in_target[i] = 1;
+    if (drafter_ != nullptr && requests[i].speculate) {
+      if (absl::Status s = drafter_->AddSequence(ids[i]); !s.ok()) {
+        release_all();
+        return s;
+      }
+      in_drafter[i] = 1;
+    }
+  }
+
+  std::vector<size_t> active(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) active[i] = i;
+  std::vector<DraftRequest> draft_requests;
+  std::vector<size_t> drafted;  // request index of each draft request
+  std::vector<int> tree_of(requests.size(), -1);  // index into `trees` per request
+  std::vector<VerifyItem> verify_items;
+  while (!active.empty()) {
+    draft_requests.clear();
+    drafted.clear();
+    for (size_t i : active) {
+      const int depth = std::min(requests[i].draft.depth, states[i].MaxUsefulDraftDepth());
+      if (!in_drafter[i] || depth < 1) continue;
+      DraftRequest d;
+      d.seq = ids[i];
+      const absl::Span<const int32_t> fresh = states[i].DrafterPending();
+      d.new_tokens.assign(fresh.begin(), fresh.end());
+      d.params = requests[i].draft;
+      d.params.depth = depth;
+      draft_requests.push_back(std::move(d));
+      drafted.push_back(i);
+    }
+    std::vector<TokenTree> trees;
+    if (!draft_requests.empty()) {
+      absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft(draft_requests);
+      if (!t.ok()) {
+        release_all();
+        return t.status();
+      }
+      trees = *std::move(t);
+      for (size_t k = 0; k < drafted.size(); ++k) {
+        states[drafted[k]].MarkDrafterFed();
+        tree_of[drafted[k]] = static_cast<int>(k);
+      }
+    }
+
+    verify_items.assign(active.size(), VerifyItem());
+    for (size_t a = 0; a < active.size(); ++a) {
+      const size_t i = active[a];
+      VerifyItem& v = verify_items[a];
+      v.seq = ids[i];
+      const absl::Span<const int32_t> pending = states[i].TargetPending();
+      v.pending.assign(pending.begin(), pending.end());
+      v.sampling = requests[i].sampling;
+      if (tree_of[i] >= 0) v.tree = std::move(trees[tree_of[i]]);
+      tree_of[i] = -1;
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> outcomes = target_->Verify(verify_items);
+    if (!outcomes.ok()) {
+      release_all();
+      return outcomes.status();
+    }
+    std::vector<size_t> still_active;
+    for (size_t a = 0; a < active.size(); ++a) {
+      const size_t i = active[a];
+      const absl::Span<const int32_t> emitted =
+          states[i].Apply((*outcomes)[a], verify_items[a].tree.size());
+      if (on_tokens && !emitted.empty()) on_tokens(i, emitted);
+      if (states[i].finished()) {
+        release(i);
+      } else {
+        still_active.push_back(i);
+      }
+    }
+    active.swap(still_active);
+  }
+
+  std::vector<GenerationResult> results(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    results[i].tokens.assign(states[i].output().begin(), states[i].output().end());
+    results[i].finish_reason = states[i].finish_reason();
+    results[i].stats = states[i].stats();
+  }
+  return results;
+}
+
+}  // namespace specd

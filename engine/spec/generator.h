@@ -1,0 +1,66 @@
+// In-process speculative generation over a target Backend and an optional Drafter: the
+// reference loop that tests and benchmarks run and that the router's loop mirrors across gRPC.
+// Each step drafts one tree for every active sequence in one Drafter::Draft() call, verifies
+// all of them in one Backend::Verify() call, and applies each outcome with SequenceState (stop
+// logic). Without a drafter (or for a request with speculate = false) a step is Verify() with
+// an empty tree: plain target-only decoding through the same sampler, which is why speculative
+// output equals target-only output token for token (DESIGN.md, lossless verification).
+#ifndef SPECD_ENGINE_SPEC_GENERATOR_H_
+#define SPECD_ENGINE_SPEC_GENERATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/backend.h"
+#include "engine/draft/drafter.h"
+#include "engine/sampling.h"
+#include "engine/spec/sequence_state.h"
+
+namespace specd {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int max_new_tokens = 64;
+  // End the sequence as the target's eos ids do (the config's eos ids apply unless ignore_eos).
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool speculate = true;  // false: target-only even when the generator has a drafter
+  DraftParams draft;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids, ending with the stop token when one stopped it
+  FinishReason finish_reason = FinishReason::kNone;
+  SpecStats stats;
+};
+
+// Called after each step with the tokens a request gained (never tokens past its stop).
+using TokenCallback = std::function<void(size_t request_index, absl::Span<const int32_t> tokens)>;
+
+class Generator {
+ public:
+  // `target` and `drafter` must outlive the generator; `drafter` may be null (speculation
+  // off). INVALID_ARGUMENT when the drafter's vocabulary differs from the target's.
+  static absl::StatusOr<std::unique_ptr<Generator>> Create(Backend* target, Drafter* drafter);
+
+  // Runs all requests to completion as one continuously batched group and returns their
+  // results in order. Sequence ids are allocated internally and released before returning.
+  absl::StatusOr<std::vector<GenerationResult>> Generate(
+      absl::Span<const GenerationRequest> requests, const TokenCallback& on_tokens = nullptr);
+
+ private:
+  Generator(Backend* target, Drafter* drafter) : target_(target), drafter_(drafter) {}
+
+  Backend* target_;
+  Drafter* drafter_;
+  SeqId next_seq_ = 1;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_ENGINE_SPEC_GENERATOR_H_

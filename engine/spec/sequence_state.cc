@@ -1,0 +1,119 @@
+#include "engine/spec/sequence_state.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace specd {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+  }
+  return "unknown";
+}
+
+void SpecStats::Add(const SpecStats& o) {
+  steps += o.steps;
+  draft_steps += o.draft_steps;
+  target_only_steps += o.target_only_steps;
+  draft_tokens += o.draft_tokens;
+  accepted_tokens += o.accepted_tokens;
+  if (accepted_per_position.size() < o.accepted_per_position.size()) {
+    accepted_per_position.resize(o.accepted_per_position.size(), 0);
+  }
+  for (size_t i = 0; i < o.accepted_per_position.size(); ++i) {
+    accepted_per_position[i] += o.accepted_per_position[i];
+  }
+}
+
+SequenceState::SequenceState(std::vector<int32_t> prompt, const StopConditions& stop)
+    : tokens_(std::move(prompt)), prompt_len_(tokens_.size()), stop_(stop) {}
+
+absl::StatusOr<SequenceState> SequenceState::Create(std::vector<int32_t> prompt,
+                                                    const StopConditions& stop,
+                                                    int vocab_size) {
+  if (prompt.empty()) return absl::InvalidArgumentError("prompt: empty");
+  if (absl::Status s = CheckTokenIds(prompt, vocab_size, "prompt"); !s.ok()) return s;
+  if (stop.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens: ", stop.max_new_tokens, " must be >= 1"));
+  }
+  if (stop.max_total_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_total_tokens: ", stop.max_total_tokens, " must be >= 0"));
+  }
+  if (stop.max_total_tokens > 0 && static_cast<int64_t>(prompt.size()) >= stop.max_total_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt: ", prompt.size(),
+                                                   " tokens leave no room in the context of ",
+                                                   stop.max_total_tokens));
+  }
+  return SequenceState(std::move(prompt), stop);
+}
+
+absl::Span<const int32_t> SequenceState::TargetPending() const {
+  return absl::MakeConstSpan(tokens_).subspan(target_cached_);
+}
+
+absl::Span<const int32_t> SequenceState::DrafterPending() const {
+  return absl::MakeConstSpan(tokens_).subspan(drafter_fed_);
+}
+
+int SequenceState::MaxUsefulDraftDepth() const {
+  if (finished()) return 0;
+  int64_t left = stop_.max_new_tokens - static_cast<int64_t>(output().size());
+  if (stop_.max_total_tokens > 0) {
+    left = std::min<int64_t>(left, stop_.max_total_tokens - static_cast<int64_t>(tokens_.size()));
+  }
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left - 1, kMaxTreeNodes)));
+}
+
+bool SequenceState::IsStop(int32_t token) const {
+  if (!stop_.ignore_eos &&
+      std::find(stop_.eos_token_ids.begin(), stop_.eos_token_ids.end(), token) !=
+          stop_.eos_token_ids.end()) {
+    return true;
+  }
+  return std::find(stop_.stop_token_ids.begin(), stop_.stop_token_ids.end(), token) !=
+         stop_.stop_token_ids.end();
+}
+
+absl::Span<const int32_t> SequenceState::Apply(const VerifyOutcome& outcome, int tree_size) {
+  if (finished()) return {};
+  ++stats_.steps;
+  if (tree_size > 0) {
+    ++stats_.draft_steps;
+    stats_.draft_tokens += tree_size;
+  } else {
+    ++stats_.target_only_steps;
+  }
+  const int accepted = static_cast<int>(outcome.accepted_nodes.size());
+  stats_.accepted_tokens += accepted;
+  if (static_cast<int>(stats_.accepted_per_position.size()) < accepted) {
+    stats_.accepted_per_position.resize(accepted, 0);
+  }
+  for (int d = 0; d < accepted; ++d) ++stats_.accepted_per_position[d];
+
+  // The verifier cached the pending tokens and the accepted path; the bonus token is pending.
+  target_cached_ += static_cast<int64_t>(TargetPending().size()) + accepted;
+  const size_t first = tokens_.size();
+  for (int32_t token : outcome.tokens) {
+    tokens_.push_back(token);
+    if (IsStop(token)) {
+      finish_ = FinishReason::kStop;
+    } else if (static_cast<int64_t>(output().size()) >= stop_.max_new_tokens ||
+               (stop_.max_total_tokens > 0 &&
+                static_cast<int64_t>(tokens_.size()) >= stop_.max_total_tokens)) {
+      finish_ = FinishReason::kLength;
+    }
+    if (finished()) break;
+  }
+  return absl::MakeConstSpan(tokens_).subspan(first);
+}
+
+}  // namespace specd

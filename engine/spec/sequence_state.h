@@ -1,0 +1,100 @@
+// Per-sequence bookkeeping of the speculation loop, shared by the in-process Generator and the
+// router: which tokens the target and the drafter have not seen yet, how deep a draft is still
+// worth making, and where the output stops when one verify step emits several tokens at once.
+// It touches no model, so the router uses it as is.
+#ifndef SPECD_ENGINE_SPEC_SEQUENCE_STATE_H_
+#define SPECD_ENGINE_SPEC_SEQUENCE_STATE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/backend.h"
+
+namespace specd {
+
+struct StopConditions {
+  int max_new_tokens = 256;  // >= 1
+  // A generated token in either list ends the sequence and is the last token of the output
+  // (kept in the ids so callers see why it stopped; detokenizers skip special tokens).
+  std::vector<int32_t> eos_token_ids;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;  // eos_token_ids do not stop (stop_token_ids still do)
+  // Context limit: the sequence ends (kLength) once prompt + output reaches it; 0 = none.
+  int64_t max_total_tokens = 0;
+};
+
+enum class FinishReason {
+  kNone,    // still running
+  kLength,  // max_new_tokens or max_total_tokens reached
+  kStop,    // an eos or stop token was generated
+};
+
+const char* FinishReasonName(FinishReason reason);  // "none", "length", "stop"
+
+// Speculation counters of one sequence (docs/metrics.md derives the rates from these).
+struct SpecStats {
+  int64_t steps = 0;              // verify steps
+  int64_t draft_steps = 0;        // steps whose tree was not empty
+  int64_t target_only_steps = 0;  // steps with an empty tree
+  int64_t draft_tokens = 0;       // tree nodes proposed
+  int64_t accepted_tokens = 0;    // draft tokens the verifier accepted
+  // accepted_per_position[d]: steps whose accepted path reached depth d (0 = first draft
+  // token). Counted as the verifier reported, before truncation at a stop.
+  std::vector<int64_t> accepted_per_position;
+
+  void Add(const SpecStats& other);
+};
+
+class SequenceState {
+ public:
+  // INVALID_ARGUMENT naming the field for an empty or out-of-vocabulary prompt, max_new_tokens
+  // < 1, or a prompt that already fills max_total_tokens.
+  static absl::StatusOr<SequenceState> Create(std::vector<int32_t> prompt,
+                                              const StopConditions& stop, int vocab_size);
+
+  // Tokens the target has not cached yet, to send as VerifyItem::pending: the prompt at the
+  // first step, then the last emitted token.
+  absl::Span<const int32_t> TargetPending() const;
+  // Tokens the drafter has not been fed yet (DraftRequest::new_tokens); call MarkDrafterFed()
+  // once they were handed over. A step without a draft leaves them for the next one.
+  absl::Span<const int32_t> DrafterPending() const;
+  void MarkDrafterFed() { drafter_fed_ = static_cast<int64_t>(tokens_.size()); }
+
+  // Deepest draft whose tokens could all be kept: a step emits accepted drafts plus one bonus
+  // token, so this is the remaining budget minus one (0: draft nothing this step).
+  int MaxUsefulDraftDepth() const;
+
+  // Applies one verify step that fed TargetPending() and a tree of `tree_size` nodes: appends
+  // the emitted tokens up to and including the first stop, and no further than the budget.
+  // Returns the tokens appended (what to stream); tokens after the stop are dropped.
+  absl::Span<const int32_t> Apply(const VerifyOutcome& outcome, int tree_size);
+
+  bool finished() const { return finish_ != FinishReason::kNone; }
+  FinishReason finish_reason() const { return finish_; }
+  absl::Span<const int32_t> prompt() const {
+    return absl::MakeConstSpan(tokens_).subspan(0, prompt_len_);
+  }
+  absl::Span<const int32_t> output() const {
+    return absl::MakeConstSpan(tokens_).subspan(prompt_len_);
+  }
+  const SpecStats& stats() const { return stats_; }
+
+ private:
+  SequenceState(std::vector<int32_t> prompt, const StopConditions& stop);
+
+  bool IsStop(int32_t token) const;
+
+  std::vector<int32_t> tokens_;  // prompt then output
+  size_t prompt_len_ = 0;
+  StopConditions stop_;
+  int64_t target_cached_ = 0;  // tokens whose KV the target holds
+  int64_t drafter_fed_ = 0;    // tokens the drafter has been fed
+  FinishReason finish_ = FinishReason::kNone;
+  SpecStats stats_;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_ENGINE_SPEC_SEQUENCE_STATE_H_

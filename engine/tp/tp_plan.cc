@@ -1,0 +1,113 @@
+#include "engine/tp/tp_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "specd/kernels/philox.h"
+
+namespace specd {
+
+std::vector<TpRange> SplitEvenly(int64_t total, int n, int64_t align) {
+  const int64_t units = total / align;
+  const int64_t rest = total % align;
+  std::vector<TpRange> out(n);
+  int64_t at = 0;
+  for (int r = 0; r < n; ++r) {
+    const int64_t my_units = units / n + (r < units % n ? 1 : 0);
+    out[r].begin = at;
+    at += my_units * align;
+    if (r == n - 1) at += rest;
+    out[r].end = at;
+  }
+  return out;
+}
+
+TpRankPlan FullModelSlice(const ModelConfig& config) {
+  TpRankPlan slice;
+  slice.q_heads = {0, config.num_heads};
+  slice.kv_heads = {0, config.num_kv_heads};
+  slice.ffn = {0, config.intermediate_size};
+  slice.vocab = {0, config.vocab_size};
+  return slice;
+}
+
+absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
+                                  const TpPlanOptions& options) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_parallel: ", world_size, " must be >= 1"));
+  }
+  if (options.ffn_align < 1 || options.vocab_align < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("ffn_align (", options.ffn_align,
+                                                   ") and vocab_align (", options.vocab_align,
+                                                   ") must be >= 1"));
+  }
+  if (config.num_heads < 1 || config.num_kv_heads < 1 ||
+      config.num_heads % config.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_key_value_heads: ", config.num_kv_heads,
+                                                   " must be >= 1 and divide num_attention_heads (",
+                                                   config.num_heads, ")"));
+  }
+  TpPlan plan;
+  plan.world_size = world_size;
+  plan.kv_group = config.num_heads / config.num_kv_heads;
+  plan.ranks.resize(world_size);
+  plan.kv_replicas.assign(config.num_kv_heads, 0);
+  const std::vector<TpRange> heads = SplitEvenly(config.num_heads, world_size);
+  const std::vector<TpRange> ffn =
+      SplitEvenly(config.intermediate_size, world_size, options.ffn_align);
+  const std::vector<TpRange> vocab =
+      SplitEvenly(config.vocab_size, world_size, options.vocab_align);
+  for (int r = 0; r < world_size; ++r) {
+    TpRankPlan& rp = plan.ranks[r];
+    rp.q_heads = heads[r];
+    if (!rp.q_heads.empty()) {
+      rp.kv_heads.begin = rp.q_heads.begin / plan.kv_group;
+      rp.kv_heads.end = (rp.q_heads.end - 1) / plan.kv_group + 1;
+      for (int64_t k = rp.kv_heads.begin; k < rp.kv_heads.end; ++k) ++plan.kv_replicas[k];
+    }
+    rp.ffn = ffn[r];
+    rp.vocab = vocab[r];
+  }
+  return plan;
+}
+
+bool VocabParallelSamplingSupported(const SamplingParams& params) {
+  return params.greedy() || (params.top_k == 0 && params.top_p >= 1.0f);
+}
+
+VocabCandidate ShardCandidate(absl::Span<const float> shard, TpRange vocab,
+                              const SamplingParams& params, int64_t position) {
+  VocabCandidate best;
+  const double inv_t = params.greedy() ? 1.0 : 1.0 / params.temperature;
+  for (int64_t i = 0; i < vocab.size(); ++i) {
+    const int32_t id = static_cast<int32_t>(vocab.begin + i);
+    // The same expression as SampleToken() so scores match it bit for bit.
+    double score = shard[i];
+    if (!params.greedy()) {
+      const double u =
+          PhiloxUniform01(params.seed, static_cast<uint64_t>(position), static_cast<uint32_t>(id));
+      score = shard[i] * inv_t - std::log(-std::log(u));
+    }
+    if (best.token < 0 || score > best.score) {
+      best.score = score;
+      best.token = id;
+    }
+  }
+  return best;
+}
+
+VocabCandidate ReduceCandidates(absl::Span<const VocabCandidate> candidates) {
+  VocabCandidate best;
+  for (const VocabCandidate& c : candidates) {
+    if (c.token < 0) continue;
+    if (best.token < 0 || c.score > best.score || (c.score == best.score && c.token < best.token)) {
+      best = c;
+    }
+  }
+  return best;
+}
+
+}  // namespace specd
