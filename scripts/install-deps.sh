@@ -8,7 +8,9 @@ pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compil
       libprotobuf-dev protobuf-compiler libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
       libbenchmark-dev libre2-dev nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev python3-grpcio
       python3-grpc-tools python3-pytest prometheus yamllint python3-protobuf python3-yaml
-      python3-venv python3-pip python3-setuptools python3-wheel git curl unzip openssl)
+      python3-venv python3-pip python3-setuptools python3-wheel git curl unzip openssl
+      # The EAGLE oracle and head tools' tests (tests/tools/test_eagle_oracle.py).
+      python3-torch python3-regex)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

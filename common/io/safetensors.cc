@@ -32,6 +32,7 @@ absl::StatusOr<DType> ParseDType(const std::string& name) {
   if (name == "I32") return DType::kI32;
   if (name == "I64") return DType::kI64;
   if (name == "U8") return DType::kU8;
+  if (name == "BOOL") return DType::kBool;
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype \"", name, "\""));
 }
 
@@ -43,6 +44,7 @@ const char* DTypeName(DType dtype) {
     case DType::kI32: return "I32";
     case DType::kI64: return "I64";
     case DType::kU8: return "U8";
+    case DType::kBool: return "BOOL";
   }
   return "?";
 }
@@ -52,7 +54,7 @@ size_t DTypeSize(DType dtype) {
     case DType::kF32: case DType::kI32: return 4;
     case DType::kF16: case DType::kBF16: return 2;
     case DType::kI64: return 8;
-    case DType::kU8: return 1;
+    case DType::kU8: case DType::kBool: return 1;
   }
   return 0;
 }

@@ -16,7 +16,8 @@
 
 namespace specd {
 
-enum class DType { kF32, kF16, kBF16, kI32, kI64, kU8 };
+// kBool: one byte per element, 0 or 1 (torch.bool; EAGLE-3's t2d mask).
+enum class DType { kF32, kF16, kBF16, kI32, kI64, kU8, kBool };
 
 absl::StatusOr<DType> ParseDType(const std::string& name);  // "F32", "BF16", ...
 const char* DTypeName(DType dtype);

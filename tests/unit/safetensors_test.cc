@@ -59,6 +59,25 @@ TEST(SafetensorsTest, RoundTripsAllFloatTypes) {
   EXPECT_EQ(rows, std::vector<float>(vals.begin() + 3, vals.end()));
 }
 
+// EAGLE-3 heads store t2d as torch.bool ("BOOL", one byte an element).
+TEST(SafetensorsTest, ReadsBoolTensorsAndRefusesThemAsFloats) {
+  const std::string dir = MakeTempDir("st_");
+  ASSERT_TRUE(
+      WriteSafetensors(dir + "/model.safetensors", {{"mask", DType::kBool, {4}, {1, 0, 0, 1}}})
+          .ok());
+  auto store = TensorStore::OpenFolder(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const TensorView* v = *(*store)->Get("mask");
+  EXPECT_EQ(v->dtype, DType::kBool);
+  EXPECT_STREQ(DTypeName(v->dtype), "BOOL");
+  EXPECT_EQ(std::vector<uint8_t>(v->data, v->data + v->nbytes),
+            (std::vector<uint8_t>{1, 0, 0, 1}));
+  std::vector<float> out(4);
+  const absl::Status s = (*store)->ReadF32("mask", {4}, out.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("dtype BOOL is not a floating-point type"));
+}
+
 TEST(SafetensorsTest, ShapeMismatchNamesTensorAndFile) {
   const std::string dir = MakeTempDir("st_");
   ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",

@@ -1,0 +1,328 @@
+#include "engine/draft/eagle_head_cpu.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cpu/cpu_model.h"
+#include "specd/kernels/kv_cache.h"
+#include "specd/kernels/linear.h"
+#include "specd/kernels/rmsnorm.h"
+#include "specd/kernels/rope.h"
+#include "specd/kernels/swiglu.h"
+#include "specd/kernels/tree_attention.h"
+
+namespace specd {
+namespace {
+
+// Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
+constexpr int64_t kInlineAttentionWork = 1 << 16;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EagleHeadCpu>> EagleHeadCpu::Create(
+    EagleHeadConfig config, const ModelConfig& target, EagleHeadWeights weights,
+    const EagleHeadOptions& options) {
+  if (options.kv_capacity_tokens <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_capacity_tokens: must be positive, got ",
+                                                   options.kv_capacity_tokens));
+  }
+  if (options.num_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_threads: must be >= 0, got ", options.num_threads));
+  }
+  if (options.context_length < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("context_length: must be >= 0, got ", options.context_length));
+  }
+  const int context =
+      options.context_length > 0 ? options.context_length : target.max_position_embeddings;
+  std::unique_ptr<EagleHeadCpu> head(
+      new EagleHeadCpu(std::move(config), std::move(weights), context, options));
+  return head;
+}
+
+EagleHeadCpu::EagleHeadCpu(EagleHeadConfig config, EagleHeadWeights weights, int context_length,
+                           const EagleHeadOptions& options)
+    : config_(std::move(config)),
+      w_(std::move(weights)),
+      context_length_(context_length),
+      table_(kKvBlockTokens, options.kv_capacity_tokens, config_.vocab_size, context_length),
+      inv_freq_(RopeInvFreq(config_.head)) {
+  const int threads = options.num_threads > 0
+                          ? options.num_threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (options.num_threads > 0) openblas_set_num_threads(threads);
+  pool_ = std::make_unique<ThreadPool>(threads);
+  k_pool_.resize(w_.layers.size());
+  v_pool_.resize(w_.layers.size());
+
+  // Every GEMM shape, probed once (see specd/kernels/linear.h): drafts that do not depend on
+  // the batch make runs repeatable.
+  const ModelConfig& h = config_.head;
+  const int64_t H = h.hidden_size, F = h.intermediate_size;
+  const int64_t Q = int64_t{h.num_heads} * h.head_dim, KV = int64_t{h.num_kv_heads} * h.head_dim;
+  const int64_t in = config_.kind == EagleKind::kEagle3 ? 2 * H : H;
+  const EagleHeadWeights::Layer& l0 = w_.layers[0];
+  const struct {
+    const std::vector<float>* w;
+    int64_t out, in;
+  } shapes[] = {{&w_.fc, H, static_cast<int64_t>(w_.fc.size()) / H},
+                {&l0.q_proj, Q, in},
+                {&l0.k_proj, KV, in},
+                {&l0.o_proj, H, Q},
+                {&l0.gate_proj, F, H},
+                {&l0.down_proj, H, F},
+                {&w_.lm_head, config_.draft_vocab_size, H}};
+  row_block_ = kLinearRowBlock;
+  for (const auto& s : shapes) {
+    if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
+      std::fprintf(stderr,
+                   "specd eagle head: this BLAS is not row-invariant in blocks of %lld for a "
+                   "[%lld, %lld] weight; using one sgemm per row\n",
+                   static_cast<long long>(kLinearRowBlock), static_cast<long long>(s.out),
+                   static_cast<long long>(s.in));
+      row_block_ = 1;
+      break;
+    }
+  }
+}
+
+void EagleHeadCpu::Norm(const float* x, float* residual, const std::vector<float>& w, float* out,
+                        int64_t rows) const {
+  RmsNormParams p;
+  p.x = x;
+  p.residual = residual;
+  p.weight = w.data();
+  p.out = out;
+  p.rows = rows;
+  p.dim = config_.head.hidden_size;
+  p.eps = config_.head.rms_norm_eps;
+  RmsNormCpu(p);
+}
+
+void EagleHeadCpu::Linear(const float* x, const std::vector<float>& w,
+                          const std::vector<float>* bias, float* y, int64_t rows, int64_t in,
+                          int64_t out) const {
+  if (rows == 0) return;
+  LinearParams p;
+  p.x = x;
+  p.w = w.data();
+  p.bias = bias != nullptr && !bias->empty() ? bias->data() : nullptr;
+  p.y = y;
+  p.rows = rows;
+  p.in_features = in;
+  p.out_features = out;
+  p.row_block = row_block_;
+  LinearCpu(p);
+}
+
+void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int64_t in,
+                             float* out) {
+  const ModelConfig& h = config_.head;
+  const EagleHeadWeights::Layer& w = w_.layers[layer];
+  const int64_t T = l.num_tokens, hd = h.head_dim;
+  const int64_t QD = int64_t{h.num_heads} * hd, KVD = int64_t{h.num_kv_heads} * hd;
+  std::vector<float> q(T * QD), k(T * KVD), v(T * KVD), attn(T * QD);
+  Linear(x, w.q_proj, nullptr, q.data(), T, in, QD);
+  Linear(x, w.k_proj, nullptr, k.data(), T, in, KVD);
+  Linear(x, w.v_proj, nullptr, v.data(), T, in, KVD);
+  const auto rope = [&](float* y, int64_t heads) {
+    RopeParams p;
+    p.x = y;
+    p.positions = l.positions.data();
+    p.inv_freq = inv_freq_.data();
+    p.num_tokens = T;
+    p.num_heads = heads;
+    p.head_dim = hd;
+    p.row_stride = heads * hd;
+    RopeCpu(p);
+  };
+  rope(q.data(), h.num_heads);
+  rope(k.data(), h.num_kv_heads);
+
+  KvCacheWriteParams kw;
+  kw.k = k.data();
+  kw.v = v.data();
+  kw.k_cache = k_pool_[layer].data();
+  kw.v_cache = v_pool_[layer].data();
+  kw.slots = l.slots.data();
+  kw.num_tokens = T;
+  kw.kv_dim = KVD;
+  KvCacheWriteCpu(kw);
+
+  TreeAttentionParams ap;
+  ap.q = q.data();
+  ap.out = attn.data();
+  ap.k_cache = k_pool_[layer].data();
+  ap.v_cache = v_pool_[layer].data();
+  ap.block_tables = l.block_tables.data();
+  ap.query_seq = l.query_seq.data();
+  ap.prefix_len = l.prefix_len.data();
+  ap.tree_key_offsets = l.key_offsets.data();
+  ap.tree_keys = l.tree_keys.data();
+  ap.num_queries = T;
+  ap.num_heads = h.num_heads;
+  ap.num_kv_heads = h.num_kv_heads;
+  ap.head_dim = hd;
+  ap.block_size = kKvBlockTokens;
+  ap.max_blocks_per_seq = l.max_blocks_per_seq;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  int64_t keys = 0;
+  for (int64_t i = 0; i < T; ++i) keys += l.prefix_len[i] + l.key_offsets[i + 1] - l.key_offsets[i];
+  if (keys * h.num_heads * hd < kInlineAttentionWork) {
+    TreeAttentionCpu(ap);  // waking the pool would cost more than the work
+  } else {
+    pool_->ParallelFor(T * h.num_heads, 1, [&ap](int64_t begin, int64_t end) {
+      TreeAttentionCpuItems(ap, begin, end);
+    });
+  }
+  Linear(attn.data(), w.o_proj, nullptr, out, T, QD, h.hidden_size);
+}
+
+void EagleHeadCpu::Mlp(const EagleHeadWeights::Layer& w, const float* x, float* out,
+                       int64_t rows) const {
+  const int64_t H = config_.head.hidden_size, F = config_.head.intermediate_size;
+  std::vector<float> gate(rows * F), up(rows * F);
+  Linear(x, w.gate_proj, nullptr, gate.data(), rows, H, F);
+  Linear(x, w.up_proj, nullptr, up.data(), rows, H, F);
+  SwiGluParams sp;
+  sp.gate = gate.data();
+  sp.up = up.data();
+  sp.out = gate.data();
+  sp.n = rows * F;
+  SwiGluCpu(sp);
+  Linear(gate.data(), w.down_proj, nullptr, out, rows, F, H);
+}
+
+absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) {
+  if (out == nullptr) return absl::InvalidArgumentError("out is null");
+  out->hidden.clear();
+  out->logits.clear();
+  const bool e3 = config_.kind == EagleKind::kEagle3;
+  const int64_t H = config_.head.hidden_size;
+  // The inputs' widths first: PrepareForward checks the rest and changes the table only when
+  // the whole batch is good.
+  std::vector<ForwardItem> forward(items.size());
+  for (size_t b = 0; b < items.size(); ++b) {
+    const EagleHeadItem& it = items[b];
+    const int64_t width = it.input == EagleInput::kTargetFeatures ? config_.feature_size() : H;
+    const int64_t want = static_cast<int64_t>(it.tokens.size()) * width;
+    if (static_cast<int64_t>(it.inputs.size()) != want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "items[", b, "].inputs: holds ", it.inputs.size(), " floats, expected ", want, " (",
+          it.tokens.size(), " nodes x ", width,
+          it.input == EagleInput::kTargetFeatures ? " target-feature" : " hidden", " floats)"));
+    }
+    forward[b].seq = it.seq;
+    forward[b].tokens = it.tokens;
+    forward[b].parents = it.parents;
+    forward[b].logit_rows = it.output_rows;
+  }
+  StepLayout l;
+  if (absl::Status s = table_.PrepareForward(forward, &l); !s.ok()) return s;
+  if (items.empty()) return absl::OkStatus();
+  if (table_.allocated_blocks() > kv_blocks_) {
+    kv_blocks_ = table_.allocated_blocks();
+    const int64_t elems = kv_blocks_ * kKvBlockTokens * config_.head.num_kv_heads *
+                          int64_t{config_.head.head_dim};
+    for (size_t i = 0; i < k_pool_.size(); ++i) {
+      k_pool_[i].resize(elems);
+      v_pool_[i].resize(elems);
+    }
+  }
+  const int64_t T = l.num_tokens;
+
+  // x: the H-wide input of each node (EAGLE-3: fc(taps) or a hidden state; EAGLE-1/2: the
+  // feature or a hidden state, both fed to fc below).
+  std::vector<float> x(T * H);
+  int64_t t0 = 0;
+  for (const EagleHeadItem& it : items) {
+    const int64_t n = static_cast<int64_t>(it.tokens.size());
+    if (e3 && it.input == EagleInput::kTargetFeatures) {
+      Linear(it.inputs.data(), w_.fc, nullptr, &x[t0 * H], n, config_.feature_size(), H);
+    } else {
+      std::memcpy(&x[t0 * H], it.inputs.data(), sizeof(float) * n * H);
+    }
+    t0 += n;
+  }
+  std::vector<float> emb(T * H), normed(T * H), attn(T * H), sub(T * H), cat(T * 2 * H);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(&emb[t * H], &w_.embed[static_cast<int64_t>(l.tokens[t]) * H], sizeof(float) * H);
+  }
+  // The residual stream, which ends as the layer output.
+  std::vector<float> h(T * H);
+  if (e3) {
+    const EagleHeadWeights::Layer& w = w_.layers[0];
+    Norm(emb.data(), nullptr, w.input_norm, normed.data(), T);
+    Norm(x.data(), nullptr, w.hidden_norm, sub.data(), T);
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(&cat[t * 2 * H], &normed[t * H], sizeof(float) * H);
+      std::memcpy(&cat[t * 2 * H + H], &sub[t * H], sizeof(float) * H);
+    }
+    h = config_.norm_before_residual ? sub : x;
+    Attention(0, l, cat.data(), 2 * H, attn.data());
+    Norm(attn.data(), h.data(), w.post_norm, normed.data(), T);  // h += attn
+    Mlp(w, normed.data(), sub.data(), T);
+    for (int64_t i = 0; i < T * H; ++i) h[i] += sub[i];
+  } else {
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(&cat[t * 2 * H], &emb[t * H], sizeof(float) * H);
+      std::memcpy(&cat[t * 2 * H + H], &x[t * H], sizeof(float) * H);
+    }
+    Linear(cat.data(), w_.fc, &w_.fc_bias, h.data(), T, 2 * H, H);
+    for (size_t layer = 0; layer < w_.layers.size(); ++layer) {
+      const EagleHeadWeights::Layer& w = w_.layers[layer];
+      const float* in = h.data();
+      if (!w.input_norm.empty()) {
+        Norm(h.data(), nullptr, w.input_norm, normed.data(), T);
+        in = normed.data();
+      }
+      Attention(static_cast<int>(layer), l, in, H, attn.data());
+      Norm(attn.data(), h.data(), w.post_norm, normed.data(), T);  // h += attn
+      Mlp(w, normed.data(), sub.data(), T);
+      for (int64_t i = 0; i < T * H; ++i) h[i] += sub[i];
+    }
+  }
+
+  const int64_t R = static_cast<int64_t>(l.logit_tokens.size());
+  const int64_t dv = config_.draft_vocab_size;
+  out->hidden.resize(R * H);
+  out->logits.resize(R * dv);
+  for (int64_t r = 0; r < R; ++r) {
+    std::memcpy(&out->hidden[r * H], &h[l.logit_tokens[r] * H], sizeof(float) * H);
+  }
+  if (e3) {
+    std::vector<float> rows(R * H);
+    Norm(out->hidden.data(), nullptr, w_.norm, rows.data(), R);
+    Linear(rows.data(), w_.lm_head, nullptr, out->logits.data(), R, H, dv);
+  } else {
+    Linear(out->hidden.data(), w_.lm_head, nullptr, out->logits.data(), R, H, dv);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EagleHeadCpu::Commit(SeqId seq, absl::Span<const int32_t> path) {
+  std::vector<int64_t> src, dst;
+  if (absl::Status s = table_.PrepareCommit(seq, path, &src, &dst); !s.ok()) return s;
+  if (src.empty()) return absl::OkStatus();
+  for (size_t i = 0; i < k_pool_.size(); ++i) {
+    KvCacheCopyParams p;
+    p.k_cache = k_pool_[i].data();
+    p.v_cache = v_pool_[i].data();
+    p.src_slots = src.data();
+    p.dst_slots = dst.data();
+    p.num_copies = static_cast<int64_t>(src.size());
+    p.kv_dim = int64_t{config_.head.num_kv_heads} * config_.head.head_dim;
+    KvCacheCopyCpu(p);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace specd

@@ -1,0 +1,76 @@
+// The fp32 CPU forward of an EAGLE head (engine/draft/eagle_head.h): the reference the CUDA
+// version will be checked against, on the CPU kernels the CPU backend uses (OpenBLAS GEMMs in
+// batch-invariant row blocks, RMSNorm, RoPE, paged tree attention) and the same KV bookkeeping
+// (engine/kv/paged_kv_table.h, one pool a head layer).
+//
+// Determinism: as CpuModel, every row's result depends only on its own inputs and keys, so a
+// sequence's outputs do not depend on the other sequences of a batch.
+//
+// Not thread-safe: one thread drives it.
+#ifndef SPECD_ENGINE_DRAFT_EAGLE_HEAD_CPU_H_
+#define SPECD_ENGINE_DRAFT_EAGLE_HEAD_CPU_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/draft/eagle_head.h"
+#include "engine/kv/paged_kv_table.h"
+#include "engine/thread_pool.h"
+
+namespace specd {
+
+class EagleHeadCpu : public EagleHead {
+ public:
+  // `config` and `weights` from LoadEagleHeadConfig / LoadEagleHeadWeights against `target`.
+  // INVALID_ARGUMENT naming the option when `options` is out of range.
+  static absl::StatusOr<std::unique_ptr<EagleHeadCpu>> Create(EagleHeadConfig config,
+                                                              const ModelConfig& target,
+                                                              EagleHeadWeights weights,
+                                                              const EagleHeadOptions& options);
+
+  const EagleHeadConfig& config() const override { return config_; }
+  absl::Span<const int32_t> draft_to_target() const override { return w_.draft_to_target; }
+  int context_length() const override { return context_length_; }
+
+  absl::Status AddSequence(SeqId seq) override { return table_.AddSequence(seq); }
+  absl::Status RemoveSequence(SeqId seq) override { return table_.RemoveSequence(seq); }
+  bool HasSequence(SeqId seq) const override { return table_.HasSequence(seq); }
+  absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override {
+    return table_.CommittedLength(seq);
+  }
+  absl::Status Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) override;
+  absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
+  KvUsage Usage() const override { return table_.Usage(); }
+
+  // Rows per sgemm call (kLinearRowBlock, or 1 after a failed row-invariance probe).
+  int64_t row_block() const { return row_block_; }
+
+ private:
+  EagleHeadCpu(EagleHeadConfig config, EagleHeadWeights weights, int context_length,
+               const EagleHeadOptions& options);
+
+  void Norm(const float* x, float* residual, const std::vector<float>& w, float* out,
+            int64_t rows) const;
+  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
+              float* y, int64_t rows, int64_t in, int64_t out) const;
+  // Attention of head layer `layer` over the step: x [T, in] (already normed) -> out [T, H],
+  // writing the step's K/V into the layer's pools.
+  void Attention(int layer, const StepLayout& l, const float* x, int64_t in, float* out);
+  // out [T, H] = down(silu(gate(x)) * up(x)) for x [T, H].
+  void Mlp(const EagleHeadWeights::Layer& w, const float* x, float* out, int64_t rows) const;
+
+  const EagleHeadConfig config_;
+  const EagleHeadWeights w_;
+  const int context_length_;
+  PagedKvTable table_;
+  std::vector<float> inv_freq_;
+  std::unique_ptr<ThreadPool> pool_;
+  int64_t row_block_;
+  int64_t kv_blocks_ = 0;
+  std::vector<std::vector<float>> k_pool_, v_pool_;  // per head layer [slots, kv_heads * head_dim]
+};
+
+}  // namespace specd
+
+#endif  // SPECD_ENGINE_DRAFT_EAGLE_HEAD_CPU_H_
