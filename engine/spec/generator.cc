@@ -167,8 +167,9 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
           states[i].Apply(outcome, verify_items[a].tree.size());
       if (!outcome.logprobs.empty()) {
         // Emitted tokens are a prefix of the outcome's (a stop cuts the rest).
+        const size_t n = std::min(emitted.size(), outcome.logprobs.size());
         logprobs[i].insert(logprobs[i].end(), outcome.logprobs.begin(),
-                           outcome.logprobs.begin() + emitted.size());
+                           outcome.logprobs.begin() + n);
       }
       if (on_tokens && !emitted.empty()) on_tokens(i, emitted);
       if (states[i].finished()) {
