@@ -158,15 +158,22 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   slot->seq = *live;
   item->seq = *live;
   item->pending.assign(step.pending().begin(), step.pending().end());
+  // A kept history follows every step, also one that (against the contract) drops the
+  // penalties, so that it is still right if a later step sets them again.
+  TokenHistory* history = nullptr;
   if (needs_history) {
+    history = &histories_[*live];
+  } else if (auto h = histories_.find(*live); h != histories_.end()) {
+    history = &h->second;
+  }
+  if (history != nullptr) {
     // The history covers the pending tokens too: the prompt at the first step, output after.
-    TokenHistory& history = histories_[*live];
     if (slot->created) {
-      history.AddPrompt(item->pending);
+      history->AddPrompt(item->pending);
     } else {
-      history.AddOutput(item->pending);
+      history->AddOutput(item->pending);
     }
-    item->history = &history;
+    item->history = history;
   }
   return absl::OkStatus();
 }
