@@ -4,7 +4,7 @@
 // and logprobs with the top 20. These run on the CPU backend's verify path once per row the tree
 // walk reaches; a request that asks for none of them pays only SampleToken.
 //
-//   build/bench/sampling_bench --benchmark_format=json > bench/results/sampling_<machine>_<date>.json
+//   build/bench/sampling_bench --benchmark_repetitions=3 --benchmark_report_aggregates_only
 #include <cmath>
 #include <cstdint>
 #include <random>
