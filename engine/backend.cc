@@ -27,6 +27,37 @@ VerifyOutcome WalkTree(const TokenTree& tree, int64_t first_position,
   return out;
 }
 
+VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows,
+                               int vocab_size, int64_t first_position) {
+  const SamplingParams& sampling = item.sampling;
+  const bool process = sampling.has_processors();
+  std::vector<float> processed;
+  std::vector<int32_t> path;
+  std::vector<TokenLogprobs> logprobs;
+  VerifyOutcome out = WalkTree(item.tree, first_position, [&](int row, int64_t position) {
+    const absl::Span<const float> raw =
+        rows.subspan(static_cast<size_t>(row) * vocab_size, vocab_size);
+    absl::Span<const float> logits = raw;
+    if (process) {
+      // Row 0 continues the history; row i + 1 continues node i, after its ancestors.
+      path.clear();
+      for (int node = row - 1; node >= 0; node = item.tree.parents[node]) {
+        path.push_back(item.tree.tokens[node]);
+      }
+      ProcessLogits(raw, sampling, item.history, path, &processed);
+      logits = processed;
+    }
+    const int32_t token = SampleToken(logits, sampling, position);
+    if (item.logprobs >= 0) {
+      logprobs.push_back(
+          ComputeLogprobs(raw, logits, sampling, item.logprobs_mode, token, item.logprobs));
+    }
+    return token;
+  });
+  out.logprobs = std::move(logprobs);
+  return out;
+}
+
 VerifyOutcome AcceptTree(const TokenTree& tree, absl::Span<const float> rows, int vocab_size,
                          const SamplingParams& sampling, int64_t first_position) {
   return WalkTree(tree, first_position, [&](int row, int64_t position) {
@@ -35,12 +66,45 @@ VerifyOutcome AcceptTree(const TokenTree& tree, absl::Span<const float> rows, in
   });
 }
 
+absl::Status CheckVerifySupport(const VerifyFeatures& features, const SamplingParams& sampling,
+                                int logprobs, const std::string& backend) {
+  auto refuse = [&](const char* field) {
+    return absl::UnimplementedError(
+        absl::StrCat(field, ": not supported by ", backend, " yet (the CPU backend has it)"));
+  };
+  if (!features.logits_processors) {
+    if (sampling.min_p > 0.0f) return refuse("sampling.min_p");
+    if (!sampling.logit_bias.empty()) return refuse("sampling.logit_bias");
+    if (sampling.min_tokens > 0) return refuse("sampling.min_tokens");
+    if (sampling.repetition_penalty != 1.0f) return refuse("sampling.repetition_penalty");
+    if (sampling.presence_penalty != 0.0f) return refuse("sampling.presence_penalty");
+    if (sampling.frequency_penalty != 0.0f) return refuse("sampling.frequency_penalty");
+  }
+  if (!features.logprobs && logprobs >= 0) return refuse("logprobs");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyItem& item,
                                           size_t index, ForwardItem* f) {
   if (item.pending.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("verify item ", index, ": no pending token"));
   }
-  if (absl::Status s = ValidateTree(item.tree, backend.config().vocab_size); !s.ok()) return s;
+  const int vocab = backend.config().vocab_size;
+  if (absl::Status s = ValidateTree(item.tree, vocab); !s.ok()) return s;
+  // Processors index the row by these ids, so they are checked here, whoever the caller is.
+  if (absl::Status s = ValidateSamplingParams(item.sampling, vocab); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("verify item ", index, ": sampling.", s.message()));
+  }
+  if (item.sampling.needs_history() && item.history == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "verify item ", index, ": its sampling (penalties or min_tokens) needs the history"));
+  }
+  if (item.logprobs < -1 || item.logprobs > kMaxLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("verify item ", index, ": logprobs ",
+                                                   item.logprobs, " must be in [-1, ",
+                                                   kMaxLogprobs, "]"));
+  }
   absl::StatusOr<int64_t> len = backend.CommittedLength(item.seq);
   if (!len.ok()) return len.status();
   const int p = static_cast<int>(item.pending.size());
@@ -77,9 +141,9 @@ absl::StatusOr<std::vector<VerifyOutcome>> Backend::Verify(absl::Span<const Veri
   size_t row = 0;
   for (size_t b = 0; b < items.size(); ++b) {
     const size_t nrows = forward[b].logit_rows.size();
-    outcomes[b] = AcceptTree(items[b].tree,
-                             absl::Span<const float>(logits).subspan(row * vocab, nrows * vocab),
-                             vocab, items[b].sampling, first_position[b]);
+    outcomes[b] = AcceptTreeOnHost(
+        items[b], absl::Span<const float>(logits).subspan(row * vocab, nrows * vocab), vocab,
+        first_position[b]);
     row += nrows;
     const std::vector<int32_t> path =
         AcceptedScratchPath(static_cast<int>(items[b].pending.size()), outcomes[b]);

@@ -53,6 +53,15 @@ struct VerifyItem {
   std::vector<int32_t> pending;
   TokenTree tree;
   SamplingParams sampling;
+  // The sequence's tokens so far, `pending` included (the prompt, then the output), for the
+  // logits processors that read them (engine/sampling.h); required when
+  // sampling.needs_history(), else ignored. A tree node's row is processed with this history
+  // plus its path in the tree, so penalties and min_tokens stay lossless under speculation.
+  const TokenHistory* history = nullptr;
+  // Log-probabilities of the emitted tokens: -1 none (no cost), 0 the emitted token's, n (up to
+  // kMaxLogprobs) also the n most likely tokens at each position.
+  int logprobs = -1;
+  LogprobsMode logprobs_mode = LogprobsMode::kRaw;
 };
 
 struct VerifyOutcome {
@@ -62,6 +71,19 @@ struct VerifyOutcome {
   int accepted_draft = 0;  // tokens.size() - 1
   // Tree node index of each accepted draft token, in order (for drafters that reuse KV).
   std::vector<int32_t> accepted_nodes;
+  // Empty unless VerifyItem::logprobs >= 0; then one per entry of `tokens`, from the target's
+  // row that token was drawn from (the row of its parent in the accepted path).
+  std::vector<TokenLogprobs> logprobs;
+};
+
+// What a backend's Verify() does beyond temperature, top-k and top-p. The default Verify()
+// (host sampling over gathered logits) does everything; a backend that overrides Verify()
+// declares what its own path does, and CheckVerifySupport() turns the rest into UNIMPLEMENTED
+// before a request is accepted, never into a silently ignored field. A device backend fills
+// VerifyOutcome::logprobs from a device log-sum-exp and top-k of the same rows it samples.
+struct VerifyFeatures {
+  bool logits_processors = false;  // min_p, logit_bias, min_tokens and the penalties
+  bool logprobs = false;
 };
 
 struct KvUsage {
@@ -98,11 +120,27 @@ class Backend {
   // A whole verify step for a batch of sequences. The default runs Forward() then samples on
   // the host and Commit()s; a GPU backend overrides it to accept on the device.
   virtual absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items);
+
+  // What Verify() honours. Nothing beyond the basic sampler unless a backend says so: one that
+  // overrides Verify() without declaring more gets requests for the rest refused.
+  virtual VerifyFeatures verify_features() const { return VerifyFeatures(); }
 };
 
-// Tree acceptance on the host (DESIGN.md, lossless verification). `rows` holds the logits of
-// the last pending token followed by those of every tree node: [1 + tree.size(), vocab].
-// `first_position` is the absolute position of the token sampled from rows[0].
+// OK when `features` cover what `sampling` and `logprobs` (VerifyItem::logprobs) ask for; else
+// UNIMPLEMENTED naming the first field they do not cover (sampling.min_p, sampling.logit_bias,
+// sampling.min_tokens, sampling.repetition_penalty, sampling.presence_penalty,
+// sampling.frequency_penalty, logprobs) and `backend` (e.g. "the cuda:0 backend").
+absl::Status CheckVerifySupport(const VerifyFeatures& features, const SamplingParams& sampling,
+                                int logprobs, const std::string& backend);
+
+// Tree acceptance on the host (DESIGN.md, lossless verification) of `item` (its tree, sampling,
+// history and logprobs). `rows` holds the logits of the last pending token followed by those
+// of every tree node: [1 + tree.size(), vocab]. `first_position` is the absolute position of
+// the token sampled from rows[0]. Only the rows the walk reaches are processed and sampled.
+VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows,
+                               int vocab_size, int64_t first_position);
+
+// AcceptTreeOnHost() of a tree and sampling parameters without processors or logprobs.
 VerifyOutcome AcceptTree(const TokenTree& tree, absl::Span<const float> rows, int vocab_size,
                          const SamplingParams& sampling, int64_t first_position);
 
@@ -115,7 +153,8 @@ VerifyOutcome WalkTree(const TokenTree& tree, int64_t first_position,
 
 // The forward pass of one verify step: `item.pending` as a chain, the tree below its last
 // token, logits for the last pending token and every node. Validates the item (`index` names it
-// in errors) and returns the absolute position sampled from the first logit row.
+// in errors: its tree, its sampling against the vocabulary, its logprobs count, a history when
+// the sampling needs one) and returns the absolute position sampled from the first logit row.
 absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyItem& item,
                                           size_t index, ForwardItem* forward);
 

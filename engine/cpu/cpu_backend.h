@@ -54,6 +54,8 @@ class CpuBackend : public Backend {
   // used_tokens counts committed and scratch tokens; blocks are allocated kKvBlockTokens at a
   // time, so RESOURCE_EXHAUSTED can come up to one partly filled block per sequence early.
   KvUsage Usage() const override;
+  // Backend::Verify() on the host: every processor and logprobs.
+  VerifyFeatures verify_features() const override { return {true, true}; }
 
   // Number of scratch nodes appended since the last Commit() (for tests and drafters).
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const;

@@ -21,13 +21,37 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
   const ModelConfig& config = target_->config();
   std::vector<SequenceState> states;
   states.reserve(requests.size());
+  // Each request's sampling as the target sees it (min_tokens_stop_ids completed), and the
+  // history its processors read, kept only for requests whose sampling needs one.
+  std::vector<SamplingParams> sampling(requests.size());
+  std::vector<TokenHistory> histories(requests.size());
+  std::vector<int64_t> history_fed(requests.size(), 0);  // tokens added to histories[i]
+  std::vector<std::vector<TokenLogprobs>> logprobs(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     const GenerationRequest& r = requests[i];
     auto prefix = [i](const absl::Status& s) {
       return absl::Status(s.code(), absl::StrCat("requests[", i, "].", s.message()));
     };
-    if (absl::Status s = ValidateSamplingParams(r.sampling); !s.ok()) {
+    sampling[i] = r.sampling;
+    if (r.sampling.min_tokens > 0) {
+      std::vector<int32_t>& ids = sampling[i].min_tokens_stop_ids;
+      for (const std::vector<int32_t>* more : {&config.eos_token_ids, &r.stop_token_ids}) {
+        for (int32_t id : *more) {
+          if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+        }
+      }
+    }
+    if (absl::Status s = ValidateSamplingParams(sampling[i], config.vocab_size); !s.ok()) {
       return prefix(absl::InvalidArgumentError(absl::StrCat("sampling.", s.message())));
+    }
+    if (r.logprobs < -1 || r.logprobs > kMaxLogprobs) {
+      return prefix(absl::InvalidArgumentError(
+          absl::StrCat("logprobs: ", r.logprobs, " must be in [-1, ", kMaxLogprobs, "]")));
+    }
+    if (absl::Status s = CheckVerifySupport(target_->verify_features(), sampling[i], r.logprobs,
+                                            "the target backend");
+        !s.ok()) {
+      return prefix(s);
     }
     if (drafter_ != nullptr && r.speculate) {
       if (absl::Status s = ValidateDraftParams(r.draft); !s.ok()) {
@@ -114,9 +138,21 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       v.seq = ids[i];
       const absl::Span<const int32_t> pending = states[i].TargetPending();
       v.pending.assign(pending.begin(), pending.end());
-      v.sampling = requests[i].sampling;
+      v.sampling = sampling[i];
       if (tree_of[i] >= 0) v.tree = std::move(trees[tree_of[i]]);
       tree_of[i] = -1;
+      v.logprobs = requests[i].logprobs;
+      v.logprobs_mode = requests[i].logprobs_mode;
+      if (sampling[i].needs_history()) {
+        // The history covers every token so far, the pending ones included.
+        const absl::Span<const int32_t> prompt = states[i].prompt();
+        const absl::Span<const int32_t> output = states[i].output();
+        const int64_t np = static_cast<int64_t>(prompt.size());
+        if (history_fed[i] < np) histories[i].AddPrompt(prompt.subspan(history_fed[i]));
+        histories[i].AddOutput(output.subspan(std::max<int64_t>(0, history_fed[i] - np)));
+        history_fed[i] = np + static_cast<int64_t>(output.size());
+        v.history = &histories[i];
+      }
     }
     absl::StatusOr<std::vector<VerifyOutcome>> outcomes = target_->Verify(verify_items);
     if (!outcomes.ok()) {
@@ -126,8 +162,15 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
     std::vector<size_t> still_active;
     for (size_t a = 0; a < active.size(); ++a) {
       const size_t i = active[a];
+      const VerifyOutcome& outcome = (*outcomes)[a];
       const absl::Span<const int32_t> emitted =
-          states[i].Apply((*outcomes)[a], verify_items[a].tree.size());
+          states[i].Apply(outcome, verify_items[a].tree.size());
+      if (!outcome.logprobs.empty()) {
+        // Emitted tokens are a prefix of the outcome's (a stop cuts the rest).
+        const size_t n = std::min(emitted.size(), outcome.logprobs.size());
+        logprobs[i].insert(logprobs[i].end(), outcome.logprobs.begin(),
+                           outcome.logprobs.begin() + n);
+      }
       if (on_tokens && !emitted.empty()) on_tokens(i, emitted);
       if (states[i].finished()) {
         release(i);
@@ -143,6 +186,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
     results[i].tokens.assign(states[i].output().begin(), states[i].output().end());
     results[i].finish_reason = states[i].finish_reason();
     results[i].stats = states[i].stats();
+    results[i].logprobs = std::move(logprobs[i]);
   }
   return results;
 }

@@ -24,6 +24,8 @@ namespace specd {
 
 struct GenerationRequest {
   std::vector<int32_t> prompt;
+  // With min_tokens, the generator masks the config's eos ids and stop_token_ids (added to
+  // sampling.min_tokens_stop_ids) until min_tokens tokens were generated.
   SamplingParams sampling;
   int max_new_tokens = 64;
   // End the sequence as the target's eos ids do (the config's eos ids apply unless ignore_eos).
@@ -31,12 +33,17 @@ struct GenerationRequest {
   bool ignore_eos = false;
   bool speculate = true;  // false: target-only even when the generator has a drafter
   DraftParams draft;
+  // VerifyItem::logprobs and logprobs_mode: -1 none, 0 the emitted tokens', n also the top n.
+  int logprobs = -1;
+  LogprobsMode logprobs_mode = LogprobsMode::kRaw;
 };
 
 struct GenerationResult {
   std::vector<int32_t> tokens;  // generated ids, ending with the stop token when one stopped it
   FinishReason finish_reason = FinishReason::kNone;
   SpecStats stats;
+  // One per token when the request asked for logprobs, else empty.
+  std::vector<TokenLogprobs> logprobs;
 };
 
 // Called after each step with the tokens a request gained (never tokens past its stop).

@@ -136,7 +136,9 @@ absl::Status TensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
 absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
     absl::Span<const VerifyItem> items) {
   for (const VerifyItem& it : items) {
-    if (!VocabParallelSamplingSupported(it.sampling)) return Backend::Verify(items);
+    if (!VocabParallelSamplingSupported(it.sampling) || it.logprobs >= 0) {
+      return Backend::Verify(items);
+    }
   }
   // The same feed as Backend::Verify: pending tokens as a chain, the tree below the last one,
   // logits of the last pending token and of every tree node. Each row's token is a pure

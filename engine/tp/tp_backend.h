@@ -129,9 +129,11 @@ class TensorParallelBackend : public Backend {
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_.Usage(); }
   // When every item's sampling is VocabParallelSamplingSupported (greedy, or temperature
-  // without top-k/top-p), tokens are chosen from per-rank candidates without gathering the
-  // logits, as a GPU group does; otherwise Backend::Verify on gathered logits. Same outcomes.
+  // without filters or processors) and no item asks for logprobs, tokens are chosen from
+  // per-rank candidates without gathering the logits, as a GPU group does; otherwise
+  // Backend::Verify on gathered logits. Same outcomes.
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
+  VerifyFeatures verify_features() const override { return {true, true}; }
 
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const { return table_.ScratchLength(seq); }
 

@@ -75,7 +75,8 @@ absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
 }
 
 bool VocabParallelSamplingSupported(const SamplingParams& params) {
-  return params.greedy() || (params.top_k == 0 && params.top_p >= 1.0f);
+  if (params.has_processors()) return false;
+  return params.greedy() || (params.top_k == 0 && params.top_p >= 1.0f && params.min_p <= 0.0f);
 }
 
 VocabCandidate ShardCandidate(absl::Span<const float> shard, TpRange vocab,

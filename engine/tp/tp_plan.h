@@ -81,8 +81,9 @@ absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
 // small structs, or an all-reduce with a max-by-key operator). The result is exactly
 // SampleToken() of the full row for greedy decoding and for temperature sampling without top-k
 // or top-p (Gumbel-max: the noise is keyed by the global token id, so a shard scores its tokens
-// exactly as the full row would). Top-k / top-p need a global view (the shards' top-k lists at
-// least), so callers gather the logits for those.
+// exactly as the full row would). Top-k / top-p / min-p need a global view (the shards' top-k
+// lists at least), so callers gather the logits for those, and for the logits processors
+// (penalties, bias, min_tokens), which the gathered path applies.
 struct VocabCandidate {
   double score = 0.0;  // logit (greedy) or logit / temperature + Gumbel noise
   int32_t token = -1;  // global token id; -1 for an empty shard

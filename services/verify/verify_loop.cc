@@ -9,6 +9,7 @@
 #include "common/service/grpc_util.h"
 #include "common/logging.h"
 #include "common/service/tree_proto.h"
+#include "services/verify/sampling_proto.h"
 
 namespace specd {
 absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopOptions& options,
@@ -37,15 +38,24 @@ VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
   info_.set_max_context(config.max_position_embeddings);
   info_.mutable_eos_token_ids()->Add(config.eos_token_ids.begin(), config.eos_token_ids.end());
   info_.set_tensor_parallel(options.backend.tensor_parallel);
+  const VerifyFeatures features = backend_->verify_features();
+  info_.set_supports_logprobs(features.logprobs);
+  info_.set_supports_logits_processors(features.logits_processors);
   Start();
 }
 
 VerifyLoop::~VerifyLoop() { Stop(); }
 
 void VerifyLoop::FreeModelState(int64_t seq) {
+  histories_.erase(seq);
   if (absl::Status s = backend_->RemoveSequence(seq); !s.ok()) {
     SPECD_LOG(WARNING) << "freeing sequence " << seq << ": " << s;
   }
+}
+
+void VerifyLoop::Forget(int64_t seq) {
+  histories_.erase(seq);
+  (void)backend_->RemoveSequence(seq);
 }
 
 double VerifyLoop::KvCacheUsageRatio() {
@@ -75,13 +85,40 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   if (absl::Status s = ValidateTree(item->tree, config.vocab_size); !s.ok()) {
     return Prefixed(s, where + ".");
   }
-  item->sampling.temperature = step.sampling().temperature();
-  item->sampling.top_k = step.sampling().top_k();
-  // proto3 cannot tell an unset top_p from 0, and 0 is outside (0, 1]: read it as "no limit".
-  item->sampling.top_p = step.sampling().top_p() == 0.0f ? 1.0f : step.sampling().top_p();
-  item->sampling.seed = step.sampling().seed();
-  if (absl::Status s = ValidateSamplingParams(item->sampling); !s.ok()) {
+  if (absl::Status s = SamplingFromProto(step.sampling(), config.eos_token_ids,
+                                         config.vocab_size, &item->sampling);
+      !s.ok()) {
     return Prefixed(s, where + ".sampling.");
+  }
+  if (step.has_logprobs()) {
+    if (step.logprobs() > static_cast<uint32_t>(kMaxLogprobs)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".logprobs: ", step.logprobs(),
+                                                     " must be at most ", kMaxLogprobs));
+    }
+    item->logprobs = static_cast<int>(step.logprobs());
+  }
+  switch (step.logprobs_mode()) {
+    case v1::LOGPROBS_MODE_RAW:
+      item->logprobs_mode = LogprobsMode::kRaw;
+      break;
+    case v1::LOGPROBS_MODE_PROCESSED:
+      item->logprobs_mode = LogprobsMode::kProcessed;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".logprobs_mode: unknown value ", step.logprobs_mode()));
+  }
+  if (absl::Status s =
+          CheckVerifySupport(backend_->verify_features(), item->sampling, item->logprobs,
+                             absl::StrCat("the ", options_.backend.device, " backend"));
+      !s.ok()) {
+    return Prefixed(s, where + ".");
+  }
+  const bool needs_history = item->sampling.needs_history();
+  if (needs_history && live.has_value() && !histories_.contains(*live)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".sampling: penalties and min_tokens must be set from a sequence's first step "
+               "(this one started without them, so its history was not kept)"));
   }
   int64_t committed = 0;
   if (live.has_value()) {
@@ -121,6 +158,23 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   slot->seq = *live;
   item->seq = *live;
   item->pending.assign(step.pending().begin(), step.pending().end());
+  // A kept history follows every step, also one that (against the contract) drops the
+  // penalties, so that it is still right if a later step sets them again.
+  TokenHistory* history = nullptr;
+  if (needs_history) {
+    history = &histories_[*live];
+  } else if (auto h = histories_.find(*live); h != histories_.end()) {
+    history = &h->second;
+  }
+  if (history != nullptr) {
+    // The history covers the pending tokens too: the prompt at the first step, output after.
+    if (slot->created) {
+      history->AddPrompt(item->pending);
+    } else {
+      history->AddOutput(item->pending);
+    }
+    item->history = history;
+  }
   return absl::OkStatus();
 }
 
@@ -203,10 +257,12 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
           // state was lost cannot go on.
           const StreamId stream = batch.steps[slot.step].stream;
           table_.Remove(stream, result->seq_id());
-          (void)backend_->RemoveSequence(slot.seq);
+          Forget(slot.seq);
           if (!slot.created) {
             table_.SetTombstone(stream, result->seq_id(), absl::StatusCode::kInternal);
           }
+        } else if (auto h = histories_.find(slot.seq); h != histories_.end()) {
+          h->second.RemoveOutput(items[k].pending);  // the step did not happen
         }
         ToSequenceError(each[k].status(), result->mutable_error());
         continue;
@@ -216,6 +272,11 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
       result->set_accepted_draft(outcome.accepted_draft);
       result->mutable_accepted_nodes()->Add(outcome.accepted_nodes.begin(),
                                             outcome.accepted_nodes.end());
+      for (const TokenLogprobs& lp : outcome.logprobs) LogprobsToProto(lp, result->add_logprobs());
+      if (auto h = histories_.find(slot.seq); h != histories_.end()) {
+        // The accepted drafts are committed; the bonus token comes back as the next pending.
+        h->second.AddOutput(absl::MakeConstSpan(outcome.tokens).first(outcome.accepted_draft));
+      }
     }
   }
   return responses;

@@ -2,7 +2,8 @@
 // streams (StepQueue), merges the steps of all streams that are waiting into one
 // Backend::Verify call, and replies per stream. Every per-sequence problem (bad token ids, an
 // invalid tree, no KV left, a passed deadline) becomes that sequence's SequenceError; the other
-// sequences of the batch are served.
+// sequences of the batch are served. For requests with penalties or min_tokens it keeps each
+// sequence's token history (engine/sampling.h), from its first step to its release.
 #ifndef SPECD_SERVICES_VERIFY_VERIFY_LOOP_H_
 #define SPECD_SERVICES_VERIFY_VERIFY_LOOP_H_
 
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/node_hash_map.h"
 #include "common/service/metrics.h"
 #include "common/service/step_loop.h"
 #include "common/service/step_stream.h"
@@ -57,8 +59,15 @@ class VerifyLoop final
   VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
              const VerifyLoopOptions& options, ModelServiceMetrics* metrics);
 
+  // Frees the model state and the history of a sequence the table no longer holds.
+  void Forget(int64_t seq);
+
   std::unique_ptr<Backend> backend_;
   VerifyLoopOptions options_;
+  // Per model-side sequence id, for sequences whose first step had penalties or min_tokens:
+  // prompt and output as the processors see them (VerifyItem::history points here; a node map,
+  // so those pointers survive later insertions).
+  absl::node_hash_map<int64_t, TokenHistory> histories_;
 };
 
 }  // namespace specd

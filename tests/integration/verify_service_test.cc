@@ -1,12 +1,14 @@
 // specd-verify as a real process on loopback: health and reflection, batched Step streams whose
-// results equal Backend::Verify run in this process on the same checkpoint, per-sequence
-// errors, capacity limits, deadlines, releases and stream ends freeing sequences (seen in
+// results (tokens and logprobs, with penalties, logit bias and min_tokens over several steps)
+// equal Backend::Verify run in this process on the same checkpoint, per-sequence errors naming
+// the field, capacity limits, deadlines, releases and stream ends freeing sequences (seen in
 // /metrics), the metrics contract, startup errors and SIGTERM.
 #include <signal.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -20,6 +22,7 @@
 #include "engine/backend.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "services/verify/sampling_proto.h"
 #include "specd/v1/verify.grpc.pb.h"
 #include "tests/testutil/model_service_fixture.h"
 #include "tests/testutil/random_checkpoint.h"
@@ -39,18 +42,17 @@ constexpr int kVocab = 320;
 using VerifyStream =
     StepStreamClient<v1::Verifier, v1::VerifyStepRequest, v1::VerifyStepResponse>;
 
+// `stop_token_ids` go with min_tokens (the service adds its model's EOS ids itself).
 v1::VerifySequenceStep* AddStep(v1::VerifyStepRequest* request, uint64_t seq,
                                 const std::vector<int32_t>& pending, const TokenTree& tree = {},
-                                const SamplingParams& sampling = {}) {
+                                const SamplingParams& sampling = {},
+                                const std::vector<int32_t>& stop_token_ids = {}) {
   v1::VerifySequenceStep* step = request->add_steps();
   step->set_seq_id(seq);
   step->mutable_pending()->Add(pending.begin(), pending.end());
   step->mutable_tree()->mutable_tokens()->Add(tree.tokens.begin(), tree.tokens.end());
   step->mutable_tree()->mutable_parents()->Add(tree.parents.begin(), tree.parents.end());
-  step->mutable_sampling()->set_temperature(sampling.temperature);
-  step->mutable_sampling()->set_top_k(sampling.top_k);
-  step->mutable_sampling()->set_top_p(sampling.top_p);
-  step->mutable_sampling()->set_seed(sampling.seed);
+  SamplingToProto(sampling, stop_token_ids, step->mutable_sampling());
   return step;
 }
 
@@ -152,6 +154,8 @@ TEST_F(VerifyServiceTest, GetInfoDescribesTheModel) {
   EXPECT_EQ(info.max_context(), 256u);
   EXPECT_THAT(info.eos_token_ids(), ElementsAreArray({256}));
   EXPECT_EQ(info.tensor_parallel(), 1u);
+  EXPECT_TRUE(info.supports_logprobs());
+  EXPECT_TRUE(info.supports_logits_processors());
 }
 
 // Several sequences per step, over several steps, with trees that partly match the target's
@@ -181,15 +185,29 @@ TEST_P(VerifyServiceTpTest, BatchedStepsMatchInProcessVerify) {
     std::vector<int32_t> pending;
     SamplingParams sampling;
     std::vector<int32_t> history;
+    int logprobs = -1;
+    LogprobsMode mode = LogprobsMode::kRaw;
+    std::vector<int32_t> stop_token_ids;
+    TokenHistory processed;  // the reference's history for the processors
   };
   SamplingParams sampled;
   sampled.temperature = 0.8f;
   sampled.top_k = 20;
   sampled.top_p = 0.9f;
   sampled.seed = 1234;
-  std::vector<Seq> seqs = {{11, {72, 101, 108, 108, 111}, {}, {}},
-                           {12, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, {}, {}},
-                           {13, {200, 13, 200, 13}, sampled, {}}};
+  // Greedy with every processor; its first greedy token (found below) is held back by
+  // min_tokens, so the service must count the output right for the results to agree.
+  SamplingParams processors;
+  processors.repetition_penalty = 1.3f;
+  processors.frequency_penalty = 0.4f;
+  processors.presence_penalty = -0.3f;
+  processors.logit_bias = {{40, 1.5f}, {41, -2.0f}};
+  processors.min_tokens = 6;
+  std::vector<Seq> seqs(4);
+  seqs[0] = {11, {72, 101, 108, 108, 111}, {}, {}};
+  seqs[1] = {12, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, {}, {}, 0};
+  seqs[2] = {13, {200, 13, 200, 13}, sampled, {}, 5};
+  seqs[3] = {14, {40, 41, 42, 40, 41, 42, 7}, processors, {}, 3, LogprobsMode::kProcessed};
   for (Seq& s : seqs) s.history = s.pending;
 
   // Greedy next tokens after `history`, decoded one by one on the oracle backend.
@@ -208,6 +226,9 @@ TEST_P(VerifyServiceTpTest, BatchedStepsMatchInProcessVerify) {
     EXPECT_TRUE(oracle->RemoveSequence(id).ok());
     return out;
   };
+
+  seqs[3].stop_token_ids = {greedy(seqs[3].history, 1)[0]};
+  seqs[3].sampling.min_tokens_stop_ids = {256, seqs[3].stop_token_ids[0]};  // as the service does
 
   VerifyStream stream(p->channel());
   int accepted_total = 0;
@@ -231,37 +252,75 @@ TEST_P(VerifyServiceTpTest, BatchedStepsMatchInProcessVerify) {
           parent = tree.size() - 1;
         }
       }
-      AddStep(&request, s.id, s.pending, tree, s.sampling);
-      items.push_back({static_cast<SeqId>(1000 + i), s.pending, tree, s.sampling});
+      v1::VerifySequenceStep* wire =
+          AddStep(&request, s.id, s.pending, tree, s.sampling, s.stop_token_ids);
+      if (s.logprobs >= 0) wire->set_logprobs(s.logprobs);
+      if (s.mode == LogprobsMode::kProcessed) {
+        wire->set_logprobs_mode(v1::LOGPROBS_MODE_PROCESSED);
+      }
+      VerifyItem item{static_cast<SeqId>(1000 + i), s.pending, tree, s.sampling};
+      item.logprobs = s.logprobs;
+      item.logprobs_mode = s.mode;
+      if (s.sampling.needs_history()) {
+        if (step == 0) {
+          s.processed.AddPrompt(s.pending);
+        } else {
+          s.processed.AddOutput(s.pending);
+        }
+        item.history = &s.processed;
+      }
+      items.push_back(std::move(item));
       if (step == 0) ASSERT_TRUE(reference->AddSequence(1000 + i).ok());
     }
     const v1::VerifyStepResponse response = stream.Step(request);
     absl::StatusOr<std::vector<VerifyOutcome>> want = reference->Verify(items);
     ASSERT_TRUE(want.ok()) << want.status();
     for (size_t i = 0; i < seqs.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat("step ", step, " seq ", i));
       const v1::VerifySequenceResult& r = response.results(i);
+      const VerifyOutcome& w = (*want)[i];
       ASSERT_EQ(r.seq_id(), seqs[i].id);
       ASSERT_FALSE(r.has_error()) << r.error().message();
-      EXPECT_EQ(Tokens(r), (*want)[i].tokens) << "step " << step << " seq " << i;
-      EXPECT_EQ(r.accepted_draft(), static_cast<uint32_t>((*want)[i].accepted_draft));
-      EXPECT_THAT(r.accepted_nodes(), ElementsAreArray((*want)[i].accepted_nodes));
-      if (!seqs[i].sampling.greedy() || step == 0) {
-        accepted_total += 0;
-      } else {
+      EXPECT_EQ(Tokens(r), w.tokens);
+      EXPECT_EQ(r.accepted_draft(), static_cast<uint32_t>(w.accepted_draft));
+      EXPECT_THAT(r.accepted_nodes(), ElementsAreArray(w.accepted_nodes));
+      if (step > 0 && seqs[i].sampling.greedy() && !seqs[i].sampling.has_processors()) {
         EXPECT_EQ(r.accepted_draft(), 3u) << "the greedy chain must be accepted whole";
       }
       accepted_total += r.accepted_draft();
+      // Logprobs only when asked, one per token; the sharded target's sums differ in the last
+      // bits from the reference's.
+      ASSERT_EQ(r.logprobs_size(), seqs[i].logprobs < 0 ? 0 : r.tokens_size());
+      ASSERT_EQ(w.logprobs.size(), static_cast<size_t>(r.logprobs_size()));
+      for (int t = 0; t < r.logprobs_size(); ++t) {
+        const TokenLogprobs got = LogprobsFromProto(r.logprobs(t));
+        EXPECT_NEAR(got.logprob, w.logprobs[t].logprob, 1e-5) << "token " << t;
+        EXPECT_EQ(got.rank, w.logprobs[t].rank) << "token " << t;
+        ASSERT_EQ(got.top.size(), w.logprobs[t].top.size()) << "token " << t;
+        EXPECT_EQ(got.top.size(), static_cast<size_t>(std::max(seqs[i].logprobs, 0)));
+        for (size_t k = 0; k < got.top.size(); ++k) {
+          EXPECT_EQ(got.top[k].token, w.logprobs[t].top[k].token) << "token " << t;
+          EXPECT_NEAR(got.top[k].logprob, w.logprobs[t].top[k].logprob, 1e-5);
+        }
+      }
       std::vector<int32_t> emitted = Tokens(r);
       seqs[i].history.insert(seqs[i].history.end(), emitted.begin(), emitted.end());
       seqs[i].pending = {emitted.back()};
+      if (seqs[i].sampling.needs_history()) {
+        seqs[i].processed.AddOutput(absl::MakeConstSpan(emitted).first(w.accepted_draft));
+      }
     }
   }
+  // min_tokens held the first greedy token back for the first 6 output tokens.
+  const std::vector<int32_t> out4(seqs[3].history.begin() + 7, seqs[3].history.end());
+  ASSERT_GE(out4.size(), 6u);
+  EXPECT_EQ(std::count(out4.begin(), out4.begin() + 6, seqs[3].stop_token_ids[0]), 0);
   EXPECT_GE(accepted_total, 18);
-  EXPECT_EQ(Metric("specd_sequences"), 3);
+  EXPECT_EQ(Metric("specd_sequences"), 4);
   EXPECT_EQ(Metric("specd_step_batch_size_count"), 4);
   EXPECT_GT(Metric("specd_kv_cache_usage_ratio"), 0);
-  // Prefill 5 + 12 + 4 tokens, then 1 pending + 6 tree nodes per sequence and step.
-  EXPECT_EQ(Metric("specd_step_tokens_total"), 21 + 3 * 3 * 7);
+  // Prefill 5 + 12 + 4 + 7 tokens, then 1 pending + 6 tree nodes per sequence and step.
+  EXPECT_EQ(Metric("specd_step_tokens_total"), 28 + 3 * 4 * 7);
   EXPECT_TRUE(stream.Close().ok());
 }
 
@@ -316,6 +375,102 @@ TEST_F(VerifyServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   // Same prompt, same greedy model: seq 2's first token equals seq 1's.
   EXPECT_EQ(second.results(1).tokens(0), response.results(0).tokens(0));
   EXPECT_EQ(Metric("specd_sequences"), 2);
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+// Every sampling field is checked against its range (an unset optional field is "off", an
+// explicit 0 where 0 is invalid is refused); errors name the field and leave the other
+// sequences served. Logprobs come back only when asked.
+TEST_F(VerifyServiceTest, SamplingFieldsAreValidatedNamingTheField) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  VerifyStream stream(p->channel());
+  v1::VerifyStepRequest request;
+  request.set_step_id(1);
+  auto add = [&](uint64_t seq, const std::function<void(v1::VerifySequenceStep*)>& edit) {
+    v1::VerifySequenceStep* step = AddStep(&request, seq, {10, 20, 30});
+    edit(step);
+  };
+  add(1, [](v1::VerifySequenceStep* s) {  // valid: top_p unset means no limit
+    s->mutable_sampling()->set_temperature(1.0f);
+    s->mutable_sampling()->set_seed(3);
+    s->mutable_sampling()->clear_top_p();
+    s->set_logprobs(0);
+  });
+  add(2, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_top_p(0.0f); });
+  add(3, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_min_p(2.0f); });
+  add(4, [](v1::VerifySequenceStep* s) {
+    (*s->mutable_sampling()->mutable_logit_bias())[kVocab + 1] = 1.0f;
+  });
+  add(5, [](v1::VerifySequenceStep* s) { (*s->mutable_sampling()->mutable_logit_bias())[5] = 150; });
+  add(6, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_repetition_penalty(0.0f); });
+  add(7, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_presence_penalty(2.5f); });
+  add(8, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_frequency_penalty(-2.5f); });
+  add(9, [](v1::VerifySequenceStep* s) {
+    s->mutable_sampling()->set_min_tokens(2);
+    s->mutable_sampling()->add_stop_token_ids(-1);
+  });
+  add(10, [](v1::VerifySequenceStep* s) { s->set_logprobs(21); });
+  add(11, [](v1::VerifySequenceStep* s) {
+    s->set_logprobs(2);
+    s->set_logprobs_mode(static_cast<v1::LogprobsMode>(9));
+  });
+  add(12, [](v1::VerifySequenceStep*) {});  // valid, no processors, no logprobs
+  const v1::VerifyStepResponse response = stream.Step(request);
+  ASSERT_EQ(response.results_size(), 12);
+  auto expect_error = [&](int i, const std::string& text) {
+    const v1::VerifySequenceResult& r = response.results(i);
+    EXPECT_EQ(r.error().code(), grpc::StatusCode::INVALID_ARGUMENT) << i << ": "
+                                                                     << r.error().message();
+    EXPECT_THAT(r.error().message(), HasSubstr(text)) << i;
+    EXPECT_EQ(r.tokens_size(), 0) << i;
+  };
+  expect_error(1, "steps[1].sampling.top_p: 0 must be in (0, 1]");
+  expect_error(2, "steps[2].sampling.min_p: 2 must be in [0, 1]");
+  expect_error(3, absl::StrCat("steps[3].sampling.logit_bias[", kVocab + 1, "]: token id"));
+  expect_error(4, "steps[4].sampling.logit_bias[5]: bias 150 must be in [-100, 100]");
+  expect_error(5, "steps[5].sampling.repetition_penalty: 0 must be a finite number > 0");
+  expect_error(6, "steps[6].sampling.presence_penalty: 2.5 must be in [-2, 2]");
+  expect_error(7, "steps[7].sampling.frequency_penalty: -2.5 must be in [-2, 2]");
+  expect_error(8, "steps[8].sampling.stop_token_ids[0]: token id -1");
+  expect_error(9, "steps[9].logprobs: 21 must be at most 20");
+  expect_error(10, "steps[10].logprobs_mode: unknown value 9");
+
+  const v1::VerifySequenceResult& ok = response.results(0);
+  ASSERT_FALSE(ok.has_error()) << ok.error().message();
+  ASSERT_EQ(ok.logprobs_size(), 1);
+  EXPECT_EQ(ok.logprobs(0).top_tokens_size(), 0);
+  EXPECT_LT(ok.logprobs(0).logprob(), 0.0f);
+  EXPECT_FALSE(response.results(11).has_error()) << response.results(11).error().message();
+  EXPECT_EQ(response.results(11).logprobs_size(), 0);
+  {
+    // Unset top_p samples as top_p 1 does in this process.
+    std::unique_ptr<Backend> reference = InProcessBackend();
+    ASSERT_NE(reference, nullptr);
+    ASSERT_TRUE(reference->AddSequence(1).ok());
+    VerifyItem item{1, {10, 20, 30}, {}, {}};
+    item.sampling.temperature = 1.0f;
+    item.sampling.seed = 3;
+    absl::StatusOr<std::vector<VerifyOutcome>> want = reference->Verify({item});
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(Tokens(ok), (*want)[0].tokens);
+  }
+  EXPECT_EQ(Metric("specd_sequences"), 2);
+
+  // A sequence that started without penalties keeps no history: turning them on later is
+  // refused rather than computed from a partial count.
+  v1::VerifyStepRequest next;
+  next.set_step_id(2);
+  AddStep(&next, 12, {response.results(11).tokens(0)})
+      ->mutable_sampling()
+      ->set_repetition_penalty(1.2f);
+  AddStep(&next, 1, {ok.tokens(0)})->mutable_sampling()->set_temperature(1.0f);
+  const v1::VerifyStepResponse second = stream.Step(next);
+  EXPECT_EQ(second.results(0).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(second.results(0).error().message(),
+              HasSubstr("steps[0].sampling: penalties and min_tokens must be set from a "
+                        "sequence's first step"));
+  EXPECT_FALSE(second.results(1).has_error()) << second.results(1).error().message();
   EXPECT_TRUE(stream.Close().ok());
 }
 

@@ -6,6 +6,7 @@
 // committed reference models. Each greedy step of those fixtures has a
 // top-1/top-2 logit gap of at least 1e-3, so an exact token match is a fair
 // demand of an fp32 engine that sums in another order.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -114,6 +115,62 @@ TEST_P(FamilyFixtureTest, GreedyMatchesTransformers) {
         want)
         << GetParam() << " prompt of " << p["ids"].size() << " tokens";
   }
+}
+
+// Logprobs through Backend::Verify (the path the verify service runs): every prefix of every
+// prompt as a sequence of its own, the top 20 and the emitted token's log-probability, against
+// log_softmax of transformers' logits after that prefix, within 1e-4.
+TEST_P(FamilyFixtureTest, LogprobsMatchLogSoftmaxOfTransformers) {
+  const int vocab = backend_->config().vocab_size;
+  SeqId seq = 1000;
+  int rows = 0;
+  for (const json &p : oracle_["prompts"]) {
+    const std::vector<int32_t> ids = Ids(p["ids"]);
+    const std::vector<int32_t> positions = Ids(p["logit_positions"]);
+    std::vector<VerifyItem> items;
+    for (int32_t pos : positions) {
+      VerifyItem item;
+      item.seq = seq++;
+      item.pending.assign(ids.begin(), ids.begin() + pos + 1);
+      item.logprobs = kMaxLogprobs;
+      // Even numbered rows in processed mode: greedy without processors, the same numbers.
+      item.logprobs_mode =
+          items.size() % 2 == 0 ? LogprobsMode::kRaw : LogprobsMode::kProcessed;
+      ASSERT_TRUE(backend_->AddSequence(item.seq).ok());
+      items.push_back(std::move(item));
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> out = backend_->Verify(items);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t r = 0; r < items.size(); ++r, ++rows) {
+      SCOPED_TRACE(absl::StrCat(GetParam(), " prompt of ", ids.size(), " position ",
+                                positions[r]));
+      ASSERT_TRUE(backend_->RemoveSequence(items[r].seq).ok());
+      const std::vector<double> logits = p["logits"][r].get<std::vector<double>>();
+      double max_l = logits[0], total = 0;
+      for (double l : logits) max_l = std::max(max_l, l);
+      for (double l : logits) total += std::exp(l - max_l);
+      auto log_softmax = [&](int32_t t) { return logits[t] - max_l - std::log(total); };
+      const VerifyOutcome &o = (*out)[r];
+      ASSERT_EQ(o.tokens.size(), 1u);
+      ASSERT_EQ(o.logprobs.size(), 1u);
+      const TokenLogprobs &lp = o.logprobs[0];
+      EXPECT_NEAR(lp.logprob, log_softmax(o.tokens[0]), 1e-4);
+      EXPECT_EQ(lp.rank, 1);
+      ASSERT_EQ(lp.top.size(), static_cast<size_t>(kMaxLogprobs));
+      std::vector<int32_t> order(vocab);
+      for (int32_t t = 0; t < vocab; ++t) order[t] = t;
+      std::partial_sort(order.begin(), order.begin() + kMaxLogprobs, order.end(),
+                        [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+      for (int k = 0; k < kMaxLogprobs; ++k) {
+        EXPECT_NEAR(lp.top[k].logprob, log_softmax(order[k]), 1e-4) << "top " << k;
+        // Same token unless two of transformers' logits are too close to order.
+        if (lp.top[k].token != order[k]) {
+          EXPECT_NEAR(logits[lp.top[k].token], logits[order[k]], 1e-4) << "top " << k;
+        }
+      }
+    }
+  }
+  EXPECT_GE(rows, 10);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyFixtureTest,

@@ -1,11 +1,13 @@
 // Lossless speculative decoding (DESIGN.md) end to end on real checkpoint folders and the CPU
 // backend: greedy output token-identical to target-only greedy for many prompts, tree shapes,
 // drafters and batch sizes; seeded sampling token-identical to target-only sampling; stops
-// inside multi-token steps; and chi-square tests that speculative sampling draws the first two
-// tokens from the target's exact distribution.
+// inside multi-token steps; the logits processors (penalties, logit bias, min_tokens, min_p)
+// and logprobs identical with speculation on and off; and chi-square tests that speculative
+// sampling draws the first two tokens from the target's exact distribution, penalties included.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -424,6 +426,160 @@ TEST(SpeculativeTest, SeededSamplingMatchesTargetOnlyTokenForToken) {
   EXPECT_GT(accepted, 500);
 }
 
+// The logits processors under speculation: each tree node is processed with its own path, so
+// greedy and seeded outputs equal target-only ones token for token, for every drafter.
+TEST(SpeculativeTest, ProcessorsMatchTargetOnlyTokenForToken) {
+  SamplingParams penalties;
+  penalties.repetition_penalty = 1.4f;
+  penalties.frequency_penalty = 0.6f;
+  penalties.presence_penalty = 0.4f;
+  penalties.logit_bias = {{32, 2.5f}, {101, -1.5f}, {200, 4.0f}};
+  SamplingParams sampled = penalties;
+  sampled.temperature = 0.9f;
+  sampled.top_k = 40;
+  sampled.min_p = 0.05f;
+  SamplingParams min_p_only;
+  min_p_only.temperature = 1.1f;
+  min_p_only.min_p = 0.1f;
+  SamplingParams negative;  // penalties below 1 / 0 reward repeats instead
+  negative.repetition_penalty = 0.8f;
+  negative.presence_penalty = -0.5f;
+  const std::vector<SamplingParams> configs = {penalties, sampled, min_p_only, negative};
+  int64_t accepted = 0;
+  for (size_t c = 0; c < configs.size(); ++c) {
+    std::vector<GenerationRequest> requests = Requests({4, 3, 16}, configs[c], 20, 500 + c);
+    for (size_t i = 0; i < requests.size(); ++i) requests[i].sampling.seed = 77 * c + i;
+    const std::vector<GenerationResult> want = GenerateAll(DrafterKind::kNone, requests, 20);
+    for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated, DrafterKind::kNgram}) {
+      SCOPED_TRACE(absl::StrCat(Name(kind), " config ", c));
+      const std::vector<GenerationResult> got = GenerateAll(kind, requests, 7);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+      accepted += Total(got).accepted_tokens;
+    }
+    // The processors really act: without them the outputs differ.
+    std::vector<GenerationRequest> plain = requests;
+    for (GenerationRequest& r : plain) {
+      r.sampling.repetition_penalty = 1.0f;
+      r.sampling.presence_penalty = r.sampling.frequency_penalty = 0.0f;
+      r.sampling.logit_bias.clear();
+      r.sampling.min_p = 0.0f;
+    }
+    const std::vector<GenerationResult> unprocessed = GenerateAll(DrafterKind::kNone, plain, 20);
+    int differ = 0;
+    for (size_t i = 0; i < want.size(); ++i) differ += unprocessed[i].tokens != want[i].tokens;
+    EXPECT_GT(differ, 5) << "config " << c;
+  }
+  EXPECT_GT(accepted, 300);
+}
+
+// min_tokens masks EOS and the stop ids until the output is long enough, with or without
+// speculation: the stop that ends a plain run at its second token cannot come before the 6th.
+TEST(SpeculativeTest, MinTokensHoldsStopsBackUnderSpeculation) {
+  const std::vector<GenerationResult>& base = GreedyBaseline();
+  std::vector<GenerationRequest> requests = Requests({5, 2, 12}, SamplingParams());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    requests[i].stop_token_ids = {base[i].tokens[1]};
+    requests[i].sampling.min_tokens = 6;
+  }
+  const std::vector<GenerationResult> want = GenerateAll(DrafterKind::kNone, requests, 10);
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_GE(want[i].tokens.size(), 6u) << i;
+    const int32_t stop = requests[i].stop_token_ids[0];
+    EXPECT_EQ(std::count(want[i].tokens.begin(), want[i].tokens.begin() + 6, stop), 0) << i;
+  }
+  for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated, DrafterKind::kNgram}) {
+    SCOPED_TRACE(Name(kind));
+    const std::vector<GenerationResult> got = GenerateAll(kind, requests, 10);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+      EXPECT_EQ(got[i].finish_reason, want[i].finish_reason) << i;
+    }
+  }
+}
+
+void ExpectSameLogprobs(const GenerationResult& got, const GenerationResult& want, size_t i) {
+  ASSERT_EQ(got.logprobs.size(), got.tokens.size()) << i;
+  ASSERT_EQ(want.logprobs.size(), want.tokens.size()) << i;
+  for (size_t t = 0; t < got.logprobs.size() && t < want.logprobs.size(); ++t) {
+    const TokenLogprobs& a = got.logprobs[t];
+    const TokenLogprobs& b = want.logprobs[t];
+    EXPECT_EQ(a.logprob, b.logprob) << i << " token " << t;
+    EXPECT_EQ(a.rank, b.rank) << i << " token " << t;
+    ASSERT_EQ(a.top.size(), b.top.size()) << i << " token " << t;
+    for (size_t k = 0; k < a.top.size(); ++k) {
+      EXPECT_EQ(a.top[k].token, b.top[k].token) << i << " token " << t;
+      EXPECT_EQ(a.top[k].logprob, b.top[k].logprob) << i << " token " << t;
+    }
+  }
+}
+
+// Logprobs come from the row each token was drawn from, so accepted draft tokens report what
+// target-only decoding reports, bit for bit: greedy raw, greedy with penalties (processed),
+// seeded sampling with filters (processed).
+TEST(SpeculativeTest, LogprobsMatchTargetOnly) {
+  struct Config {
+    SamplingParams sampling;
+    int logprobs;
+    LogprobsMode mode;
+  };
+  SamplingParams penalized;
+  penalized.repetition_penalty = 1.3f;
+  penalized.frequency_penalty = 0.5f;
+  SamplingParams filtered;
+  filtered.temperature = 0.8f;
+  filtered.top_k = 20;
+  filtered.top_p = 0.9f;
+  filtered.presence_penalty = 0.7f;
+  const std::vector<Config> configs = {{SamplingParams(), 5, LogprobsMode::kRaw},
+                                       {penalized, 20, LogprobsMode::kProcessed},
+                                       {filtered, 3, LogprobsMode::kProcessed},
+                                       {filtered, 0, LogprobsMode::kRaw}};
+  for (size_t c = 0; c < configs.size(); ++c) {
+    std::vector<GenerationRequest> requests = Requests({4, 3, 16}, configs[c].sampling, 16);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      requests[i].sampling.seed = 31 * i + c;
+      requests[i].logprobs = configs[c].logprobs;
+      requests[i].logprobs_mode = configs[c].mode;
+    }
+    const std::vector<GenerationResult> want = GenerateAll(DrafterKind::kNone, requests, 16);
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(want[i].logprobs.size(), want[i].tokens.size());
+      for (size_t t = 0; t < want[i].tokens.size(); ++t) {
+        const TokenLogprobs& lp = want[i].logprobs[t];
+        EXPECT_LE(lp.logprob, 0.0f);
+        if (configs[c].mode == LogprobsMode::kRaw || configs[c].sampling.greedy()) {
+          EXPECT_EQ(lp.top.size(), static_cast<size_t>(configs[c].logprobs));
+        } else {  // only tokens top-k and top-p kept have a probability
+          EXPECT_LE(lp.top.size(), static_cast<size_t>(configs[c].logprobs));
+        }
+        if (configs[c].sampling.greedy()) {
+          // Greedy picks the most likely token of the (processed) row.
+          EXPECT_EQ(lp.rank, 1);
+          EXPECT_EQ(lp.top[0].token, want[i].tokens[t]);
+          EXPECT_EQ(lp.top[0].logprob, lp.logprob);
+        }
+      }
+    }
+    for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated, DrafterKind::kNgram}) {
+      SCOPED_TRACE(absl::StrCat(Name(kind), " config ", c));
+      const std::vector<GenerationResult> got = GenerateAll(kind, requests, 8);
+      ASSERT_EQ(got.size(), want.size());
+      int64_t accepted = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+        ExpectSameLogprobs(got[i], want[i], i);
+        accepted += got[i].stats.accepted_tokens;
+      }
+      if (kind != DrafterKind::kNgram) EXPECT_GT(accepted, 20);
+    }
+  }
+  // Not asked: none computed.
+  const std::vector<GenerationResult> none =
+      GenerateAll(DrafterKind::kRelated, Requests({4, 3, 16}, SamplingParams(), 4), 4);
+  for (const GenerationResult& r : none) EXPECT_TRUE(r.logprobs.empty());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Distribution tests.
 
@@ -447,8 +603,16 @@ std::map<std::pair<int32_t, int32_t>, double> ExactJoint(const std::vector<int32
     for (size_t i = 0; i < contexts.size(); ++i) EXPECT_TRUE(target->RemoveSequence(i).ok());
     return logits;
   };
+  // The processors see the prompt, then the first token on the way to the second.
+  TokenHistory history;
+  history.AddPrompt(prompt);
+  std::vector<float> processed;
+  auto distribution = [&](absl::Span<const float> row, std::vector<int32_t> path) {
+    ProcessLogits(row, sampling, &history, path, &processed);
+    return TargetDistribution(processed, sampling);
+  };
   const std::vector<float> first = forward({prompt});
-  const std::vector<double> p1 = TargetDistribution(first, sampling);
+  const std::vector<double> p1 = distribution(first, {});
   std::vector<int32_t> support;
   std::vector<std::vector<int32_t>> contexts;
   for (int32_t t = 0; t < kVocab; ++t) {
@@ -460,8 +624,8 @@ std::map<std::pair<int32_t, int32_t>, double> ExactJoint(const std::vector<int32
   const std::vector<float> second = forward(contexts);
   std::map<std::pair<int32_t, int32_t>, double> joint;
   for (size_t i = 0; i < support.size(); ++i) {
-    const std::vector<double> p2 = TargetDistribution(
-        absl::MakeConstSpan(second).subspan(i * kVocab, kVocab), sampling);
+    const std::vector<double> p2 =
+        distribution(absl::MakeConstSpan(second).subspan(i * kVocab, kVocab), {support[i]});
     for (int32_t t = 0; t < kVocab; ++t) {
       if (p2[t] > 0) joint[{support[i], t}] = p1[support[i]] * p2[t];
     }
@@ -567,18 +731,56 @@ std::pair<double, int> TwoSample(const std::vector<int>& a, const std::vector<in
   return {chi2, bins - 1};
 }
 
-class DistributionTest : public ::testing::TestWithParam<std::tuple<float, int, float>> {};
+struct DistributionCase {
+  std::string name;
+  std::function<SamplingParams()> sampling;  // called in the test: it may load the models
+};
+
+void PrintTo(const DistributionCase& c, std::ostream* os) { *os << c.name; }
+
+// Temperature with penalties, bias, min_p and min_tokens (the EOS and the 4th to 6th likeliest
+// first tokens of the plain distribution are masked for the first two tokens; the likeliest
+// stay, so drafts of the first token are often accepted). The prompt's
+// tokens are penalised and the output's rewarded (negative frequency and presence penalties),
+// so a second token that repeats the first is likely only when the first token's row counts
+// it: a tree node processed without its path shows in the statistic.
+SamplingParams Penalized() {
+  SamplingParams s;
+  s.temperature = 1.0f;
+  s.min_p = 0.02f;
+  s.repetition_penalty = 1.5f;
+  s.frequency_penalty = -1.5f;
+  s.presence_penalty = -1.0f;
+  s.logit_bias = {{72, 1.5f}, {33, -2.0f}};
+  s.min_tokens = 2;
+  s.min_tokens_stop_ids = {256};
+  std::unique_ptr<Backend> target = Load(M().target_dir);
+  const std::vector<int32_t> prompt = {72, 105, 33, 32};
+  EXPECT_TRUE(target->AddSequence(1).ok());
+  ForwardItem item;
+  item.seq = 1;
+  item.tokens = prompt;
+  item.parents = {-1, 0, 1, 2};
+  item.logit_rows = {3};
+  std::vector<float> logits;
+  EXPECT_TRUE(target->Forward({item}, &logits).ok());
+  std::vector<int32_t> order(kVocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + 6, order.end(),
+                    [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  s.min_tokens_stop_ids.insert(s.min_tokens_stop_ids.end(), order.begin() + 3,
+                               order.begin() + 6);
+  return s;
+}
+
+class DistributionTest : public ::testing::TestWithParam<DistributionCase> {};
 
 // Speculative sampling with a drafter that proposes the target's most likely tokens (the
 // draft model equals the target) and with a related draft, each run with seeds unrelated to
 // the target-only run's, matches the exact distribution of the first two tokens, as does
 // target-only sampling; and the samples match each other.
 TEST_P(DistributionTest, FirstTwoTokensFollowTheTarget) {
-  const auto [temperature, top_k, top_p] = GetParam();
-  SamplingParams sampling;
-  sampling.temperature = temperature;
-  sampling.top_k = top_k;
-  sampling.top_p = top_p;
+  const SamplingParams sampling = GetParam().sampling();
   const std::vector<int32_t> prompt = {72, 105, 33, 32};
   const int n = 4000;
   const auto joint = ExactJoint(prompt, sampling);
@@ -597,8 +799,10 @@ TEST_P(DistributionTest, FirstTwoTokensFollowTheTarget) {
     SCOPED_TRACE(Name(kind));
     seed0 += 1000003;  // seeds unrelated to the other runs'
     const std::vector<int> spec = bins.Observed(Sample(kind, prompt, sampling, n, seed0, &stats));
-    // The drafts were really used: most first tokens came from an accepted draft node.
-    EXPECT_GT(stats.accepted_tokens, n / (kind == DrafterKind::kSame ? 2 : 8))
+    // The drafts were really used: most first tokens came from an accepted draft node (fewer
+    // with processors, which the draft model does not apply to its proposals).
+    const bool exact_draft = kind == DrafterKind::kSame && !sampling.has_processors();
+    EXPECT_GT(stats.accepted_tokens, n / (exact_draft ? 2 : 8))
         << "accepted " << stats.accepted_tokens;
     EXPECT_LT(bins.Statistic(spec), critical) << "speculative sampling, df " << bins.df();
     const auto [chi2, df] = TwoSample(plain, spec);
@@ -606,15 +810,20 @@ TEST_P(DistributionTest, FirstTwoTokensFollowTheTarget) {
   }
 }
 
+SamplingParams Filters(float temperature, int top_k, float top_p) {
+  SamplingParams s;
+  s.temperature = temperature;
+  s.top_k = top_k;
+  s.top_p = top_p;
+  return s;
+}
+
 INSTANTIATE_TEST_SUITE_P(Sampling, DistributionTest,
-                         ::testing::Values(std::make_tuple(1.0f, 0, 1.0f),
-                                           std::make_tuple(0.8f, 12, 0.9f)),
-                         [](const auto& info) {
-                           return absl::StrCat(
-                               "t", static_cast<int>(std::get<0>(info.param) * 100), "_k",
-                               std::get<1>(info.param), "_p",
-                               static_cast<int>(std::get<2>(info.param) * 100));
-                         });
+                         ::testing::Values(
+                             DistributionCase{"t100_k0_p100", [] { return Filters(1.0f, 0, 1.0f); }},
+                             DistributionCase{"t80_k12_p90", [] { return Filters(0.8f, 12, 0.9f); }},
+                             DistributionCase{"penalized", Penalized}),
+                         [](const auto& info) { return info.param.name; });
 
 // The statistic has power: sampling at a moderately wrong temperature is rejected.
 TEST(DistributionPowerTest, DetectsABiasedSampler) {
@@ -628,6 +837,18 @@ TEST(DistributionPowerTest, DetectsABiasedSampler) {
   SpecStats stats;
   const std::vector<int> wrong =
       bins.Observed(Sample(DrafterKind::kNone, prompt, hotter, n, 1, &stats));
+  EXPECT_GT(bins.Statistic(wrong), ChiSquareCritical001(bins.df()));
+}
+
+// And the penalties matter to it: plain sampling fails the penalized distribution.
+TEST(DistributionPowerTest, DetectsMissingPenalties) {
+  const SamplingParams penalized = Penalized();
+  const std::vector<int32_t> prompt = {72, 105, 33, 32};
+  const int n = 4000;
+  const Bins bins(ExactJoint(prompt, penalized), n);
+  SpecStats stats;
+  const std::vector<int> wrong =
+      bins.Observed(Sample(DrafterKind::kNone, prompt, Filters(1.0f, 0, 1.0f), n, 1, &stats));
   EXPECT_GT(bins.Statistic(wrong), ChiSquareCritical001(bins.df()));
 }
 
