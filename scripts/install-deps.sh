@@ -10,7 +10,9 @@ pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compil
       python3-grpc-tools python3-pytest prometheus yamllint python3-protobuf python3-yaml
       python3-venv python3-pip python3-setuptools python3-wheel git curl unzip openssl
       # The EAGLE oracle and head tools' tests (tests/tools/test_eagle_oracle.py).
-      python3-torch python3-regex)
+      python3-torch python3-regex
+      # The serving benchmark's plots (bench/serve_bench.py --plot).
+      python3-matplotlib)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
