@@ -510,7 +510,11 @@ async def main_async(args):
         phases_spec = [("rate=" + r, None, float(r)) for r in args.request_rate.split(",")]
     else:
         phases_spec = [(f"c={c}", int(c), None) for c in args.concurrency.split(",")]
-    n = args.num_requests
+    rounds = max(1, args.rounds)
+
+    def phase_requests(conc):
+        # Every round must be able to fill all `conc` streams, else the phase measures less.
+        return max(args.num_requests, (conc or 0) * rounds)
 
     channel = grpc.aio.insecure_channel(args.target, options=[
         ("grpc.max_receive_message_length", 64 << 20)])
@@ -524,10 +528,9 @@ async def main_async(args):
                   "vocab_size": info.vocab_size, "max_context": info.max_context,
                   "draft_available": info.draft_available}
 
-    rounds = max(1, args.rounds)
     total = 0
     for _, c, _ in phases_spec:
-        total += len(modes) * (n + args.warmup)
+        total += len(modes) * (phase_requests(c) + args.warmup)
     progress = Progress(total, not args.quiet)
     completions = []  # (phase, mode, prompt index, tokens) of every measured completion
     phases = []
@@ -535,6 +538,7 @@ async def main_async(args):
     deadline = time.time() + args.duration if args.duration else None
     for label, conc, rate in phases_spec:
         per_mode = {m.name: {"results": [], "wall": 0.0, "breakdown": []} for m in modes}
+        n = phase_requests(conc)
         if args.warmup:
             for m in modes:
                 progress.label = f"{label} {m.name} warm-up"
@@ -562,7 +566,8 @@ async def main_async(args):
                 for res in results:
                     if res.ok:
                         completions.append((label, m.name, res.prompt_index, res.tokens))
-        phase = {"label": label, "concurrency": conc, "request_rate": rate, "modes": {}}
+        phase = {"label": label, "concurrency": conc, "request_rate": rate,
+                 "requests_per_mode": n, "modes": {}}
         for m in modes:
             pm = per_mode[m.name]
             phase["modes"][m.name] = summarize(pm["results"], pm["wall"])
@@ -617,7 +622,7 @@ async def main_async(args):
             "target": args.target, "prompts": os.path.relpath(args.prompts, ROOT),
             "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed,
-            "num_requests": n, "warmup": args.warmup, "rounds": rounds,
+            "num_requests": args.num_requests, "warmup": args.warmup, "rounds": rounds,
             "duration_s": args.duration, "modes": [m.to_json() for m in modes],
             "check_lossless": args.check_lossless,
         },
@@ -649,7 +654,7 @@ def main():
                    help="request seed = SEED + prompt index (seeded sampling)")
     p.add_argument("--speculation", default="off,draft_model,ngram,auto")
     p.add_argument("--num-requests", type=int, default=32,
-                   help="measured requests per mode and phase")
+                   help="measured requests per mode and phase (at least concurrency x rounds)")
     p.add_argument("--duration", type=float, default=None,
                    help="stop starting runs after this many seconds in all")
     p.add_argument("--warmup", type=int, default=2,
