@@ -259,6 +259,29 @@ async def one_request(stub, args, mode, prompt_index, prompt):
     return r
 
 
+def compare_completions(completions, check=True):
+    """completions: (phase, mode, prompt index, tokens) in the order they were measured. The
+    reference of a prompt is off's first completion of it; every other completion of it, off's
+    own in other phases and batch mixes included, must equal it token for token. Returns
+    (reference by prompt index, mismatches, number compared)."""
+    reference, mismatches, compared = {}, [], 0
+    for label, name, i, tokens in completions:
+        if name == "off" and i not in reference:
+            reference[i] = (label, tokens)
+    for label, name, i, tokens in completions if check else []:
+        ref = reference.get(i)
+        if ref is None or ref[1] is tokens:
+            continue
+        compared += 1
+        if tokens != ref[1]:
+            first = next((k for k, (a, b) in enumerate(zip(tokens, ref[1])) if a != b),
+                         min(len(tokens), len(ref[1])))
+            mismatches.append({"phase": label, "mode": name, "prompt_index": i,
+                               "first_difference": first, "tokens": len(tokens),
+                               "reference_tokens": len(ref[1]), "reference_phase": ref[0]})
+    return reference, mismatches, compared
+
+
 class Progress:
     def __init__(self, total, enabled):
         self.total, self.done, self.enabled = total, 0, enabled
@@ -496,6 +519,7 @@ def parse_meta(items):
 
 
 async def main_async(args):
+    load_at_start = loadavg()
     modes = parse_modes(args.speculation)
     prompts = load_prompts(args.prompts, args.num_prompts)
     if args.check_lossless:
@@ -591,23 +615,7 @@ async def main_async(args):
     progress.close()
     await channel.close()
 
-    # The reference of a prompt is off's first completion of it; every other completion of it,
-    # off's own in other phases and batch mixes included, must equal it token for token.
-    reference, mismatches, compared = {}, [], 0
-    for label, name, i, tokens in completions:
-        if name == "off" and i not in reference:
-            reference[i] = (label, tokens)
-    for label, name, i, tokens in completions if args.check_lossless else []:
-        ref = reference.get(i)
-        if ref is None or ref[1] is tokens:
-            continue
-        compared += 1
-        if tokens != ref[1]:
-            first = next((k for k, (a, b) in enumerate(zip(tokens, ref[1])) if a != b),
-                         min(len(tokens), len(ref[1])))
-            mismatches.append({"phase": label, "mode": name, "prompt_index": i,
-                               "first_difference": first, "tokens": len(tokens),
-                               "reference_tokens": len(ref[1]), "reference_phase": ref[0]})
+    reference, mismatches, compared = compare_completions(completions, args.check_lossless)
 
     errors = sum(s["errors"] for ph in phases for s in ph["modes"].values())
     doc = {
@@ -616,6 +624,7 @@ async def main_async(args):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "machine": machine_info(),
+        "loadavg_at_start": load_at_start,
         "loadavg_at_end": loadavg(),
         "meta": {**model_info, **parse_meta(args.meta)},
         "config": {

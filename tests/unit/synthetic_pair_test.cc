@@ -151,8 +151,9 @@ TEST_F(SyntheticPairTest, EpsilonSetsTau) {
     EXPECT_GT(m->distinct_fraction, 0.2) << "epsilon " << eps;
     if (eps == 0.0) {
       // The skipped layers add exactly nothing: the draft's top choice is the target's (up to
-      // float ties), so nearly every step accepts the whole depth.
-      EXPECT_GT(m->tau, tau.draft.depth + 1 - 0.5);
+      // float ties), so nearly every step accepts the whole depth; the last step of each
+      // sequence is cut short by max_new_tokens, which keeps tau below depth + 1.
+      EXPECT_GT(m->tau, tau.draft.depth);
     } else {
       EXPECT_LT(m->tau, last - 0.3) << "epsilon " << eps;
     }

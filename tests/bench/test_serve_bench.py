@@ -1,0 +1,73 @@
+"""serve_bench.py's own logic, without a cluster: the lossless comparison, mode parsing,
+percentiles and the step breakdown from two /metrics scrapes."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import serve_bench as sb  # noqa: E402
+
+
+def test_lossless_comparison_finds_a_changed_token_and_a_short_completion():
+    completions = [("c=1", "off", 0, [1, 2, 3]), ("c=1", "off", 1, [4, 5]),
+                   ("c=1", "draft_model", 0, [1, 2, 3]), ("c=1", "draft_model", 1, [4, 6]),
+                   ("c=4", "off", 0, [1, 2]), ("c=4", "ngram", 2, [9])]
+    reference, mismatches, compared = sb.compare_completions(completions)
+    assert set(reference) == {0, 1}
+    assert compared == 3  # prompt 2 has no reference; off's first completions are references
+    assert [(m["phase"], m["mode"], m["prompt_index"], m["first_difference"])
+            for m in mismatches] == [("c=1", "draft_model", 1, 1), ("c=4", "off", 0, 2)]
+
+
+def test_lossless_comparison_of_equal_completions_is_clean():
+    completions = [("c=1", "off", 0, [1, 2]), ("c=1", "auto", 0, [1, 2]),
+                   ("c=2", "off", 0, [1, 2])]
+    _, mismatches, compared = sb.compare_completions(completions)
+    assert mismatches == [] and compared == 2
+
+
+def test_modes():
+    modes = sb.parse_modes("off,deep=draft_model:depth=8,nodes=32,ngram,w=ngram:top_k=2")
+    assert [(m.name, m.base, m.depth, m.top_k, m.nodes) for m in modes] == [
+        ("off", "off", 0, 0, 0), ("deep", "draft_model", 8, 0, 32), ("ngram", "ngram", 0, 0, 0),
+        ("w", "ngram", 0, 2, 0)]
+    for bad in ("of", "x=nope:depth=2", "x=ngram:width=2", "off,off"):
+        with pytest.raises(SystemExit):
+            sb.parse_modes(bad)
+
+
+def test_percentiles():
+    assert sb.pct([], 50) is None
+    assert sb.pct([3, 1, 2], 50) == 2
+    assert sb.pct([0, 10], 90) == pytest.approx(9.0)
+
+
+def test_step_breakdown():
+    before = {"router": {"specd_verify_latency_seconds_sum": 1.0,
+                         "specd_verify_latency_seconds_count": 10,
+                         "specd_draft_latency_seconds_sum": 0.5,
+                         "specd_draft_latency_seconds_count": 10},
+              "verify": {"specd_step_seconds_sum": 0.8, "specd_step_seconds_count": 10}}
+    after = {"router": {"specd_verify_latency_seconds_sum": 3.0,
+                        "specd_verify_latency_seconds_count": 30,
+                        "specd_draft_latency_seconds_sum": 1.5,
+                        "specd_draft_latency_seconds_count": 30},
+             "verify": {"specd_step_seconds_sum": 2.4, "specd_step_seconds_count": 30}}
+    b = sb.step_breakdown(before, after, wall_s=4.0)
+    assert b["verify_steps"] == 20 and b["verify_step_s"] == pytest.approx(0.08)
+    assert b["router_verify_rtt_s"] == pytest.approx(0.1)
+    assert b["router_draft_rtt_s"] == pytest.approx(0.05)
+    assert b["wall_per_step_s"] == pytest.approx(0.2)
+    assert b["router_other_per_step_s"] == pytest.approx(0.05)
+
+
+def test_scrape_parses_prometheus_text(tmp_path):
+    page = tmp_path / "metrics"
+    page.write_text('# HELP x y\nspecd_step_seconds_sum 1.5\n'
+                    'specd_target_only_steps_total{reason="off"} 7\n')
+    got = sb.scrape(page.as_uri())
+    assert got["specd_step_seconds_sum"] == 1.5
+    assert got['specd_target_only_steps_total{reason="off"}'] == 7
+    assert sb.scrape((tmp_path / "missing").as_uri()) == {}
