@@ -31,12 +31,12 @@ std::vector<SyntheticShape> AllShapes() {
   std::vector<SyntheticShape> shapes;
   // models/pycoder-target's sizes (the project's reference target).
   shapes.push_back({"reference", 8192, 320, 864, 5, 5, 1, 64, 1024, 10000.0, 0.0, 8192});
-  shapes.push_back({"llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, 64, 131072, 500000.0, 32.0,
-                    8192});
-  shapes.push_back({"llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8, 128, 131072, 500000.0, 8.0,
-                    8192});
-  shapes.push_back({"llama-3.1-70b", 128256, 8192, 28672, 80, 64, 8, 128, 131072, 500000.0, 8.0,
-                    8192});
+  shapes.push_back(
+      {"llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, 64, 131072, 500000.0, 32.0, 8192});
+  shapes.push_back(
+      {"llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8, 128, 131072, 500000.0, 8.0, 8192});
+  shapes.push_back(
+      {"llama-3.1-70b", 128256, 8192, 28672, 80, 64, 8, 128, 131072, 500000.0, 8.0, 8192});
   return shapes;
 }
 
@@ -134,8 +134,11 @@ std::vector<TensorPlan> Plan(const SyntheticPairOptions& o) {
   // Untied, unlike Llama-3.2-1B and the reference: a tied random LM head scores the current
   // token's own embedding highest, and greedy decoding would repeat one token forever. The
   // cost is the same GEMM either way.
-  plan.push_back({"lm_head.weight", {s.vocab_size, h}, 0.0f,
-                  static_cast<float>(o.logit_std / std::sqrt(static_cast<double>(h))), 1.0f,
+  plan.push_back({"lm_head.weight",
+                  {s.vocab_size, h},
+                  0.0f,
+                  static_cast<float>(o.logit_std / std::sqrt(static_cast<double>(h))),
+                  1.0f,
                   true});
   return plan;
 }
@@ -252,7 +255,9 @@ absl::StatusOr<json> ReadJson(const fs::path& path) {
   std::stringstream text;
   text << in.rdbuf();
   json j = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path.string(), ": not JSON"));
+  if (j.is_discarded()) {
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": not JSON"));
+  }
   return j;
 }
 
@@ -321,8 +326,7 @@ absl::Status WriteConfigs(const SyntheticPairOptions& o, const std::string& dir,
                               {"factor", s.llama3_rope_factor},
                               {"low_freq_factor", 1.0},
                               {"high_freq_factor", 4.0},
-                              {"original_max_position_embeddings",
-                               s.llama3_original_max_position}};
+                              {"original_max_position_embeddings", s.llama3_original_max_position}};
   }
   if (absl::Status st = WriteText(fs::path(dir) / "config.json", config.dump(2)); !st.ok()) {
     return st;
@@ -445,8 +449,8 @@ absl::StatusOr<TauMeasurement> MeasureTau(const std::string& target_dir,
   for (int p = 0; p < o.num_prompts; ++p) {
     GenerationRequest& r = requests[p];
     for (int i = 0; i < o.prompt_tokens; ++i) {
-      r.prompt.push_back(static_cast<int32_t>(
-          SplitMix64(o.seed * 1000003u + p * 131u + i) % static_cast<uint64_t>(vocab)));
+      r.prompt.push_back(static_cast<int32_t>(SplitMix64(o.seed * 1000003u + p * 131u + i) %
+                                              static_cast<uint64_t>(vocab)));
     }
     r.max_new_tokens = o.max_new_tokens;
     r.ignore_eos = true;

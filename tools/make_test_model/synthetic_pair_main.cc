@@ -57,10 +57,11 @@ absl::StatusOr<TauMeasurement> WriteAndMeasure(SyntheticPairOptions& o, const Ta
   if (!measure) return TauMeasurement();
   absl::StatusOr<TauMeasurement> m = MeasureTau(target_dir, draft_dir, tau);
   if (!m.ok()) return m.status();
-  std::printf("epsilon %.4f: tau %.3f, acceptance %.3f over %lld speculative steps "
-              "(tree depth %d, top_k %d, nodes %d; distinct tokens %.2f)\n",
-              o.epsilon, m->tau, m->acceptance, static_cast<long long>(m->steps), tau.draft.depth,
-              tau.draft.top_k, tau.draft.max_nodes, m->distinct_fraction);
+  std::printf(
+      "epsilon %.4f: tau %.3f, acceptance %.3f over %lld speculative steps "
+      "(tree depth %d, top_k %d, nodes %d; distinct tokens %.2f)\n",
+      o.epsilon, m->tau, m->acceptance, static_cast<long long>(m->steps), tau.draft.depth,
+      tau.draft.top_k, tau.draft.max_nodes, m->distinct_fraction);
   std::fflush(stdout);
   return m;
 }
