@@ -474,14 +474,15 @@ def plot(doc, path):
     xs = [ph["request_rate"] if by_rate else ph["concurrency"] for ph in phases]
     modes = [m["name"] for m in doc["config"]["modes"]]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    colors = {name: f"C{i}" for i, name in enumerate(modes)}  # one colour a mode in all panels
     for name in modes:
         tps = [ph["modes"][name]["output_tokens_per_s"] for ph in phases]
         itl = [(ph["modes"][name]["itl_s"]["p50"] or float("nan")) * 1e3 for ph in phases]
-        axes[0].plot(xs, tps, marker="o", label=name)
-        axes[1].plot(xs, itl, marker="o", label=name)
+        axes[0].plot(xs, tps, marker="o", label=name, color=colors[name])
+        axes[1].plot(xs, itl, marker="o", label=name, color=colors[name])
         if name != "off" and "off" in modes:
             ratio = [ph["modes"][name].get("ratio_to_off", float("nan")) for ph in phases]
-            axes[2].plot(xs, ratio, marker="o", label=name)
+            axes[2].plot(xs, ratio, marker="o", label=name, color=colors[name])
     axes[2].axhline(1.0, color="gray", linestyle="--", linewidth=1)
     xlabel = "request rate (req/s)" if by_rate else "concurrent streams"
     for ax, title in zip(axes, ["output tokens/s", "inter-token latency p50 (ms)",
@@ -679,7 +680,17 @@ def main():
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--plot", default=None, help="PNG of tokens/s, ITL p50 and ratio to off")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="run nothing: print the tables of an earlier --json and --plot it")
     args = p.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        modes = [Mode(m["name"], m["speculation"]) for m in doc["config"]["modes"]]
+        print_table(doc["phases"], modes)
+        if args.plot:
+            plot(doc, args.plot)
+        return 0
     if args.num_requests < 1:
         p.error("--num-requests: must be >= 1")
     doc = asyncio.run(main_async(args))
