@@ -506,6 +506,18 @@ def plot(doc, path):
     fig.savefig(path, dpi=110)
 
 
+def repo_relative(value):
+    """Paths inside this checkout written relative to its root, so that results name no
+    machine's folders."""
+    if isinstance(value, str):
+        return value.replace(ROOT + os.sep, "")
+    if isinstance(value, list):
+        return [repo_relative(v) for v in value]
+    if isinstance(value, dict):
+        return {k: repo_relative(v) for k, v in value.items()}
+    return value
+
+
 def parse_meta(items):
     meta = {}
     for item in items or []:
@@ -621,13 +633,13 @@ async def main_async(args):
     errors = sum(s["errors"] for ph in phases for s in ph["modes"].values())
     doc = {
         "tool": "bench/serve_bench.py",
-        "command": [sys.executable] + sys.argv,
+        "command": repo_relative([sys.executable] + sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "machine": machine_info(),
         "loadavg_at_start": load_at_start,
         "loadavg_at_end": loadavg(),
-        "meta": {**model_info, **parse_meta(args.meta)},
+        "meta": repo_relative({**model_info, **parse_meta(args.meta)}),
         "config": {
             "target": args.target, "prompts": os.path.relpath(args.prompts, ROOT),
             "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,

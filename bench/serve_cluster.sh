@@ -22,6 +22,7 @@
 #   --logs DIR           keep the services' logs there (default: a temporary folder, removed)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+COMMAND="bench/serve_cluster.sh $*"
 . "$ROOT/scripts/lib/cluster.sh"
 
 TARGET=$ROOT/models/pycoder-target
@@ -136,12 +137,12 @@ if [ -f "$BIN/../CMakeCache.txt" ]; then
   BUILD_TYPE=$(sed -n 's/^CMAKE_BUILD_TYPE:STRING=//p' "$BIN/../CMakeCache.txt")
 fi
 META=$("$PYTHON" - "$TARGET" "$DRAFT" "$PINNING" "$BIN" "$BUILD_TYPE" "${VERIFY_CMD[*]}" \
-  "${DRAFT_CMD[*]}" "${ROUTER_CMD[*]}" <<'EOF'
+  "${DRAFT_CMD[*]}" "${ROUTER_CMD[*]}" "$COMMAND" <<'EOF'
 import json, sys
 print(json.dumps({"target_dir": sys.argv[1], "draft_dir": sys.argv[2], "pinning": sys.argv[3],
                   "bin": sys.argv[4], "build_type": sys.argv[5], "verify_cmd": sys.argv[6],
                   "draft_cmd": sys.argv[7], "router_cmd": sys.argv[8],
-                  "launcher": "bench/serve_cluster.sh"}))
+                  "launcher": "bench/serve_cluster.sh", "launcher_command": sys.argv[9]}))
 EOF
 )
 set +e
