@@ -307,9 +307,10 @@ class Progress:
             sys.stderr.write("\n")
 
 
-async def run_batch(stub, args, mode, indices, prompts, concurrency, rate, rng, progress):
-    """Requests for `indices` (prompt indices), at most `concurrency` in flight, or arriving
-    as a Poisson process of `rate` per second. Returns (results, wall seconds)."""
+async def run_batch(stub, args, mode, indices, prompts, concurrency, gaps, progress):
+    """Requests for `indices` (prompt indices), at most `concurrency` in flight, or, with
+    `gaps` (seconds before each next request, by prompt index), arriving on that schedule.
+    Returns (results, wall seconds)."""
     results = []
     sem = asyncio.Semaphore(concurrency if concurrency else 10**6)
 
@@ -324,8 +325,8 @@ async def run_batch(stub, args, mode, indices, prompts, concurrency, rate, rng, 
     tasks = []
     for i in indices:
         tasks.append(asyncio.ensure_future(go(i)))
-        if rate:
-            await asyncio.sleep(rng.expovariate(rate))
+        if gaps:
+            await asyncio.sleep(gaps[i])
     await asyncio.gather(*tasks)
     return results, time.perf_counter() - t0
 
@@ -576,11 +577,14 @@ async def main_async(args):
     for label, conc, rate in phases_spec:
         per_mode = {m.name: {"results": [], "wall": 0.0, "breakdown": []} for m in modes}
         n = phase_requests(conc)
+        # One Poisson schedule a phase, the same for every mode: with a schedule drawn per
+        # mode, tokens/s would compare arrival luck as much as the modes.
+        gaps = [rng.expovariate(rate) for _ in range(n)] if rate else None
         if args.warmup:
             for m in modes:
                 progress.label = f"{label} {m.name} warm-up"
                 await run_batch(stub, args, m, list(range(args.warmup)), prompts,
-                                conc or args.warmup, None, rng, progress)
+                                conc or args.warmup, None, progress)
         # Round r runs requests [r*n/R, (r+1)*n/R) of every mode, the mode order rotated by r.
         bounds = [round(n * k / rounds) for k in range(rounds + 1)]
         for r in range(rounds):
@@ -594,7 +598,7 @@ async def main_async(args):
                 progress.label = f"{label} {m.name} round {r + 1}/{rounds}"
                 progress.draw()
                 before = {k: scrape(u) for k, u in metrics_urls.items()}
-                results, wall = await run_batch(stub, args, m, idx, prompts, conc, rate, rng,
+                results, wall = await run_batch(stub, args, m, idx, prompts, conc, gaps,
                                                 progress)
                 after = {k: scrape(u) for k, u in metrics_urls.items()}
                 per_mode[m.name]["results"].extend(results)
