@@ -60,7 +60,10 @@ done
 [ -n "$BIN" ] || BIN=$ROOT/$BUILD/bin
 case "$BIN" in /*) ;; *) BIN=$(pwd)/$BIN ;; esac
 for exe in specd-verify specd-draft specd-router specd-cli; do
-  [ -x "$BIN/$exe" ] || { echo "serve_cluster.sh: $BIN/$exe not found (build it, or --bin DIR)" >&2; exit 2; }
+  if [ ! -x "$BIN/$exe" ]; then
+    echo "serve_cluster.sh: $BIN/$exe not found (build it, or --bin DIR)" >&2
+    exit 2
+  fi
 done
 for m in "$TARGET" "$DRAFT"; do
   [ -f "$m/config.json" ] || { echo "serve_cluster.sh: $m/config.json not found" >&2; exit 2; }
@@ -82,7 +85,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 free_port() {
-  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])'
 }
 VERIFY_ADDR=127.0.0.1:$(free_port)
 DRAFT_ADDR=127.0.0.1:$(free_port)
@@ -108,7 +112,8 @@ if [ "$PIN" = 1 ]; then
   else
     VERIFY_CMD=(taskset -c 0 "${VERIFY_CMD[@]}" --num_threads 1)
     DRAFT_CMD=(taskset -c 1 "${DRAFT_CMD[@]}" --num_threads 1)
-    PINNING="verify on core 0, draft on core 1 (taskset, 1 engine thread each); router and client unpinned"
+    PINNING="verify on core 0, draft on core 1 (taskset, 1 engine thread each);"
+    PINNING+=" router and client unpinned"
   fi
 fi
 # shellcheck disable=SC2206  # the extra flags are meant to split on spaces

@@ -19,7 +19,8 @@ def report(path):
     print(f"- Date {doc['date']}, commit {doc['git_commit']}, build "
           f"{doc['meta'].get('build_type') or '?'}; {m.get('cpu_model')}, {m['cores']} cores"
           + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else "")
-          + f"; load average {doc.get('loadavg_at_start')} at start, {doc['loadavg_at_end']} at end")
+          + f"; load average {doc.get('loadavg_at_start')} at start, "
+          f"{doc['loadavg_at_end']} at end")
     if doc["meta"].get("pinning"):
         print(f"- Pinning: {doc['meta']['pinning']}")
     c = doc["config"]
@@ -44,16 +45,18 @@ def report(path):
     rows = [(ph["label"], name, s["steps"]) for ph in doc["phases"]
             for name, s in ph["modes"].items() if s.get("steps")]
     if rows:
-        print("\nStep breakdown, ms per router step (means over the mode's runs): wall = wall time ÷ "
-              "verify calls; verify/draft = `specd_step_seconds` inside the service; rtt = the "
-              "router's timing of the leg (service + gRPC); router+ = wall − legs.\n")
+        print("\nStep breakdown, ms per router step (means over the mode's runs): wall = wall "
+              "time ÷ verify calls; verify/draft = `specd_step_seconds` inside the service; "
+              "rtt = the router's timing of the leg (service + gRPC); router+ = wall − legs.\n")
         print("| phase | mode | wall | verify | verify rtt | draft | draft rtt | router+ | "
               "verify batch |")
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for label, name, b in rows:
             print(f"| {label} | {name} | {f(b.get('wall_per_step_s'), 1e3, 2)} | "
-                  f"{f(b.get('verify_step_s'), 1e3, 2)} | {f(b.get('router_verify_rtt_s'), 1e3, 2)} | "
-                  f"{f(b.get('draft_step_s'), 1e3, 2)} | {f(b.get('router_draft_rtt_s'), 1e3, 2)} | "
+                  f"{f(b.get('verify_step_s'), 1e3, 2)} | "
+                  f"{f(b.get('router_verify_rtt_s'), 1e3, 2)} | "
+                  f"{f(b.get('draft_step_s'), 1e3, 2)} | "
+                  f"{f(b.get('router_draft_rtt_s'), 1e3, 2)} | "
                   f"{f(b.get('router_other_per_step_s'), 1e3, 2)} | "
                   f"{f(b.get('verify_batch_mean'), digits=1)} |")
     print()
