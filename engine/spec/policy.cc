@@ -62,6 +62,8 @@ const char* ShapeReasonName(ShapeReason reason, bool none) {
       return "off";
     case ShapeReason::kDraftDown:
       return "draft_down";
+    case ShapeReason::kNoDrafter:
+      return "no_drafter";
     case ShapeReason::kNoBudget:
       return "no_budget";
   }
@@ -234,10 +236,7 @@ GoodputPolicy::GoodputPolicy(PolicyOptions options)
 SpecShape GoodputPolicy::Clamp(const SpecShape& shape, int max_depth) {
   if (shape.none() || max_depth <= 0) return SpecShape();
   SpecShape s = shape;
-  if (s.depth > max_depth) {
-    s.depth = max_depth;
-    if (IsChain(shape)) s.max_nodes = max_depth;
-  }
+  s.depth = std::min(s.depth, max_depth);
   s.max_nodes = ShapeNodes(s);
   return s;
 }

@@ -145,6 +145,7 @@ enum class ShapeReason {
   kExplicit,   // the request named its tree shape
   kOff,        // the request asked for no speculation
   kDraftDown,  // the drafter is unavailable
+  kNoDrafter,  // no drafter serves the sequence
   kNoBudget,   // no room left: the bonus token covers what remains
 };
 const char* ShapeReasonName(ShapeReason reason, bool none);
