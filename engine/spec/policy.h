@@ -74,8 +74,8 @@ struct PolicyOptions {
   double draft_level_per_token_s = 5e-5;
   // false: the priors are the costs (deterministic decisions, for tests).
   bool measure_costs = true;
-  // A sequence left without drafts this many steps gets one short chain to refresh its
-  // acceptance estimate (0: never).
+  // A sequence left without drafts this many steps (or never drafted yet) gets one short chain
+  // to refresh its acceptance estimate (0: never).
   int probe_interval = 64;
 };
 

@@ -131,7 +131,9 @@ class SequenceState {
   ShapeReason planned_reason_ = ShapeReason::kPolicy;
   SpecShape last_run_;      // the shape the previous step ran (cut to its tree)
   SpecShape last_planned_;  // the shape the previous step was planned with
-  int steps_without_draft_ = 0;
+  // A new sequence counts as long without drafts: its acceptance is unknown, so where the
+  // policy would not draft it, its first step probes.
+  int steps_without_draft_ = 1 << 20;
   AcceptanceEstimate acceptance_;
   PolicyOptions acceptance_options_;
 };

@@ -436,6 +436,8 @@ TEST(RouterClusterTest, DeadlineMidStreamIsDeadlineExceededAndFrees) {
 TEST(RouterClusterTest, StoppedDraftServiceDrainsWhileTheClusterKeepsServing) {
   ClusterOptions options;
   options.draft_args = {"--shutdown_grace_ms=60000"};
+  // Every step drafts (no policy), so that the running request shows it kept its drafts.
+  options.router_args = {"--speculation_policy=fixed"};
   std::unique_ptr<Cluster> c = Cluster::Start(options);
   ASSERT_NE(c, nullptr);
   const int kTokens = 600;

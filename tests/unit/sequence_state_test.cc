@@ -160,6 +160,8 @@ TEST(SequenceStateTest, PlannedStepsUpdateAcceptanceAndPolicyInput) {
   EXPECT_EQ(in.max_depth, 49);
   EXPECT_TRUE(in.previous.none());
   EXPECT_EQ(in.acceptance, &s.acceptance());
+  // Never drafted: due for a probe, whatever the interval.
+  EXPECT_GE(in.steps_without_draft, PolicyOptions().probe_interval);
   const PolicyOptions options;
   const double prior = s.acceptance().ChainRate(1, options);
 
