@@ -445,8 +445,21 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     out.shapes[i] = clamped[i][choice[i]];
     if (out.shapes[i].none() && options_.probe_interval > 0 &&
         batch[i].steps_without_draft >= options_.probe_interval) {
-      out.shapes[i] = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
-      out.reasons[i] = ShapeReason::kProbe;
+      // Probe again only where a probe could be worth it: the short chain would pay if this
+      // sequence accepted nearly everything. Elsewhere (a saturated batch, a tiny target) no
+      // acceptance could make it pay, and the probe (which also feeds the drafter the tokens
+      // it missed) would only stall the batch. A sequence never drafted is probed once.
+      const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
+      constexpr double kOptimistic = 0.9 + 0.81;
+      add(t, i, clamped[i][choice[i]], gain[i][choice[i]], -1);
+      add(t, i, probe, kOptimistic, +1);
+      const double s = score(t);
+      add(t, i, probe, kOptimistic, -1);
+      add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
+      if (s > current || batch[i].never_drafted) {
+        out.shapes[i] = probe;
+        out.reasons[i] = ShapeReason::kProbe;
+      }
     }
   }
   out.predicted_goodput = Goodput(batch, out.shapes);

@@ -160,6 +160,8 @@ struct PolicySequence {
   const AcceptanceEstimate* acceptance = nullptr;  // required unless fixed
   SpecShape previous;                              // what it ran last step
   int steps_without_draft = 0;
+  // Never drafted: its acceptance is unknown, so it is probed once whatever the costs.
+  bool never_drafted = false;
 };
 
 struct PolicyDecision {

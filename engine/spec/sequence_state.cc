@@ -86,10 +86,12 @@ PolicySequence SequenceState::PolicyInput(bool model_draft) const {
   p.acceptance = &acceptance_;
   p.previous = last_planned_;
   p.steps_without_draft = steps_without_draft_;
+  p.never_drafted = stats_.draft_steps == 0 && !probed_;
   return p;
 }
 
 void SequenceState::Plan(const SpecShape& shape, ShapeReason reason) {
+  if (!shape.none()) probed_ = true;
   planned_ = shape;
   planned_reason_ = reason;
 }

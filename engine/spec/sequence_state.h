@@ -134,6 +134,7 @@ class SequenceState {
   // A new sequence counts as long without drafts: its acceptance is unknown, so where the
   // policy would not draft it, its first step probes.
   int steps_without_draft_ = 1 << 20;
+  bool probed_ = false;  // a step was planned with a tree (the drafter may have sent none)
   AcceptanceEstimate acceptance_;
   PolicyOptions acceptance_options_;
 };

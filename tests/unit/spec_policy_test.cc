@@ -224,22 +224,32 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
 }
 
-TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDrafts) {
+TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   PolicyOptions o;
   o.probe_interval = 8;
+  o.measure_costs = false;
+  o.verify_fixed_s = 2e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.5e-3;
   GoodputPolicy policy(o);
-  for (int step = 0; step < 20; ++step) {
-    for (int tokens = 1; tokens <= 20; ++tokens) {
-      policy.costs().ObserveVerify(1, tokens, 1e-3 * tokens);
-    }
-  }
-  const AcceptanceEstimate a = Acceptance(0.5, o);
+  // At acceptance 0.3 a chain does not pay here; at 0.9 it would.
+  const AcceptanceEstimate a = Acceptance(0.3, o);
   std::vector<PolicySequence> batch = Batch(1, &a);
   EXPECT_TRUE(policy.Decide(batch).shapes[0].none());
   batch[0].steps_without_draft = 8;
   const PolicyDecision d = policy.Decide(batch);
   EXPECT_FALSE(d.shapes[0].none());
   EXPECT_EQ(d.reasons[0], ShapeReason::kProbe);
+
+  // Verify cost that grows steeply with tokens: no acceptance could pay, so no probe.
+  PolicyOptions steep = o;
+  steep.verify_fixed_s = 0;
+  steep.verify_per_token_s = 3e-3;
+  GoodputPolicy never(steep);
+  EXPECT_TRUE(never.Decide(batch).shapes[0].none());
+  // Except once for a sequence never drafted: its acceptance is unknown.
+  batch[0].never_drafted = true;
+  EXPECT_EQ(never.Decide(batch).reasons[0], ShapeReason::kProbe);
 }
 
 }  // namespace
