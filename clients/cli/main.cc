@@ -355,6 +355,7 @@ int Generate(const Args& args) {
                       {"accepted_tokens", spec.accepted_tokens},
                       {"accepted_per_position", spec.accepted_per_position},
                       {"target_only_steps", spec.target_only_steps},
+                      {"shape_changes", spec.shape_changes},
                       {"acceptance_rate", acceptance},
                       {"mean_accepted_length", mean_accepted_length}}},
                     {"elapsed_seconds", elapsed},

@@ -3,17 +3,20 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace specd {
 
-absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(Backend* target, Drafter* drafter) {
+absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(Backend* target, Drafter* drafter,
+                                                             GeneratorOptions options) {
   if (target == nullptr) return absl::InvalidArgumentError("target: null backend");
   if (drafter != nullptr && drafter->vocab_size() != target->config().vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "drafter: vocab_size ", drafter->vocab_size(), " differs from the target's ",
         target->config().vocab_size));
   }
-  return std::unique_ptr<Generator>(new Generator(target, drafter));
+  return std::unique_ptr<Generator>(new Generator(target, drafter, std::move(options)));
 }
 
 absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
@@ -102,28 +105,49 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
   std::vector<size_t> drafted;  // request index of each draft request
   std::vector<int> tree_of(requests.size(), -1);  // index into `trees` per request
   std::vector<VerifyItem> verify_items;
+  std::vector<PolicySequence> plan_inputs;
   while (!active.empty()) {
+    // Plan: every sequence's shape for this step, from one decision over the whole batch.
+    plan_inputs.clear();
+    for (size_t i : active) {
+      PolicySequence p = states[i].PolicyInput(/*model_draft=*/true);
+      if (!in_drafter[i]) {
+        p.fixed = true;  // speculation off: none
+      } else if (!requests[i].auto_shape) {
+        p.fixed = true;
+        p.fixed_shape = SpecShape{requests[i].draft.depth, requests[i].draft.top_k,
+                                  requests[i].draft.max_nodes};
+      }
+      plan_inputs.push_back(p);
+    }
+    const PolicyDecision plan = policy_.Decide(plan_inputs);
     draft_requests.clear();
     drafted.clear();
-    for (size_t i : active) {
-      const int depth = std::min(requests[i].draft.depth, states[i].MaxUsefulDraftDepth());
-      if (!in_drafter[i] || depth < 1) continue;
+    int levels = 0, nodes = 0;
+    for (size_t a = 0; a < active.size(); ++a) {
+      const size_t i = active[a];
+      states[i].Plan(plan.shapes[a], plan.reasons[a]);
+      if (plan.shapes[a].none()) continue;
       DraftRequest d;
       d.seq = ids[i];
       const absl::Span<const int32_t> fresh = states[i].DrafterPending();
       d.new_tokens.assign(fresh.begin(), fresh.end());
-      d.params = requests[i].draft;
-      d.params.depth = depth;
+      d.params = DraftParams{plan.shapes[a].depth, plan.shapes[a].top_k, plan.shapes[a].max_nodes};
+      levels = std::max(levels, d.params.depth);
+      nodes += d.params.max_nodes;
       draft_requests.push_back(std::move(d));
       drafted.push_back(i);
     }
     std::vector<TokenTree> trees;
     if (!draft_requests.empty()) {
+      const absl::Time start = absl::Now();
       absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft(draft_requests);
       if (!t.ok()) {
         release_all();
         return t.status();
       }
+      policy_.costs().ObserveDraft(static_cast<int>(draft_requests.size()), levels, nodes,
+                                   absl::ToDoubleSeconds(absl::Now() - start));
       trees = *std::move(t);
       for (size_t k = 0; k < drafted.size(); ++k) {
         states[drafted[k]].MarkDrafterFed();
@@ -154,17 +178,23 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
         v.history = &histories[i];
       }
     }
+    int verify_tokens = 0;
+    for (const VerifyItem& v : verify_items) {
+      verify_tokens += static_cast<int>(v.pending.size() + v.tree.size());
+    }
+    const absl::Time verify_start = absl::Now();
     absl::StatusOr<std::vector<VerifyOutcome>> outcomes = target_->Verify(verify_items);
     if (!outcomes.ok()) {
       release_all();
       return outcomes.status();
     }
+    policy_.costs().ObserveVerify(static_cast<int>(verify_items.size()), verify_tokens,
+                                  absl::ToDoubleSeconds(absl::Now() - verify_start));
     std::vector<size_t> still_active;
     for (size_t a = 0; a < active.size(); ++a) {
       const size_t i = active[a];
       const VerifyOutcome& outcome = (*outcomes)[a];
-      const absl::Span<const int32_t> emitted =
-          states[i].Apply(outcome, verify_items[a].tree.size());
+      const absl::Span<const int32_t> emitted = states[i].Apply(outcome, verify_items[a].tree);
       if (!outcome.logprobs.empty()) {
         // Emitted tokens are a prefix of the outcome's (a stop cuts the rest).
         const size_t n = std::min(emitted.size(), outcome.logprobs.size());

@@ -1,10 +1,12 @@
 // In-process speculative generation over a target Backend and an optional Drafter: the
 // reference loop that tests and benchmarks run and that the router's loop mirrors across gRPC.
-// Each step drafts one tree for every active sequence in one Drafter::Draft() call, verifies
-// all of them in one Backend::Verify() call, and applies each outcome with SequenceState (stop
-// logic). Without a drafter (or for a request with speculate = false) a step is Verify() with
-// an empty tree: plain target-only decoding through the same sampler, which is why speculative
-// output equals target-only output token for token (DESIGN.md, lossless verification).
+// Each step plans every active sequence's tree shape (the goodput policy for requests with
+// auto_shape, the request's own shape otherwise), drafts one tree for every sequence that
+// speculates in one Drafter::Draft() call, verifies all of them in one Backend::Verify() call,
+// and applies each outcome with SequenceState (stop logic, acceptance, statistics). Without a
+// drafter (or for a request with speculate = false) a step is Verify() with an empty tree: plain
+// target-only decoding through the same sampler, which is why speculative output equals target-only
+// output token for token (DESIGN.md, lossless verification).
 #ifndef SPECD_ENGINE_SPEC_GENERATOR_H_
 #define SPECD_ENGINE_SPEC_GENERATOR_H_
 
@@ -18,6 +20,7 @@
 #include "engine/backend.h"
 #include "engine/draft/drafter.h"
 #include "engine/sampling.h"
+#include "engine/spec/policy.h"
 #include "engine/spec/sequence_state.h"
 
 namespace specd {
@@ -32,6 +35,9 @@ struct GenerationRequest {
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
   bool speculate = true;  // false: target-only even when the generator has a drafter
+  // true: the generator's goodput policy picks the tree shape every step (down to none);
+  // false: every step drafts exactly `draft` (cut to what the budget can still use).
+  bool auto_shape = false;
   DraftParams draft;
   // VerifyItem::logprobs and logprobs_mode: -1 none, 0 the emitted tokens', n also the top n.
   int logprobs = -1;
@@ -49,11 +55,16 @@ struct GenerationResult {
 // Called after each step with the tokens a request gained (never tokens past its stop).
 using TokenCallback = std::function<void(size_t request_index, absl::Span<const int32_t> tokens)>;
 
+struct GeneratorOptions {
+  PolicyOptions policy;  // for requests with auto_shape
+};
+
 class Generator {
  public:
   // `target` and `drafter` must outlive the generator; `drafter` may be null (speculation
   // off). INVALID_ARGUMENT when the drafter's vocabulary differs from the target's.
-  static absl::StatusOr<std::unique_ptr<Generator>> Create(Backend* target, Drafter* drafter);
+  static absl::StatusOr<std::unique_ptr<Generator>> Create(
+      Backend* target, Drafter* drafter, GeneratorOptions options = GeneratorOptions());
 
   // Runs all requests to completion as one continuously batched group and returns their
   // results in order. Sequence ids are allocated internally and released before returning.
@@ -61,10 +72,13 @@ class Generator {
       absl::Span<const GenerationRequest> requests, const TokenCallback& on_tokens = nullptr);
 
  private:
-  Generator(Backend* target, Drafter* drafter) : target_(target), drafter_(drafter) {}
+  Generator(Backend* target, Drafter* drafter, GeneratorOptions options)
+      : target_(target), drafter_(drafter), policy_(std::move(options.policy)) {}
 
   Backend* target_;
   Drafter* drafter_;
+  // Keeps its measured costs across Generate() calls.
+  GoodputPolicy policy_;
   SeqId next_seq_ = 1;
 };
 

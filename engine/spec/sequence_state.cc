@@ -18,7 +18,12 @@ const char* FinishReasonName(FinishReason reason) {
   return "unknown";
 }
 
+std::vector<int32_t> StopConditions::ActiveEosIds() const {
+  return ignore_eos ? std::vector<int32_t>() : eos_token_ids;
+}
+
 void SpecStats::Add(const SpecStats& o) {
+  shape_changes += o.shape_changes;
   steps += o.steps;
   draft_steps += o.draft_steps;
   target_only_steps += o.target_only_steps;
@@ -73,6 +78,67 @@ int SequenceState::MaxUsefulDraftDepth() const {
   return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left - 1, kMaxTreeNodes)));
 }
 
+PolicySequence SequenceState::PolicyInput(bool model_draft) const {
+  PolicySequence p;
+  p.pending = static_cast<int>(std::min<size_t>(TargetPending().size(), 1 << 20));
+  p.max_depth = MaxUsefulDraftDepth();
+  p.model_draft = model_draft;
+  p.acceptance = &acceptance_;
+  p.previous = last_planned_;
+  p.steps_without_draft = steps_without_draft_;
+  p.never_drafted = stats_.draft_steps == 0 && !probed_;
+  return p;
+}
+
+void SequenceState::Plan(const SpecShape& shape, ShapeReason reason) {
+  if (!shape.none()) probed_ = true;
+  planned_ = shape;
+  planned_reason_ = reason;
+}
+
+absl::Status SequenceState::CheckOutcome(const VerifyOutcome& outcome, const TokenTree& tree,
+                                         int vocab_size) {
+  const int accepted = outcome.accepted_draft;
+  if (accepted < 0 || static_cast<int>(outcome.tokens.size()) != accepted + 1 ||
+      (tree.empty() ? accepted != 0 : accepted > TreeMaxDepth(tree)) ||
+      (!outcome.accepted_nodes.empty() &&
+       static_cast<int>(outcome.accepted_nodes.size()) != accepted)) {
+    return absl::InternalError(absl::StrCat("the verifier returned ", outcome.tokens.size(),
+                                            " tokens with ", accepted, " accepted drafts for a ",
+                                            tree.size(), "-node tree"));
+  }
+  for (int32_t t : outcome.tokens) {
+    if (t < 0 || t >= vocab_size) {
+      return absl::InternalError(
+          absl::StrCat("the verifier returned token ", t, " outside the vocabulary"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Span<const int32_t> SequenceState::Apply(const VerifyOutcome& outcome,
+                                               const TokenTree& tree) {
+  if (finished()) return {};
+  // What ran: the planned shape, cut to the tree that arrived.
+  SpecShape ran;
+  if (!tree.empty()) {
+    ran = planned_.none() ? SpecShape{TreeMaxDepth(tree), 1, static_cast<int>(tree.size())}
+                          : planned_;
+    ran.depth = std::min(ran.depth, TreeMaxDepth(tree));
+    ran.max_nodes = static_cast<int>(tree.size());
+    if (ran.max_nodes <= ran.depth) ran.top_k = 1;
+    acceptance_.Observe(ran, outcome.accepted_draft, acceptance_options_);
+    steps_without_draft_ = 0;
+  } else {
+    ++steps_without_draft_;
+  }
+  if (stats_.steps > 0 && ran != last_run_) ++stats_.shape_changes;
+  last_run_ = ran;
+  last_planned_ = planned_;
+  planned_ = SpecShape();
+  return Apply(outcome, static_cast<int>(tree.size()));
+}
+
 bool SequenceState::IsStop(int32_t token) const {
   if (!stop_.ignore_eos &&
       std::find(stop_.eos_token_ids.begin(), stop_.eos_token_ids.end(), token) !=
@@ -92,7 +158,7 @@ absl::Span<const int32_t> SequenceState::Apply(const VerifyOutcome& outcome, int
   } else {
     ++stats_.target_only_steps;
   }
-  const int accepted = static_cast<int>(outcome.accepted_nodes.size());
+  const int accepted = outcome.accepted_draft;
   stats_.accepted_tokens += accepted;
   if (static_cast<int>(stats_.accepted_per_position.size()) < accepted) {
     stats_.accepted_per_position.resize(accepted, 0);

@@ -1,7 +1,9 @@
-// Per-sequence bookkeeping of the speculation loop, shared by the in-process Generator and the
-// router: which tokens the target and the drafter have not seen yet, how deep a draft is still
-// worth making, and where the output stops when one verify step emits several tokens at once.
-// It touches no model, so the router uses it as is.
+// The speculation core: per-sequence bookkeeping of the speculation loop, shared by the
+// in-process Generator and the router (which adds only transport and text): which tokens the
+// target and the drafter have not seen yet, how deep a draft is still worth making, which tree
+// shape this step runs (the goodput policy's input and output, engine/spec/policy.h), applying
+// a verify outcome, where the output stops when one verify step emits several tokens at once
+// (the one EOS rule), and the statistics. It touches no model and no proto.
 #ifndef SPECD_ENGINE_SPEC_SEQUENCE_STATE_H_
 #define SPECD_ENGINE_SPEC_SEQUENCE_STATE_H_
 
@@ -10,7 +12,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/token_tree.h"
 #include "engine/backend.h"
+#include "engine/spec/policy.h"
 
 namespace specd {
 
@@ -23,6 +27,10 @@ struct StopConditions {
   bool ignore_eos = false;  // eos_token_ids do not stop (stop_token_ids still do)
   // Context limit: the sequence ends (kLength) once prompt + output reaches it; 0 = none.
   int64_t max_total_tokens = 0;
+
+  // The eos ids that end the sequence (none with ignore_eos): the one EOS rule, also for the
+  // router's text stream.
+  std::vector<int32_t> ActiveEosIds() const;
 };
 
 enum class FinishReason {
@@ -43,6 +51,7 @@ struct SpecStats {
   // accepted_per_position[d]: steps whose accepted path reached depth d (0 = first draft
   // token). Counted as the verifier reported, before truncation at a stop.
   std::vector<int64_t> accepted_per_position;
+  int64_t shape_changes = 0;  // steps whose tree shape differed from the previous step's
 
   void Add(const SpecStats& other);
 };
@@ -66,9 +75,33 @@ class SequenceState {
   // token, so this is the remaining budget minus one (0: draft nothing this step).
   int MaxUsefulDraftDepth() const;
 
-  // Applies one verify step that fed TargetPending() and a tree of `tree_size` nodes: appends
-  // the emitted tokens up to and including the first stop, and no further than the budget.
+  // The drafter lost this sequence's state (its stream or process was replaced): the next
+  // draft feeds the whole history again.
+  void ResetDrafter() { drafter_fed_ = 0; }
+  // Likewise for the target: the next verify step feeds the whole history.
+  void ResetTarget() { target_cached_ = 0; }
+
+  // What the policy needs to decide this sequence's step. `model_draft`: drafted by the draft
+  // model (its levels cost draft time) rather than by n-gram lookup.
+  PolicySequence PolicyInput(bool model_draft) const;
+  // Records the shape this step runs (and why) before drafting.
+  void Plan(const SpecShape& shape, ShapeReason reason);
+  const SpecShape& planned() const { return planned_; }
+  ShapeReason planned_reason() const { return planned_reason_; }
+  const AcceptanceEstimate& acceptance() const { return acceptance_; }
+
+  // INTERNAL when `outcome` cannot come from verifying `tree` (token count, accepted length
+  // deeper than the tree, tokens outside the vocabulary): checked before Apply for outcomes
+  // that crossed a process boundary.
+  static absl::Status CheckOutcome(const VerifyOutcome& outcome, const TokenTree& tree,
+                                   int vocab_size);
+
+  // Applies one verify step that fed TargetPending() and `tree` (the planned shape, or less
+  // when the drafter proposed less): appends the emitted tokens up to and including the first
+  // stop, and no further than the budget; updates the acceptance estimate and the statistics.
   // Returns the tokens appended (what to stream); tokens after the stop are dropped.
+  absl::Span<const int32_t> Apply(const VerifyOutcome& outcome, const TokenTree& tree);
+  // The same for callers that only know the tree's size (no acceptance update).
   absl::Span<const int32_t> Apply(const VerifyOutcome& outcome, int tree_size);
 
   bool finished() const { return finish_ != FinishReason::kNone; }
@@ -93,6 +126,17 @@ class SequenceState {
   int64_t drafter_fed_ = 0;    // tokens the drafter has been fed
   FinishReason finish_ = FinishReason::kNone;
   SpecStats stats_;
+  // Speculation planning.
+  SpecShape planned_;
+  ShapeReason planned_reason_ = ShapeReason::kPolicy;
+  SpecShape last_run_;      // the shape the previous step ran (cut to its tree)
+  SpecShape last_planned_;  // the shape the previous step was planned with
+  // A new sequence counts as long without drafts: its acceptance is unknown, so where the
+  // policy would not draft it, its first step probes.
+  int steps_without_draft_ = 1 << 20;
+  bool probed_ = false;  // a step was planned with a tree (the drafter may have sent none)
+  AcceptanceEstimate acceptance_;
+  PolicyOptions acceptance_options_;
 };
 
 }  // namespace specd

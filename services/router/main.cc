@@ -45,6 +45,10 @@ ABSL_FLAG(int, draft_max_nodes, 16, "default nodes per draft tree (<= 256)");
 ABSL_FLAG(std::string, default_speculation, "auto",
           "what SPECULATION_AUTO requests use: auto (the draft model when the draft service "
           "is up), off, draft_model or ngram");
+ABSL_FLAG(std::string, speculation_policy, "goodput",
+          "tree shape of requests that name none: goodput (every step, per sequence, the shape "
+          "that maximises the batch's predicted tokens/s from measured costs and acceptance, "
+          "down to none) or fixed (--draft_depth/--draft_top_k/--draft_max_nodes every step)");
 
 namespace specd {
 namespace {
@@ -116,6 +120,11 @@ int Main() {
   loop_options.max_batch = max_batch;
   loop_options.max_queue = max_queue;
   loop_options.limits = limits;
+  const std::string policy = absl::AsciiStrToLower(absl::GetFlag(FLAGS_speculation_policy));
+  if (policy != "goodput" && policy != "fixed") {
+    return Fail("--speculation_policy: one of goodput, fixed");
+  }
+  loop_options.adaptive = policy == "goodput";
   if (absl::StatusOr<HostPort> hp = ParseHostPort(loop_options.verify_address, "--verify_address");
       !hp.ok()) {
     return Fail(hp.status().ToString());

@@ -45,6 +45,9 @@ struct RouterRequest {
   // is up, else target-only.
   v1::Speculation speculation = v1::SPECULATION_AUTO;
   DraftShape shape;
+  // The request named its tree shape (draft_depth, draft_top_k or draft_max_nodes): it gets
+  // exactly that shape every step; otherwise the router's goodput policy chooses.
+  bool shape_explicit = false;
   absl::Time arrival;
   absl::Time deadline = absl::InfiniteFuture();
 };

@@ -104,6 +104,7 @@ RouterRequest ResolveRequest(const v1::GenerateRequest& r, const RequestLimits& 
       r.draft_top_k() > 0 ? static_cast<int>(r.draft_top_k()) : limits.default_shape.top_k;
   out.shape.max_nodes = r.draft_max_nodes() > 0 ? static_cast<int>(r.draft_max_nodes())
                                                 : limits.default_shape.max_nodes;
+  out.shape_explicit = r.draft_depth() > 0 || r.draft_top_k() > 0 || r.draft_max_nodes() > 0;
   return out;
 }
 

@@ -1,15 +1,17 @@
 #include "services/router/router_loop.h"
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
 #include "common/service/tree_proto.h"
 #include "common/token_tree.h"
+#include "engine/spec/sequence_state.h"
 
 namespace specd {
 namespace {
@@ -52,26 +54,25 @@ struct RouterLoop::Sequence {
   uint64_t id = 0;
   RouterRequest request;
   std::shared_ptr<ResponseSink> sink;
-  std::vector<int32_t> tokens;  // prompt, then every token the verifier emitted
-  int64_t prompt_len = 0;
-  std::unique_ptr<SequenceOutput> output;
-  v1::SpeculationStats stats;
+  // The speculation core: tokens, what each service still has to be fed, the depth budget,
+  // the tree shape of this step, acceptance and statistics.
+  std::optional<SequenceState> core;
+  std::unique_ptr<SequenceOutput> output;      // text, stop strings
+  v1::Speculation mode = v1::SPECULATION_OFF;  // what it speculated with in the end
   absl::Time last_emit;
   bool streamed_any = false;
   bool done = false;
 
-  // Verify service state: how many of `tokens` it holds KV for, under which stream epoch.
-  int64_t verify_cached = 0;
-  uint64_t verify_epoch = 0;  // 0: not held
-  // Draft service state, likewise. After a draft reconnect the epoch differs and the whole
-  // history is sent again.
-  int64_t draft_cached = 0;
+  // The stream epoch of each service that holds this sequence (0: not held). After a draft
+  // reconnect the epoch differs and the whole history is fed again.
+  uint64_t verify_epoch = 0;
   uint64_t draft_epoch = 0;
   bool draft_failed = false;  // the draft service rejected this sequence: stop drafting it
 
   // This step.
   TokenTree tree;
-  TargetOnlyReason reason = TargetOnlyReason::kNoDraft;
+  bool draft_down = false;  // wanted a draft the drafter could not give
+  bool no_drafter = false;  // no drafter serves it (none configured, or it was rejected)
 };
 
 RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
@@ -82,7 +83,8 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
       on_serving_(std::move(on_serving)),
       // Draft and verify services may serve several routers; a random high half keeps this
       // router's sequence ids apart from theirs (and positive as a signed 64-bit id).
-      seq_id_base_((std::random_device{}() & 0x7fffffffULL) << 32) {
+      seq_id_base_((std::random_device{}() & 0x7fffffffULL) << 32),
+      policy_(options_.policy) {
   max_context_ = options_.limits.max_context;
   UpstreamOptions vo;
   vo.name = "verify";
@@ -248,34 +250,39 @@ void RouterLoop::Admit() {
     seq->id = seq_id_base_ | (next_seq_++ & 0xffffffffULL);
     seq->request = std::move(q.request);
     seq->sink = std::move(q.sink);
-    seq->tokens = seq->request.prompt;
-    seq->prompt_len = static_cast<int64_t>(seq->tokens.size());
+    StopConditions core_stop;
+    core_stop.max_new_tokens = seq->request.max_new_tokens;
+    core_stop.eos_token_ids = options_.limits.eos_token_ids;
+    core_stop.stop_token_ids = seq->request.stop_token_ids;
+    core_stop.ignore_eos = seq->request.ignore_eos;
+    core_stop.max_total_tokens = max_context;
+    absl::StatusOr<SequenceState> core =
+        SequenceState::Create(seq->request.prompt, core_stop, options_.limits.vocab_size);
+    const int64_t prompt_len = static_cast<int64_t>(seq->request.prompt.size());
+    if (!core.ok()) {
+      // The verify service reported a smaller context than the router's config.
+      Fail(*seq, ToGrpcStatus(core.status()));
+      continue;
+    }
+    seq->core = *std::move(core);
     StreamStopConditions stop;
-    stop.max_new_tokens = seq->request.max_new_tokens;
-    if (!seq->request.ignore_eos) stop.eos_token_ids = options_.limits.eos_token_ids;
-    stop.stop_token_ids = seq->request.stop_token_ids;
+    stop.max_new_tokens = core_stop.max_new_tokens;
+    stop.eos_token_ids = core_stop.ActiveEosIds();
+    stop.stop_token_ids = core_stop.stop_token_ids;
     stop.stop = seq->request.stop;
     stop.max_total_tokens = max_context;
-    stop.prompt_tokens = seq->prompt_len;
+    stop.prompt_tokens = prompt_len;
     seq->output = std::make_unique<SequenceOutput>(std::make_unique<StreamDecoder>(tokenizer_),
                                                    std::move(stop));
     // What the sequence will speculate with; steps downgrade it to OFF while the draft
     // service is unavailable.
     const v1::Speculation mode = seq->request.speculation;
-    seq->stats.set_mode(mode == v1::SPECULATION_OFF     ? v1::SPECULATION_OFF
-                        : mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM
-                        : draft_ == nullptr             ? v1::SPECULATION_OFF
-                                                        : v1::SPECULATION_DRAFT_MODEL);
+    seq->mode = mode == v1::SPECULATION_OFF     ? v1::SPECULATION_OFF
+                : mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM
+                : draft_ == nullptr             ? v1::SPECULATION_OFF
+                                                : v1::SPECULATION_DRAFT_MODEL;
     metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
-    metrics_->prompt_tokens.Increment(static_cast<double>(seq->prompt_len));
-    if (seq->prompt_len >= max_context) {
-      // The verify service reported a smaller context than the router's config.
-      Fail(*seq,
-           grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("prompt: ", seq->prompt_len,
-                                     " tokens leave no room in the context of ", max_context)));
-      continue;
-    }
+    metrics_->prompt_tokens.Increment(static_cast<double>(prompt_len));
     running_.push_back(std::move(seq));
   }
   UpdateGauges();
@@ -289,73 +296,99 @@ void RouterLoop::Step() {
     if (!ended.ok()) Fail(*seq, ended);
   }
   RemoveDone();
+  Plan();
   DraftStep();
   VerifyStep();
   RemoveDone();
   UpdateGauges();
 }
 
-void RouterLoop::DraftStep() {
+void RouterLoop::Plan() {
   const bool draft_up = this->draft_up();
-  const uint64_t epoch = draft_up ? draft_->epoch() : 0;
-  const int max_context = this->max_context();
-  v1::DraftStepRequest request;
-  absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  std::vector<PolicySequence> inputs;
+  inputs.reserve(running_.size());
   for (auto& s : running_) {
     Sequence& seq = *s;
     seq.tree = TokenTree();
+    seq.draft_down = false;
+    seq.no_drafter = false;
     const v1::Speculation mode = seq.request.speculation;
+    PolicySequence p = seq.core->PolicyInput(/*model_draft=*/mode != v1::SPECULATION_NGRAM);
+    // Whether a drafter can serve this sequence this step: the draft service, or for n-gram
+    // also the router's own n-gram drafter.
+    const bool service = draft_ != nullptr && !seq.draft_failed;
     if (mode == v1::SPECULATION_OFF) {
-      seq.reason = TargetOnlyReason::kOff;
+      p.fixed = true;  // none
+    } else if (mode == v1::SPECULATION_NGRAM ? !(service && draft_up) && local_ngram_ == nullptr
+                                             : !service) {
+      p.fixed = true;
+      seq.no_drafter = true;
+    } else if (mode != v1::SPECULATION_NGRAM && !draft_up) {
+      p.fixed = true;
+      seq.draft_down = true;
+    } else if (seq.request.shape_explicit || !options_.adaptive) {
+      p.fixed = true;
+      p.fixed_shape =
+          SpecShape{seq.request.shape.depth, seq.request.shape.top_k, seq.request.shape.max_nodes};
+    }
+    inputs.push_back(p);
+  }
+  if (inputs.empty()) return;
+  const PolicyDecision decision = policy_.Decide(inputs);
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Sequence& seq = *running_[i];
+    ShapeReason reason = decision.reasons[i];
+    if (seq.draft_down) reason = ShapeReason::kDraftDown;
+    if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
+    seq.core->Plan(decision.shapes[i], reason);
+  }
+  metrics_->policy_goodput.Set(decision.predicted_goodput);
+  metrics_->policy_verify_one_token.Set(policy_.costs().VerifyOneTokenSeconds());
+  metrics_->policy_verify_chain4.Set(policy_.costs().VerifyChain4Seconds());
+  metrics_->policy_draft_level.Set(policy_.costs().DraftLevelSeconds());
+}
+
+void RouterLoop::DraftStep() {
+  const bool draft_up = this->draft_up();
+  const uint64_t epoch = draft_up ? draft_->epoch() : 0;
+  v1::DraftStepRequest request;
+  absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  int levels = 0, nodes = 0;
+  for (auto& s : running_) {
+    Sequence& seq = *s;
+    const SpecShape shape = seq.core->planned();
+    if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
+    if (shape.none()) continue;
+    const v1::Speculation mode = seq.request.speculation;
+    if (mode == v1::SPECULATION_NGRAM && (!draft_up || seq.draft_failed)) {
+      // The router's own n-gram drafter: microseconds, no state to feed.
+      const absl::Span<const int32_t> prompt = seq.core->prompt();
+      const absl::Span<const int32_t> output = seq.core->output();
+      std::vector<int32_t> history(prompt.begin(), prompt.end());
+      history.insert(history.end(), output.begin(), output.end());
+      seq.tree =
+          local_ngram_->Propose(history, DraftParams{shape.depth, shape.top_k, shape.max_nodes});
+      seq.mode = v1::SPECULATION_NGRAM;
       continue;
     }
-    // Tree nodes sit at positions tokens.size() .. tokens.size() + depth - 1 and the bonus
-    // token after the deepest one at tokens.size() + depth, which must all fit the context;
-    // and drafting past the last token the request may still produce is waste (the bonus
-    // token alone covers it).
-    const int64_t room =
-        std::min<int64_t>(max_context - static_cast<int64_t>(seq.tokens.size()) - 1,
-                          seq.request.max_new_tokens - seq.output->generated() - 1);
-    const int depth = static_cast<int>(std::min<int64_t>(seq.request.shape.depth, room));
-    if (depth <= 0) {
-      seq.reason = TargetOnlyReason::kNoDraft;
-      continue;
-    }
-    if (mode == v1::SPECULATION_NGRAM && (!draft_up || seq.draft_failed) &&
-        local_ngram_ != nullptr) {
-      DraftParams params;
-      params.depth = depth;
-      params.top_k = std::max(1, seq.request.shape.top_k);
-      params.max_nodes = std::max(1, seq.request.shape.max_nodes);
-      seq.tree = local_ngram_->Propose(seq.tokens, params);
-      seq.reason = TargetOnlyReason::kNoDraft;  // when the history has no match
-      seq.stats.set_mode(v1::SPECULATION_NGRAM);
-      continue;
-    }
-    if (draft_ == nullptr || seq.draft_failed) {
-      seq.reason = TargetOnlyReason::kNoDraft;
-      continue;
-    }
-    if (!draft_up) {
-      seq.reason = TargetOnlyReason::kDraftUnavailable;
-      seq.stats.set_mode(v1::SPECULATION_OFF);
-      continue;
-    }
-    const int64_t from = seq.draft_epoch == epoch ? seq.draft_cached : 0;
+    if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
+    const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
     v1::DraftSequenceStep* step = request.add_steps();
     step->set_seq_id(seq.id);
-    step->mutable_new_tokens()->Assign(seq.tokens.begin() + from, seq.tokens.end());
+    step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
     step->set_method(mode == v1::SPECULATION_NGRAM ? v1::DRAFT_METHOD_NGRAM
                                                    : v1::DRAFT_METHOD_MODEL);
-    step->set_depth(depth);
-    step->set_top_k(seq.request.shape.top_k);
-    step->set_max_nodes(seq.request.shape.max_nodes);
+    step->set_depth(shape.depth);
+    step->set_top_k(shape.top_k);
+    step->set_max_nodes(shape.max_nodes);
     step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+    seq.core->MarkDrafterFed();
     seq.draft_epoch = epoch;
-    seq.draft_cached = static_cast<int64_t>(seq.tokens.size());
-    seq.reason = TargetOnlyReason::kNoDraft;  // until a tree arrives
-    seq.stats.set_mode(mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM
-                                                     : v1::SPECULATION_DRAFT_MODEL);
+    seq.mode = mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM : v1::SPECULATION_DRAFT_MODEL;
+    if (mode != v1::SPECULATION_NGRAM) {
+      levels = std::max(levels, shape.depth);
+      nodes += shape.max_nodes;
+    }
     by_id[seq.id] = &seq;
   }
   if (epoch != draft_epoch_) {
@@ -369,17 +402,23 @@ void RouterLoop::DraftStep() {
   draft_releases_.MoveInto(&request);
   v1::DraftStepResponse response;
   const absl::Time start = absl::Now();
-  const absl::Status status = draft_->RoundTrip(request, &response);
-  if (request.steps_size() > 0) {
-    metrics_->draft_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-  }
+  const absl::Status status = draft_->RoundTrip(request, &response, epoch);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (request.steps_size() > 0) metrics_->draft_latency.Observe(seconds);
   if (!status.ok()) {
     SPECD_LOG(WARNING) << status.message() << "; continuing target-only";
     for (auto& [id, seq] : by_id) {
-      seq->reason = TargetOnlyReason::kDraftUnavailable;
-      seq->stats.set_mode(v1::SPECULATION_OFF);
+      seq->draft_down = true;
+      seq->mode = v1::SPECULATION_OFF;
     }
     return;
+  }
+  if (levels > 0) {
+    int drafting = 0;
+    for (const v1::DraftSequenceStep& step : request.steps()) {
+      drafting += step.method() == v1::DRAFT_METHOD_MODEL ? 1 : 0;
+    }
+    policy_.costs().ObserveDraft(drafting, levels, nodes, seconds);
   }
   for (const v1::DraftSequenceResult& result : response.results()) {
     auto it = by_id.find(result.seq_id());
@@ -390,6 +429,7 @@ void RouterLoop::DraftStep() {
                          << seq.request.request_id << "'): " << result.error().message()
                          << "; it continues target-only";
       seq.draft_failed = true;
+      seq.draft_down = true;
       draft_releases_.cancelled.push_back(seq.id);
       seq.draft_epoch = 0;
       continue;
@@ -420,11 +460,18 @@ void RouterLoop::VerifyStep() {
   }
   v1::VerifyStepRequest request;
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  int tokens = 0;
   for (auto& s : running_) {
     Sequence& seq = *s;
     v1::VerifySequenceStep* step = request.add_steps();
     step->set_seq_id(seq.id);
-    step->mutable_pending()->Assign(seq.tokens.begin() + seq.verify_cached, seq.tokens.end());
+    // A sequence held under an older stream (the verify service was replaced between steps)
+    // is fed its whole history again; sampling depends only on the prefix, the seed and the
+    // position, so its output is unchanged.
+    if (seq.verify_epoch != 0 && seq.verify_epoch != epoch) seq.core->ResetTarget();
+    const absl::Span<const int32_t> pending = seq.core->TargetPending();
+    step->mutable_pending()->Assign(pending.begin(), pending.end());
+    tokens += static_cast<int>(pending.size() + seq.tree.size());
     if (!seq.tree.empty()) TreeToProto(seq.tree, step->mutable_tree());
     v1::SamplingParams* sampling = step->mutable_sampling();
     sampling->set_temperature(seq.request.sampling.temperature);
@@ -440,9 +487,11 @@ void RouterLoop::VerifyStep() {
   verify_releases_.MoveInto(&request);
   v1::VerifyStepResponse response;
   const absl::Time start = absl::Now();
-  const absl::Status status = verify_->RoundTrip(request, &response);
+  const absl::Status status = verify_->RoundTrip(request, &response, epoch);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (request.steps_size() > 0) {
-    metrics_->verify_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    metrics_->verify_latency.Observe(seconds);
+    if (status.ok()) policy_.costs().ObserveVerify(request.steps_size(), tokens, seconds);
   }
   if (!status.ok()) {
     SPECD_LOG(ERROR) << status.message();
@@ -468,46 +517,35 @@ void RouterLoop::VerifyStep() {
 }
 
 void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result) {
-  const int accepted = static_cast<int>(result.accepted_draft());
-  if (result.tokens_size() != accepted + 1 ||
-      (seq.tree.empty() ? accepted != 0 : accepted > TreeMaxDepth(seq.tree))) {
-    Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL,
-                           absl::StrCat("the verify service returned ", result.tokens_size(),
-                                        " tokens with ", accepted, " accepted drafts")));
+  VerifyOutcome outcome;
+  outcome.tokens.assign(result.tokens().begin(), result.tokens().end());
+  outcome.accepted_draft = static_cast<int>(result.accepted_draft());
+  outcome.accepted_nodes.assign(result.accepted_nodes().begin(), result.accepted_nodes().end());
+  if (absl::Status s = SequenceState::CheckOutcome(outcome, seq.tree, options_.limits.vocab_size);
+      !s.ok()) {
+    Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL, std::string(s.message())));
     return;
   }
-  for (int32_t t : result.tokens()) {
-    if (t < 0 || t >= options_.limits.vocab_size) {
-      Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL,
-                             absl::StrCat("the verify service returned token ", t,
-                                          " outside the vocabulary")));
-      return;
-    }
-  }
+  const int accepted = outcome.accepted_draft;
+  const SpecShape planned = seq.core->planned();
+  const ShapeReason reason = seq.draft_down ? ShapeReason::kDraftDown : seq.core->planned_reason();
+  const int nodes = static_cast<int>(seq.tree.size());
+  metrics_->CountStep(TreeSizeBucket(nodes), ShapeReasonName(reason, planned.none()));
   if (!seq.tree.empty()) {
-    seq.stats.set_steps(seq.stats.steps() + 1);
-    seq.stats.set_draft_tokens(seq.stats.draft_tokens() + seq.tree.size());
-    seq.stats.set_accepted_tokens(seq.stats.accepted_tokens() + accepted);
-    while (seq.stats.accepted_per_position_size() < accepted) {
-      seq.stats.add_accepted_per_position(0);
-    }
-    for (int i = 0; i < accepted; ++i) {
-      seq.stats.set_accepted_per_position(i, seq.stats.accepted_per_position(i) + 1);
-    }
     metrics_->spec_decode_steps.Increment();
-    metrics_->spec_decode_draft_tokens.Increment(seq.tree.size());
+    metrics_->spec_decode_draft_tokens.Increment(nodes);
     metrics_->spec_decode_accepted_tokens.Increment(accepted);
     metrics_->CountAcceptedPositions(accepted);
   } else {
-    seq.stats.set_target_only_steps(seq.stats.target_only_steps() + 1);
-    metrics_->CountTargetOnlyStep(seq.reason);
+    metrics_->CountTargetOnlyStep(reason == ShapeReason::kOff ? TargetOnlyReason::kOff
+                                  : reason == ShapeReason::kDraftDown
+                                      ? TargetOnlyReason::kDraftUnavailable
+                                      : TargetOnlyReason::kNoDraft);
   }
-  // The verifier now holds KV for the pending tokens and the accepted drafts; the bonus token
-  // is the next step's pending token.
-  seq.verify_cached = static_cast<int64_t>(seq.tokens.size()) + accepted;
-  for (int32_t t : result.tokens()) {
-    seq.tokens.push_back(t);
-    if (!seq.output->Push(t)) break;  // tokens after a stop are dropped
+  // The core keeps the tokens the verifier emitted up to a token stop; the text stream may end
+  // earlier, at a stop string.
+  for (int32_t t : seq.core->Apply(outcome, seq.tree)) {
+    if (!seq.output->Push(t)) break;
   }
   Emit(seq);
 }
@@ -536,9 +574,18 @@ void RouterLoop::Emit(Sequence& seq) {
   }
   if (finished) {
     response.set_finish_reason(seq.output->finish_reason());
-    response.mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(seq.prompt_len));
+    response.mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(seq.core->prompt().size()));
     response.mutable_usage()->set_completion_tokens(seq.output->generated());
-    *response.mutable_speculation() = seq.stats;
+    const SpecStats& st = seq.core->stats();
+    v1::SpeculationStats* stats = response.mutable_speculation();
+    stats->set_steps(st.draft_steps);
+    stats->set_draft_tokens(st.draft_tokens);
+    stats->set_accepted_tokens(st.accepted_tokens);
+    stats->mutable_accepted_per_position()->Assign(st.accepted_per_position.begin(),
+                                                   st.accepted_per_position.end());
+    stats->set_target_only_steps(st.target_only_steps);
+    stats->set_shape_changes(st.shape_changes);
+    stats->set_mode(seq.mode);
     if (seq.output->finish_reason() == v1::FINISH_REASON_STOP_STRING) {
       response.set_matched_stop(seq.output->matched_stop());
     }

@@ -1,14 +1,22 @@
 // The router's scheduler: one thread that runs continuous batching over every active sequence.
 //
+// The speculation itself (what each service still has to be fed, the depth budget, applying a
+// verify outcome, token stops, statistics, the tree shape of each step) is engine/spec's
+// SequenceState and GoodputPolicy, the code the in-process Generator runs too; this loop adds
+// transport (protos, round trips, stream epochs) and the text stream (stop strings).
+//
 // Each iteration (one speculation step):
 //   1. admits queued requests while fewer than max_batch sequences run, and ends sequences
 //      whose client cancelled or whose deadline passed;
-//   2. sends ONE draft Step message for every sequence that speculates through the draft
+//   2. plans every sequence's tree shape: the goodput policy's choice (down to none) for
+//      requests that did not name a shape, the named shape for those that did, none for
+//      speculation = off or while the drafter is unavailable;
+//   3. sends ONE draft Step message for every sequence that speculates through the draft
 //      service (its new tokens since its last draft step, the tree shape), with the ids of
 //      sequences to free;
-//   3. sends ONE verify Step message for every running sequence (pending tokens and the draft
+//   4. sends ONE verify Step message for every running sequence (pending tokens and the draft
 //      tree, an empty tree for target-only sequences), with the ids to free;
-//   4. feeds each sequence's emitted tokens through its SequenceOutput (stop conditions, text
+//   5. feeds each sequence's emitted tokens through its SequenceOutput (stop conditions, text
 //      deltas) and streams what is ready.
 // The draft and verify services hold state per sequence and per stream, so a sequence that
 // ends is named in release_seq_ids of the next message to each service that holds it.
@@ -38,6 +46,7 @@
 #include "absl/time/time.h"
 #include "common/text/tokenizer.h"
 #include "engine/draft/ngram_drafter.h"
+#include "engine/spec/policy.h"
 #include "grpcpp/support/status.h"
 #include "services/router/output_stream.h"
 #include "services/router/request.h"
@@ -73,6 +82,9 @@ struct RouterLoopOptions {
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
   NgramOptions ngram;  // the local n-gram drafter's
+  // false: requests that name no shape get limits.default_shape every step (no policy).
+  bool adaptive = true;
+  PolicyOptions policy;
 };
 
 class RouterLoop {
@@ -119,6 +131,7 @@ class RouterLoop {
   // false when there is nothing to do and the loop should wait.
   void Admit();
   void Step();
+  void Plan();
   void DraftStep();
   void VerifyStep();
   void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);
@@ -142,6 +155,7 @@ class RouterLoop {
   std::unique_ptr<VerifyUpstream> verify_;
   std::unique_ptr<DraftUpstream> draft_;
   std::unique_ptr<NgramDrafter> local_ngram_;
+  GoodputPolicy policy_;  // scheduler thread only
 
   mutable absl::Mutex mu_;
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);

@@ -37,12 +37,25 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                                  "Router-observed draft round trip per step.", LatencyBuckets())),
       verify_latency(AddHistogram(r, "specd_verify_latency_seconds",
                                   "Router-observed verify round trip per step.", LatencyBuckets())),
+      policy_goodput(AddGauge(r, "specd_policy_predicted_goodput",
+                              "Tokens per second the goodput policy predicts for its last step.")),
+      policy_verify_one_token(
+          AddGauge(r, "specd_policy_verify_one_token_seconds",
+                   "The policy's estimate of a verify step of one row scoring one token.")),
+      policy_verify_chain4(
+          AddGauge(r, "specd_policy_verify_chain4_seconds",
+                   "The policy's estimate of a verify step of one row with a 4-token chain.")),
+      policy_draft_level(AddGauge(r, "specd_policy_draft_level_seconds",
+                                  "The policy's estimate of one draft level of one sequence.")),
       outcomes_(AddCounterFamily(r, "specd_requests_total", "Finished requests by outcome.")),
       accepted_per_pos_(
           AddCounterFamily(r, "specd_spec_decode_accepted_tokens_per_pos_total",
                            "Speculative steps whose accepted path reached depth position+1.")),
       target_only_(AddCounterFamily(r, "specd_target_only_steps_total",
-                                    "Verify steps without a draft tree, by reason.")) {
+                                    "Verify steps without a draft tree, by reason.")),
+      steps_(AddCounterFamily(r, "specd_spec_steps_total",
+                              "Sequence verify steps by draft tree size and by why it had that "
+                              "shape.")) {
   // Zero-valued children up front, so dashboards and alerts see every series from the start.
   for (const char* outcome : {"ok", "invalid_argument", "cancelled", "deadline_exceeded",
                               "resource_exhausted", "error"}) {
@@ -75,6 +88,10 @@ void RouterMetrics::CountOutcome(grpc::StatusCode code) {
       break;
   }
   outcomes_.Add({{"outcome", outcome}}).Increment();
+}
+
+void RouterMetrics::CountStep(const char* tree_size, const char* reason) {
+  steps_.Add({{"tree_size", tree_size}, {"reason", reason}}).Increment();
 }
 
 void RouterMetrics::CountAcceptedPositions(int accepted) {

@@ -26,6 +26,9 @@ class RouterMetrics {
   // specd_spec_decode_accepted_tokens_per_pos_total{position} for positions [0, accepted).
   void CountAcceptedPositions(int accepted);
   void CountTargetOnlyStep(TargetOnlyReason reason);
+  // specd_spec_steps_total{tree_size, reason}: one sequence's verify step, by the tree size
+  // bucket it carried (engine/spec/policy.h TreeSizeBucket) and why it had that shape.
+  void CountStep(const char* tree_size, const char* reason);
 
   prometheus::Gauge& requests_running;
   prometheus::Gauge& requests_waiting;
@@ -41,11 +44,17 @@ class RouterMetrics {
   prometheus::Gauge& draft_available;
   prometheus::Histogram& draft_latency;
   prometheus::Histogram& verify_latency;
+  // The goodput policy's current estimates.
+  prometheus::Gauge& policy_goodput;
+  prometheus::Gauge& policy_verify_one_token;
+  prometheus::Gauge& policy_verify_chain4;
+  prometheus::Gauge& policy_draft_level;
 
  private:
   prometheus::Family<prometheus::Counter>& outcomes_;
   prometheus::Family<prometheus::Counter>& accepted_per_pos_;
   prometheus::Family<prometheus::Counter>& target_only_;
+  prometheus::Family<prometheus::Counter>& steps_;
   absl::Mutex mu_;
   // Children of accepted_per_pos_ by position, created on first use.
   std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);

@@ -2,17 +2,22 @@
 // bidirectional Step stream, one request message and one reply per speculation step, plus a
 // background thread that (re)connects with exponential backoff.
 //
-// "Up" means: GetInfo answered (the service has loaded its model) and no step has failed since.
-// A failed step tears the stream down and marks the upstream down; the connector thread then
-// probes GetInfo with backoff and, once it answers, the next step opens a fresh stream. Each
-// time the upstream comes up, epoch() increases: the service keeps sequence state per stream,
-// so state held under an older epoch is gone.
+// "Up" means: GetInfo answered (the service has loaded its model), no step has failed since and
+// the connection has not gone away. A failed step tears the stream down and marks the upstream
+// down; so does the channel leaving READY while up (a service that stops gracefully sends
+// GOAWAY), which is seen at once even when no step is running. The connector thread then probes
+// GetInfo with backoff and, once it answers, the next step opens a fresh stream. Each time the
+// upstream comes up, epoch() increases: the service keeps sequence state per stream, so state
+// held under an older epoch is gone, and a stream of an older epoch is never used again (the
+// first request after a restart must not die on the stream the old process closed). While the
+// service drains, the stream of the current epoch still carries the steps of running sequences.
 #ifndef SPECD_SERVICES_ROUTER_UPSTREAM_H_
 #define SPECD_SERVICES_ROUTER_UPSTREAM_H_
 
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -23,8 +28,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
 #include "grpcpp/grpcpp.h"
 
 namespace specd {
@@ -50,7 +55,8 @@ class Upstream {
       : options_(std::move(options)),
         check_(std::move(check)),
         on_change_(std::move(on_change)),
-        stub_(Service::NewStub(CreateChannel(options_))) {}
+        channel_(CreateChannel(options_)),
+        stub_(Service::NewStub(channel_)) {}
 
   ~Upstream() { Stop(); }
 
@@ -83,16 +89,27 @@ class Upstream {
     return info_;
   }
 
-  // One step: writes `request` and reads its reply. Called from one thread only. On failure
-  // the upstream is down and the error is UNAVAILABLE naming the service and the cause.
-  absl::Status RoundTrip(const StepReq& request, StepResp* response) {
-    if (!up()) {
+  // One step: writes `request` and reads its reply, on the stream of `epoch` (the epoch() the
+  // caller built the request for: which sequences the service holds). Called from one thread
+  // only. On failure the upstream is down and the error is UNAVAILABLE naming the service and
+  // the cause.
+  absl::Status RoundTrip(const StepReq& request, StepResp* response, uint64_t epoch) {
+    uint64_t current;
+    bool up;
+    {
+      absl::MutexLock lock(&mu_);
+      current = epoch_;
+      up = up_;
+    }
+    if (stream_ != nullptr && stream_epoch_ != current) CloseStream(/*cancel=*/true);
+    if (epoch != current || (stream_ == nullptr && !up)) {
       return absl::UnavailableError(
           absl::StrCat(options_.name, " service at ", options_.address, " is not connected"));
     }
     if (stream_ == nullptr) {
       context_ = std::make_unique<grpc::ClientContext>();
       stream_ = stub_->Step(context_.get());
+      stream_epoch_ = current;
     }
     std::string cause;
     if (!stream_->Write(request)) {
@@ -130,6 +147,8 @@ class Upstream {
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, initial_ms);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
                 static_cast<int>(absl::ToInt64Milliseconds(options.max_backoff)));
+    // Leaving READY means the service went away; an idle timeout must not look like that.
+    args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, std::numeric_limits<int>::max());
     return grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
   }
 
@@ -155,14 +174,35 @@ class Upstream {
     if (on_change_) on_change_(false);
   }
 
+  // While up: returns once the upstream is down or stopping, marking it down when its channel
+  // leaves READY (the service closed the connection, e.g. GOAWAY on a graceful stop).
+  void WatchWhileUp() {
+    grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/false);
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_ || !up_) return;
+      }
+      if (state != GRPC_CHANNEL_READY) {
+        SPECD_LOG(WARNING) << options_.name << " service at " << options_.address
+                           << " closed the connection";
+        SetDown();
+        return;
+      }
+      // Wakes on a state change, or after a short wait to look at stopping_ and up_ again.
+      if (channel_->WaitForStateChange(state, absl::ToChronoTime(absl::Now() + kWatchPoll))) {
+        state = channel_->GetState(/*try_to_connect=*/false);
+      }
+    }
+  }
+
   void ConnectLoop() {
     absl::Duration backoff = options_.initial_backoff;
     std::string last_error;
     while (true) {
+      WatchWhileUp();
       {
         absl::MutexLock lock(&mu_);
-        auto wanted = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !up_; };
-        mu_.Await(absl::Condition(&wanted));
         if (stopping_) return;
       }
       grpc::ClientContext ctx;
@@ -200,6 +240,9 @@ class Upstream {
   const UpstreamOptions options_;
   const std::function<absl::Status(const Info&)> check_;
   const std::function<void(bool)> on_change_;
+  static constexpr absl::Duration kWatchPoll = absl::Milliseconds(200);
+
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<typename Service::Stub> stub_;
 
   mutable absl::Mutex mu_;
@@ -212,6 +255,7 @@ class Upstream {
   // Owned by the stepping thread.
   std::unique_ptr<grpc::ClientContext> context_;
   std::unique_ptr<grpc::ClientReaderWriter<StepReq, StepResp>> stream_;
+  uint64_t stream_epoch_ = 0;
 };
 
 }  // namespace specd

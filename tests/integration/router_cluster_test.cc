@@ -436,6 +436,8 @@ TEST(RouterClusterTest, DeadlineMidStreamIsDeadlineExceededAndFrees) {
 TEST(RouterClusterTest, StoppedDraftServiceDrainsWhileTheClusterKeepsServing) {
   ClusterOptions options;
   options.draft_args = {"--shutdown_grace_ms=60000"};
+  // Every step drafts (no policy), so that the running request shows it kept its drafts.
+  options.router_args = {"--speculation_policy=fixed"};
   std::unique_ptr<Cluster> c = Cluster::Start(options);
   ASSERT_NE(c, nullptr);
   const int kTokens = 600;
@@ -715,6 +717,110 @@ TEST(RouterClusterTest, VerifyFailureIsUnavailableAndRecovers) {
   const Result again = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
   EXPECT_EQ(again.tokens, plain.tokens);
+}
+
+// The goodput policy decides every step's shape (speculation = auto and draft_model without
+// tree flags); with 1 to 8 concurrent clients the batch changes all the time, so its decisions
+// change too. Greedy output stays identical to speculation off, seeded sampling likewise, next
+// to requests with explicit shapes, and the router counts every step by size and reason.
+TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const std::vector<std::string> prompts = Prompts(22);
+  const int kTokens = 20;
+  std::vector<Result> off(prompts.size()), greedy(prompts.size()), seeded_off(prompts.size()),
+      seeded(prompts.size()), fixed(prompts.size());
+  auto sampled = [](const std::string& prompt, v1::Speculation speculation) {
+    v1::GenerateRequest r = Greedy(prompt, kTokens, speculation);
+    r.set_temperature(0.8f);
+    r.set_top_k(30);
+    r.set_seed(7);
+    return r;
+  };
+  for (int clients : {1, 3, 8}) {
+    std::vector<std::thread> threads;
+    std::atomic<size_t> next{0};
+    for (int t = 0; t < clients; ++t) {
+      threads.emplace_back([&] {
+        for (size_t i; (i = next++) < prompts.size();) {
+          off[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_OFF));
+          greedy[i] = c->Generate(Greedy(
+              prompts[i], kTokens, i % 2 ? v1::SPECULATION_AUTO : v1::SPECULATION_DRAFT_MODEL));
+          seeded_off[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_OFF));
+          seeded[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_AUTO));
+          v1::GenerateRequest explicit_shape = Greedy(prompts[i], kTokens, v1::SPECULATION_AUTO);
+          explicit_shape.set_draft_depth(3);
+          explicit_shape.set_draft_top_k(2);
+          explicit_shape.set_draft_max_nodes(6);
+          fixed[i] = c->Generate(explicit_shape);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat(prompts[i], " with ", clients, " clients"));
+      for (const Result* r : {&off[i], &greedy[i], &seeded_off[i], &seeded[i], &fixed[i]}) {
+        ASSERT_TRUE(r->status.ok()) << r->status.error_message();
+      }
+      EXPECT_EQ(greedy[i].tokens, off[i].tokens);
+      EXPECT_EQ(fixed[i].tokens, off[i].tokens);
+      EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
+      // An explicit shape is drafted every step: never a step without a tree but the last
+      // one, whose budget leaves nothing to draft.
+      EXPECT_LE(fixed[i].last.speculation().target_only_steps(), 1u);
+      EXPECT_GT(fixed[i].last.speculation().steps(), 0u);
+    }
+  }
+  const int port = c->router_metrics;
+  EXPECT_GT(
+      Cluster::Metric(port, "specd_spec_steps_total", {{"tree_size", "0"}, {"reason", "off"}}), 0);
+  double explicit_steps = 0, policy_steps = 0;
+  for (const char* size : {"1", "2", "3-4", "5-8", "9-16", "17+"}) {
+    const double e = Cluster::Metric(port, "specd_spec_steps_total",
+                                     {{"tree_size", size}, {"reason", "explicit"}});
+    const double p = Cluster::Metric(port, "specd_spec_steps_total",
+                                     {{"tree_size", size}, {"reason", "policy"}});
+    explicit_steps += std::isnan(e) ? 0 : e;
+    policy_steps += std::isnan(p) ? 0 : p;
+  }
+  EXPECT_GT(explicit_steps, 0);
+  const double policy_off = Cluster::Metric(port, "specd_spec_steps_total",
+                                            {{"tree_size", "0"}, {"reason", "policy_off"}});
+  EXPECT_GT(policy_steps + (std::isnan(policy_off) ? 0 : policy_off), 0);
+  EXPECT_GT(Cluster::Metric(port, "specd_policy_verify_one_token_seconds"), 0);
+}
+
+// A verify service stopped gracefully (SIGTERM) is seen at once even by an idle router: its
+// health turns NOT_SERVING, and once a new verify process is up the next request succeeds
+// (it must not die on the stream the old process closed).
+TEST(RouterClusterTest, GracefullyStoppedVerifyIsSeenAtOnceAndTheNextRequestSucceeds) {
+  std::unique_ptr<Cluster> c = Cluster::Start({/*draft=*/false, {}});
+  ASSERT_NE(c, nullptr);
+  const Result before = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(before.status.ok()) << before.status.error_message();
+
+  ASSERT_EQ(::kill(c->verify->pid(), SIGTERM), 0);
+  const absl::Time stopped = absl::Now();
+  const absl::Status down = c->router->WaitForHealth(
+      grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(3));
+  ASSERT_TRUE(down.ok()) << down << "\n" << c->router->Log();
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(2));
+  absl::StatusOr<int> code = c->verify->WaitForExit(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  const Result refused = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+
+  c->verify.reset();
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> verify = ServiceProcess::Start(c->verify_options);
+  ASSERT_TRUE(verify.ok()) << verify.status();
+  c->verify = *std::move(verify);
+  ASSERT_TRUE(c->router->WaitUntilServing(absl::Seconds(20)).ok());
+  for (int i = 0; i < 3; ++i) {
+    const Result again = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
+    ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+    EXPECT_EQ(again.tokens, before.tokens);
+  }
 }
 
 }  // namespace

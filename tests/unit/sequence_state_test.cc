@@ -140,5 +140,90 @@ TEST(SequenceStateTest, StatsAdd) {
   EXPECT_THAT(a.accepted_per_position, ElementsAre(3, 2, 1));
 }
 
+
+// A chain tree of `tokens`, each node the child of the previous one.
+TokenTree Chain(std::vector<int32_t> tokens) {
+  TokenTree t;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    t.tokens.push_back(tokens[i]);
+    t.parents.push_back(static_cast<int32_t>(i) - 1);
+  }
+  return t;
+}
+
+TEST(SequenceStateTest, PlannedStepsUpdateAcceptanceAndPolicyInput) {
+  StopConditions stop;
+  stop.max_new_tokens = 50;
+  SequenceState s = Make({1, 2, 3}, stop);
+  PolicySequence in = s.PolicyInput(/*model_draft=*/true);
+  EXPECT_EQ(in.pending, 3);
+  EXPECT_EQ(in.max_depth, 49);
+  EXPECT_TRUE(in.previous.none());
+  EXPECT_EQ(in.acceptance, &s.acceptance());
+  // Never drafted: due for a probe, whatever the interval.
+  EXPECT_GE(in.steps_without_draft, PolicyOptions().probe_interval);
+  const PolicyOptions options;
+  const double prior = s.acceptance().ChainRate(1, options);
+
+  // Chains of 3 whose first two tokens are always accepted, the third never.
+  const SpecShape chain3{3, 1, 3};
+  for (int i = 0; i < 10; ++i) {
+    s.Plan(chain3, ShapeReason::kPolicy);
+    EXPECT_EQ(s.planned(), chain3);
+    EXPECT_THAT(s.Apply(Outcome({7, 8, 9}), Chain({7, 8, 5})), ElementsAre(7, 8, 9));
+  }
+  EXPECT_GT(s.acceptance().ChainRate(1, options), prior);
+  EXPECT_GT(s.acceptance().ChainRate(2, options), prior);
+  EXPECT_LT(s.acceptance().ChainRate(3, options), prior);
+  in = s.PolicyInput(true);
+  EXPECT_EQ(in.previous, chain3);
+  EXPECT_EQ(in.pending, 1);
+  EXPECT_EQ(in.steps_without_draft, 0);
+  EXPECT_EQ(s.stats().shape_changes, 0);
+  // A step without a draft: counted, and the policy sees how long it has been.
+  s.Plan(SpecShape(), ShapeReason::kPolicy);
+  s.Apply(Outcome({4}), TokenTree());
+  EXPECT_EQ(s.PolicyInput(true).steps_without_draft, 1);
+  EXPECT_EQ(s.stats().shape_changes, 1);
+  EXPECT_EQ(s.stats().target_only_steps, 1);
+  EXPECT_EQ(s.stats().draft_steps, 10);
+}
+
+TEST(SequenceStateTest, ResetsFeedEverythingAgain) {
+  StopConditions stop;
+  stop.max_new_tokens = 50;
+  SequenceState s = Make({1, 2}, stop);
+  s.MarkDrafterFed();
+  s.Apply(Outcome({3, 4}), Chain({3}));
+  EXPECT_THAT(s.TargetPending(), ElementsAre(4));
+  s.ResetTarget();
+  s.ResetDrafter();
+  EXPECT_THAT(s.TargetPending(), ElementsAre(1, 2, 3, 4));
+  EXPECT_THAT(s.DrafterPending(), ElementsAre(1, 2, 3, 4));
+}
+
+TEST(SequenceStateTest, CheckOutcomeRejectsWhatCannotComeFromTheTree) {
+  const TokenTree tree = Chain({5, 6});
+  EXPECT_TRUE(SequenceState::CheckOutcome(Outcome({5, 6, 7}), tree, 300).ok());
+  // Deeper than the tree, a count that does not match, a token outside the vocabulary, any
+  // accepted draft without a tree.
+  EXPECT_EQ(SequenceState::CheckOutcome(Outcome({5, 6, 7, 8}), tree, 300).code(),
+            absl::StatusCode::kInternal);
+  VerifyOutcome mismatch = Outcome({5, 6});
+  mismatch.accepted_draft = 0;
+  EXPECT_FALSE(SequenceState::CheckOutcome(mismatch, tree, 300).ok());
+  EXPECT_FALSE(SequenceState::CheckOutcome(Outcome({5, 300}), tree, 300).ok());
+  EXPECT_FALSE(SequenceState::CheckOutcome(Outcome({5, 6}), TokenTree(), 300).ok());
+  EXPECT_TRUE(SequenceState::CheckOutcome(Outcome({9}), TokenTree(), 300).ok());
+}
+
+TEST(SequenceStateTest, OneEosRule) {
+  StopConditions stop;
+  stop.eos_token_ids = {256, 257};
+  EXPECT_THAT(stop.ActiveEosIds(), ElementsAre(256, 257));
+  stop.ignore_eos = true;
+  EXPECT_THAT(stop.ActiveEosIds(), IsEmpty());
+}
+
 }  // namespace
 }  // namespace specd

@@ -135,11 +135,13 @@ const char* Name(DrafterKind kind) {
 
 // Runs `requests` over the shared target, `batch` requests per Generator::Generate() call (so `batch`
 // sequences share every Draft and Verify call).
-std::vector<GenerationResult> GenerateAll(DrafterKind kind, const std::vector<GenerationRequest>& requests,
-                                  size_t batch, std::vector<std::vector<int32_t>>* streamed =
-                                                    nullptr) {
+std::vector<GenerationResult> GenerateAll(DrafterKind kind,
+                                          const std::vector<GenerationRequest>& requests,
+                                          size_t batch,
+                                          std::vector<std::vector<int32_t>>* streamed = nullptr,
+                                          const GeneratorOptions& options = GeneratorOptions()) {
   absl::StatusOr<std::unique_ptr<Generator>> gen =
-      Generator::Create(M().target.get(), GetDrafter(kind));
+      Generator::Create(M().target.get(), GetDrafter(kind), options);
   EXPECT_TRUE(gen.ok()) << gen.status();
   if (!gen.ok()) return {};
   std::vector<GenerationResult> out;
@@ -424,6 +426,89 @@ TEST(SpeculativeTest, SeededSamplingMatchesTargetOnlyTokenForToken) {
     EXPECT_GT(differ, 10);
   }
   EXPECT_GT(accepted, 500);
+}
+
+// Cost priors (not measured, so every run decides the same) under which a batch of many
+// sequences does not speculate and a lone one does; probes every few steps without drafts.
+// With requests of different lengths the batch shrinks as they finish, so the policy switches
+// shapes per sequence while they run.
+GeneratorOptions SwitchingPolicy(bool measure) {
+  GeneratorOptions o;
+  o.policy.measure_costs = measure;
+  o.policy.verify_fixed_s = 2e-3;
+  o.policy.verify_per_row_s = 0.0;
+  o.policy.verify_per_token_s = 0.3e-3;
+  o.policy.draft_fixed_s = 0.2e-3;
+  o.policy.draft_level_fixed_s = 0.5e-3;
+  o.policy.draft_level_per_token_s = 0.02e-3;
+  o.policy.probe_interval = 4;
+  o.policy.hysteresis = 0.02;
+  return o;
+}
+
+std::vector<GenerationRequest> AutoRequests(const SamplingParams& sampling, int n, uint32_t seed) {
+  std::vector<GenerationRequest> requests = Requests(DraftParams(), sampling, n, seed);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    requests[i].auto_shape = true;
+    requests[i].max_new_tokens = 2 + static_cast<int>((i * 7) % 23);
+  }
+  return requests;
+}
+
+// Greedy output under the goodput policy equals target-only greedy for every drafter and batch
+// size while the policy switches shapes (none, chains, trees) from step to step.
+TEST(SpeculativeTest, GreedyUnderTheGoodputPolicyMatchesTargetOnly) {
+  const std::vector<GenerationRequest> requests = AutoRequests(SamplingParams(), kPrompts, 4321);
+  const std::vector<GenerationResult> want = GenerateAll(DrafterKind::kNone, requests, 1);
+  SpecStats all;
+  for (bool measure : {false, true}) {
+    for (DrafterKind kind :
+         {DrafterKind::kRelated, DrafterKind::kSame, DrafterKind::kOther, DrafterKind::kNgram}) {
+      for (size_t batch : {1u, 7u, 50u}) {
+        SCOPED_TRACE(absl::StrCat(Name(kind), " batch ", batch, " measured ", measure));
+        std::vector<std::vector<int32_t>> streamed;
+        const std::vector<GenerationResult> got =
+            GenerateAll(kind, requests, batch, &streamed, SwitchingPolicy(measure));
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
+          EXPECT_EQ(got[i].finish_reason, want[i].finish_reason) << "prompt " << i;
+          EXPECT_EQ(streamed[i], got[i].tokens) << "prompt " << i;
+        }
+        if (!measure) all.Add(Total(got));
+      }
+    }
+  }
+  // The policy really switched: steps with and without drafts, and shape changes.
+  EXPECT_GT(all.draft_steps, 0);
+  EXPECT_GT(all.target_only_steps, 0);
+  EXPECT_GT(all.shape_changes, 0);
+  EXPECT_GT(all.accepted_tokens, 0);
+}
+
+// Seeded sampling under the goodput policy equals target-only sampling token for token.
+TEST(SpeculativeTest, SeededSamplingUnderTheGoodputPolicyMatchesTargetOnly) {
+  SamplingParams sampling;
+  sampling.temperature = 0.9f;
+  sampling.top_k = 20;
+  sampling.top_p = 0.95f;
+  std::vector<GenerationRequest> requests = AutoRequests(sampling, 30, 777);
+  for (size_t i = 0; i < requests.size(); ++i) requests[i].sampling.seed = 5000 + i;
+  const std::vector<GenerationResult> want = GenerateAll(DrafterKind::kNone, requests, 30);
+  SpecStats all;
+  for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated, DrafterKind::kNgram}) {
+    for (size_t batch : {1u, 30u}) {
+      SCOPED_TRACE(absl::StrCat(Name(kind), " batch ", batch));
+      const std::vector<GenerationResult> got =
+          GenerateAll(kind, requests, batch, nullptr, SwitchingPolicy(false));
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+      all.Add(Total(got));
+    }
+  }
+  EXPECT_GT(all.draft_steps, 0);
+  EXPECT_GT(all.target_only_steps, 0);
+  EXPECT_GT(all.shape_changes, 0);
 }
 
 // The logits processors under speculation: each tree node is processed with its own path, so

@@ -96,6 +96,7 @@ Chunk FromProto(const v1::GenerateResponse& response) {
                                                    s.accepted_per_position().end());
     chunk.speculation.target_only_steps = s.target_only_steps();
     chunk.speculation.mode = FromProto(s.mode());
+    chunk.speculation.shape_changes = s.shape_changes();
     chunk.matched_stop = response.matched_stop();
   }
   return chunk;

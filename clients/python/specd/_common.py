@@ -114,7 +114,8 @@ def to_stats(s) -> SpeculationStats:
                             accepted_tokens=s.accepted_tokens,
                             accepted_per_position=list(s.accepted_per_position),
                             target_only_steps=s.target_only_steps,
-                            mode=_SPECULATION_NAMES.get(s.mode, "auto"))
+                            mode=_SPECULATION_NAMES.get(s.mode, "auto"),
+                            shape_changes=s.shape_changes)
 
 
 class ResultBuilder:

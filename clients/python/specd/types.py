@@ -20,6 +20,7 @@ class SpeculationStats:
     accepted_per_position: List[int] = field(default_factory=list)
     target_only_steps: int = 0     # verify steps without a draft
     mode: str = "auto"             # the speculation used in the end
+    shape_changes: int = 0         # steps whose tree shape differed from the previous step's
 
     @property
     def acceptance_rate(self) -> Optional[float]:

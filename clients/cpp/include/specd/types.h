@@ -75,6 +75,7 @@ struct SpeculationStats {
   std::vector<uint64_t> accepted_per_position;
   uint64_t target_only_steps = 0;         // verify steps without a draft
   Speculation mode = Speculation::kAuto;  // what was used in the end
+  uint64_t shape_changes = 0;  // steps whose tree shape differed from the previous step's
 
   // accepted / draft tokens; nullopt when no draft token was sent.
   std::optional<double> acceptance_rate() const;

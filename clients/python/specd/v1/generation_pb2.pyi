@@ -103,20 +103,22 @@ class ModelInfo(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., draft_available: bool = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ["accepted_per_position", "accepted_tokens", "draft_tokens", "mode", "steps", "target_only_steps"]
+    __slots__ = ["accepted_per_position", "accepted_tokens", "draft_tokens", "mode", "shape_changes", "steps", "target_only_steps"]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_CHANGES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_STEPS_FIELD_NUMBER: _ClassVar[int]
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_tokens: int
     draft_tokens: int
     mode: Speculation
+    shape_changes: int
     steps: int
     target_only_steps: int
-    def __init__(self, steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_only_steps: _Optional[int] = ..., mode: _Optional[_Union[Speculation, str]] = ...) -> None: ...
+    def __init__(self, steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_only_steps: _Optional[int] = ..., mode: _Optional[_Union[Speculation, str]] = ..., shape_changes: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ["ids"]

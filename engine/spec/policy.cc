@@ -1,0 +1,469 @@
+#include "engine/spec/policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace specd {
+namespace {
+
+// Nodes a tree of this shape can have: max_nodes, or fewer when depth and top_k cap it.
+int ShapeNodes(const SpecShape& s) {
+  if (s.none()) return 0;
+  int64_t total = 0, level = 1;
+  for (int d = 0; d < s.depth && total < s.max_nodes; ++d) {
+    level = std::min<int64_t>(level * std::max(1, s.top_k), 1 << 20);
+    total += level;
+  }
+  return static_cast<int>(std::min<int64_t>(total, s.max_nodes));
+}
+
+bool IsChain(const SpecShape& s) { return s.top_k <= 1 || ShapeNodes(s) <= s.depth; }
+
+// Average siblings per level of a tree (1 for a chain).
+double Width(const SpecShape& s) {
+  if (s.none() || IsChain(s)) return 1.0;
+  return std::clamp(static_cast<double>(ShapeNodes(s)) / s.depth, 1.0,
+                    static_cast<double>(s.top_k));
+}
+
+double ClampRate(double p) { return std::clamp(p, 0.01, 0.99); }
+
+}  // namespace
+
+std::string ShapeString(const SpecShape& s) {
+  if (s.none()) return "none";
+  if (IsChain(s)) return absl::StrCat("chain", s.depth);
+  return absl::StrCat("tree", ShapeNodes(s), "x", s.depth);
+}
+
+const char* TreeSizeBucket(int nodes) {
+  if (nodes <= 0) return "0";
+  if (nodes == 1) return "1";
+  if (nodes == 2) return "2";
+  if (nodes <= 4) return "3-4";
+  if (nodes <= 8) return "5-8";
+  if (nodes <= 16) return "9-16";
+  return "17+";
+}
+
+const char* ShapeReasonName(ShapeReason reason, bool none) {
+  switch (reason) {
+    case ShapeReason::kPolicy:
+      return none ? "policy_off" : "policy";
+    case ShapeReason::kProbe:
+      return "probe";
+    case ShapeReason::kExplicit:
+      return "explicit";
+    case ShapeReason::kOff:
+      return "off";
+    case ShapeReason::kDraftDown:
+      return "draft_down";
+    case ShapeReason::kNoDrafter:
+      return "no_drafter";
+    case ShapeReason::kNoBudget:
+      return "no_budget";
+  }
+  return "policy";
+}
+
+// ---- AcceptanceEstimate ----
+
+void AcceptanceEstimate::Observe(const SpecShape& shape, int accepted,
+                                 const PolicyOptions& options) {
+  if (shape.none()) return;
+  const bool chain = IsChain(shape);
+  double* rate = chain ? chain_ : tree_;
+  int* n = chain ? chain_n_ : tree_n_;
+  const int last = std::min({accepted + 1, shape.depth, kMaxDepth});
+  for (int d = 1; d <= last; ++d) {
+    const double x = d <= accepted ? 1.0 : 0.0;
+    double& r = rate[d - 1];
+    // The first samples average plainly, then the average forgets at the EMA's rate.
+    const double w = std::max(options.acceptance_ema, 1.0 / (n[d - 1] + 1));
+    r = n[d - 1] == 0 ? x : r + w * (x - r);
+    ++n[d - 1];
+  }
+}
+
+double AcceptanceEstimate::ChainRate(int d, const PolicyOptions& options) const {
+  d = std::clamp(d, 1, kMaxDepth);
+  const double prior = ClampRate(options.acceptance_prior);
+  // Trees are observed at the widths that ran; 1 + gain * (width - 1) of a typical tree.
+  const double tree_g = 1.0 + options.sibling_gain * 2.0;
+  double sum = 2.0 * prior, weight = 2.0;  // the prior counts as two samples
+  if (chain_n_[d - 1] > 0) {
+    const double w = std::min(chain_n_[d - 1], 20);
+    sum += w * ClampRate(chain_[d - 1]);
+    weight += w;
+  }
+  if (tree_n_[d - 1] > 0) {
+    const double w = std::min(tree_n_[d - 1], 20);
+    const double q = ClampRate(tree_[d - 1]);
+    sum += w * (1.0 - std::pow(1.0 - q, 1.0 / tree_g));
+    weight += w;
+  }
+  return ClampRate(sum / weight);
+}
+
+double AcceptanceEstimate::LevelRate(int d, double width, const PolicyOptions& options) const {
+  const double p = ChainRate(d, options);
+  if (width <= 1.0) return p;
+  const double g = 1.0 + options.sibling_gain * (width - 1.0);
+  return 1.0 - std::pow(1.0 - p, g);
+}
+
+double AcceptanceEstimate::ExpectedAccepted(const SpecShape& shape,
+                                            const PolicyOptions& options) const {
+  if (shape.none()) return 0.0;
+  const double width = Width(shape);
+  double reach = 1.0, expected = 0.0;
+  for (int d = 1; d <= shape.depth; ++d) {
+    reach *= LevelRate(d, width, options);
+    expected += reach;
+  }
+  return expected;
+}
+
+// ---- CostModel ----
+
+int CostModel::Bucket(int n, int buckets) {
+  int b = 0;
+  for (int limit = 1; n > limit && b < buckets - 1; limit *= 2) ++b;
+  return b;
+}
+
+double CostModel::VerifyPrior(int rows, int tokens) const {
+  return options_->verify_fixed_s + options_->verify_per_row_s * rows +
+         options_->verify_per_token_s * tokens;
+}
+
+double CostModel::LevelPrior(double tokens_per_level) const {
+  return options_->draft_level_fixed_s + options_->draft_level_per_token_s * tokens_per_level;
+}
+
+double CostModel::VerifyRatio(int rb, int tb) const {
+  if (verify_n_[rb][tb] > 0) return verify_ratio_[rb][tb];
+  int best = std::numeric_limits<int>::max();
+  double ratio = 1.0;
+  for (int r = 0; r < kRowBuckets; ++r) {
+    for (int t = 0; t < kTokenBuckets; ++t) {
+      if (verify_n_[r][t] == 0) continue;
+      const int dist = 2 * std::abs(t - tb) + std::abs(r - rb);
+      if (dist < best) {
+        best = dist;
+        ratio = verify_ratio_[r][t];
+      }
+    }
+  }
+  return ratio;
+}
+
+double CostModel::LevelRatio(int tb) const {
+  if (level_n_[tb] > 0) return level_ratio_[tb];
+  int best = std::numeric_limits<int>::max();
+  double ratio = 1.0;
+  for (int t = 0; t < kTokenBuckets; ++t) {
+    if (level_n_[t] > 0 && std::abs(t - tb) < best) {
+      best = std::abs(t - tb);
+      ratio = level_ratio_[t];
+    }
+  }
+  return ratio;
+}
+
+double CostModel::VerifySeconds(int rows, int tokens) const {
+  rows = std::max(rows, 1);
+  tokens = std::max(tokens, rows);
+  const double prior = VerifyPrior(rows, tokens);
+  if (!options_->measure_costs) return prior;
+  return prior * VerifyRatio(Bucket(rows, kRowBuckets), Bucket(tokens, kTokenBuckets));
+}
+
+double CostModel::DraftSeconds(int drafting, int levels, int nodes) const {
+  if (drafting <= 0 || levels <= 0) return 0.0;
+  const double per_level = std::max(static_cast<double>(nodes) / levels, 1.0 * drafting);
+  double level = LevelPrior(per_level);
+  if (options_->measure_costs) {
+    level *= LevelRatio(Bucket(static_cast<int>(std::lround(per_level)), kTokenBuckets));
+  }
+  return options_->draft_fixed_s + levels * level;
+}
+
+double CostModel::DraftLevelSeconds() const {
+  return DraftSeconds(1, 1, 1) - options_->draft_fixed_s;
+}
+
+void CostModel::Update(double sample, double* ratio, int* n) const {
+  // A bucket starts from its neighbours' ratio (or the prior's 1) and averages its samples,
+  // each clipped to a factor of its current value: one step slowed by a prefill, a page fault
+  // or a scheduler hiccup moves the estimate by at most cost_ema, while a lasting change still
+  // gets through within a few steps.
+  const double clip = *n == 0 ? 4.0 : 1.5;
+  sample = std::clamp(sample, *ratio / clip, *ratio * clip);
+  const double w = std::max(options_->cost_ema, 1.0 / (*n + 2));
+  *ratio += w * (sample - *ratio);
+  ++*n;
+}
+
+void CostModel::ObserveVerify(int rows, int tokens, double seconds) {
+  if (rows <= 0 || !(seconds > 0)) return;
+  tokens = std::max(tokens, rows);
+  const int rb = Bucket(rows, kRowBuckets), tb = Bucket(tokens, kTokenBuckets);
+  const double ratio = seconds / VerifyPrior(rows, tokens);
+  if (verify_n_[rb][tb] == 0) verify_ratio_[rb][tb] = VerifyRatio(rb, tb);
+  Update(ratio, &verify_ratio_[rb][tb], &verify_n_[rb][tb]);
+}
+
+void CostModel::ObserveDraft(int drafting, int levels, int nodes, double seconds) {
+  if (drafting <= 0 || levels <= 0 || !(seconds > 0)) return;
+  const double per_level = std::max(static_cast<double>(nodes) / levels, 1.0 * drafting);
+  const double level = std::max(seconds - options_->draft_fixed_s, 0.1 * seconds) / levels;
+  const int tb = Bucket(static_cast<int>(std::lround(per_level)), kTokenBuckets);
+  const double ratio = level / LevelPrior(per_level);
+  if (level_n_[tb] == 0) level_ratio_[tb] = LevelRatio(tb);
+  Update(ratio, &level_ratio_[tb], &level_n_[tb]);
+}
+
+// ---- GoodputPolicy ----
+
+GoodputPolicy::GoodputPolicy(PolicyOptions options)
+    : options_(std::move(options)), costs_(&options_) {}
+
+SpecShape GoodputPolicy::Clamp(const SpecShape& shape, int max_depth) {
+  if (shape.none() || max_depth <= 0) return SpecShape();
+  SpecShape s = shape;
+  s.depth = std::min(s.depth, max_depth);
+  s.max_nodes = ShapeNodes(s);
+  return s;
+}
+
+namespace {
+
+// Running totals of one assignment, so that changing one sequence's shape re-scores in O(depth).
+struct Totals {
+  int rows = 0;
+  int tokens = 0;
+  int drafting = 0;     // sequences the draft model drafts
+  int draft_nodes = 0;  // their nodes
+  double emitted = 0;
+  int depth_count[AcceptanceEstimate::kMaxDepth + 2] = {};
+
+  int levels() const {
+    for (int d = AcceptanceEstimate::kMaxDepth + 1; d > 0; --d) {
+      if (depth_count[d] > 0) return d;
+    }
+    return 0;
+  }
+};
+
+}  // namespace
+
+double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
+                              absl::Span<const SpecShape> shapes) const {
+  double emitted = 0;
+  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SpecShape s = Clamp(shapes[i], batch[i].max_depth);
+    ++rows;
+    tokens += batch[i].pending + s.nodes();
+    emitted += 1.0;
+    if (!s.none() && batch[i].acceptance != nullptr) {
+      emitted += batch[i].acceptance->ExpectedAccepted(s, options_);
+    }
+    if (!s.none() && batch[i].model_draft) {
+      ++drafting;
+      nodes += s.nodes();
+      levels = std::max(levels, s.depth);
+    }
+  }
+  if (rows == 0) return 0.0;
+  const double t =
+      costs_.VerifySeconds(rows, tokens) + costs_.DraftSeconds(drafting, levels, nodes);
+  return emitted / t;
+}
+
+PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) const {
+  const size_t n = batch.size();
+  PolicyDecision out;
+  out.shapes.assign(n, SpecShape());
+  out.reasons.assign(n, ShapeReason::kPolicy);
+  std::vector<char> free(n, 0);
+  std::vector<SpecShape> candidates = {SpecShape()};
+  candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
+  // Expected accepted length of each candidate per free sequence, computed once.
+  std::vector<std::vector<SpecShape>> clamped(n);
+  std::vector<std::vector<double>> gain(n);
+  size_t free_count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const PolicySequence& s = batch[i];
+    if (s.fixed) {
+      out.shapes[i] = Clamp(s.fixed_shape, s.max_depth);
+      out.reasons[i] = s.fixed_shape.none() ? ShapeReason::kOff
+                       : s.max_depth <= 0   ? ShapeReason::kNoBudget
+                                            : ShapeReason::kExplicit;
+      continue;
+    }
+    if (s.max_depth <= 0 || s.acceptance == nullptr) {
+      out.reasons[i] = ShapeReason::kNoBudget;
+      continue;
+    }
+    free[i] = 1;
+    ++free_count;
+    for (const SpecShape& c : candidates) {
+      clamped[i].push_back(Clamp(c, s.max_depth));
+      gain[i].push_back(s.acceptance->ExpectedAccepted(clamped[i].back(), options_));
+    }
+  }
+
+  auto add = [&](Totals& t, size_t i, const SpecShape& s, double g, int sign) {
+    t.tokens += sign * s.nodes();
+    t.emitted += sign * g;
+    if (!s.none() && batch[i].model_draft) {
+      t.drafting += sign;
+      t.draft_nodes += sign * s.nodes();
+      t.depth_count[std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1)] += sign;
+    }
+  };
+  auto score = [&](const Totals& t) {
+    const double time = costs_.VerifySeconds(t.rows, t.tokens) +
+                        costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes);
+    return t.emitted / time;
+  };
+  // choice[i]: index into candidates; -1 for sequences that are not free.
+  auto totals_of = [&](const std::vector<int>& choice) {
+    Totals t;
+    for (size_t i = 0; i < n; ++i) {
+      ++t.rows;
+      t.tokens += batch[i].pending;
+      t.emitted += 1.0;
+      if (free[i]) {
+        add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
+      } else if (!out.shapes[i].none()) {
+        const double g = batch[i].acceptance != nullptr
+                             ? batch[i].acceptance->ExpectedAccepted(out.shapes[i], options_)
+                             : 0.0;
+        add(t, i, out.shapes[i], g, +1);
+      }
+    }
+    return t;
+  };
+
+  // The previous assignment, as candidates (a previous shape not among them counts as none).
+  std::vector<int> previous(n, -1);
+  for (size_t i = 0; i < n; ++i) {
+    if (!free[i]) continue;
+    previous[i] = 0;
+    const SpecShape prev = Clamp(batch[i].previous, batch[i].max_depth);
+    for (size_t c = 0; c < candidates.size(); ++c) {
+      if (clamped[i][c] == prev) {
+        previous[i] = static_cast<int>(c);
+        break;
+      }
+    }
+  }
+  const double previous_score = score(totals_of(previous));
+
+  // Starting points: for each candidate shape, the k sequences that gain most from it get it
+  // (the best k). Taken when clearly better than the previous assignment; the draft call's
+  // levels are shared, so single-sequence moves alone would not leave "all none".
+  std::vector<int> choice = previous;
+  if (free_count > 0) {
+    std::vector<int> none_all(n, -1);
+    for (size_t i = 0; i < n; ++i) {
+      if (free[i]) none_all[i] = 0;
+    }
+    const Totals base = totals_of(none_all);
+    std::vector<int> start = none_all;
+    double start_score = score(base);
+    std::vector<size_t> order;
+    for (size_t c = 1; c < candidates.size(); ++c) {
+      order.clear();
+      for (size_t i = 0; i < n; ++i) {
+        if (free[i]) order.push_back(i);
+      }
+      std::stable_sort(order.begin(), order.end(),
+                       [&](size_t x, size_t y) { return gain[x][c] > gain[y][c]; });
+      Totals t = base;
+      size_t best_k = 0;
+      double best_k_score = score(t);
+      for (size_t k = 0; k < order.size(); ++k) {
+        add(t, order[k], clamped[order[k]][c], gain[order[k]][c], +1);
+        const double s = score(t);
+        if (s > best_k_score) {
+          best_k_score = s;
+          best_k = k + 1;
+        }
+      }
+      if (best_k_score > start_score) {
+        start_score = best_k_score;
+        start = none_all;
+        for (size_t k = 0; k < best_k; ++k) start[order[k]] = static_cast<int>(c);
+      }
+    }
+    if (start_score > previous_score * (1.0 + options_.hysteresis)) choice = start;
+  }
+  // Then single-sequence moves; a sequence leaves its previous shape only for a gain worth
+  // its share of the hysteresis margin.
+  Totals t = totals_of(choice);
+  double current = score(t);
+  for (int pass = 0; pass < 2 && free_count > 0; ++pass) {
+    bool moved = false;
+    for (size_t i = 0; i < n; ++i) {
+      if (!free[i]) continue;
+      const int from = choice[i];
+      add(t, i, clamped[i][from], gain[i][from], -1);
+      int best = from;
+      double best_s = current;
+      for (size_t c = 0; c < candidates.size(); ++c) {
+        if (static_cast<int>(c) == from) continue;
+        add(t, i, clamped[i][c], gain[i][c], +1);
+        const double s = score(t);
+        add(t, i, clamped[i][c], gain[i][c], -1);
+        const double margin =
+            from == previous[i] ? options_.hysteresis / static_cast<double>(free_count) : 0.0;
+        if (s > best_s * (1.0 + margin) + 1e-12 && s > best_s) {
+          best = static_cast<int>(c);
+          best_s = s;
+        }
+      }
+      add(t, i, clamped[i][best], gain[i][best], +1);
+      if (best != from) {
+        choice[i] = best;
+        current = best_s;
+        moved = true;
+      }
+    }
+    if (!moved) break;
+  }
+
+  for (size_t i = 0; i < n; ++i) {
+    if (!free[i]) continue;
+    out.shapes[i] = clamped[i][choice[i]];
+    if (out.shapes[i].none() && options_.probe_interval > 0 &&
+        batch[i].steps_without_draft >= options_.probe_interval) {
+      // Probe again only where a probe could be worth it: the short chain would pay if this
+      // sequence accepted nearly everything. Elsewhere (a saturated batch, a tiny target) no
+      // acceptance could make it pay, and the probe (which also feeds the drafter the tokens
+      // it missed) would only stall the batch. A sequence never drafted is probed once.
+      const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
+      constexpr double kOptimistic = 0.9 + 0.81;
+      add(t, i, clamped[i][choice[i]], gain[i][choice[i]], -1);
+      add(t, i, probe, kOptimistic, +1);
+      const double s = score(t);
+      add(t, i, probe, kOptimistic, -1);
+      add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
+      if (s > current || batch[i].never_drafted) {
+        out.shapes[i] = probe;
+        out.reasons[i] = ShapeReason::kProbe;
+      }
+    }
+  }
+  out.predicted_goodput = Goodput(batch, out.shapes);
+  return out;
+}
+
+}  // namespace specd

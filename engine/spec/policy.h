@@ -1,0 +1,196 @@
+// The goodput policy: every step, for every sequence that may speculate, how much to speculate
+// (a tree shape, down to none) so that the whole batch emits the most tokens per second.
+//
+// A step of a batch costs one verify call, whose time grows with the rows and the tokens it
+// scores (pending tokens plus every tree node), and, when any sequence drafts, one draft call
+// whose time grows with the deepest tree (one draft forward per level) and with the tokens per
+// level. Sequence i then emits 1 + E_i[accepted] tokens, where the expected accepted length of a
+// tree follows from that sequence's own acceptance rate at each depth. The policy maximises
+//   goodput = sum_i (1 + E_i[accepted | shape_i]) / (verify(rows, tokens) + draft(levels, ...))
+// over a small candidate set of shapes (none, chains 1..6, trees of 8 and 16 nodes). Both costs
+// are measured online from the steps that ran, in buckets, starting from priors; a bucket never
+// run is predicted from the prior scaled by what the nearest run bucket measured against it.
+//
+// Because one sequence's deep tree costs the whole batch its draft levels and every node adds
+// verify work, the best assignment couples sequences: at batch 1 with good acceptance a big tree
+// wins, at large batch short chains or none. Hysteresis: a new assignment replaces the previous
+// one only when it is predicted to be better by a margin, so one slow step or one prefill does
+// not flip decisions every step.
+//
+// The policy only picks shapes; verification is unchanged, so any choice is lossless.
+#ifndef SPECD_ENGINE_SPEC_POLICY_H_
+#define SPECD_ENGINE_SPEC_POLICY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/types/span.h"
+
+namespace specd {
+
+// A draft tree shape as the drafters take it (DraftParams); depth 0 = no draft this step.
+struct SpecShape {
+  int depth = 0;
+  int top_k = 1;
+  int max_nodes = 0;
+
+  bool none() const { return depth <= 0 || max_nodes <= 0; }
+  int nodes() const { return none() ? 0 : max_nodes; }
+  bool operator==(const SpecShape& o) const {
+    return (none() && o.none()) ||
+           (depth == o.depth && top_k == o.top_k && max_nodes == o.max_nodes);
+  }
+  bool operator!=(const SpecShape& o) const { return !(*this == o); }
+};
+
+std::string ShapeString(const SpecShape& shape);  // "none", "chain4", "tree16x5"
+
+// Bucket label of a tree size for metrics: "0", "1", "2", "3-4", "5-8", "9-16", "17+".
+const char* TreeSizeBucket(int nodes);
+
+struct PolicyOptions {
+  // Shapes the policy chooses from; "none" is always a candidate.
+  std::vector<SpecShape> candidates = {{1, 1, 1}, {2, 1, 2}, {3, 1, 3}, {4, 1, 4},
+                                       {5, 1, 5}, {6, 1, 6}, {4, 2, 8}, {5, 4, 16}};
+  // A new assignment must beat the previous one's predicted goodput by this fraction.
+  double hysteresis = 0.05;
+  // Conditional acceptance at each depth before a sequence has samples.
+  double acceptance_prior = 0.6;
+  // Weight of a new sample in the acceptance and cost averages.
+  double acceptance_ema = 0.15;
+  double cost_ema = 0.1;
+  // How much each extra sibling at a level raises the chance that a level is accepted, as a
+  // fraction of an independent second guess (siblings are the drafter's less likely tokens).
+  double sibling_gain = 0.5;
+  // Cost priors, in seconds: verify = fixed + per_row * rows + per_token * tokens; one draft
+  // level = fixed + per_token * tokens at that level. Rough CPU figures of the reference pair;
+  // the measured buckets replace them within a few steps.
+  double verify_fixed_s = 2.5e-3;
+  double verify_per_row_s = 2e-4;
+  double verify_per_token_s = 4e-4;
+  double draft_fixed_s = 4e-4;
+  double draft_level_fixed_s = 3e-4;
+  double draft_level_per_token_s = 5e-5;
+  // false: the priors are the costs (deterministic decisions, for tests).
+  bool measure_costs = true;
+  // A sequence left without drafts this many steps (or never drafted yet) gets one short chain
+  // to refresh its acceptance estimate (0: never).
+  int probe_interval = 64;
+};
+
+// Per-sequence acceptance, per depth: the rate at which the draft token at depth d was accepted
+// given that its parent was, as an exponential moving average, kept separately for chains and
+// for trees (a tree accepts a level more often than a chain of the same depth).
+class AcceptanceEstimate {
+ public:
+  static constexpr int kMaxDepth = 16;
+
+  // One verify outcome of a step that ran `shape` and accepted `accepted` draft tokens.
+  void Observe(const SpecShape& shape, int accepted, const PolicyOptions& options);
+  // Expected accepted draft tokens of `shape`.
+  double ExpectedAccepted(const SpecShape& shape, const PolicyOptions& options) const;
+  // Conditional acceptance at depth d (1-based) for a chain, from whichever samples exist.
+  double ChainRate(int d, const PolicyOptions& options) const;
+
+ private:
+  double LevelRate(int d, double width, const PolicyOptions& options) const;
+
+  double chain_[kMaxDepth] = {};
+  double tree_[kMaxDepth] = {};
+  int chain_n_[kMaxDepth] = {};
+  int tree_n_[kMaxDepth] = {};
+};
+
+// Verify and draft step times: measured buckets on top of priors.
+class CostModel {
+ public:
+  explicit CostModel(const PolicyOptions* options) : options_(options) {}
+
+  double VerifySeconds(int rows, int tokens) const;
+  // One draft call for `drafting` sequences, the deepest `levels` deep, `nodes` nodes in all.
+  double DraftSeconds(int drafting, int levels, int nodes) const;
+
+  void ObserveVerify(int rows, int tokens, double seconds);
+  void ObserveDraft(int drafting, int levels, int nodes, double seconds);
+
+  // Current estimates for the gauges: verify time of one row scoring 1 and 5 tokens, and one
+  // draft level of one sequence.
+  double VerifyOneTokenSeconds() const { return VerifySeconds(1, 1); }
+  double VerifyChain4Seconds() const { return VerifySeconds(1, 5); }
+  double DraftLevelSeconds() const;
+
+ private:
+  static constexpr int kRowBuckets = 10;    // 1, 2, 3-4, ..., 257+
+  static constexpr int kTokenBuckets = 14;  // 1, 2, 3-4, ..., 4097+
+  static int Bucket(int n, int buckets);
+  double VerifyPrior(int rows, int tokens) const;
+  double LevelPrior(double tokens_per_level) const;
+  // Measured / prior in a bucket, or the nearest measured bucket's, or 1.
+  double VerifyRatio(int rb, int tb) const;
+  double LevelRatio(int tb) const;
+  void Update(double sample, double* ratio, int* n) const;
+
+  const PolicyOptions* options_;
+  double verify_ratio_[kRowBuckets][kTokenBuckets] = {};
+  int verify_n_[kRowBuckets][kTokenBuckets] = {};
+  double level_ratio_[kTokenBuckets] = {};
+  int level_n_[kTokenBuckets] = {};
+};
+
+// Why a sequence's step has the shape it has (metrics label).
+enum class ShapeReason {
+  kPolicy,     // the goodput policy chose it (possibly none: "policy_off")
+  kProbe,      // a probe to refresh the acceptance estimate
+  kExplicit,   // the request named its tree shape
+  kOff,        // the request asked for no speculation
+  kDraftDown,  // the drafter is unavailable
+  kNoDrafter,  // no drafter serves the sequence
+  kNoBudget,   // no room left: the bonus token covers what remains
+};
+const char* ShapeReasonName(ShapeReason reason, bool none);
+
+// The per-sequence inputs of one decision.
+struct PolicySequence {
+  int pending = 1;          // tokens the verify step scores besides the tree
+  int max_depth = 0;        // deepest useful draft (0: the sequence cannot draft this step)
+  bool model_draft = true;  // drafted by the draft model (costs draft time) vs n-gram (free)
+  bool fixed = false;       // `fixed_shape` is imposed (explicit request, or off)
+  SpecShape fixed_shape;
+  const AcceptanceEstimate* acceptance = nullptr;  // required unless fixed
+  SpecShape previous;                              // what it ran last step
+  int steps_without_draft = 0;
+  // Never drafted: its acceptance is unknown, so it is probed once whatever the costs.
+  bool never_drafted = false;
+};
+
+struct PolicyDecision {
+  std::vector<SpecShape> shapes;  // one per sequence
+  std::vector<ShapeReason> reasons;
+  double predicted_goodput = 0;  // tokens/s of the batch
+};
+
+class GoodputPolicy {
+ public:
+  explicit GoodputPolicy(PolicyOptions options = PolicyOptions());
+
+  PolicyDecision Decide(absl::Span<const PolicySequence> batch) const;
+
+  // Predicted tokens/s of `batch` under `shapes` (the objective; also for tests).
+  double Goodput(absl::Span<const PolicySequence> batch, absl::Span<const SpecShape> shapes) const;
+
+  const PolicyOptions& options() const { return options_; }
+  CostModel& costs() { return costs_; }
+  const CostModel& costs() const { return costs_; }
+
+ private:
+  // `shape` cut to a sequence's depth budget (chains shorten; trees keep their width).
+  static SpecShape Clamp(const SpecShape& shape, int max_depth);
+
+  PolicyOptions options_;
+  CostModel costs_;
+};
+
+}  // namespace specd
+
+#endif  // SPECD_ENGINE_SPEC_POLICY_H_

@@ -1,0 +1,256 @@
+// The goodput policy on synthetic costs and acceptance: none where verify cost grows steeply
+// with tokens, short chains at large batch, a big tree at batch 1 with high acceptance, a
+// sequence whose drafts keep failing stops costing the others, explicit shapes are kept, and
+// hysteresis holds a decision against small changes but not against large ones.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "engine/spec/policy.h"
+#include "gtest/gtest.h"
+
+namespace specd {
+namespace {
+
+// An estimate whose chain acceptance is `p` at every depth, as if observed many times.
+AcceptanceEstimate Acceptance(double p, const PolicyOptions& options) {
+  AcceptanceEstimate a;
+  // Chains of depth 8 whose accepted lengths follow the geometric law of rate p.
+  const SpecShape chain{8, 1, 8};
+  const int kSamples = 400;
+  for (int s = 0; s < kSamples; ++s) {
+    // Deterministic, evenly spread samples (the estimate is a recency-weighted average, so
+    // they must not come sorted): accepted = the deepest d with u < p^d.
+    const double u = std::fmod(0.5 + s * 0.6180339887498949, 1.0);
+    int accepted = 0;
+    double reach = 1.0;
+    for (int d = 1; d <= 8; ++d) {
+      reach *= p;
+      if (u < reach) accepted = d;
+    }
+    a.Observe(chain, accepted, options);
+  }
+  return a;
+}
+
+std::vector<PolicySequence> Batch(size_t n, const AcceptanceEstimate* acceptance) {
+  std::vector<PolicySequence> batch(n);
+  for (PolicySequence& s : batch) {
+    s.pending = 1;
+    s.max_depth = 64;
+    s.acceptance = acceptance;
+  }
+  return batch;
+}
+
+// GPU-like costs: verify nearly flat in tokens until the batch's tokens fill the device, then
+// linear; a draft level costs little.
+PolicyOptions FlatThenLinear() {
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 10e-3;
+  o.verify_per_row_s = 0.0;
+  o.verify_per_token_s = 0.05e-3;
+  o.draft_fixed_s = 0.2e-3;
+  o.draft_level_fixed_s = 0.5e-3;
+  o.draft_level_per_token_s = 0.005e-3;
+  return o;
+}
+
+TEST(SpecPolicyTest, ExpectedAcceptedFollowsTheRates) {
+  PolicyOptions o;
+  const AcceptanceEstimate a = Acceptance(0.8, o);
+  EXPECT_NEAR(a.ChainRate(1, o), 0.8, 0.05);
+  EXPECT_NEAR(a.ChainRate(4, o), 0.8, 0.08);
+  // A chain of 4 at 0.8: 0.8 + 0.64 + 0.512 + 0.41.
+  EXPECT_NEAR(a.ExpectedAccepted(SpecShape{4, 1, 4}, o), 2.36, 0.25);
+  // A tree of the same depth accepts more than the chain, a deeper chain more than a shorter.
+  EXPECT_GT(a.ExpectedAccepted(SpecShape{4, 2, 8}, o), a.ExpectedAccepted(SpecShape{4, 1, 4}, o));
+  EXPECT_GT(a.ExpectedAccepted(SpecShape{6, 1, 6}, o), a.ExpectedAccepted(SpecShape{4, 1, 4}, o));
+  EXPECT_EQ(a.ExpectedAccepted(SpecShape(), o), 0.0);
+}
+
+TEST(SpecPolicyTest, PicksNoneWhenVerifyCostGrowsSteeplyWithTokens) {
+  PolicyOptions o;
+  GoodputPolicy policy(o);
+  // Measured: every extra scored token costs as much as the whole one-token step (a tiny
+  // target, compute-bound from the first token).
+  for (int step = 0; step < 20; ++step) {
+    for (int rows : {1, 2, 4, 8}) {
+      for (int tokens = rows; tokens <= rows * 17; ++tokens) {
+        policy.costs().ObserveVerify(rows, tokens, 1e-3 * tokens);
+      }
+    }
+  }
+  const AcceptanceEstimate a = Acceptance(0.7, o);
+  for (size_t n : {1u, 4u}) {
+    const PolicyDecision d = policy.Decide(Batch(n, &a));
+    for (const SpecShape& s : d.shapes) EXPECT_TRUE(s.none()) << ShapeString(s) << " at " << n;
+  }
+}
+
+TEST(SpecPolicyTest, BigTreeAtBatchOneWithHighAcceptance) {
+  const PolicyOptions o = FlatThenLinear();
+  GoodputPolicy policy(o);
+  const AcceptanceEstimate a = Acceptance(0.9, o);
+  const PolicyDecision d = policy.Decide(Batch(1, &a));
+  ASSERT_EQ(d.shapes.size(), 1u);
+  EXPECT_GE(d.shapes[0].nodes(), 6) << ShapeString(d.shapes[0]);
+  EXPECT_EQ(d.reasons[0], ShapeReason::kPolicy);
+}
+
+TEST(SpecPolicyTest, TreesShrinkTowardChainsAsTheBatchGrows) {
+  PolicyOptions o = FlatThenLinear();
+  // Verify turns compute-bound: each token costs a fifth of the fixed cost.
+  o.verify_per_token_s = 0.4e-3;
+  o.verify_fixed_s = 2e-3;
+  GoodputPolicy policy(o);
+  const AcceptanceEstimate a = Acceptance(0.75, o);
+  auto mean_nodes = [&](size_t n) {
+    const PolicyDecision d = policy.Decide(Batch(n, &a));
+    double total = 0;
+    for (const SpecShape& s : d.shapes) total += s.nodes();
+    return total / n;
+  };
+  const double at1 = mean_nodes(1), at8 = mean_nodes(8), at64 = mean_nodes(64);
+  EXPECT_GE(at1, at8);
+  EXPECT_GE(at8, at64);
+  EXPECT_GT(at1, at64);
+  // At 64 rows the step is chains (or nothing), never trees.
+  const PolicyDecision d = policy.Decide(Batch(64, &a));
+  for (const SpecShape& s : d.shapes) {
+    EXPECT_LE(s.nodes(), s.depth) << ShapeString(s);
+    EXPECT_LE(s.depth, 4) << ShapeString(s);
+  }
+}
+
+TEST(SpecPolicyTest, ASequenceWhoseDraftsFailStopsCostingTheOthers) {
+  PolicyOptions o = FlatThenLinear();
+  o.verify_fixed_s = 2e-3;
+  o.verify_per_token_s = 0.4e-3;
+  GoodputPolicy policy(o);
+  const AcceptanceEstimate good = Acceptance(0.85, o), bad = Acceptance(0.02, o);
+  std::vector<PolicySequence> batch = Batch(4, &good);
+  batch[2].acceptance = &bad;
+  const PolicyDecision d = policy.Decide(batch);
+  EXPECT_TRUE(d.shapes[2].none()) << ShapeString(d.shapes[2]);
+  EXPECT_EQ(ShapeReasonName(d.reasons[2], d.shapes[2].none()), std::string("policy_off"));
+  for (size_t i : {0u, 1u, 3u}) EXPECT_FALSE(d.shapes[i].none()) << i;
+}
+
+TEST(SpecPolicyTest, ExplicitShapesOffAndBudgetAreKept) {
+  const PolicyOptions o = FlatThenLinear();
+  GoodputPolicy policy(o);
+  const AcceptanceEstimate a = Acceptance(0.9, o);
+  std::vector<PolicySequence> batch = Batch(3, &a);
+  batch[0].fixed = true;
+  batch[0].fixed_shape = SpecShape{3, 2, 5};
+  batch[1].fixed = true;  // speculation off
+  batch[2].max_depth = 2;
+  const PolicyDecision d = policy.Decide(batch);
+  EXPECT_EQ(d.shapes[0], (SpecShape{3, 2, 5}));
+  EXPECT_EQ(d.reasons[0], ShapeReason::kExplicit);
+  EXPECT_TRUE(d.shapes[1].none());
+  EXPECT_EQ(d.reasons[1], ShapeReason::kOff);
+  EXPECT_LE(d.shapes[2].depth, 2);
+  batch[2].max_depth = 0;
+  EXPECT_EQ(policy.Decide(batch).reasons[2], ShapeReason::kNoBudget);
+}
+
+TEST(SpecPolicyTest, HysteresisHoldsAgainstSmallChangesNotLargeOnes) {
+  PolicyOptions o = FlatThenLinear();
+  o.verify_per_token_s = 0.4e-3;
+  o.verify_fixed_s = 2e-3;
+  o.measure_costs = true;
+  o.hysteresis = 0.1;
+  GoodputPolicy policy(o);
+  const CostModel priors(&o);
+  // Steps at the priors' cost, so every bucket the batch can reach has samples.
+  for (int i = 0; i < 20; ++i) {
+    for (int tokens = 4; tokens <= 80; ++tokens) {
+      policy.costs().ObserveVerify(4, tokens, priors.VerifySeconds(4, tokens));
+    }
+  }
+  const AcceptanceEstimate a = Acceptance(0.85, o);
+  std::vector<PolicySequence> batch = Batch(4, &a);
+  const PolicyDecision first = policy.Decide(batch);
+  ASSERT_FALSE(first.shapes[0].none());
+  for (size_t i = 0; i < batch.size(); ++i) batch[i].previous = first.shapes[i];
+  // Each previous shape held, the same inputs decide the same.
+  const PolicyDecision same = policy.Decide(batch);
+  for (size_t i = 0; i < batch.size(); ++i) EXPECT_EQ(same.shapes[i], first.shapes[i]) << i;
+  // From any uniform previous assignment, the policy moves only for a gain above the margin
+  // of one sequence, and some worse-than-best previous assignment is held.
+  int held_below_best = 0;
+  for (const SpecShape& c : o.candidates) {
+    std::vector<PolicySequence> from = batch;
+    for (PolicySequence& s : from) s.previous = c;
+    const std::vector<SpecShape> prev(from.size(), c);
+    const PolicyDecision d = policy.Decide(from);
+    const double g_prev = policy.Goodput(from, prev);
+    if (d.shapes != prev) {
+      EXPECT_GT(policy.Goodput(from, d.shapes), g_prev * (1.0 + o.hysteresis / from.size()))
+          << ShapeString(c);
+    } else if (g_prev < first.predicted_goodput) {
+      ++held_below_best;
+    }
+  }
+  EXPECT_GT(held_below_best, 0);
+  // One slow verify step (five times the usual) moves the estimate only a little: the
+  // decision holds.
+  int tokens = 4;
+  for (const SpecShape& s : first.shapes) tokens += s.nodes();
+  policy.costs().ObserveVerify(4, tokens, 5 * priors.VerifySeconds(4, tokens));
+  const PolicyDecision after_slow = policy.Decide(batch);
+  for (size_t i = 0; i < batch.size(); ++i) EXPECT_EQ(after_slow.shapes[i], first.shapes[i]);
+  // Verify cost that really turned steep flips it to none within a few steps.
+  for (int i = 0; i < 30; ++i) {
+    for (int t = 4; t <= 80; ++t) policy.costs().ObserveVerify(4, t, 1e-3 * t * t);
+  }
+  const PolicyDecision steep = policy.Decide(batch);
+  for (const SpecShape& s : steep.shapes) EXPECT_TRUE(s.none()) << ShapeString(s);
+}
+
+TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
+  PolicyOptions o;
+  CostModel costs(&o);
+  const double prior = costs.VerifySeconds(8, 40);
+  for (int i = 0; i < 30; ++i) costs.ObserveVerify(8, 40, 3 * prior);
+  EXPECT_NEAR(costs.VerifySeconds(8, 40), 3 * prior, 0.05 * prior);
+  // A bucket never run follows the nearest measured one.
+  EXPECT_GT(costs.VerifySeconds(8, 70), 2 * CostModel(&o).VerifySeconds(8, 70));
+  const double level = costs.DraftSeconds(4, 3, 12);
+  for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, 2 * level);
+  EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
+}
+
+TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
+  PolicyOptions o;
+  o.probe_interval = 8;
+  o.measure_costs = false;
+  o.verify_fixed_s = 2e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.5e-3;
+  GoodputPolicy policy(o);
+  // At acceptance 0.3 a chain does not pay here; at 0.9 it would.
+  const AcceptanceEstimate a = Acceptance(0.3, o);
+  std::vector<PolicySequence> batch = Batch(1, &a);
+  EXPECT_TRUE(policy.Decide(batch).shapes[0].none());
+  batch[0].steps_without_draft = 8;
+  const PolicyDecision d = policy.Decide(batch);
+  EXPECT_FALSE(d.shapes[0].none());
+  EXPECT_EQ(d.reasons[0], ShapeReason::kProbe);
+
+  // Verify cost that grows steeply with tokens: no acceptance could pay, so no probe.
+  PolicyOptions steep = o;
+  steep.verify_fixed_s = 0;
+  steep.verify_per_token_s = 3e-3;
+  GoodputPolicy never(steep);
+  EXPECT_TRUE(never.Decide(batch).shapes[0].none());
+  // Except once for a sequence never drafted: its acceptance is unknown.
+  batch[0].never_drafted = true;
+  EXPECT_EQ(never.Decide(batch).reasons[0], ShapeReason::kProbe);
+}
+
+}  // namespace
+}  // namespace specd
