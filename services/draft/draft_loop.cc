@@ -112,6 +112,11 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   if (absl::Status s = CheckTokenIds(step.new_tokens(), vocab, where + ".new_tokens"); !s.ok()) {
     return s;
   }
+  if (step.has_accepted_node() &&
+      (step.accepted_node() < -1 || step.accepted_node() >= kMaxTreeNodes)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".accepted_node: ", step.accepted_node(),
+                                                   " is not -1 or a tree node index"));
+  }
   switch (step.method()) {
     case v1::DRAFT_METHOD_MODEL:
       if (model_drafter_ == nullptr) {
@@ -159,6 +164,7 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   }
   slot->request.seq = *live;
   slot->request.new_tokens.assign(seq.history.begin() + seq.fed[d], seq.history.end());
+  if (step.has_accepted_node()) slot->request.accepted_node = step.accepted_node();
   if (d == kModel) {
     const int64_t reach = static_cast<int64_t>(seq.history.size()) + params.depth;
     if (reach > model_->config().max_position_embeddings) {

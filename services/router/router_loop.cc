@@ -68,6 +68,10 @@ struct RouterLoop::Sequence {
   int64_t draft_cached = 0;
   uint64_t draft_epoch = 0;
   bool draft_failed = false;  // the draft service rejected this sequence: stop drafting it
+  // The draft service answered this step, and the deepest node of its tree that verify
+  // accepted (-1 none, -2 unknown), which the next draft step reports (accepted_node).
+  bool draft_replied = false;
+  int32_t draft_accepted = -2;
 
   // This step.
   TokenTree tree;
@@ -304,6 +308,9 @@ void RouterLoop::DraftStep() {
   for (auto& s : running_) {
     Sequence& seq = *s;
     seq.tree = TokenTree();
+    const int32_t accepted_node = seq.draft_accepted;
+    seq.draft_replied = false;
+    seq.draft_accepted = -2;
     const v1::Speculation mode = seq.request.speculation;
     if (mode == v1::SPECULATION_OFF) {
       seq.reason = TargetOnlyReason::kOff;
@@ -351,6 +358,7 @@ void RouterLoop::DraftStep() {
     step->set_top_k(seq.request.shape.top_k);
     step->set_max_nodes(seq.request.shape.max_nodes);
     step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+    if (accepted_node >= -1 && seq.draft_epoch == epoch) step->set_accepted_node(accepted_node);
     seq.draft_epoch = epoch;
     seq.draft_cached = static_cast<int64_t>(seq.tokens.size());
     seq.reason = TargetOnlyReason::kNoDraft;  // until a tree arrives
@@ -394,6 +402,7 @@ void RouterLoop::DraftStep() {
       seq.draft_epoch = 0;
       continue;
     }
+    seq.draft_replied = true;
     TokenTree tree = TreeFromProto(result.tree());
     if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size); !valid.ok()) {
       SPECD_LOG(WARNING) << "draft service sent a bad tree for sequence " << seq.id << ": "
@@ -501,6 +510,11 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
   } else {
     seq.stats.set_target_only_steps(seq.stats.target_only_steps() + 1);
     metrics_->CountTargetOnlyStep(seq.reason);
+  }
+  if (seq.draft_replied) {
+    seq.draft_accepted = result.accepted_nodes_size() > 0
+                             ? result.accepted_nodes(result.accepted_nodes_size() - 1)
+                             : -1;
   }
   // The verifier now holds KV for the pending tokens and the accepted drafts; the bonus token
   // is the next step's pending token.

@@ -131,12 +131,18 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
   DraftStream stream(p->channel());
   std::vector<std::vector<int32_t>> pending(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) pending[i] = seqs[i].history;
+  std::vector<int32_t> accepted(seqs.size(), -1);
   int nonempty_ngram = 0;
   for (int step = 0; step < 3; ++step) {
     v1::DraftStepRequest request;
     request.set_step_id(step);
     for (size_t i = 0; i < seqs.size(); ++i) {
-      AddStep(&request, seqs[i].id, pending[i], methods[step][i], params);
+      v1::DraftSequenceStep* st =
+          AddStep(&request, seqs[i].id, pending[i], methods[step][i], params);
+      // The outcome of the previous step (node 0 or nothing accepted): the service commits the
+      // kept KV of that node instead of feeding it again; the in-process drafter below is not
+      // told, so equal trees mean reuse changes nothing.
+      if (step > 0) st->set_accepted_node(accepted[i]);
     }
     const v1::DraftStepResponse response = stream.Step(request);
     for (size_t i = 0; i < seqs.size(); ++i) {
@@ -170,6 +176,7 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
       // The "verifier" accepts the first root-to-leaf chain's first token and adds a bonus.
       std::vector<int32_t> emitted;
       if (!tree.empty()) emitted.push_back(tree.tokens[0]);
+      accepted[i] = tree.empty() ? -1 : 0;
       emitted.push_back(static_cast<int32_t>((step * 31 + i * 7) % 256));
       s.history.insert(s.history.end(), emitted.begin(), emitted.end());
       pending[i] = emitted;
@@ -196,6 +203,7 @@ TEST_F(DraftServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   AddStep(&request, 5, {1}, static_cast<v1::DraftMethod>(9), params);
   AddStep(&request, 6, {1}, v1::DRAFT_METHOD_NGRAM, params)
       ->set_deadline_unix_ms(absl::ToUnixMillis(absl::Now()) - 10);
+  AddStep(&request, 7, {1}, v1::DRAFT_METHOD_MODEL, params)->set_accepted_node(-3);
   const v1::DraftStepResponse response = stream.Step(request);
   EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
   EXPECT_FALSE(response.results(0).tree().tokens().empty());
@@ -210,6 +218,7 @@ TEST_F(DraftServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   expect_error(3, grpc::StatusCode::INVALID_ARGUMENT, "steps[3].max_nodes");
   expect_error(4, grpc::StatusCode::INVALID_ARGUMENT, "steps[4].method");
   expect_error(5, grpc::StatusCode::DEADLINE_EXCEEDED, "deadline");
+  expect_error(6, grpc::StatusCode::INVALID_ARGUMENT, "steps[6].accepted_node: -3");
   EXPECT_EQ(Metric("specd_sequences"), 1);
 
   // Still serving: seq 1 continues, seq 2 starts with valid tokens.
