@@ -361,7 +361,8 @@ TEST(DraftSavingsTest, SameTreesAndOutputsOnTheReferencePairAndFixtures) {
 }
 
 // A failed Draft() after the outcome was applied: the tokens it committed are skipped when the
-// same request comes again, and a request that drops them is refused.
+// same request comes again, and a request that drops them is refused; a restarted sequence
+// ignores a stale outcome.
 TEST(DraftSavingsTest, RetryAfterAFailureSkipsWhatWasCommitted) {
   BackendOptions options;
   options.num_threads = 1;
@@ -402,6 +403,13 @@ TEST(DraftSavingsTest, RetryAfterAFailureSkipsWhatWasCommitted) {
   ASSERT_TRUE(whole.ok()) << whole.status();
   EXPECT_EQ((*ok)[0].tokens, (*whole)[0].tokens);
   EXPECT_EQ((*ok)[0].parents, (*whole)[0].parents);
+  // A restarted sequence (released, added again) ignores a stale outcome.
+  ASSERT_TRUE(drafter.Release(2).ok());
+  ASSERT_TRUE(drafter.AddSequence(1).ok());
+  absl::StatusOr<std::vector<TokenTree>> again = drafter.Draft({{1, all, p, 0}});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)[0].tokens, (*whole)[0].tokens);
+  EXPECT_EQ(*draft->CommittedLength(1), 0);
 }
 
 }  // namespace
