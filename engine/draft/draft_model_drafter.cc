@@ -189,9 +189,13 @@ absl::StatusOr<int> DraftModelDrafter::ApplyOutcome(const DraftRequest& r) {
 absl::Status DraftModelDrafter::LevelTopK(absl::Span<const ForwardItem> items, int k,
                                           TopKRows* out) {
   k = std::max(k, 1);
-  if (options_.backend_topk && k <= kMaxForwardTopK) return model_->ForwardTopK(items, k, out);
-  if (absl::Status s = model_->Forward(items, &logits_); !s.ok()) return s;
-  TopKRowsOnHost(logits_, vocab_size_, k, out);
+  if (options_.backend_topk && k <= kMaxForwardTopK) {
+    if (absl::Status s = model_->ForwardTopK(items, k, out); !s.ok()) return s;
+  } else {
+    if (absl::Status s = model_->Forward(items, &logits_); !s.ok()) return s;
+    TopKRowsOnHost(logits_, vocab_size_, k, out);
+  }
+  for (const ForwardItem& it : items) fed_tokens_ += static_cast<int64_t>(it.tokens.size());
   return absl::OkStatus();
 }
 

@@ -58,6 +58,10 @@ class DraftModelDrafter : public Drafter {
   absl::StatusOr<std::vector<TokenTree>> Draft(absl::Span<const DraftRequest> requests) override;
   int vocab_size() const override { return vocab_size_; }
 
+  // Tokens fed through the draft model so far (chains and expanded nodes of successful
+  // forwards): what kept KV saves shows here.
+  int64_t fed_tokens() const { return fed_tokens_; }
+
  private:
   // A sequence's scratch region kept from its last Draft() (reuse_kv).
   struct KeptStep {
@@ -83,6 +87,7 @@ class DraftModelDrafter : public Drafter {
   int vocab_size_;
   absl::flat_hash_map<SeqId, SeqState> states_;
   std::vector<float> logits_;  // host top-k path only
+  int64_t fed_tokens_ = 0;
 };
 
 }  // namespace specd

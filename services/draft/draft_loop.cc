@@ -235,6 +235,7 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     requests.reserve(group.size());
     for (const Slot& slot : group) requests.push_back(slot.request);
     std::vector<absl::StatusOr<TokenTree>> trees(group.size());
+    const int64_t fed_before = d == kModel ? model_drafter_->fed_tokens() : 0;
     absl::StatusOr<std::vector<TokenTree>> all = drafter(d)->Draft(requests);
     if (all.ok()) {
       for (size_t k = 0; k < group.size(); ++k) trees[k] = std::move((*all)[k]);
@@ -252,6 +253,8 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
         }
       }
     }
+    // What went through the draft model: accepted tokens whose KV was kept are not fed again.
+    if (d == kModel) tokens += model_drafter_->fed_tokens() - fed_before;
     for (size_t k = 0; k < group.size(); ++k) {
       const Slot& slot = group[k];
       const StreamId stream = batch.steps[slot.step].stream;
@@ -264,7 +267,6 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
       Sequence& seq = sequences_[slot.seq];
       seq.fed[d] = seq.history.size();
       const TokenTree& tree = *trees[k];
-      if (d == kModel) tokens += slot.request.new_tokens.size() + tree.size();
       TreeToProto(tree, result->mutable_tree());
     }
   }

@@ -112,6 +112,10 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
   absl::StatusOr<std::unique_ptr<Backend>> model = CreateBackend(*dir_, BackendOptions());
   ASSERT_TRUE(model.ok()) << model.status();
   DraftModelDrafter model_drafter(model->get());
+  // Told each step's outcome as the service is: counts the tokens the service should feed.
+  absl::StatusOr<std::unique_ptr<Backend>> told_model = CreateBackend(*dir_, BackendOptions());
+  ASSERT_TRUE(told_model.ok()) << told_model.status();
+  DraftModelDrafter told(told_model->get());
   absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram = NgramDrafter::Create(kVocab, {});
   ASSERT_TRUE(ngram.ok());
 
@@ -163,6 +167,10 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
         absl::StatusOr<std::vector<TokenTree>> trees =
             model_drafter.Draft({DraftRequest{static_cast<SeqId>(s.id), feed, params}});
         ASSERT_TRUE(trees.ok()) << trees.status();
+        if (!told.HasSequence(s.id)) ASSERT_TRUE(told.AddSequence(s.id).ok());
+        const int32_t outcome = step > 0 ? accepted[i] : DraftRequest::kNoOutcome;
+        ASSERT_TRUE(
+            told.Draft({DraftRequest{static_cast<SeqId>(s.id), feed, params, outcome}}).ok());
         want = (*trees)[0];
         s.model_fed = s.history.size();
         EXPECT_FALSE(tree.empty());
@@ -186,6 +194,9 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
   EXPECT_EQ(Metric("specd_sequences"), 3);
   EXPECT_GT(Metric("specd_kv_cache_usage_ratio"), 0);
   EXPECT_EQ(Metric("specd_step_batch_size_count"), 3);
+  // The service fed what a drafter told the outcomes feeds, less than refeeding the accepted.
+  EXPECT_EQ(Metric("specd_step_tokens_total"), static_cast<double>(told.fed_tokens()));
+  EXPECT_LT(told.fed_tokens(), model_drafter.fed_tokens());
   EXPECT_TRUE(stream.Close().ok());
 }
 
