@@ -1,5 +1,7 @@
 #include "engine/backend.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace specd {
@@ -25,6 +27,35 @@ VerifyOutcome WalkTree(const TokenTree& tree, int64_t first_position,
   }
   out.accepted_draft = static_cast<int>(out.accepted_nodes.size());
   return out;
+}
+
+absl::Status CheckForwardTopK(int k, const TopKRows* out) {
+  if (out == nullptr) return absl::InvalidArgumentError("out is null");
+  if (k < 1 || k > kMaxForwardTopK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k: ", k, " must be in [1, ", kMaxForwardTopK, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Backend::ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) {
+  if (absl::Status s = CheckForwardTopK(k, out); !s.ok()) return s;
+  std::vector<float> logits;
+  if (absl::Status s = Forward(items, &logits); !s.ok()) return s;
+  const int64_t vocab = config().vocab_size;
+  TopKRowsOnHost(logits, vocab, k, out);
+  return absl::OkStatus();
+}
+
+void TopKRowsOnHost(absl::Span<const float> logits, int64_t vocab, int k, TopKRows* out) {
+  const int64_t rows = vocab > 0 ? static_cast<int64_t>(logits.size()) / vocab : 0;
+  out->k = static_cast<int>(std::min<int64_t>(k, vocab));
+  out->ids.resize(static_cast<size_t>(rows * out->k));
+  out->logprobs.resize(out->ids.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    RowTopKLogprobs(logits.subspan(static_cast<size_t>(r * vocab), static_cast<size_t>(vocab)),
+                    out->k, &out->ids[r * out->k], &out->logprobs[r * out->k]);
+  }
 }
 
 VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows,

@@ -26,6 +26,7 @@
 #include "common/token_tree.h"
 #include "engine/model_config.h"
 #include "engine/sampling.h"
+#include "engine/topk.h"
 
 namespace specd {
 
@@ -110,6 +111,13 @@ class Backend {
   // the order each item lists them.
   virtual absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) = 0;
 
+  // Forward() that returns, per logit row (same order), only the min(k, vocab_size) most likely
+  // tokens and their log-probabilities (engine/topk.h: order, ties, fp64 log-sum-exp), so a
+  // device backend copies [rows, k] instead of [rows, vocab] to the host. k in
+  // [1, kMaxForwardTopK], else INVALID_ARGUMENT naming k. The default runs Forward() and
+  // RowTopKLogprobs() on the host.
+  virtual absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out);
+
   // Keeps the scratch nodes of `path` (scratch indices: path[0] a child of the committed end,
   // each later one a child of the one before) and drops the rest of the scratch region.
   // An empty path drops the whole scratch region.
@@ -161,6 +169,12 @@ absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyIt
 // The scratch path Commit() keeps after a verify step: the pending chain, then the accepted
 // nodes (scratch indices are tree indices shifted by the pending count).
 std::vector<int32_t> AcceptedScratchPath(int num_pending, const VerifyOutcome& outcome);
+
+// The argument checks of ForwardTopK(): `out` not null, k in [1, kMaxForwardTopK].
+absl::Status CheckForwardTopK(int k, const TopKRows* out);
+
+// Fills `out` with the top-k of every row of `logits` ([rows, vocab] fp32, host).
+void TopKRowsOnHost(absl::Span<const float> logits, int64_t vocab, int k, TopKRows* out);
 
 struct BackendOptions {
   std::string device = "cpu";       // "cpu" or "cuda:N"

@@ -2,6 +2,7 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -72,6 +73,29 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
   model_.Hidden(layout, pool_.get(), /*comm=*/nullptr, &residual, &sub);
   logits->resize(layout.logit_tokens.size() * config_.vocab_size);
   model_.Logits(layout, residual, sub, logits->data());
+  return absl::OkStatus();
+}
+
+}  // namespace specd
+
+namespace specd {
+
+absl::Status CpuBackend::ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) {
+  if (absl::Status s = CheckForwardTopK(k, out); !s.ok()) return s;
+  // The logits buffer is reused across calls: drafting asks for a level's rows every step.
+  if (absl::Status s = Forward(items, &topk_logits_); !s.ok()) return s;
+  const int64_t vocab = config_.vocab_size;
+  const int64_t rows = static_cast<int64_t>(topk_logits_.size()) / vocab;
+  out->k = static_cast<int>(std::min<int64_t>(k, vocab));
+  out->ids.resize(static_cast<size_t>(rows * out->k));
+  out->logprobs.resize(out->ids.size());
+  const absl::Span<const float> logits(topk_logits_);
+  pool_->ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      RowTopKLogprobs(logits.subspan(static_cast<size_t>(r * vocab), static_cast<size_t>(vocab)),
+                      out->k, &out->ids[r * out->k], &out->logprobs[r * out->k]);
+    }
+  });
   return absl::OkStatus();
 }
 

@@ -50,6 +50,8 @@ class CpuBackend : public Backend {
   bool HasSequence(SeqId seq) const override;
   absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override;
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
+  // The rows' top-k on the thread pool, a row per task, straight from the logits buffer.
+  absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   // used_tokens counts committed and scratch tokens; blocks are allocated kKvBlockTokens at a
   // time, so RESOURCE_EXHAUSTED can come up to one partly filled block per sequence early.
@@ -72,6 +74,7 @@ class CpuBackend : public Backend {
   // Sequences, block tables and scratch trees; the K/V pools live in model_.
   PagedKvTable table_;
   CpuModel model_;  // the whole model: FullModelSlice()
+  std::vector<float> topk_logits_;  // ForwardTopK()'s [rows, vocab] logits
 };
 
 }  // namespace specd

@@ -25,6 +25,7 @@
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/cuda/swiglu.h"
+#include "specd/kernels/cuda/topk.h"
 #include "specd/kernels/cuda/tree_accept.h"
 #include "specd/kernels/cuda/tree_attention.h"
 
@@ -1450,15 +1451,9 @@ void CudaBackend::LimitKvBlocks(int64_t blocks) {
     free_blocks_.push_back(static_cast<int32_t>(b));
 }
 
-absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items,
-                                        float *logits) {
-  absl::StatusOr<Batch> batch = Validate(items);
-  if (!batch.ok())
-    return batch.status();
-  if (items.empty())
-    return absl::OkStatus();
+absl::Status CudaBackend::PrepareForward(absl::Span<const ForwardItem> items,
+                                         const Batch &batch, Step *step) {
   SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
-  Step step;
   std::vector<int64_t> item_tokens;
   // A padded sequence has per_seq token slots and per_seq logit rows (rows may
   // repeat).
@@ -1466,11 +1461,22 @@ absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items,
     item_tokens.push_back(
         static_cast<int64_t>(std::max(it.tokens.size(), it.logit_rows.size())));
   }
-  ChooseBuckets(item_tokens, &step);
+  ChooseBuckets(item_tokens, step);
   Packer pack;
-  SPECD_RETURN_IF_ERROR_(LayoutForward(items, *batch, &step, &pack));
-  SPECD_RETURN_IF_ERROR_(PrepareBuffers(step, pack.bytes().size()));
-  SPECD_RETURN_IF_ERROR_(UploadMeta(pack));
+  SPECD_RETURN_IF_ERROR_(LayoutForward(items, batch, step, &pack));
+  SPECD_RETURN_IF_ERROR_(PrepareBuffers(*step, pack.bytes().size()));
+  return UploadMeta(pack);
+}
+
+absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items,
+                                        float *logits) {
+  absl::StatusOr<Batch> batch = Validate(items);
+  if (!batch.ok())
+    return batch.status();
+  if (items.empty())
+    return absl::OkStatus();
+  Step step;
+  SPECD_RETURN_IF_ERROR_(PrepareForward(items, *batch, &step));
   SPECD_RETURN_IF_ERROR_(Execute(step));
   const int64_t vocab = config_.vocab_size;
   // Each item's rows are contiguous on the device; runs of items that follow
@@ -1499,6 +1505,74 @@ absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items,
     b = e;
   }
   SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "forward pass");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ForwardTopK(absl::Span<const ForwardItem> items,
+                                      int k, TopKRows *out) {
+  SPECD_RETURN_IF_ERROR_(CheckForwardTopK(k, out));
+  // A rank holds a slice of the vocabulary: the whole rows' top-k would need
+  // the slices' lists merged across ranks, so the group takes the host path.
+  if (world_ > 1)
+    return Backend::ForwardTopK(items, k, out);
+  absl::StatusOr<Batch> batch = Validate(items);
+  if (!batch.ok())
+    return batch.status();
+  const int64_t vocab = config_.vocab_size;
+  out->k = static_cast<int>(std::min<int64_t>(k, vocab));
+  out->ids.clear();
+  out->logprobs.clear();
+  if (items.empty())
+    return absl::OkStatus();
+  Step step;
+  SPECD_RETURN_IF_ERROR_(PrepareForward(items, *batch, &step));
+  // The requested rows among the step's (padded steps interleave unused ones),
+  // uploaded with the step's metadata, before the forward is launched: the
+  // forward (a graph for bucketed steps) and the top-k then run back to back
+  // with no host synchronisation until the [n, k] results are read.
+  std::vector<int32_t> rows;
+  for (size_t b = 0; b < items.size(); ++b) {
+    for (size_t j = 0; j < items[b].logit_rows.size(); ++j)
+      rows.push_back(static_cast<int32_t>(step.item_row_begin[b] + j));
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  // [n] row index, then [n, k] ids and [n, k] logprobs, copied back in one go.
+  const size_t index_bytes = (n * sizeof(int32_t) + 15) / 16 * 16;
+  const size_t result_bytes = n * out->k * (sizeof(int32_t) + sizeof(float));
+  SPECD_RETURN_IF_ERROR_(Ensure(&topk_, index_bytes + result_bytes));
+  char *base = static_cast<char *>(topk_.ptr);
+  if (n > 0) {
+    SPECD_CUDA_RETURN_(cudaMemcpyAsync(base, rows.data(), n * sizeof(int32_t),
+                                       cudaMemcpyHostToDevice, stream_),
+                       "uploading top-k rows");
+  }
+  SPECD_RETURN_IF_ERROR_(Execute(step));
+  if (n == 0) {
+    SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "forward pass");
+    return absl::OkStatus();
+  }
+  cuda::TopKLogprobsParams p;
+  p.logits = static_cast<const float *>(logits_.ptr);
+  p.logits_stride = vocab_rows_;
+  p.row_index = reinterpret_cast<const int32_t *>(base);
+  p.num_rows = n;
+  p.vocab_size = vocab;
+  p.k = out->k;
+  p.ids = reinterpret_cast<int32_t *>(base + index_bytes);
+  p.logprobs = reinterpret_cast<float *>(p.ids + n * out->k);
+  SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream_), "top-k launch");
+  std::vector<char> host(result_bytes);
+  SPECD_CUDA_RETURN_(cudaMemcpyAsync(host.data(), base + index_bytes,
+                                     result_bytes, cudaMemcpyDeviceToHost,
+                                     stream_),
+                     "copying top-k rows");
+  SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "forward pass");
+  out->ids.resize(n * out->k);
+  out->logprobs.resize(n * out->k);
+  std::memcpy(out->ids.data(), host.data(), out->ids.size() * sizeof(int32_t));
+  std::memcpy(out->logprobs.data(),
+              host.data() + out->ids.size() * sizeof(int32_t),
+              out->logprobs.size() * sizeof(float));
   return absl::OkStatus();
 }
 

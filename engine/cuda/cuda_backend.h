@@ -116,6 +116,10 @@ public:
   absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override;
   absl::Status Forward(absl::Span<const ForwardItem> items,
                        std::vector<float> *logits) override;
+  // The rows' top-k by kernels/cuda/topk.cu, so only [rows, k] ids and
+  // log-probabilities reach the host (the host path for a rank of a group).
+  absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k,
+                           TopKRows *out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
   absl::StatusOr<std::vector<VerifyOutcome>>
@@ -257,6 +261,10 @@ private:
   // (o_proj, down_proj): residual_splits_ where Gemm::KSplitFits its depth,
   // else 1 (and 1 for the embedding, which has no GEMM).
   int SiteSplits(int site) const;
+  // Lays out a validated batch's forward pass and uploads its metadata;
+  // Execute(*step) then leaves [step.R, vocab rows] fp32 logits in logits_.
+  absl::Status PrepareForward(absl::Span<const ForwardItem> items,
+                              const Batch &batch, Step *step);
   // Forward() into host rows of stride vocab_size, this rank's columns.
   absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float *logits);
   // Where a row-parallel GEMM writes its [T, hidden] partial sums for the
@@ -339,6 +347,7 @@ private:
   Scratch attn_ws_;  // split-KV workspace
   Scratch sample_ws_;  // split-vocabulary sampling workspace (SampleWorkspaceBytes)
   Scratch verify_;   // sampling and acceptance outputs
+  Scratch topk_;     // ForwardTopK(): row index, ids, log-probabilities
   // Tensor parallel verify: this rank's candidates [R] and everyone's
   // [world, R] (cuda::SampleCandidate); or everyone's logits [world, R,
   // vocab_rows_max_] fp32 and the whole rows [R, vocab] fp32.

@@ -1,3 +1,5 @@
+#include "engine/draft/draft_model_drafter.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -6,43 +8,21 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "engine/draft/draft_model_drafter.h"
 
 namespace specd {
 
 namespace {
 
 // NaN sorts as the worst logit so that a broken row cannot break the ordering.
-inline float OrderKey(float v) { return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v; }
-
-// The k most likely tokens of `row` ([vocab] fp32 logits, host), best first, lowest id first on
-// ties (as greedy SampleToken), with their log-probabilities under softmax(row).
-std::vector<std::pair<int32_t, float>> TopKLogProbs(absl::Span<const float> row, int k) {
-  const int vocab = static_cast<int>(row.size());
-  k = std::min(k, vocab);
-  float max_l = -std::numeric_limits<float>::infinity();
-  for (float v : row) max_l = std::max(max_l, OrderKey(v));
-  double sum = 0;
-  for (float v : row) sum += std::exp(static_cast<double>(OrderKey(v)) - max_l);
-  const double log_z = max_l + std::log(sum);
-  std::vector<int32_t> ids(vocab);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-    const float la = OrderKey(row[a]), lb = OrderKey(row[b]);
-    return la > lb || (la == lb && a < b);
-  });
-  std::vector<std::pair<int32_t, float>> out(k);
-  for (int i = 0; i < k; ++i) {
-    out[i] = {ids[i], static_cast<float>(OrderKey(row[ids[i]]) - log_z)};
-  }
-  return out;
+inline float OrderKey(float v) {
+  return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v;
 }
 
 struct Node {
   int32_t token = 0;
-  int32_t parent = -1;  // index into SeqWork::nodes, -1 for a child of the last fed token
-  float logprob = 0;    // cumulative draft log-probability
-  int depth = 0;        // 0 for children of the last fed token
+  int32_t parent = -1;   // index into SeqWork::nodes, -1 for a child of the last fed token
+  float logprob = 0;     // cumulative draft log-probability
+  int depth = 0;         // 0 for children of the last fed token
   int32_t scratch = -1;  // scratch index in the draft model once fed
 };
 
@@ -64,20 +44,21 @@ bool Better(const std::vector<Node>& nodes, int a, int b) {
   return a < b;
 }
 
-// Appends the children of `parent` (-1: the last fed token) from its logits row.
-void AddChildren(SeqWork& w, int parent, absl::Span<const float> row) {
-  const DraftParams& p = w.req->params;
+// Children a node at `depth` gets: a child with j better siblings ranks behind them and its
+// `depth` ancestors, so it can only make the final cut when j + depth < max_nodes.
+int ChildCount(const DraftParams& p, int depth) { return std::min(p.top_k, p.max_nodes - depth); }
+
+// Appends the children of `parent` (-1: the last fed token) from row `row` of `top`.
+void AddChildren(SeqWork& w, int parent, const TopKRows& top, int64_t row) {
   const int depth = parent < 0 ? 0 : w.nodes[parent].depth + 1;
-  // A child with j better siblings ranks behind them and its `depth` ancestors, so it can
-  // only make the final cut when j + depth < max_nodes.
-  const int k = std::min(p.top_k, p.max_nodes - depth);
+  const int k = std::min(ChildCount(w.req->params, depth), top.k);
   if (k <= 0) return;
   const float base = parent < 0 ? 0.0f : w.nodes[parent].logprob;
-  for (const auto& [token, lp] : TopKLogProbs(row, k)) {
+  for (int j = 0; j < k; ++j) {
     Node n;
-    n.token = token;
+    n.token = top.ids[row * top.k + j];
     n.parent = parent;
-    n.logprob = base + lp;
+    n.logprob = base + top.logprobs[row * top.k + j];
     n.depth = depth;
     w.nodes.push_back(n);
   }
@@ -92,8 +73,7 @@ std::vector<int> PickFrontier(const SeqWork& w, int level) {
   for (int i = 0; i < static_cast<int>(w.nodes.size()); ++i) {
     if (w.nodes[i].depth == level) at_level.push_back(i);
   }
-  std::sort(at_level.begin(), at_level.end(),
-            [&](int a, int b) { return Better(w.nodes, a, b); });
+  std::sort(at_level.begin(), at_level.end(), [&](int a, int b) { return Better(w.nodes, a, b); });
   if (static_cast<int>(at_level.size()) > p.top_k) at_level.resize(p.top_k);
   std::vector<int> frontier;
   for (int i : at_level) {
@@ -107,8 +87,8 @@ std::vector<int> PickFrontier(const SeqWork& w, int level) {
 }
 
 // The best max_nodes nodes, closed under ancestors, in topological order (by depth, best first
-// within a depth, so siblings come best first).
-TokenTree SelectTree(const SeqWork& w) {
+// within a depth, so siblings come best first); `scratch` gets each tree node's scratch index.
+TokenTree SelectTree(const SeqWork& w, std::vector<int32_t>* scratch) {
   const int n = static_cast<int>(w.nodes.size());
   std::vector<int> order(n);
   std::iota(order.begin(), order.end(), 0);
@@ -126,29 +106,97 @@ TokenTree SelectTree(const SeqWork& w) {
                    [&](int a, int b) { return w.nodes[a].depth < w.nodes[b].depth; });
   std::vector<int32_t> out_index(n, -1);
   TokenTree tree;
+  scratch->clear();
   for (int i : chosen) {
     out_index[i] = tree.size();
     const Node& node = w.nodes[i];
     tree.tokens.push_back(node.token);
     tree.parents.push_back(node.parent < 0 ? -1 : out_index[node.parent]);
     tree.draft_logprobs.push_back(node.logprob);
+    scratch->push_back(node.scratch);
   }
   return tree;
 }
 
 }  // namespace
 
-DraftModelDrafter::DraftModelDrafter(Backend* model)
-    : model_(model), vocab_size_(model->config().vocab_size) {}
+DraftModelDrafter::DraftModelDrafter(Backend* model, DraftModelDrafterOptions options)
+    : model_(model), options_(options), vocab_size_(model->config().vocab_size) {}
 
-absl::Status DraftModelDrafter::AddSequence(SeqId seq) { return model_->AddSequence(seq); }
+absl::Status DraftModelDrafter::AddSequence(SeqId seq) {
+  if (absl::Status s = model_->AddSequence(seq); !s.ok()) return s;
+  states_[seq] = SeqState();
+  return absl::OkStatus();
+}
 
-absl::Status DraftModelDrafter::Release(SeqId seq) { return model_->RemoveSequence(seq); }
+absl::Status DraftModelDrafter::Release(SeqId seq) {
+  states_.erase(seq);
+  return model_->RemoveSequence(seq);
+}
 
 bool DraftModelDrafter::HasSequence(SeqId seq) const { return model_->HasSequence(seq); }
 
 absl::Status DraftModelDrafter::CheckRequest(const DraftRequest& r) const {
-  return CheckDraftRequest(r, model_->HasSequence(r.seq), vocab_size_, "draft");
+  if (absl::Status s = CheckDraftRequest(r, model_->HasSequence(r.seq), vocab_size_, "draft");
+      !s.ok()) {
+    return s;
+  }
+  auto it = states_.find(r.seq);
+  if (it != states_.end() && !it->second.kept.has_value()) {
+    const std::vector<int32_t>& carried = it->second.carried;
+    if (carried.size() >= r.new_tokens.size() ||
+        !std::equal(carried.begin(), carried.end(), r.new_tokens.begin())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("new_tokens: sequence ", r.seq, " must resend the ", carried.size(),
+                       " tokens a failed step already consumed, and at least one more"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> DraftModelDrafter::ApplyOutcome(const DraftRequest& r) {
+  SeqState& state = states_[r.seq];
+  if (!state.kept.has_value()) return static_cast<int>(state.carried.size());
+  const KeptStep& kept = *state.kept;
+  std::vector<int32_t> path(kept.chain);
+  std::iota(path.begin(), path.end(), 0);
+  int skip = 0;
+  if (r.accepted_node >= -1 && r.accepted_node < kept.tree.size()) {
+    std::vector<int32_t> nodes;
+    for (int n = r.accepted_node; n >= 0; n = kept.tree.parents[n]) nodes.push_back(n);
+    std::reverse(nodes.begin(), nodes.end());
+    bool match = nodes.size() < r.new_tokens.size();
+    for (size_t i = 0; match && i < nodes.size(); ++i) {
+      match = kept.tree.tokens[nodes[i]] == r.new_tokens[i];
+    }
+    // Expanded nodes are closed under ancestors, so the path's expanded part is a prefix.
+    for (size_t i = 0; match && i < nodes.size() && kept.tree_scratch[nodes[i]] >= 0; ++i) {
+      path.push_back(kept.tree_scratch[nodes[i]]);
+      ++skip;
+    }
+  }
+  if (absl::Status s = model_->Commit(r.seq, path); !s.ok()) {
+    return absl::InternalError(
+        absl::StrCat("draft model commit of the kept path failed for "
+                     "sequence ",
+                     r.seq, ": ", s.message()));
+  }
+  state.kept.reset();
+  state.carried.assign(r.new_tokens.begin(), r.new_tokens.begin() + skip);
+  return skip;
+}
+
+absl::Status DraftModelDrafter::LevelTopK(absl::Span<const ForwardItem> items, int k,
+                                          TopKRows* out) {
+  k = std::max(k, 1);
+  if (options_.backend_topk && k <= kMaxForwardTopK) {
+    if (absl::Status s = model_->ForwardTopK(items, k, out); !s.ok()) return s;
+  } else {
+    if (absl::Status s = model_->Forward(items, &logits_); !s.ok()) return s;
+    TopKRowsOnHost(logits_, vocab_size_, k, out);
+  }
+  for (const ForwardItem& it : items) fed_tokens_ += static_cast<int64_t>(it.tokens.size());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
@@ -157,47 +205,56 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
   for (const DraftRequest& r : requests) {
     if (absl::Status s = CheckRequest(r); !s.ok()) return s;
     if (!seen.insert(r.seq).second) {
-      return absl::InvalidArgumentError(absl::StrCat("seq: sequence ", r.seq,
-                                                     " appears twice in one draft batch"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("seq: sequence ", r.seq, " appears twice in one draft batch"));
     }
   }
+  // The previous steps' outcomes first: from here on each sequence's committed KV matches the
+  // first skip[b] of its new_tokens, whatever happens to this step.
+  std::vector<int> skip(requests.size());
+  for (size_t b = 0; b < requests.size(); ++b) {
+    absl::StatusOr<int> n = ApplyOutcome(requests[b]);
+    if (!n.ok()) return n.status();
+    skip[b] = *n;
+  }
   std::vector<SeqWork> work(requests.size());
-  // Leaves every sequence as it was before the call: drops its whole scratch region, chain
-  // included.
+  // Drops this call's scratch region of every sequence; they stay as ApplyOutcome left them.
   auto fail = [&](const absl::Status& s) {
     for (const DraftRequest& r : requests) model_->Commit(r.seq, {}).IgnoreError();
     return s;
   };
 
-  // Level "-1": the new tokens as a chain; only the last one's logits are needed.
+  // Level "-1": the new tokens not yet in the KV as a chain; only the last one's logits are
+  // needed.
   std::vector<ForwardItem> items(requests.size());
+  int k = 1;
   for (size_t b = 0; b < requests.size(); ++b) {
     SeqWork& w = work[b];
     w.req = &requests[b];
-    const int n = static_cast<int>(w.req->new_tokens.size());
     items[b].seq = w.req->seq;
-    items[b].tokens = w.req->new_tokens;
+    items[b].tokens.assign(w.req->new_tokens.begin() + skip[b], w.req->new_tokens.end());
+    const int n = static_cast<int>(items[b].tokens.size());
     items[b].parents.resize(n);
     std::iota(items[b].parents.begin(), items[b].parents.end(), -1);
     items[b].logit_rows = {n - 1};
     w.next_scratch = n;
+    k = std::max(k, ChildCount(w.req->params, 0));
   }
-  std::vector<float> logits;
-  if (absl::Status s = model_->Forward(items, &logits); !s.ok()) return fail(s);
-  const size_t vocab = static_cast<size_t>(vocab_size_);
-  if (logits.size() != requests.size() * vocab) {
-    return fail(absl::InternalError(absl::StrCat("draft model returned ", logits.size(),
-                                                 " logits for ", requests.size(), " rows")));
+  TopKRows top;
+  if (absl::Status s = LevelTopK(items, k, &top); !s.ok()) return fail(s);
+  if (top.rows() != static_cast<int64_t>(requests.size())) {
+    return fail(absl::InternalError(
+        absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", requests.size())));
   }
-  for (size_t b = 0; b < requests.size(); ++b) {
-    AddChildren(work[b], -1, absl::Span<const float>(logits).subspan(b * vocab, vocab));
-  }
+  for (size_t b = 0; b < requests.size(); ++b) AddChildren(work[b], -1, top, b);
 
-  // One batched Forward per level: feed each sequence's frontier at `level`, whose logits give
+  // One batched forward per level: feed each sequence's frontier at `level`, whose top-k give
   // the children at level + 1.
   for (int level = 0;; ++level) {
     items.clear();
     std::vector<size_t> item_work;
+    int64_t rows = 0;
+    k = 1;
     for (size_t b = 0; b < work.size(); ++b) {
       SeqWork& w = work[b];
       w.frontier.clear();
@@ -206,7 +263,7 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
       if (w.frontier.empty()) continue;
       ForwardItem item;
       item.seq = w.req->seq;
-      const int32_t chain_end = static_cast<int32_t>(w.req->new_tokens.size()) - 1;
+      const int32_t chain_end = static_cast<int32_t>(w.req->new_tokens.size() - skip[b]) - 1;
       for (int node : w.frontier) {
         Node& nd = w.nodes[node];
         nd.scratch = w.next_scratch++;
@@ -214,34 +271,44 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
         item.tokens.push_back(nd.token);
         item.parents.push_back(nd.parent < 0 ? chain_end : w.nodes[nd.parent].scratch);
       }
+      rows += static_cast<int64_t>(w.frontier.size());
+      k = std::max(k, ChildCount(w.req->params, level + 1));
       items.push_back(std::move(item));
       item_work.push_back(b);
     }
     if (items.empty()) break;
-    if (absl::Status s = model_->Forward(items, &logits); !s.ok()) return fail(s);
-    size_t row = 0;
+    if (absl::Status s = LevelTopK(items, k, &top); !s.ok()) return fail(s);
+    if (top.rows() != rows) {
+      return fail(absl::InternalError(
+          absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", rows)));
+    }
+    int64_t row = 0;
     for (size_t b : item_work) {
       SeqWork& w = work[b];
-      for (int node : w.frontier) {
-        if ((row + 1) * vocab > logits.size()) {
-          return fail(absl::InternalError("draft model returned too few logit rows"));
-        }
-        AddChildren(w, node, absl::Span<const float>(logits).subspan(row * vocab, vocab));
-        ++row;
-      }
+      for (int node : w.frontier) AddChildren(w, node, top, row++);
     }
   }
 
   std::vector<TokenTree> trees(requests.size());
   for (size_t b = 0; b < requests.size(); ++b) {
-    trees[b] = SelectTree(work[b]);
-    std::vector<int32_t> chain(requests[b].new_tokens.size());
+    const DraftRequest& r = requests[b];
+    SeqState& state = states_[r.seq];
+    state.carried.clear();
+    KeptStep kept;
+    kept.chain = static_cast<int32_t>(r.new_tokens.size()) - skip[b];
+    kept.tree = SelectTree(work[b], &kept.tree_scratch);
+    trees[b] = kept.tree;
+    if (options_.reuse_kv) {
+      state.kept = std::move(kept);
+      continue;
+    }
+    std::vector<int32_t> chain(kept.chain);
     std::iota(chain.begin(), chain.end(), 0);
-    if (absl::Status s = model_->Commit(requests[b].seq, chain); !s.ok()) {
+    if (absl::Status s = model_->Commit(r.seq, chain); !s.ok()) {
       // Sequences before b already committed their chain; their state moved on, which a
       // retry would double-feed. A failing Commit of a chain just forwarded is a backend bug.
-      return absl::InternalError(absl::StrCat("draft model commit failed for sequence ",
-                                              requests[b].seq, ": ", s.message()));
+      return absl::InternalError(
+          absl::StrCat("draft model commit failed for sequence ", r.seq, ": ", s.message()));
     }
   }
   return trees;

@@ -41,6 +41,12 @@ struct DraftRequest {
   // tree hangs below the last of them).
   std::vector<int32_t> new_tokens;
   DraftParams params;
+  // The deepest node of this drafter's previous tree for the sequence that the verifier
+  // accepted (-1: none, only the bonus token), or kNoOutcome when unknown. A drafter that keeps
+  // the previous step's KV commits that path's tokens instead of feeding them again; it checks
+  // them against new_tokens, so a stale or wrong value costs speed, not correctness.
+  static constexpr int32_t kNoOutcome = -2;
+  int32_t accepted_node = kNoOutcome;
 };
 
 // The checks every drafter's CheckRequest makes: the sequence is `known` to it (NOT_FOUND
@@ -67,8 +73,8 @@ class Drafter {
   virtual absl::Status CheckRequest(const DraftRequest& request) const = 0;
 
   // One tree per request, in order; requests name distinct sequences. An empty tree means
-  // "nothing worth proposing" (the step becomes target-only). On error no sequence's state
-  // changes, so the same requests can be retried.
+  // "nothing worth proposing" (the step becomes target-only). On error the same requests can be
+  // retried (no sequence's state changes, or a drafter remembers what it already consumed).
   virtual absl::StatusOr<std::vector<TokenTree>> Draft(absl::Span<const DraftRequest> requests) = 0;
 };
 

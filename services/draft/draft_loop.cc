@@ -112,6 +112,11 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   if (absl::Status s = CheckTokenIds(step.new_tokens(), vocab, where + ".new_tokens"); !s.ok()) {
     return s;
   }
+  if (step.has_accepted_node() &&
+      (step.accepted_node() < -1 || step.accepted_node() >= kMaxTreeNodes)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".accepted_node: ", step.accepted_node(),
+                                                   " is not -1 or a tree node index"));
+  }
   switch (step.method()) {
     case v1::DRAFT_METHOD_MODEL:
       if (model_drafter_ == nullptr) {
@@ -159,6 +164,7 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   }
   slot->request.seq = *live;
   slot->request.new_tokens.assign(seq.history.begin() + seq.fed[d], seq.history.end());
+  if (step.has_accepted_node()) slot->request.accepted_node = step.accepted_node();
   if (d == kModel) {
     const int64_t reach = static_cast<int64_t>(seq.history.size()) + params.depth;
     if (reach > model_->config().max_position_embeddings) {
@@ -229,6 +235,7 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     requests.reserve(group.size());
     for (const Slot& slot : group) requests.push_back(slot.request);
     std::vector<absl::StatusOr<TokenTree>> trees(group.size());
+    const int64_t fed_before = d == kModel ? model_drafter_->fed_tokens() : 0;
     absl::StatusOr<std::vector<TokenTree>> all = drafter(d)->Draft(requests);
     if (all.ok()) {
       for (size_t k = 0; k < group.size(); ++k) trees[k] = std::move((*all)[k]);
@@ -246,6 +253,8 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
         }
       }
     }
+    // What went through the draft model: accepted tokens whose KV was kept are not fed again.
+    if (d == kModel) tokens += model_drafter_->fed_tokens() - fed_before;
     for (size_t k = 0; k < group.size(); ++k) {
       const Slot& slot = group[k];
       const StreamId stream = batch.steps[slot.step].stream;
@@ -258,7 +267,6 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
       Sequence& seq = sequences_[slot.seq];
       seq.fed[d] = seq.history.size();
       const TokenTree& tree = *trees[k];
-      if (d == kModel) tokens += slot.request.new_tokens.size() + tree.size();
       TreeToProto(tree, result->mutable_tree());
     }
   }

@@ -5,7 +5,9 @@
 //
 // Per-sequence state. The loop keeps every sequence's token history, so a sequence may switch
 // method between steps: a drafter that has not seen some of the history is fed it first (the
-// catch-up rule of engine/draft/drafter.h).
+// catch-up rule of engine/draft/drafter.h). A step's accepted_node (the outcome of the tree
+// returned last step) goes to the model drafter, which then commits the KV it kept for that
+// path instead of feeding those tokens again (engine/draft/draft_model_drafter.h).
 //
 // Errors are per sequence (SequenceError) and leave the others served:
 //   INVALID_ARGUMENT, FAILED_PRECONDITION (no draft model loaded): nothing changes; the step's

@@ -68,6 +68,11 @@ struct RouterLoop::Sequence {
   uint64_t verify_epoch = 0;
   uint64_t draft_epoch = 0;
   bool draft_failed = false;  // the draft service rejected this sequence: stop drafting it
+  // The draft service answered this step, and the deepest node of its tree that verify
+  // accepted (-1 none, -2 unknown), which the next draft step reports (accepted_node).
+  bool draft_replied = false;
+  int32_t draft_accepted = -2;
+  int32_t draft_report = -2;  // draft_accepted as of this step's plan, sent with its draft step
 
   // This step.
   TokenTree tree;
@@ -312,6 +317,9 @@ void RouterLoop::Plan() {
     seq.tree = TokenTree();
     seq.draft_down = false;
     seq.no_drafter = false;
+    seq.draft_report = seq.draft_accepted;
+    seq.draft_replied = false;
+    seq.draft_accepted = -2;
     const v1::Speculation mode = seq.request.speculation;
     PolicySequence p = seq.core->PolicyInput(/*model_draft=*/mode != v1::SPECULATION_NGRAM);
     // Whether a drafter can serve this sequence this step: the draft service, or for n-gram
@@ -382,6 +390,9 @@ void RouterLoop::DraftStep() {
     step->set_top_k(shape.top_k);
     step->set_max_nodes(shape.max_nodes);
     step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+    if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
+      step->set_accepted_node(seq.draft_report);
+    }
     seq.core->MarkDrafterFed();
     seq.draft_epoch = epoch;
     seq.mode = mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM : v1::SPECULATION_DRAFT_MODEL;
@@ -434,6 +445,7 @@ void RouterLoop::DraftStep() {
       seq.draft_epoch = 0;
       continue;
     }
+    seq.draft_replied = true;
     TokenTree tree = TreeFromProto(result.tree());
     if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size); !valid.ok()) {
       SPECD_LOG(WARNING) << "draft service sent a bad tree for sequence " << seq.id << ": "
@@ -541,6 +553,11 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
                                   : reason == ShapeReason::kDraftDown
                                       ? TargetOnlyReason::kDraftUnavailable
                                       : TargetOnlyReason::kNoDraft);
+  }
+  if (seq.draft_replied) {
+    seq.draft_accepted = result.accepted_nodes_size() > 0
+                             ? result.accepted_nodes(result.accepted_nodes_size() - 1)
+                             : -1;
   }
   // The core keeps the tokens the verifier emitted up to a token stop; the text stream may end
   // earlier, at a stop string.

@@ -112,6 +112,10 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
   absl::StatusOr<std::unique_ptr<Backend>> model = CreateBackend(*dir_, BackendOptions());
   ASSERT_TRUE(model.ok()) << model.status();
   DraftModelDrafter model_drafter(model->get());
+  // Told each step's outcome as the service is: counts the tokens the service should feed.
+  absl::StatusOr<std::unique_ptr<Backend>> told_model = CreateBackend(*dir_, BackendOptions());
+  ASSERT_TRUE(told_model.ok()) << told_model.status();
+  DraftModelDrafter told(told_model->get());
   absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram = NgramDrafter::Create(kVocab, {});
   ASSERT_TRUE(ngram.ok());
 
@@ -131,12 +135,18 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
   DraftStream stream(p->channel());
   std::vector<std::vector<int32_t>> pending(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) pending[i] = seqs[i].history;
+  std::vector<int32_t> accepted(seqs.size(), -1);
   int nonempty_ngram = 0;
   for (int step = 0; step < 3; ++step) {
     v1::DraftStepRequest request;
     request.set_step_id(step);
     for (size_t i = 0; i < seqs.size(); ++i) {
-      AddStep(&request, seqs[i].id, pending[i], methods[step][i], params);
+      v1::DraftSequenceStep* st =
+          AddStep(&request, seqs[i].id, pending[i], methods[step][i], params);
+      // The outcome of the previous step (node 0 or nothing accepted): the service commits the
+      // kept KV of that node instead of feeding it again; the in-process drafter below is not
+      // told, so equal trees mean reuse changes nothing.
+      if (step > 0) st->set_accepted_node(accepted[i]);
     }
     const v1::DraftStepResponse response = stream.Step(request);
     for (size_t i = 0; i < seqs.size(); ++i) {
@@ -157,6 +167,10 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
         absl::StatusOr<std::vector<TokenTree>> trees =
             model_drafter.Draft({DraftRequest{static_cast<SeqId>(s.id), feed, params}});
         ASSERT_TRUE(trees.ok()) << trees.status();
+        if (!told.HasSequence(s.id)) ASSERT_TRUE(told.AddSequence(s.id).ok());
+        const int32_t outcome = step > 0 ? accepted[i] : DraftRequest::kNoOutcome;
+        ASSERT_TRUE(
+            told.Draft({DraftRequest{static_cast<SeqId>(s.id), feed, params, outcome}}).ok());
         want = (*trees)[0];
         s.model_fed = s.history.size();
         EXPECT_FALSE(tree.empty());
@@ -170,6 +184,7 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
       // The "verifier" accepts the first root-to-leaf chain's first token and adds a bonus.
       std::vector<int32_t> emitted;
       if (!tree.empty()) emitted.push_back(tree.tokens[0]);
+      accepted[i] = tree.empty() ? -1 : 0;
       emitted.push_back(static_cast<int32_t>((step * 31 + i * 7) % 256));
       s.history.insert(s.history.end(), emitted.begin(), emitted.end());
       pending[i] = emitted;
@@ -179,6 +194,9 @@ TEST_F(DraftServiceTest, TreesAreValidAndEqualInProcessDrafters) {
   EXPECT_EQ(Metric("specd_sequences"), 3);
   EXPECT_GT(Metric("specd_kv_cache_usage_ratio"), 0);
   EXPECT_EQ(Metric("specd_step_batch_size_count"), 3);
+  // The service fed what a drafter told the outcomes feeds, less than refeeding the accepted.
+  EXPECT_EQ(Metric("specd_step_tokens_total"), static_cast<double>(told.fed_tokens()));
+  EXPECT_LT(told.fed_tokens(), model_drafter.fed_tokens());
   EXPECT_TRUE(stream.Close().ok());
 }
 
@@ -196,6 +214,7 @@ TEST_F(DraftServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   AddStep(&request, 5, {1}, static_cast<v1::DraftMethod>(9), params);
   AddStep(&request, 6, {1}, v1::DRAFT_METHOD_NGRAM, params)
       ->set_deadline_unix_ms(absl::ToUnixMillis(absl::Now()) - 10);
+  AddStep(&request, 7, {1}, v1::DRAFT_METHOD_MODEL, params)->set_accepted_node(-3);
   const v1::DraftStepResponse response = stream.Step(request);
   EXPECT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
   EXPECT_FALSE(response.results(0).tree().tokens().empty());
@@ -210,6 +229,7 @@ TEST_F(DraftServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   expect_error(3, grpc::StatusCode::INVALID_ARGUMENT, "steps[3].max_nodes");
   expect_error(4, grpc::StatusCode::INVALID_ARGUMENT, "steps[4].method");
   expect_error(5, grpc::StatusCode::DEADLINE_EXCEEDED, "deadline");
+  expect_error(6, grpc::StatusCode::INVALID_ARGUMENT, "steps[6].accepted_node: -3");
   EXPECT_EQ(Metric("specd_sequences"), 1);
 
   // Still serving: seq 1 continues, seq 2 starts with valid tokens.

@@ -239,7 +239,8 @@ TEST_F(DraftModelTest, SingleNodeAndChains) {
 }
 
 // Feeding a sequence step by step gives the same trees as feeding everything at once: the
-// fed chain stays in the draft KV cache and the speculative nodes do not.
+// fed chain stays in the draft KV cache and, without a reported outcome, the speculative nodes
+// do not.
 TEST_F(DraftModelTest, StepsKeepTheFedChainOnly) {
   const std::vector<int32_t> prompt = {10, 20, 30, 40, 50, 60};
   const DraftParams p{3, 3, 12};
@@ -250,7 +251,9 @@ TEST_F(DraftModelTest, StepsKeepTheFedChainOnly) {
        std::vector<std::vector<int32_t>>{{7}, {8, 9, 10}, {11, 12}}) {
     const TokenTree stepped = DraftOne(1, more, p);
     all.insert(all.end(), more.begin(), more.end());
-    EXPECT_EQ(*draft_->CommittedLength(1), static_cast<int64_t>(all.size()));
+    // The step's chain stays in the scratch region (with the tree's nodes) until the next step
+    // reports what was accepted; everything fed before is committed.
+    EXPECT_EQ(*draft_->CommittedLength(1), static_cast<int64_t>(all.size() - more.size()));
     const SeqId fresh = 50 + static_cast<SeqId>(all.size());
     ASSERT_TRUE(drafter_->AddSequence(fresh).ok());
     const TokenTree whole = DraftOne(fresh, all, p);
@@ -299,6 +302,9 @@ TEST_F(DraftModelTest, BadRequestsFailWithoutChangingState) {
   EXPECT_EQ(*draft_->CommittedLength(2), 0);
   EXPECT_TRUE(drafter_->CheckRequest({2, {5, 6}, p}).ok());
   EXPECT_TRUE(drafter_->Draft({{2, {5, 6}, p}}).ok());
+  // The chain waits in the scratch region for the step's outcome; the next step commits it.
+  EXPECT_EQ(*draft_->CommittedLength(2), 0);
+  EXPECT_TRUE(drafter_->Draft({{2, {7}, p, -1}}).ok());
   EXPECT_EQ(*draft_->CommittedLength(2), 2);
   EXPECT_TRUE(drafter_->Release(2).ok());
   EXPECT_FALSE(drafter_->HasSequence(2));

@@ -1,0 +1,42 @@
+// Per-row top-k of next-token log-probabilities on the GPU, with exactly the order of
+// engine/topk.h RowTopKLogprobs: higher logit first, lower id first among equal logits, NaN
+// ranked as -inf; log-probability = logit - (max + log(sum exp(logit - max))) with the sum in
+// fp64. The ids equal the host's exactly; the log-probabilities differ from it only by the
+// order of the fp64 sum, which is below fp32 rounding.
+//
+// One CTA per row: each thread scans a strided slice of the vocabulary keeping its own best k
+// in registers (sorted insertion), the CTA's lists go to shared memory, one warp merges them k
+// times (each lane owns blockDim / 32 lists and offers its best head; a warp arg-max picks the
+// winner, whose list advances), then the CTA sums exp(logit - max) in fp64 over a second pass.
+#ifndef SPECD_KERNELS_CUDA_TOPK_H_
+#define SPECD_KERNELS_CUDA_TOPK_H_
+
+#include "specd/kernels/cuda/common.h"
+
+namespace specd {
+namespace cuda {
+
+// Largest k TopKLogprobsCuda serves: each thread keeps k candidates in registers.
+inline constexpr int kMaxTopK = 16;
+
+struct TopKLogprobsParams {
+  // [num_rows, logits_stride] fp32, device: row r's logits are columns [0, vocab_size) of the
+  // row row_index[r] (or r when row_index is null).
+  const float* logits = nullptr;
+  int64_t logits_stride = 0;
+  // [num_rows] int32, device, or null: which logits row each output row reads (rows of a
+  // padded step that nobody asked for are skipped this way).
+  const int32_t* row_index = nullptr;
+  int64_t num_rows = 0;
+  int64_t vocab_size = 0;     // >= k, < 2^31
+  int k = 0;                  // 1 .. kMaxTopK
+  int32_t* ids = nullptr;     // [num_rows, k] int32, device: best first
+  float* logprobs = nullptr;  // [num_rows, k] fp32, device
+};
+
+cudaError_t TopKLogprobsCuda(const TopKLogprobsParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace specd
+
+#endif  // SPECD_KERNELS_CUDA_TOPK_H_

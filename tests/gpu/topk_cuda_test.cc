@@ -1,0 +1,197 @@
+// kernels/cuda/topk.cu against engine/topk.h RowTopKLogprobs on the same fp32 rows: ids exactly,
+// log-probabilities to fp32 rounding (only the order of the fp64 sum differs); and the CUDA
+// backend's ForwardTopK against its own Forward() logits, and the drafter's trees with and
+// without it, on the reference draft model.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/topk.h"
+#include "specd/kernels/cuda/topk.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/testutil/hf_fixtures.h"
+
+namespace specd {
+namespace {
+
+using gpu_test::DeviceBuffer;
+
+// Gaussian, coarsely quantised (ties everywhere) and near-constant rows with NaN and -inf.
+std::vector<float> MakeRows(int rows, int vocab, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> out(static_cast<size_t>(rows) * vocab);
+  for (int r = 0; r < rows; ++r) {
+    float* row = &out[static_cast<size_t>(r) * vocab];
+    for (int i = 0; i < vocab; ++i) {
+      float x = normal(rng);
+      if (r % 3 == 1) x = std::round(x);
+      if (r % 3 == 2) x = (rng() % 8 == 0) ? std::round(x) : -1.0f;
+      row[i] = x;
+    }
+    if (r % 3 == 2 && vocab > 4) {
+      row[rng() % vocab] = std::numeric_limits<float>::quiet_NaN();
+      row[rng() % vocab] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  return out;
+}
+
+class TopKCudaTest : public gpu_test::GpuTest {};
+
+TEST_F(TopKCudaTest, EqualsTheHostForEveryKWithTies) {
+  std::mt19937_64 rng(3);
+  for (int vocab : {1, 2, 16, 17, 255, 320, 8192, 128256, 200000}) {
+    const int rows = 6;
+    // Rows sit at stride vocab + 3, in reverse order through row_index.
+    const int64_t stride = vocab + 3;
+    const std::vector<float> dense = MakeRows(rows, vocab, rng);
+    std::vector<float> strided(static_cast<size_t>(rows * stride), 1e30f);
+    std::vector<int32_t> index(rows);
+    for (int r = 0; r < rows; ++r) {
+      index[r] = rows - 1 - r;
+      std::copy(dense.begin() + static_cast<size_t>(r) * vocab,
+                dense.begin() + static_cast<size_t>(r + 1) * vocab,
+                strided.begin() + static_cast<size_t>(index[r]) * stride);
+    }
+    DeviceBuffer<float> d_logits(strided);
+    DeviceBuffer<int32_t> d_index(index);
+    for (int k = 1; k <= std::min(vocab, cuda::kMaxTopK); ++k) {
+      SCOPED_TRACE(testing::Message() << "vocab " << vocab << " k " << k);
+      DeviceBuffer<int32_t> d_ids(static_cast<size_t>(rows * k));
+      DeviceBuffer<float> d_lps(static_cast<size_t>(rows * k));
+      cuda::TopKLogprobsParams p;
+      p.logits = d_logits.get();
+      p.logits_stride = stride;
+      p.row_index = d_index.get();
+      p.num_rows = rows;
+      p.vocab_size = vocab;
+      p.k = k;
+      p.ids = d_ids.get();
+      p.logprobs = d_lps.get();
+      ASSERT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaSuccess);
+      Sync();
+      const std::vector<int32_t> ids = d_ids.Download();
+      const std::vector<float> lps = d_lps.Download();
+      for (int r = 0; r < rows; ++r) {
+        std::vector<int32_t> want_ids(k);
+        std::vector<float> want_lps(k);
+        RowTopKLogprobs(
+            absl::Span<const float>(dense).subspan(static_cast<size_t>(r) * vocab, vocab), k,
+            want_ids.data(), want_lps.data());
+        for (int j = 0; j < k; ++j) {
+          ASSERT_EQ(ids[r * k + j], want_ids[j]) << "row " << r << " rank " << j;
+          const float got = lps[r * k + j], want = want_lps[j];
+          ASSERT_LE(std::fabs(got - want),
+                    2.0f * std::numeric_limits<float>::epsilon() * std::max(1.0f, std::fabs(want)))
+              << "row " << r << " rank " << j << ": " << got << " vs " << want;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(TopKCudaTest, RefusesBadParams) {
+  DeviceBuffer<float> d_logits(std::vector<float>(16, 0.0f));
+  DeviceBuffer<int32_t> d_ids(32);
+  DeviceBuffer<float> d_lps(32);
+  cuda::TopKLogprobsParams p;
+  p.logits = d_logits.get();
+  p.logits_stride = 16;
+  p.num_rows = 1;
+  p.vocab_size = 16;
+  p.ids = d_ids.get();
+  p.logprobs = d_lps.get();
+  for (int k : {0, cuda::kMaxTopK + 1}) {
+    p.k = k;
+    EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue) << k;
+  }
+  p.k = 4;
+  p.vocab_size = 3;
+  p.logits_stride = 3;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+}
+
+std::unique_ptr<Backend> LoadDraft() {
+  BackendOptions opts;
+  opts.device = "cuda:0";
+  opts.kv_capacity_tokens = 8192;
+  absl::StatusOr<std::unique_ptr<Backend>> b =
+      CreateBackend((testutil::RepoRoot() / "models" / "pycoder-draft").string(), opts);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? std::move(*b) : nullptr;
+}
+
+// The backend's ForwardTopK returns the top-k of the very logits its Forward() returns for the
+// same step (ids exactly), for a padded multi-sequence tree step.
+TEST_F(TopKCudaTest, BackendTopKMatchesItsLogits) {
+  std::unique_ptr<Backend> model = LoadDraft();
+  ASSERT_NE(model, nullptr);
+  const int vocab = model->config().vocab_size;
+  std::vector<ForwardItem> items(3);
+  for (int b = 0; b < 3; ++b) {
+    ASSERT_TRUE(model->AddSequence(b + 1).ok());
+    items[b].seq = b + 1;
+    for (int i = 0; i < 3 + 2 * b; ++i) {
+      items[b].tokens.push_back(40 + 7 * i + b);
+      items[b].parents.push_back(i == 0 ? -1 : (i - 1) / 2);
+      if (i % 2 == 0 || b == 1) items[b].logit_rows.push_back(i);
+    }
+  }
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Forward(items, &logits).ok());
+  const int64_t rows = static_cast<int64_t>(logits.size()) / vocab;
+  for (int k : {1, 3, 16}) {
+    for (int b = 0; b < 3; ++b) ASSERT_TRUE(model->Commit(b + 1, {}).ok());
+    TopKRows top;
+    ASSERT_TRUE(model->ForwardTopK(items, k, &top).ok());
+    ASSERT_EQ(top.rows(), rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<int32_t> ids(k);
+      std::vector<float> lps(k);
+      RowTopKLogprobs(absl::Span<const float>(logits).subspan(r * vocab, vocab), k, ids.data(),
+                      lps.data());
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(top.ids[r * k + j], ids[j]) << "row " << r << " rank " << j;
+        EXPECT_NEAR(
+            top.logprobs[r * k + j], lps[j],
+            2.0f * std::numeric_limits<float>::epsilon() * std::max(1.0f, std::fabs(lps[j])));
+      }
+    }
+  }
+}
+
+// Trees grown from the backend's top-k equal those grown from full logits on the host (one
+// backend, so both see the same GEMM algorithms).
+TEST_F(TopKCudaTest, DrafterTreesMatchTheHostPath) {
+  std::unique_ptr<Backend> model = LoadDraft();
+  ASSERT_NE(model, nullptr);
+  DraftModelDrafter device(model.get(), {true, false}), host(model.get(), {false, false});
+  std::vector<DraftRequest> on_device, on_host;
+  for (int s = 0; s < 8; ++s) {
+    DraftRequest r;
+    r.seq = s + 1;
+    for (int i = 0; i < 5 + s; ++i) r.new_tokens.push_back(100 + 13 * i + s);
+    r.params = {4, 1 + s % 4, 4 + 3 * s};
+    on_device.push_back(r);
+    ASSERT_TRUE(device.AddSequence(r.seq).ok());
+    r.seq += 100;
+    on_host.push_back(r);
+    ASSERT_TRUE(host.AddSequence(r.seq).ok());
+  }
+  absl::StatusOr<std::vector<TokenTree>> got = device.Draft(on_device);
+  absl::StatusOr<std::vector<TokenTree>> want = host.Draft(on_host);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (size_t i = 0; i < on_device.size(); ++i) {
+    EXPECT_EQ((*got)[i].tokens, (*want)[i].tokens) << i;
+    EXPECT_EQ((*got)[i].parents, (*want)[i].parents) << i;
+  }
+}
+
+}  // namespace
+}  // namespace specd

@@ -1,0 +1,416 @@
+// Backend top-k (engine/topk.h, Backend::ForwardTopK) against a full sort of the row, and the
+// draft-model drafter's two savings, backend top-k and kept KV, against its plain path: the same
+// trees and outputs in speculative runs of the reference pair (models/) and of the transformers
+// fixtures (tests/fixtures/models), verified by the real target; the draft KV bounded by the
+// sequence's length.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/topk.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testutil/hf_fixtures.h"
+
+namespace specd {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The oracle: sort every id by (logit desc, id asc) with NaN as -inf, log-sum-exp in fp64 in id
+// order (the drafter's host path before the backend top-k).
+void SortTopK(absl::Span<const float> row, int k, std::vector<int32_t>* ids,
+              std::vector<float>* lps) {
+  auto key = [](float v) { return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v; };
+  const int vocab = static_cast<int>(row.size());
+  k = std::min(k, vocab);
+  float max_l = -std::numeric_limits<float>::infinity();
+  for (float v : row) max_l = std::max(max_l, key(v));
+  double sum = 0;
+  for (float v : row) sum += std::exp(static_cast<double>(key(v)) - max_l);
+  const double log_z = max_l + std::log(sum);
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return key(row[a]) > key(row[b]); });
+  ids->assign(order.begin(), order.begin() + k);
+  lps->clear();
+  for (int32_t i : *ids) lps->push_back(static_cast<float>(key(row[i]) - log_z));
+}
+
+// Rows of three kinds: Gaussian, coarsely quantised (many exact ties) and mostly one value with
+// a few NaN and -inf entries.
+std::vector<float> MakeRow(int vocab, int kind, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> row(vocab);
+  for (float& x : row) {
+    x = normal(rng);
+    if (kind == 1) x = std::round(x);
+    if (kind == 2) x = (rng() % 8 == 0) ? std::round(x) : -1.0f;
+  }
+  if (kind == 2 && vocab > 4) {
+    row[rng() % vocab] = std::numeric_limits<float>::quiet_NaN();
+    row[rng() % vocab] = -std::numeric_limits<float>::infinity();
+  }
+  return row;
+}
+
+TEST(RowTopKTest, EqualsAFullSortWithTiesNanAndEveryK) {
+  std::mt19937_64 rng(7);
+  for (int vocab : {1, 2, 3, 15, 16, 17, 320, 8192, 128256, 200000}) {
+    for (int kind = 0; kind < 3; ++kind) {
+      const std::vector<float> row = MakeRow(vocab, kind, rng);
+      for (int k = 1; k <= kMaxForwardTopK; ++k) {
+        SCOPED_TRACE(testing::Message() << "vocab " << vocab << " kind " << kind << " k " << k);
+        std::vector<int32_t> want_ids;
+        std::vector<float> want_lps;
+        SortTopK(row, k, &want_ids, &want_lps);
+        std::vector<int32_t> ids(kMaxForwardTopK, -7);
+        std::vector<float> lps(kMaxForwardTopK, 99.0f);
+        RowTopKLogprobs(row, k, ids.data(), lps.data());
+        const int n = std::min(k, vocab);
+        ASSERT_EQ(std::vector<int32_t>(ids.begin(), ids.begin() + n), want_ids);
+        for (int j = 0; j < n; ++j) {
+          // Bit-identical: the trees the drafter grows depend on exact comparisons.
+          ASSERT_EQ(std::memcmp(&lps[j], &want_lps[j], sizeof(float)), 0)
+              << j << ": " << lps[j] << " vs " << want_lps[j];
+        }
+        if (n < kMaxForwardTopK) EXPECT_EQ(ids[n], -7) << "wrote past min(k, vocab)";
+      }
+    }
+  }
+}
+
+std::string ModelDir(const std::string& rel) { return (testutil::RepoRoot() / rel).string(); }
+
+std::unique_ptr<Backend> Load(const std::string& dir) {
+  BackendOptions options;
+  options.num_threads = 2;
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(dir, options);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? *std::move(b) : nullptr;
+}
+
+// The CPU backend's own ForwardTopK (rows on the thread pool) equals the default one (Forward,
+// then the host) and the oracle over its logits; k outside [1, 16] is INVALID_ARGUMENT naming k.
+TEST(BackendTopKTest, CpuEqualsDefaultAndOracle) {
+  std::unique_ptr<Backend> model = Load(ModelDir("models/pycoder-draft"));
+  ASSERT_NE(model, nullptr);
+  const int vocab = model->config().vocab_size;
+  ASSERT_TRUE(model->AddSequence(1).ok());
+  ASSERT_TRUE(model->AddSequence(2).ok());
+  std::vector<ForwardItem> items(2);
+  items[0].seq = 1;
+  items[0].tokens = {10, 20, 30, 40};
+  items[0].parents = {-1, 0, 1, 1};
+  items[0].logit_rows = {3, 0, 2};
+  items[1].seq = 2;
+  items[1].tokens = {5};
+  items[1].parents = {-1};
+  items[1].logit_rows = {0};
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Forward(items, &logits).ok());
+  ASSERT_EQ(logits.size(), 4u * vocab);
+  for (int k : {1, 4, 16}) {
+    ASSERT_TRUE(model->Commit(1, {}).ok());
+    ASSERT_TRUE(model->Commit(2, {}).ok());
+    TopKRows native, fallback;
+    ASSERT_TRUE(model->ForwardTopK(items, k, &native).ok());
+    ASSERT_TRUE(model->Commit(1, {}).ok());
+    ASSERT_TRUE(model->Commit(2, {}).ok());
+    ASSERT_TRUE(model->Backend::ForwardTopK(items, k, &fallback).ok());
+    ASSERT_EQ(native.k, k);
+    ASSERT_EQ(native.rows(), 4);
+    EXPECT_EQ(native.ids, fallback.ids);
+    EXPECT_EQ(native.logprobs, fallback.logprobs);
+    for (int r = 0; r < 4; ++r) {
+      std::vector<int32_t> ids;
+      std::vector<float> lps;
+      SortTopK(absl::Span<const float>(logits).subspan(r * vocab, vocab), k, &ids, &lps);
+      EXPECT_EQ(std::vector<int32_t>(native.ids.begin() + r * k, native.ids.begin() + (r + 1) * k),
+                ids);
+      EXPECT_EQ(std::vector<float>(native.logprobs.begin() + r * k,
+                                   native.logprobs.begin() + (r + 1) * k),
+                lps);
+    }
+  }
+  TopKRows out;
+  for (int k : {0, 17, -1}) {
+    const absl::Status s = model->ForwardTopK(items, k, &out);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("k: "));
+  }
+}
+
+// Counts the tokens a drafter feeds its model; everything else goes to the real backend.
+class FeedCounter : public Backend {
+ public:
+  explicit FeedCounter(Backend* model) : model_(model) {}
+  const ModelConfig& config() const override { return model_->config(); }
+  absl::Status AddSequence(SeqId seq) override { return model_->AddSequence(seq); }
+  absl::Status RemoveSequence(SeqId seq) override { return model_->RemoveSequence(seq); }
+  bool HasSequence(SeqId seq) const override { return model_->HasSequence(seq); }
+  absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override {
+    return model_->CommittedLength(seq);
+  }
+  absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override {
+    Count(items);
+    return model_->Forward(items, logits);
+  }
+  absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override {
+    Count(items);
+    return model_->ForwardTopK(items, k, out);
+  }
+  absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override {
+    return model_->Commit(seq, path);
+  }
+  KvUsage Usage() const override { return model_->Usage(); }
+  int64_t fed() const { return fed_; }
+
+ private:
+  void Count(absl::Span<const ForwardItem> items) {
+    for (const ForwardItem& it : items) fed_ += static_cast<int64_t>(it.tokens.size());
+  }
+  Backend* model_;
+  int64_t fed_ = 0;
+};
+
+// How the run tells the drafter the previous step's outcome.
+enum class Outcome {
+  kReported,  // accepted_node as the router sends it
+  kUnknown,   // never: every step refeeds
+  kWrong,     // another node: the drafter commits only what its tokens confirm
+  kResync,    // every third step target-only; the next draft catches up without an outcome
+};
+
+struct SpecRun {
+  std::vector<TokenTree> trees;
+  std::vector<int32_t> output;
+  int64_t fed = 0;   // tokens the drafter fed its model
+  int accepted = 0;  // draft tokens the target accepted
+};
+
+// Greedy speculative decoding of `prompt` for `steps` steps: the drafter proposes, the target's
+// Verify() accepts. Checks after every draft that the draft KV holds no more than the tokens
+// sent so far plus the step's expanded nodes.
+// The draft and target backends, shared by the runs (each run uses its own sequence and removes
+// it at the end, so usage counts one sequence).
+struct Models {
+  std::unique_ptr<Backend> draft, target;
+  SeqId next_seq = 1;
+};
+
+SpecRun Speculate(Models& models, const std::vector<int32_t>& prompt,
+                  DraftModelDrafterOptions options, Outcome outcome, int steps,
+                  const DraftParams& params) {
+  SpecRun run;
+  Backend* draft = models.draft.get();
+  Backend* target = models.target.get();
+  FeedCounter counter(draft);
+  DraftModelDrafter drafter(&counter, options);
+  const SeqId seq = models.next_seq++;
+  EXPECT_TRUE(drafter.AddSequence(seq).ok());
+  EXPECT_TRUE(target->AddSequence(seq).ok());
+  std::vector<int32_t> tokens = prompt;
+  size_t drafted = 0;  // tokens the drafter has been sent
+  std::vector<int32_t> pending = prompt;
+  int32_t accepted_node = DraftRequest::kNoOutcome;
+  for (int step = 0; step < steps; ++step) {
+    VerifyItem item;
+    item.seq = seq;
+    item.pending = pending;
+    const bool target_only = outcome == Outcome::kResync && step % 3 == 2;
+    if (!target_only) {
+      DraftRequest r;
+      r.seq = seq;
+      r.new_tokens.assign(tokens.begin() + drafted, tokens.end());
+      r.params = params;
+      if (outcome != Outcome::kUnknown) r.accepted_node = accepted_node;
+      absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft({r});
+      EXPECT_TRUE(trees.ok()) << trees.status();
+      if (!trees.ok()) return run;
+      drafted = tokens.size();
+      item.tree = (*trees)[0];
+      run.trees.push_back(item.tree);
+      const KvUsage usage = draft->Usage();
+      EXPECT_LE(*draft->CommittedLength(seq), static_cast<int64_t>(tokens.size()));
+      EXPECT_LE(usage.used_tokens,
+                static_cast<int64_t>(tokens.size()) + (params.depth - 1) * params.top_k)
+          << "step " << step;
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> v = target->Verify({item});
+    EXPECT_TRUE(v.ok()) << v.status();
+    if (!v.ok()) return run;
+    const VerifyOutcome& o = (*v)[0];
+    tokens.insert(tokens.end(), o.tokens.begin(), o.tokens.end());
+    run.output.insert(run.output.end(), o.tokens.begin(), o.tokens.end());
+    run.accepted += o.accepted_draft;
+    pending = {o.tokens.back()};
+    accepted_node = target_only                ? DraftRequest::kNoOutcome
+                    : o.accepted_nodes.empty() ? -1
+                                               : o.accepted_nodes.back();
+    if (outcome == Outcome::kWrong && !item.tree.empty()) {
+      // Another node: its path may share a prefix with the accepted one, or not.
+      accepted_node = item.tree.size() > 1 ? (accepted_node + 1) % item.tree.size()
+                      : accepted_node < 0  ? 0
+                                           : DraftRequest::kNoOutcome;
+    }
+  }
+  run.fed = counter.fed();
+  EXPECT_TRUE(drafter.Release(seq).ok());
+  EXPECT_TRUE(target->RemoveSequence(seq).ok());
+  return run;
+}
+
+void ExpectSameTrees(const SpecRun& got, const SpecRun& want) {
+  ASSERT_EQ(got.trees.size(), want.trees.size());
+  for (size_t i = 0; i < got.trees.size(); ++i) {
+    EXPECT_EQ(got.trees[i].tokens, want.trees[i].tokens) << "step " << i;
+    EXPECT_EQ(got.trees[i].parents, want.trees[i].parents) << "step " << i;
+    EXPECT_EQ(got.trees[i].draft_logprobs, want.trees[i].draft_logprobs) << "step " << i;
+  }
+  EXPECT_EQ(got.output, want.output);
+}
+
+struct Pair {
+  std::string draft, target;
+  std::vector<int32_t> prompt;
+};
+
+std::vector<Pair> Pairs() {
+  std::vector<Pair> pairs;
+  const nlohmann::json ref =
+      testutil::ReadJson(testutil::RepoRoot() / "tests" / "fixtures" / "reference_greedy.json");
+  const auto& cases = ref["models"]["pycoder-target"]["cases"];
+  for (size_t c = 0; c < 1 && c < cases.size(); ++c) {
+    pairs.push_back({"models/pycoder-draft", "models/pycoder-target",
+                     cases[c]["prompt_ids"].get<std::vector<int32_t>>()});
+  }
+  pairs.push_back({"tests/fixtures/models/llama31",
+                   "tests/fixtures/models/qwen3",
+                   {17, 250, 3, 99, 42, 42, 7}});
+  pairs.push_back(
+      {"tests/fixtures/models/mistral", "tests/fixtures/models/mistral", {5, 6, 7, 8, 9, 10}});
+  return pairs;
+}
+
+// The plain path (full logits to the host, refeeding accepted tokens) is the reference; backend
+// top-k, kept KV and both give bit-identical trees and the same output, whatever the outcome
+// reports do; the output is also target-only greedy decoding's (a draft model drafting for
+// itself accepts everything, so the mistral pair exercises full acceptance).
+TEST(DraftSavingsTest, SameTreesAndOutputsOnTheReferencePairAndFixtures) {
+  const DraftParams params{4, 3, 12};
+  constexpr int kSteps = 6;
+  for (const Pair& pair : Pairs()) {
+    SCOPED_TRACE(pair.draft + " drafting for " + pair.target);
+    Models models{Load(ModelDir(pair.draft)), Load(ModelDir(pair.target))};
+    ASSERT_TRUE(models.draft != nullptr && models.target != nullptr);
+    const SpecRun plain =
+        Speculate(models, pair.prompt, {false, false}, Outcome::kUnknown, kSteps, params);
+    ASSERT_EQ(plain.trees.size(), static_cast<size_t>(kSteps));
+    for (Outcome outcome :
+         {Outcome::kReported, Outcome::kUnknown, Outcome::kWrong, Outcome::kResync}) {
+      SCOPED_TRACE(static_cast<int>(outcome));
+      const SpecRun plain_here =
+          outcome == Outcome::kResync
+              ? Speculate(models, pair.prompt, {false, false}, outcome, kSteps, params)
+              : plain;
+      std::vector<DraftModelDrafterOptions> configs = {{true, true}};
+      if (outcome == Outcome::kReported) configs = {{true, false}, {false, true}, {true, true}};
+      for (DraftModelDrafterOptions options : configs) {
+        SCOPED_TRACE(testing::Message() << "backend_topk " << options.backend_topk << " reuse_kv "
+                                        << options.reuse_kv);
+        const SpecRun got = Speculate(models, pair.prompt, options, outcome, kSteps, params);
+        ExpectSameTrees(got, plain_here);
+        // Every accepted first-level node was expanded (max_nodes leaves room), so any
+        // acceptance saves feeding.
+        if (options.reuse_kv && outcome == Outcome::kReported && plain.accepted > 0) {
+          EXPECT_LT(got.fed, plain_here.fed) << "accepted tokens were fed again";
+        } else if (options.reuse_kv && outcome != Outcome::kUnknown) {
+          EXPECT_LE(got.fed, plain_here.fed);
+        } else {
+          EXPECT_EQ(got.fed, plain_here.fed);
+        }
+      }
+    }
+    // Target-only greedy decoding of as many tokens.
+    const SeqId seq = models.next_seq++;
+    ASSERT_TRUE(models.target->AddSequence(seq).ok());
+    std::vector<int32_t> pending = pair.prompt, greedy;
+    while (greedy.size() < plain.output.size()) {
+      VerifyItem item;
+      item.seq = seq;
+      item.pending = pending;
+      absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
+      ASSERT_TRUE(v.ok());
+      greedy.push_back((*v)[0].tokens[0]);
+      pending = {greedy.back()};
+    }
+    EXPECT_EQ(plain.output, greedy);
+    if (pair.draft == pair.target || pair.target == "models/pycoder-target") {
+      EXPECT_GT(plain.accepted, 0) << "the pair should accept some drafts";
+    }
+  }
+}
+
+// A failed Draft() after the outcome was applied: the tokens it committed are skipped when the
+// same request comes again, and a request that drops them is refused; a restarted sequence
+// ignores a stale outcome.
+TEST(DraftSavingsTest, RetryAfterAFailureSkipsWhatWasCommitted) {
+  BackendOptions options;
+  options.num_threads = 1;
+  // Room for the prompt, one step's scratch and little more: the second step runs out.
+  options.kv_capacity_tokens = 64;
+  absl::StatusOr<std::unique_ptr<Backend>> b =
+      CreateBackend(ModelDir("tests/fixtures/models/mistral"), options);
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::unique_ptr<Backend> draft = *std::move(b);
+  DraftModelDrafter drafter(draft.get());
+  ASSERT_TRUE(drafter.AddSequence(1).ok());
+  const DraftParams p{3, 2, 6};
+  std::vector<int32_t> prompt(40);
+  std::iota(prompt.begin(), prompt.end(), 3);
+  absl::StatusOr<std::vector<TokenTree>> first = drafter.Draft({{1, prompt, p}});
+  ASSERT_TRUE(first.ok()) << first.status();
+  const TokenTree& tree = (*first)[0];
+  ASSERT_GT(tree.size(), 0);
+  // Node 0 accepted, then a bonus and many more tokens than fit: the feed fails.
+  std::vector<int32_t> more = {tree.tokens[0]};
+  for (int i = 0; i < 40; ++i) more.push_back(100 + i);
+  DraftRequest r{1, more, p, 0};
+  const absl::StatusOr<std::vector<TokenTree>> failed = drafter.Draft({r});
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(*draft->CommittedLength(1), static_cast<int64_t>(prompt.size()) + 1);
+  DraftRequest dropped{1, {more.begin() + 1, more.end()}, p};
+  EXPECT_EQ(drafter.CheckRequest(dropped).code(), absl::StatusCode::kFailedPrecondition);
+  // Fits once most of it is gone: same first token, fewer after.
+  DraftRequest retry{1, {more.begin(), more.begin() + 4}, p, 0};
+  absl::StatusOr<std::vector<TokenTree>> ok = drafter.Draft({retry});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  // A fresh sequence fed everything at once grows the same tree.
+  ASSERT_TRUE(drafter.Release(1).ok());
+  ASSERT_TRUE(drafter.AddSequence(2).ok());
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), retry.new_tokens.begin(), retry.new_tokens.end());
+  absl::StatusOr<std::vector<TokenTree>> whole = drafter.Draft({{2, all, p}});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ((*ok)[0].tokens, (*whole)[0].tokens);
+  EXPECT_EQ((*ok)[0].parents, (*whole)[0].parents);
+  // A restarted sequence (released, added again) ignores a stale outcome.
+  ASSERT_TRUE(drafter.Release(2).ok());
+  ASSERT_TRUE(drafter.AddSequence(1).ok());
+  absl::StatusOr<std::vector<TokenTree>> again = drafter.Draft({{1, all, p, 0}});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)[0].tokens, (*whole)[0].tokens);
+  EXPECT_EQ(*draft->CommittedLength(1), 0);
+}
+
+}  // namespace
+}  // namespace specd
