@@ -88,8 +88,10 @@ grpc::ChannelArguments ServiceChannelArguments() {
   return args;
 }
 
-std::shared_ptr<grpc::Channel> CreateServiceChannel(const std::string& address) {
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+std::shared_ptr<grpc::Channel> CreateServiceChannel(
+    const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  return grpc::CreateCustomChannel(address,
+                                   credentials ? credentials : grpc::InsecureChannelCredentials(),
                                    ServiceChannelArguments());
 }
 
@@ -100,12 +102,14 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   // health service is off: it answers SERVING before SetServing(false) can reach it (see
   // common/service/health_service.h); ours is registered below.
   grpc::EnableDefaultHealthCheckService(false);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   std::unique_ptr<GrpcServer> out(new GrpcServer());
   out->health_ = std::make_unique<HealthService>(options.health_service_names);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &out->port_);
+  builder.AddListeningPort(
+      options.address,
+      options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &out->port_);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
