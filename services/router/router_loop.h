@@ -73,6 +73,8 @@ struct RouterLoopOptions {
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
   NgramOptions ngram;  // the local n-gram drafter's
+  // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
 
 class RouterLoop {

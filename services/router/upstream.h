@@ -35,6 +35,7 @@ struct UpstreamOptions {
   absl::Duration probe_timeout = absl::Seconds(2);
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: plaintext
 };
 
 // `Service` is a generated gRPC service (v1::Drafter, v1::Verifier) with
@@ -130,7 +131,9 @@ class Upstream {
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, initial_ms);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
                 static_cast<int>(absl::ToInt64Milliseconds(options.max_backoff)));
-    return grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+    return grpc::CreateCustomChannel(
+        options.address,
+        options.credentials ? options.credentials : grpc::InsecureChannelCredentials(), args);
   }
 
   grpc::Status CloseStream(bool cancel) {
