@@ -29,6 +29,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "common/service/tls_options.h"
 #include "services/http/chat_template.h"
 #include "services/http/openai_protocol.h"
 #include "specd/v1/generation.grpc.pb.h"
@@ -59,6 +60,14 @@ struct OpenAiServerOptions {
   // A streaming response sends an SSE comment after this long without tokens.
   absl::Duration keepalive_interval = absl::Seconds(10);
   uint32_t default_completion_max_tokens = 16;
+  // HTTPS when tls.cert is set (tls.client_ca: clients must present a certificate it signed).
+  ServerTlsFiles tls;
+  // Set: every route but /health and /metrics needs "Authorization: Bearer <token>" (401
+  // otherwise). Not owned; must outlive the server.
+  BearerTokens* tokens = nullptr;
+  // How the edge reaches the router: TLS credentials (null: plaintext) and the token it sends.
+  std::shared_ptr<grpc::ChannelCredentials> router_credentials;
+  std::shared_ptr<BearerTokens> router_token;
 };
 
 class OpenAiServer {
