@@ -56,9 +56,14 @@ def free_port():
     raise RuntimeError("no free loopback port in [32000, 32768)")
 
 
-def health(address, timeout=1.0):
-    """grpc.health.v1.Health/Check of the whole server, encoded by hand (no health stubs)."""
-    with grpc.insecure_channel(address) as ch:
+def health(address, timeout=1.0, root_certificates=None):
+    """grpc.health.v1.Health/Check of the whole server, encoded by hand (no health stubs);
+    over TLS when root_certificates (PEM bytes) is given."""
+    if root_certificates is not None:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel as ch:
         check = ch.unary_unary("/grpc.health.v1.Health/Check",
                                request_serializer=lambda _: b"",
                                response_deserializer=lambda b: b)
@@ -72,11 +77,14 @@ class Cluster:
     drafts are accepted and sampled ones partly. router_model: the router's --model folder
     (default: the target's)."""
 
-    def __init__(self, workdir=None, router_args=(), http=False, router_model=None):
+    def __init__(self, workdir=None, router_args=(), http=False, router_model=None,
+                 router_root_certificates=None):
         self.own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="specd-cluster-")
         self.router_args = list(router_args)
         self.router_model = router_model
+        # PEM bytes of the CA of a router started with --tls_cert: health checks use TLS.
+        self.router_root_certificates = router_root_certificates
         self.procs = {}
         self.logs = {}
         self.grpc = {n: f"127.0.0.1:{free_port()}" for n in SERVICES}
@@ -181,7 +189,8 @@ class Cluster:
                 raise RuntimeError(f"{name} exited ({self.procs[name].returncode}):\n"
                                    + self.log(name))
             try:
-                if health(self.grpc[name]) == "SERVING":
+                roots = self.router_root_certificates if name == "specd-router" else None
+                if health(self.grpc[name], root_certificates=roots) == "SERVING":
                     return
             except grpc.RpcError:
                 pass
