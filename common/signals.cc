@@ -40,6 +40,9 @@ absl::Notification* Install() {
   sigemptyset(&reload.sa_mask);
   reload.sa_flags = SA_RESTART;
   sigaction(SIGHUP, &reload, nullptr);
+  // A write to a peer that closed its end must fail with EPIPE, not end the process:
+  // OpenSSL (specd-http's HTTPS) writes with plain write().
+  signal(SIGPIPE, SIG_IGN);
   std::thread([notification] {
     char byte = 0;
     ssize_t n;

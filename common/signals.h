@@ -12,7 +12,8 @@
 
 namespace specd {
 
-// Installs the SIGINT/SIGTERM handlers (and the SIGHUP one, see ReloadSignalCount) and starts the detached watcher thread on the first call;
+// Installs the SIGINT/SIGTERM handlers (and the SIGHUP one, see ReloadSignalCount; SIGPIPE is
+// ignored) and starts the detached watcher thread on the first call;
 // returns the process-lifetime notification it fires on the first signal.
 absl::Notification& WatchTerminationSignals();
 
