@@ -3,7 +3,7 @@
 specd-router from the build on loopback (random-weight model, mutual TLS router -> services,
 TLS + bearer token on the public port), runs `--streams` concurrent greedy Generate streams
 through the Python SDK for `--seconds`, and reports completed requests, errors, tokens/s and
-the router's RSS at start and end. Certificates are made with openssl in a temporary folder.
+the router's RSS idle, every 5 s under load, and at the end. Certificates are made with openssl in a temporary folder.
 
   SPECD_BUILD_DIR=build SPECD_RANDOM_MODEL=build/bin/specd-make-test-model \\
       PYTHONPATH=clients/python:tests/deploy python3 bench/tls_load_check.py --streams 32
@@ -96,8 +96,15 @@ def main():
                             with lock:
                                 errors.append(str(e))
                         n += 1
+            samples = []
+
+            def sample_rss():
+                while time.monotonic() < stop:
+                    samples.append(rss_kib(pid))
+                    time.sleep(5)
             start = time.monotonic()
             threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.streams)]
+            threads.append(threading.Thread(target=sample_rss))
             for t in threads:
                 t.start()
             for t in threads:
@@ -107,7 +114,8 @@ def main():
         print(f"streams={args.streams} seconds={wall:.1f} requests={done[0]} "
               f"errors={len(errors)} tokens/s={tokens[0] / wall:.1f} "
               f"median_request_s={statistics.median(latencies) if latencies else 0:.3f} "
-              f"router_rss_kib start={rss_start} end={rss_end}")
+              f"router_rss_kib idle={rss_start} end={rss_end} "
+              f"under_load={samples}")
         for e in errors[:5]:
             print("error:", e, file=sys.stderr)
         return 1 if errors else 0
