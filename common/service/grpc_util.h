@@ -81,8 +81,8 @@ struct GrpcServerOptions {
 };
 
 // A started server with the grpc.health.v1 health service (common/service/health_service.h) and,
-// when asked, server reflection. Health answers NOT_SERVING from its first call; call SetServing(true) once the
-// model is loaded.
+// when asked, server reflection. Health answers NOT_SERVING from its first call; call
+// SetServing(true) once the model is loaded.
 class GrpcServer {
  public:
   static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const GrpcServerOptions& options);

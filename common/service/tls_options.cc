@@ -40,17 +40,16 @@ absl::Status CheckPemFile(const std::string& path, absl::string_view flag, bool 
   const bool ok = key ? absl::StrContains(*text, "PRIVATE KEY-----")
                       : absl::StrContains(*text, "-----BEGIN CERTIFICATE-----");
   if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds no PEM ",
-                                                   key ? "private key" : "certificate"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": '", path, "' holds no PEM ", key ? "private key" : "certificate"));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckPair(const std::string& cert, const std::string& key,
-                       absl::string_view prefix) {
+absl::Status CheckPair(const std::string& cert, const std::string& key, absl::string_view prefix) {
   if (cert.empty() != key.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "cert and ", prefix,
-                                                   "key: give both (a certificate and its key)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "cert and ", prefix, "key: give both (a certificate and its key)"));
   }
   if (cert.empty()) return absl::OkStatus();
   if (absl::Status s = CheckPemFile(cert, absl::StrCat(prefix, "cert"), false); !s.ok()) return s;
@@ -62,8 +61,8 @@ absl::Status CheckPair(const std::string& cert, const std::string& key,
 absl::Status CheckServerTlsFiles(const ServerTlsFiles& files, absl::string_view flag_prefix) {
   if (!files.enabled()) return absl::OkStatus();
   if (files.cert.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag_prefix, "cert: required with ", flag_prefix, "key or ", flag_prefix, "client_ca"));
+    return absl::InvalidArgumentError(absl::StrCat(flag_prefix, "cert: required with ", flag_prefix,
+                                                   "key or ", flag_prefix, "client_ca"));
   }
   if (absl::Status s = CheckPair(files.cert, files.key, flag_prefix); !s.ok()) return s;
   if (!files.client_ca.empty()) {
@@ -178,8 +177,7 @@ void BearerTokens::MaybeReload() {
                        << " token(s) read before";
     return;
   }
-  SPECD_LOG(INFO) << "token file '" << path_ << "' read again: " << tokens_.size()
-                  << " token(s)";
+  SPECD_LOG(INFO) << "token file '" << path_ << "' read again: " << tokens_.size() << " token(s)";
 }
 
 bool BearerTokens::Accepts(absl::string_view token) {

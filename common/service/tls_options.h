@@ -66,7 +66,7 @@ class BearerTokens {
  public:
   // Errors name `flag` (e.g. "--token_file"): unreadable file, no token in it.
   static absl::StatusOr<std::unique_ptr<BearerTokens>> Load(const std::string& path,
-                                                          absl::string_view flag);
+                                                            absl::string_view flag);
 
   // Whether `token` is one of the tokens. Every token is compared, each in constant time.
   bool Accepts(absl::string_view token);

@@ -12,8 +12,8 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "common/flag_names.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
 #include "common/service/metrics.h"
 #include "common/service/tls_options.h"
 #include "common/signals.h"
@@ -101,10 +101,10 @@ int Main() {
   }
   {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> router_credentials =
-        MakeChannelCredentials({absl::GetFlag(FLAGS_router_tls_ca),
-                                absl::GetFlag(FLAGS_router_tls_cert),
-                                absl::GetFlag(FLAGS_router_tls_key)},
-                               "--router_tls_");
+        MakeChannelCredentials(
+            {absl::GetFlag(FLAGS_router_tls_ca), absl::GetFlag(FLAGS_router_tls_cert),
+             absl::GetFlag(FLAGS_router_tls_key)},
+            "--router_tls_");
     if (!router_credentials.ok()) return Fail(std::string(router_credentials.status().message()));
     options.router_credentials = *std::move(router_credentials);
   }

@@ -133,13 +133,12 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // within seconds of its return, or /health and every request keep failing meanwhile.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   std::shared_ptr<grpc::ChannelCredentials> router_credentials =
-      options.router_credentials ? options.router_credentials
-                                 : grpc::InsecureChannelCredentials();
-  self->channel_ = options.router_token != nullptr
-                       ? CreateChannelWithToken(options.router_address, router_credentials, args,
-                                                options.router_token)
-                       : grpc::CreateCustomChannel(options.router_address, router_credentials,
-                                                   args);
+      options.router_credentials ? options.router_credentials : grpc::InsecureChannelCredentials();
+  self->channel_ =
+      options.router_token != nullptr
+          ? CreateChannelWithToken(options.router_address, router_credentials, args,
+                                   options.router_token)
+          : grpc::CreateCustomChannel(options.router_address, router_credentials, args);
   self->stub_ = v1::Generation::NewStub(self->channel_);
   self->health_stub_ = grpc::health::v1::Health::NewStub(self->channel_);
   {

@@ -15,13 +15,13 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flag_names.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
 #include "common/service/metrics.h"
 #include "common/service/tls_options.h"
 #include "common/signals.h"
-#include "common/token_tree.h"
 #include "common/text/tokenizer.h"
+#include "common/token_tree.h"
 #include "engine/model_config.h"
 #include "services/router/router_loop.h"
 #include "services/router/router_metrics.h"
@@ -124,10 +124,10 @@ int Main() {
                             "--tls_");
   if (!server_credentials.ok()) return Fail(std::string(server_credentials.status().message()));
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> upstream_credentials =
-      MakeChannelCredentials({absl::GetFlag(FLAGS_upstream_tls_ca),
-                              absl::GetFlag(FLAGS_upstream_tls_cert),
-                              absl::GetFlag(FLAGS_upstream_tls_key)},
-                             "--upstream_tls_");
+      MakeChannelCredentials(
+          {absl::GetFlag(FLAGS_upstream_tls_ca), absl::GetFlag(FLAGS_upstream_tls_cert),
+           absl::GetFlag(FLAGS_upstream_tls_key)},
+          "--upstream_tls_");
   if (!upstream_credentials.ok()) {
     return Fail(std::string(upstream_credentials.status().message()));
   }

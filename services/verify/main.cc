@@ -60,10 +60,10 @@ int Main() {
   service_options.startup_delay_ms = absl::GetFlag(FLAGS_startup_delay_ms);
   service_options.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
   if (absl::Status s = CheckModelServiceOptions(service_options); !s.ok()) return FailStartup(s);
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeServerCredentials(
-      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
-       absl::GetFlag(FLAGS_tls_client_ca)},
-      "--tls_");
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials({absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                             absl::GetFlag(FLAGS_tls_client_ca)},
+                            "--tls_");
   if (!credentials.ok()) return FailStartup(credentials.status());
   service_options.credentials = *std::move(credentials);
   service_options.reflection = absl::GetFlag(FLAGS_reflection);

@@ -20,9 +20,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
-#include "gtest/gtest.h"
 #include "specd/client.h"
 #include "specd/v1/verify.grpc.pb.h"
 #include "tests/testutil/cpu_cluster.h"
@@ -188,10 +188,11 @@ TEST(SecurityTest, TlsClusterWithTokensServesIdenticalOutputsAndRefusesStrangers
   // The public port refuses plaintext and servers it cannot verify refuse it.
   EXPECT_EQ(Connect(c.router_address, std::nullopt, "first-token")->GetModelInfo().status().code(),
             StatusCode::kUnavailable);
-  EXPECT_EQ(
-      Connect(c.router_address, Trusting("other-ca.pem"), "first-token")->GetModelInfo().status()
-          .code(),
-      StatusCode::kUnavailable);
+  EXPECT_EQ(Connect(c.router_address, Trusting("other-ca.pem"), "first-token")
+                ->GetModelInfo()
+                .status()
+                .code(),
+            StatusCode::kUnavailable);
 
   // The verify service serves only holders of a client certificate its CA signed.
   const std::string verify = c.verify->address();
@@ -200,8 +201,7 @@ TEST(SecurityTest, TlsClusterWithTokensServesIdenticalOutputsAndRefusesStrangers
   EXPECT_EQ(VerifyGetInfo(verify, Tls("ca.pem")), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(VerifyGetInfo(verify, Tls("ca.pem", "other-client.pem", "other-client.key")),
             grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(VerifyGetInfo(verify, Tls("ca.pem", "client.pem", "client.key")),
-            grpc::StatusCode::OK);
+  EXPECT_EQ(VerifyGetInfo(verify, Tls("ca.pem", "client.pem", "client.key")), grpc::StatusCode::OK);
   // Reflection is off on the internal services unless asked for.
   EXPECT_FALSE(ListServicesByReflection(c.verify->channel()).ok());
   EXPECT_FALSE(ListServicesByReflection(c.draft->channel()).ok());
@@ -277,9 +277,9 @@ TEST(SecurityTest, RouterSigtermDrainsEightStreamsWithoutLoss) {
   std::vector<std::unique_ptr<GenerateStream>> streams;
   std::vector<CompletionBuilder> builders(kStreams);
   for (int i = 0; i < kStreams; ++i) {
-    streams.push_back(client->Stream(
-        Greedy(absl::StrCat("def f", i, "(x):"), kTokens,
-               i % 2 == 0 ? Speculation::kDraftModel : Speculation::kNgram)));
+    streams.push_back(
+        client->Stream(Greedy(absl::StrCat("def f", i, "(x):"), kTokens,
+                              i % 2 == 0 ? Speculation::kDraftModel : Speculation::kNgram)));
   }
   // Every stream is running (its first chunk arrived) when the signal comes.
   for (int i = 0; i < kStreams; ++i) {
@@ -291,8 +291,7 @@ TEST(SecurityTest, RouterSigtermDrainsEightStreamsWithoutLoss) {
 
   // At once: health NOT_SERVING and new requests UNAVAILABLE (a client retries elsewhere).
   ASSERT_TRUE(
-      c.router->WaitForHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING,
-                              absl::Seconds(2))
+      c.router->WaitForHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(2))
           .ok());
   const absl::StatusOr<Completion> late = client->Generate(Greedy("late", 4, Speculation::kOff));
   EXPECT_EQ(late.status().code(), StatusCode::kUnavailable) << late.status();
@@ -417,10 +416,11 @@ TEST(SecurityTest, HttpEdgeServesHttpsWithApiKeysAndReachesTheRouterOverTls) {
   EXPECT_EQ(anonymous->status, 401);
   EXPECT_EQ(nlohmann::json::parse(anonymous->body)["error"]["message"],
             "missing or invalid bearer token");
-  EXPECT_EQ(https.Post("/v1/completions", {{"Authorization", "Bearer sk-edge2"}}, body,
-                       "application/json")
-                ->status,
-            401);
+  EXPECT_EQ(
+      https
+          .Post("/v1/completions", {{"Authorization", "Bearer sk-edge2"}}, body, "application/json")
+          ->status,
+      401);
   EXPECT_EQ(https.Get("/v1/models")->status, 401);
   httplib::Result ok = https.Post("/v1/completions", {{"Authorization", "Bearer sk-edge"}}, body,
                                   "application/json");

@@ -66,16 +66,15 @@ absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOp
   if (options.draft) {
     c->draft_metrics = PickFreePort();
     draft_address = Address();
-    c->draft_options = {SpecdBinary("specd-draft"),
-                         {"--address=" + draft_address,
-                          absl::StrCat("--metrics_port=", c->draft_metrics),
-                          "--model=" + models.draft, "--num_threads=1"},
-                         draft_address,
-                         options.upstream_credentials};
+    c->draft_options = {
+        SpecdBinary("specd-draft"),
+        {"--address=" + draft_address, absl::StrCat("--metrics_port=", c->draft_metrics),
+         "--model=" + models.draft, "--num_threads=1"},
+        draft_address,
+        options.upstream_credentials};
     c->draft_options.args.insert(c->draft_options.args.end(), options.draft_args.begin(),
                                  options.draft_args.end());
-    absl::StatusOr<std::unique_ptr<ServiceProcess>> draft =
-        ServiceProcess::Spawn(c->draft_options);
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> draft = ServiceProcess::Spawn(c->draft_options);
     if (!draft.ok()) return draft.status();
     c->draft = *std::move(draft);
   }

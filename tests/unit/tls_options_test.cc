@@ -98,11 +98,10 @@ TEST(TlsOptionsTest, TlsFileChecksNameTheFlag) {
   EXPECT_TRUE(CheckServerTlsFiles({}, "--tls_").ok());
   EXPECT_TRUE(CheckServerTlsFiles({cert, key, cert}, "--tls_").ok());
   auto message = [](const absl::Status& s) { return std::string(s.message()); };
-  EXPECT_EQ(message(CheckServerTlsFiles({cert, "", ""}, "--tls_")).rfind("--tls_cert and", 0),
-            0u);
+  EXPECT_EQ(message(CheckServerTlsFiles({cert, "", ""}, "--tls_")).rfind("--tls_cert and", 0), 0u);
   EXPECT_EQ(message(CheckServerTlsFiles({"", "", cert}, "--tls_")).rfind("--tls_cert:", 0), 0u);
-  EXPECT_EQ(message(CheckServerTlsFiles({cert, dir + "/none", ""}, "--tls_")).rfind("--tls_key:", 0),
-            0u);
+  EXPECT_EQ(
+      message(CheckServerTlsFiles({cert, dir + "/none", ""}, "--tls_")).rfind("--tls_key:", 0), 0u);
   EXPECT_EQ(message(CheckServerTlsFiles({key, cert, ""}, "--tls_")).rfind("--tls_cert:", 0), 0u)
       << "a key where the certificate belongs";
   EXPECT_EQ(message(CheckChannelTlsFiles({dir + "/none", "", ""}, "--upstream_tls_"))
