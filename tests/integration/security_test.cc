@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -179,6 +180,17 @@ TEST(SecurityTest, TlsClusterWithTokensServesIdenticalOutputsAndRefusesStrangers
     EXPECT_EQ(other_scheme->GetModelInfo().status().code(), StatusCode::kUnauthenticated);
   }
   EXPECT_TRUE(Connect(c.router_address, Trusting("ca.pem"), "first-token")->Tokenize("x").ok());
+  // specd-cli with the CA and a token file; without the token it reports UNAUTHENTICATED.
+  std::ofstream(s->Path("cli-token")) << "first-token\n";
+  const std::string cli = absl::StrCat(SpecdBinary("specd-cli"), " info --server ",
+                                       c.router_address, " --tls-ca ", Pki().Path("ca.pem"));
+  EXPECT_EQ(std::system((cli + " --token-file " + s->Path("cli-token") + " > /dev/null").c_str()),
+            0);
+  FILE* anonymous = popen((cli + " 2>&1").c_str(), "r");
+  std::string out(4096, '\0');
+  out.resize(fread(out.data(), 1, out.size(), anonymous));
+  EXPECT_NE(pclose(anonymous), 0);
+  EXPECT_NE(out.find("UNAUTHENTICATED"), std::string::npos) << out;
   // Health needs no token (probes and load balancers have none).
   EXPECT_EQ(*c.router->Health(), grpc::health::v1::HealthCheckResponse::SERVING);
   int http = 0;
@@ -287,6 +299,8 @@ TEST(SecurityTest, RouterSigtermDrainsEightStreamsWithoutLoss) {
     ASSERT_TRUE(streams[i]->Next(&chunk)) << streams[i]->status();
     builders[i].Add(chunk);
   }
+  // All eight are running in the router when the signal comes.
+  EXPECT_EQ(CpuCluster::Metric(c.router_metrics, "specd_requests_running"), kStreams);
   ASSERT_EQ(::kill(c.router->pid(), SIGTERM), 0);
 
   // At once: health NOT_SERVING and new requests UNAVAILABLE (a client retries elsewhere).
