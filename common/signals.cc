@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <thread>
 
 namespace specd {
@@ -13,6 +14,10 @@ namespace {
 
 int g_pipe[2] = {-1, -1};
 std::atomic<int> g_signal{0};
+std::atomic<int64_t> g_reloads{0};
+static_assert(std::atomic<int64_t>::is_always_lock_free, "used from a signal handler");
+
+void OnReloadSignal(int /*sig*/) { g_reloads.fetch_add(1, std::memory_order_relaxed); }
 
 void OnSignal(int sig) {
   const int saved = errno;
@@ -30,6 +35,14 @@ absl::Notification* Install() {
   action.sa_flags = SA_RESTART;
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  struct sigaction reload = {};
+  reload.sa_handler = OnReloadSignal;
+  sigemptyset(&reload.sa_mask);
+  reload.sa_flags = SA_RESTART;
+  sigaction(SIGHUP, &reload, nullptr);
+  // A write to a peer that closed its end must fail with EPIPE, not end the process:
+  // OpenSSL (specd-http's HTTPS) writes with plain write().
+  signal(SIGPIPE, SIG_IGN);
   std::thread([notification] {
     char byte = 0;
     ssize_t n;
@@ -47,6 +60,8 @@ absl::Notification& WatchTerminationSignals() {
   static absl::Notification* const notification = Install();
   return *notification;
 }
+
+int64_t ReloadSignalCount() { return g_reloads.load(std::memory_order_relaxed); }
 
 int TerminationSignal() { return g_signal.load(); }
 

@@ -6,13 +6,21 @@
 #ifndef SPECD_COMMON_SIGNALS_H_
 #define SPECD_COMMON_SIGNALS_H_
 
+#include <cstdint>
+
 #include "absl/synchronization/notification.h"
 
 namespace specd {
 
-// Installs the SIGINT/SIGTERM handlers and starts the detached watcher thread on the first call;
+// Installs the SIGINT/SIGTERM handlers (and the SIGHUP one, see ReloadSignalCount; SIGPIPE is
+// ignored) and starts the detached watcher thread on the first call;
 // returns the process-lifetime notification it fires on the first signal.
 absl::Notification& WatchTerminationSignals();
+
+// SIGHUPs received since WatchTerminationSignals() was first called. SIGHUP asks a service to
+// read its credentials (token files) again instead of ending it; readers compare the count
+// with the one they last saw.
+int64_t ReloadSignalCount();
 
 // The signal that fired WatchTerminationSignals()' notification (0 before).
 int TerminationSignal();

@@ -135,6 +135,17 @@ render image-volume image-volume --set models.source=imageVolume \
   --set models.imageVolume.reference=registry.example.com/models:llama-3.1-70b \
   --set models.download.enabled=false --set http.enabled=false --set tests.enabled=false
 
+render secure secure --set security.tls.enabled=true --set security.tls.cert=CERT \
+  --set security.tls.key=KEY --set security.tls.ca=CA --set security.tokens.enabled=true \
+  --set 'security.tokens.values={token-a,token-b}' --set security.networkPolicy.enabled=true
+# Refusals by name: TLS or tokens without their Secret, a grace period the kubelet would cut.
+for bad in security.tls.enabled=true security.tokens.enabled=true router.shutdownGraceSeconds=600; do
+  if "$HELM" template specd "$CHART" --set "$bad" >/dev/null 2>"$OUT/err"; then
+    die "helm accepted --set $bad"
+  fi
+  grep -q "${bad%%=*}" "$OUT/err" || die "--set $bad: $(cat "$OUT/err")"
+done
+
 step "schema validation catches an invalid manifest"
 cat >"$OUT/invalid.json" <<'EOF'
 [{"source": "self-test", "doc": {"apiVersion": "apps/v1", "kind": "Deployment",

@@ -1,13 +1,17 @@
 #include "common/service/grpc_util.h"
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
 
 namespace specd {
 
@@ -88,10 +92,31 @@ grpc::ChannelArguments ServiceChannelArguments() {
   return args;
 }
 
-std::shared_ptr<grpc::Channel> CreateServiceChannel(const std::string& address) {
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+std::shared_ptr<grpc::Channel> CreateServiceChannel(
+    const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  return grpc::CreateCustomChannel(address,
+                                   credentials ? credentials : grpc::InsecureChannelCredentials(),
                                    ServiceChannelArguments());
 }
+
+namespace {
+
+// Loading libgrpc++_reflection registers its plugin with every ServerBuilder (a static
+// initializer), so reflection would be served wherever the library is linked; this takes the
+// plugin out of a builder that should not serve it.
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments* /*args*/) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+                                    return p->name() == "proto_server_reflection";
+                                  }),
+                   plugins->end());
+  }
+};
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options) {
   absl::StatusOr<HostPort> hp = ParseHostPort(options.address);
@@ -100,12 +125,14 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   // health service is off: it answers SERVING before SetServing(false) can reach it (see
   // common/service/health_service.h); ours is registered below.
   grpc::EnableDefaultHealthCheckService(false);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   std::unique_ptr<GrpcServer> out(new GrpcServer());
   out->health_ = std::make_unique<HealthService>(options.health_service_names);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &out->port_);
+  builder.AddListeningPort(
+      options.address,
+      options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &out->port_);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -115,6 +142,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   // gRPC enables SO_REUSEPORT by default: a second instance on the same port would then share
   // its connections instead of failing to start.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   for (grpc::Service* service : options.services) builder.RegisterService(service);

@@ -62,8 +62,10 @@ inline constexpr int kMaxMessageBytes = 256 << 20;
 // Channel arguments for clients of the specd services (keepalive, message size).
 grpc::ChannelArguments ServiceChannelArguments();
 
-// An insecure channel to `address` ("host:port") with ServiceChannelArguments().
-std::shared_ptr<grpc::Channel> CreateServiceChannel(const std::string& address);
+// A channel to `address` ("host:port") with ServiceChannelArguments(); plaintext unless
+// `credentials` is given (see common/service/tls_options.h).
+std::shared_ptr<grpc::Channel> CreateServiceChannel(
+    const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
 struct GrpcServerOptions {
   std::string address;                   // "host:port"; port 0 picks a free one
@@ -71,11 +73,16 @@ struct GrpcServerOptions {
   // Full names whose health status follows SetServing(), besides "" (the whole server), e.g.
   // specd::v1::Verifier::service_full_name().
   std::vector<std::string> health_service_names;
+  // Null: plaintext. See MakeServerCredentials() in common/service/tls_options.h.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // Serve grpc.reflection (lets anyone who reaches the port list and describe its API).
+  // Process-wide once on: gRPC's reflection plugin applies to every server built after it.
+  bool reflection = false;
 };
 
-// A started server with the grpc.health.v1 health service (common/service/health_service.h) and server
-// reflection. Health answers NOT_SERVING from its first call; call SetServing(true) once the
-// model is loaded.
+// A started server with the grpc.health.v1 health service (common/service/health_service.h) and,
+// when asked, server reflection. Health answers NOT_SERVING from its first call; call
+// SetServing(true) once the model is loaded.
 class GrpcServer {
  public:
   static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const GrpcServerOptions& options);

@@ -34,8 +34,13 @@ int RunModelService(
   ModelServiceMetrics metrics(*registry);
   std::atomic<bool> serving{false};
 
-  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
-      GrpcServer::Start({options.address, {options.service}, {options.service_full_name}});
+  GrpcServerOptions server_options;
+  server_options.address = options.address;
+  server_options.services = {options.service};
+  server_options.health_service_names = {options.service_full_name};
+  server_options.credentials = options.credentials;
+  server_options.reflection = options.reflection;
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(server_options);
   if (!server.ok()) return FailStartup(server.status());
   absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
       {host_port->host.empty() ? "0.0.0.0" : host_port->host, options.metrics_port}, registry,

@@ -48,6 +48,10 @@ struct ModelServiceOptions {
   std::string device;     // where the model runs, for the "serving" log line
   int startup_delay_ms = 0;     // wait before loading (readiness probes in tests)
   int shutdown_grace_ms = 5000;  // how long running sequences may go on after a signal
+  // TLS of the gRPC listener (see common/service/tls_options.h); null: plaintext. The
+  // /metrics + /health listener stays plaintext (probes and Prometheus scrape it).
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  bool reflection = false;  // serve grpc.reflection
 };
 
 // Logs `status`'s message as an error and returns EXIT_FAILURE: how a service reports a bad

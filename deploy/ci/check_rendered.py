@@ -143,6 +143,25 @@ def check_jobs_and_tests(c, by_kind, services, comps, claims, config):
             c.expect(http == "", "helm test: specd-http address without specd-http")
 
 
+def check_tls_probes(c, where, ct, comp):
+    """With TLS on, the kubelet's gRPC probes (plaintext only) cannot be used: readiness is
+    the metrics listener's /health (200 exactly when SERVING); liveness only checks that the
+    process accepts connections, so it does not follow the verify service; startup of a model
+    service waits for its model (/health), the router's only for its process."""
+    ready = ct.get("readinessProbe", {}).get("httpGet", {})
+    c.expect(ready.get("path") == "/health" and ready.get("port") == "metrics",
+             f"{where}: with TLS, readinessProbe must GET /health on the metrics port")
+    c.expect("tcpSocket" in ct.get("livenessProbe", {}),
+             f"{where}: with TLS, livenessProbe must not follow readiness")
+    startup = ct.get("startupProbe", {})
+    if comp == "router":
+        c.expect("tcpSocket" in startup,
+                 f"{where}: the router's startupProbe waits for its process only")
+    else:
+        c.expect(startup.get("httpGet", {}).get("path") == "/health",
+                 f"{where}: startupProbe of a model service waits for its model")
+
+
 def check(docs, profile):
     c = Checker()
     by_kind = {}
@@ -184,20 +203,23 @@ def check(docs, profile):
             where = f"{name}/{ct['name']}"
             ports = {p["name"]: p["containerPort"] for p in ct.get("ports", [])}
             c.expect({"grpc", "metrics"} <= set(ports), f"{where}: needs grpc and metrics ports")
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                p = ct.get(probe, {})
-                c.expect(p.get("grpc", {}).get("port") == ports.get("grpc"),
-                         f"{where}: {probe} must be a gRPC probe on the grpc port")
-            # Readiness is the server's overall status; liveness must not follow it, or a router
-            # would be restarted whenever its verify service is down.
-            c.expect(ct.get("readinessProbe", {}).get("grpc", {}).get("service", "") == "",
-                     f"{where}: readinessProbe must ask for the overall status (\"\")")
-            c.expect(ct.get("livenessProbe", {}).get("grpc", {}).get("service") == "liveness",
-                     f"{where}: livenessProbe must ask for the \"liveness\" service")
-            startup = ct.get("startupProbe", {}).get("grpc", {}).get("service", "")
-            c.expect(startup == ("liveness" if component(w) == "router" else ""),
-                     f"{where}: startupProbe of a model service waits for its model, the "
-                     "router's only for its process")
+            if any(a.startswith("--tls_cert=") for a in ct.get("args", [])):
+                check_tls_probes(c, where, ct, component(w))
+            else:
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    p = ct.get(probe, {})
+                    c.expect(p.get("grpc", {}).get("port") == ports.get("grpc"),
+                             f"{where}: {probe} must be a gRPC probe on the grpc port")
+                # Readiness is the server's overall status; liveness must not follow it, or a
+                # router would be restarted whenever its verify service is down.
+                c.expect(ct.get("readinessProbe", {}).get("grpc", {}).get("service", "") == "",
+                         f"{where}: readinessProbe must ask for the overall status (\"\")")
+                c.expect(ct.get("livenessProbe", {}).get("grpc", {}).get("service") == "liveness",
+                         f"{where}: livenessProbe must ask for the \"liveness\" service")
+                startup = ct.get("startupProbe", {}).get("grpc", {}).get("service", "")
+                c.expect(startup == ("liveness" if component(w) == "router" else ""),
+                         f"{where}: startupProbe of a model service waits for its model, the "
+                         "router's only for its process")
             args = ct.get("args", [])
             c.expect(ct.get("command") == [f"specd-{component(w)}"],
                      f"{where}: command must be specd-{component(w)} (the images serve several)")
@@ -385,8 +407,57 @@ def check(docs, profile):
             vol = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
             c.expect(vol.get("models", {}).get("image", {}).get("reference"),
                      f"{w['metadata']['name']}: no image volume")
+    elif profile == "secure":
+        # TLS, tokens and NetworkPolicies on, with the Secrets the chart makes.
+        secrets = {d["metadata"]["name"] for d in by_kind.get("Secret", [])}
+        for name, w in comps.items():
+            spec = w["spec"]["template"]["spec"]
+            vols = {v["name"]: v for v in spec.get("volumes", [])}
+            ct = spec["containers"][0]
+            args = ct.get("args", [])
+            mounts = {m["name"]: m["mountPath"] for m in ct.get("volumeMounts", [])}
+            c.expect(vols.get("tls", {}).get("secret", {}).get("secretName") in secrets and
+                     mounts.get("tls") == "/etc/specd/tls", f"{name}: TLS Secret not mounted")
+            c.expect("--tls_cert=/etc/specd/tls/tls.crt" in args and
+                     "--tls_key=/etc/specd/tls/tls.key" in args, f"{name}: no --tls_cert/key")
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                c.expect("grpc" not in ct.get(probe, {}),
+                         f"{name}: {probe} uses gRPC, which the kubelet speaks without TLS")
+            if name in ("draft", "verify"):
+                c.expect("--tls_client_ca=/etc/specd/tls/ca.crt" in args,
+                         f"{name}: does not require client certificates")
+            if name in ("router", "http"):
+                c.expect(any(a.startswith("--token_file=/etc/specd/tokens/") for a in args) and
+                         vols.get("tokens", {}).get("secret", {}).get("secretName") in secrets,
+                         f"{name}: tokens not on")
+        router_args = comps["router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        c.expect("--upstream_tls_cert=/etc/specd/tls/tls.crt" in router_args,
+                 "router: no client certificate towards draft and verify")
+        policies = {p["metadata"]["name"]: p for p in by_kind.get("NetworkPolicy", [])}
+        for name in ("draft", "verify"):
+            w = comps[name]
+            pol = [p for p in policies.values()
+                   if p["spec"]["podSelector"]["matchLabels"] == w["spec"]["selector"]["matchLabels"]]
+            c.expect(len(pol) == 1, f"{name}: {len(pol)} NetworkPolicies select its pods")
+            if pol:
+                rules = pol[0]["spec"]["ingress"]
+                grpc_port = w["spec"]["template"]["spec"]["containers"][0]["ports"][0]
+                grpc_rules = [r for r in rules
+                              if any(p["port"] == grpc_port["containerPort"]
+                                     for p in r.get("ports", []))]
+                c.expect(len(grpc_rules) == 1 and len(grpc_rules[0].get("from", [])) == 1 and
+                         grpc_rules[0]["from"][0]["podSelector"]["matchLabels"] ==
+                         comps["router"]["spec"]["selector"]["matchLabels"],
+                         f"{name}: its gRPC port is open to more than the router pods")
     else:
         c.expect(False, f"unknown profile {profile}")
+    # Every profile: the kubelet waits longer than the router drains.
+    if "router" in comps:
+        spec = comps["router"]["spec"]["template"]["spec"]
+        grace = [int(a.split("=", 1)[1]) for a in spec["containers"][0]["args"]
+                 if a.startswith("--shutdown_grace_seconds=")]
+        c.expect(len(grace) == 1 and spec.get("terminationGracePeriodSeconds", 30) > grace[0],
+                 "router: terminationGracePeriodSeconds is not above --shutdown_grace_seconds")
     return c.problems
 
 
@@ -395,7 +466,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rendered")
     ap.add_argument("--profile", required=True,
-                    choices=["default", "cpu", "8gpu-tp7", "variant", "image-volume"])
+                    choices=["default", "cpu", "8gpu-tp7", "variant", "image-volume", "secure"])
     ap.add_argument("--json-out")
     args = ap.parse_args()
     docs = load(args.rendered)

@@ -10,6 +10,7 @@
 #include "common/flag_names.h"
 #include "common/service/metrics.h"
 #include "common/service/model_service_main.h"
+#include "common/service/tls_options.h"
 #include "services/draft/draft_loop.h"
 #include "services/draft/draft_service.h"
 
@@ -35,6 +36,14 @@ ABSL_FLAG(int, startup_delay_ms, 0,
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
           "on SIGTERM/SIGINT, how long running sequences may go on (new ones are refused) "
           "before they are cancelled; the service stops as soon as none is left");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve gRPC over TLS (with --tls_key); re-read when it changes");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require clients (the routers) to present a certificate it signed "
+          "(mutual TLS)");
+ABSL_FLAG(bool, reflection, false,
+          "serve gRPC server reflection (lists and describes the API to anyone who connects)");
 
 namespace specd {
 namespace {
@@ -47,6 +56,13 @@ int Main() {
   service_options.startup_delay_ms = absl::GetFlag(FLAGS_startup_delay_ms);
   service_options.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
   if (absl::Status s = CheckModelServiceOptions(service_options); !s.ok()) return FailStartup(s);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials({absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                             absl::GetFlag(FLAGS_tls_client_ca)},
+                            "--tls_");
+  if (!credentials.ok()) return FailStartup(credentials.status());
+  service_options.credentials = *std::move(credentials);
+  service_options.reflection = absl::GetFlag(FLAGS_reflection);
   DraftLoopOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.vocab_size = absl::GetFlag(FLAGS_vocab_size);

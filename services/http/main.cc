@@ -12,9 +12,10 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "common/flag_names.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
 #include "common/service/metrics.h"
+#include "common/service/tls_options.h"
 #include "common/signals.h"
 #include "services/http/chat_template.h"
 #include "services/http/openai_server.h"
@@ -40,6 +41,21 @@ ABSL_FLAG(int, threads, 64,
 ABSL_FLAG(int, default_max_tokens, 16,
           "max_tokens of /v1/completions requests that give none (OpenAI's default is 16); "
           "chat requests default to the router's --default_max_new_tokens");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve HTTPS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require HTTPS clients to present a certificate it signed");
+ABSL_FLAG(std::string, token_file, "",
+          "file with the API keys accepted as \"Authorization: Bearer <key>\", one per line "
+          "(like vLLM's --api-key); set: other requests get 401, /health and /metrics stay "
+          "open. Read again when it changes and on SIGHUP");
+ABSL_FLAG(std::string, router_tls_ca, "",
+          "PEM CA bundle that signs the router's certificate: reach the router over TLS");
+ABSL_FLAG(std::string, router_tls_cert, "",
+          "PEM client certificate for a router that requires one (with --router_tls_key)");
+ABSL_FLAG(std::string, router_tls_key, "", "PEM private key of --router_tls_cert");
+ABSL_FLAG(std::string, router_token_file, "",
+          "file whose first token is sent to the router as \"authorization: Bearer <token>\"");
 
 namespace specd {
 namespace {
@@ -70,6 +86,33 @@ int Main() {
     if (chat_template->has_value()) {
       options.chat_template = std::make_shared<const ChatTemplate>(**std::move(chat_template));
     }
+  }
+  options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                 absl::GetFlag(FLAGS_tls_client_ca)};
+  if (absl::Status s = CheckServerTlsFiles(options.tls, "--tls_"); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  std::unique_ptr<BearerTokens> tokens;
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    absl::StatusOr<std::unique_ptr<BearerTokens>> t = BearerTokens::Load(path, "--token_file");
+    if (!t.ok()) return Fail(std::string(t.status().message()));
+    tokens = *std::move(t);
+    options.tokens = tokens.get();
+  }
+  {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> router_credentials =
+        MakeChannelCredentials(
+            {absl::GetFlag(FLAGS_router_tls_ca), absl::GetFlag(FLAGS_router_tls_cert),
+             absl::GetFlag(FLAGS_router_tls_key)},
+            "--router_tls_");
+    if (!router_credentials.ok()) return Fail(std::string(router_credentials.status().message()));
+    options.router_credentials = *std::move(router_credentials);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_router_token_file); !path.empty()) {
+    absl::StatusOr<std::unique_ptr<BearerTokens>> t =
+        BearerTokens::Load(path, "--router_token_file");
+    if (!t.ok()) return Fail(std::string(t.status().message()));
+    options.router_token = *std::move(t);
   }
   const int timeout_ms = absl::GetFlag(FLAGS_request_timeout_ms);
   if (timeout_ms < 0) return Fail("--request_timeout_ms: must be >= 0");
@@ -121,7 +164,7 @@ int main(int argc, char** argv) {
   specd::WatchTerminationSignals();
   absl::SetProgramUsageMessage(
       "specd-http --address HOST:PORT --router HOST:PORT [--model_dir DIR] [--chat_template FILE] "
-      "[--model_name NAME]");
+      "[--model_name NAME] [--tls_cert FILE --tls_key FILE] [--token_file FILE]");
   specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();

@@ -132,8 +132,13 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   // gRPC's reconnect backoff grows to 120 s; an edge that lost its router should find it again
   // within seconds of its return, or /health and every request keep failing meanwhile.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
+  std::shared_ptr<grpc::ChannelCredentials> router_credentials =
+      options.router_credentials ? options.router_credentials : grpc::InsecureChannelCredentials();
   self->channel_ =
-      grpc::CreateCustomChannel(options.router_address, grpc::InsecureChannelCredentials(), args);
+      options.router_token != nullptr
+          ? CreateChannelWithToken(options.router_address, router_credentials, args,
+                                   options.router_token)
+          : grpc::CreateCustomChannel(options.router_address, router_credentials, args);
   self->stub_ = v1::Generation::NewStub(self->channel_);
   self->health_stub_ = grpc::health::v1::Health::NewStub(self->channel_);
   {
@@ -157,7 +162,20 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
                   "Streams whose client went away before the end; their Generate call was "
                   "cancelled.");
 
-  self->http_ = std::make_unique<httplib::Server>();
+  if (absl::Status s = CheckServerTlsFiles(options.tls, "--tls_"); !s.ok()) return s;
+  if (!options.tls.cert.empty()) {
+    auto https = std::make_unique<httplib::SSLServer>(
+        options.tls.cert.c_str(), options.tls.key.c_str(),
+        options.tls.client_ca.empty() ? nullptr : options.tls.client_ca.c_str());
+    if (!https->is_valid()) {
+      return absl::InvalidArgumentError(
+          "--tls_cert / --tls_key / --tls_client_ca: OpenSSL refused them (key not matching "
+          "the certificate?)");
+    }
+    self->http_ = std::move(https);
+  } else {
+    self->http_ = std::make_unique<httplib::Server>();
+  }
   httplib::Server& http = *self->http_;
   const size_t threads = static_cast<size_t>(options.threads);
   http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
@@ -168,8 +186,20 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
   http.set_payload_max_length(options.max_body_bytes);
-  http.set_pre_routing_handler([](const httplib::Request&, httplib::Response&) {
+  http.set_pre_routing_handler([self](const httplib::Request& req, httplib::Response& res) {
     request_start = absl::Now();
+    // Probes and Prometheus carry no token; everything else does when tokens are on.
+    if (self->options_.tokens != nullptr && req.path != "/health" && req.path != "/metrics" &&
+        !self->options_.tokens->AcceptsAuthorization(req.get_header_value("Authorization"))) {
+      ApiError e;
+      e.http_status = 401;
+      e.type = "authentication_error";
+      e.code = "invalid_api_key";
+      e.message = kUnauthenticatedMessage;
+      res.set_header("WWW-Authenticate", "Bearer");
+      self->SendError(e, res);
+      return httplib::Server::HandlerResponse::Handled;
+    }
     return httplib::Server::HandlerResponse::Unhandled;
   });
   http.set_logger([self](const httplib::Request& req, const httplib::Response& res) {

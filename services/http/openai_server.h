@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/service/tls_options.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/counter.h"
@@ -59,6 +60,14 @@ struct OpenAiServerOptions {
   // A streaming response sends an SSE comment after this long without tokens.
   absl::Duration keepalive_interval = absl::Seconds(10);
   uint32_t default_completion_max_tokens = 16;
+  // HTTPS when tls.cert is set (tls.client_ca: clients must present a certificate it signed).
+  ServerTlsFiles tls;
+  // Set: every route but /health and /metrics needs "Authorization: Bearer <token>" (401
+  // otherwise). Not owned; must outlive the server.
+  BearerTokens* tokens = nullptr;
+  // How the edge reaches the router: TLS credentials (null: plaintext) and the token it sends.
+  std::shared_ptr<grpc::ChannelCredentials> router_credentials;
+  std::shared_ptr<BearerTokens> router_token;
 };
 
 class OpenAiServer {

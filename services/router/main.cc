@@ -12,14 +12,16 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flag_names.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
 #include "common/service/metrics.h"
+#include "common/service/tls_options.h"
 #include "common/signals.h"
-#include "common/token_tree.h"
 #include "common/text/tokenizer.h"
+#include "common/token_tree.h"
 #include "engine/model_config.h"
 #include "services/router/router_loop.h"
 #include "services/router/router_metrics.h"
@@ -49,6 +51,30 @@ ABSL_FLAG(std::string, speculation_policy, "goodput",
           "tree shape of requests that name none: goodput (every step, per sequence, the shape "
           "that maximises the batch's predicted tokens/s from measured costs and acceptance, "
           "down to none) or fixed (--draft_depth/--draft_top_k/--draft_max_nodes every step)");
+ABSL_FLAG(std::string, metrics_address, "",
+          "host:port of the /metrics + /health HTTP listener, e.g. a private interface; empty = "
+          "the --address host and --metrics_port");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve the public API over TLS (with --tls_key); re-read when "
+          "it changes");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require API clients to present a certificate it signed (mutual TLS)");
+ABSL_FLAG(std::string, upstream_tls_ca, "",
+          "PEM CA bundle that signs the draft and verify services' certificates: connect to "
+          "them over TLS");
+ABSL_FLAG(std::string, upstream_tls_cert, "",
+          "PEM client certificate chain the router presents to draft and verify (mutual TLS, "
+          "with --upstream_tls_key)");
+ABSL_FLAG(std::string, upstream_tls_key, "", "PEM private key of --upstream_tls_cert");
+ABSL_FLAG(std::string, token_file, "",
+          "file with the bearer tokens the public API accepts, one per line; set: calls without "
+          "\"authorization: Bearer <token>\" get UNAUTHENTICATED (health stays open). Read "
+          "again when it changes and on SIGHUP");
+ABSL_FLAG(bool, reflection, true, "serve gRPC server reflection on the public port");
+ABSL_FLAG(int, shutdown_grace_seconds, 30,
+          "on SIGTERM/SIGINT: health turns NOT_SERVING and new requests get UNAVAILABLE at "
+          "once; streams already running may finish for this long, then they are cancelled");
 
 namespace specd {
 namespace {
@@ -94,6 +120,28 @@ int Main() {
     return Fail("--default_speculation: one of auto, off, draft_model, ngram");
   }
 
+  const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  if (grace_seconds < 0) return Fail("--shutdown_grace_seconds: must be >= 0");
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
+      MakeServerCredentials({absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                             absl::GetFlag(FLAGS_tls_client_ca)},
+                            "--tls_");
+  if (!server_credentials.ok()) return Fail(std::string(server_credentials.status().message()));
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> upstream_credentials =
+      MakeChannelCredentials(
+          {absl::GetFlag(FLAGS_upstream_tls_ca), absl::GetFlag(FLAGS_upstream_tls_cert),
+           absl::GetFlag(FLAGS_upstream_tls_key)},
+          "--upstream_tls_");
+  if (!upstream_credentials.ok()) {
+    return Fail(std::string(upstream_credentials.status().message()));
+  }
+  std::unique_ptr<BearerTokens> tokens;
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    absl::StatusOr<std::unique_ptr<BearerTokens>> loaded = BearerTokens::Load(path, "--token_file");
+    if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+    tokens = *std::move(loaded);
+  }
+
   absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
   if (!config.ok()) return Fail(absl::StrCat("--model: ", config.status().ToString()));
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(model_dir);
@@ -125,6 +173,7 @@ int Main() {
     return Fail("--speculation_policy: one of goodput, fixed");
   }
   loop_options.adaptive = policy == "goodput";
+  loop_options.upstream_credentials = *upstream_credentials;
   if (absl::StatusOr<HostPort> hp = ParseHostPort(loop_options.verify_address, "--verify_address");
       !hp.ok()) {
     return Fail(hp.status().ToString());
@@ -139,7 +188,9 @@ int Main() {
   // The health status follows the verify service: without it nothing can be generated.
   std::atomic<GrpcServer*> server_ptr{nullptr};
   std::atomic<bool> serving{false};
+  std::atomic<bool> draining{false};
   RouterLoop loop(loop_options, tokenizer->get(), &metrics, [&](bool up) {
+    if (draining.load()) return;
     serving = up;
     if (GrpcServer* s = server_ptr.load()) s->SetServing(up);
   });
@@ -147,12 +198,15 @@ int Main() {
   RouterServiceOptions service_options;
   service_options.limits = limits;
   service_options.target_model = model_dir;
+  service_options.tokens = tokens.get();
   RouterService service(service_options, tokenizer->get(), &loop, &metrics);
 
   GrpcServerOptions server_options;
   server_options.address = absl::GetFlag(FLAGS_address);
   server_options.services = {&service};
   server_options.health_service_names = {v1::Generation::service_full_name()};
+  server_options.credentials = *server_credentials;
+  server_options.reflection = absl::GetFlag(FLAGS_reflection);
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(server_options);
   if (!server.ok()) return Fail(absl::StrCat("--address: ", server.status().ToString()));
   server_ptr = server->get();
@@ -163,6 +217,12 @@ int Main() {
   absl::StatusOr<HostPort> api = ParseHostPort(server_options.address, "--address");
   if (api.ok() && !api->host.empty()) metrics_options.host = api->host;
   metrics_options.port = absl::GetFlag(FLAGS_metrics_port);
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_address); !address.empty()) {
+    absl::StatusOr<HostPort> hp = ParseHostPort(address, "--metrics_address");
+    if (!hp.ok()) return Fail(std::string(hp.status().message()));
+    metrics_options.host = hp->host.empty() ? "0.0.0.0" : hp->host;
+    metrics_options.port = hp->port;
+  }
   absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
       MetricsServer::Start(metrics_options, registry, [&] { return serving.load(); });
   if (!metrics_server.ok()) {
@@ -177,11 +237,24 @@ int Main() {
 
   WatchTerminationSignals().WaitForNotification();
   SPECD_LOG(INFO) << "specd-router: signal " << TerminationSignal() << ", shutting down";
+  // Drain: NOT_SERVING at once (load balancers and readiness probes stop sending), new
+  // Generate calls get UNAVAILABLE (clients retry elsewhere), running streams may finish.
+  draining = true;
+  serving = false;
   server_ptr = nullptr;
   (*server)->SetServing(false);
-  // Stop the scheduler first: it ends every open Generate stream. Once their last chunks are
-  // written (up to 2 s for slow readers), shut the server down at once: gRPC's graceful
-  // shutdown would otherwise also wait its whole deadline for idle client connections.
+  service.BeginDrain();
+  const absl::Time drain_end = absl::Now() + absl::Seconds(grace_seconds);
+  while (service.OpenGenerateStreams() > 0 && absl::Now() < drain_end) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (const int left = service.OpenGenerateStreams(); left > 0) {
+    SPECD_LOG(WARNING) << "specd-router: " << left << " stream(s) still running after "
+                       << grace_seconds << " s; cancelling them";
+  }
+  // Stopping the scheduler ends every stream still open. Once their last chunks are written
+  // (up to 2 s for slow readers), shut the server down at once: gRPC's graceful shutdown would
+  // otherwise also wait its whole deadline for idle client connections.
   loop.Stop();
   (*server)->DrainAndShutdown([&] { return service.OpenGenerateStreams(); }, absl::Seconds(2));
   (*metrics_server)->Stop();
@@ -195,7 +268,8 @@ int main(int argc, char** argv) {
   // Before any thread starts, so a signal during startup is not lost.
   specd::WatchTerminationSignals();
   absl::SetProgramUsageMessage(
-      "specd-router --model DIR --verify_address HOST:PORT [--draft_address HOST:PORT]");
+      "specd-router --model DIR --verify_address HOST:PORT [--draft_address HOST:PORT] "
+      "[--tls_cert FILE --tls_key FILE] [--token_file FILE]");
   specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();

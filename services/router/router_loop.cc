@@ -97,6 +97,7 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
   vo.probe_timeout = options_.probe_timeout;
   vo.initial_backoff = options_.initial_backoff;
   vo.max_backoff = options_.max_backoff;
+  vo.credentials = options_.upstream_credentials;
   verify_ = std::make_unique<VerifyUpstream>(
       vo,
       [this](const v1::VerifyInfo& info) -> absl::Status {

@@ -85,6 +85,8 @@ struct RouterLoopOptions {
   // false: requests that name no shape get limits.default_shape every step (no policy).
   bool adaptive = true;
   PolicyOptions policy;
+  // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
 
 class RouterLoop {

@@ -111,7 +111,8 @@ class GenerateReactor : public GenerateWriter {
       : service_(service), sink_(std::make_shared<ReactorSink>(this)) {
     service->StreamOpened();
     RouterRequest prepared;
-    absl::Status status = service->Prepare(*request, &prepared);
+    absl::Status status = service->Admit(*context, /*generate=*/true);
+    if (status.ok()) status = service->Prepare(*request, &prepared);
     if (status.ok()) {
       prepared.arrival = absl::Now();
       const auto deadline = context->deadline();
@@ -122,7 +123,8 @@ class GenerateReactor : public GenerateWriter {
       status = service->loop()->Submit(std::move(prepared), sink_);
     }
     if (!status.ok()) {
-      if (status.code() != absl::StatusCode::kInvalidArgument) {
+      if (status.code() != absl::StatusCode::kInvalidArgument &&
+          status.code() != absl::StatusCode::kUnauthenticated) {
         SPECD_LOG(INFO) << "request '" << request->request_id() << "' refused: " << status;
       }
       service->metrics()->CountOutcome(static_cast<grpc::StatusCode>(status.code()));
@@ -169,6 +171,16 @@ uint64_t RouterService::RandomSeed() {
   return rng_();
 }
 
+absl::Status RouterService::Admit(const grpc::CallbackServerContext& context, bool generate) {
+  if (options_.tokens != nullptr) {
+    if (grpc::Status s = options_.tokens->CheckCall(context); !s.ok()) return FromGrpcStatus(s);
+  }
+  if (generate && draining_.load()) {
+    return absl::UnavailableError("the router is shutting down; retry on another replica");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RouterService::Prepare(const v1::GenerateRequest& request, RouterRequest* out) {
   const RequestLimits limits = CurrentLimits();
   if (absl::Status s = ValidateGenerateRequest(request, limits); !s.ok()) return s;
@@ -197,6 +209,10 @@ grpc::ServerUnaryReactor* RouterService::Tokenize(grpc::CallbackServerContext* c
                                                   const v1::TokenizeRequest* request,
                                                   v1::TokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status s = Admit(*context, /*generate=*/false); !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   const std::vector<int32_t> ids =
       tokenizer_->Encode(request->text(), request->add_special_tokens());
   response->mutable_ids()->Assign(ids.begin(), ids.end());
@@ -208,6 +224,10 @@ grpc::ServerUnaryReactor* RouterService::Detokenize(grpc::CallbackServerContext*
                                                     const v1::DetokenizeRequest* request,
                                                     v1::DetokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status s = Admit(*context, /*generate=*/false); !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   if (absl::Status s = CheckTokenIds(request->ids(), options_.limits.vocab_size, "ids");
       !s.ok()) {
     reactor->Finish(ToGrpcStatus(s));
@@ -224,6 +244,10 @@ grpc::ServerUnaryReactor* RouterService::GetModelInfo(grpc::CallbackServerContex
                                                       const v1::GetModelInfoRequest* /*request*/,
                                                       v1::ModelInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status s = Admit(*context, /*generate=*/false); !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   const v1::VerifyInfo verify = loop_->verify_info();
   response->set_target_model(verify.model().empty() ? options_.target_model : verify.model());
   if (loop_->has_draft()) response->set_draft_model(loop_->draft_info().model());

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/synchronization/mutex.h"
+#include "common/service/tls_options.h"
 #include "common/text/tokenizer.h"
 #include "grpcpp/grpcpp.h"
 #include "services/router/request.h"
@@ -22,6 +23,9 @@ namespace specd {
 struct RouterServiceOptions {
   RequestLimits limits;
   std::string target_model;  // reported by GetModelInfo when the verify service names none
+  // Set: every call must carry "authorization: Bearer <token>" with one of these tokens
+  // (UNAUTHENTICATED otherwise). Not owned; must outlive the service.
+  BearerTokens* tokens = nullptr;
 };
 
 class RouterService final : public v1::Generation::CallbackService {
@@ -41,6 +45,14 @@ class RouterService final : public v1::Generation::CallbackService {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
+
+  // Whether a call may go on: its bearer token (when tokens are required), then, for Generate,
+  // whether the router still admits new requests.
+  absl::Status Admit(const grpc::CallbackServerContext& context, bool generate);
+
+  // From now on Generate answers UNAVAILABLE (the client retries another replica); streams
+  // already running go on. Called when the router is told to stop.
+  void BeginDrain() { draining_ = true; }
 
   // Validates and tokenizes a request; on success fills `out` except arrival and deadline.
   absl::Status Prepare(const v1::GenerateRequest& request, RouterRequest* out);
@@ -63,6 +75,7 @@ class RouterService final : public v1::Generation::CallbackService {
   RouterLoop* const loop_;
   RouterMetrics* const metrics_;
   std::atomic<int> open_streams_{0};
+  std::atomic<bool> draining_{false};
   absl::Mutex rng_mu_;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(rng_mu_);
 };

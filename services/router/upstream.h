@@ -40,6 +40,7 @@ struct UpstreamOptions {
   absl::Duration probe_timeout = absl::Seconds(2);
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: plaintext
 };
 
 // `Service` is a generated gRPC service (v1::Drafter, v1::Verifier) with
@@ -149,7 +150,9 @@ class Upstream {
                 static_cast<int>(absl::ToInt64Milliseconds(options.max_backoff)));
     // Leaving READY means the service went away; an idle timeout must not look like that.
     args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, std::numeric_limits<int>::max());
-    return grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+    return grpc::CreateCustomChannel(
+        options.address,
+        options.credentials ? options.credentials : grpc::InsecureChannelCredentials(), args);
   }
 
   grpc::Status CloseStream(bool cancel) {

@@ -56,9 +56,16 @@ def free_port():
     raise RuntimeError("no free loopback port in [32000, 32768)")
 
 
-def health(address, timeout=1.0):
-    """grpc.health.v1.Health/Check of the whole server, encoded by hand (no health stubs)."""
-    with grpc.insecure_channel(address) as ch:
+def health(address, timeout=1.0, root_certificates=None, key_and_cert=None):
+    """grpc.health.v1.Health/Check of the whole server, encoded by hand (no health stubs);
+    over TLS when root_certificates (PEM bytes) is given, mutual with key_and_cert (PEM bytes)."""
+    if root_certificates is not None:
+        key, cert = key_and_cert or (None, None)
+        channel = grpc.secure_channel(
+            address, grpc.ssl_channel_credentials(root_certificates, key, cert))
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel as ch:
         check = ch.unary_unary("/grpc.health.v1.Health/Check",
                                request_serializer=lambda _: b"",
                                response_deserializer=lambda b: b)
@@ -72,11 +79,22 @@ class Cluster:
     drafts are accepted and sampled ones partly. router_model: the router's --model folder
     (default: the target's)."""
 
-    def __init__(self, workdir=None, router_args=(), http=False, router_model=None):
+    def __init__(self, workdir=None, router_args=(), http=False, router_model=None,
+                 router_root_certificates=None, service_args=(), service_root_certificates=None,
+                 service_client_pair=None):
         self.own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="specd-cluster-")
         self.router_args = list(router_args)
         self.router_model = router_model
+        # PEM bytes of the CA of a router started with --tls_cert: health checks use TLS.
+        self.router_root_certificates = router_root_certificates
+        # Flags added to draft and verify (TLS), and how health checks reach them then: the CA
+        # (PEM bytes) and a client (key, certificate) pair of file paths.
+        self.service_args = list(service_args)
+        self.service_root_certificates = service_root_certificates
+        self.service_key_and_cert = None
+        if service_client_pair:
+            self.service_key_and_cert = tuple(open(p, "rb").read() for p in service_client_pair)
         self.procs = {}
         self.logs = {}
         self.grpc = {n: f"127.0.0.1:{free_port()}" for n in SERVICES}
@@ -103,8 +121,8 @@ class Cluster:
             subprocess.run([os.environ["SPECD_RANDOM_MODEL"], target, "7"], check=True)
             shutil.copytree(target, draft)
         common = ["--device=cpu", "--num_threads=1"]
-        self._spawn("specd-verify", [f"--model={target}"] + common)
-        self._spawn("specd-draft", [f"--model={draft}"] + common)
+        self._spawn("specd-verify", [f"--model={target}"] + common + self.service_args)
+        self._spawn("specd-draft", [f"--model={draft}"] + common + self.service_args)
         self._spawn("specd-router", [f"--model={self.router_model or target}",
                                      f"--verify_address={self.grpc['specd-verify']}",
                                      f"--draft_address={self.grpc['specd-draft']}"]
@@ -181,7 +199,12 @@ class Cluster:
                 raise RuntimeError(f"{name} exited ({self.procs[name].returncode}):\n"
                                    + self.log(name))
             try:
-                if health(self.grpc[name]) == "SERVING":
+                if name == "specd-router":
+                    roots, pair = self.router_root_certificates, None
+                else:
+                    roots, pair = self.service_root_certificates, self.service_key_and_cert
+                status = health(self.grpc[name], root_certificates=roots, key_and_cert=pair)
+                if status == "SERVING":
                     return
             except grpc.RpcError:
                 pass

@@ -1,8 +1,8 @@
 // TLS and tokens from the client side, with real certificates made by openssl in the test: the
-// SDK and specd-cli against a gRPC server with TLS (ScriptedGenerationServer, since specd's
-// servers do not serve TLS yet). Trusted server, untrusted server, plaintext against TLS,
-// mutual TLS with and without a client certificate, a server-name override, and the bearer
-// token arriving with each call.
+// SDK and specd-cli against a scripted gRPC server with TLS, which records what the client
+// sent (tests/integration/security_test.cc runs the SDK against the real TLS cluster). Trusted
+// server, untrusted server, plaintext against TLS, mutual TLS with and without a client
+// certificate, a server-name override, and the bearer token arriving with each call.
 #include <sys/wait.h>
 
 #include <cstdio>

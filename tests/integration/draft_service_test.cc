@@ -89,7 +89,8 @@ class DraftServiceTest : public ModelServiceTest {
 std::string* DraftServiceTest::dir_ = nullptr;
 
 TEST_F(DraftServiceTest, HealthReflectionAndInfo) {
-  std::unique_ptr<ServiceProcess> p = StartDraft();
+  // Reflection is off by default (internal service); --reflection turns it on.
+  std::unique_ptr<ServiceProcess> p = StartDraft({}, {"--reflection"});
   ASSERT_NE(p, nullptr);
   EXPECT_EQ(*p->Health("specd.v1.Drafter"), grpc::health::v1::HealthCheckResponse::SERVING);
   absl::StatusOr<std::vector<std::string>> services = ListServicesByReflection(p->channel());

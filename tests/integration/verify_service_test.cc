@@ -133,8 +133,13 @@ TEST_F(VerifyServiceTest, HealthIsNotServingUntilTheModelIsLoaded) {
   EXPECT_EQ(http, 200);
 }
 
-TEST_F(VerifyServiceTest, ReflectionListsTheServices) {
-  std::unique_ptr<ServiceProcess> p = StartVerify();
+TEST_F(VerifyServiceTest, ReflectionIsOffUnlessAskedFor) {
+  std::unique_ptr<ServiceProcess> off = StartVerify();
+  ASSERT_NE(off, nullptr);
+  EXPECT_EQ(ListServicesByReflection(off->channel()).status().code(),
+            absl::StatusCode::kUnimplemented);
+  off.reset();
+  std::unique_ptr<ServiceProcess> p = StartVerify({"--reflection"});
   ASSERT_NE(p, nullptr);
   absl::StatusOr<std::vector<std::string>> services = ListServicesByReflection(p->channel());
   ASSERT_TRUE(services.ok()) << services.status();

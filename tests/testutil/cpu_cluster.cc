@@ -55,7 +55,10 @@ absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOp
       SpecdBinary("specd-verify"),
       {"--address=" + verify_address, absl::StrCat("--metrics_port=", c->verify_metrics),
        "--model=" + models.target, "--num_threads=1"},
-      verify_address};
+      verify_address,
+      options.upstream_credentials};
+  c->verify_options.args.insert(c->verify_options.args.end(), options.verify_args.begin(),
+                                options.verify_args.end());
   absl::StatusOr<std::unique_ptr<ServiceProcess>> verify = ServiceProcess::Spawn(c->verify_options);
   if (!verify.ok()) return verify.status();
   c->verify = *std::move(verify);
@@ -63,11 +66,15 @@ absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOp
   if (options.draft) {
     c->draft_metrics = PickFreePort();
     draft_address = Address();
-    absl::StatusOr<std::unique_ptr<ServiceProcess>> draft = ServiceProcess::Spawn(
-        {SpecdBinary("specd-draft"),
-         {"--address=" + draft_address, absl::StrCat("--metrics_port=", c->draft_metrics),
-          "--model=" + models.draft, "--num_threads=1"},
-         draft_address});
+    c->draft_options = {
+        SpecdBinary("specd-draft"),
+        {"--address=" + draft_address, absl::StrCat("--metrics_port=", c->draft_metrics),
+         "--model=" + models.draft, "--num_threads=1"},
+        draft_address,
+        options.upstream_credentials};
+    c->draft_options.args.insert(c->draft_options.args.end(), options.draft_args.begin(),
+                                 options.draft_args.end());
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> draft = ServiceProcess::Spawn(c->draft_options);
     if (!draft.ok()) return draft.status();
     c->draft = *std::move(draft);
   }
@@ -81,8 +88,9 @@ absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOp
       "--draft_address=" + draft_address,
       absl::StrCat("--max_new_tokens_limit=", kCpuClusterMaxNewTokensLimit)};
   args.insert(args.end(), options.router_args.begin(), options.router_args.end());
-  absl::StatusOr<std::unique_ptr<ServiceProcess>> router =
-      ServiceProcess::Spawn({SpecdBinary("specd-router"), args, c->router_address});
+  c->router_options = {SpecdBinary("specd-router"), args, c->router_address,
+                       options.router_credentials};
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> router = ServiceProcess::Spawn(c->router_options);
   if (!router.ok()) return router.status();
   c->router = *std::move(router);
   for (ServiceProcess* p : {c->verify.get(), c->draft.get(), c->router.get()}) {

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
 #include "tests/testutil/service_process.h"
 
 namespace specd {
@@ -26,6 +27,9 @@ inline constexpr int kCpuClusterMaxNewTokensLimit = 4000;
 struct CpuClusterOptions {
   bool draft = true;
   std::vector<std::string> router_args;  // appended to the router's flags
+  std::vector<std::string> verify_args, draft_args;  // appended to those services' flags
+  // How the test's health checks reach the services (TLS clusters); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> router_credentials, upstream_credentials;
 };
 
 class CpuCluster {
@@ -45,7 +49,7 @@ class CpuCluster {
 
   std::string router_address;
   int router_metrics = 0, verify_metrics = 0, draft_metrics = 0;
-  ServiceProcessOptions verify_options;
+  ServiceProcessOptions verify_options, draft_options, router_options;
   std::unique_ptr<ServiceProcess> verify, draft, router;
 };
 

@@ -171,8 +171,9 @@ std::shared_ptr<grpc::Channel> ServiceProcess::channel() {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
-    channel_ =
-        grpc::CreateCustomChannel(options_.grpc_address, grpc::InsecureChannelCredentials(), args);
+    channel_ = grpc::CreateCustomChannel(
+        options_.grpc_address,
+        options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(), args);
   }
   return channel_;
 }

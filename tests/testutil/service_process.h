@@ -37,6 +37,8 @@ struct ServiceProcessOptions {
   std::vector<std::string> args;  // e.g. {"--model=/tmp/m", "--address=127.0.0.1:5000"}
   // Where the child serves gRPC; health checks and channel() go there.
   std::string grpc_address;
+  // How health checks and channel() connect; null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
 using HealthStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;

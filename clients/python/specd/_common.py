@@ -1,6 +1,7 @@
 """What the sync and asyncio clients share: request building, message conversion, channel
 credentials, retry policy."""
 
+import random
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
 
@@ -172,23 +173,33 @@ def decode_health_response(data: bytes) -> str:
 
 class RetryPolicy:
     """Retries only what cannot duplicate or lose output: a call that failed with UNAVAILABLE
-    (the router was unreachable or restarting) before any response arrived. Tokenize,
-    Detokenize and GetModelInfo are idempotent; Generate is retried only until its first chunk
-    arrives, never mid-stream (the client has already seen part of the output)."""
+    (the router was unreachable, restarting or draining) or RESOURCE_EXHAUSTED (its queue was
+    full) before any response arrived. Tokenize, Detokenize and GetModelInfo are idempotent;
+    Generate is retried only until its first chunk arrives, never mid-stream (the client has
+    already seen part of the output). The wait before retry n (n = 1, 2, ...) is
+    min(max_backoff, initial_backoff * 2^(n-1)) times a random factor in [1 - jitter,
+    1 + jitter], so clients refused together do not come back together."""
 
-    RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+    RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
-    def __init__(self, max_attempts=3, initial_backoff=0.1, max_backoff=2.0):
+    def __init__(self, max_attempts=3, initial_backoff=0.1, max_backoff=2.0, jitter=0.2,
+                 retryable_codes=RETRYABLE):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if not 0 <= jitter < 1:
+            raise ValueError("jitter must be in [0, 1)")
         self.max_attempts = max_attempts
         self.initial_backoff = initial_backoff
         self.max_backoff = max_backoff
+        self.jitter = jitter
+        self.retryable_codes = tuple(retryable_codes)
 
     def backoff(self, attempt):
-        return min(self.max_backoff, self.initial_backoff * (2 ** attempt))
+        base = min(self.max_backoff, self.initial_backoff * (2 ** attempt))
+        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
 
     def should_retry(self, code, attempt, received_any, time_left):
-        return (code in self.RETRYABLE and not received_any and
+        return (code in self.retryable_codes and not received_any and
                 attempt + 1 < self.max_attempts and
-                (time_left is None or time_left > self.backoff(attempt)))
+                (time_left is None or
+                 time_left > min(self.max_backoff, self.initial_backoff * (2 ** attempt))))

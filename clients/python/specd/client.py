@@ -25,7 +25,7 @@ class Client:
       mutual TLS, server name override).
     metadata: sent with every call, e.g. {"authorization": "Bearer ..."}; a call's own
       `metadata=` is added to it.
-    retry: a specd.RetryPolicy (UNAVAILABLE before any response only); RetryPolicy(1) for none.
+    retry: a specd.RetryPolicy (UNAVAILABLE, RESOURCE_EXHAUSTED before any response only); RetryPolicy(1) for none.
     options: extra gRPC channel options.
     """
 

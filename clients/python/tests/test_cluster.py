@@ -3,6 +3,8 @@ started from the build on loopback with a random-weight model). ctest reports it
 the executables are not built."""
 
 import asyncio
+import subprocess
+import tempfile
 
 import pytest
 
@@ -114,3 +116,55 @@ def test_router_killed_mid_stream_raises_without_retry():
         # Before any chunk, UNAVAILABLE is retried: the router comes back during the retries.
         c.restart("specd-router")
         assert len(client.generate("x", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def make_certificates(d):
+    """A CA and a server certificate for 127.0.0.1/localhost, made by openssl."""
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)
+    run("openssl", "req", "-x509", *key, "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem",
+        "-days", "2", "-subj", "/CN=sdk-test-ca", "-addext", "basicConstraints=critical,CA:TRUE")
+    with open(f"{d}/server.ext", "w") as f:
+        f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    run("openssl", "req", *key, "-keyout", f"{d}/server.key", "-out", f"{d}/server.csr",
+        "-subj", "/CN=server")
+    run("openssl", "x509", "-req", "-in", f"{d}/server.csr", "-CA", f"{d}/ca.pem", "-CAkey",
+        f"{d}/ca.key", "-CAcreateserial", "-days", "2", "-out", f"{d}/server.pem", "-extfile",
+        f"{d}/server.ext")
+    with open(f"{d}/ca.pem", "rb") as f:
+        return f.read()
+
+
+def test_tls_and_bearer_token_against_a_real_router():
+    with tempfile.TemporaryDirectory() as d:
+        ca = make_certificates(d)
+        with open(f"{d}/tokens", "w") as f:
+            f.write("sdk-token\n")
+        args = [f"--tls_cert={d}/server.pem", f"--tls_key={d}/server.key",
+                f"--token_file={d}/tokens"]
+        with specd_cluster.Cluster(router_args=args, router_root_certificates=ca) as c:
+            tls = specd.TLS(root_certificates=ca)
+            good = {"authorization": "Bearer sdk-token"}
+            with specd.Client(c.address, tls=tls, metadata=good, timeout=60) as client:
+                off = client.generate("def f(x):", max_new_tokens=24, temperature=0,
+                                      ignore_eos=True, speculation="off")
+                spec = client.generate("def f(x):", max_new_tokens=24, temperature=0,
+                                       ignore_eos=True, speculation="draft_model")
+                assert spec.token_ids == off.token_ids and len(off.token_ids) == 24
+            with specd.Client(c.address, tls=tls, timeout=10,
+                              metadata={"authorization": "Bearer nope"}) as client, \
+                    pytest.raises(specd.SpecdError) as info:
+                client.model_info()
+            assert info.value.code.name == "UNAUTHENTICATED"
+            assert info.value.details == "missing or invalid bearer token"
+            # Plaintext to the TLS port never gets an answer.
+            with specd.Client(c.address, metadata=good, timeout=5,
+                              retry=specd.RetryPolicy(max_attempts=1)) as client, \
+                    pytest.raises(specd.SpecdError):
+                client.model_info()
+
+            async def run():
+                async with specd.AsyncClient(c.address, tls=tls, metadata=good,
+                                             timeout=60) as client:
+                    return await client.tokenize("abc")
+            assert asyncio.run(run())

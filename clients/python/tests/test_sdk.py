@@ -5,6 +5,7 @@ server that injects those faults on cue, which the real router cannot be made to
 import asyncio
 import os
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -185,8 +186,33 @@ def test_stream_never_retried_after_a_chunk(server):
     assert got == ["a"] and server.calls == 1
 
 
+def test_generate_retries_resource_exhausted_with_backoff(server):
+    server.plan = [("fail", grpc.StatusCode.RESOURCE_EXHAUSTED)] * 2 + [("ok", 2)]
+    policy = specd.RetryPolicy(max_attempts=3, initial_backoff=0.2, jitter=0)
+    start = time.monotonic()
+    with specd.Client(server.address, retry=policy, timeout=10) as c:
+        r = c.generate("x")
+    assert server.calls == 3 and r.token_ids == [10, 99]
+    assert time.monotonic() - start >= 0.2 + 0.4  # both waits, doubling
+
+
+def test_resource_exhausted_retries_end_typed(server):
+    server.plan = [("fail", grpc.StatusCode.RESOURCE_EXHAUSTED)] * 5
+    with specd.Client(server.address, retry=FAST) as c, \
+            pytest.raises(specd.ResourceExhaustedError):
+        c.generate("x")
+    assert server.calls == 3
+
+
+def test_backoff_jitter_stays_in_its_band():
+    policy = specd.RetryPolicy(initial_backoff=1.0, max_backoff=2.0, jitter=0.2)
+    waits = [policy.backoff(3) for _ in range(200)]
+    assert all(1.6 <= w <= 2.4 for w in waits) and len(set(waits)) > 1
+    with pytest.raises(ValueError):
+        specd.RetryPolicy(jitter=1.0)
+
+
 @pytest.mark.parametrize("code,cls", [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, specd.ResourceExhaustedError),
     (grpc.StatusCode.INVALID_ARGUMENT, specd.InvalidArgumentError),
     (grpc.StatusCode.INTERNAL, specd.InternalError),
 ])

@@ -272,6 +272,17 @@ volumes:
       medium: Memory
       sizeLimit: {{ .shmSize }}
   {{- end }}
+  {{- $sec := .ctx.Values.security }}
+  {{- if $sec.tls.enabled }}
+  - name: tls
+    secret:
+      secretName: {{ include "specd.tlsSecretName" .ctx }}
+  {{- end }}
+  {{- if and .tokens $sec.tokens.enabled }}
+  - name: tokens
+    secret:
+      secretName: {{ include "specd.tokenSecretName" .ctx }}
+  {{- end }}
 {{- end }}
 
 {{/*
@@ -301,6 +312,17 @@ volumeMounts:
   - name: dshm
     mountPath: /dev/shm
   {{- end }}
+  {{- $sec := .ctx.Values.security }}
+  {{- if $sec.tls.enabled }}
+  - name: tls
+    mountPath: /etc/specd/tls
+    readOnly: true
+  {{- end }}
+  {{- if and .tokens $sec.tokens.enabled }}
+  - name: tokens
+    mountPath: /etc/specd/tokens
+    readOnly: true
+  {{- end }}
 {{- end }}
 
 {{/*
@@ -321,6 +343,35 @@ ports:
   - name: metrics
     containerPort: {{ .ctx.Values.ports.metrics }}
     protocol: TCP
+{{- if .ctx.Values.security.tls.enabled }}
+{{- /* The kubelet's gRPC probes speak plaintext only: with TLS on, readiness asks the
+plaintext /health of the metrics listener (200 exactly when gRPC health says SERVING), and
+startup and liveness check that the process accepts connections. */}}
+startupProbe:
+  {{- if eq .component "router" }}
+  tcpSocket:
+    port: metrics
+  {{- else }}
+  httpGet:
+    path: /health
+    port: metrics
+  {{- end }}
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+readinessProbe:
+  httpGet:
+    path: /health
+    port: metrics
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+livenessProbe:
+  tcpSocket:
+    port: metrics
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+{{- else }}
 startupProbe:
   grpc:
     port: {{ $port }}
@@ -342,6 +393,52 @@ livenessProbe:
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
+{{- end }}
+{{- end }}
+
+{{/*
+Names of the Secrets with the TLS files (tls.crt, tls.key, ca.crt) and the API tokens.
+*/}}
+{{- define "specd.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "specd.fullname" .)) .Values.security.tls.existingSecret }}
+{{- end }}
+
+{{- define "specd.tokenSecretName" -}}
+{{- default (printf "%s-tokens" (include "specd.fullname" .)) .Values.security.tokens.existingSecret }}
+{{- end }}
+
+{{/*
+TLS flags of a component's server: its certificate, and for draft and verify (and the router
+with security.tls.requireClientCert) the CA that must sign the client's. Takes (dict "ctx" $
+"component" C).
+*/}}
+{{- define "specd.tlsArgs" -}}
+{{- $sec := .ctx.Values.security }}
+{{- if $sec.tls.enabled }}
+- --tls_cert=/etc/specd/tls/tls.crt
+- --tls_key=/etc/specd/tls/tls.key
+{{- if or (has .component (list "draft" "verify")) (and (eq .component "router") $sec.tls.requireClientCert) }}
+- --tls_client_ca=/etc/specd/tls/ca.crt
+{{- end }}
+{{- if eq .component "router" }}
+- --upstream_tls_ca=/etc/specd/tls/ca.crt
+- --upstream_tls_cert=/etc/specd/tls/tls.crt
+- --upstream_tls_key=/etc/specd/tls/tls.key
+{{- end }}
+{{- if eq .component "http" }}
+- --router_tls_ca=/etc/specd/tls/ca.crt
+{{- if $sec.tls.requireClientCert }}
+- --router_tls_cert=/etc/specd/tls/tls.crt
+- --router_tls_key=/etc/specd/tls/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and $sec.tokens.enabled (has .component (list "router" "http")) }}
+- --token_file=/etc/specd/tokens/{{ $sec.tokens.key }}
+{{- if eq .component "http" }}
+- --router_token_file=/etc/specd/tokens/{{ $sec.tokens.key }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
