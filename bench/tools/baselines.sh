@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Peer baselines on the GPU host (issues 5 and 6), from the repository root, with gpt-fast's
 # sources carried along in the ignored folder .carry-gptfast (made here, on the development
-# machine, by tools/bench/fetch_gpt_fast.sh; never committed):
+# machine, by bench/tools/fetch_gpt_fast.sh; never committed):
 #
-#   tools/bench/gpu_run_baselines.sh PART...
+#   bench/tools/baselines.sh PART...
 #
 # PART is IMPL:SHAPE with IMPL one of
 #   hf           transformers eager (bench/hf_step_baseline.py), about 1 minute a shape
-#   gptfast      gpt-fast, torch.compile + CUDA graphs, one GPU (tools/bench/gpt_fast_bench.py);
+#   gptfast      gpt-fast, torch.compile + CUDA graphs, one GPU (bench/tools/gpt_fast_bench.py);
 #                every case compiles once, so this takes up to GF_BUDGET_S (+ one case)
 #   gptfast-tp2  the same under torchrun --nproc_per_node 2 with gpt-fast's tp.apply_tp
 #                (needs 2 GPUs)
 # and SHAPE one of 8b (Llama-3.1-8B), 1b (Llama-3.2-1B). Example, one command each so that each
 # stays under 10 minutes:
-#   tools/bench/gpu_run_baselines.sh hf:8b hf:1b
-#   tools/bench/gpu_run_baselines.sh gptfast:8b
-#   GF_TREES=16,64 tools/bench/gpu_run_baselines.sh gptfast:1b gptfast-tp2:8b
+#   bench/tools/baselines.sh hf:8b hf:1b
+#   bench/tools/baselines.sh gptfast:8b
+#   GF_TREES=16,64 bench/tools/baselines.sh gptfast:1b gptfast-tp2:8b
 #
 # Settings (environment):
 #   CONTEXTS        512,2048,8192
@@ -87,7 +87,7 @@ gptfast_parallel() {
       [ "$n" = 0 ] || targs=(--trees "$n" --no-decode)
       logs+=("$out/$tag.log")
       TORCHINDUCTOR_COMPILE_THREADS=$threads timeout "${GF_TIMEOUT_S:-600}" python3 \
-        tools/bench/gpt_fast_bench.py --shape "$full" --gpt-fast-dir "$gf_dir" --contexts "$c" \
+        bench/tools/gpt_fast_bench.py --shape "$full" --gpt-fast-dir "$gf_dir" --contexts "$c" \
         "${targs[@]}" --runs "$runs" --budget-s 1e9 --json "$out/$tag.json" \
         --gate-dir "$gate" --gate-count "${#part[@]}" ${GF_ARGS:-} > "$out/$tag.log" 2>&1 &
       pids+=($!)
@@ -138,7 +138,7 @@ for part in "$@"; do
         continue
       fi
       if [ ! -f "$gf_dir/model.py" ]; then
-        echo "== $name: no $gf_dir/model.py (run tools/bench/fetch_gpt_fast.sh on the" \
+        echo "== $name: no $gf_dir/model.py (run bench/tools/fetch_gpt_fast.sh on the" \
              "development machine and carry .carry-gptfast)" >&2
         fail=$((fail + 1))
         continue
@@ -146,7 +146,7 @@ for part in "$@"; do
       launcher=(python3)
       [ "$impl" = gptfast-tp2 ] && launcher=(python3 -m torch.distributed.run --standalone
                                              --nproc_per_node 2)
-      cmd=(timeout ${GF_TIMEOUT_S:-$((gf_budget + 240))} "${launcher[@]}" tools/bench/gpt_fast_bench.py
+      cmd=(timeout ${GF_TIMEOUT_S:-$((gf_budget + 240))} "${launcher[@]}" bench/tools/gpt_fast_bench.py
            --shape "$full" --gpt-fast-dir "$gf_dir" --contexts "${GF_CONTEXTS:-$contexts}"
            --trees "${GF_TREES:-$trees}" --runs "$runs" --budget-s "$gf_budget" --json "$json"
            ${GF_ARGS:-}) ;;

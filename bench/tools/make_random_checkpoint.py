@@ -5,9 +5,9 @@ Runs on the GPU host (torch + safetensors): weights are drawn on the GPU with a 
 (normal, std 0.02; norms are ones) and saved with safetensors in one file. Llama-3.1-8B is
 16 GB: write it to /tmp on the host, never into the repository.
 
-  python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
-  python3 tools/bench/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/specd-1b
-  python3 tools/bench/make_random_checkpoint.py --shape llama-3.1-70b --layers 8 --out /tmp/specd-70b8
+  python3 bench/tools/make_random_checkpoint.py --shape llama-3.1-8b --out /tmp/specd-8b
+  python3 bench/tools/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/specd-1b
+  python3 bench/tools/make_random_checkpoint.py --shape llama-3.1-70b --layers 8 --out /tmp/specd-70b8
 """
 import argparse
 import json

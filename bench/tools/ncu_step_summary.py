@@ -6,7 +6,7 @@ one row per kernel (graph nodes one by one). Kernels are grouped by a short fami
 device the table gives launches, total and median microseconds, and the share of the step's
 kernel time; the caller compares the total with the step's wall time to see the gaps.
 
-  python3 tools/bench/ncu_step_summary.py ncu.csv
+  python3 bench/tools/ncu_step_summary.py ncu.csv
 """
 import csv
 import re

@@ -2,10 +2,10 @@
 # Copies gpt-fast's Python sources (pytorch-labs/gpt-fast: model.py, generate.py, tp.py and what
 # they import) out of a local bare mirror of that repository into an ignored folder, so that
 # they can travel to the GPU host beside the working tree. gpt-fast is a peer baseline: its code
-# is never committed here (.gitignore ignores /.carry-*/); tools/bench/gpt_fast_bench.py imports
+# is never committed here (.gitignore ignores /.carry-*/); bench/tools/gpt_fast_bench.py imports
 # it from the folder at run time.
 #
-#   tools/bench/fetch_gpt_fast.sh [MIRROR_GIT_DIR] [DEST] [REV]
+#   bench/tools/fetch_gpt_fast.sh [MIRROR_GIT_DIR] [DEST] [REV]
 #
 #   MIRROR_GIT_DIR  a git directory holding gpt-fast's history (default: the first
 #                   /work/.mirror/pytorch-labs+gpt-fast*/repo, as the mirror tool leaves it)

@@ -14,12 +14,12 @@ CUDA graphs) at the shapes of cuda_step_bench, batch 1, random bf16 weights, in 
                 that many nodes. Forward only (speculative_decode's eager acceptance is not
                 timed).
 
-gpt-fast's code is not part of this repository: tools/bench/fetch_gpt_fast.sh copies it into
+gpt-fast's code is not part of this repository: bench/tools/fetch_gpt_fast.sh copies it into
 an ignored folder (default .carry-gptfast/gpt-fast), and this script imports model.py,
 generate.py and tp.py from there (tokenizer.py needs sentencepiece and tiktoken; a stub takes its
 place when they are missing: no tokenizer is used).
 
-The model is gpt-fast's Transformer built from ModelArgs of the shape (tools/bench/
+The model is gpt-fast's Transformer built from ModelArgs of the shape (bench/tools/
 llama_shapes.py), initialised on the device (seed 0; linear and embedding weights N(0, 0.02²),
 norms ones; tied embeddings for Llama-3.2-1B), KV cache by setup_caches(max_batch_size=1,
 max_seq_length=context + --cache-extra), as generate.py sizes it for prompt + new tokens;
@@ -34,10 +34,10 @@ decoding with tensor parallelism), then eagerly, and the table says which ran. C
 Tensor parallelism: under torchrun --nproc_per_node N, each rank applies gpt-fast's
 tp.apply_tp (NCCL, functional all-reduces inside the compiled graph) and rank 0 reports.
 
-  python3 tools/bench/gpt_fast_bench.py --shape llama-3.1-8b [--contexts 512,2048,8192]
+  python3 bench/tools/gpt_fast_bench.py --shape llama-3.1-8b [--contexts 512,2048,8192]
       [--trees 64,16,256,128,1] [--runs 20] [--budget-s 230] [--json OUT.json]
-  torchrun --standalone --nproc_per_node 2 tools/bench/gpt_fast_bench.py --shape llama-3.1-8b
-  python3 tools/bench/gpt_fast_bench.py --shape tiny --device cpu --no-compile   (smoke test)
+  torchrun --standalone --nproc_per_node 2 bench/tools/gpt_fast_bench.py --shape llama-3.1-8b
+  python3 bench/tools/gpt_fast_bench.py --shape tiny --device cpu --no-compile   (smoke test)
 """
 import os
 
@@ -126,7 +126,7 @@ def import_gpt_fast(path):
     """Imports gpt-fast's model.py and the step functions of its generate.py from `path`."""
     path = os.path.abspath(path)
     if not os.path.isfile(os.path.join(path, "model.py")):
-        raise SystemExit(f"no gpt-fast model.py in {path}: run tools/bench/fetch_gpt_fast.sh "
+        raise SystemExit(f"no gpt-fast model.py in {path}: run bench/tools/fetch_gpt_fast.sh "
                          "here and carry the folder along")
     sys.path.insert(0, path)
     try:
