@@ -5,10 +5,10 @@
 # is never committed here (.gitignore ignores /.carry-*/); bench/tools/gpt_fast_bench.py imports
 # it from the folder at run time.
 #
-#   bench/tools/fetch_gpt_fast.sh [MIRROR_GIT_DIR] [DEST] [REV]
+#   bench/tools/fetch_gpt_fast.sh MIRROR_GIT_DIR [DEST] [REV]
 #
-#   MIRROR_GIT_DIR  a git directory holding gpt-fast's history (default: the first
-#                   /work/.mirror/pytorch-labs+gpt-fast*/repo, as the mirror tool leaves it)
+#   MIRROR_GIT_DIR  a git directory holding gpt-fast's history (a bare clone of
+#                   https://github.com/pytorch-labs/gpt-fast, or a clone's .git)
 #   DEST            default .carry-gptfast/gpt-fast (relative to the repository root)
 #   REV             default HEAD (the mirror's main)
 #
@@ -19,16 +19,8 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 mirror=${1:-}
-if [ -z "$mirror" ]; then
-  for d in /work/.mirror/pytorch-labs+gpt-fast*/repo /work/.mirror/pytorch-labs+gpt-fast*; do
-    if git --git-dir="$d" rev-parse --verify -q HEAD > /dev/null 2>&1; then
-      mirror=$d
-      break
-    fi
-  done
-fi
-if [ -z "$mirror" ]; then
-  echo "no gpt-fast mirror found: pass its git directory as the first argument" >&2
+if [ -z "$mirror" ] || ! git --git-dir="$mirror" rev-parse --verify -q HEAD >/dev/null 2>&1; then
+  echo "usage: $0 MIRROR_GIT_DIR [DEST] [REV]: a git directory holding gpt-fast's history" >&2
   exit 2
 fi
 dest=${2:-.carry-gptfast/gpt-fast}

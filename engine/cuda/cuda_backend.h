@@ -296,7 +296,7 @@ private:
   // drop costs an L2 round trip in the kernel that issues it, while a few
   // rows' intermediates cost little write-back: the measured break-even lies
   // between decode (1 token: drops cost ~1 us a layer) and a 64-node verify
-  // (65 tokens: the GEMMs 3.6 us a layer faster), bench/RESULTS.md.
+  // (65 tokens: the GEMMs 3.6 us a layer faster), bench/history/.
   int64_t l2_discard_min_tokens_ = 16;
   // l2_discard_, for a step of step.T tokens.
   bool DropDead(const Step &step) const;

@@ -161,7 +161,7 @@ inline bool PdlEnabled(const char* site) {
 // a small split, the 64-node verify attention (200 CTAs of 80 KB, two an SM) fitted one CTA on
 // some SMs and ran 43-45 us a layer instead of 37 (cuda_step_bench --trace). Asking for the same
 // split everywhere took 0.18 ms off that 8B step and left decode and 16 nodes as they were
-// (bench/RESULTS.md, tenth run); none of these kernels leans on L1. SPECD_SMEM_CARVEOUT=P
+// (bench/history/16-gpu-run-10.md); none of these kernels leans on L1. SPECD_SMEM_CARVEOUT=P
 // (0-100) asks for P instead, a value outside 0-100 for nothing (the driver's choice), for A/B
 // runs; read once.
 inline int SmemCarveout() {

@@ -276,7 +276,7 @@ __device__ __forceinline__ float MergeValue(int mode, float big, float o, float 
 // kWg (plain jobs of swizzled stages): the warpgroup's four warps compute S and P V together with
 // wgmma, B read straight from the stage (K at k_smem, V at v_smem: shared-memory addresses), and
 // every warp must call, rows or not. A wgmma adds each 16-wide k-step's products into the fp32
-// accumulator as m16n8k16 does (bench/RESULTS.md: cuBLASLt's Hopper kernels and an mma.sync
+// accumulator as m16n8k16 does (bench/history/: cuBLASLt's Hopper kernels and an mma.sync
 // chain give the same bits; tree_attention_cuda_test checks plain wgmma jobs against window
 // mma.sync passes bit for bit), so the arithmetic of a row does not depend on the path.
 template <int HD, bool kWg = false, bool kFewColumns = false, typename KeyAt, typename ValAt>
@@ -740,7 +740,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   // block-table read before any copy, so that their latencies overlap instead of each copy
   // waiting for its own, and a key's element offset is its block's base (entry * blk_elems, one
   // unsigned 32 x 32 -> 64-bit multiply) plus its row in the block. ncu's SASS counters
-  // (bench/RESULTS.md, eighth run) put the loads before that multiply at ~38 instructions a K/V
+  // (bench/history/14-gpu-run-08.md) put the loads before that multiply at ~38 instructions a K/V
   // copy pair, where the generic phys() took ~50.
   constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
   constexpr int kCopies = kKeys * kPieces / kThreads;

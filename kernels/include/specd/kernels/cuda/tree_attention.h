@@ -67,7 +67,7 @@ inline constexpr int kTreeAttentionTileRows = 64;
 // and the combine kernel's merge, so fewer, longer chunks make verify steps cheaper (a 64-node
 // tree at 2K keys: 9 chunk states a row instead of 17), at the price of fewer CTAs for a batch-1
 // decode at short contexts (8 KV heads x 9 chunks = 72 CTAs at 2K). Measured on an H200 against
-// 128 keys (bench/RESULTS.md, seventh run): the 64-node 8B step 6.6% faster, decode at 2K 2-4%
+// 128 keys (bench/history/13-gpu-run-07.md): the 64-node 8B step 6.6% faster, decode at 2K 2-4%
 // slower, attention at 8K keys ~20% faster for decode and verify alike.
 inline constexpr int kTreeAttentionChunkKeys = 256;
 // The largest head_dim TreeAttentionCuda accepts: the largest that FlashAttention and vLLM serve
