@@ -133,9 +133,9 @@ class Backend {
 absl::Status CheckVerifySupport(const VerifyFeatures& features, const SamplingParams& sampling,
                                 int logprobs, const std::string& backend);
 
-// Tree acceptance on the host (DESIGN.md, lossless verification) of `item` (its tree, sampling,
-// history and logprobs). `rows` holds the logits of the last pending token followed by those
-// of every tree node: [1 + tree.size(), vocab]. `first_position` is the absolute position of
+// Tree acceptance on the host (docs/architecture.md, lossless verification) of `item` (its tree,
+// sampling, history and logprobs). `rows` holds the logits of the last pending token followed by
+// those of every tree node: [1 + tree.size(), vocab]. `first_position` is the absolute position of
 // the token sampled from rows[0]. Only the rows the walk reaches are processed and sampled.
 VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows,
                                int vocab_size, int64_t first_position);

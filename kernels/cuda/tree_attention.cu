@@ -225,17 +225,17 @@ __device__ __forceinline__ void SetBitsOfRanks(const uint32_t* words, int k_lo, 
   }
 }
 
-// Batch invariance (DESIGN.md, lossless verification): a row's result is a function of its own
-// query and its own visible keys only. Keys are numbered by RANK, the position in the query's
-// logical key order (the committed prefix and chain, then its tree ancestors), which is the
-// order a plain decode of the same token sees them in. Chunk c is ranks [c * kChunk, +kChunk)
-// for every query, whatever the batch, tile or split; inside it 64-rank sub-chunks sit at fixed
+// Batch invariance (docs/architecture.md, lossless verification): a row's result is a function of
+// its own query and its own visible keys only. Keys are numbered by RANK, the position in the
+// query's logical key order (the committed prefix and chain, then its tree ancestors), which is the
+// order a plain decode of the same token sees them in. Chunk c is ranks [c * kChunk, +kChunk) for
+// every query, whatever the batch, tile or split; inside it 64-rank sub-chunks sit at fixed
 // offsets, rank R0 + i in column i of the score tile. Each chunk starts a fresh online softmax
-// whose per-row arithmetic is fixed: sub-chunks in order, each one AttendColumns pass; chunk
-// states are merged in chunk order with one fixed formula (MergeWeights), in this kernel when a
-// CTA owns all chunks, or in the combine kernel when chunks are split over CTAs: both give the
-// same bits. Every float operation that a compiler could contract or reorder is spelled out
-// with _rn intrinsics.
+// whose per-row arithmetic is fixed: sub-chunks in order, each one AttendColumns pass; chunk states
+// are merged in chunk order with one fixed formula (MergeWeights), in this kernel when a CTA owns
+// all chunks, or in the combine kernel when chunks are split over CTAs: both give the same bits.
+// Every float operation that a compiler could contract or reorder is spelled out with _rn
+// intrinsics.
 //
 // Merging a chunk state (m, l) into the running one (big_m, big_l): returns 0 (nothing to merge:
 // the chunk saw no key), 1 (the running state was empty: take the chunk's o as is) or 2 (o_new =
