@@ -68,7 +68,7 @@ fi
 
 if [ $dry -eq 1 ]; then
   printf 'executable %s\n' "${exes[@]#"$build"/}"
-  printf 'library %s\n' "${libs[@]}"
+  [ ${#libs[@]} -eq 0 ] || printf 'library %s\n' "${libs[@]}"
   echo "would pack ${#exes[@]} executables and ${#libs[@]} libraries into $out/pack.tgz"
   exit 0
 fi

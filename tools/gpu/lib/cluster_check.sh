@@ -55,9 +55,13 @@ cmd_cluster() (
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
   }
   local verify draft router tp start failed=0 rc mode id ids n i t0 t1 pid spids ids_list
-  verify=127.0.0.1:$(free_port)
-  draft=127.0.0.1:$(free_port)
-  router=127.0.0.1:$(free_port)
+  if [ $dry -eq 1 ]; then  # ports are picked when it runs
+    verify=127.0.0.1:50052 draft=127.0.0.1:50051 router=127.0.0.1:50050
+  else
+    verify=127.0.0.1:$(free_port)
+    draft=127.0.0.1:$(free_port)
+    router=127.0.0.1:$(free_port)
+  fi
   tp=$(echo "$verify_devices" | tr ',' '\n' | wc -l)
   echo "== verify on GPUs $verify_devices (tensor parallel $tp), draft $draft_device, router $router"
   x "$BIN/specd-verify" --address "$verify" --metrics_port 0 --tensor_parallel "$tp" \
