@@ -384,7 +384,7 @@ def main():
     ap.add_argument("--gate-dir", default="",
                     help="time only once --gate-count processes sharing this directory have "
                     "compiled, one at a time (see Gate; single-case processes run side by side "
-                    "by gpu_run_baselines.sh with GF_PARALLEL)")
+                    "by baselines.sh with GF_PARALLEL)")
     ap.add_argument("--gate-count", type=int, default=1)
     ap.add_argument("--gate-timeout-s", type=float, default=900)
     args = ap.parse_args()
