@@ -8,7 +8,7 @@
 // heuristic's first pick (the row-invariance families of cuda::Gemm need that).
 //   cuda_gemm_tiles_bench --n 28672 --k 4096 --m 65 [--splits 1] [--tiles 317,399,455,492]
 //       [--clusters 2,3,4]
-// A diagnostic for the GPU host (bench/RESULTS.md), not a test.
+// A diagnostic for the GPU host (bench/history/), not a test.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

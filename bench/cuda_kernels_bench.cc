@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "benchmark/benchmark.h"
+#include "engine/cuda/cuda_tuning.h"
 #include "engine/tree_mask.h"
 #include "specd/kernels/cuda/gemm.h"
 #include "specd/kernels/cuda/rmsnorm.h"
@@ -553,4 +554,13 @@ BENCHMARK(BM_Gemm)
 }  // namespace
 }  // namespace specd
 
-BENCHMARK_MAIN();
+// The kernels launch as a backend would launch them: SPECD_PDL, SPECD_PDL_OFF and
+// SPECD_SMEM_CARVEOUT apply here too (docs/tuning.md), for A/B runs of the kernels alone.
+int main(int argc, char** argv) {
+  specd::cuda::SetLaunchTuning(specd::CudaTuningFromEnvironment().launch);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -8,7 +8,7 @@
 // graph is captured on its second use).
 //
 // Run (GPU host, random bf16 checkpoints from
-// tools/bench/make_random_checkpoint.py):
+// bench/tools/make_random_checkpoint.py):
 //   cuda_step_bench --model /tmp/specd-llama-3.1-8b [--label 8B] [--runs 20]
 //       [--contexts 512,2048,8192] [--trees 1,16,64,128,256]
 //       [--tp N] [--custom_bytes B] [--graphs both|on|off] [--profile NODES]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Peer baseline: Hugging Face transformers, eager (no torch.compile, no CUDA graphs), one step
 at a time at the shapes of cuda_step_bench: LlamaForCausalLM built from the LlamaConfig of
-Llama-3.1-8B or Llama-3.2-1B (tools/bench/llama_shapes.py) with random bf16 weights on the GPU
+Llama-3.1-8B or Llama-3.2-1B (bench/tools/llama_shapes.py) with random bf16 weights on the GPU
 (seed 0; linear and embedding weights N(0, 0.02²), norms ones), batch 1, default SDPA
 attention, a DynamicCache filled to the context by chunked forwards.
 
@@ -12,7 +12,7 @@ attention, a DynamicCache filled to the context by chunked forwards.
 
 After each step the cache is cropped back to the context (DynamicCache.crop, outside the timed
 region for "step ms"), so every step runs at the same context. The logits of every new token
-are computed, as a verify step needs them. Table format: tools/bench/step_timing.py.
+are computed, as a verify step needs them. Table format: bench/tools/step_timing.py.
 
   PYTHONUNBUFFERED=1 python3 bench/hf_step_baseline.py --shape llama-3.1-8b \
       [--contexts 512,2048,8192] [--trees 1,16,64,128,256] [--runs 20] [--json OUT.json]
@@ -25,7 +25,7 @@ import traceback
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
+sys.path.insert(0, os.path.join(REPO, "bench", "tools"))
 import llama_shapes  # noqa: E402
 import step_timing as st  # noqa: E402
 

@@ -11,7 +11,7 @@
 
 namespace specd {
 
-// Largest tree a drafter may propose and a verifier accepts (DESIGN.md, wire formats).
+// Largest tree a drafter may propose and a verifier accepts (docs/architecture.md, wire formats).
 inline constexpr int kMaxTreeNodes = 256;
 
 // A draft tree hanging below the last committed token of a sequence.

@@ -141,9 +141,9 @@ class Backend {
 absl::Status CheckVerifySupport(const VerifyFeatures& features, const SamplingParams& sampling,
                                 int logprobs, const std::string& backend);
 
-// Tree acceptance on the host (DESIGN.md, lossless verification) of `item` (its tree, sampling,
-// history and logprobs). `rows` holds the logits of the last pending token followed by those
-// of every tree node: [1 + tree.size(), vocab]. `first_position` is the absolute position of
+// Tree acceptance on the host (docs/architecture.md, lossless verification) of `item` (its tree,
+// sampling, history and logprobs). `rows` holds the logits of the last pending token followed by
+// those of every tree node: [1 + tree.size(), vocab]. `first_position` is the absolute position of
 // the token sampled from rows[0]. Only the rows the walk reaches are processed and sampled.
 VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows,
                                int vocab_size, int64_t first_position);
@@ -195,16 +195,9 @@ struct BackendOptions {
   bool cuda_graphs = true;
   // cuda: GEMMs of up to this many rows share one cuBLASLt algorithm per weight, so a token's
   // logits do not depend on how many other tokens share its step (speculative greedy equals
-  // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape. The row classes that pick
-  // faster bit-identical algorithms end at the verify buckets 2^j + 1; SPECD_GEMM_CLASSES=pow2
-  // in the environment restores plain doubling classes (A/B). SPECD_GEMM_TIMING=0 picks every
-  // algorithm without timing (the same picks in every process, for A/B runs of other changes;
-  // possibly slower). Likewise (kernels/cuda/device_utils.cuh) SPECD_PDL=0 launches the short
-  // kernels without programmatic dependent launch, SPECD_PDL_OFF=attention,combine,... only
-  // those, and SPECD_SMEM_CARVEOUT=P asks for P% of L1 as shared memory instead of 100;
-  // SPECD_SHARED_SPINE=0 gives each verified token its own spine end as mask_begin instead of
-  // one per sequence (the same keys; more attention window groups); SPECD_ATTN_CHUNKS_PER_CTA=N
-  // overrides the attention planner's key chunks a CTA (the CTA count; the same bits).
+  // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape. The CUDA backend's tuning
+  // and A/B switches (SPECD_GEMM_TIMING, SPECD_PDL, ...) are not options: they are read once
+  // from the environment when a backend is created (engine/cuda/cuda_tuning.h, docs/tuning.md).
   int64_t cuda_gemm_invariant_rows = 1024;
 };
 

@@ -1,7 +1,7 @@
-// Sampling parameters, the logits processors that read a sequence's history, the
-// position-keyed sampler shared by target-only decoding and tree verification, and
-// log-probabilities. Randomness comes from Philox keyed by (seed, absolute position), so the
-// token drawn at a position depends only on the prefix, the seed and the position (DESIGN.md).
+// Sampling parameters, the logits processors that read a sequence's history, the position-keyed
+// sampler shared by target-only decoding and tree verification, and log-probabilities. Randomness
+// comes from Philox keyed by (seed, absolute position), so the token drawn at a position depends
+// only on the prefix, the seed and the position (docs/architecture.md, lossless verification).
 //
 // Order of operations, as vLLM's v1 sampler (vllm/v1/sample/sampler.py) applies them, so that
 // a request gives what users comparing with vLLM expect:

@@ -24,7 +24,7 @@ int32_t SpineEnd(absl::Span<const int32_t> parents, absl::Span<const int32_t> de
 // One spine end for all the step's masked tokens of a sequence (those past their own spine end:
 // tree nodes), the lowest of theirs; nullopt when the step has none. The attention kernel forms
 // one window group per run of equal mask_begin among a tile's queries, and runs the groups one
-// after another; a breadth-first tree's own spine ends alternate (ninth run, bench/RESULTS.md).
+// after another; a breadth-first tree's own spine ends alternate (bench/history/15-gpu-run-09.md).
 // spine_ends[j] is the own spine end of the step's token j, at scratch node first_index + j.
 std::optional<int32_t> SharedSpineEnd(absl::Span<const int32_t> spine_ends, int32_t first_index);
 

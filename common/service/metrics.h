@@ -1,7 +1,8 @@
 // Prometheus metrics for the specd services: a thin layer over prometheus-cpp core (registry,
 // metric families, TextSerializer) plus our own HTTP listener for GET /metrics and GET /health.
 // prometheus-cpp's civetweb Exposer is not used: it cannot start in a process that links
-// cuBLASLt (../shared/device/README.md, "Pitfalls"). Metric names are the contract in
+// cuBLASLt, whose ~94 KB of static thread-local storage leaves civetweb's small worker-thread
+// stacks no room ("null context when constructing CivetServer"). Metric names are the contract in
 // docs/metrics.md.
 #ifndef SPECD_COMMON_SERVICE_METRICS_H_
 #define SPECD_COMMON_SERVICE_METRICS_H_

@@ -1,5 +1,5 @@
 // Unicode helpers for the tokenizer: character classes, lenient UTF-8 decoding, Rust-style
-// lossy UTF-8 repair and NFC. Tables come from tools/gen_unicode_tables.py.
+// lossy UTF-8 repair and NFC. Tables come from tools/codegen/gen_unicode_tables.py.
 #ifndef SPECD_COMMON_TEXT_UNICODE_H_
 #define SPECD_COMMON_TEXT_UNICODE_H_
 

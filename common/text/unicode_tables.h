@@ -1,5 +1,5 @@
 // Declarations of the generated Unicode tables in common/text/unicode_tables.cc
-// (tools/gen_unicode_tables.py). Use the functions of common/text/unicode.h instead.
+// (tools/codegen/gen_unicode_tables.py). Use the functions of common/text/unicode.h instead.
 #ifndef SPECD_COMMON_TEXT_UNICODE_TABLES_H_
 #define SPECD_COMMON_TEXT_UNICODE_TABLES_H_
 

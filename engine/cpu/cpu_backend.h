@@ -17,7 +17,7 @@
 // order, so a tree node's logits are bit-identical to those of the same token decoded alone
 // after its path, and a sequence's logits do not depend on the other sequences in the batch.
 //
-// Not thread-safe: one thread drives a backend (DESIGN.md: one thread owns each model).
+// Not thread-safe: one thread drives a backend (docs/architecture.md: one thread owns each model).
 #ifndef SPECD_ENGINE_CPU_CPU_BACKEND_H_
 #define SPECD_ENGINE_CPU_CPU_BACKEND_H_
 

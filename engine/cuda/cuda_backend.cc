@@ -69,13 +69,6 @@ int64_t NextPow2(int64_t n) {
 // tree rounded up to a power of two (2, 3, 5, 9, ..., 257).
 int64_t TokenBucket(int64_t n) { return n <= 1 ? 1 : 1 + NextPow2(n - 1); }
 
-// Whether the environment variable `name` is set to `value` (the A/B and
-// debugging switches of BackendOptions' comments).
-bool EnvIs(const char *name, const char *value) {
-  const char *env = std::getenv(name);
-  return env != nullptr && std::string(env) == value;
-}
-
 template <typename T> T *At(void *base, size_t offset) {
   return reinterpret_cast<T *>(static_cast<uint8_t *>(base) + offset);
 }
@@ -122,7 +115,8 @@ private:
 
 absl::StatusOr<std::unique_ptr<CudaBackend>>
 CudaBackend::Create(const std::string &dir, int device,
-                    const BackendOptions &options, const CudaTpRank *tp) {
+                    const BackendOptions &options, const CudaTpRank *tp,
+                    const CudaTuning *tuning) {
   if (options.kv_capacity_tokens <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("kv_capacity_tokens must be positive, got ",
@@ -176,15 +170,20 @@ CudaBackend::Create(const std::string &dir, int device,
       }
     }
   }
+  const CudaTuning parsed =
+      tuning != nullptr ? *tuning : CudaTuningFromEnvironment();
+  cuda::SetLaunchTuning(parsed.launch);
   std::unique_ptr<CudaBackend> backend(
-      new CudaBackend(*std::move(config), device, options, tp));
+      new CudaBackend(*std::move(config), device, options, tp, parsed));
   SPECD_RETURN_IF_ERROR_(backend->Init());
   return backend;
 }
 
 CudaBackend::CudaBackend(ModelConfig config, int device,
-                         const BackendOptions &options, const CudaTpRank *tp)
-    : config_(std::move(config)), device_(device), options_(options) {
+                         const BackendOptions &options, const CudaTpRank *tp,
+                         const CudaTuning &tuning)
+    : config_(std::move(config)), device_(device), options_(options),
+      tuning_(tuning) {
   if (tp != nullptr && tp->plan->world_size > 1) {
     tp_ = *tp;
     world_ = tp->plan->world_size;
@@ -202,16 +201,11 @@ CudaBackend::CudaBackend(ModelConfig config, int device,
       vocab_rows_max_ = std::max(vocab_rows_max_, rp.vocab.size());
   }
   kv_dim_ = kv_heads_ * config_.head_dim;
-  graphs_enabled_ = options_.cuda_graphs && !EnvIs("SPECD_CUDA_GRAPHS", "0");
-  l2_discard_ = !EnvIs("SPECD_L2_DISCARD", "0");
-  if (const char *env = std::getenv("SPECD_L2_DISCARD_MIN_TOKENS"))
-    l2_discard_min_tokens_ = std::max(1, std::atoi(env));
-  if (world_ == 1) {
-    residual_splits_ = 2;
-    if (const char *env = std::getenv("SPECD_RESIDUAL_SPLITS")) {
-      residual_splits_ = std::clamp(std::atoi(env), 1, 8);
-    }
-  }
+  graphs_enabled_ = options_.cuda_graphs && tuning_.cuda_graphs;
+  l2_discard_ = tuning_.l2_discard;
+  l2_discard_min_tokens_ = tuning_.l2_discard_min_tokens;
+  if (world_ == 1)
+    residual_splits_ = tuning_.residual_splits;
 }
 
 bool CudaBackend::DropDead(const Step &step) const {
@@ -237,7 +231,7 @@ CudaBackend::~CudaBackend() {
     cudaStreamSynchronize(stream_);
   // The GEMM algorithms this process ended up with, per weight shape and row
   // class (benchmark runs: which cuBLASLt kernel a step's time went to).
-  if (gemm_ != nullptr && EnvIs("SPECD_GEMM_SUMMARY", "1"))
+  if (gemm_ != nullptr && tuning_.gemm_summary)
     std::fprintf(stderr, "GEMM picks, device %d:\n%s", device_,
                  gemm_->Summary().c_str());
   ClearGraphs();
@@ -379,9 +373,9 @@ absl::Status CudaBackend::Init() {
   if (cublasStatus_t st = cuda::Gemm::Create(
           size_t{128} << 20, &gemm_, options_.cuda_gemm_invariant_rows,
           /*plan_rows=*/16,
-          /*bucket_classes=*/!EnvIs("SPECD_GEMM_CLASSES", "pow2"),
-          /*timed_picks=*/!EnvIs("SPECD_GEMM_TIMING", "0"),
-          /*retile=*/!EnvIs("SPECD_GEMM_RETILE", "0"));
+          /*bucket_classes=*/tuning_.gemm_bucket_classes,
+          /*timed_picks=*/tuning_.gemm_timed_picks,
+          /*retile=*/tuning_.gemm_retile);
       st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(
         absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));
@@ -826,7 +820,7 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
     // One spine end for the sequence's masked tokens (engine/tree_mask.h: the
     // same keys, one attention window group a tile instead of one per run).
     // SPECD_SHARED_SPINE=0 keeps each token's own spine end (A/B runs).
-    static const bool share_spine = !EnvIs("SPECD_SHARED_SPINE", "0");
+    const bool share_spine = tuning_.shared_spine;
     const std::optional<int32_t> shared_a =
         share_spine ? SharedSpineEnd(batch.spine[b],
                                      static_cast<int32_t>(s.scratch_parents.size()))
@@ -929,10 +923,7 @@ absl::Status CudaBackend::LayoutForward(absl::Span<const ForwardItem> items,
   // SPECD_ATTN_CHUNKS_PER_CTA=N, an A/B switch: N key chunks a CTA instead of the planner's
   // choice (its WaveCost model), to time the model against the step. It changes the CTA count,
   // never the bits.
-  static const int chunks_override = [] {
-    const char *env = std::getenv("SPECD_ATTN_CHUNKS_PER_CTA");
-    return env != nullptr ? std::max(0, std::atoi(env)) : 0;
-  }();
+  const int chunks_override = tuning_.attn_chunks_per_cta;
   if (chunks_override > 0 && plan.num_splits > 1)
     plan.chunks_per_cta = std::min(chunks_override, plan.num_splits);
   step->num_tiles = static_cast<int64_t>(plan.tile_begin.size());

@@ -63,6 +63,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
+#include "engine/cuda/cuda_tuning.h"
 #include "engine/model_config.h"
 #include "common/io/safetensors.h"
 #include "engine/tp/tp_plan.h"
@@ -103,10 +104,13 @@ public:
   static constexpr int kAllReduceSites = 3;
 
   // Loads the model folder `dir` onto CUDA device `device`; with `tp`, only
-  // that rank's slice of it (call on the rank's own thread).
+  // that rank's slice of it (call on the rank's own thread). `tuning` holds the
+  // switches of docs/tuning.md; nullptr reads them from the environment
+  // (CudaTuningFromEnvironment). Creating a backend also sets the kernel
+  // library's launches from tuning->launch (cuda::SetLaunchTuning).
   static absl::StatusOr<std::unique_ptr<CudaBackend>>
   Create(const std::string &dir, int device, const BackendOptions &options,
-         const CudaTpRank *tp = nullptr);
+         const CudaTpRank *tp = nullptr, const CudaTuning *tuning = nullptr);
   ~CudaBackend() override;
 
   const ModelConfig &config() const override { return config_; }
@@ -218,7 +222,7 @@ private:
   };
 
   CudaBackend(ModelConfig config, int device, const BackendOptions &options,
-              const CudaTpRank *tp);
+              const CudaTpRank *tp, const CudaTuning &tuning);
   absl::Status Init();
   // One checkpoint tensor, or this rank's rows or columns of it (`shape` is
   // the full shape, checked).
@@ -286,6 +290,8 @@ private:
   ModelConfig config_;
   int device_ = 0;
   BackendOptions options_;
+  // The switches of docs/tuning.md, parsed once before this backend was made.
+  CudaTuning tuning_;
   // This rank's part of the model (all of it without tensor parallelism) and
   // its sizes: query heads, KV heads, FFN columns, vocabulary rows.
   CudaTpRank tp_;
@@ -304,7 +310,7 @@ private:
   // drop costs an L2 round trip in the kernel that issues it, while a few
   // rows' intermediates cost little write-back: the measured break-even lies
   // between decode (1 token: drops cost ~1 us a layer) and a 64-node verify
-  // (65 tokens: the GEMMs 3.6 us a layer faster), bench/RESULTS.md.
+  // (65 tokens: the GEMMs 3.6 us a layer faster), bench/history/.
   int64_t l2_discard_min_tokens_ = 16;
   // l2_discard_, for a step of step.T tokens.
   bool DropDead(const Step &step) const;

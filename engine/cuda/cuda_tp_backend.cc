@@ -76,9 +76,11 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
     info.custom = backend->custom_.get();
   }
   CudaTensorParallelBackend* b = backend.get();
+  // Parsed once for the group: every rank runs with the same switches.
+  const CudaTuning tuning = CudaTuningFromEnvironment();
   absl::Status loaded = b->workers_.Run([&](int r) -> absl::Status {
     absl::StatusOr<std::unique_ptr<CudaBackend>> rank =
-        CudaBackend::Create(dir, tp.devices[r], options, &b->rank_info_[r]);
+        CudaBackend::Create(dir, tp.devices[r], options, &b->rank_info_[r], &tuning);
     if (!rank.ok()) return rank.status();
     b->ranks_[r] = std::move(*rank);
     return absl::OkStatus();

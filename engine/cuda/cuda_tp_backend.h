@@ -1,6 +1,6 @@
 // Tensor-parallel CUDA backend: the model sharded over N GPUs of one process, any N >= 1
-// (DESIGN.md: the reference deployment verifies on 7). One worker thread a GPU (RankWorkers),
-// each driving one CudaBackend rank that holds its slice of the weights and KV cache
+// (docs/architecture.md: the reference deployment verifies on 7). One worker thread a GPU
+// (RankWorkers), each driving one CudaBackend rank that holds its slice of the weights and KV cache
 // (engine/tp/tp_plan.h); the ranks all-reduce through the custom one-shot kernel over NVLink peer
 // memory (engine/cuda/custom_allreduce.h) and NCCL (engine/cuda/nccl_group.h).
 //

@@ -62,7 +62,7 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Create(const std::vector<i
   if (std::set<int>(devices.begin(), devices.end()).size() != devices.size()) {
     return absl::InvalidArgumentError("nccl: a communicator takes one rank per device");
   }
-  // Never NVLink multicast (DESIGN.md); overwrite whatever the environment says.
+  // Never NVLink multicast (docs/architecture.md, engine); overwrite whatever the environment says.
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess) current = -1;

@@ -1,9 +1,9 @@
-// NCCL communicators for one tensor-parallel group in one process (DESIGN.md: one process, one
-// worker thread per GPU): one communicator per device, made together by ncclCommInitAll. NCCL
-// carries the messages too large for the custom one-shot all-reduce
-// (engine/cuda/custom_allreduce.h) and is the fallback where that is unavailable (no peer
-// access). NVLink multicast (NVLS) stays off: Create sets NCCL_NVLS_ENABLE=0 first, because a
-// program that uses it can take the host's shared GPUs out of service.
+// NCCL communicators for one tensor-parallel group in one process (docs/architecture.md: one
+// process, one worker thread per GPU): one communicator per device, made together by
+// ncclCommInitAll. NCCL carries the messages too large for the custom one-shot all-reduce
+// (engine/cuda/custom_allreduce.h) and is the fallback where that is unavailable (no peer access).
+// NVLink multicast (NVLS) stays off: Create sets NCCL_NVLS_ENABLE=0 first, because a program that
+// uses it can take the host's shared GPUs out of service.
 //
 // Collectives: every rank calls the same collectives in the same order. From one thread per
 // rank (the engine) call them directly; to issue several ranks' parts from one thread (tests),

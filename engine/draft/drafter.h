@@ -1,4 +1,5 @@
-// Drafters: grow one token tree per sequence per speculation step (DESIGN.md, draft service).
+// Drafters: grow one token tree per sequence per speculation step (docs/architecture.md, the
+// cluster).
 //
 // A drafter keeps its own per-sequence state. Each step the caller feeds it the tokens that
 // were appended to the sequence since its previous step (the whole prompt at the first step,

@@ -5,8 +5,8 @@
 // speculates in one Drafter::Draft() call, verifies all of them in one Backend::Verify() call,
 // and applies each outcome with SequenceState (stop logic, acceptance, statistics). Without a
 // drafter (or for a request with speculate = false) a step is Verify() with an empty tree: plain
-// target-only decoding through the same sampler, which is why speculative output equals target-only
-// output token for token (DESIGN.md, lossless verification).
+// target-only decoding through the same sampler, which is why speculative output equals
+// target-only output token for token (docs/architecture.md, lossless verification).
 #ifndef SPECD_ENGINE_SPEC_GENERATOR_H_
 #define SPECD_ENGINE_SPEC_GENERATOR_H_
 

@@ -1,7 +1,8 @@
-// One long-lived worker thread per tensor-parallel rank (DESIGN.md: one process, one worker
-// thread per GPU). A CUDA rank binds its device once on its own thread, and an NCCL communicator
-// or a spinning all-reduce needs every rank inside the same step at once, so rank work always
-// runs on all threads together: Run() hands the same function to every rank and waits for all.
+// One long-lived worker thread per tensor-parallel rank (docs/architecture.md: one process, one
+// worker thread per GPU). A CUDA rank binds its device once on its own thread, and an NCCL
+// communicator or a spinning all-reduce needs every rank inside the same step at once, so rank work
+// always runs on all threads together: Run() hands the same function to every rank and waits for
+// all.
 //
 // Not thread-safe: one thread calls Run() at a time.
 #ifndef SPECD_ENGINE_TP_RANK_WORKERS_H_

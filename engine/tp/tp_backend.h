@@ -1,9 +1,9 @@
-// Tensor parallelism inside one process (DESIGN.md: one process, one worker thread per GPU):
-// a Backend whose model is sharded over N ranks by a TpPlan (engine/tp/tp_plan.h). Each rank has
-// its own worker thread and a TpRankExecutor that owns the rank's weight shards and its KV
+// Tensor parallelism inside one process (docs/architecture.md: one process, one worker thread per
+// GPU): a Backend whose model is sharded over N ranks by a TpPlan (engine/tp/tp_plan.h). Each rank
+// has its own worker thread and a TpRankExecutor that owns the rank's weight shards and its KV
 // pools (its KV heads only); all ranks run the same step in lockstep and exchange partial sums
-// through a TpCommunicator. The sequence bookkeeping (block tables, scratch trees, validation)
-// is the same for every rank, so it lives once, here, in a PagedKvTable.
+// through a TpCommunicator. The sequence bookkeeping (block tables, scratch trees, validation) is
+// the same for every rank, so it lives once, here, in a PagedKvTable.
 //
 // The structure is device-independent: the CPU executor (engine/tp/tp_cpu_backend.h) simulates
 // ranks with threads and an in-process all-reduce; a CUDA executor plugs in the same way with

@@ -1,4 +1,4 @@
-// How a model is sharded over N tensor-parallel ranks, for any N >= 1 (DESIGN.md: the
+// How a model is sharded over N tensor-parallel ranks, for any N >= 1 (docs/architecture.md: the
 // reference deployment verifies on 7 GPUs, and 7 divides no common head count). Shared by the
 // CPU tensor-parallel backend and the CUDA one.
 //

@@ -6,9 +6,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <utility>
+
+#include "specd/kernels/cuda/launch_tuning.h"
 
 namespace specd {
 namespace cuda {
@@ -135,43 +135,19 @@ __device__ __forceinline__ void DiscardRow(const void* ptr, int64_t row_bytes, i
 }  // namespace internal
 
 // Host side: whether launches at `site` ("rmsnorm", "swiglu", "rope", "embedding", "attention",
-// "combine", "allreduce") use programmatic dependent launch. SPECD_PDL=0 in the environment
-// turns it off everywhere, SPECD_PDL_OFF=site,site,... at those sites only (A/B runs: an early
-// dependent's resident CTAs can slow the kernel they wait on, cuda_step_bench --trace shows
-// where); read once.
-inline bool PdlEnabled(const char* site) {
-  static const bool all = [] {
-    const char* env = std::getenv("SPECD_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  static const char* const off = std::getenv("SPECD_PDL_OFF");
-  if (!all) return false;
-  if (off == nullptr) return true;
-  // `site` as a whole entry of the comma-separated list.
-  const size_t n = std::strlen(site);
-  for (const char* at = std::strstr(off, site); at != nullptr; at = std::strstr(at + 1, site)) {
-    if ((at == off || at[-1] == ',') && (at[n] == '\0' || at[n] == ',')) return false;
-  }
-  return true;
-}
+// "combine", "allreduce") use programmatic dependent launch, as the process's LaunchTuning says
+// (specd/kernels/cuda/launch_tuning.h; the engine sets it from SPECD_PDL and SPECD_PDL_OFF).
+inline bool PdlEnabled(const char* site) { return GetLaunchTuning().PdlAt(site); }
 
 // Host side: the shared-memory share of L1, in percent, that LaunchPdl asks for; -1 for none.
-// Every launch asks for the largest share (100). An SM changes its split only when idle, and a
-// kernel launched early by PDL lands on SMs where its predecessor still runs: behind RoPE under
-// a small split, the 64-node verify attention (200 CTAs of 80 KB, two an SM) fitted one CTA on
-// some SMs and ran 43-45 us a layer instead of 37 (cuda_step_bench --trace). Asking for the same
-// split everywhere took 0.18 ms off that 8B step and left decode and 16 nodes as they were
-// (bench/RESULTS.md, tenth run); none of these kernels leans on L1. SPECD_SMEM_CARVEOUT=P
-// (0-100) asks for P instead, a value outside 0-100 for nothing (the driver's choice), for A/B
-// runs; read once.
-inline int SmemCarveout() {
-  static const int carveout = [] {
-    const char* env = std::getenv("SPECD_SMEM_CARVEOUT");
-    const int p = env != nullptr ? std::atoi(env) : 100;
-    return p >= 0 && p <= 100 ? p : -1;
-  }();
-  return carveout;
-}
+// Every launch asks for the largest share (100) unless the LaunchTuning says otherwise
+// (SPECD_SMEM_CARVEOUT). An SM changes its split only when idle, and a kernel launched early by
+// PDL lands on SMs where its predecessor still runs: behind RoPE under a small split, the 64-node
+// verify attention (200 CTAs of 80 KB, two an SM) fitted one CTA on some SMs and ran 43-45 us a
+// layer instead of 37 (cuda_step_bench --trace). Asking for the same split everywhere took
+// 0.18 ms off that 8B step and left decode and 16 nodes as they were
+// (bench/history/16-gpu-run-10.md); none of these kernels leans on L1.
+inline int SmemCarveout() { return GetLaunchTuning().smem_carveout; }
 
 // Launches `kernel` as a programmatic dependent of the stream's previous kernel (when
 // PdlEnabled(site)); the kernel must call internal::PdlWait() as described above. Works under

@@ -45,7 +45,7 @@ constexpr cublasLtMatmulTile_t kRetileTiles[4][32] = {
 // Classes up to this many rows get re-tiled candidates (the tables' widest token extent).
 constexpr int64_t kRetileMaxRows = 256;
 // The cluster shapes a re-tiled candidate is tried at besides its own (the LM head's best at one
-// row is 192 x 8 at 1x2x1, gate_up's at 65 rows 128 x 72 at 4x1x1: bench/RESULTS.md).
+// row is 192 x 8 at 1x2x1, gate_up's at 65 rows 128 x 72 at 4x1x1: bench/history/).
 constexpr uint16_t kRetileClusters[] = {CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_2x1x1,
                                         CUBLASLT_CLUSTER_SHAPE_4x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1};
 
@@ -1110,7 +1110,7 @@ void Gemm::DecideClass(const FamilyKey &fk, Family *family, size_t c,
   // at the 8B's gate_up and 65 rows its picks run 256 weight rows a CTA (112
   // CTAs, 62-63 us), while the same kernels re-tiled to 128 rows, with the
   // class's token extent and another cluster shape, run in 59 us with the same
-  // bits (bench/RESULTS.md, fourteenth run). So in classes of up to
+  // bits (bench/history/20-gpu-run-14.md). So in classes of up to
   // kRetileMaxRows rows every candidate is also tried at every tile width and
   // at the kRetileClusters shapes, and then every candidate is timed once at
   // the class's largest m and the list put in that order, so that the

@@ -225,17 +225,17 @@ __device__ __forceinline__ void SetBitsOfRanks(const uint32_t* words, int k_lo, 
   }
 }
 
-// Batch invariance (DESIGN.md, lossless verification): a row's result is a function of its own
-// query and its own visible keys only. Keys are numbered by RANK, the position in the query's
-// logical key order (the committed prefix and chain, then its tree ancestors), which is the
-// order a plain decode of the same token sees them in. Chunk c is ranks [c * kChunk, +kChunk)
-// for every query, whatever the batch, tile or split; inside it 64-rank sub-chunks sit at fixed
+// Batch invariance (docs/architecture.md, lossless verification): a row's result is a function of
+// its own query and its own visible keys only. Keys are numbered by RANK, the position in the
+// query's logical key order (the committed prefix and chain, then its tree ancestors), which is the
+// order a plain decode of the same token sees them in. Chunk c is ranks [c * kChunk, +kChunk) for
+// every query, whatever the batch, tile or split; inside it 64-rank sub-chunks sit at fixed
 // offsets, rank R0 + i in column i of the score tile. Each chunk starts a fresh online softmax
-// whose per-row arithmetic is fixed: sub-chunks in order, each one AttendColumns pass; chunk
-// states are merged in chunk order with one fixed formula (MergeWeights), in this kernel when a
-// CTA owns all chunks, or in the combine kernel when chunks are split over CTAs: both give the
-// same bits. Every float operation that a compiler could contract or reorder is spelled out
-// with _rn intrinsics.
+// whose per-row arithmetic is fixed: sub-chunks in order, each one AttendColumns pass; chunk states
+// are merged in chunk order with one fixed formula (MergeWeights), in this kernel when a CTA owns
+// all chunks, or in the combine kernel when chunks are split over CTAs: both give the same bits.
+// Every float operation that a compiler could contract or reorder is spelled out with _rn
+// intrinsics.
 //
 // Merging a chunk state (m, l) into the running one (big_m, big_l): returns 0 (nothing to merge:
 // the chunk saw no key), 1 (the running state was empty: take the chunk's o as is) or 2 (o_new =
@@ -276,7 +276,7 @@ __device__ __forceinline__ float MergeValue(int mode, float big, float o, float 
 // kWg (plain jobs of swizzled stages): the warpgroup's four warps compute S and P V together with
 // wgmma, B read straight from the stage (K at k_smem, V at v_smem: shared-memory addresses), and
 // every warp must call, rows or not. A wgmma adds each 16-wide k-step's products into the fp32
-// accumulator as m16n8k16 does (bench/RESULTS.md: cuBLASLt's Hopper kernels and an mma.sync
+// accumulator as m16n8k16 does (bench/history/: cuBLASLt's Hopper kernels and an mma.sync
 // chain give the same bits; tree_attention_cuda_test checks plain wgmma jobs against window
 // mma.sync passes bit for bit), so the arithmetic of a row does not depend on the path.
 template <int HD, bool kWg = false, bool kFewColumns = false, typename KeyAt, typename ValAt>
@@ -740,7 +740,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<HD, kTrees>())
   // block-table read before any copy, so that their latencies overlap instead of each copy
   // waiting for its own, and a key's element offset is its block's base (entry * blk_elems, one
   // unsigned 32 x 32 -> 64-bit multiply) plus its row in the block. ncu's SASS counters
-  // (bench/RESULTS.md, eighth run) put the loads before that multiply at ~38 instructions a K/V
+  // (bench/history/14-gpu-run-08.md) put the loads before that multiply at ~38 instructions a K/V
   // copy pair, where the generic phys() took ~50.
   constexpr int kPieces = HD / 8;  // 16-byte pieces of a key's head
   constexpr int kCopies = kKeys * kPieces / kThreads;

@@ -1,5 +1,5 @@
 # Shell helpers for scripts that start the three services themselves (scripts/demo.sh,
-# tools/gpu_cluster_check.sh). Source it; it defines functions only.
+# tools/gpu/run.sh cluster). Source it; it defines functions only.
 
 # wait_for_cluster BIN ROUTER WORK TIMEOUT_S PID...
 # Returns 0 once the router at ROUTER reports the draft service and a one-token generation goes

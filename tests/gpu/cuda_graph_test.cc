@@ -11,6 +11,7 @@
 
 #include "engine/backend.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_tuning.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/testutil/random_checkpoint.h"
 
@@ -49,8 +50,7 @@ TokenTree RandomTree(int n, int vocab, std::mt19937_64 &rng) {
 class CudaGraphTest : public gpu_test::GpuTest {};
 
 TEST_F(CudaGraphTest, GraphsAreBitIdenticalToEagerSteps) {
-  if (const char *env = std::getenv("SPECD_CUDA_GRAPHS");
-      env != nullptr && std::string(env) == "0") {
+  if (!CudaTuningFromEnvironment().cuda_graphs) {
     GTEST_SKIP() << "SPECD_CUDA_GRAPHS=0 turns graphs off";
   }
   const std::string dir = MakeTempDir("cuda_graph_test");

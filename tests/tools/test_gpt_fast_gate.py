@@ -1,5 +1,5 @@
-"""Tests of gpt_fast_bench.py's Gate (tools/bench), the rule that lets the gpt-fast baseline
-compile several single-case processes side by side (gpu_run_baselines.sh with GF_PARALLEL) and
+"""Tests of gpt_fast_bench.py's Gate (bench/tools), the rule that lets the gpt-fast baseline
+compile several single-case processes side by side (bench/tools/baselines.sh with GF_PARALLEL) and
 still time each alone: no timed section may start before every process of the batch has
 compiled (or exited), and no two timed sections may overlap. Real processes, real files and
 locks; each "compile" is a sleep and each timed section writes its start and end times.
@@ -13,7 +13,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(HERE, "..", "..", "tools", "bench")
+BENCH = os.path.join(HERE, "..", "..", "bench", "tools")
 
 # One case process: "compiles" for `delay` seconds, then either fails (exit 1, never timing) or
 # times a section of `hold` seconds behind the gate, appending "start end" to `log`.

@@ -1,9 +1,9 @@
-// Lossless speculative decoding (DESIGN.md) end to end on real checkpoint folders and the CPU
-// backend: greedy output token-identical to target-only greedy for many prompts, tree shapes,
-// drafters and batch sizes; seeded sampling token-identical to target-only sampling; stops
-// inside multi-token steps; the logits processors (penalties, logit bias, min_tokens, min_p)
-// and logprobs identical with speculation on and off; and chi-square tests that speculative
-// sampling draws the first two tokens from the target's exact distribution, penalties included.
+// Lossless speculative decoding (docs/architecture.md) end to end on real checkpoint folders and
+// the CPU backend: greedy output token-identical to target-only greedy for many prompts, tree
+// shapes, drafters and batch sizes; seeded sampling token-identical to target-only sampling; stops
+// inside multi-token steps; the logits processors (penalties, logit bias, min_tokens, min_p) and
+// logprobs identical with speculation on and off; and chi-square tests that speculative sampling
+// draws the first two tokens from the target's exact distribution, penalties included.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>

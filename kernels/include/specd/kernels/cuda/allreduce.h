@@ -65,7 +65,7 @@ inline constexpr int kAllReduceDefaultBlocks = 64;
 // allocation, then owned by the kernels. Its address must be 16-byte aligned.
 int64_t AllReduceSignalBytes();
 
-// Push mode's largest message. Measured on 2x H200 (bench/RESULTS.md), push mode is faster up
+// Push mode's largest message. Measured on 2x H200 (bench/history/07-tp-run-01.md), push mode is faster up
 // to 256 KiB (decode steps, small verify steps) and slower from 512 KiB on, with the fused
 // norm: there every block's pushes and polls serialise. The mailboxes stay small (2 phases x
 // N ranks x this, per site and rank).

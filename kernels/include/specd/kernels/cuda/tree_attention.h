@@ -32,13 +32,13 @@
 // registers): pass null masks for batches without trees. The results are the same bits either way.
 //
 // Batch invariance: a query's output bits depend only on its own query vector and visible keys,
-// never on the batch, its tile, the split count or padding, so a token verified as a tree node
-// and the same token decoded alone give the same bits (DESIGN.md: greedy speculative output is
-// target-only greedy output). Keys are taken by rank in the query's own key order (prefix, then
-// ancestors) in fixed chunks of kTreeAttentionChunkKeys ranks; each chunk is a fresh online
-// softmax and chunks merge in order with one formula, in the kernel or, when the chunks are
-// split over CTAs (flash-decoding, so even a single decode token spreads over many SMs), in a
-// second kernel with the same arithmetic.
+// never on the batch, its tile, the split count or padding, so a token verified as a tree node and
+// the same token decoded alone give the same bits (docs/architecture.md: greedy speculative output
+// is target-only greedy output). Keys are taken by rank in the query's own key order (prefix, then
+// ancestors) in fixed chunks of kTreeAttentionChunkKeys ranks; each chunk is a fresh online softmax
+// and chunks merge in order with one formula, in the kernel or, when the chunks are split over CTAs
+// (flash-decoding, so even a single decode token spreads over many SMs), in a second kernel with
+// the same arithmetic.
 //
 // Head sizes. The MMA kernel above is built for head_dim 16, 32, 64 and 128
 // (TreeAttentionUsesMmaKernel). Every other even head_dim up to kTreeAttentionMaxHeadDim goes to a
@@ -60,14 +60,14 @@
 namespace specd {
 namespace cuda {
 
-inline constexpr int kTreeAttentionMaskBits = 256;  // DESIGN.md: at most 256 tree nodes
+inline constexpr int kTreeAttentionMaskBits = 256;  // docs/architecture.md: at most 256 tree nodes
 inline constexpr int kTreeAttentionMaskWords = kTreeAttentionMaskBits / 32;
 inline constexpr int kTreeAttentionTileRows = 64;
 // Keys per chunk: four 64-key sub-chunks. Every chunk's state goes through the split workspace
 // and the combine kernel's merge, so fewer, longer chunks make verify steps cheaper (a 64-node
 // tree at 2K keys: 9 chunk states a row instead of 17), at the price of fewer CTAs for a batch-1
 // decode at short contexts (8 KV heads x 9 chunks = 72 CTAs at 2K). Measured on an H200 against
-// 128 keys (bench/RESULTS.md, seventh run): the 64-node 8B step 6.6% faster, decode at 2K 2-4%
+// 128 keys (bench/history/13-gpu-run-07.md): the 64-node 8B step 6.6% faster, decode at 2K 2-4%
 // slower, attention at 8K keys ~20% faster for decode and verify alike.
 inline constexpr int kTreeAttentionChunkKeys = 256;
 // The largest head_dim TreeAttentionCuda accepts: the largest that FlashAttention and vLLM serve
