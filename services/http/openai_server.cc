@@ -9,8 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
+#include "common/service/guarded_http_server.h"
 #include "common/service/metrics.h"
 #include "httplib.h"
 #include "services/http/generate_call.h"
@@ -157,10 +158,13 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
                   "Streams whose client went away before the end; their Generate call was "
                   "cancelled.");
 
-  self->http_ = std::make_unique<httplib::Server>();
+  GuardedHttpOptions guard;
+  guard.max_connections = options.threads;
+  guard.request_read_deadline = options.request_read_deadline;
+  auto guarded = std::make_unique<GuardedHttpServer>(guard);
+  GuardedHttpServer* guarded_server = guarded.get();
+  self->http_ = std::move(guarded);
   httplib::Server& http = *self->http_;
-  const size_t threads = static_cast<size_t>(options.threads);
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   // httplib's default also sets SO_REUSEPORT, which would let a second process share the port;
   // a busy port must be an error.
   http.set_socket_options([](socket_t sock) {
@@ -248,6 +252,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.host, ":", options.port, " (in use?)"));
   }
+  guarded_server->RaiseListenBacklog();
   self->thread_ = std::thread([self] {
     self->http_->listen_after_bind();
     self->listen_returned_ = true;
