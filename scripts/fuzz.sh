@@ -50,9 +50,10 @@ status=0
 for h in "${harnesses[@]}"; do
   mkdir -p "$build/fuzz-corpus/$h"
   echo "== $h"
-  # -timeout: an input taking 10 s is a hang; -rss_limit_mb/-malloc_limit_mb: 2 GiB is an OOM.
+  # -timeout: an input taking 30 s (wall time, generous for loaded CI machines) is a hang;
+  # -rss_limit_mb/-malloc_limit_mb: 2 GiB is an OOM.
   if ! SPECD_FUZZ_FIXTURES="$root/tests/fixtures/tokenizers" \
-      "$build/fuzz/$h" "${limit[@]}" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=2048 \
+      "$build/fuzz/$h" "${limit[@]}" -timeout=30 -rss_limit_mb=2048 -malloc_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$build/fuzz-artifacts/$h-" \
       "$build/fuzz-corpus/$h" "tests/fuzz/corpus/$h" >"$build/fuzz-$h.log" 2>&1; then
     status=1
