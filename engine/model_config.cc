@@ -23,9 +23,9 @@ absl::Status GetInt(const json& j, const char* key, const std::string& src, int*
     return absl::InvalidArgumentError(absl::StrCat(src, ": field ", key, " is not an integer"));
   }
   // get<int>() would silently keep the low 32 bits of 2^40; out-of-range values are refused.
-  if (j[key].is_number_unsigned() ? j[key].get<uint64_t>() > uint64_t{INT32_MAX}
-                                  : (j[key].get<int64_t>() > INT32_MAX ||
-                                     j[key].get<int64_t>() < INT32_MIN)) {
+  if (j[key].is_number_unsigned()
+          ? j[key].get<uint64_t>() > uint64_t{INT32_MAX}
+          : (j[key].get<int64_t>() > INT32_MAX || j[key].get<int64_t>() < INT32_MIN)) {
     return absl::InvalidArgumentError(
         absl::StrCat(src, ": field ", key, " is out of the 32-bit integer range"));
   }
@@ -37,9 +37,8 @@ absl::Status GetInt(const json& j, const char* key, const std::string& src, int*
 absl::Status CheckEos(const std::vector<int32_t>& eos, int vocab_size, const std::string& src) {
   for (int32_t id : eos) {
     if (id < 0 || id >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(src, ": eos_token_id ", id,
-                                                     " is outside the vocabulary [0, ",
-                                                     vocab_size, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          src, ": eos_token_id ", id, " is outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
   return absl::OkStatus();
@@ -154,9 +153,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   // A context of 0 positions loads but refuses every prompt; a service must not report
   // SERVING with it. The upper bound keeps position arithmetic (positions + tree depth) in int.
   if (c.max_position_embeddings <= 0 || c.max_position_embeddings > kMaxPositionEmbeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        src, ": max_position_embeddings ", c.max_position_embeddings, " must be in [1, ",
-        kMaxPositionEmbeddings, "]"));
+    return absl::InvalidArgumentError(absl::StrCat(src, ": max_position_embeddings ",
+                                                   c.max_position_embeddings, " must be in [1, ",
+                                                   kMaxPositionEmbeddings, "]"));
   }
   if (c.num_heads % c.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(src, ": num_attention_heads ", c.num_heads,

@@ -224,8 +224,7 @@ TEST(ModelConfigTest, ParsesFamiliesAndRejectsBadFields) {
 TEST(ModelConfigTest, RefusesUnusableContextAndEosIds) {
   const std::string base = R"({"model_type":"llama","vocab_size":10,"hidden_size":8,
     "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2)";
-  for (const char* bad : {R"(,"max_position_embeddings":0})",
-                          R"(,"max_position_embeddings":-5})",
+  for (const char* bad : {R"(,"max_position_embeddings":0})", R"(,"max_position_embeddings":-5})",
                           R"(,"max_position_embeddings":1099511627776})",
                           R"(,"max_position_embeddings":33554432})"}) {
     auto c = ParseModelConfig(base + bad, "cfg.json");
@@ -234,8 +233,8 @@ TEST(ModelConfigTest, RefusesUnusableContextAndEosIds) {
     EXPECT_THAT(c.status().message(), HasSubstr("max_position_embeddings")) << bad;
   }
   EXPECT_TRUE(ParseModelConfig(base + R"(,"max_position_embeddings":16777216})", "c").ok());
-  for (const char* bad : {R"(,"eos_token_id":10})", R"(,"eos_token_id":[2,-1]})",
-                          R"(,"eos_token_id":4294967298})"}) {
+  for (const char* bad :
+       {R"(,"eos_token_id":10})", R"(,"eos_token_id":[2,-1]})", R"(,"eos_token_id":4294967298})"}) {
     auto c = ParseModelConfig(base + bad, "cfg.json");
     ASSERT_FALSE(c.ok()) << bad;
     EXPECT_THAT(c.status().message(), HasSubstr("eos_token_id")) << bad;
