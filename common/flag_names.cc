@@ -2,6 +2,10 @@
 
 #include <cstring>
 
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+
 namespace specd {
 
 void AcceptDashedFlagNames(int argc, char** argv) {
@@ -13,6 +17,16 @@ void AcceptDashedFlagNames(int argc, char** argv) {
       if (*c == '-') *c = '_';
     }
   }
+}
+
+void SetUsageAndHelpFilter(const char* usage) {
+  absl::SetProgramUsageMessage(usage);
+  absl::FlagsUsageConfig config;
+  config.contains_helpshort_flags = [](absl::string_view file) {
+    return !absl::StrContains(file, "absl/");
+  };
+  config.contains_help_flags = config.contains_helpshort_flags;
+  absl::SetFlagsUsageConfig(config);
 }
 
 }  // namespace specd

@@ -12,6 +12,13 @@ namespace specd {
 // alone. Call before absl::ParseCommandLine.
 void AcceptDashedFlagNames(int argc, char** argv);
 
+// Sets the usage line and makes --help and --helpshort list the program's own flags. Abseil's
+// default keeps only flags defined in a file named after the program (specd-router.cc,
+// specd-router_main.cc), which matches none of ours (services/router/main.cc), so --help
+// printed "No flags matched". Every flag outside Abseil's own sources is shown instead;
+// --helpfull still adds Abseil's. Call before absl::ParseCommandLine.
+void SetUsageAndHelpFilter(const char* usage);
+
 }  // namespace specd
 
 #endif  // SPECD_COMMON_FLAG_NAMES_H_

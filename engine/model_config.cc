@@ -13,18 +13,6 @@ namespace {
 
 using nlohmann::json;
 
-absl::StatusOr<json> ReadJson(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": malformed JSON: ", e.what()));
-  }
-}
-
 absl::Status GetInt(const json& j, const char* key, const std::string& src, int* out,
                     bool required) {
   if (!j.contains(key) || j[key].is_null()) {
@@ -34,7 +22,25 @@ absl::Status GetInt(const json& j, const char* key, const std::string& src, int*
   if (!j[key].is_number_integer()) {
     return absl::InvalidArgumentError(absl::StrCat(src, ": field ", key, " is not an integer"));
   }
+  // get<int>() would silently keep the low 32 bits of 2^40; out-of-range values are refused.
+  if (j[key].is_number_unsigned()
+          ? j[key].get<uint64_t>() > uint64_t{INT32_MAX}
+          : (j[key].get<int64_t>() > INT32_MAX || j[key].get<int64_t>() < INT32_MIN)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(src, ": field ", key, " is out of the 32-bit integer range"));
+  }
   *out = j[key].get<int>();
+  return absl::OkStatus();
+}
+
+// An id the embedding cannot hold would pass loading and then make every request fail.
+absl::Status CheckEos(const std::vector<int32_t>& eos, int vocab_size, const std::string& src) {
+  for (int32_t id : eos) {
+    if (id < 0 || id >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          src, ": eos_token_id ", id, " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -51,14 +57,23 @@ absl::Status ReadEos(const json& j, const std::string& src, std::vector<int32_t>
   if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) return absl::OkStatus();
   const json& e = j["eos_token_id"];
   out->clear();
+  auto push = [&](const json& v) -> absl::Status {
+    if (!v.is_number_integer()) {
+      return absl::InvalidArgumentError(absl::StrCat(src, ": eos_token_id holds a non-integer"));
+    }
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t{INT32_MAX}
+                               : (v.get<int64_t>() < 0 || v.get<int64_t>() > INT32_MAX)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(src, ": eos_token_id ", v.dump(), " is not a token id"));
+    }
+    out->push_back(v.get<int32_t>());
+    return absl::OkStatus();
+  };
   if (e.is_number_integer()) {
-    out->push_back(e.get<int32_t>());
+    if (absl::Status s = push(e); !s.ok()) return s;
   } else if (e.is_array()) {
     for (const auto& v : e) {
-      if (!v.is_number_integer()) {
-        return absl::InvalidArgumentError(absl::StrCat(src, ": eos_token_id holds a non-integer"));
-      }
-      out->push_back(v.get<int32_t>());
+      if (absl::Status s = push(v); !s.ok()) return s;
     }
   } else {
     return absl::InvalidArgumentError(absl::StrCat(src, ": eos_token_id is not an id or a list"));
@@ -135,6 +150,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       c.num_heads <= 0 || c.num_kv_heads <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(src, ": sizes must be positive"));
   }
+  // A context of 0 positions loads but refuses every prompt; a service must not report
+  // SERVING with it. The upper bound keeps position arithmetic (positions + tree depth) in int.
+  if (c.max_position_embeddings <= 0 || c.max_position_embeddings > kMaxPositionEmbeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(src, ": max_position_embeddings ",
+                                                   c.max_position_embeddings, " must be in [1, ",
+                                                   kMaxPositionEmbeddings, "]"));
+  }
   if (c.num_heads % c.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(src, ": num_attention_heads ", c.num_heads,
                                                    " is not a multiple of num_key_value_heads ",
@@ -187,6 +209,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   c.qk_norm = c.model_type == "qwen3";
   SPECD_RETURN_IF_ERROR_(GetInt(j, "bos_token_id", src, &c.bos_token_id, false));
   SPECD_RETURN_IF_ERROR_(ReadEos(j, src, &c.eos_token_ids));
+  SPECD_RETURN_IF_ERROR_(CheckEos(c.eos_token_ids, c.vocab_size, src));
   return c;
 }
 
@@ -203,12 +226,28 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
   const std::string gen = (fs::path(dir) / "generation_config.json").string();
   std::error_code ec;
   if (fs::exists(gen, ec)) {
-    absl::StatusOr<json> g = ReadJson(gen);
-    if (!g.ok()) return g.status();
-    SPECD_RETURN_IF_ERROR_(ReadEos(*g, gen, &c->eos_token_ids));
-    SPECD_RETURN_IF_ERROR_(GetInt(*g, "bos_token_id", gen, &c->bos_token_id, false));
+    std::ifstream gin(gen);
+    if (!gin) return absl::NotFoundError(absl::StrCat(gen, ": cannot open"));
+    std::stringstream gs;
+    gs << gin.rdbuf();
+    SPECD_RETURN_IF_ERROR_(ApplyGenerationConfig(gs.str(), gen, &*c));
   }
   return c;
+}
+
+absl::Status ApplyGenerationConfig(const std::string& json_text, const std::string& src,
+                                   ModelConfig* config) {
+  json g;
+  try {
+    g = json::parse(json_text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(src, ": malformed JSON: ", e.what()));
+  }
+  if (!g.is_object()) return absl::InvalidArgumentError(absl::StrCat(src, ": not an object"));
+  SPECD_RETURN_IF_ERROR_(ReadEos(g, src, &config->eos_token_ids));
+  SPECD_RETURN_IF_ERROR_(CheckEos(config->eos_token_ids, config->vocab_size, src));
+  SPECD_RETURN_IF_ERROR_(GetInt(g, "bos_token_id", src, &config->bos_token_id, false));
+  return absl::OkStatus();
 }
 
 std::vector<float> RopeInvFreq(const ModelConfig& c) {

@@ -20,6 +20,10 @@ struct RopeScaling {
 };
 
 // Covers the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm).
+// The longest context a config may declare (Llama 4 Scout's 10 M fits); larger values are
+// refused at load rather than overflowing position arithmetic.
+inline constexpr int kMaxPositionEmbeddings = 1 << 24;
+
 struct ModelConfig {
   std::string model_type;  // "llama", "mistral", "qwen2", "qwen3"
   int vocab_size = 0;
@@ -36,7 +40,7 @@ struct ModelConfig {
   // Qwen2/Qwen3 when use_sliding_window is true) it is capped at the window: a sequence no
   // longer than the window attends exactly as full attention does, and the backends implement
   // full attention only, so longer sequences are refused rather than silently computed wrong.
-  int max_position_embeddings = 2048;
+  int max_position_embeddings = 2048;  // in [1, kMaxPositionEmbeddings]
   int sliding_window = 0;  // the checkpoint's window, 0 when none is active
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v projections carry a bias (Qwen2)
@@ -51,6 +55,11 @@ struct ModelConfig {
 // Reads dir/config.json and, when present, dir/generation_config.json. Errors name the file
 // and the field.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
+
+// Applies generation_config.json (its eos_token_id and bos_token_id override config.json's);
+// `src` names it in errors.
+absl::Status ApplyGenerationConfig(const std::string& json_text, const std::string& src,
+                                   ModelConfig* config);
 
 // Parses the text of config.json (generation config left empty); `source` names it in errors.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,

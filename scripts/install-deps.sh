@@ -9,6 +9,8 @@ pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compil
       libbenchmark-dev libre2-dev nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev python3-grpcio
       python3-grpc-tools python3-pytest prometheus yamllint python3-protobuf python3-yaml
       python3-venv python3-pip python3-setuptools python3-wheel git curl unzip openssl
+      # scripts/fuzz.sh: clang with its sanitizer and libFuzzer runtimes.
+      clang libclang-rt-14-dev
       # The EAGLE oracle and head tools' tests (tests/tools/test_eagle_oracle.py).
       python3-torch python3-regex
       # The serving benchmark's plots (bench/serve_bench.py --plot).

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/service/guarded_http_server.h"
 #include "httplib.h"
 #include "prometheus/text_serializer.h"
 
@@ -89,7 +90,14 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   std::unique_ptr<MetricsServer> server(new MetricsServer());
   server->registry_ = std::move(registry);
   server->healthy_ = std::move(healthy);
-  server->http_ = std::make_unique<httplib::Server>();
+  // Scrapes and health checks are few; the cap and deadline keep idle or slow connections
+  // from starving them.
+  GuardedHttpOptions guard;
+  guard.max_connections = 64;
+  guard.request_read_deadline = absl::Seconds(5);
+  auto guarded = std::make_unique<GuardedHttpServer>(guard);
+  GuardedHttpServer* guarded_server = guarded.get();
+  server->http_ = std::move(guarded);
   // httplib's default also sets SO_REUSEPORT, which would let a second process share the port
   // and silently take half the scrapes; a busy port must be an error.
   server->http_->set_socket_options([](socket_t sock) {
@@ -120,6 +128,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     return absl::UnavailableError(
         absl::StrCat("metrics: cannot listen on ", options.host, ":", options.port));
   }
+  guarded_server->RaiseListenBacklog();
   server->thread_ = std::thread([self] {
     self->http_->listen_after_bind();
     self->listen_returned_ = true;

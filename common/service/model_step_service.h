@@ -19,18 +19,22 @@ template <typename CallbackService, typename Request, typename Response, typenam
 class ModelStepService final : public CallbackService {
  public:
   // `queue` must outlive the server this service is registered with.
-  explicit ModelStepService(StepQueue<Request, Response>* queue) : queue_(queue) {}
+  explicit ModelStepService(StepQueue<Request, Response>* queue) : queue_(queue) {
+    // Step (method 0 of both services) reads its requests leniently (lenient_wire.h), so an
+    // unparseable step ends the stream with INVALID_ARGUMENT instead of looking like the
+    // client's half-close.
+    this->MarkMethodCallback(
+        0, new grpc::internal::CallbackBidiHandler<LenientWire<Request>, Response>(
+               [this](grpc::CallbackServerContext* /*context*/) {
+                 return new StepStreamReactor<Request, Response>(queue_);
+               }));
+  }
 
   // Until called, GetInfo answers UNAVAILABLE (the model is still loading).
   void SetInfo(const Info& info) {
     absl::MutexLock lock(&mu_);
     info_ = info;
     loaded_ = true;
-  }
-
-  grpc::ServerBidiReactor<Request, Response>* Step(
-      grpc::CallbackServerContext* /*context*/) override {
-    return new StepStreamReactor<Request, Response>(queue_);
   }
 
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,

@@ -28,7 +28,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/logging.h"
 #include "common/service/grpc_util.h"
+#include "common/service/lenient_wire.h"
 #include "grpcpp/grpcpp.h"
 
 namespace specd {
@@ -146,7 +148,7 @@ class StepQueue {
 // the loop thread is outside gRPC's accounting, so it holds a reference while it delivers a
 // reply.
 template <typename Request, typename Response>
-class StepStreamReactor : public grpc::ServerBidiReactor<Request, Response> {
+class StepStreamReactor : public grpc::ServerBidiReactor<LenientWire<Request>, Response> {
  public:
   explicit StepStreamReactor(StepQueue<Request, Response>* queue)
       : queue_(queue), stream_(queue->NewStream()) {
@@ -160,10 +162,19 @@ class StepStreamReactor : public grpc::ServerBidiReactor<Request, Response> {
       if (!ok || finished_) {
         reading_ = false;
         read_closed_ = true;
+      } else if (absl::Status wire = WireError(read_message_.message); !wire.ok()) {
+        // An unparseable step (lenient_wire.h) fails the stream as a failed step does:
+        // INVALID_ARGUMENT once the steps in flight are done, no later step read. Logged
+        // here, once per stream, since the stream ends.
+        SPECD_LOG(WARNING) << "Step stream: " << wire.message();
+        reading_ = false;
+        read_closed_ = true;
+        if (error_.ok()) error_ = std::move(wire);
+        read_message_.message.Clear();
       } else {
         ++in_flight_;
-        request.emplace(std::move(read_message_));
-        read_message_.Clear();
+        request.emplace(std::move(read_message_.message));
+        read_message_.message.Clear();
       }
     }
     if (request.has_value()) {
@@ -267,7 +278,7 @@ class StepStreamReactor : public grpc::ServerBidiReactor<Request, Response> {
   std::atomic<int> refs_{1};  // gRPC's, dropped in OnDone
   absl::Mutex mu_;
   // Owned by the outstanding read or write while reading_ / writing_.
-  Request read_message_;
+  LenientWire<Request> read_message_;
   Response write_message_;
   std::deque<Response> replies_ ABSL_GUARDED_BY(mu_);
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // submitted to the loop, reply not back yet

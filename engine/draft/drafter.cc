@@ -5,11 +5,15 @@
 namespace specd {
 
 absl::Status ValidateDraftParams(const DraftParams& p) {
-  if (p.depth < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("depth: ", p.depth, " must be >= 1"));
+  // A tree holds at most kMaxTreeNodes nodes, so it is never deeper or wider than that; larger
+  // values (depth 100000 used to return an empty tree) are mistakes, refused by name.
+  if (p.depth < 1 || p.depth > kMaxTreeNodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("depth: ", p.depth, " must be in [1, ", kMaxTreeNodes, "]"));
   }
-  if (p.top_k < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k: ", p.top_k, " must be >= 1"));
+  if (p.top_k < 1 || p.top_k > kMaxTreeNodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k: ", p.top_k, " must be in [1, ", kMaxTreeNodes, "]"));
   }
   if (p.max_nodes < 1 || p.max_nodes > kMaxTreeNodes) {
     return absl::InvalidArgumentError(

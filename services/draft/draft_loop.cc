@@ -135,12 +135,22 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
           absl::StrCat(where, ".method: unknown value ", static_cast<int>(step.method())));
   }
   DraftParams& params = slot->request.params;
-  params.depth = step.depth() != 0 ? static_cast<int>(step.depth()) : options_.defaults.depth;
-  params.top_k = step.top_k() != 0 ? static_cast<int>(step.top_k()) : options_.defaults.top_k;
-  params.max_nodes = step.max_nodes() != 0
-                         ? static_cast<int>(std::min<uint32_t>(step.max_nodes(), 1 << 20))
-                         : options_.defaults.max_nodes;
+  // Clamped below INT32_MAX so the cast keeps values ValidateDraftParams refuses by name.
+  auto field = [](uint32_t v, int fallback) {
+    return v != 0 ? static_cast<int>(std::min<uint32_t>(v, 1 << 20)) : fallback;
+  };
+  params.depth = field(step.depth(), options_.defaults.depth);
+  params.top_k = field(step.top_k(), options_.defaults.top_k);
+  params.max_nodes = field(step.max_nodes(), options_.defaults.max_nodes);
   if (absl::Status s = ValidateDraftParams(params); !s.ok()) return Prefixed(s, where + ".");
+
+  const int64_t history =
+      live.has_value() ? static_cast<int64_t>(sequences_[*live].history.size()) : 0;
+  if (history + step.new_tokens_size() > options_.max_history_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".new_tokens: the sequence would hold ", history + step.new_tokens_size(),
+        " tokens, more than this draft service keeps (", options_.max_history_tokens, ")"));
+  }
 
   if (!live.has_value()) {
     if (table_.size() >= options_.max_sequences) {

@@ -48,6 +48,9 @@ struct DraftLoopOptions {
   // Tree shape for fields a step leaves 0.
   DraftParams defaults;
   int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
+  // Tokens one sequence's history may reach; a step that would exceed it is INVALID_ARGUMENT.
+  // The default is above the longest context of the families served (Qwen2.5-1M: 1010000).
+  int64_t max_history_tokens = int64_t{1} << 20;
 };
 
 class DraftLoop final

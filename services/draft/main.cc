@@ -109,7 +109,7 @@ int Main() {
 }  // namespace specd
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  specd::SetUsageAndHelpFilter(
       "Serves the drafters of a specd cluster (specd.v1.Drafter).\n"
       "  specd-draft --model DIR | --vocab_size N [--address HOST:PORT] [--metrics_port N]");
   specd::AcceptDashedFlagNames(argc, argv);

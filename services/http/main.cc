@@ -36,8 +36,12 @@ ABSL_FLAG(int, metrics_port, -1,
           "--address, next to the API");
 ABSL_FLAG(int, request_timeout_ms, 0,
           "deadline of each generation, passed to the router (0 = none)");
-ABSL_FLAG(int, threads, 64,
-          "HTTP worker threads: the most requests served at once (a stream holds one)");
+ABSL_FLAG(int, threads, 512,
+          "HTTP connections served at once, one thread each (a stream holds one); more are "
+          "answered 503");
+ABSL_FLAG(int, request_read_timeout_ms, 10000,
+          "a client must send each whole request (headers and body) within this, from its "
+          "first byte; slower connections are closed");
 ABSL_FLAG(int, default_max_tokens, 16,
           "max_tokens of /v1/completions requests that give none (OpenAI's default is 16); "
           "chat requests default to the router's --default_max_new_tokens");
@@ -119,6 +123,9 @@ int Main() {
   options.request_timeout = absl::Milliseconds(timeout_ms);
   options.threads = absl::GetFlag(FLAGS_threads);
   if (options.threads < 1) return Fail("--threads: must be >= 1");
+  const int read_timeout_ms = absl::GetFlag(FLAGS_request_read_timeout_ms);
+  if (read_timeout_ms < 1) return Fail("--request_read_timeout_ms: must be >= 1");
+  options.request_read_deadline = absl::Milliseconds(read_timeout_ms);
   const int default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   if (default_max_tokens < 1) return Fail("--default_max_tokens: must be >= 1");
   options.default_completion_max_tokens = static_cast<uint32_t>(default_max_tokens);
@@ -162,7 +169,7 @@ int Main() {
 
 int main(int argc, char** argv) {
   specd::WatchTerminationSignals();
-  absl::SetProgramUsageMessage(
+  specd::SetUsageAndHelpFilter(
       "specd-http --address HOST:PORT --router HOST:PORT [--model_dir DIR] [--chat_template FILE] "
       "[--model_name NAME] [--tls_cert FILE --tls_key FILE] [--token_file FILE]");
   specd::AcceptDashedFlagNames(argc, argv);

@@ -55,7 +55,10 @@ struct OpenAiServerOptions {
   std::shared_ptr<const ChatTemplate> chat_template;
   // Deadline of each Generate call (propagated by the router to the services); 0 = none.
   absl::Duration request_timeout = absl::ZeroDuration();
-  int threads = 64;  // httplib worker threads = most requests served at once
+  // Connections served at once, one thread each (a stream holds one); more get a 503.
+  int threads = 512;
+  // A client must send each whole request (head and body) within this, from its first byte.
+  absl::Duration request_read_deadline = absl::Seconds(10);
   size_t max_body_bytes = 8 << 20;
   // A streaming response sends an SSE comment after this long without tokens.
   absl::Duration keepalive_interval = absl::Seconds(10);

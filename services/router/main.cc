@@ -267,7 +267,7 @@ int Main() {
 int main(int argc, char** argv) {
   // Before any thread starts, so a signal during startup is not lost.
   specd::WatchTerminationSignals();
-  absl::SetProgramUsageMessage(
+  specd::SetUsageAndHelpFilter(
       "specd-router --model DIR --verify_address HOST:PORT [--draft_address HOST:PORT] "
       "[--tls_cert FILE --tls_key FILE] [--token_file FILE]");
   specd::AcceptDashedFlagNames(argc, argv);

@@ -33,7 +33,13 @@ struct RequestLimits {
   int max_stop_bytes = 256;
 };
 
+// request_id is only echoed in logs; a bound keeps one request from growing the log by
+// megabytes.
+inline constexpr size_t kMaxRequestIdBytes = 128;
+
 struct RouterRequest {
+  // The client's request_id C-escaped (a newline in it cannot forge a log line): it is only
+  // ever logged.
   std::string request_id;
   std::vector<int32_t> prompt;
   int max_new_tokens = 0;

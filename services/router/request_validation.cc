@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/token_tree.h"
 
@@ -53,6 +54,10 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
       return Invalid(absl::StrCat("stop[", i, "]: longer than ", limits.max_stop_bytes, " bytes"));
     }
   }
+  if (r.request_id().size() > kMaxRequestIdBytes) {
+    return Invalid(absl::StrCat("request_id: ", r.request_id().size(), " bytes; at most ",
+                                kMaxRequestIdBytes));
+  }
   if (!v1::Speculation_IsValid(r.speculation())) {
     return Invalid(absl::StrCat("speculation: unknown value ", r.speculation()));
   }
@@ -84,7 +89,7 @@ absl::Status ValidatePrompt(absl::Span<const int32_t> prompt, const char* field,
 RouterRequest ResolveRequest(const v1::GenerateRequest& r, const RequestLimits& limits,
                              uint64_t random_seed) {
   RouterRequest out;
-  out.request_id = r.request_id();
+  out.request_id = absl::CHexEscape(r.request_id());
   out.max_new_tokens =
       r.max_new_tokens() > 0 ? static_cast<int>(r.max_new_tokens()) : limits.default_max_new_tokens;
   out.sampling.temperature = r.has_temperature() ? r.temperature() : 0.0f;

@@ -6,10 +6,12 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/service/grpc_util.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
+#include "common/service/lenient_handler.h"
 #include "services/router/request_validation.h"
 
 namespace specd {
@@ -125,7 +127,8 @@ class GenerateReactor : public GenerateWriter {
     if (!status.ok()) {
       if (status.code() != absl::StatusCode::kInvalidArgument &&
           status.code() != absl::StatusCode::kUnauthenticated) {
-        SPECD_LOG(INFO) << "request '" << request->request_id() << "' refused: " << status;
+        SPECD_LOG(INFO) << "request '" << absl::CHexEscape(request->request_id())
+                        << "' refused: " << status;
       }
       service->metrics()->CountOutcome(static_cast<grpc::StatusCode>(status.code()));
       sink_->Finish(ToGrpcStatus(status));
@@ -158,7 +161,25 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
       tokenizer_(tokenizer),
       loop_(loop),
       metrics_(metrics),
-      rng_(std::random_device{}()) {}
+      rng_(std::random_device{}()) {
+  // Requests that fail to parse (e.g. a prompt that is not UTF-8) reach the methods marked, so
+  // they are answered INVALID_ARGUMENT naming the field rather than UNIMPLEMENTED (see
+  // common/service/lenient_parse.h). Indexes follow the rpc order in generation.proto.
+  MarkMethodCallback(
+      0, new LenientMethodHandler<v1::GenerateRequest, v1::GenerateResponse, false>(
+             new grpc::internal::CallbackServerStreamingHandler<v1::GenerateRequest,
+                                                                v1::GenerateResponse>(
+                 [this](grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+                   return Generate(context, request);
+                 })));
+  MarkMethodCallback(
+      1, new LenientMethodHandler<v1::TokenizeRequest, v1::TokenizeResponse, true>(
+             new grpc::internal::CallbackUnaryHandler<v1::TokenizeRequest, v1::TokenizeResponse>(
+                 [this](grpc::CallbackServerContext* context, const v1::TokenizeRequest* request,
+                        v1::TokenizeResponse* response) {
+                   return Tokenize(context, request, response);
+                 })));
+}
 
 RequestLimits RouterService::CurrentLimits() const {
   RequestLimits limits = options_.limits;
@@ -182,6 +203,7 @@ absl::Status RouterService::Admit(const grpc::CallbackServerContext& context, bo
 }
 
 absl::Status RouterService::Prepare(const v1::GenerateRequest& request, RouterRequest* out) {
+  if (absl::Status s = WireError(request); !s.ok()) return s;
   const RequestLimits limits = CurrentLimits();
   if (absl::Status s = ValidateGenerateRequest(request, limits); !s.ok()) return s;
   *out = ResolveRequest(request, limits, RandomSeed());
@@ -209,7 +231,9 @@ grpc::ServerUnaryReactor* RouterService::Tokenize(grpc::CallbackServerContext* c
                                                   const v1::TokenizeRequest* request,
                                                   v1::TokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status s = Admit(*context, /*generate=*/false); !s.ok()) {
+  absl::Status s = Admit(*context, /*generate=*/false);
+  if (s.ok()) s = WireError(*request);
+  if (!s.ok()) {
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }

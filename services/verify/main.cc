@@ -132,7 +132,7 @@ int Main() {
 }  // namespace specd
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  specd::SetUsageAndHelpFilter(
       "Serves the target model of a specd cluster (specd.v1.Verifier).\n"
       "  specd-verify --model DIR [--address HOST:PORT] [--metrics_port N] [--device cpu]");
   specd::AcceptDashedFlagNames(argc, argv);

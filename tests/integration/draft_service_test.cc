@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,7 @@
 #include "engine/draft/draft_model_drafter.h"
 #include "engine/draft/ngram_drafter.h"
 #include "gmock/gmock.h"
+#include "grpcpp/impl/codegen/sync_stream.h"
 #include "gtest/gtest.h"
 #include "specd/v1/draft.grpc.pb.h"
 #include "tests/testutil/model_service_fixture.h"
@@ -244,6 +246,70 @@ TEST_F(DraftServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   // Same prompt, same deterministic drafter: seq 2's tree equals seq 1's first tree.
   EXPECT_THAT(second.results(1).tree().tokens(),
               ElementsAreArray(response.results(0).tree().tokens()));
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+// Tree shapes no tree can have (depth 100000 used to answer an empty tree) and a history
+// beyond any served context are refused per sequence, naming the field.
+TEST_F(DraftServiceTest, OversizedShapesAndHistoriesAreNamed) {
+  std::unique_ptr<ServiceProcess> p = StartDraft({absl::StrCat("--vocab_size=", kVocab)});
+  ASSERT_NE(p, nullptr);
+  DraftStream stream(p->channel());
+  v1::DraftStepRequest request;
+  request.set_step_id(1);
+  AddStep(&request, 1, {1, 2, 3}, v1::DRAFT_METHOD_NGRAM, {100000, 2, 4});
+  AddStep(&request, 2, {1, 2, 3}, v1::DRAFT_METHOD_NGRAM, {2, 100000, 4});
+  AddStep(&request, 3, {1, 2, 3}, v1::DRAFT_METHOD_NGRAM, {2, 2, 4})->set_depth(4000000000u);
+  AddStep(&request, 4, std::vector<int32_t>((1 << 20) + 1, 5), v1::DRAFT_METHOD_NGRAM, {2, 2, 4});
+  AddStep(&request, 5, {1, 2, 3}, v1::DRAFT_METHOD_NGRAM, {256, 2, 4});
+  const v1::DraftStepResponse response = stream.Step(request);
+  ASSERT_EQ(response.results_size(), 5);
+  for (const auto& [i, text] : std::vector<std::pair<int, std::string>>{
+           {0, "steps[0].depth: 100000 must be in [1, 256]"},
+           {1, "steps[1].top_k: 100000 must be in [1, 256]"},
+           {2, "steps[2].depth"},
+           {3, "steps[3].new_tokens: the sequence would hold 1048577 tokens"}}) {
+    EXPECT_EQ(response.results(i).error().code(), grpc::StatusCode::INVALID_ARGUMENT) << i;
+    EXPECT_THAT(response.results(i).error().message(), HasSubstr(text)) << i;
+  }
+  EXPECT_FALSE(response.results(4).has_error()) << response.results(4).error().message();
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+// A Step message that does not parse used to end the stream's reads as a half-close: status OK,
+// later steps silently dropped. It ends the stream with INVALID_ARGUMENT; the service serves on.
+TEST_F(DraftServiceTest, UnparseableStepEndsTheStreamWithInvalidArgument) {
+  std::unique_ptr<ServiceProcess> p = StartDraft({absl::StrCat("--vocab_size=", kVocab)});
+  ASSERT_NE(p, nullptr);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, v1::DraftStepResponse>> raw(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, v1::DraftStepResponse>::Create(
+          p->channel().get(),
+          grpc::internal::RpcMethod("/specd.v1.Drafter/Step",
+                                    grpc::internal::RpcMethod::BIDI_STREAMING),
+          &context));
+  const std::string garbage = "\x0a\xff\xff\xff\xff\x0f garbage";  // field 1 with a huge length
+  grpc::Slice slice(garbage);
+  grpc::ByteBuffer bad(&slice, 1);
+  ASSERT_TRUE(raw->Write(bad));
+  v1::DraftStepRequest later;
+  later.set_step_id(2);
+  AddStep(&later, 1, {1, 2, 3}, v1::DRAFT_METHOD_NGRAM, {2, 2, 4});
+  grpc::ByteBuffer later_bytes;
+  bool own = false;
+  ASSERT_TRUE(
+      grpc::SerializationTraits<v1::DraftStepRequest>::Serialize(later, &later_bytes, &own).ok());
+  raw->Write(later_bytes);  // may fail once the server has ended the stream
+  raw->WritesDone();
+  v1::DraftStepResponse response;
+  EXPECT_FALSE(raw->Read(&response));
+  const grpc::Status status = raw->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("could not be parsed"));
+
+  DraftStream stream(p->channel());
+  const v1::DraftStepResponse ok = stream.Step(later);
+  EXPECT_FALSE(ok.results(0).has_error()) << ok.results(0).error().message();
   EXPECT_TRUE(stream.Close().ok());
 }
 

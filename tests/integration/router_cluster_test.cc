@@ -340,6 +340,16 @@ TEST(RouterClusterTest, BadInputsAreInvalidArgumentNamingTheField) {
       {"draft_max_nodes", [](v1::GenerateRequest* r) { r->set_draft_max_nodes(257); }},
       {"speculation",
        [](v1::GenerateRequest* r) { r->set_speculation(static_cast<v1::Speculation>(42)); }},
+      // Strings that are not UTF-8 fail protobuf parsing in the server; they used to get
+      // UNIMPLEMENTED with no message.
+      {"prompt", [](v1::GenerateRequest* r) { r->set_prompt("def \xff\xfe f"); }},
+      {"stop[1]",
+       [](v1::GenerateRequest* r) {
+         r->add_stop("ok");
+         r->add_stop("\xc3\x28");
+       }},
+      {"request_id", [](v1::GenerateRequest* r) { r->set_request_id(std::string(129, 'a')); }},
+      {"request_id", [](v1::GenerateRequest* r) { r->set_request_id(std::string(1 << 20, '\n')); }},
   };
   for (const Case& k : cases) {
     v1::GenerateRequest r = Greedy("def f(x):", 8, v1::SPECULATION_AUTO);
@@ -660,6 +670,16 @@ TEST(RouterClusterTest, TokenizeDetokenizeAndModelInfo) {
   v1::TokenizeResponse tokens;
   ASSERT_TRUE(c->stub->Tokenize(&c1, tr, &tokens).ok());
   EXPECT_EQ(tokens.ids_size(), 6);  // byte-level: é is two bytes
+  {
+    grpc::ClientContext bad_context;
+    v1::TokenizeRequest bad;
+    bad.set_text("h\xe9llo");  // Latin-1, not UTF-8
+    v1::TokenizeResponse none;
+    const grpc::Status status = c->stub->Tokenize(&bad_context, bad, &none);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(status.error_message().rfind("text: not valid UTF-8", 0), 0u)
+        << status.error_message();
+  }
   v1::DetokenizeRequest dr;
   *dr.mutable_ids() = tokens.ids();
   v1::DetokenizeResponse text;

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -29,6 +30,7 @@ namespace specd {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Runs `promtool check metrics` on `text`; returns promtool's output, or nullopt without
 // promtool.
@@ -378,6 +380,30 @@ TEST(MetricValue, ParsesLabelsAndEscapes) {
   EXPECT_EQ(*MetricValue(text, "c_bucket", {{"le", "+Inf"}}), 7);
   EXPECT_EQ(MetricValue(text, "b").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(MetricValue(text, "nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+// --help used to print "No flags matched" (Abseil keeps only flags of a file named after the
+// program); it lists each binary's own flags, and not Abseil's.
+TEST(Help, EveryServiceBinaryListsItsOwnFlags) {
+  const std::vector<std::pair<std::string, std::string>> binaries = {
+      {"specd-router", "--verify_address"},
+      {"specd-verify", "--kv_capacity_tokens"},
+      {"specd-draft", "--tree_max_nodes"},
+      {"specd-http", "--router"}};
+  for (const auto& [binary, flag] : binaries) {
+    const std::string command = SpecdBinary(binary) + " --help 2>&1";
+    FILE* pipe = popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr) << command;
+    std::string out;
+    char buffer[4096];
+    for (size_t n; (n = fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
+    pclose(pipe);
+    EXPECT_THAT(out, Not(HasSubstr("No flags matched"))) << binary;
+    EXPECT_THAT(out, HasSubstr(flag)) << binary << ":\n" << out;
+    EXPECT_THAT(out, HasSubstr("--address")) << binary;
+    EXPECT_THAT(out, Not(HasSubstr("--flagfile")))
+        << binary << ": Abseil's flags belong to --helpfull";
+  }
 }
 
 }  // namespace

@@ -21,7 +21,9 @@
 #include "common/service/grpc_util.h"
 #include "engine/backend.h"
 #include "gmock/gmock.h"
+#include "grpcpp/impl/codegen/sync_stream.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "services/verify/sampling_proto.h"
 #include "specd/v1/verify.grpc.pb.h"
 #include "tests/testutil/model_service_fixture.h"
@@ -479,6 +481,35 @@ TEST_F(VerifyServiceTest, SamplingFieldsAreValidatedNamingTheField) {
   EXPECT_TRUE(stream.Close().ok());
 }
 
+// A Step message that does not parse ends the stream with INVALID_ARGUMENT (it used to look
+// like the client's half-close: status OK, later steps dropped); the service serves on.
+TEST_F(VerifyServiceTest, UnparseableStepEndsTheStreamWithInvalidArgument) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, v1::VerifyStepResponse>> raw(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, v1::VerifyStepResponse>::Create(
+          p->channel().get(),
+          grpc::internal::RpcMethod("/specd.v1.Verifier/Step",
+                                    grpc::internal::RpcMethod::BIDI_STREAMING),
+          &context));
+  const std::string garbage = "\x12\x05\x08";  // steps: 5 bytes promised, 1 sent
+  grpc::Slice slice(garbage);
+  grpc::ByteBuffer bad(&slice, 1);
+  ASSERT_TRUE(raw->Write(bad));
+  raw->WritesDone();
+  v1::VerifyStepResponse response;
+  EXPECT_FALSE(raw->Read(&response));
+  const grpc::Status status = raw->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("VerifyStepRequest message could not be parsed"));
+
+  VerifyStream stream(p->channel());
+  const v1::VerifySequenceResult first = StartSequenceOne(stream);
+  EXPECT_FALSE(first.has_error()) << first.error().message();
+  EXPECT_TRUE(stream.Close().ok());
+}
+
 TEST_F(VerifyServiceTest, CapacityLimitsAreResourceExhaustedPerSequence) {
   std::unique_ptr<ServiceProcess> p = StartVerify({"--max_sequences=2", "--kv_capacity_tokens=64"});
   ASSERT_NE(p, nullptr);
@@ -682,8 +713,28 @@ TEST_F(VerifyServiceTest, MetricsFollowTheContract) {
   }
 }
 
+// A copy of the test checkpoint whose config.json (or generation_config.json) gets `key` = `value`.
+std::string CheckpointWith(const std::string& from, const std::string& file, const std::string& key,
+                           const nlohmann::json& value) {
+  const std::string dir = MakeTempDir("specd-bad-config");
+  std::filesystem::copy(
+      from, dir,
+      std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  nlohmann::json j = nlohmann::json::object();
+  if (std::ifstream in(dir + "/" + file); in) j = nlohmann::json::parse(in);
+  j[key] = value;
+  std::ofstream(dir + "/" + file) << j.dump();
+  return dir;
+}
+
 TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
   const std::string empty = MakeTempDir("specd-no-model");
+  // These used to load and report SERVING while refusing every request.
+  const std::string no_context = CheckpointWith(*dir_, "config.json", "max_position_embeddings", 0);
+  const std::string huge_context =
+      CheckpointWith(*dir_, "config.json", "max_position_embeddings", int64_t{1} << 40);
+  const std::string bad_eos =
+      CheckpointWith(*dir_, "generation_config.json", "eos_token_id", kVocab + 5);
   struct Case {
     std::vector<std::string> args;
     std::string message;
@@ -694,6 +745,12 @@ TEST_F(VerifyServiceTest, StartupErrorsExitNonZeroWithAClearMessage) {
   for (const Case& c : std::vector<Case>{
            {{address, metrics, "--model=" + empty}, "config.json"},
            {{address, metrics}, "--model: required"},
+           {{address, metrics, "--model=" + no_context},
+            "max_position_embeddings 0 must be in [1, 16777216]"},
+           {{address, metrics, "--model=" + huge_context},
+            "max_position_embeddings is out of the 32-bit integer range"},
+           {{address, metrics, "--model=" + bad_eos},
+            absl::StrCat("eos_token_id ", kVocab + 5, " is outside the vocabulary")},
            {{address, metrics, "--model=" + *dir_, "--tensor_parallel=0"}, "tensor_parallel"},
            // The dashed spelling other servers use reaches the same flag.
            {{address, metrics, "--model=" + *dir_, "--tensor-parallel=0"}, "tensor_parallel"},

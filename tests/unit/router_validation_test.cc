@@ -50,6 +50,7 @@ TEST(RouterValidationTest, EachBadFieldIsNamed) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const std::vector<BadCase> cases = {
       {"prompt", [](v1::GenerateRequest* r) { r->set_prompt(""); }},
+      {"request_id", [](v1::GenerateRequest* r) { r->set_request_id(std::string(129, 'x')); }},
       {"prompt", [](v1::GenerateRequest* r) { r->clear_input(); }},
       {"prompt_ids.ids", [](v1::GenerateRequest* r) { r->mutable_prompt_ids(); }},
       {"prompt_ids.ids[1]",
@@ -96,6 +97,18 @@ TEST(RouterValidationTest, EachBadFieldIsNamed) {
     EXPECT_EQ(std::string(s.message()).rfind(c.field + ":", 0), 0u)
         << "message should start with '" << c.field << ":', got: " << s.message();
   }
+}
+
+// request_id is bounded and reaches the logs escaped, so a newline cannot forge a log line.
+TEST(RouterValidationTest, RequestIdIsBoundedAndEscaped) {
+  v1::GenerateRequest r = Valid();
+  r.set_request_id(std::string(kMaxRequestIdBytes, 'a'));
+  EXPECT_TRUE(ValidateGenerateRequest(r, Limits()).ok());
+  r.set_request_id("id\nI0101 forged line\x01");
+  ASSERT_TRUE(ValidateGenerateRequest(r, Limits()).ok());
+  const RouterRequest resolved = ResolveRequest(r, Limits(), 7);
+  EXPECT_EQ(resolved.request_id, "id\\nI0101 forged line\\x01");
+  EXPECT_EQ(resolved.request_id.find('\n'), std::string::npos);
 }
 
 TEST(RouterValidationTest, TokenizedPromptMustLeaveRoom) {

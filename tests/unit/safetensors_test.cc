@@ -218,6 +218,48 @@ TEST(ModelConfigTest, ParsesFamiliesAndRejectsBadFields) {
   EXPECT_THAT(unknown.status().message(), HasSubstr("gpt2"));
 }
 
+// Contexts of 0 or beyond int (2^40 used to truncate to 0) and end-of-sequence ids outside the
+// vocabulary used to load and leave a service that refused every request; they are refused at
+// load, naming the file and the field.
+TEST(ModelConfigTest, RefusesUnusableContextAndEosIds) {
+  const std::string base = R"({"model_type":"llama","vocab_size":10,"hidden_size":8,
+    "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2)";
+  for (const char* bad : {R"(,"max_position_embeddings":0})", R"(,"max_position_embeddings":-5})",
+                          R"(,"max_position_embeddings":1099511627776})",
+                          R"(,"max_position_embeddings":33554432})"}) {
+    auto c = ParseModelConfig(base + bad, "cfg.json");
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_THAT(c.status().message(), HasSubstr("cfg.json")) << bad;
+    EXPECT_THAT(c.status().message(), HasSubstr("max_position_embeddings")) << bad;
+  }
+  EXPECT_TRUE(ParseModelConfig(base + R"(,"max_position_embeddings":16777216})", "c").ok());
+  for (const char* bad :
+       {R"(,"eos_token_id":10})", R"(,"eos_token_id":[2,-1]})", R"(,"eos_token_id":4294967298})"}) {
+    auto c = ParseModelConfig(base + bad, "cfg.json");
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_THAT(c.status().message(), HasSubstr("eos_token_id")) << bad;
+  }
+  auto good = ParseModelConfig(base + R"(,"eos_token_id":[2,9]})", "cfg.json");
+  ASSERT_TRUE(good.ok()) << good.status();
+  ModelConfig c = *good;
+  absl::Status gen = ApplyGenerationConfig(R"({"eos_token_id":12})", "gen.json", &c);
+  EXPECT_EQ(gen.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(gen.message(), HasSubstr("gen.json"));
+  EXPECT_THAT(gen.message(), HasSubstr("eos_token_id 12"));
+  EXPECT_FALSE(ApplyGenerationConfig("[1]", "gen.json", &c).ok());
+  ASSERT_TRUE(ApplyGenerationConfig(R"({"eos_token_id":3,"bos_token_id":1})", "g", &c).ok());
+  EXPECT_EQ(c.eos_token_ids, std::vector<int32_t>{3});
+  EXPECT_EQ(c.bos_token_id, 1);
+
+  // Through LoadModelConfig: generation_config.json is checked against config.json's vocabulary.
+  const std::string dir = MakeTempDir("cfg_eos_");
+  WriteAll(dir + "/config.json", base + "}");
+  WriteAll(dir + "/generation_config.json", R"({"eos_token_id":[1,100]})");
+  auto loaded = LoadModelConfig(dir);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_THAT(loaded.status().message(), HasSubstr("generation_config.json"));
+}
+
 // Sliding-window models are served up to their window only (full attention is then exact).
 TEST(ModelConfigTest, ActiveSlidingWindowCapsTheContext) {
   const std::string sizes = R"("vocab_size":10,"hidden_size":8,"intermediate_size":16,

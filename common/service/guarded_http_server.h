@@ -1,0 +1,51 @@
+// An httplib::Server that a few slow or numerous clients cannot take over: it serves every
+// connection on its own thread up to a cap and answers 503 beyond it, bounds the time a client
+// may take to send one whole request (not only each read), and listens with a backlog of
+// SOMAXCONN. Plain httplib queued connections behind a fixed pool of workers, each of which a
+// client sending one header line a second could hold indefinitely (the per-read timeout never
+// fired), and listened with a backlog of 5, so bursts of connections were reset.
+#ifndef SPECD_COMMON_SERVICE_GUARDED_HTTP_SERVER_H_
+#define SPECD_COMMON_SERVICE_GUARDED_HTTP_SERVER_H_
+
+#include <atomic>
+
+#include "absl/time/time.h"
+#include "httplib.h"
+
+namespace specd {
+
+struct GuardedHttpOptions {
+  // Connections served at once (one thread each); a connection beyond it is answered 503 and
+  // closed.
+  int max_connections = 512;
+  // From the first byte of a request to the last byte of its body; a slower client's
+  // connection is closed.
+  absl::Duration request_read_deadline = absl::Seconds(10);
+};
+
+class GuardedHttpServer : public httplib::Server {
+ public:
+  explicit GuardedHttpServer(const GuardedHttpOptions& options);
+
+  // Call after bind_to_port / bind_to_any_port (httplib listens with a backlog of 5): raises
+  // the listen backlog to SOMAXCONN.
+  void RaiseListenBacklog();
+
+  // Connections being served now (not counting those answered 503).
+  int active_connections() const { return active_.load(); }
+
+ private:
+  // Called by httplib on a task-queue thread for each accepted connection.
+  bool process_and_close_socket(socket_t sock) override;
+  // Waits for the first byte of a request (keep-alive) while the server runs.
+  bool WaitForRequest(socket_t sock, absl::Duration timeout) const;
+  // Answers 503 on a connection over the cap, without reading the request, and closes it.
+  void Refuse(socket_t sock);
+
+  const GuardedHttpOptions options_;
+  std::atomic<int> active_{0};
+};
+
+}  // namespace specd
+
+#endif  // SPECD_COMMON_SERVICE_GUARDED_HTTP_SERVER_H_
