@@ -146,7 +146,9 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
         release_all();
         return t.status();
       }
-      policy_.costs().ObserveDraft(static_cast<int>(draft_requests.size()), levels, nodes,
+      int fed = 0;
+      for (const DraftRequest& d : draft_requests) fed += static_cast<int>(d.new_tokens.size());
+      policy_.costs().ObserveDraft(static_cast<int>(draft_requests.size()), levels, nodes, fed,
                                    absl::ToDoubleSeconds(absl::Now() - start));
       trees = *std::move(t);
       for (size_t k = 0; k < drafted.size(); ++k) {

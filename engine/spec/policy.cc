@@ -218,8 +218,10 @@ void CostModel::ObserveVerify(int rows, int tokens, double seconds) {
   Update(ratio, &verify_ratio_[rb][tb], &verify_n_[rb][tb]);
 }
 
-void CostModel::ObserveDraft(int drafting, int levels, int nodes, double seconds) {
+void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens,
+                             double seconds) {
   if (drafting <= 0 || levels <= 0 || !(seconds > 0)) return;
+  if (fed_tokens > drafting * (levels + 2)) return;
   const double per_level = std::max(static_cast<double>(nodes) / levels, 1.0 * drafting);
   const double level = std::max(seconds - options_->draft_fixed_s, 0.1 * seconds) / levels;
   const int tb = Bucket(static_cast<int>(std::lround(per_level)), kTokenBuckets);

@@ -112,7 +112,12 @@ class CostModel {
   double DraftSeconds(int drafting, int levels, int nodes) const;
 
   void ObserveVerify(int rows, int tokens, double seconds);
-  void ObserveDraft(int drafting, int levels, int nodes, double seconds);
+  // `fed_tokens`: the history tokens the call fed before drafting (the accepted tokens of the
+  // last step; a whole prompt for a sequence drafted for the first time or after target-only
+  // steps). A call that fed more than a step's worth is a prefill, not a draft level, and is not
+  // counted: counting it makes drafting look expensive, so fewer sequences are drafted, so
+  // each one fed again carries a longer backlog.
+  void ObserveDraft(int drafting, int levels, int nodes, int fed_tokens, double seconds);
 
   // Current estimates for the gauges: verify time of one row scoring 1 and 5 tokens, and one
   // draft level of one sequence.

@@ -426,11 +426,13 @@ void RouterLoop::DraftStep() {
     return;
   }
   if (levels > 0) {
-    int drafting = 0;
+    int drafting = 0, fed = 0;
     for (const v1::DraftSequenceStep& step : request.steps()) {
-      drafting += step.method() == v1::DRAFT_METHOD_MODEL ? 1 : 0;
+      if (step.method() != v1::DRAFT_METHOD_MODEL) continue;
+      ++drafting;
+      fed += step.new_tokens_size();
     }
-    policy_.costs().ObserveDraft(drafting, levels, nodes, seconds);
+    policy_.costs().ObserveDraft(drafting, levels, nodes, fed, seconds);
   }
   for (const v1::DraftSequenceResult& result : response.results()) {
     auto it = by_id.find(result.seq_id());

@@ -220,7 +220,10 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   // A bucket never run follows the nearest measured one.
   EXPECT_GT(costs.VerifySeconds(8, 70), 2 * CostModel(&o).VerifySeconds(8, 70));
   const double level = costs.DraftSeconds(4, 3, 12);
-  for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, 2 * level);
+  for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, /*fed_tokens=*/8, 2 * level);
+  EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
+  // Calls that prefilled prompts say nothing about a level's cost.
+  for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, /*fed_tokens=*/4 * 300, 50 * level);
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
 }
 
