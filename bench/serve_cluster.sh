@@ -70,7 +70,13 @@ for m in "$TARGET" "$DRAFT"; do
 done
 TARGET=$(cd "$TARGET" && pwd)
 DRAFT=$(cd "$DRAFT" && pwd)
-PYTHON=${PYTHON:-$( [ -x /usr/bin/python3 ] && echo /usr/bin/python3 || echo python3 )}
+# The first Python that has grpcio: Debian's here, a host's own python3 on GPU machines.
+if [ -z "${PYTHON:-}" ]; then
+  for p in /usr/bin/python3 python3; do
+    if "$p" -c "import grpc, google.protobuf" 2>/dev/null; then PYTHON=$p; break; fi
+  done
+  [ -n "${PYTHON:-}" ] || { echo "serve_cluster.sh: no python3 with grpcio (set PYTHON)" >&2; exit 2; }
+fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/specd-bench.XXXXXX")
 if [ -n "$LOGS" ]; then mkdir -p "$LOGS"; LOGDIR=$(cd "$LOGS" && pwd); else LOGDIR=$WORK; fi
