@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -213,6 +214,7 @@ void CostModel::ObserveVerify(int rows, int tokens, double seconds) {
   if (rows <= 0 || !(seconds > 0)) return;
   tokens = std::max(tokens, rows);
   const int rb = Bucket(rows, kRowBuckets), tb = Bucket(tokens, kTokenBuckets);
+  if (!std::exchange(verify_warm_[rb][tb], true)) return;
   const double ratio = seconds / VerifyPrior(rows, tokens);
   if (verify_n_[rb][tb] == 0) verify_ratio_[rb][tb] = VerifyRatio(rb, tb);
   Update(ratio, &verify_ratio_[rb][tb], &verify_n_[rb][tb]);
@@ -225,6 +227,7 @@ void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens
   const double per_level = std::max(static_cast<double>(nodes) / levels, 1.0 * drafting);
   const double level = std::max(seconds - options_->draft_fixed_s, 0.1 * seconds) / levels;
   const int tb = Bucket(static_cast<int>(std::lround(per_level)), kTokenBuckets);
+  if (!std::exchange(level_warm_[tb], true)) return;
   const double ratio = level / LevelPrior(per_level);
   if (level_n_[tb] == 0) level_ratio_[tb] = LevelRatio(tb);
   Update(ratio, &level_ratio_[tb], &level_n_[tb]);

@@ -139,6 +139,11 @@ class CostModel {
   const PolicyOptions* options_;
   double verify_ratio_[kRowBuckets][kTokenBuckets] = {};
   int verify_n_[kRowBuckets][kTokenBuckets] = {};
+  // Whether a bucket's first call was seen. That call is not a sample: on a GPU it captures the
+  // bucket's CUDA graph and times its GEMM algorithms, many times a step's cost, and a bucket
+  // judged that dear would never be chosen again to correct it.
+  bool verify_warm_[kRowBuckets][kTokenBuckets] = {};
+  bool level_warm_[kTokenBuckets] = {};
   double level_ratio_[kTokenBuckets] = {};
   int level_n_[kTokenBuckets] = {};
 };
