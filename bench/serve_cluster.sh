@@ -81,19 +81,9 @@ fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/specd-bench.XXXXXX")
 if [ -n "$LOGS" ]; then mkdir -p "$LOGS"; LOGDIR=$(cd "$LOGS" && pwd); else LOGDIR=$WORK; fi
 PIDS=()
-cleanup() {
-  local pid
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+trap 'stop_services "$WORK" "${PIDS[@]}"' EXIT
 trap 'exit 130' INT TERM
 
-free_port() {
-  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
-print(s.getsockname()[1])'
-}
 VERIFY_ADDR=127.0.0.1:$(free_port)
 DRAFT_ADDR=127.0.0.1:$(free_port)
 ROUTER_ADDR=127.0.0.1:$(free_port)

@@ -31,13 +31,7 @@ BIN="$ROOT/$BUILD/bin"
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/specd-demo.XXXXXX")
 PIDS=()
-cleanup() {
-  local pid
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+trap 'stop_services "$WORK" "${PIDS[@]}"' EXIT
 trap 'exit 130' INT TERM
 
 if [ -f models/pycoder-target/config.json ] && [ -f models/pycoder-draft/config.json ]; then
@@ -51,9 +45,6 @@ else
   "$BIN/specd-make-test-model" --target_dir "$TARGET" --draft_dir "$DRAFT"
 fi
 
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 VERIFY=127.0.0.1:$(free_port)
 DRAFT_ADDR=127.0.0.1:$(free_port)
 ROUTER=127.0.0.1:$(free_port)

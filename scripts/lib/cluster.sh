@@ -1,5 +1,22 @@
 # Shell helpers for scripts that start the three services themselves (scripts/demo.sh,
-# tools/gpu/run.sh cluster). Source it; it defines functions only.
+# bench/serve_cluster.sh, tools/gpu/run.sh cluster). Source it; it defines functions only.
+
+# free_port: prints a loopback TCP port that was free a moment ago ($PYTHON, else python3).
+free_port() {
+  "${PYTHON:-python3}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])'
+}
+
+# stop_services WORK PID...: stops the PIDs (SIGTERM, then waits for each) and removes WORK.
+# Scripts call it from their EXIT trap, so that whatever ends them (an error, Ctrl-C, SIGTERM)
+# leaves no service running.
+stop_services() {
+  local work=$1 pid
+  shift
+  for pid in "$@"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "$@"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$work"
+}
 
 # wait_for_cluster BIN ROUTER WORK TIMEOUT_S PID...
 # Returns 0 once the router at ROUTER reports the draft service and a one-token generation goes

@@ -42,18 +42,10 @@ cmd_cluster() (
 
   local work pids=()
   work=$(mktemp -d "${TMPDIR:-/tmp}/specd-cluster.XXXXXX")
-  cleanup() {
-    local pid
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-    rm -rf "$work"
-  }
-  trap cleanup EXIT  # this function runs in a subshell: the trap is its own
+  # This function runs in a subshell: the trap is its own.
+  trap 'stop_services "$work" "${pids[@]}"' EXIT
   trap 'exit 130' INT TERM
 
-  free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-  }
   local verify draft router tp start failed=0 rc mode id ids n i t0 t1 pid spids ids_list
   if [ $dry -eq 1 ]; then  # ports are picked when it runs
     verify=127.0.0.1:50052 draft=127.0.0.1:50051 router=127.0.0.1:50050
