@@ -180,11 +180,29 @@ def step_breakdown(before, after, wall_s):
             out[f"{svc}_step_s"] = delta(b, a, "specd_step_seconds_sum") / n
             out[f"{svc}_batch_mean"] = (delta(b, a, "specd_step_batch_size_sum") /
                                         max(delta(b, a, "specd_step_batch_size_count"), 1))
+            # On a GPU: forwards captured into, replayed from, or run outside CUDA graphs.
+            for key, name in (("captures", "specd_cuda_graph_captures_total"),
+                              ("replays", "specd_cuda_graph_replays_total"),
+                              ("eager", "specd_eager_steps_total")):
+                if name in a:
+                    out[f"{svc}_graph_{key}"] = delta(b, a, name)
         n = delta(router_b, router_a, f"specd_{svc}_latency_seconds_count")
         if n > 0:
             out[f"router_{svc}_rtt_s"] = (
                 delta(router_b, router_a, f"specd_{svc}_latency_seconds_sum") / n)
             out[f"router_{svc}_calls"] = n
+    # Sequence steps by why they had the shape they had (the policy's choices, probes, ...),
+    # and by the draft tree size they carried.
+    for key in set(router_a) | set(router_b):
+        if key.startswith("specd_spec_steps_total{"):
+            n = delta(router_b, router_a, key)
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
+            if n > 0 and "reason" in labels:
+                by = out.setdefault("spec_steps_by_reason", {})
+                by[labels["reason"]] = by.get(labels["reason"], 0) + n
+                by = out.setdefault("spec_steps_by_tree_size", {})
+                size = labels.get("tree_size", "?")
+                by[size] = by.get(size, 0) + n
     steps = out.get("router_verify_calls") or out.get("verify_steps")
     if steps:
         out["wall_per_step_s"] = wall_s / steps
@@ -453,16 +471,26 @@ def print_table(phases, modes, out=sys.stdout):
     if breakdown:
         print("\nstep breakdown (ms per step, means; service = inside the service, rtt = the "
               "router's timing of the leg)", file=out)
+        graphs = any(b.get("verify_graph_replays") for _, _, b in breakdown)
         print(f"{'phase':>8} {'mode':>12} {'wall/step':>9} {'verify':>7} {'v rtt':>7} "
-              f"{'draft':>7} {'d rtt':>7} {'router+':>8} {'batch':>6}", file=out)
+              f"{'draft':>7} {'d rtt':>7} {'router+':>8} {'batch':>6}" +
+              (f" {'v eager':>7} {'v capt':>6} {'d eager':>7}" if graphs else ""), file=out)
         for label, name, b in breakdown:
+            extra = ""
+            if graphs:
+                def eager_share(svc):
+                    n = b.get(f"{svc}_graph_replays", 0) + b.get(f"{svc}_graph_eager", 0)
+                    return fmt(b.get(f"{svc}_graph_eager", 0) / n, 100, 0) + "%" if n else "-"
+                extra = (f" {eager_share('verify'):>7} "
+                         f"{fmt(b.get('verify_graph_captures'), 1, 0):>6} "
+                         f"{eager_share('draft'):>7}")
             print(f"{label:>8} {name:>12} {fmt(b.get('wall_per_step_s'), 1e3, 2):>9} "
                   f"{fmt(b.get('verify_step_s'), 1e3, 2):>7} "
                   f"{fmt(b.get('router_verify_rtt_s'), 1e3, 2):>7} "
                   f"{fmt(b.get('draft_step_s'), 1e3, 2):>7} "
                   f"{fmt(b.get('router_draft_rtt_s'), 1e3, 2):>7} "
                   f"{fmt(b.get('router_other_per_step_s'), 1e3, 2):>8} "
-                  f"{fmt(b.get('verify_batch_mean'), 1, 1):>6}", file=out)
+                  f"{fmt(b.get('verify_batch_mean'), 1, 1):>6}" + extra, file=out)
 
 
 def plot(doc, path):

@@ -132,6 +132,16 @@ class Backend {
   // What Verify() honours. Nothing beyond the basic sampler unless a backend says so: one that
   // overrides Verify() without declaring more gets requests for the rest refused.
   virtual VerifyFeatures verify_features() const { return VerifyFeatures(); }
+
+  // How the backend ran its steps so far. A step replayed from a captured CUDA graph costs a
+  // fraction of one launched kernel by kernel, and a capture several steps' worth, so these say
+  // whether a step's cost is the steady state. Backends without graphs count nothing.
+  struct ExecutionCounts {
+    int64_t graph_captures = 0;
+    int64_t graph_replays = 0;
+    int64_t eager_steps = 0;  // steps launched kernel by kernel
+  };
+  virtual ExecutionCounts execution_counts() const { return ExecutionCounts(); }
 };
 
 // OK when `features` cover what `sampling` and `logprobs` (VerifyItem::logprobs) ask for; else

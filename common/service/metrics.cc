@@ -82,7 +82,24 @@ ModelServiceMetrics::ModelServiceMetrics(prometheus::Registry& registry)
       step_tokens(AddCounter(registry, "specd_step_tokens_total",
                              "Tokens fed through the model (prefill + tree nodes).")),
       freed_finished(FreedFamily(registry).Add({{"reason", "finished"}})),
-      freed_cancelled(FreedFamily(registry).Add({{"reason", "cancelled"}})) {}
+      freed_cancelled(FreedFamily(registry).Add({{"reason", "cancelled"}})),
+      graph_captures(AddCounter(registry, "specd_cuda_graph_captures_total",
+                                "CUDA graphs captured (a capture costs several steps).")),
+      graph_replays(AddCounter(registry, "specd_cuda_graph_replays_total",
+                               "Model forwards replayed from a captured CUDA graph.")),
+      eager_steps(AddCounter(registry, "specd_eager_steps_total",
+                             "Model forwards launched kernel by kernel on a GPU (a shape too "
+                             "big for a graph, or a graph bucket's first use).")) {}
+
+void ModelServiceMetrics::SetExecutionTotals(int64_t captures, int64_t replays, int64_t eager) {
+  auto bump = [](prometheus::Counter& c, int64_t total, int64_t* seen) {
+    if (total > *seen) c.Increment(static_cast<double>(total - *seen));
+    *seen = total;
+  };
+  bump(graph_captures, captures, &seen_captures_);
+  bump(graph_replays, replays, &seen_replays_);
+  bump(eager_steps, eager, &seen_eager_);
+}
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const MetricsServerOptions& options, std::shared_ptr<prometheus::Registry> registry,

@@ -70,6 +70,15 @@ struct ModelServiceMetrics {
   prometheus::Counter& step_tokens;         // specd_step_tokens_total
   prometheus::Counter& freed_finished;      // specd_sequences_freed_total{reason="finished"}
   prometheus::Counter& freed_cancelled;     // specd_sequences_freed_total{reason="cancelled"}
+  prometheus::Counter& graph_captures;      // specd_cuda_graph_captures_total
+  prometheus::Counter& graph_replays;       // specd_cuda_graph_replays_total
+  prometheus::Counter& eager_steps;         // specd_eager_steps_total
+
+  // Brings the three execution counters up to the backend's cumulative totals.
+  void SetExecutionTotals(int64_t captures, int64_t replays, int64_t eager);
+
+ private:
+  int64_t seen_captures_ = 0, seen_replays_ = 0, seen_eager_ = 0;
 };
 
 struct MetricsServerOptions {

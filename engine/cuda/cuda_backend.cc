@@ -1325,8 +1325,10 @@ void CudaBackend::ClearGraphs() {
 // warms up) the same launches eagerly: cuBLASLt's plans and lazily loaded
 // kernels are in place before capture, and a bucket used once costs no capture.
 absl::Status CudaBackend::Execute(const Step &step) {
-  if (!step.padded)
+  if (!step.padded) {
+    ++eager_steps_;
     return Enqueue(step);
+  }
   if (buffer_generation_ != graphs_generation_) {
     // A buffer a graph points into was reallocated (Ensure synchronised the
     // stream first).
@@ -1374,8 +1376,10 @@ absl::Status CudaBackend::Execute(const Step &step) {
                                     static_cast<int64_t>(step.o_out)};
   GraphEntry &entry = graphs_[key];
   if (entry.exec == nullptr) {
-    if (entry.failed || ++entry.uses < 2)
+    if (entry.failed || ++entry.uses < 2) {
+      ++eager_steps_;
       return Enqueue(step);
+    }
     cudaGraph_t graph = nullptr;
     SPECD_CUDA_RETURN_(
         cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
@@ -1402,6 +1406,7 @@ absl::Status CudaBackend::Execute(const Step &step) {
           static_cast<long long>(step.batch),
           static_cast<long long>(step.per_seq), enqueued.ToString().c_str(),
           cudaGetErrorName(ended), cudaGetErrorName(instantiated));
+      ++eager_steps_;
       return Enqueue(step);
     }
     ++graphs_captured_;

@@ -368,6 +368,7 @@ private:
   absl::flat_hash_map<std::vector<int64_t>, GraphEntry> graphs_;
   int64_t graphs_captured_ = 0;
   int64_t graph_launches_ = 0;
+  int64_t eager_steps_ = 0;
   // Pinned host memory: the step's metadata on its way up, the verify outcomes
   // on their way down.
   void *host_stage_ = nullptr;
@@ -389,6 +390,9 @@ public:
   int64_t graphs_captured() const { return graphs_captured_; }
   int64_t graph_launches() const { return graph_launches_; }
   bool graphs_enabled() const { return graphs_enabled_; }
+  ExecutionCounts execution_counts() const override {
+    return {graphs_captured_, graph_launches_, eager_steps_};
+  }
   // Turns graphs on or off from the next step on (the A/B benchmark); captured
   // graphs are kept.
   void SetGraphsEnabled(bool on) { graphs_enabled_ = on; }

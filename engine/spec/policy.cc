@@ -176,33 +176,111 @@ double CostModel::LevelRatio(int tb) const {
   return ratio;
 }
 
+// Verify and draft costs differ by hardware in shape, not only in scale: on a CPU a verify step
+// grows with every token it scores, on a GPU it is nearly flat up to hundreds of tokens. The
+// priors have a CPU's shape, so scaling them by the nearest measured bucket predicts a GPU's
+// bigger trees several times too dear, and the policy would never run them to learn otherwise.
+// So along the token axis the measured buckets themselves give the shape: interpolated between
+// measured buckets, extended by the measured slope, and flat beyond a single measured bucket.
+// Flat is the optimistic guess; a step that acts on it measures the bucket, and a bucket that
+// turns out dear is not chosen again.
+template <typename CostAt>
+double CostModel::AlongTokens(int tb, double tokens, const int* n, const double* mean_tokens,
+                              int buckets, CostAt cost_at) {
+  int lo = -1, lo2 = -1, hi = -1;
+  for (int t = tb - 1; t >= 0; --t) {
+    if (n[t] == 0) continue;
+    if (lo < 0) {
+      lo = t;
+    } else {
+      lo2 = t;
+      break;
+    }
+  }
+  for (int t = tb + 1; t < buckets; ++t) {
+    if (n[t] > 0) {
+      hi = t;
+      break;
+    }
+  }
+  if (lo < 0 && hi < 0) return -1.0;
+  if (lo < 0) return cost_at(hi);  // below the smallest measured: at most its cost
+  const double c_lo = cost_at(lo), x_lo = mean_tokens[lo];
+  if (hi >= 0) {
+    const double c_hi = cost_at(hi), x_hi = mean_tokens[hi];
+    if (x_hi <= x_lo) return std::max(c_lo, c_hi);
+    const double f = std::clamp((tokens - x_lo) / (x_hi - x_lo), 0.0, 1.0);
+    return c_lo + f * (c_hi - c_lo);
+  }
+  if (lo2 < 0) return c_lo;
+  const double x_lo2 = mean_tokens[lo2];
+  if (x_lo <= x_lo2) return c_lo;
+  const double slope = std::max(0.0, (c_lo - cost_at(lo2)) / (x_lo - x_lo2));
+  return c_lo + slope * std::max(0.0, tokens - x_lo);
+}
+
 double CostModel::VerifySeconds(int rows, int tokens) const {
   rows = std::max(rows, 1);
   tokens = std::max(tokens, rows);
   const double prior = VerifyPrior(rows, tokens);
   if (!options_->measure_costs) return prior;
-  return prior * VerifyRatio(Bucket(rows, kRowBuckets), Bucket(tokens, kTokenBuckets));
+  const int rb = Bucket(rows, kRowBuckets), tb = Bucket(tokens, kTokenBuckets);
+  if (verify_n_[rb][tb] > 0) return prior * verify_ratio_[rb][tb];
+  // A measured bucket's cost at this step's row count and at the bucket's own mean tokens.
+  auto cost_at = [&](int t) {
+    return VerifyPrior(rows, static_cast<int>(std::lround(verify_tokens_[rb][t]))) *
+           verify_ratio_[rb][t];
+  };
+  const double along = AlongTokens(tb, tokens, verify_n_[rb], verify_tokens_[rb],
+                                   kTokenBuckets, cost_at);
+  if (along > 0) return along;
+  return prior * VerifyRatio(rb, tb);
 }
 
-double CostModel::DraftSeconds(int drafting, int levels, int nodes) const {
+double CostModel::CatchUpTokenSeconds() const {
+  if (!options_->measure_costs) return options_->draft_prefill_token_s;
+  if (catch_up_n_ > 0) return catch_up_token_s_;
+  return options_->draft_prefill_token_s * options_->unmeasured_draft_scale;
+}
+
+double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch_up) const {
   if (drafting <= 0 || levels <= 0) return 0.0;
+  const double catch_up_s = std::max(catch_up, 0.0) * CatchUpTokenSeconds();
   const double per_level = std::max(static_cast<double>(nodes) / levels, 1.0 * drafting);
   double level = LevelPrior(per_level);
   if (options_->measure_costs) {
-    level *= LevelRatio(Bucket(static_cast<int>(std::lround(per_level)), kTokenBuckets));
+    const int tb = Bucket(static_cast<int>(std::lround(per_level)), kTokenBuckets);
+    if (level_n_[tb] > 0) {
+      level *= level_ratio_[tb];
+    } else {
+      auto cost_at = [&](int t) { return LevelPrior(level_tokens_[t]) * level_ratio_[t]; };
+      const double along =
+          AlongTokens(tb, per_level, level_n_, level_tokens_, kTokenBuckets, cost_at);
+      level = along > 0 ? along : level * LevelRatio(tb);
+    }
+    if (std::all_of(std::begin(level_n_), std::end(level_n_), [](int n) { return n == 0; })) {
+      return options_->unmeasured_draft_scale * (options_->draft_fixed_s + levels * level) +
+             catch_up_s;
+    }
   }
-  return options_->draft_fixed_s + levels * level;
+  return options_->draft_fixed_s + levels * level + catch_up_s;
 }
 
 double CostModel::DraftLevelSeconds() const {
   return DraftSeconds(1, 1, 1) - options_->draft_fixed_s;
 }
 
-void CostModel::Update(double sample, double* ratio, int* n) const {
-  // A bucket starts from its neighbours' ratio (or the prior's 1) and averages its samples,
-  // each clipped to a factor of its current value: one step slowed by a prefill, a page fault
-  // or a scheduler hiccup moves the estimate by at most cost_ema, while a lasting change still
-  // gets through within a few steps.
+void CostModel::Update(double sample, bool first_of_all, double* ratio, int* n) const {
+  // A bucket starts from its neighbours' ratio and averages its samples, each clipped to a
+  // factor of its current value: one step slowed by a prefill, a page fault or a scheduler
+  // hiccup moves the estimate by at most cost_ema, while a lasting change still gets through
+  // within a few steps. The very first sample of all has no neighbour to be held against (the
+  // priors can be off by 20x on other hardware) and is taken as it is.
+  if (first_of_all) {
+    *ratio = sample;
+    ++*n;
+    return;
+  }
   const double clip = *n == 0 ? 4.0 : 1.5;
   sample = std::clamp(sample, *ratio / clip, *ratio * clip);
   const double w = std::max(options_->cost_ema, 1.0 / (*n + 2));
@@ -216,21 +294,46 @@ void CostModel::ObserveVerify(int rows, int tokens, double seconds) {
   const int rb = Bucket(rows, kRowBuckets), tb = Bucket(tokens, kTokenBuckets);
   if (!std::exchange(verify_warm_[rb][tb], true)) return;
   const double ratio = seconds / VerifyPrior(rows, tokens);
-  if (verify_n_[rb][tb] == 0) verify_ratio_[rb][tb] = VerifyRatio(rb, tb);
-  Update(ratio, &verify_ratio_[rb][tb], &verify_n_[rb][tb]);
+  bool first_of_all = true;
+  for (int r = 0; r < kRowBuckets && first_of_all; ++r) {
+    for (int t = 0; t < kTokenBuckets; ++t) first_of_all = first_of_all && verify_n_[r][t] == 0;
+  }
+  if (verify_n_[rb][tb] == 0) {
+    verify_ratio_[rb][tb] = VerifyRatio(rb, tb);
+    verify_tokens_[rb][tb] = tokens;
+  }
+  verify_tokens_[rb][tb] += (tokens - verify_tokens_[rb][tb]) / (verify_n_[rb][tb] + 1);
+  Update(ratio, first_of_all, &verify_ratio_[rb][tb], &verify_n_[rb][tb]);
 }
 
 void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens,
                              double seconds) {
   if (drafting <= 0 || levels <= 0 || !(seconds > 0)) return;
-  if (fed_tokens > drafting * (levels + 2)) return;
+  if (fed_tokens > drafting * (levels + 2)) {
+    // A catch-up: what the call took beyond its levels' predicted cost, per token beyond a
+    // step's worth. Few tokens say little (the levels' own noise dominates).
+    const int extra = fed_tokens - drafting * (levels + 1);
+    if (extra < 16 * drafting) return;
+    const double sample =
+        std::max(seconds - DraftSeconds(drafting, levels, nodes), 0.0) / extra;
+    const double w = std::max(options_->cost_ema, 1.0 / (catch_up_n_ + 1));
+    catch_up_token_s_ = catch_up_n_ == 0 ? sample : catch_up_token_s_ + w * (sample - catch_up_token_s_);
+    ++catch_up_n_;
+    return;
+  }
   const double per_level = std::max(static_cast<double>(nodes) / levels, 1.0 * drafting);
   const double level = std::max(seconds - options_->draft_fixed_s, 0.1 * seconds) / levels;
   const int tb = Bucket(static_cast<int>(std::lround(per_level)), kTokenBuckets);
   if (!std::exchange(level_warm_[tb], true)) return;
   const double ratio = level / LevelPrior(per_level);
-  if (level_n_[tb] == 0) level_ratio_[tb] = LevelRatio(tb);
-  Update(ratio, &level_ratio_[tb], &level_n_[tb]);
+  const bool first_of_all =
+      std::all_of(std::begin(level_n_), std::end(level_n_), [](int n) { return n == 0; });
+  if (level_n_[tb] == 0) {
+    level_ratio_[tb] = LevelRatio(tb);
+    level_tokens_[tb] = per_level;
+  }
+  level_tokens_[tb] += (per_level - level_tokens_[tb]) / (level_n_[tb] + 1);
+  Update(ratio, first_of_all, &level_ratio_[tb], &level_n_[tb]);
 }
 
 // ---- GoodputPolicy ----
@@ -248,12 +351,19 @@ SpecShape GoodputPolicy::Clamp(const SpecShape& shape, int max_depth) {
 
 namespace {
 
+// Tokens a sequence's drafter must be fed beyond a step's worth (the accepted tokens and the
+// bonus token of the last step) before it can draft `s`.
+int CatchUp(const PolicySequence& seq, const SpecShape& s) {
+  return std::max(0, seq.draft_backlog - (s.depth + 1));
+}
+
 // Running totals of one assignment, so that changing one sequence's shape re-scores in O(depth).
 struct Totals {
   int rows = 0;
   int tokens = 0;
   int drafting = 0;     // sequences the draft model drafts
   int draft_nodes = 0;  // their nodes
+  int catch_up = 0;     // their catch-up tokens
   double emitted = 0;
   int depth_count[AcceptanceEstimate::kMaxDepth + 2] = {};
 
@@ -270,7 +380,7 @@ struct Totals {
 double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
                               absl::Span<const SpecShape> shapes) const {
   double emitted = 0;
-  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0;
+  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, catch_up = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const SpecShape s = Clamp(shapes[i], batch[i].max_depth);
     ++rows;
@@ -283,11 +393,13 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
       ++drafting;
       nodes += s.nodes();
       levels = std::max(levels, s.depth);
+      catch_up += CatchUp(batch[i], s);
     }
   }
   if (rows == 0) return 0.0;
-  const double t =
-      costs_.VerifySeconds(rows, tokens) + costs_.DraftSeconds(drafting, levels, nodes);
+  const double t = costs_.VerifySeconds(rows, tokens) +
+                   costs_.DraftSeconds(drafting, levels, nodes,
+                                       options_.catch_up_share * catch_up);
   return emitted / t;
 }
 
@@ -330,12 +442,14 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     if (!s.none() && batch[i].model_draft) {
       t.drafting += sign;
       t.draft_nodes += sign * s.nodes();
+      t.catch_up += sign * CatchUp(batch[i], s);
       t.depth_count[std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1)] += sign;
     }
   };
   auto score = [&](const Totals& t) {
     const double time = costs_.VerifySeconds(t.rows, t.tokens) +
-                        costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes);
+                        costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes,
+                                            options_.catch_up_share * t.catch_up);
     return t.emitted / time;
   };
   // choice[i]: index into candidates; -1 for sequences that are not free.
@@ -453,7 +567,8 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
       // Probe again only where a probe could be worth it: the short chain would pay if this
       // sequence accepted nearly everything. Elsewhere (a saturated batch, a tiny target) no
       // acceptance could make it pay, and the probe (which also feeds the drafter the tokens
-      // it missed) would only stall the batch. A sequence never drafted is probed once.
+      // it missed, charged like any catch-up) would only stall the batch. A sequence never
+      // drafted is probed once, so that every sequence that may draft has tried.
       const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
       constexpr double kOptimistic = 0.9 + 0.81;
       add(t, i, clamped[i][choice[i]], gain[i][choice[i]], -1);

@@ -8,8 +8,10 @@
 // tree follows from that sequence's own acceptance rate at each depth. The policy maximises
 //   goodput = sum_i (1 + E_i[accepted | shape_i]) / (verify(rows, tokens) + draft(levels, ...))
 // over a small candidate set of shapes (none, chains 1..6, trees of 8 and 16 nodes). Both costs
-// are measured online from the steps that ran, in buckets, starting from priors; a bucket never
-// run is predicted from the prior scaled by what the nearest run bucket measured against it.
+// are measured online from the steps that ran, in buckets, starting from priors. A bucket never
+// run is predicted from the measured buckets of the same batch size along the token axis
+// (interpolated, extended by their slope, flat beyond a single one), so that the hardware's
+// measured cost curve, not the prior's shape, decides whether more tokens are worth scoring.
 //
 // Because one sequence's deep tree costs the whole batch its draft levels and every node adds
 // verify work, the best assignment couples sequences: at batch 1 with good acceptance a big tree
@@ -74,6 +76,18 @@ struct PolicyOptions {
   double draft_level_per_token_s = 5e-5;
   // false: the priors are the costs (deterministic decisions, for tests).
   bool measure_costs = true;
+  // Until a draft call has been measured, draft costs are the priors times this. The priors are
+  // a CPU's, several times a GPU's; taken as they are, drafting would look too dear to try, and
+  // a policy that never drafts never measures what drafting costs. Optimistic instead, the
+  // policy drafts, and the calls it makes correct the estimate within a few steps.
+  double unmeasured_draft_scale = 0.1;
+  // A sequence the drafter has fallen behind on (never drafted, or not drafted for a while)
+  // must first feed the drafter what it missed. That catch-up is paid once and then serves
+  // every step the sequence drafts, so a step is charged this fraction of it; the whole of it
+  // would make resuming look dearer the longer a sequence went without drafts.
+  double catch_up_share = 0.125;
+  // Cost of one catch-up token in the drafter before any was measured, in seconds.
+  double draft_prefill_token_s = 2e-5;
   // A sequence left without drafts this many steps (or never drafted yet) gets one short chain
   // to refresh its acceptance estimate (0: never).
   int probe_interval = 64;
@@ -108,15 +122,19 @@ class CostModel {
   explicit CostModel(const PolicyOptions* options) : options_(options) {}
 
   double VerifySeconds(int rows, int tokens) const;
-  // One draft call for `drafting` sequences, the deepest `levels` deep, `nodes` nodes in all.
-  double DraftSeconds(int drafting, int levels, int nodes) const;
+  // One draft call for `drafting` sequences, the deepest `levels` deep, `nodes` nodes in all,
+  // which first feeds the drafter `catch_up` tokens beyond a step's worth.
+  double DraftSeconds(int drafting, int levels, int nodes, double catch_up = 0) const;
+  // Seconds per catch-up token in the drafter.
+  double CatchUpTokenSeconds() const;
 
   void ObserveVerify(int rows, int tokens, double seconds);
   // `fed_tokens`: the history tokens the call fed before drafting (the accepted tokens of the
   // last step; a whole prompt for a sequence drafted for the first time or after target-only
-  // steps). A call that fed more than a step's worth is a prefill, not a draft level, and is not
-  // counted: counting it makes drafting look expensive, so fewer sequences are drafted, so
-  // each one fed again carries a longer backlog.
+  // steps). A call that fed more than a step's worth is a catch-up: what it took beyond the
+  // levels' predicted cost is a sample of the catch-up token cost, not of a level's (counted as
+  // a level, it would make drafting look expensive, so fewer sequences would be drafted, so
+  // each one fed again would carry a longer backlog).
   void ObserveDraft(int drafting, int levels, int nodes, int fed_tokens, double seconds);
 
   // Current estimates for the gauges: verify time of one row scoring 1 and 5 tokens, and one
@@ -134,11 +152,25 @@ class CostModel {
   // Measured / prior in a bucket, or the nearest measured bucket's, or 1.
   double VerifyRatio(int rb, int tb) const;
   double LevelRatio(int tb) const;
-  void Update(double sample, double* ratio, int* n) const;
+  void Update(double sample, bool first_of_all, double* ratio, int* n) const;
 
   const PolicyOptions* options_;
+  // Cost at `tokens` from the measured buckets of one row: interpolated between the measured
+  // token buckets on either side; beyond the largest, extended by the slope of the two largest,
+  // or flat when only one is measured. `cost_at(t)` is bucket t's measured cost at `tokens`'
+  // scale; returns a negative value when the row has no measured bucket.
+  template <typename CostAt>
+  static double AlongTokens(int tb, double tokens, const int* n, const double* mean_tokens,
+                            int buckets, CostAt cost_at);
+
   double verify_ratio_[kRowBuckets][kTokenBuckets] = {};
   int verify_n_[kRowBuckets][kTokenBuckets] = {};
+  // Mean tokens of the samples in each bucket: where along the token axis a bucket's measured
+  // cost sits, for interpolating to buckets not yet run.
+  double verify_tokens_[kRowBuckets][kTokenBuckets] = {};
+  double level_tokens_[kTokenBuckets] = {};
+  double catch_up_token_s_ = 0;  // measured seconds per catch-up token (0: none yet)
+  int catch_up_n_ = 0;
   // Whether a bucket's first call was seen. That call is not a sample: on a GPU it captures the
   // bucket's CUDA graph and times its GEMM algorithms, many times a step's cost, and a bucket
   // judged that dear would never be chosen again to correct it.
@@ -166,6 +198,7 @@ struct PolicySequence {
   int max_depth = 0;        // deepest useful draft (0: the sequence cannot draft this step)
   bool model_draft = true;  // drafted by the draft model (costs draft time) vs n-gram (free)
   bool fixed = false;       // `fixed_shape` is imposed (explicit request, or off)
+  int draft_backlog = 0;    // tokens the drafter must be fed before this sequence's next draft
   SpecShape fixed_shape;
   const AcceptanceEstimate* acceptance = nullptr;  // required unless fixed
   SpecShape previous;                              // what it ran last step

@@ -87,6 +87,7 @@ PolicySequence SequenceState::PolicyInput(bool model_draft) const {
   p.previous = last_planned_;
   p.steps_without_draft = steps_without_draft_;
   p.never_drafted = stats_.draft_steps == 0 && !probed_;
+  p.draft_backlog = static_cast<int>(std::min<size_t>(DrafterPending().size(), 1 << 20));
   return p;
 }
 

@@ -281,6 +281,10 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     }
   }
   if (batch_size > 0) RecordStep(start, batch_size, tokens);
+  if (model_ != nullptr) {
+    const Backend::ExecutionCounts counts = model_->execution_counts();
+    metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);
+  }
   return responses;
 }
 

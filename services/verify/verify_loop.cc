@@ -247,6 +247,8 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
       }
     }
     RecordStep(start, items.size(), tokens);
+    const Backend::ExecutionCounts counts = backend_->execution_counts();
+    metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);
 
     for (size_t k = 0; k < items.size(); ++k) {
       const Slot& slot = slots[k];

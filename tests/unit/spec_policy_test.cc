@@ -162,6 +162,7 @@ TEST(SpecPolicyTest, HysteresisHoldsAgainstSmallChangesNotLargeOnes) {
   o.verify_per_token_s = 0.4e-3;
   o.verify_fixed_s = 2e-3;
   o.measure_costs = true;
+  o.unmeasured_draft_scale = 1.0;  // drafting at the priors' cost from the start
   o.hysteresis = 0.1;
   GoodputPolicy policy(o);
   const CostModel priors(&o);
@@ -213,6 +214,12 @@ TEST(SpecPolicyTest, HysteresisHoldsAgainstSmallChangesNotLargeOnes) {
 
 TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   PolicyOptions o;
+  // Before any draft call is measured, drafting is predicted cheap, so that it gets tried.
+  EXPECT_NEAR(CostModel(&o).DraftSeconds(4, 3, 12),
+              o.unmeasured_draft_scale * (o.draft_fixed_s + 3 * (o.draft_level_fixed_s +
+                                                                 4 * o.draft_level_per_token_s)),
+              1e-12);
+  o.unmeasured_draft_scale = 1.0;
   CostModel costs(&o);
   const double prior = costs.VerifySeconds(8, 40);
   // A bucket's first call (a CUDA graph capture, GEMM timing) is not a sample.
@@ -220,14 +227,88 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   EXPECT_DOUBLE_EQ(costs.VerifySeconds(8, 40), prior);
   for (int i = 0; i < 30; ++i) costs.ObserveVerify(8, 40, 3 * prior);
   EXPECT_NEAR(costs.VerifySeconds(8, 40), 3 * prior, 0.05 * prior);
-  // A bucket never run follows the nearest measured one.
-  EXPECT_GT(costs.VerifySeconds(8, 70), 2 * CostModel(&o).VerifySeconds(8, 70));
+  // A bucket never run, with one measured bucket below it at the same batch size, is predicted
+  // at that bucket's cost (flat, the optimistic guess a step then corrects); one of another
+  // batch size follows the nearest measured bucket's ratio to the prior.
+  EXPECT_NEAR(costs.VerifySeconds(8, 70), 3 * prior, 0.05 * prior);
+  EXPECT_GT(costs.VerifySeconds(64, 70), 2 * CostModel(&o).VerifySeconds(64, 70));
   const double level = costs.DraftSeconds(4, 3, 12);
   for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, /*fed_tokens=*/8, 2 * level);
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
   // Calls that prefilled prompts say nothing about a level's cost.
   for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, /*fed_tokens=*/4 * 300, 50 * level);
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
+}
+
+TEST(SpecPolicyTest, UnmeasuredBucketsFollowTheMeasuredCurveNotThePriorsShape) {
+  PolicyOptions o;  // CPU-shaped priors: every verify token costs
+  CostModel costs(&o);
+  auto observe = [&](int rows, int tokens, double seconds) {
+    for (int i = 0; i < 10; ++i) costs.ObserveVerify(rows, tokens, seconds);
+  };
+  // A GPU: 16 rows cost 0.7 ms at 16 tokens and 0.75 ms at 18.
+  observe(16, 16, 0.70e-3);
+  observe(16, 18, 0.75e-3);
+  // Beyond the largest measured bucket, extended by the measured slope (0.025 ms a token),
+  // not by the prior's 0.4 ms a token.
+  EXPECT_NEAR(costs.VerifySeconds(16, 80), 0.75e-3 + 62 * 0.025e-3, 0.1e-3);
+  // Between measured buckets, interpolated.
+  observe(16, 100, 1.0e-3);
+  const double mid = costs.VerifySeconds(16, 50);
+  EXPECT_GT(mid, 0.75e-3);
+  EXPECT_LT(mid, 1.0e-3);
+  // Below the smallest measured bucket of a row: at most that bucket's cost.
+  CostModel fresh(&o);
+  for (int i = 0; i < 10; ++i) fresh.ObserveVerify(4, 40, 1e-3);
+  EXPECT_LE(fresh.VerifySeconds(4, 6), 1e-3 * (1 + 1e-9));
+  // Draft levels likewise: one measured bucket of one token a level, a 16-token level is
+  // predicted at its cost until measured, then measured.
+  const double one = costs.DraftSeconds(1, 4, 4);
+  for (int i = 0; i < 10; ++i) costs.ObserveDraft(1, 4, 4, 2, one / 2);
+  EXPECT_NEAR(costs.DraftSeconds(16, 4, 64), costs.DraftSeconds(1, 4, 4), 1e-9);
+  for (int i = 0; i < 30; ++i) costs.ObserveDraft(16, 4, 64, 32, 4 * one);
+  EXPECT_NEAR(costs.DraftSeconds(16, 4, 64), 4 * one, 0.2 * one);
+}
+
+// The policy, on a GPU whose verify cost is nearly flat in tokens and whose draft levels are
+// cheap, learns so from the steps it runs and drafts every sequence, at batch 1 and at batch 16,
+// starting from CPU-shaped priors that say drafting cannot pay. A sequence's first draft call
+// prefills its prompt, which is not a cost sample.
+TEST(SpecPolicyTest, LearnsThatBiggerStepsAreCheapWhereTheyAre) {
+  for (const int rows : {1, 16}) {
+    PolicyOptions o;
+    GoodputPolicy policy(o);
+    const AcceptanceEstimate a = Acceptance(0.8, o);
+    std::vector<PolicySequence> batch = Batch(rows, &a);
+    std::vector<bool> drafted_before(rows, false);
+    auto gpu_verify = [](int r, int tokens) { return 0.4e-3 + 2e-6 * r + 1e-6 * tokens; };
+    auto gpu_draft = [](int levels, int fed) { return 0.3e-3 + levels * 0.12e-3 + fed * 1e-6; };
+    int drafting_steps = 0;
+    for (int step = 0; step < 60; ++step) {
+      const PolicyDecision d = policy.Decide(batch);
+      int tokens = 0, levels = 0, drafting = 0, nodes = 0, fed = 0;
+      for (int i = 0; i < rows; ++i) {
+        tokens += batch[i].pending + d.shapes[i].nodes();
+        if (!d.shapes[i].none()) {
+          ++drafting;
+          nodes += d.shapes[i].nodes();
+          levels = std::max(levels, d.shapes[i].depth);
+          fed += drafted_before[i] ? 3 : 200;
+          drafted_before[i] = true;
+        }
+        batch[i].previous = d.shapes[i];
+        batch[i].never_drafted = !drafted_before[i];
+        batch[i].steps_without_draft =
+            d.shapes[i].none() ? batch[i].steps_without_draft + 1 : 0;
+      }
+      policy.costs().ObserveVerify(rows, tokens, gpu_verify(rows, tokens));
+      if (drafting > 0) {
+        policy.costs().ObserveDraft(drafting, levels, nodes, fed, gpu_draft(levels, fed));
+      }
+      if (step >= 40 && drafting == rows) ++drafting_steps;
+    }
+    EXPECT_EQ(drafting_steps, 20) << rows << " rows";
+  }
 }
 
 TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
@@ -256,6 +337,43 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   // Except once for a sequence never drafted: its acceptance is unknown.
   batch[0].never_drafted = true;
   EXPECT_EQ(never.Decide(batch).reasons[0], ShapeReason::kProbe);
+}
+
+// A sequence the drafter has fallen behind on pays a share of its catch-up when it drafts
+// again: where the catch-up is dear the policy leaves it off, where cheap it drafts, and the
+// catch-up cost is learnt from the calls that carried one.
+TEST(SpecPolicyTest, CatchUpIsChargedAndMeasured) {
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 1e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.01e-3;
+  o.draft_fixed_s = 0.1e-3;
+  o.draft_level_fixed_s = 0.1e-3;
+  o.draft_level_per_token_s = 0;
+  GoodputPolicy cheap(o);
+  const AcceptanceEstimate a = Acceptance(0.7, o);
+  std::vector<PolicySequence> batch = Batch(1, &a);
+  batch[0].draft_backlog = 3;
+  ASSERT_FALSE(cheap.Decide(batch).shapes[0].none());
+  // 2000 tokens at 20 us, an eighth charged: 5 ms against a 1 ms step.
+  batch[0].draft_backlog = 2000;
+  EXPECT_TRUE(cheap.Decide(batch).shapes[0].none());
+
+  // Measured at 1 us a token (what the call took beyond its levels, per token beyond a step's
+  // worth), the same catch-up is cheap enough.
+  PolicyOptions m = o;
+  m.measure_costs = true;
+  GoodputPolicy measured(m);
+  for (int i = 0; i < 5; ++i) {
+    const double levels = measured.costs().DraftSeconds(1, 2, 2);
+    measured.costs().ObserveDraft(1, 2, 2, /*fed_tokens=*/1003, levels + 1000 * 1e-6);
+  }
+  EXPECT_NEAR(measured.costs().CatchUpTokenSeconds(), 1e-6, 1e-9);
+  EXPECT_FALSE(measured.Decide(batch).shapes[0].none());
+  // A call that fed no more than a step's worth is a level sample, not a catch-up one.
+  measured.costs().ObserveDraft(1, 2, 2, /*fed_tokens=*/3, 5e-3);
+  EXPECT_NEAR(measured.costs().CatchUpTokenSeconds(), 1e-6, 1e-9);
 }
 
 }  // namespace
