@@ -142,6 +142,9 @@ class Backend {
     int64_t eager_steps = 0;  // steps launched kernel by kernel
   };
   virtual ExecutionCounts execution_counts() const { return ExecutionCounts(); }
+  // Whether a batched step runs every row padded to the longest row's token bucket (so a
+  // step's cost follows rows x its longest row, not its total tokens).
+  virtual bool pads_rows() const { return false; }
 };
 
 // OK when `features` cover what `sampling` and `logprobs` (VerifyItem::logprobs) ask for; else

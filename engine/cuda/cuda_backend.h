@@ -390,6 +390,7 @@ public:
   int64_t graphs_captured() const { return graphs_captured_; }
   int64_t graph_launches() const { return graph_launches_; }
   bool graphs_enabled() const { return graphs_enabled_; }
+  bool pads_rows() const override { return graphs_enabled_; }
   ExecutionCounts execution_counts() const override {
     return {graphs_captured_, graph_launches_, eager_steps_};
   }

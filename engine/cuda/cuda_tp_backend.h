@@ -58,6 +58,8 @@ class CudaTensorParallelBackend : public Backend {
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return ranks_[0]->Usage(); }
+  bool pads_rows() const override { return ranks_[0]->pads_rows(); }
+  ExecutionCounts execution_counts() const override { return ranks_[0]->execution_counts(); }
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
 
  private:

@@ -120,6 +120,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       }
       plan_inputs.push_back(p);
     }
+    policy_.set_padded_rows(target_->pads_rows());
     const PolicyDecision plan = policy_.Decide(plan_inputs);
     draft_requests.clear();
     drafted.clear();
@@ -180,9 +181,10 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
         v.history = &histories[i];
       }
     }
-    int verify_tokens = 0;
+    int verify_tokens = 0, longest = 0;
     for (const VerifyItem& v : verify_items) {
       verify_tokens += static_cast<int>(v.pending.size() + v.tree.size());
+      longest = std::max(longest, static_cast<int>(v.pending.size() + v.tree.size()));
     }
     const absl::Time verify_start = absl::Now();
     absl::StatusOr<std::vector<VerifyOutcome>> outcomes = target_->Verify(verify_items);
@@ -190,8 +192,10 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       release_all();
       return outcomes.status();
     }
-    policy_.costs().ObserveVerify(static_cast<int>(verify_items.size()), verify_tokens,
-                                  absl::ToDoubleSeconds(absl::Now() - verify_start));
+    const int rows = static_cast<int>(verify_items.size());
+    policy_.costs().ObserveVerify(
+        rows, VerifyStepTokens(policy_.options().padded_rows, rows, verify_tokens, longest),
+        absl::ToDoubleSeconds(absl::Now() - verify_start));
     std::vector<size_t> still_active;
     for (size_t a = 0; a < active.size(); ++a) {
       const size_t i = active[a];

@@ -71,6 +71,37 @@ const char* ShapeReasonName(ShapeReason reason, bool none) {
   return "policy";
 }
 
+namespace {
+
+int64_t NextPow2(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Index of a row's token bucket: 0 for one token, else 1 + ceil(log2(tokens - 1)).
+int RowTokenBucket(int tokens) {
+  if (tokens <= 1) return 0;
+  int b = 1;
+  for (int64_t p = 1; p < tokens - 1; p *= 2) ++b;
+  return b;
+}
+
+int RowTokenBucketSize(int bucket) { return bucket == 0 ? 1 : 1 + (1 << (bucket - 1)); }
+
+constexpr int kRowTokenBuckets = 32;
+
+}  // namespace
+
+int VerifyStepTokens(bool padded_rows, int rows, int total_tokens, int max_row_tokens) {
+  if (!padded_rows || rows <= 0) return total_tokens;
+  if (rows > kPaddedMaxRows || max_row_tokens > kPaddedMaxRowTokens) return total_tokens;
+  const int64_t padded =
+      NextPow2(rows) * static_cast<int64_t>(RowTokenBucketSize(RowTokenBucket(max_row_tokens)));
+  if (padded > kPaddedMaxTokens) return total_tokens;
+  return static_cast<int>(std::max<int64_t>(padded, total_tokens));
+}
+
 // ---- AcceptanceEstimate ----
 
 void AcceptanceEstimate::Observe(const SpecShape& shape, int accepted,
@@ -231,8 +262,8 @@ double CostModel::VerifySeconds(int rows, int tokens) const {
     return VerifyPrior(rows, static_cast<int>(std::lround(verify_tokens_[rb][t]))) *
            verify_ratio_[rb][t];
   };
-  const double along = AlongTokens(tb, tokens, verify_n_[rb], verify_tokens_[rb],
-                                   kTokenBuckets, cost_at);
+  const double along =
+      AlongTokens(tb, tokens, verify_n_[rb], verify_tokens_[rb], kTokenBuckets, cost_at);
   if (along > 0) return along;
   return prior * VerifyRatio(rb, tb);
 }
@@ -306,18 +337,17 @@ void CostModel::ObserveVerify(int rows, int tokens, double seconds) {
   Update(ratio, first_of_all, &verify_ratio_[rb][tb], &verify_n_[rb][tb]);
 }
 
-void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens,
-                             double seconds) {
+void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens, double seconds) {
   if (drafting <= 0 || levels <= 0 || !(seconds > 0)) return;
   if (fed_tokens > drafting * (levels + 2)) {
     // A catch-up: what the call took beyond its levels' predicted cost, per token beyond a
     // step's worth. Few tokens say little (the levels' own noise dominates).
     const int extra = fed_tokens - drafting * (levels + 1);
     if (extra < 16 * drafting) return;
-    const double sample =
-        std::max(seconds - DraftSeconds(drafting, levels, nodes), 0.0) / extra;
+    const double sample = std::max(seconds - DraftSeconds(drafting, levels, nodes), 0.0) / extra;
     const double w = std::max(options_->cost_ema, 1.0 / (catch_up_n_ + 1));
-    catch_up_token_s_ = catch_up_n_ == 0 ? sample : catch_up_token_s_ + w * (sample - catch_up_token_s_);
+    catch_up_token_s_ =
+        catch_up_n_ == 0 ? sample : catch_up_token_s_ + w * (sample - catch_up_token_s_);
     ++catch_up_n_;
     return;
   }
@@ -365,6 +395,14 @@ struct Totals {
   int draft_nodes = 0;  // their nodes
   int catch_up = 0;     // their catch-up tokens
   double emitted = 0;
+  int row_buckets[kRowTokenBuckets] = {};  // rows by RowTokenBucket(pending + nodes)
+
+  int longest_row() const {
+    for (int b = kRowTokenBuckets - 1; b > 0; --b) {
+      if (row_buckets[b] > 0) return RowTokenBucketSize(b);
+    }
+    return 1;
+  }
   int depth_count[AcceptanceEstimate::kMaxDepth + 2] = {};
 
   int levels() const {
@@ -380,11 +418,12 @@ struct Totals {
 double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
                               absl::Span<const SpecShape> shapes) const {
   double emitted = 0;
-  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, catch_up = 0;
+  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, catch_up = 0, longest = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const SpecShape s = Clamp(shapes[i], batch[i].max_depth);
     ++rows;
     tokens += batch[i].pending + s.nodes();
+    longest = std::max(longest, batch[i].pending + s.nodes());
     emitted += 1.0;
     if (!s.none() && batch[i].acceptance != nullptr) {
       emitted += batch[i].acceptance->ExpectedAccepted(s, options_);
@@ -397,9 +436,9 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
     }
   }
   if (rows == 0) return 0.0;
-  const double t = costs_.VerifySeconds(rows, tokens) +
-                   costs_.DraftSeconds(drafting, levels, nodes,
-                                       options_.catch_up_share * catch_up);
+  const double t =
+      costs_.VerifySeconds(rows, VerifyStepTokens(options_.padded_rows, rows, tokens, longest)) +
+      costs_.DraftSeconds(drafting, levels, nodes, options_.catch_up_share * catch_up);
   return emitted / t;
 }
 
@@ -436,9 +475,18 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     }
   }
 
+  // A row's shape moves it between token buckets: from its pending tokens alone to pending
+  // plus the tree's nodes (sign +1), or back (sign -1).
+  auto row_bucket = [](int tokens) {
+    return std::min(RowTokenBucket(tokens), kRowTokenBuckets - 1);
+  };
   auto add = [&](Totals& t, size_t i, const SpecShape& s, double g, int sign) {
     t.tokens += sign * s.nodes();
     t.emitted += sign * g;
+    if (s.nodes() > 0) {
+      t.row_buckets[row_bucket(batch[i].pending)] -= sign;
+      t.row_buckets[row_bucket(batch[i].pending + s.nodes())] += sign;
+    }
     if (!s.none() && batch[i].model_draft) {
       t.drafting += sign;
       t.draft_nodes += sign * s.nodes();
@@ -447,7 +495,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     }
   };
   auto score = [&](const Totals& t) {
-    const double time = costs_.VerifySeconds(t.rows, t.tokens) +
+    const int step_tokens =
+        VerifyStepTokens(options_.padded_rows, t.rows, t.tokens, t.longest_row());
+    const double time = costs_.VerifySeconds(t.rows, step_tokens) +
                         costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes,
                                             options_.catch_up_share * t.catch_up);
     return t.emitted / time;
@@ -458,6 +508,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     for (size_t i = 0; i < n; ++i) {
       ++t.rows;
       t.tokens += batch[i].pending;
+      ++t.row_buckets[row_bucket(batch[i].pending)];
       t.emitted += 1.0;
       if (free[i]) {
         add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);

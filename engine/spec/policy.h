@@ -51,6 +51,18 @@ std::string ShapeString(const SpecShape& shape);  // "none", "chain4", "tree16x5
 // Bucket label of a tree size for metrics: "0", "1", "2", "3-4", "5-8", "9-16", "17+".
 const char* TreeSizeBucket(int nodes);
 
+// The token count that prices a verify step. A backend that pads (the CUDA backend, whose
+// graphs need fixed shapes) runs every row at the longest row's token bucket (1 + a power of
+// two at least tokens - 1) and the rows at a power of two, so one 17-token tree among 5-token
+// chains makes every row of the step 17 tokens long; priced by its total, the mix would look
+// several times cheaper than it runs. `max_row_tokens`: the longest row (pending + tree).
+// Steps past the backend's graph limits run unpadded, priced by their total.
+int VerifyStepTokens(bool padded_rows, int rows, int total_tokens, int max_row_tokens);
+// The CUDA backend's graph limits (CudaBackend::ChooseBuckets).
+inline constexpr int kPaddedMaxRows = 64;
+inline constexpr int kPaddedMaxTokens = 4096;
+inline constexpr int kPaddedMaxRowTokens = 257;
+
 struct PolicyOptions {
   // Shapes the policy chooses from; "none" is always a candidate.
   std::vector<SpecShape> candidates = {{1, 1, 1}, {2, 1, 2}, {3, 1, 3}, {4, 1, 4},
@@ -76,6 +88,9 @@ struct PolicyOptions {
   double draft_level_per_token_s = 5e-5;
   // false: the priors are the costs (deterministic decisions, for tests).
   bool measure_costs = true;
+  // Whether the verify backend pads rows (VerifyStepTokens); the router learns it from the
+  // verify service.
+  bool padded_rows = false;
   // Until a draft call has been measured, draft costs are the priors times this. The priors are
   // a CPU's, several times a GPU's; taken as they are, drafting would look too dear to try, and
   // a policy that never drafts never measures what drafting costs. Optimistic instead, the
@@ -223,6 +238,7 @@ class GoodputPolicy {
   double Goodput(absl::Span<const PolicySequence> batch, absl::Span<const SpecShape> shapes) const;
 
   const PolicyOptions& options() const { return options_; }
+  void set_padded_rows(bool padded) { options_.padded_rows = padded; }
   CostModel& costs() { return costs_; }
   const CostModel& costs() const { return costs_; }
 

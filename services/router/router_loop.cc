@@ -106,6 +106,7 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
               "the verify service's model has a vocabulary of ", info.vocab_size(),
               " tokens; the router's tokenizer and config have ", options_.limits.vocab_size));
         }
+        rows_padded_.store(info.rows_padded());
         absl::MutexLock lock(&mu_);
         if (info.max_context() > 0) {
           max_context_ =
@@ -343,6 +344,7 @@ void RouterLoop::Plan() {
     inputs.push_back(p);
   }
   if (inputs.empty()) return;
+  policy_.set_padded_rows(rows_padded_.load());
   const PolicyDecision decision = policy_.Decide(inputs);
   for (size_t i = 0; i < running_.size(); ++i) {
     Sequence& seq = *running_[i];
@@ -475,7 +477,7 @@ void RouterLoop::VerifyStep() {
   }
   v1::VerifyStepRequest request;
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
-  int tokens = 0;
+  int tokens = 0, longest = 0;
   for (auto& s : running_) {
     Sequence& seq = *s;
     v1::VerifySequenceStep* step = request.add_steps();
@@ -487,6 +489,7 @@ void RouterLoop::VerifyStep() {
     const absl::Span<const int32_t> pending = seq.core->TargetPending();
     step->mutable_pending()->Assign(pending.begin(), pending.end());
     tokens += static_cast<int>(pending.size() + seq.tree.size());
+    longest = std::max(longest, static_cast<int>(pending.size() + seq.tree.size()));
     if (!seq.tree.empty()) TreeToProto(seq.tree, step->mutable_tree());
     v1::SamplingParams* sampling = step->mutable_sampling();
     sampling->set_temperature(seq.request.sampling.temperature);
@@ -506,7 +509,11 @@ void RouterLoop::VerifyStep() {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (request.steps_size() > 0) {
     metrics_->verify_latency.Observe(seconds);
-    if (status.ok()) policy_.costs().ObserveVerify(request.steps_size(), tokens, seconds);
+    if (status.ok()) {
+      const int rows = request.steps_size();
+      policy_.costs().ObserveVerify(
+          rows, VerifyStepTokens(policy_.options().padded_rows, rows, tokens, longest), seconds);
+    }
   }
   if (!status.ok()) {
     SPECD_LOG(ERROR) << status.message();

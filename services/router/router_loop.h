@@ -33,6 +33,7 @@
 #ifndef SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_
 #define SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -158,6 +159,8 @@ class RouterLoop {
   std::unique_ptr<DraftUpstream> draft_;
   std::unique_ptr<NgramDrafter> local_ngram_;
   GoodputPolicy policy_;  // scheduler thread only
+  // From the verify service's GetInfo (any thread); handed to the policy each step.
+  std::atomic<bool> rows_padded_{false};
 
   mutable absl::Mutex mu_;
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);

@@ -41,6 +41,7 @@ VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
   const VerifyFeatures features = backend_->verify_features();
   info_.set_supports_logprobs(features.logprobs);
   info_.set_supports_logits_processors(features.logits_processors);
+  info_.set_rows_padded(backend_->pads_rows());
   Start();
 }
 

@@ -216,8 +216,8 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   PolicyOptions o;
   // Before any draft call is measured, drafting is predicted cheap, so that it gets tried.
   EXPECT_NEAR(CostModel(&o).DraftSeconds(4, 3, 12),
-              o.unmeasured_draft_scale * (o.draft_fixed_s + 3 * (o.draft_level_fixed_s +
-                                                                 4 * o.draft_level_per_token_s)),
+              o.unmeasured_draft_scale *
+                  (o.draft_fixed_s + 3 * (o.draft_level_fixed_s + 4 * o.draft_level_per_token_s)),
               1e-12);
   o.unmeasured_draft_scale = 1.0;
   CostModel costs(&o);
@@ -298,8 +298,7 @@ TEST(SpecPolicyTest, LearnsThatBiggerStepsAreCheapWhereTheyAre) {
         }
         batch[i].previous = d.shapes[i];
         batch[i].never_drafted = !drafted_before[i];
-        batch[i].steps_without_draft =
-            d.shapes[i].none() ? batch[i].steps_without_draft + 1 : 0;
+        batch[i].steps_without_draft = d.shapes[i].none() ? batch[i].steps_without_draft + 1 : 0;
       }
       policy.costs().ObserveVerify(rows, tokens, gpu_verify(rows, tokens));
       if (drafting > 0) {
@@ -309,6 +308,46 @@ TEST(SpecPolicyTest, LearnsThatBiggerStepsAreCheapWhereTheyAre) {
     }
     EXPECT_EQ(drafting_steps, 20) << rows << " rows";
   }
+}
+
+TEST(SpecPolicyTest, PaddedRowsArePricedAtTheLongestRow) {
+  EXPECT_EQ(VerifyStepTokens(false, 16, 92, 17), 92);
+  EXPECT_EQ(VerifyStepTokens(true, 16, 92, 17), 16 * 17);
+  EXPECT_EQ(VerifyStepTokens(true, 12, 60, 5), 16 * 5);
+  EXPECT_EQ(VerifyStepTokens(true, 3, 3, 1), 4);
+  EXPECT_EQ(VerifyStepTokens(true, 1, 6, 6), 9);
+  // Beyond the graph limits a step runs unpadded.
+  EXPECT_EQ(VerifyStepTokens(true, 16, 600, 500), 600);
+  EXPECT_EQ(VerifyStepTokens(true, 100, 120, 3), 120);
+  // A batch of 16 at a GPU-like cost that grows with the padded tokens: one sequence's deep
+  // chain would make every row as long, so the padded policy keeps the batch's shapes alike (all
+  // the rows at one token bucket), where priced by total tokens it would mix them.
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 5e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.2e-3;
+  o.draft_fixed_s = 0.1e-3;
+  o.draft_level_fixed_s = 0.02e-3;
+  o.draft_level_per_token_s = 0;
+  o.padded_rows = true;
+  GoodputPolicy policy(o);
+  const AcceptanceEstimate strong = Acceptance(0.9, o), weak = Acceptance(0.5, o);
+  std::vector<PolicySequence> batch = Batch(16, &weak);
+  batch[0].acceptance = &strong;
+  // The row's padded length alone: its token bucket.
+  auto bucket = [](const SpecShape& s) { return VerifyStepTokens(true, 1, 1, 1 + s.nodes()); };
+  const PolicyDecision d = policy.Decide(batch);
+  for (size_t i = 1; i < batch.size(); ++i) {
+    EXPECT_EQ(bucket(d.shapes[i]), bucket(d.shapes[0])) << i << " " << ShapeString(d.shapes[i]);
+  }
+  // Priced by total tokens, the strong sequence would get a deeper chain than the rest: a
+  // mix that, padded, costs every row the strong one's length.
+  PolicyOptions unpadded = o;
+  unpadded.padded_rows = false;
+  const PolicyDecision mixed = GoodputPolicy(unpadded).Decide(batch);
+  EXPECT_GT(bucket(mixed.shapes[0]), bucket(mixed.shapes[1])) << ShapeString(mixed.shapes[0]);
+  EXPECT_GT(d.predicted_goodput, policy.Goodput(batch, mixed.shapes));
 }
 
 TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
