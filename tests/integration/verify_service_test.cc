@@ -703,8 +703,11 @@ TEST_F(VerifyServiceTest, MetricsFollowTheContract) {
     EXPECT_THAT(text, HasSubstr(absl::StrCat("# TYPE ", name, " ", type))) << name;
     ++rows;
   }
-  EXPECT_EQ(rows, 6);
+  EXPECT_EQ(rows, 9);
   EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 0);
+  // The CPU backend has no graphs and launches no kernels.
+  EXPECT_EQ(Metric("specd_cuda_graph_captures_total"), 0);
+  EXPECT_EQ(Metric("specd_eager_steps_total"), 0);
   EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "cancelled"}}), 0);
   if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
     const std::string path = MakeTempDir("specd-verify-metrics") + "/metrics.txt";
