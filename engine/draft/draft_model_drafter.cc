@@ -33,7 +33,7 @@ struct SeqWork {
   const DraftRequest* req = nullptr;
   std::vector<Node> nodes;
   int32_t next_scratch = 0;
-  int32_t chain_end = -1;  // scratch index of the token the tree hangs below
+  int32_t chain_end = -1;     // scratch index of the token the tree hangs below
   std::vector<int> frontier;  // nodes fed in the current level's Forward, in item order
 };
 
@@ -265,9 +265,8 @@ absl::StatusOr<int> DraftModelDrafter::ResolvePending(SeqId seq,
                    std::equal(guess.begin(), guess.end(), new_tokens.begin());
   if (!hit) return 0;  // the kept tree's outcome drops the guess's KV with the rest
   if (absl::Status s = model_->Commit(seq, pending.path); !s.ok()) {
-    return absl::InternalError(absl::StrCat("draft model commit of the guessed path failed for "
-                                            "sequence ",
-                                            seq, ": ", s.message()));
+    return absl::InternalError(absl::StrCat(
+        "draft model commit of the guessed path failed for sequence ", seq, ": ", s.message()));
   }
   state.kept = std::move(pending.next);
   state.carried.clear();

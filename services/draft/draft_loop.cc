@@ -340,9 +340,8 @@ void DraftLoop::RunPreDrafts(const std::vector<Slot>& group,
   }
 }
 
-absl::Status DraftLoop::AdmitPreDraft(StreamId stream, int index,
-                                      const v1::DraftSequenceStep& step, int64_t* kv_budget,
-                                      Slot* slot, bool* empty_tree) {
+absl::Status DraftLoop::AdmitPreDraft(StreamId stream, int index, const v1::DraftSequenceStep& step,
+                                      int64_t* kv_budget, Slot* slot, bool* empty_tree) {
   const std::string where = absl::StrCat("steps[", index, "]");
   absl::StatusOr<std::optional<int64_t>> found =
       FindLive(stream, step.seq_id(), step.deadline_unix_ms(), where);
@@ -356,8 +355,8 @@ absl::Status DraftLoop::AdmitPreDraft(StreamId stream, int index,
     return absl::InvalidArgumentError(
         absl::StrCat(where, ".pre_draft: needs DRAFT_METHOD_MODEL and a draft model"));
   }
-  if (absl::Status s = CheckTokenIds(step.new_tokens(), ngram_->vocab_size(),
-                                     where + ".new_tokens");
+  if (absl::Status s =
+          CheckTokenIds(step.new_tokens(), ngram_->vocab_size(), where + ".new_tokens");
       !s.ok()) {
     return s;
   }

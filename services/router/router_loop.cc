@@ -709,14 +709,15 @@ void RouterLoop::TakePreDrafts(const v1::DraftStepRequest& request, const absl::
     // keeps any others for the next draft), so they are not sent again.
     seq.core->MarkDrafterFed();
     TokenTree tree = TreeFromProto(result.tree());
-    if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size); !valid.ok() ||
-        TreeMaxDepth(tree) > seq.pre_shape.depth) {
+    if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size);
+        !valid.ok() || TreeMaxDepth(tree) > seq.pre_shape.depth) {
       SPECD_LOG(WARNING) << "draft service sent a bad pre-drafted tree for sequence " << seq.id;
       tree = TokenTree();
     }
     seq.pre_tree = std::move(tree);
-    if (!seq.pre_tree.empty()) seq.pre_guess.assign(result.guess_tokens().begin(),
-                                                    result.guess_tokens().end());
+    if (!seq.pre_tree.empty()) {
+      seq.pre_guess.assign(result.guess_tokens().begin(), result.guess_tokens().end());
+    }
     seq.pre_node = result.guess_node();
   }
 }

@@ -867,16 +867,15 @@ void ExpectOverlapLossless(Cluster* c, int clients, bool expect_hits) {
     EXPECT_GT(hits, 0);
     EXPECT_GT(misses, 0);
     // Every miss of a sequence that went on is served by a late draft or a plain step.
-    const double late = Cluster::Metric(port, "specd_predraft_misses_total",
-                                        {{"served", "drafted_late"}});
+    const double late =
+        Cluster::Metric(port, "specd_predraft_misses_total", {{"served", "drafted_late"}});
     const double plain =
         Cluster::Metric(port, "specd_predraft_misses_total", {{"served", "plain_step"}});
     EXPECT_GT(late + plain, 0);
     EXPECT_LE(late + plain, misses);
   }
   EXPECT_GT(Cluster::Metric(port, "specd_router_step_seconds_total"), 0);
-  EXPECT_GT(Cluster::Metric(port, "specd_service_busy_seconds_total", {{"service", "verify"}}),
-            0);
+  EXPECT_GT(Cluster::Metric(port, "specd_service_busy_seconds_total", {{"service", "verify"}}), 0);
   EXPECT_GT(Cluster::Metric(port, "specd_router_wait_seconds_total", {{"service", "draft"}}), 0);
 }
 
