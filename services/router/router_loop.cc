@@ -80,10 +80,12 @@ struct RouterLoop::Sequence {
   int pre_node = -1;
   TokenTree pre_tree;
   SpecShape pre_shape;
+  ShapeReason pre_reason = ShapeReason::kPolicy;
   // A hit: the next step verifies hit_tree (shape hit_shape) without drafting.
   bool hit_ready = false;
   TokenTree hit_tree;
   SpecShape hit_shape;
+  ShapeReason hit_reason = ShapeReason::kPolicy;  // why the pre-drafted step had its shape
   bool missed = false;  // the last pre-draft missed: count how this step serves it
 
   // This step.
@@ -368,6 +370,7 @@ void RouterLoop::Plan() {
     ShapeReason reason = decision.reasons[i];
     if (seq.draft_down) reason = ShapeReason::kDraftDown;
     if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
+    if (seq.hit_ready) reason = seq.hit_reason;
     seq.core->Plan(decision.shapes[i], reason);
   }
   metrics_->policy_goodput.Set(decision.predicted_goodput);
@@ -631,6 +634,7 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
       seq.hit_ready = true;
       seq.hit_tree = std::move(seq.pre_tree);
       seq.hit_shape = seq.pre_shape;
+      seq.hit_reason = seq.pre_reason;
     } else if (!hit) {
       seq.missed = true;
     }
@@ -668,6 +672,7 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
     step->set_target_samples(seq.request.sampling.temperature > 0);
     seq.pre_sent = true;
     seq.pre_shape = shape;
+    seq.pre_reason = seq.core->planned_reason();
     ++rows;
     levels = std::max(levels, shape.depth + 1);
     nodes += shape.max_nodes + shape.depth + 1;
