@@ -203,6 +203,19 @@ def step_breakdown(before, after, wall_s):
                 by = out.setdefault("spec_steps_by_tree_size", {})
                 size = labels.get("tree_size", "?")
                 by[size] = by.get(size, 0) + n
+    # Overlap (--overlap on the router): pre-draft hit rate, and each service's idle share of
+    # the router's step time.
+    outcomes = [k for k in router_a if k.startswith("specd_predraft_outcomes_total{")]
+    predrafts = sum(delta(router_b, router_a, k) for k in outcomes)
+    if predrafts > 0:
+        out["predraft_steps"] = predrafts
+        out["predraft_hit_rate"] = sum(
+            delta(router_b, router_a, k) for k in outcomes if 'result="hit"' in k) / predrafts
+    step_s = delta(router_b, router_a, "specd_router_step_seconds_total")
+    if step_s > 0:
+        for svc in ("verify", "draft"):
+            busy = delta(router_b, router_a, f'specd_service_busy_seconds_total{{service="{svc}"}}')
+            out[f"{svc}_idle_fraction"] = max(0.0, 1.0 - busy / step_s)
     steps = out.get("router_verify_calls") or out.get("verify_steps")
     if steps:
         out["wall_per_step_s"] = wall_s / steps
@@ -491,6 +504,17 @@ def print_table(phases, modes, out=sys.stdout):
                   f"{fmt(b.get('router_draft_rtt_s'), 1e3, 2):>7} "
                   f"{fmt(b.get('router_other_per_step_s'), 1e3, 2):>8} "
                   f"{fmt(b.get('verify_batch_mean'), 1, 1):>6}" + extra, file=out)
+        overlap = [(label, name, b) for label, name, b in breakdown if "predraft_steps" in b]
+        if overlap:
+            print("\noverlap (pre-drafted sequence steps, hit rate, idle share of step time)",
+                  file=out)
+            print(f"{'phase':>8} {'mode':>12} {'pre-drafts':>10} {'hit rate':>8} "
+                  f"{'verify idle':>11} {'draft idle':>10}", file=out)
+            for label, name, b in overlap:
+                print(f"{label:>8} {name:>12} {fmt(b.get('predraft_steps'), 1, 0):>10} "
+                      f"{fmt(b.get('predraft_hit_rate'), 1, 2):>8} "
+                      f"{fmt(b.get('verify_idle_fraction'), 1, 2):>11} "
+                      f"{fmt(b.get('draft_idle_fraction'), 1, 2):>10}", file=out)
 
 
 def plot(doc, path):

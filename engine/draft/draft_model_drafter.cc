@@ -7,7 +7,9 @@
 #include <tuple>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 
 namespace specd {
 
@@ -31,6 +33,7 @@ struct SeqWork {
   const DraftRequest* req = nullptr;
   std::vector<Node> nodes;
   int32_t next_scratch = 0;
+  int32_t chain_end = -1;     // scratch index of the token the tree hangs below
   std::vector<int> frontier;  // nodes fed in the current level's Forward, in item order
 };
 
@@ -86,9 +89,43 @@ std::vector<int> PickFrontier(const SeqWork& w, int level) {
   return frontier;
 }
 
+// A selected tree and what a later guess of its outcome needs.
+struct Selected {
+  TokenTree tree;
+  std::vector<int32_t> scratch;  // per tree node: its scratch index, -1 if not expanded
+  std::vector<int32_t> bonus;    // per tree node: best non-child token, or the kind of none
+  std::vector<float> bonus_logprob;
+  int32_t root_bonus = -2;
+  float root_bonus_logprob = 0;
+  float top1_logprob = 0;
+};
+
+// The best non-child below `parent` (-1: the chain end) among the children the work grew for
+// it (its top-k, best first): kUnexpanded when it grew none, kNoBonus when all were chosen.
+void BestNonChild(const SeqWork& w, int parent, const std::vector<char>& taken, int32_t* token,
+                  float* logprob, double* top1_sum, int* top1_count) {
+  const float base = parent < 0 ? 0.0f : w.nodes[parent].logprob;
+  bool any = false;
+  *token = -1;
+  for (int j = 0; j < static_cast<int>(w.nodes.size()); ++j) {
+    if (w.nodes[j].parent != parent) continue;
+    if (!any) {
+      *top1_sum += w.nodes[j].logprob - base;
+      ++*top1_count;
+    }
+    any = true;
+    if (!taken[j]) {
+      *token = w.nodes[j].token;
+      *logprob = w.nodes[j].logprob - base;
+      return;
+    }
+  }
+  *token = any ? -2 : -1;
+}
+
 // The best max_nodes nodes, closed under ancestors, in topological order (by depth, best first
-// within a depth, so siblings come best first); `scratch` gets each tree node's scratch index.
-TokenTree SelectTree(const SeqWork& w, std::vector<int32_t>* scratch) {
+// within a depth, so siblings come best first), with each node's scratch index and bonus guess.
+Selected SelectTree(const SeqWork& w) {
   const int n = static_cast<int>(w.nodes.size());
   std::vector<int> order(n);
   std::iota(order.begin(), order.end(), 0);
@@ -105,17 +142,79 @@ TokenTree SelectTree(const SeqWork& w, std::vector<int32_t>* scratch) {
   std::stable_sort(chosen.begin(), chosen.end(),
                    [&](int a, int b) { return w.nodes[a].depth < w.nodes[b].depth; });
   std::vector<int32_t> out_index(n, -1);
-  TokenTree tree;
-  scratch->clear();
+  Selected out;
+  double top1_sum = 0;
+  int top1_count = 0;
+  BestNonChild(w, -1, taken, &out.root_bonus, &out.root_bonus_logprob, &top1_sum, &top1_count);
   for (int i : chosen) {
-    out_index[i] = tree.size();
+    out_index[i] = out.tree.size();
     const Node& node = w.nodes[i];
-    tree.tokens.push_back(node.token);
-    tree.parents.push_back(node.parent < 0 ? -1 : out_index[node.parent]);
-    tree.draft_logprobs.push_back(node.logprob);
-    scratch->push_back(node.scratch);
+    out.tree.tokens.push_back(node.token);
+    out.tree.parents.push_back(node.parent < 0 ? -1 : out_index[node.parent]);
+    out.tree.draft_logprobs.push_back(node.logprob);
+    out.scratch.push_back(node.scratch);
+    int32_t bonus = -1;
+    float logprob = 0;
+    BestNonChild(w, i, taken, &bonus, &logprob, &top1_sum, &top1_count);
+    out.bonus.push_back(bonus);
+    out.bonus_logprob.push_back(logprob);
   }
-  return tree;
+  out.top1_logprob = top1_count > 0 ? static_cast<float>(top1_sum / top1_count) : 0.0f;
+  return out;
+}
+
+// Feeds every work item's chain (`items`, one per work item, logit row = the chain's last token)
+// and grows each tree level by level: one batched forward per level over every sequence's
+// frontier, whose top-k give the next level's children.
+absl::Status GrowTrees(
+    std::vector<SeqWork>& work, std::vector<ForwardItem>& items,
+    absl::FunctionRef<absl::Status(absl::Span<const ForwardItem>, int, TopKRows*)> level_topk) {
+  int k = 1;
+  for (const SeqWork& w : work) k = std::max(k, ChildCount(w.req->params, 0));
+  TopKRows top;
+  if (absl::Status s = level_topk(items, k, &top); !s.ok()) return s;
+  if (top.rows() != static_cast<int64_t>(work.size())) {
+    return absl::InternalError(
+        absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", work.size()));
+  }
+  for (size_t b = 0; b < work.size(); ++b) AddChildren(work[b], -1, top, b);
+  for (int level = 0;; ++level) {
+    items.clear();
+    std::vector<size_t> item_work;
+    int64_t rows = 0;
+    k = 1;
+    for (size_t b = 0; b < work.size(); ++b) {
+      SeqWork& w = work[b];
+      w.frontier.clear();
+      if (level + 1 >= w.req->params.depth) continue;
+      w.frontier = PickFrontier(w, level);
+      if (w.frontier.empty()) continue;
+      ForwardItem item;
+      item.seq = w.req->seq;
+      for (int node : w.frontier) {
+        Node& nd = w.nodes[node];
+        nd.scratch = w.next_scratch++;
+        item.logit_rows.push_back(static_cast<int32_t>(item.tokens.size()));
+        item.tokens.push_back(nd.token);
+        item.parents.push_back(nd.parent < 0 ? w.chain_end : w.nodes[nd.parent].scratch);
+      }
+      rows += static_cast<int64_t>(w.frontier.size());
+      k = std::max(k, ChildCount(w.req->params, level + 1));
+      items.push_back(std::move(item));
+      item_work.push_back(b);
+    }
+    if (items.empty()) return absl::OkStatus();
+    if (absl::Status s = level_topk(items, k, &top); !s.ok()) return s;
+    if (top.rows() != rows) {
+      return absl::InternalError(
+          absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", rows));
+    }
+    int64_t row = 0;
+    for (size_t b : item_work) {
+      SeqWork& w = work[b];
+      for (int node : w.frontier) AddChildren(w, node, top, row++);
+    }
+  }
 }
 
 }  // namespace
@@ -154,10 +253,34 @@ absl::Status DraftModelDrafter::CheckRequest(const DraftRequest& r) const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int> DraftModelDrafter::ResolvePending(SeqId seq,
+                                                      absl::Span<const int32_t> new_tokens,
+                                                      bool exact) {
+  SeqState& state = states_[seq];
+  if (!state.pending.has_value()) return 0;
+  Pending pending = std::move(*state.pending);
+  state.pending.reset();
+  const std::vector<int32_t>& guess = pending.tokens;
+  const bool hit = (exact ? new_tokens.size() == guess.size() : new_tokens.size() > guess.size()) &&
+                   std::equal(guess.begin(), guess.end(), new_tokens.begin());
+  if (!hit) return 0;  // the kept tree's outcome drops the guess's KV with the rest
+  if (absl::Status s = model_->Commit(seq, pending.path); !s.ok()) {
+    return absl::InternalError(absl::StrCat(
+        "draft model commit of the guessed path failed for sequence ", seq, ": ", s.message()));
+  }
+  state.kept = std::move(pending.next);
+  state.carried.clear();
+  return static_cast<int>(guess.size());
+}
+
 absl::StatusOr<int> DraftModelDrafter::ApplyOutcome(const DraftRequest& r) {
+  absl::StatusOr<int> offset_or = ResolvePending(r.seq, r.new_tokens, /*exact=*/false);
+  if (!offset_or.ok()) return offset_or.status();
+  const int offset = *offset_or;
   SeqState& state = states_[r.seq];
   if (!state.kept.has_value()) return static_cast<int>(state.carried.size());
   const KeptStep& kept = *state.kept;
+  const absl::Span<const int32_t> fresh = absl::MakeConstSpan(r.new_tokens).subspan(offset);
   std::vector<int32_t> path(kept.chain);
   std::iota(path.begin(), path.end(), 0);
   int skip = 0;
@@ -165,9 +288,9 @@ absl::StatusOr<int> DraftModelDrafter::ApplyOutcome(const DraftRequest& r) {
     std::vector<int32_t> nodes;
     for (int n = r.accepted_node; n >= 0; n = kept.tree.parents[n]) nodes.push_back(n);
     std::reverse(nodes.begin(), nodes.end());
-    bool match = nodes.size() < r.new_tokens.size();
+    bool match = nodes.size() < fresh.size();
     for (size_t i = 0; match && i < nodes.size(); ++i) {
-      match = kept.tree.tokens[nodes[i]] == r.new_tokens[i];
+      match = kept.tree.tokens[nodes[i]] == fresh[i];
     }
     // Expanded nodes are closed under ancestors, so the path's expanded part is a prefix.
     for (size_t i = 0; match && i < nodes.size() && kept.tree_scratch[nodes[i]] >= 0; ++i) {
@@ -182,8 +305,24 @@ absl::StatusOr<int> DraftModelDrafter::ApplyOutcome(const DraftRequest& r) {
                      r.seq, ": ", s.message()));
   }
   state.kept.reset();
-  state.carried.assign(r.new_tokens.begin(), r.new_tokens.begin() + skip);
-  return skip;
+  state.carried.assign(r.new_tokens.begin(), r.new_tokens.begin() + offset + skip);
+  return offset + skip;
+}
+
+template <typename SelectedTree>
+DraftModelDrafter::KeptStep DraftModelDrafter::MakeKept(SelectedTree selected, int32_t chain,
+                                                        int32_t scratch_used) {
+  KeptStep kept;
+  kept.chain = chain;
+  kept.tree = std::move(selected.tree);
+  kept.tree_scratch = std::move(selected.scratch);
+  kept.scratch_used = scratch_used;
+  kept.bonus = std::move(selected.bonus);
+  kept.bonus_logprob = std::move(selected.bonus_logprob);
+  kept.root_bonus = selected.root_bonus;
+  kept.root_bonus_logprob = selected.root_bonus_logprob;
+  kept.top1_logprob = selected.top1_logprob;
+  return kept;
 }
 
 absl::Status DraftModelDrafter::LevelTopK(absl::Span<const ForwardItem> items, int k,
@@ -227,7 +366,6 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
   // Level "-1": the new tokens not yet in the KV as a chain; only the last one's logits are
   // needed.
   std::vector<ForwardItem> items(requests.size());
-  int k = 1;
   for (size_t b = 0; b < requests.size(); ++b) {
     SeqWork& w = work[b];
     w.req = &requests[b];
@@ -238,55 +376,14 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
     std::iota(items[b].parents.begin(), items[b].parents.end(), -1);
     items[b].logit_rows = {n - 1};
     w.next_scratch = n;
-    k = std::max(k, ChildCount(w.req->params, 0));
+    w.chain_end = n - 1;
   }
-  TopKRows top;
-  if (absl::Status s = LevelTopK(items, k, &top); !s.ok()) return fail(s);
-  if (top.rows() != static_cast<int64_t>(requests.size())) {
-    return fail(absl::InternalError(
-        absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", requests.size())));
-  }
-  for (size_t b = 0; b < requests.size(); ++b) AddChildren(work[b], -1, top, b);
-
-  // One batched forward per level: feed each sequence's frontier at `level`, whose top-k give
-  // the children at level + 1.
-  for (int level = 0;; ++level) {
-    items.clear();
-    std::vector<size_t> item_work;
-    int64_t rows = 0;
-    k = 1;
-    for (size_t b = 0; b < work.size(); ++b) {
-      SeqWork& w = work[b];
-      w.frontier.clear();
-      if (level + 1 >= w.req->params.depth) continue;
-      w.frontier = PickFrontier(w, level);
-      if (w.frontier.empty()) continue;
-      ForwardItem item;
-      item.seq = w.req->seq;
-      const int32_t chain_end = static_cast<int32_t>(w.req->new_tokens.size() - skip[b]) - 1;
-      for (int node : w.frontier) {
-        Node& nd = w.nodes[node];
-        nd.scratch = w.next_scratch++;
-        item.logit_rows.push_back(static_cast<int32_t>(item.tokens.size()));
-        item.tokens.push_back(nd.token);
-        item.parents.push_back(nd.parent < 0 ? chain_end : w.nodes[nd.parent].scratch);
-      }
-      rows += static_cast<int64_t>(w.frontier.size());
-      k = std::max(k, ChildCount(w.req->params, level + 1));
-      items.push_back(std::move(item));
-      item_work.push_back(b);
-    }
-    if (items.empty()) break;
-    if (absl::Status s = LevelTopK(items, k, &top); !s.ok()) return fail(s);
-    if (top.rows() != rows) {
-      return fail(absl::InternalError(
-          absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", rows)));
-    }
-    int64_t row = 0;
-    for (size_t b : item_work) {
-      SeqWork& w = work[b];
-      for (int node : w.frontier) AddChildren(w, node, top, row++);
-    }
+  if (absl::Status s = GrowTrees(work, items,
+                                 [this](absl::Span<const ForwardItem> it, int k, TopKRows* out) {
+                                   return LevelTopK(it, k, out);
+                                 });
+      !s.ok()) {
+    return fail(s);
   }
 
   std::vector<TokenTree> trees(requests.size());
@@ -294,17 +391,16 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
     const DraftRequest& r = requests[b];
     SeqState& state = states_[r.seq];
     state.carried.clear();
-    KeptStep kept;
-    kept.chain = static_cast<int32_t>(r.new_tokens.size()) - skip[b];
-    kept.tree = SelectTree(work[b], &kept.tree_scratch);
+    const int32_t chain = static_cast<int32_t>(r.new_tokens.size()) - skip[b];
+    KeptStep kept = MakeKept(SelectTree(work[b]), chain, work[b].next_scratch);
     trees[b] = kept.tree;
     if (options_.reuse_kv) {
       state.kept = std::move(kept);
       continue;
     }
-    std::vector<int32_t> chain(kept.chain);
-    std::iota(chain.begin(), chain.end(), 0);
-    if (absl::Status s = model_->Commit(r.seq, chain); !s.ok()) {
+    std::vector<int32_t> chain_path(chain);
+    std::iota(chain_path.begin(), chain_path.end(), 0);
+    if (absl::Status s = model_->Commit(r.seq, chain_path); !s.ok()) {
       // Sequences before b already committed their chain; their state moved on, which a
       // retry would double-feed. A failing Commit of a chain just forwarded is a backend bug.
       return absl::InternalError(
@@ -312,6 +408,190 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
     }
   }
   return trees;
+}
+
+absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter::PreDraft(
+    absl::Span<const DraftRequest> requests) {
+  absl::flat_hash_set<SeqId> seen;
+  for (const DraftRequest& r : requests) {
+    if (!model_->HasSequence(r.seq)) {
+      return absl::NotFoundError(absl::StrCat("seq: unknown draft sequence ", r.seq));
+    }
+    if (absl::Status s = ValidateDraftParams(r.params); !s.ok()) return s;
+    if (absl::Status s = CheckTokenIds(r.new_tokens, vocab_size_, "new_tokens"); !s.ok()) {
+      return s;
+    }
+    if (!seen.insert(r.seq).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("seq: sequence ", r.seq, " appears twice in one draft batch"));
+    }
+  }
+  std::vector<PreDraftResult> results(requests.size());
+  // What each guessing sequence feeds: the unexpanded rest of the guessed path (and its bonus
+  // token when known) hanging from `anchor`, its scratch path so far, and where the grown
+  // tree's scratch starts.
+  struct Guess {
+    size_t b = 0;
+    std::vector<int32_t> path;   // scratch path of the guessed tokens fed so far
+    std::vector<int32_t> chain;  // tokens still to feed below the path
+    int32_t anchor = -1;         // scratch parent of chain[0]
+    int32_t next_scratch = 0;
+    bool need_bonus = false;  // the accepted node was never expanded: its top-1 is the bonus
+  };
+  std::vector<Guess> guesses;
+  for (size_t b = 0; b < requests.size(); ++b) {
+    const DraftRequest& r = requests[b];
+    absl::StatusOr<int> consumed = ResolvePending(r.seq, r.new_tokens, /*exact=*/true);
+    if (!consumed.ok()) return consumed.status();
+    results[b].consumed = *consumed;
+    SeqState& state = states_[r.seq];
+    if (results[b].consumed != static_cast<int>(r.new_tokens.size()) || !state.kept.has_value() ||
+        state.kept->tree.empty()) {
+      continue;
+    }
+    const KeptStep& kept = *state.kept;
+    // The most likely outcome by the draft's own probabilities.
+    int best = -2;
+    float best_score = 0;
+    if (!r.target_samples) {
+      // Children are listed best first, and a best child pruned takes its siblings with it.
+      best = -1;
+      for (int i = 0; i < kept.tree.size(); ++i) {
+        if (kept.tree.parents[i] == best) best = i;
+      }
+    } else if (kept.root_bonus >= 0) {
+      best = -1;
+      best_score = kept.root_bonus_logprob;
+    }
+    for (int i = 0; r.target_samples && i < kept.tree.size(); ++i) {
+      if (kept.bonus[i] == kNoBonus) continue;
+      const float score = kept.tree.draft_logprobs[i] +
+                          (kept.bonus[i] >= 0 ? kept.bonus_logprob[i] : kept.top1_logprob);
+      if (best == -2 || score > best_score) {
+        best = i;
+        best_score = score;
+      }
+    }
+    if (best == -2) continue;
+    Guess g;
+    g.b = b;
+    std::vector<int32_t> nodes;
+    for (int n = best; n >= 0; n = kept.tree.parents[n]) nodes.push_back(n);
+    std::reverse(nodes.begin(), nodes.end());
+    g.path.resize(kept.chain);
+    std::iota(g.path.begin(), g.path.end(), 0);
+    g.anchor = kept.chain - 1;
+    for (int n : nodes) {
+      results[b].guess_tokens.push_back(kept.tree.tokens[n]);
+      if (kept.tree_scratch[n] >= 0 && g.chain.empty()) {
+        g.path.push_back(kept.tree_scratch[n]);
+        g.anchor = kept.tree_scratch[n];
+      } else {
+        g.chain.push_back(kept.tree.tokens[n]);
+      }
+    }
+    const int32_t bonus = best < 0 ? kept.root_bonus : kept.bonus[best];
+    g.need_bonus = bonus < 0;
+    if (g.need_bonus && g.chain.empty()) continue;  // an expanded node always knows its bonus
+    if (!g.need_bonus) {
+      g.chain.push_back(bonus);
+      results[b].guess_tokens.push_back(bonus);
+    }
+    g.next_scratch = kept.scratch_used;
+    results[b].guess_node = best;
+    guesses.push_back(std::move(g));
+  }
+  if (guesses.empty()) return results;
+
+  // A failed forward leaves unknown nodes in the scratch region: keep only the kept chain (true
+  // tokens) and forget the kept tree, so the next call feeds the outcome afresh.
+  auto give_up = [&](const absl::Status& s) {
+    for (const Guess& g : guesses) {
+      const DraftRequest& r = requests[g.b];
+      SeqState& state = states_[r.seq];
+      std::vector<int32_t> chain(state.kept->chain);
+      std::iota(chain.begin(), chain.end(), 0);
+      if (!model_->Commit(r.seq, chain).ok()) model_->Commit(r.seq, {}).IgnoreError();
+      state.kept.reset();
+      state.carried.clear();
+      results[g.b].guess_tokens.clear();
+      results[g.b].guess_node = -1;
+    }
+    SPECD_LOG(WARNING) << "pre-draft of " << guesses.size() << " sequences failed: " << s;
+    return results;
+  };
+  auto level_topk = [this](absl::Span<const ForwardItem> it, int k, TopKRows* out) {
+    return LevelTopK(it, k, out);
+  };
+
+  // Accepted nodes never expanded: feed the rest of their path to learn their top-1, the bonus.
+  std::vector<ForwardItem> items;
+  std::vector<size_t> asked;
+  for (size_t i = 0; i < guesses.size(); ++i) {
+    Guess& g = guesses[i];
+    if (!g.need_bonus) continue;
+    ForwardItem item;
+    item.seq = requests[g.b].seq;
+    item.tokens = g.chain;
+    for (size_t t = 0; t < g.chain.size(); ++t) {
+      item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
+    }
+    item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
+    items.push_back(std::move(item));
+    asked.push_back(i);
+  }
+  if (!items.empty()) {
+    TopKRows top;
+    absl::Status s = level_topk(items, 1, &top);
+    if (s.ok() && top.rows() != static_cast<int64_t>(items.size())) {
+      s = absl::InternalError("draft model returned the wrong number of top-k rows");
+    }
+    if (!s.ok()) return give_up(s);
+    for (size_t a = 0; a < asked.size(); ++a) {
+      Guess& g = guesses[asked[a]];
+      for (size_t t = 0; t < g.chain.size(); ++t) g.path.push_back(g.next_scratch++);
+      g.anchor = g.path.empty() ? -1 : g.path.back();
+      const int32_t bonus = top.ids[a * top.k];
+      results[g.b].guess_tokens.push_back(bonus);
+      g.chain = {bonus};
+    }
+  }
+
+  // Below the guess: the same growth as Draft(), chained onto the guessed path.
+  std::vector<SeqWork> work(guesses.size());
+  items.assign(guesses.size(), ForwardItem());
+  for (size_t i = 0; i < guesses.size(); ++i) {
+    Guess& g = guesses[i];
+    SeqWork& w = work[i];
+    w.req = &requests[g.b];
+    ForwardItem& item = items[i];
+    item.seq = w.req->seq;
+    item.tokens = g.chain;
+    for (size_t t = 0; t < g.chain.size(); ++t) {
+      item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
+      g.path.push_back(g.next_scratch + static_cast<int32_t>(t));
+    }
+    item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
+    w.next_scratch = g.next_scratch + static_cast<int32_t>(g.chain.size());
+    w.chain_end = g.path.back();
+  }
+  if (absl::Status s = GrowTrees(work, items, level_topk); !s.ok()) return give_up(s);
+  for (size_t i = 0; i < guesses.size(); ++i) {
+    Guess& g = guesses[i];
+    SeqState& state = states_[requests[g.b].seq];
+    KeptStep next = MakeKept(SelectTree(work[i]), /*chain=*/0, /*scratch_used=*/0);
+    // The hit's commit drops the scratch region, this tree's expanded nodes with it.
+    std::fill(next.tree_scratch.begin(), next.tree_scratch.end(), -1);
+    results[g.b].tree = next.tree;
+    // Later guesses on the kept tree append after this one's nodes.
+    state.kept->scratch_used = work[i].next_scratch;
+    Pending pending;
+    pending.tokens = results[g.b].guess_tokens;
+    pending.path = std::move(g.path);
+    pending.next = std::move(next);
+    state.pending = std::move(pending);
+  }
+  return results;
 }
 
 }  // namespace specd

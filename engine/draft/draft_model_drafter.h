@@ -46,6 +46,22 @@ struct DraftModelDrafterOptions {
 // steps or a switch of drafter) it commits the chain alone and feeds all of new_tokens. So the
 // draft KV holds at most the sequence's tokens plus one step's expanded nodes. A Draft() that
 // fails after committing keeps note of the tokens it committed and skips them when retried.
+//
+// Pre-drafting (PreDraft(), the router's overlap): while the target verifies the kept tree, the
+// drafter guesses its outcome and grows the next tree below the guess, appending to the same
+// scratch region (the guessed path reuses the kept tree's KV for its expanded part). The guess
+// is the outcome the draft model finds most likely: an accepted node a (or none) and a bonus
+// token b that is not one of a's children. A greedy target emits its argmax at every position,
+// so where the draft agrees with it the outcome is the draft's greedy path: from the root, the
+// best child while it is in the tree, then that node's best token as the bonus. A sampling
+// target (DraftRequest::target_samples) draws, so the guess is the outcome of highest
+// log p(path to a) + log p(b | a), b the best non-child among a's top-k children, a node never
+// expanded scored with the tree's mean best-child log-probability. An accepted node never
+// expanded gets its best token from one extra forward. The next call resolves
+// the guess from its new_tokens: when they begin with the guessed tokens (a hit) the guessed
+// path is committed and the pre-drafted tree becomes the kept tree (its scratch KV is dropped by
+// that commit, so a later guess below it feeds its path again); otherwise (a miss) the guess is
+// forgotten and the kept tree's outcome is applied as usual, dropping the guess's KV.
 class DraftModelDrafter : public Drafter {
  public:
   // `model` must outlive the drafter and is driven only by it.
@@ -58,6 +74,19 @@ class DraftModelDrafter : public Drafter {
   absl::StatusOr<std::vector<TokenTree>> Draft(absl::Span<const DraftRequest> requests) override;
   int vocab_size() const override { return vocab_size_; }
 
+  // The tree below the guessed outcome of each sequence's kept tree (see above). `new_tokens`
+  // may be empty, or the previous guess's tokens exactly (a hit); anything else, no kept tree,
+  // or an empty one gives no guess. Never commits a guess. Errors (INVALID_ARGUMENT, NOT_FOUND)
+  // are about the requests and leave every sequence as it was; a failing forward leaves the
+  // affected sequences without a guess (their kept tree's chain committed) rather than failing.
+  struct PreDraftResult {
+    TokenTree tree;                     // empty: no guess
+    std::vector<int32_t> guess_tokens;  // the accepted path's tokens, then the bonus token
+    int32_t guess_node = -1;            // the accepted node in the kept tree, -1 none
+    int consumed = 0;                   // leading new_tokens taken in (the hit's), 0 or all
+  };
+  absl::StatusOr<std::vector<PreDraftResult>> PreDraft(absl::Span<const DraftRequest> requests);
+
   // Tokens fed through the draft model so far (chains and expanded nodes of successful
   // forwards): what kept KV saves shows here.
   int64_t fed_tokens() const { return fed_tokens_; }
@@ -68,9 +97,28 @@ class DraftModelDrafter : public Drafter {
     int32_t chain = 0;                  // chain tokens at scratch 0 .. chain - 1
     TokenTree tree;                     // the returned tree
     std::vector<int32_t> tree_scratch;  // per tree node: its scratch index, -1 if not expanded
+    int32_t scratch_used = 0;           // scratch nodes appended so far (chain and expanded)
+    // For guesses: per tree node the best token below it that is not one of its children and
+    // its log-probability given the node, kUnexpanded (never fed: estimate top1_logprob) or
+    // kNoBonus (every top-k token is a child: not a candidate). root_bonus likewise below the
+    // last chain token.
+    std::vector<int32_t> bonus;
+    std::vector<float> bonus_logprob;
+    int32_t root_bonus = -2;
+    float root_bonus_logprob = 0;
+    float top1_logprob = 0;  // mean best-child log-probability over the expanded rows
+  };
+  static constexpr int32_t kUnexpanded = -1;
+  static constexpr int32_t kNoBonus = -2;
+  // A pre-draft's guess, until the next call says whether it was right.
+  struct Pending {
+    std::vector<int32_t> tokens;  // guessed tokens (accepted path, bonus)
+    std::vector<int32_t> path;    // their scratch path, after the kept chain: what a hit commits
+    KeptStep next;                // the tree grown below the guess; no scratch after the commit
   };
   struct SeqState {
     std::optional<KeptStep> kept;
+    std::optional<Pending> pending;
     // A prefix of the next new_tokens that is already committed (a failed Draft() after the
     // outcome was applied).
     std::vector<int32_t> carried;
@@ -79,6 +127,13 @@ class DraftModelDrafter : public Drafter {
   // Applies the previous step's outcome to `request`'s sequence and returns how many of its
   // new_tokens the draft KV now holds.
   absl::StatusOr<int> ApplyOutcome(const DraftRequest& request);
+  // Resolves a sequence's pending guess against `new_tokens`: a hit when they begin with the
+  // guessed tokens and are longer (`exact`: equal). On a hit commits the guessed path, makes
+  // the pre-drafted tree the kept one and returns the guess's length; else forgets it, 0.
+  absl::StatusOr<int> ResolvePending(SeqId seq, absl::Span<const int32_t> new_tokens, bool exact);
+  // The kept step of a selected tree (the .cc's Selected).
+  template <typename SelectedTree>
+  static KeptStep MakeKept(SelectedTree selected, int32_t chain, int32_t scratch_used);
   // Every row's best `k` (capped at the vocabulary) for one level.
   absl::Status LevelTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out);
 

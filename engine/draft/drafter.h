@@ -48,6 +48,9 @@ struct DraftRequest {
   // them against new_tokens, so a stale or wrong value costs speed, not correctness.
   static constexpr int32_t kNoOutcome = -2;
   int32_t accepted_node = kNoOutcome;
+  // Pre-drafting (DraftModelDrafter::PreDraft) only: the target samples (temperature > 0)
+  // rather than decoding greedily, which changes which outcome of the tree is most likely.
+  bool target_samples = false;
 };
 
 // The checks every drafter's CheckRequest makes: the sequence is `known` to it (NOT_FOUND

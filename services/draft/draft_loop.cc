@@ -197,6 +197,7 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
 std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Batch& batch) {
   std::vector<v1::DraftStepResponse> responses(batch.steps.size());
   std::array<std::vector<Slot>, 2> slots;  // per drafter
+  std::vector<Slot> pre_slots;             // pre-drafts (model drafter), after the drafts
   int64_t kv_budget = INT64_MAX;
   if (model_ != nullptr) {
     const KvUsage usage = model_->Usage();
@@ -220,6 +221,17 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
       slot.step = b;
       slot.result = i;
       bool empty_tree = false;
+      if (step.pre_draft()) {
+        absl::Status status = AdmitPreDraft(stream, i, step, &kv_budget, &slot, &empty_tree);
+        if (!status.ok()) {
+          ToSequenceError(status, result->mutable_error());
+        } else if (empty_tree) {
+          result->mutable_tree();
+        } else {
+          pre_slots.push_back(std::move(slot));
+        }
+        continue;
+      }
       absl::Status status = Admit(stream, i, step, &kv_budget, &slot, &empty_tree);
       if (!status.ok()) {
         if (slot.created) Drop(stream, step.seq_id(), slot);
@@ -280,12 +292,119 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
       TreeToProto(tree, result->mutable_tree());
     }
   }
+  if (!pre_slots.empty()) {
+    batch_size += pre_slots.size();
+    const int64_t fed_before = model_drafter_->fed_tokens();
+    RunPreDrafts(pre_slots, &responses);
+    tokens += model_drafter_->fed_tokens() - fed_before;
+  }
   if (batch_size > 0) RecordStep(start, batch_size, tokens);
   if (model_ != nullptr) {
     const Backend::ExecutionCounts counts = model_->execution_counts();
     metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);
   }
   return responses;
+}
+
+void DraftLoop::RunPreDrafts(const std::vector<Slot>& group,
+                             std::vector<v1::DraftStepResponse>* responses) {
+  std::vector<DraftRequest> requests;
+  requests.reserve(group.size());
+  for (const Slot& slot : group) requests.push_back(slot.request);
+  std::vector<absl::StatusOr<DraftModelDrafter::PreDraftResult>> results(group.size());
+  auto all = model_drafter_->PreDraft(requests);
+  if (all.ok()) {
+    for (size_t k = 0; k < group.size(); ++k) results[k] = std::move((*all)[k]);
+  } else {
+    // Request errors leave every sequence as it was: find the culprit one by one.
+    for (size_t k = 0; k < group.size(); ++k) {
+      auto one = model_drafter_->PreDraft(absl::MakeConstSpan(&requests[k], 1));
+      if (one.ok()) {
+        results[k] = std::move((*one)[0]);
+      } else {
+        results[k] = one.status();
+      }
+    }
+  }
+  for (size_t k = 0; k < group.size(); ++k) {
+    const Slot& slot = group[k];
+    v1::DraftSequenceResult* result = (*responses)[slot.step].mutable_results(slot.result);
+    Sequence& seq = sequences_[slot.seq];
+    if (!results[k].ok()) {
+      // The router resends the new tokens with its next step.
+      seq.history.resize(seq.history.size() - slot.appended);
+      ToSequenceError(results[k].status(), result->mutable_error());
+      continue;
+    }
+    seq.fed[kModel] += results[k]->consumed;
+    TreeToProto(results[k]->tree, result->mutable_tree());
+    result->mutable_guess_tokens()->Assign(results[k]->guess_tokens.begin(),
+                                           results[k]->guess_tokens.end());
+    result->set_guess_node(results[k]->guess_node);
+  }
+}
+
+absl::Status DraftLoop::AdmitPreDraft(StreamId stream, int index, const v1::DraftSequenceStep& step,
+                                      int64_t* kv_budget, Slot* slot, bool* empty_tree) {
+  const std::string where = absl::StrCat("steps[", index, "]");
+  absl::StatusOr<std::optional<int64_t>> found =
+      FindLive(stream, step.seq_id(), step.deadline_unix_ms(), where);
+  if (!found.ok()) return found.status();
+  if (!found->has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ".pre_draft: sequence ", step.seq_id(),
+                     " is not held here; pre-drafting follows a draft step of the sequence"));
+  }
+  if (step.method() != v1::DRAFT_METHOD_MODEL || model_drafter_ == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".pre_draft: needs DRAFT_METHOD_MODEL and a draft model"));
+  }
+  if (absl::Status s =
+          CheckTokenIds(step.new_tokens(), ngram_->vocab_size(), where + ".new_tokens");
+      !s.ok()) {
+    return s;
+  }
+  DraftParams& params = slot->request.params;
+  auto field = [](uint32_t v, int fallback) {
+    return v != 0 ? static_cast<int>(std::min<uint32_t>(v, 1 << 20)) : fallback;
+  };
+  params.depth = field(step.depth(), options_.defaults.depth);
+  params.top_k = field(step.top_k(), options_.defaults.top_k);
+  params.max_nodes = field(step.max_nodes(), options_.defaults.max_nodes);
+  if (absl::Status s = ValidateDraftParams(params); !s.ok()) return Prefixed(s, where + ".");
+  const int64_t live = **found;
+  Sequence& seq = sequences_[live];
+  if (static_cast<int64_t>(seq.history.size()) + step.new_tokens_size() >
+      options_.max_history_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".new_tokens: more than this draft service keeps (",
+                     options_.max_history_tokens, " tokens)"));
+  }
+  if (!seq.added[kModel]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ".pre_draft: the draft model has not drafted this sequence yet"));
+  }
+  table_.SetDeadline(stream, step.seq_id(), step.deadline_unix_ms());
+  seq.history.insert(seq.history.end(), step.new_tokens().begin(), step.new_tokens().end());
+  slot->appended = step.new_tokens_size();
+  slot->seq = live;
+  slot->drafter = kModel;
+  slot->request.seq = live;
+  slot->request.new_tokens.assign(seq.history.begin() + seq.fed[kModel], seq.history.end());
+  slot->request.target_samples = step.target_samples();
+  // The guess adds up to a path and a bonus token before the next tree.
+  const int64_t reach = static_cast<int64_t>(seq.history.size()) + 2 * params.depth + 2;
+  if (reach > model_->config().max_position_embeddings) {
+    *empty_tree = true;
+    return absl::OkStatus();
+  }
+  const int64_t need = params.depth + 1 + params.max_nodes;
+  if (need > *kv_budget) {
+    *empty_tree = true;  // no room to guess; the sequence is drafted after its outcome
+    return absl::OkStatus();
+  }
+  *kv_budget -= need;
+  return absl::OkStatus();
 }
 
 }  // namespace specd

@@ -17,6 +17,11 @@
 //   RESOURCE_EXHAUSTED (max_sequences, KV cache) and drafting failures: new_tokens are recorded
 //     (the router need not resend them) but no tree is proposed; a new sequence is not kept.
 // A sequence whose prefix no longer fits the draft model's context gets an empty tree.
+//
+// Pre-draft steps (pre_draft, the router's overlap) run after the batch's draft steps: the
+// model drafter guesses the outcome of the tree it returned last for the sequence and grows the
+// next tree below the guess (DraftModelDrafter::PreDraft). Their new_tokens count as fed only
+// as far as the drafter took them (a confirmed guess); the rest waits for the next draft step.
 #ifndef SPECD_SERVICES_DRAFT_DRAFT_LOOP_H_
 #define SPECD_SERVICES_DRAFT_DRAFT_LOOP_H_
 
@@ -81,6 +86,7 @@ class DraftLoop final
     int64_t seq = 0;  // model-side id
     int drafter = kModel;
     bool created = false;  // the sequence was registered in this batch
+    int appended = 0;      // pre-draft: new tokens added to the history
     DraftRequest request;
   };
 
@@ -93,6 +99,10 @@ class DraftLoop final
   double KvCacheUsageRatio() override;
   absl::Status Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
                      int64_t* kv_budget, Slot* slot, bool* empty_tree);
+  // A pre_draft step: the sequence must be live and drafted by the model; never creates one.
+  absl::Status AdmitPreDraft(StreamId stream, int index, const v1::DraftSequenceStep& step,
+                             int64_t* kv_budget, Slot* slot, bool* empty_tree);
+  void RunPreDrafts(const std::vector<Slot>& group, std::vector<v1::DraftStepResponse>* responses);
   void Drop(StreamId stream, uint64_t seq_id, const Slot& slot);
   Drafter* drafter(int index) {
     return index == kModel ? static_cast<Drafter*>(model_drafter_.get()) : ngram_.get();

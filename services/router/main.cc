@@ -51,6 +51,11 @@ ABSL_FLAG(std::string, speculation_policy, "goodput",
           "tree shape of requests that name none: goodput (every step, per sequence, the shape "
           "that maximises the batch's predicted tokens/s from measured costs and acceptance, "
           "down to none) or fixed (--draft_depth/--draft_top_k/--draft_max_nodes every step)");
+ABSL_FLAG(std::string, overlap, "off",
+          "pre-draft while verify runs: on (each step that verifies draft-model trees also asks "
+          "the draft service for the next trees below each tree's most likely outcome; a hit "
+          "skips the next step's draft), auto (only where the cost model predicts the pre-draft "
+          "ends inside the verify step) or off (draft, then verify)");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port of the /metrics + /health HTTP listener, e.g. a private interface; empty = "
           "the --address host and --metrics_port");
@@ -173,6 +178,14 @@ int Main() {
     return Fail("--speculation_policy: one of goodput, fixed");
   }
   loop_options.adaptive = policy == "goodput";
+  const std::string overlap = absl::AsciiStrToLower(absl::GetFlag(FLAGS_overlap));
+  if (overlap == "on") {
+    loop_options.overlap = OverlapMode::kOn;
+  } else if (overlap == "auto") {
+    loop_options.overlap = OverlapMode::kAuto;
+  } else if (overlap != "off") {
+    return Fail("--overlap: one of on, auto, off");
+  }
   loop_options.upstream_credentials = *upstream_credentials;
   if (absl::StatusOr<HostPort> hp = ParseHostPort(loop_options.verify_address, "--verify_address");
       !hp.ok()) {

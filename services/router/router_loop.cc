@@ -74,6 +74,20 @@ struct RouterLoop::Sequence {
   int32_t draft_accepted = -2;
   int32_t draft_report = -2;  // draft_accepted as of this step's plan, sent with its draft step
 
+  // Overlap. This step's pre-draft: the tokens it guessed verify emits, and the tree below them.
+  bool pre_sent = false;
+  std::vector<int32_t> pre_guess;
+  int pre_node = -1;
+  TokenTree pre_tree;
+  SpecShape pre_shape;
+  ShapeReason pre_reason = ShapeReason::kPolicy;
+  // A hit: the next step verifies hit_tree (shape hit_shape) without drafting.
+  bool hit_ready = false;
+  TokenTree hit_tree;
+  SpecShape hit_shape;
+  ShapeReason hit_reason = ShapeReason::kPolicy;  // why the pre-drafted step had its shape
+  bool missed = false;  // the last pre-draft missed: count how this step serves it
+
   // This step.
   TokenTree tree;
   bool draft_down = false;  // wanted a draft the drafter could not give
@@ -303,9 +317,13 @@ void RouterLoop::Step() {
     if (!ended.ok()) Fail(*seq, ended);
   }
   RemoveDone();
+  const absl::Time start = absl::Now();
   Plan();
   DraftStep();
   VerifyStep();
+  if (!running_.empty()) {
+    metrics_->step_seconds.Increment(absl::ToDoubleSeconds(absl::Now() - start));
+  }
   RemoveDone();
   UpdateGauges();
 }
@@ -327,7 +345,10 @@ void RouterLoop::Plan() {
     // Whether a drafter can serve this sequence this step: the draft service, or for n-gram
     // also the router's own n-gram drafter.
     const bool service = draft_ != nullptr && !seq.draft_failed;
-    if (mode == v1::SPECULATION_OFF) {
+    if (seq.hit_ready) {
+      p.fixed = true;  // the pre-drafted tree is ready
+      p.fixed_shape = seq.hit_shape;
+    } else if (mode == v1::SPECULATION_OFF) {
       p.fixed = true;  // none
     } else if (mode == v1::SPECULATION_NGRAM ? !(service && draft_up) && local_ngram_ == nullptr
                                              : !service) {
@@ -351,6 +372,7 @@ void RouterLoop::Plan() {
     ShapeReason reason = decision.reasons[i];
     if (seq.draft_down) reason = ShapeReason::kDraftDown;
     if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
+    if (seq.hit_ready) reason = seq.hit_reason;
     seq.core->Plan(decision.shapes[i], reason);
   }
   metrics_->policy_goodput.Set(decision.predicted_goodput);
@@ -368,6 +390,17 @@ void RouterLoop::DraftStep() {
   for (auto& s : running_) {
     Sequence& seq = *s;
     const SpecShape shape = seq.core->planned();
+    if (seq.hit_ready) {
+      seq.hit_ready = false;
+      seq.tree = std::move(seq.hit_tree);
+      seq.mode = v1::SPECULATION_DRAFT_MODEL;
+      seq.draft_replied = true;
+      continue;
+    }
+    if (seq.missed) {
+      seq.missed = false;
+      metrics_->CountPreDraftMiss(shape.none() ? "plain_step" : "drafted_late");
+    }
     if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
     if (shape.none()) continue;
     const v1::Speculation mode = seq.request.speculation;
@@ -419,6 +452,8 @@ void RouterLoop::DraftStep() {
   const absl::Status status = draft_->RoundTrip(request, &response, epoch);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (request.steps_size() > 0) metrics_->draft_latency.Observe(seconds);
+  metrics_->CountWait("draft", seconds);
+  metrics_->CountBusy("draft", seconds);
   if (!status.ok()) {
     SPECD_LOG(WARNING) << status.message() << "; continuing target-only";
     for (auto& [id, seq] : by_id) {
@@ -504,9 +539,31 @@ void RouterLoop::VerifyStep() {
   request.set_step_id(next_step_++);
   verify_releases_.MoveInto(&request);
   v1::VerifyStepResponse response;
+  // The pre-draft goes out with the verify step and is joined when verify answers; the draft
+  // stream carries one message at a time, and the next step's draft waits for this reply.
+  v1::DraftStepRequest pre_request = PreDraftRequest(request.step_id());
+  v1::DraftStepResponse pre_response;
+  absl::Status pre_status;
+  double pre_seconds = 0;
+  std::thread pre_thread;
   const absl::Time start = absl::Now();
+  if (pre_request.steps_size() > 0) {
+    const uint64_t draft_epoch = draft_->epoch();
+    pre_thread = std::thread([&, draft_epoch] {
+      pre_status = draft_->RoundTrip(pre_request, &pre_response, draft_epoch);
+      pre_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    });
+  }
   const absl::Status status = verify_->RoundTrip(request, &response, epoch);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  metrics_->CountWait("verify", seconds);
+  metrics_->CountBusy("verify", seconds);
+  if (pre_thread.joinable()) {
+    pre_thread.join();
+    metrics_->CountWait("draft", std::max(0.0, pre_seconds - seconds));
+    metrics_->CountBusy("draft", pre_seconds);
+    TakePreDrafts(pre_request, pre_status, pre_response);
+  }
   if (request.steps_size() > 0) {
     metrics_->verify_latency.Observe(seconds);
     if (status.ok()) {
@@ -574,7 +631,107 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
   for (int32_t t : seq.core->Apply(outcome, seq.tree)) {
     if (!seq.output->Push(t)) break;
   }
+  if (seq.pre_sent) {
+    seq.pre_sent = false;
+    const bool hit = !seq.pre_guess.empty() && outcome.tokens == seq.pre_guess;
+    metrics_->CountPreDraft(accepted, hit);
+    // A tree deeper than the remaining budget would run past the context: drafted anew.
+    if (hit && !seq.core->finished() && !seq.pre_tree.empty() &&
+        TreeMaxDepth(seq.pre_tree) <= seq.core->MaxUsefulDraftDepth()) {
+      seq.hit_ready = true;
+      seq.hit_tree = std::move(seq.pre_tree);
+      seq.hit_shape = seq.pre_shape;
+      seq.hit_reason = seq.pre_reason;
+    } else if (!hit) {
+      seq.missed = true;
+    }
+    seq.pre_tree = TokenTree();
+    seq.pre_guess.clear();
+  }
   Emit(seq);
+}
+
+v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
+  v1::DraftStepRequest request;
+  if (options_.overlap == OverlapMode::kOff || !draft_up()) return request;
+  const uint64_t epoch = draft_->epoch();
+  int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
+  for (auto& s : running_) {
+    Sequence& seq = *s;
+    seq.pre_sent = false;
+    verify_tokens += static_cast<int>(seq.tree.size()) + 1;
+    if (seq.tree.empty() || seq.mode != v1::SPECULATION_DRAFT_MODEL || !seq.draft_replied ||
+        seq.draft_failed || seq.draft_epoch != epoch) {
+      continue;
+    }
+    const SpecShape shape = seq.core->planned();
+    v1::DraftSequenceStep* step = request.add_steps();
+    step->set_seq_id(seq.id);
+    // Empty after this step's draft, or the tokens of the last guess when it hit.
+    const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
+    step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
+    step->set_method(v1::DRAFT_METHOD_MODEL);
+    step->set_depth(shape.depth);
+    step->set_top_k(shape.top_k);
+    step->set_max_nodes(shape.max_nodes);
+    step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+    step->set_pre_draft(true);
+    step->set_target_samples(seq.request.sampling.temperature > 0);
+    seq.pre_sent = true;
+    seq.pre_shape = shape;
+    seq.pre_reason = seq.core->planned_reason();
+    ++rows;
+    levels = std::max(levels, shape.depth + 1);
+    nodes += shape.max_nodes + shape.depth + 1;
+  }
+  if (rows == 0) return request;
+  if (options_.overlap == OverlapMode::kAuto &&
+      policy_.costs().DraftSeconds(rows, levels, nodes) >
+          policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens)) {
+    // The pre-draft would outlast verify: the step stays sequential.
+    for (auto& s : running_) s->pre_sent = false;
+    return v1::DraftStepRequest();
+  }
+  request.set_step_id(step_id | (uint64_t{1} << 63));
+  return request;
+}
+
+void RouterLoop::TakePreDrafts(const v1::DraftStepRequest& request, const absl::Status& status,
+                               const v1::DraftStepResponse& response) {
+  absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  for (auto& s : running_) {
+    if (s->pre_sent) by_id[s->id] = s.get();
+  }
+  if (!status.ok()) {
+    // The next step's draft sees the service down (or reconnected) and acts on it.
+    SPECD_LOG(WARNING) << "pre-draft: " << status.message();
+    for (auto& [id, seq] : by_id) seq->pre_sent = false;
+    return;
+  }
+  for (const v1::DraftSequenceResult& result : response.results()) {
+    auto it = by_id.find(result.seq_id());
+    if (it == by_id.end()) continue;
+    Sequence& seq = *it->second;
+    if (result.has_error() && result.error().code() != 0) {
+      // Not a reason to stop drafting the sequence: its next step drafts after the outcome.
+      seq.pre_sent = false;
+      continue;
+    }
+    // The service holds the new tokens it was sent (it takes those of a confirmed guess in, and
+    // keeps any others for the next draft), so they are not sent again.
+    seq.core->MarkDrafterFed();
+    TokenTree tree = TreeFromProto(result.tree());
+    if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size);
+        !valid.ok() || TreeMaxDepth(tree) > seq.pre_shape.depth) {
+      SPECD_LOG(WARNING) << "draft service sent a bad pre-drafted tree for sequence " << seq.id;
+      tree = TokenTree();
+    }
+    seq.pre_tree = std::move(tree);
+    if (!seq.pre_tree.empty()) {
+      seq.pre_guess.assign(result.guess_tokens().begin(), result.guess_tokens().end());
+    }
+    seq.pre_node = result.guess_node();
+  }
 }
 
 void RouterLoop::Emit(Sequence& seq) {

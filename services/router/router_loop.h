@@ -16,6 +16,12 @@
 //      sequences to free;
 //   4. sends ONE verify Step message for every running sequence (pending tokens and the draft
 //      tree, an empty tree for target-only sequences), with the ids to free;
+//   4b. with overlap, sends at the same moment (from a helper thread) ONE pre-draft Step to the
+//      draft service for the sequences whose trees are being verified: it guesses each tree's
+//      outcome and grows the next tree below the guess. When verify answers, a sequence whose
+//      emitted tokens equal the guess (a hit) takes that tree for its next step without
+//      drafting; a miss is planned like any sequence (drafted late, or a plain one-token step
+//      where the policy finds drafting not worth it);
 //   5. feeds each sequence's emitted tokens through its SequenceOutput (stop conditions, text
 //      deltas) and streams what is ready.
 // The draft and verify services hold state per sequence and per stream, so a sequence that
@@ -71,6 +77,13 @@ class ResponseSink {
   virtual bool Cancelled() const = 0;
 };
 
+// Pre-drafting while verify runs (docs/architecture.md, the overlapped step).
+enum class OverlapMode {
+  kOff,   // every step drafts, then verifies
+  kOn,    // every step that verifies draft-model trees also pre-drafts them
+  kAuto,  // only steps where the cost model predicts the pre-draft ends inside the verify step
+};
+
 struct RouterLoopOptions {
   std::string verify_address;
   std::string draft_address;  // empty: no draft service, every step is target-only
@@ -86,6 +99,7 @@ struct RouterLoopOptions {
   // false: requests that name no shape get limits.default_shape every step (no policy).
   bool adaptive = true;
   PolicyOptions policy;
+  OverlapMode overlap = OverlapMode::kOff;
   // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
@@ -137,6 +151,12 @@ class RouterLoop {
   void Plan();
   void DraftStep();
   void VerifyStep();
+  // Which sequences pre-draft this step (overlap), in a request for the draft service; empty
+  // when none does.
+  v1::DraftStepRequest PreDraftRequest(uint64_t step_id);
+  // Takes the pre-draft replies: each sequence's guessed outcome and the tree below it.
+  void TakePreDrafts(const v1::DraftStepRequest& request, const absl::Status& status,
+                     const v1::DraftStepResponse& response);
   void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);
   // Streams what the sequence has ready; on finish also sends the last chunk and ends the RPC.
   void Emit(Sequence& seq);

@@ -1,5 +1,6 @@
 #include "services/router/router_metrics.h"
 
+#include <algorithm>
 #include <string>
 
 #include "common/service/metrics.h"
@@ -47,6 +48,9 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                    "The policy's estimate of a verify step of one row with a 4-token chain.")),
       policy_draft_level(AddGauge(r, "specd_policy_draft_level_seconds",
                                   "The policy's estimate of one draft level of one sequence.")),
+      step_seconds(AddCounter(r, "specd_router_step_seconds_total",
+                              "Wall time of speculation steps, from planning to the verify "
+                              "reply.")),
       outcomes_(AddCounterFamily(r, "specd_requests_total", "Finished requests by outcome.")),
       accepted_per_pos_(
           AddCounterFamily(r, "specd_spec_decode_accepted_tokens_per_pos_total",
@@ -55,7 +59,16 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                                     "Verify steps without a draft tree, by reason.")),
       steps_(AddCounterFamily(r, "specd_spec_steps_total",
                               "Sequence verify steps by draft tree size and by why it had that "
-                              "shape.")) {
+                              "shape.")),
+      predraft_(AddCounterFamily(r, "specd_predraft_outcomes_total",
+                                 "Pre-drafted sequence steps by accepted draft tokens and whether "
+                                 "the guessed outcome hit.")),
+      predraft_misses_(AddCounterFamily(r, "specd_predraft_misses_total",
+                                        "Missed pre-drafts by how the next step served them.")),
+      wait_(AddCounterFamily(r, "specd_router_wait_seconds_total",
+                             "Time the router's scheduler blocked waiting on each service.")),
+      busy_(AddCounterFamily(r, "specd_service_busy_seconds_total",
+                             "Router-observed round-trip time of each service's steps.")) {
   // Zero-valued children up front, so dashboards and alerts see every series from the start.
   for (const char* outcome : {"ok", "invalid_argument", "cancelled", "deadline_exceeded",
                               "resource_exhausted", "error"}) {
@@ -64,6 +77,31 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
   for (const char* reason : {"off", "draft_unavailable", "no_draft"}) {
     target_only_.Add({{"reason", reason}});
   }
+  for (const char* result : {"hit", "miss"}) predraft_.Add({{"position", "0"}, {"result", result}});
+  for (const char* served : {"drafted_late", "plain_step"}) {
+    predraft_misses_.Add({{"served", served}});
+  }
+  for (const char* service : {"draft", "verify"}) {
+    wait_.Add({{"service", service}});
+    busy_.Add({{"service", service}});
+  }
+}
+
+void RouterMetrics::CountPreDraft(int accepted, bool hit) {
+  const std::string position = accepted >= 8 ? "8+" : std::to_string(std::max(accepted, 0));
+  predraft_.Add({{"position", position}, {"result", hit ? "hit" : "miss"}}).Increment();
+}
+
+void RouterMetrics::CountPreDraftMiss(const char* served) {
+  predraft_misses_.Add({{"served", served}}).Increment();
+}
+
+void RouterMetrics::CountWait(const char* service, double seconds) {
+  wait_.Add({{"service", service}}).Increment(seconds);
+}
+
+void RouterMetrics::CountBusy(const char* service, double seconds) {
+  busy_.Add({{"service", service}}).Increment(seconds);
 }
 
 void RouterMetrics::CountOutcome(grpc::StatusCode code) {

@@ -29,6 +29,17 @@ class RouterMetrics {
   // specd_spec_steps_total{tree_size, reason}: one sequence's verify step, by the tree size
   // bucket it carried (engine/spec/policy.h TreeSizeBucket) and why it had that shape.
   void CountStep(const char* tree_size, const char* reason);
+  // Overlap: specd_predraft_outcomes_total{position, result}: a pre-drafted sequence's verify
+  // outcome, by its accepted draft tokens (capped at "8+") and whether the guess hit.
+  void CountPreDraft(int accepted, bool hit);
+  // specd_predraft_misses_total{served}: how a missed sequence's next step was served
+  // ("drafted_late" or "plain_step").
+  void CountPreDraftMiss(const char* served);
+  // specd_router_wait_seconds_total{service}: time the scheduler blocked on that service.
+  void CountWait(const char* service, double seconds);
+  // specd_service_busy_seconds_total{service}: that service's round trips (overlapping ones
+  // counted once each), for idle fractions against specd_router_step_seconds_total.
+  void CountBusy(const char* service, double seconds);
 
   prometheus::Gauge& requests_running;
   prometheus::Gauge& requests_waiting;
@@ -49,12 +60,17 @@ class RouterMetrics {
   prometheus::Gauge& policy_verify_one_token;
   prometheus::Gauge& policy_verify_chain4;
   prometheus::Gauge& policy_draft_level;
+  prometheus::Counter& step_seconds;  // wall time of speculation steps (plan to verify reply)
 
  private:
   prometheus::Family<prometheus::Counter>& outcomes_;
   prometheus::Family<prometheus::Counter>& accepted_per_pos_;
   prometheus::Family<prometheus::Counter>& target_only_;
   prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Family<prometheus::Counter>& predraft_;
+  prometheus::Family<prometheus::Counter>& predraft_misses_;
+  prometheus::Family<prometheus::Counter>& wait_;
+  prometheus::Family<prometheus::Counter>& busy_;
   absl::Mutex mu_;
   // Children of accepted_per_pos_ by position, created on first use.
   std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);

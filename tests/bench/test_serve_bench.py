@@ -63,6 +63,21 @@ def test_step_breakdown():
     assert b["router_other_per_step_s"] == pytest.approx(0.05)
 
 
+def test_step_breakdown_overlap_hit_rate_and_idle_fractions():
+    hit = 'specd_predraft_outcomes_total{position="4",result="hit"}'
+    miss = 'specd_predraft_outcomes_total{position="1",result="miss"}'
+    busy = 'specd_service_busy_seconds_total{service="%s"}'
+    before = {"router": {hit: 5, miss: 5, "specd_router_step_seconds_total": 1.0,
+                         busy % "verify": 0.5, busy % "draft": 0.2}}
+    after = {"router": {hit: 35, miss: 15, "specd_router_step_seconds_total": 3.0,
+                        busy % "verify": 2.1, busy % "draft": 1.2}}
+    b = sb.step_breakdown(before, after, wall_s=2.0)
+    assert b["predraft_steps"] == 40 and b["predraft_hit_rate"] == pytest.approx(0.75)
+    assert b["verify_idle_fraction"] == pytest.approx(0.2)
+    assert b["draft_idle_fraction"] == pytest.approx(0.5)
+    assert "predraft_steps" not in sb.step_breakdown({}, {}, wall_s=1.0)
+
+
 def test_scrape_parses_prometheus_text(tmp_path):
     page = tmp_path / "metrics"
     page.write_text('# HELP x y\nspecd_step_seconds_sum 1.5\n'

@@ -249,6 +249,75 @@ TEST_F(DraftServiceTest, PerSequenceErrorsLeaveTheOthersServed) {
   EXPECT_TRUE(stream.Close().ok());
 }
 
+// Overlap: a pre_draft step guesses the outcome of the tree the sequence got last (its tokens
+// are a path of that tree, then a bonus token that is none of the last node's children) and
+// returns the tree below the guess, the tree a fresh sequence with that history gets; a hit's
+// tokens are taken in; bad pre-draft steps are refused per sequence, naming the field.
+TEST_F(DraftServiceTest, PreDraftsGuessTheOutcomeAndRefuseBadStepsByField) {
+  std::unique_ptr<ServiceProcess> p = StartDraft();
+  ASSERT_NE(p, nullptr);
+  DraftStream stream(p->channel());
+  const DraftParams params{3, 2, 6};
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  v1::DraftStepRequest first;
+  first.set_step_id(1);
+  AddStep(&first, 1, prompt, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&first, 2, {5, 6, 7, 5, 6}, v1::DRAFT_METHOD_NGRAM, params);
+  const v1::DraftStepResponse drafted = stream.Step(first);
+  ASSERT_FALSE(drafted.results(0).has_error()) << drafted.results(0).error().message();
+  const TokenTree tree = FromProto(drafted.results(0).tree());
+  ASSERT_FALSE(tree.empty());
+
+  v1::DraftStepRequest pre;
+  pre.set_step_id(2);
+  AddStep(&pre, 1, {}, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
+  AddStep(&pre, 2, {}, v1::DRAFT_METHOD_NGRAM, params)->set_pre_draft(true);
+  AddStep(&pre, 3, {}, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
+  AddStep(&pre, 4, {}, v1::DRAFT_METHOD_MODEL, {2, 2, 300})->set_pre_draft(true);
+  const v1::DraftStepResponse guessed = stream.Step(pre);
+  const v1::DraftSequenceResult& g = guessed.results(0);
+  ASSERT_FALSE(g.has_error()) << g.error().message();
+  ASSERT_FALSE(g.tree().tokens().empty());
+  const std::vector<int32_t> guess(g.guess_tokens().begin(), g.guess_tokens().end());
+  std::vector<int32_t> path;
+  for (int n = g.guess_node(); n >= 0; n = tree.parents[n]) path.insert(path.begin(), n);
+  ASSERT_EQ(guess.size(), path.size() + 1);
+  for (size_t i = 0; i < path.size(); ++i) EXPECT_EQ(guess[i], tree.tokens[path[i]]);
+  for (int i = 0; i < tree.size(); ++i) {
+    if (tree.parents[i] == g.guess_node()) EXPECT_NE(tree.tokens[i], guess.back());
+  }
+  EXPECT_EQ(guessed.results(1).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(guessed.results(1).error().message(), HasSubstr("steps[1].pre_draft"));
+  EXPECT_EQ(guessed.results(2).error().code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(guessed.results(2).error().message(), HasSubstr("steps[2].pre_draft"));
+  EXPECT_EQ(guessed.results(3).error().code(), grpc::StatusCode::FAILED_PRECONDITION);
+
+  // A fresh sequence with the guessed history gets the pre-drafted tree.
+  std::vector<int32_t> history = prompt;
+  history.insert(history.end(), guess.begin(), guess.end());
+  v1::DraftStepRequest fresh;
+  fresh.set_step_id(3);
+  AddStep(&fresh, 5, history, v1::DRAFT_METHOD_MODEL, params);
+  // The hit: seq 1's guess confirmed, and the next guess below the pre-drafted tree.
+  AddStep(&fresh, 1, guess, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
+  const v1::DraftStepResponse third = stream.Step(fresh);
+  ASSERT_FALSE(third.results(0).has_error()) << third.results(0).error().message();
+  EXPECT_THAT(third.results(0).tree().tokens(), ElementsAreArray(g.tree().tokens()));
+  EXPECT_THAT(third.results(0).tree().parents(), ElementsAreArray(g.tree().parents()));
+  ASSERT_FALSE(third.results(1).has_error()) << third.results(1).error().message();
+  EXPECT_FALSE(third.results(1).guess_tokens().empty());
+
+  // A miss: the next draft step sends what verify really emitted; the sequence goes on.
+  v1::DraftStepRequest after;
+  after.set_step_id(4);
+  AddStep(&after, 1, {7, 8}, v1::DRAFT_METHOD_MODEL, params)->set_accepted_node(-1);
+  const v1::DraftStepResponse fourth = stream.Step(after);
+  ASSERT_FALSE(fourth.results(0).has_error()) << fourth.results(0).error().message();
+  EXPECT_FALSE(fourth.results(0).tree().tokens().empty());
+  EXPECT_EQ(Metric("specd_sequences"), 3);
+  EXPECT_TRUE(stream.Close().ok());
+}
+
 // Tree shapes no tree can have (depth 100000 used to answer an empty tree) and a history
 // beyond any served context are refused per sequence, naming the field.
 TEST_F(DraftServiceTest, OversizedShapesAndHistoriesAreNamed) {

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -125,6 +126,12 @@ class Cluster {
         "--model=" + models.target,         "--verify_address=" + verify_address,
         "--draft_address=" + draft_address, "--max_new_tokens_limit=4000"};
     args.insert(args.end(), options.router_args.begin(), options.router_args.end());
+    // The router_cluster_overlap ctest entry reruns the lossless and fault tests with overlap.
+    if (const char* extra = std::getenv("SPECD_TEST_ROUTER_ARGS"); extra != nullptr) {
+      for (absl::string_view a : absl::StrSplit(extra, ' ', absl::SkipEmpty())) {
+        args.emplace_back(a);
+      }
+    }
     absl::StatusOr<std::unique_ptr<ServiceProcess>> router =
         ServiceProcess::Spawn({SpecdBinary("specd-router"), args, c->router_address});
     EXPECT_TRUE(router.ok()) << router.status();
@@ -808,6 +815,88 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
                                             {{"tree_size", "0"}, {"reason", "policy_off"}});
   EXPECT_GT(policy_steps + (std::isnan(policy_off) ? 0 : policy_off), 0);
   EXPECT_GT(Cluster::Metric(port, "specd_policy_verify_one_token_seconds"), 0);
+}
+
+// Overlap: pre-drafts hit (the draft is the target's first layer, so its greedy path is often
+// the target's), greedy and seeded outputs stay those of target-only decoding, alone and
+// batched, and the metrics count hits, misses and how each miss was served.
+void ExpectOverlapLossless(Cluster* c, int clients, bool expect_hits) {
+  const std::vector<std::string> prompts = Prompts(12);
+  const int kTokens = 40;
+  std::vector<Result> off(prompts.size()), on(prompts.size()), seeded_off(prompts.size()),
+      seeded(prompts.size());
+  auto sampled = [](const std::string& prompt, v1::Speculation speculation) {
+    v1::GenerateRequest r = Greedy(prompt, kTokens, speculation);
+    r.set_temperature(0.8f);
+    r.set_top_k(30);
+    r.set_seed(11);
+    return r;
+  };
+  std::vector<std::thread> threads;
+  std::atomic<size_t> next{0};
+  for (int t = 0; t < clients; ++t) {
+    threads.emplace_back([&] {
+      for (size_t i; (i = next++) < prompts.size();) {
+        off[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_OFF));
+        on[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_DRAFT_MODEL));
+        seeded_off[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_OFF));
+        seeded[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_DRAFT_MODEL));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat(prompts[i], " with ", clients, " clients"));
+    for (const Result* r : {&off[i], &on[i], &seeded_off[i], &seeded[i]}) {
+      ASSERT_TRUE(r->status.ok()) << r->status.error_message();
+    }
+    EXPECT_EQ(on[i].tokens, off[i].tokens);
+    EXPECT_EQ(on[i].text, off[i].text);
+    EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
+  }
+  const int port = c->router_metrics;
+  double hits = 0, misses = 0;
+  for (int pos = 0; pos < 8; ++pos) {
+    for (const char* result : {"hit", "miss"}) {
+      const double v = Cluster::Metric(port, "specd_predraft_outcomes_total",
+                                       {{"position", std::to_string(pos)}, {"result", result}});
+      (result[0] == 'h' ? hits : misses) += std::isnan(v) ? 0 : v;
+    }
+  }
+  if (expect_hits) {
+    EXPECT_GT(hits, 0);
+    EXPECT_GT(misses, 0);
+    // Every miss of a sequence that went on is served by a late draft or a plain step.
+    const double late =
+        Cluster::Metric(port, "specd_predraft_misses_total", {{"served", "drafted_late"}});
+    const double plain =
+        Cluster::Metric(port, "specd_predraft_misses_total", {{"served", "plain_step"}});
+    EXPECT_GT(late + plain, 0);
+    EXPECT_LE(late + plain, misses);
+  }
+  EXPECT_GT(Cluster::Metric(port, "specd_router_step_seconds_total"), 0);
+  EXPECT_GT(Cluster::Metric(port, "specd_service_busy_seconds_total", {{"service", "verify"}}), 0);
+  EXPECT_GT(Cluster::Metric(port, "specd_router_wait_seconds_total", {{"service", "draft"}}), 0);
+}
+
+TEST(RouterClusterTest, OverlapKeepsGreedyAndSeededOutputIdentical) {
+  ClusterOptions options;
+  // Every step drafts the same shape, so every step also pre-drafts.
+  options.router_args = {"--overlap=on", "--speculation_policy=fixed"};
+  std::unique_ptr<Cluster> c = Cluster::Start(options);
+  ASSERT_NE(c, nullptr);
+  ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/true);
+  ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/true);
+}
+
+TEST(RouterClusterTest, OverlapAutoUnderTheGoodputPolicyKeepsOutputIdentical) {
+  ClusterOptions options;
+  options.router_args = {"--overlap=auto"};
+  std::unique_ptr<Cluster> c = Cluster::Start(options);
+  ASSERT_NE(c, nullptr);
+  // Whether auto pre-drafts depends on measured costs, so hits are not required here.
+  ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/false);
+  ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/false);
 }
 
 // A verify service stopped gracefully (SIGTERM) is seen at once even by an idle router: its
