@@ -196,13 +196,17 @@ void GroupPool::PollLoads() {
       grpc::ClientContext context;
       context.set_deadline(std::chrono::system_clock::now() +
                            absl::ToChronoMilliseconds(options_.loop.probe_timeout));
-      const int inflight = g->inflight->load();
+      const int before = g->inflight->load();
       v1::VerifyInfo info;
       const grpc::Status status = g->stub->GetInfo(&context, v1::VerifyInfoRequest(), &info);
       if (!status.ok()) continue;  // the group's own upstream notices a service that is gone
+      // Sequences placed while the call was on its way may already be in the service's count:
+      // taking the larger count as ours keeps a burst of our own arrivals from looking like
+      // another router's load (which would steer the next arrivals away until the next poll).
+      const int after = g->inflight->load();
       absl::MutexLock lock(&g->mu);
       g->reported_running = static_cast<int>(info.load().running_sequences());
-      g->inflight_at_poll = inflight;
+      g->inflight_at_poll = std::max(before, after);
       g->kv_usage = info.load().kv_cache_usage_ratio();
     }
     UpdateTotals();
