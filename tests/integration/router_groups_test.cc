@@ -342,7 +342,7 @@ TEST(RouterGroupsTest, KilledGroupFailsOnlyItsOwnSequencesAndComesBack) {
   ASSERT_TRUE(g->WaitForGroup(0, "1", "specd_verify_available"));
   const double before0 = g->verify[0].Finished(), before1 = g->verify[1].Finished();
   std::vector<v1::GenerateRequest> more;
-  for (int i = 0; i < 16; ++i) more.push_back(Greedy(PromptOf(i), 12));
+  for (int i = 0; i < 16; ++i) more.push_back(Greedy(PromptOf(i), 48));
   for (const Result& r : g->GenerateAll(more)) EXPECT_TRUE(r.status.ok());
   auto total = [&] { return g->verify[0].Finished() + g->verify[1].Finished(); };
   EXPECT_EQ(WaitFor(total, before0 + before1 + 16), before0 + before1 + 16);
