@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/logging.h"
 #include "common/service/grpc_util.h"
 
 namespace specd {
