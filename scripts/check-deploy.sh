@@ -2,10 +2,11 @@
 # Checks everything under helm/ and deploy/ (ctest runs it as `deploy_check`, label deploy):
 #   1. helm lint --strict of the chart with each values file,
 #   2. helm template with the default values, examples/values-cpu.yaml,
-#      examples/values-8gpu-tp7.yaml and two variants (an existing claim with a hub token, no
-#      draft, ServiceMonitor, Ingress; models from an image volume without specd-http), each
-#      rendering checked for fit (deploy/ci/check_rendered.py) and validated against the
-#      Kubernetes and prometheus-operator schemas (deploy/ci/validate-manifests.mjs),
+#      examples/values-8gpu-tp7.yaml and three variants (an existing claim with a hub token, no
+#      draft, ServiceMonitor, Ingress; models from an image volume without specd-http; two
+#      verify groups), each rendering checked for fit (deploy/ci/check_rendered.py) and
+#      validated against the Kubernetes and prometheus-operator schemas
+#      (deploy/ci/validate-manifests.mjs),
 #   3. yamllint (.yamllint.yaml) of the rendered output and of every hand-written YAML file,
 #   4. promtool check config / check rules / test rules of deploy/prometheus,
 #   5. the dashboard and rules against the metrics contract (tests/deploy/check_metric_names.py),
@@ -131,6 +132,7 @@ render variant variant --set models.pvc.existingClaim=my-models \
   --set metrics.serviceMonitor.enabled=true --set http.ingress.enabled=true \
   --set 'http.ingress.hosts[0].host=specd.example.com' --set 'http.ingress.hosts[0].paths[0].path=/v1' \
   --set 'http.ingress.hosts[0].paths[0].pathType=Prefix' --set grafana.dashboards.enabled=true
+render groups groups --set verify.replicas=2
 render image-volume image-volume --set models.source=imageVolume \
   --set models.imageVolume.reference=registry.example.com/models:llama-3.1-70b \
   --set models.download.enabled=false --set http.enabled=false --set tests.enabled=false

@@ -18,11 +18,31 @@ ROOT=$(pwd)
 ./scripts/install-deps.sh
 BUILD=${BUILD:-build}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}
-echo "== building into $BUILD/ (the first build takes a few minutes)"
+echo "== building into $BUILD/ (the first build takes a few minutes; log: $BUILD/demo-build.log)"
 mkdir -p "$BUILD"
+: >"$BUILD/demo-build.log"
+# Ninja's [done/total] counter as progress: one updating line on a terminal, a line every 10%
+# otherwise; the whole output still goes to the log.
+show_build_progress() {
+  local line n total pct shown=-10 start=$SECONDS
+  while IFS= read -r line; do
+    printf '%s\n' "$line" >>"$BUILD/demo-build.log"
+    [[ $line =~ ^\[([0-9]+)/([0-9]+)\]\ (.*) ]] || continue
+    n=${BASH_REMATCH[1]} total=${BASH_REMATCH[2]}
+    pct=$((n * 100 / total))
+    if [ -t 1 ]; then
+      printf '\r   %3d%%  %d/%d steps, %ds  %-60.60s' "$pct" "$n" "$total" \
+        $((SECONDS - start)) "${BASH_REMATCH[3]}"
+    elif ((pct >= shown + 10 || n == total)); then
+      shown=$pct
+      printf '   %3d%%  %d/%d steps, %ds\n' "$pct" "$n" "$total" $((SECONDS - start))
+    fi
+  done
+  if [ -t 1 ]; then printf '\n'; fi
+}
 if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release &&
        cmake --build "$BUILD" -j"$(nproc)" --target specd-verify specd-draft specd-router \
-         specd-cli specd-make-test-model; } >"$BUILD/demo-build.log" 2>&1; then
+         specd-cli specd-make-test-model; } 2>&1 | show_build_progress; then
   tail -n 40 "$BUILD/demo-build.log" >&2
   echo "build failed; the whole log is $BUILD/demo-build.log" >&2
   exit 1

@@ -14,6 +14,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/io/load_progress.h"
+#include "common/logging.h"
 #include "nlohmann/json.hpp"
 
 namespace specd {
@@ -281,9 +283,14 @@ absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::OpenFolder(const std::
   if (files.empty()) {
     return absl::NotFoundError(absl::StrCat(dir, ": no *.safetensors files"));
   }
+  // The files are mapped, not read: the bytes come in as the backend places the tensors.
+  int64_t total_bytes = 0;
   for (const auto& f : files) {
     absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(f);
     if (!file.ok()) return file.status();
+    SPECD_LOG(INFO) << "mapped " << f << ": " << (*file)->tensors().size() << " tensors, "
+                    << HumanBytes(static_cast<int64_t>((*file)->size()));
+    total_bytes += static_cast<int64_t>((*file)->size());
     store->files_.push_back(std::move(*file));
   }
   for (const auto& file : store->files_) {
@@ -293,6 +300,10 @@ absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::OpenFolder(const std::
                                                 " also appears in ", store->index_[name]->file));
       }
     }
+  }
+  if (store->files_.size() > 1) {
+    SPECD_LOG(INFO) << dir << ": " << store->files_.size() << " files, " << store->index_.size()
+                    << " tensors, " << HumanBytes(total_bytes);
   }
   return store;
 }

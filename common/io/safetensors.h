@@ -45,6 +45,7 @@ class SafetensorsFile {
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
   const std::string& path() const { return path_; }
+  size_t size() const { return map_size_; }  // bytes of the file
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const TensorView* Find(const std::string& name) const;
 

@@ -1,11 +1,14 @@
 #include "common/service/model_service_main.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/service/grpc_util.h"
 #include "common/logging.h"
@@ -16,6 +19,15 @@ namespace specd {
 int FailStartup(const absl::Status& status) {
   SPECD_LOG(ERROR) << status.message();
   return EXIT_FAILURE;
+}
+
+std::string KvCapacityLine(int64_t capacity_tokens, int64_t max_context, int max_sequences) {
+  if (capacity_tokens <= 0) {
+    return absl::StrCat("no KV cache; at most ", max_sequences, " sequences");
+  }
+  const int64_t full = capacity_tokens / std::max<int64_t>(max_context, 1);
+  return absl::StrCat("KV cache ", capacity_tokens, " tokens = ", full, " sequences of the full ",
+                      max_context, "-token context; at most ", max_sequences, " sequences");
 }
 
 absl::Status CheckModelServiceOptions(const ModelServiceOptions& options) {
@@ -54,6 +66,7 @@ int RunModelService(
     (*server)->Shutdown(0);
     return EXIT_SUCCESS;
   }
+  const absl::Time load_start = absl::Now();
   absl::StatusOr<std::unique_ptr<ModelLoop>> loop = create_loop(&metrics);
   if (!loop.ok()) {
     (*server)->Shutdown(0);
@@ -62,7 +75,10 @@ int RunModelService(
   (*server)->SetServing(true);
   serving = true;
   SPECD_LOG(INFO) << options.name << ": serving " << (*loop)->model_name() << " on "
-                  << options.device;
+                  << options.device << " (loaded in "
+                  << absl::FormatDuration(
+                         absl::Trunc(absl::Now() - load_start, absl::Milliseconds(1)))
+                  << "); " << (*loop)->CapacitySummary();
 
   stop.WaitForNotification();
   SPECD_LOG(INFO) << options.name << ": signal " << TerminationSignal() << ", shutting down";

@@ -33,10 +33,18 @@ class ModelLoop {
   virtual void BeginDrain() = 0;
   // Sequences the loop holds, as of its last batch (any thread).
   virtual int64_t LiveSequences() const = 0;
+  // Cached tokens / KV capacity as of its last batch (any thread); 0 without a KV cache.
+  virtual double KvCacheUsage() const = 0;
+  // What the model settled on when it loaded (KV tokens, sequences), for the "serving" line.
+  virtual std::string CapacitySummary() const { return ""; }
   // Answers what is queued, frees every sequence and joins the loop thread. Called after the
   // gRPC server has shut down.
   virtual void Stop() = 0;
 };
+
+// The vLLM-style line a service prints when it starts serving: the KV capacity it settled on
+// and how many sequences that holds. `capacity_tokens` 0: no KV cache.
+std::string KvCapacityLine(int64_t capacity_tokens, int64_t max_context, int max_sequences);
 
 struct ModelServiceOptions {
   std::string name;       // executable name, prefixes the log lines: "specd-draft"

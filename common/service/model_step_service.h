@@ -5,10 +5,14 @@
 #ifndef SPECD_COMMON_SERVICE_MODEL_STEP_SERVICE_H_
 #define SPECD_COMMON_SERVICE_MODEL_STEP_SERVICE_H_
 
+#include <functional>
+#include <utility>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "common/service/step_stream.h"
 #include "grpcpp/grpcpp.h"
+#include "specd/v1/tree.pb.h"
 
 namespace specd {
 
@@ -37,6 +41,13 @@ class ModelStepService final : public CallbackService {
     loaded_ = true;
   }
 
+  // From now on GetInfo's `load` is the info's merged with what `load` returns (called on gRPC
+  // threads; whatever it reads must outlive the server).
+  void SetLoad(std::function<v1::ServiceLoad()> load) {
+    absl::MutexLock lock(&mu_);
+    load_ = std::move(load);
+  }
+
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
                                     const InfoRequest* /*request*/, Info* response) override {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -45,6 +56,7 @@ class ModelStepService final : public CallbackService {
       absl::MutexLock lock(&mu_);
       loaded = loaded_;
       if (loaded) *response = info_;
+      if (loaded && load_) response->mutable_load()->MergeFrom(load_());
     }
     reactor->Finish(loaded ? grpc::Status::OK
                            : grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -57,6 +69,7 @@ class ModelStepService final : public CallbackService {
   absl::Mutex mu_;
   bool loaded_ ABSL_GUARDED_BY(mu_) = false;
   Info info_ ABSL_GUARDED_BY(mu_);
+  std::function<v1::ServiceLoad()> load_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace specd

@@ -47,6 +47,7 @@ class StepLoop : public ModelLoop {
 
   void BeginDrain() override { draining_.store(true); }
   int64_t LiveSequences() const override { return live_sequences_.load(); }
+  double KvCacheUsage() const override { return kv_usage_.load(); }
 
   // Answers what is queued, frees every sequence and joins the thread. Call after the gRPC
   // server has shut down, so no reactor waits on a step that will never run.
@@ -176,11 +177,14 @@ class StepLoop : public ModelLoop {
   void UpdateGauges() {
     live_sequences_.store(static_cast<int64_t>(table_.size()));
     metrics_->sequences.Set(table_.size());
-    metrics_->kv_cache_usage_ratio.Set(KvCacheUsageRatio());
+    const double kv = KvCacheUsageRatio();
+    kv_usage_.store(kv);
+    metrics_->kv_cache_usage_ratio.Set(kv);
   }
 
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> live_sequences_{0};
+  std::atomic<double> kv_usage_{0.0};
   std::thread thread_;
 };
 

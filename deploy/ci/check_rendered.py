@@ -75,6 +75,22 @@ def service_port(services, address, port_name):
                for s in services)
 
 
+def pod_under_headless(services, workload, address, port_name):
+    """Whether host:port names pod N (N < replicas) of the StatefulSet `workload` by the
+    headless Service that governs it, on that Service's port under port_name."""
+    host, _, port = (address or "").rpartition(":")
+    pod, _, svc = host.partition(".")
+    name = workload["metadata"]["name"]
+    m = re.fullmatch(re.escape(name) + r"-(\d+)", pod)
+    headless = [s for s in services if s["metadata"]["name"] == svc and
+                s["spec"].get("clusterIP") == "None"]
+    return (workload["kind"] == "StatefulSet" and m is not None and
+            int(m.group(1)) < workload["spec"].get("replicas", 1) and
+            workload["spec"].get("serviceName") == svc and len(headless) == 1 and
+            any(str(p["port"]) == port and p["name"] == port_name
+                for p in headless[0]["spec"]["ports"]))
+
+
 def gpu_count(container, kind):
     return int(container.get("resources", {}).get(kind, {}).get(GPU, 0))
 
@@ -336,6 +352,15 @@ def check(docs, profile):
             if comp not in comps:
                 c.expect(addr is None, f"router: {flag} set but no {comp} workload")
                 continue
+            if comp == "verify" and comps[comp]["spec"].get("replicas", 1) > 1:
+                # One verify group per pod, each by its name under the headless Service.
+                pods = (addr or "").split(",")
+                c.expect(len(pods) == comps[comp]["spec"]["replicas"] and len(set(pods)) ==
+                         len(pods), f"router: {flag}={addr} does not name every verify pod")
+                for pod in pods:
+                    c.expect(pod_under_headless(services, comps[comp], pod, "grpc"),
+                             f"router: {flag} entry {pod} is no verify pod's grpc port")
+                continue
             c.expect(service_port(services, addr, "grpc"),
                      f"router: {flag}={addr} is no Service's grpc port")
 
@@ -399,6 +424,13 @@ def check(docs, profile):
                  .get("name") == by_kind["Secret"][0]["metadata"]["name"],
                  "the download Job reads HF_TOKEN from the hub token Secret")
         c.expect("SPECD_DRAFT_REPO" not in env, "no draft service, no draft download")
+    elif profile == "groups":
+        # verify.replicas=2: two verify groups of one GPU each, both used by the router.
+        c.expect(gpus == {"router": 0, "http": 0, "draft": 1, "verify": 1}, f"GPUs {gpus}")
+        c.expect(comps["verify"]["spec"]["replicas"] == 2, "verify.replicas=2: two verify pods")
+        args = comps["router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        c.expect(len(arg_value(args, "--verify_address").split(",")) == 2,
+                 "the router does not list both verify groups")
     elif profile == "image-volume":
         # models.source=imageVolume, no download, no specd-http, no helm test.
         c.expect("http" not in comps and "Pod" not in kinds and "Job" not in kinds,
@@ -466,7 +498,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rendered")
     ap.add_argument("--profile", required=True,
-                    choices=["default", "cpu", "8gpu-tp7", "variant", "image-volume", "secure"])
+                    choices=["default", "cpu", "8gpu-tp7", "variant", "image-volume", "secure",
+                             "groups"])
     ap.add_argument("--json-out")
     args = ap.parse_args()
     docs = load(args.rendered)

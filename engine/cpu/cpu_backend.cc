@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/io/load_progress.h"
 #include "common/io/safetensors.h"
 
 namespace specd {
@@ -20,7 +21,18 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const std::string
   absl::StatusOr<std::unique_ptr<TensorStore>> store =
       TensorStore::OpenFolder(backend->config_.dir);
   if (!store.ok()) return store.status();
+  LoadProgress progress("cpu");
   if (absl::Status s = backend->model_.Load(**store, "cpu backend"); !s.ok()) return s;
+  // The CPU model keeps every weight as fp32: that is what it placed.
+  int64_t fp32_bytes = 0;
+  const std::vector<std::string> names = (*store)->Names();
+  for (const std::string& name : names) {
+    if (absl::StatusOr<const TensorView*> view = (*store)->Get(name); view.ok()) {
+      fp32_bytes += (*view)->numel() * static_cast<int64_t>(sizeof(float));
+    }
+  }
+  progress.Add(fp32_bytes, static_cast<int64_t>(names.size()));
+  progress.Finish();
   return backend;
 }
 

@@ -11,6 +11,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/io/load_progress.h"
 #include "common/io/safetensors.h"
 #include "common/token_tree.h"
 #include "engine/sampling.h"
@@ -313,6 +314,8 @@ absl::Status CudaBackend::UploadWeights(const TensorStore &st,
                          "uploading weights");
     }
     dst += sizes[i];
+    if (load_progress_ != nullptr)
+      load_progress_->Add(sizes[i] * static_cast<int64_t>(sizeof(bf16)));
   }
   *out = static_cast<bf16 *>(p);
   return absl::OkStatus();
@@ -332,6 +335,8 @@ absl::Status CudaBackend::UploadFp32(const TensorStore &st,
   SPECD_CUDA_RETURN_(cudaMemcpy(p, buf.data(), buf.size() * sizeof(float),
                                 cudaMemcpyHostToDevice),
                      "uploading weights");
+  if (load_progress_ != nullptr)
+    load_progress_->Add(static_cast<int64_t>(buf.size() * sizeof(float)));
   *out = static_cast<float *>(p);
   return absl::OkStatus();
 }
@@ -386,6 +391,8 @@ absl::Status CudaBackend::Init() {
   if (!opened.ok())
     return opened.status();
   const TensorStore &st = **opened;
+  // One line per device: with tensor parallelism each rank places its own shards.
+  load_progress_ = std::make_unique<LoadProgress>(absl::StrCat("cuda:", device_));
   const ModelConfig &c = config_;
   // Full (checkpoint) sizes, and this rank's rows and columns of them.
   const int64_t h = c.hidden_size, hd = c.head_dim,
@@ -451,6 +458,9 @@ absl::Status CudaBackend::Init() {
                                 inv_freq.size() * sizeof(float),
                                 cudaMemcpyHostToDevice),
                      "uploading inv_freq");
+
+  load_progress_->Finish();
+  load_progress_.reset();
 
   // KV pools: the requested capacity, or what the free memory allows.
   size_t free_bytes = 0, total_bytes = 0;

@@ -65,6 +65,7 @@
 #include "engine/backend.h"
 #include "engine/cuda/cuda_tuning.h"
 #include "engine/model_config.h"
+#include "common/io/load_progress.h"
 #include "common/io/safetensors.h"
 #include "engine/tp/tp_plan.h"
 #include "engine/tp/weight_shard.h"
@@ -321,6 +322,8 @@ private:
   std::unique_ptr<cuda::Gemm> gemm_;
   int num_sms_ = 0;
   std::vector<void *> allocations_; // weights and pools, freed at destruction
+  // Weights placed so far on this device; only while Init() runs.
+  std::unique_ptr<LoadProgress> load_progress_;
 
   float *inv_freq_ = nullptr; // [head_dim / 2] fp32
   bf16 *embed_ = nullptr;     // [vocab, hidden]

@@ -7,10 +7,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/service/grpc_util.h"
+#include "common/service/model_service_main.h"
 #include "common/logging.h"
 #include "common/service/tree_proto.h"
 
 namespace specd {
+
 
 absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOptions& options,
                                                              DraftStepQueue* queue,
@@ -63,6 +65,12 @@ DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> m
       ngram_(std::move(ngram)) {
   info_.set_model(model_ != nullptr ? ModelNameFromPath(options.model_dir) : "ngram");
   info_.set_vocab_size(ngram_->vocab_size());
+  const int64_t capacity = model_ != nullptr ? model_->Usage().capacity_tokens : 0;
+  info_.mutable_load()->set_kv_capacity_tokens(capacity);
+  info_.mutable_load()->set_max_sequences(options.max_sequences);
+  capacity_summary_ =
+      KvCapacityLine(capacity, model_ != nullptr ? model_->config().max_position_embeddings : 0,
+                   options.max_sequences);
   Start();
 }
 

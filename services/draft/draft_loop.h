@@ -97,6 +97,7 @@ class DraftLoop final
   std::vector<v1::DraftStepResponse> RunSteps(const DraftStepQueue::Batch& batch) override;
   void FreeModelState(int64_t seq) override;
   double KvCacheUsageRatio() override;
+  std::string CapacitySummary() const override { return capacity_summary_; }
   absl::Status Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
                      int64_t* kv_budget, Slot* slot, bool* empty_tree);
   // A pre_draft step: the sequence must be live and drafted by the model; never creates one.
@@ -109,6 +110,7 @@ class DraftLoop final
   }
 
   DraftLoopOptions options_;
+  std::string capacity_summary_;  // fixed at load
   std::unique_ptr<Backend> model_;  // null without a draft model
   std::unique_ptr<DraftModelDrafter> model_drafter_;
   std::unique_ptr<NgramDrafter> ngram_;

@@ -12,6 +12,8 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flag_names.h"
@@ -23,7 +25,7 @@
 #include "common/text/tokenizer.h"
 #include "common/token_tree.h"
 #include "engine/model_config.h"
-#include "services/router/router_loop.h"
+#include "services/router/group_pool.h"
 #include "services/router/router_metrics.h"
 #include "services/router/router_service.h"
 
@@ -33,9 +35,13 @@ ABSL_FLAG(std::string, model, "",
           "Hugging Face folder of the target model: tokenizer.json, config.json and "
           "generation_config.json (vocabulary, context, EOS); the weights stay with the verify "
           "service");
-ABSL_FLAG(std::string, verify_address, "127.0.0.1:50052", "host:port of specd-verify");
+ABSL_FLAG(std::string, verify_address, "127.0.0.1:50052",
+          "host:port of specd-verify, or a comma-separated list of several verify groups (e.g. "
+          "the pods of the verify StatefulSet by their headless Service names): each new "
+          "sequence goes to the least-loaded group that is up");
 ABSL_FLAG(std::string, draft_address, "",
-          "host:port of specd-draft; empty = no draft service (target-only decoding)");
+          "host:port of specd-draft, or a comma-separated list; verify group i drafts through "
+          "entry i mod (entries). Empty = no draft service (target-only decoding)");
 ABSL_FLAG(int, max_batch, 32, "most sequences in one speculation step");
 ABSL_FLAG(int, max_queue, 256,
           "most requests waiting to start; more are refused with RESOURCE_EXHAUSTED");
@@ -167,9 +173,13 @@ int Main() {
   auto registry = std::make_shared<prometheus::Registry>();
   RouterMetrics metrics(*registry);
 
-  RouterLoopOptions loop_options;
-  loop_options.verify_address = absl::GetFlag(FLAGS_verify_address);
-  loop_options.draft_address = absl::GetFlag(FLAGS_draft_address);
+  GroupPoolOptions pool_options;
+  RouterLoopOptions& loop_options = pool_options.loop;
+  pool_options.verify_addresses =
+      absl::StrSplit(absl::GetFlag(FLAGS_verify_address), ',', absl::SkipWhitespace());
+  pool_options.draft_addresses =
+      absl::StrSplit(absl::GetFlag(FLAGS_draft_address), ',', absl::SkipWhitespace());
+  if (pool_options.verify_addresses.empty()) return Fail("--verify_address: required");
   loop_options.max_batch = max_batch;
   loop_options.max_queue = max_queue;
   loop_options.limits = limits;
@@ -187,22 +197,24 @@ int Main() {
     return Fail("--overlap: one of on, auto, off");
   }
   loop_options.upstream_credentials = *upstream_credentials;
-  if (absl::StatusOr<HostPort> hp = ParseHostPort(loop_options.verify_address, "--verify_address");
-      !hp.ok()) {
-    return Fail(hp.status().ToString());
+  for (std::string& address : pool_options.verify_addresses) {
+    address = std::string(absl::StripAsciiWhitespace(address));
+    if (absl::StatusOr<HostPort> hp = ParseHostPort(address, "--verify_address"); !hp.ok()) {
+      return Fail(hp.status().ToString());
+    }
   }
-  if (!loop_options.draft_address.empty()) {
-    if (absl::StatusOr<HostPort> hp = ParseHostPort(loop_options.draft_address, "--draft_address");
-        !hp.ok()) {
+  for (std::string& address : pool_options.draft_addresses) {
+    address = std::string(absl::StripAsciiWhitespace(address));
+    if (absl::StatusOr<HostPort> hp = ParseHostPort(address, "--draft_address"); !hp.ok()) {
       return Fail(hp.status().ToString());
     }
   }
 
-  // The health status follows the verify service: without it nothing can be generated.
+  // The health status follows the verify services: SERVING while at least one is up.
   std::atomic<GrpcServer*> server_ptr{nullptr};
   std::atomic<bool> serving{false};
   std::atomic<bool> draining{false};
-  RouterLoop loop(loop_options, tokenizer->get(), &metrics, [&](bool up) {
+  GroupPool loop(pool_options, tokenizer->get(), registry.get(), &metrics, [&](bool up) {
     if (draining.load()) return;
     serving = up;
     if (GrpcServer* s = server_ptr.load()) s->SetServing(up);
@@ -245,8 +257,10 @@ int Main() {
   loop.Start();
   SPECD_LOG(INFO) << "specd-router: gRPC on port " << (*server)->port() << ", metrics on port "
                   << (*metrics_server)->port() << "; model " << model_dir << ", verify "
-                  << loop_options.verify_address << ", draft "
-                  << (loop_options.draft_address.empty() ? "(none)" : loop_options.draft_address);
+                  << absl::StrJoin(pool_options.verify_addresses, ",") << ", draft "
+                  << (pool_options.draft_addresses.empty()
+                          ? "(none)"
+                          : absl::StrJoin(pool_options.draft_addresses, ","));
 
   WatchTerminationSignals().WaitForNotification();
   SPECD_LOG(INFO) << "specd-router: signal " << TerminationSignal() << ", shutting down";

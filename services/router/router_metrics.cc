@@ -7,10 +7,10 @@
 
 namespace specd {
 
-RouterMetrics::RouterMetrics(prometheus::Registry& r)
-    : requests_running(AddGauge(r, "specd_requests_running", "Sequences being generated.")),
+RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
+    : requests_running(AddGauge(r, "specd_requests_running", "Sequences being generated.", group)),
       requests_waiting(
-          AddGauge(r, "specd_requests_waiting", "Requests admitted but not yet started.")),
+          AddGauge(r, "specd_requests_waiting", "Requests admitted but not yet started.", group)),
       time_to_first_token(AddHistogram(r, "specd_time_to_first_token_seconds",
                                        "Request arrival to first streamed token.",
                                        LatencyBuckets())),
@@ -33,21 +33,28 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                                              "Draft tokens accepted (bonus tokens not counted).")),
       draft_available(AddGauge(r, "specd_draft_available",
                                "1 while the draft service answers, 0 while the router falls "
-                               "back to target-only decoding.")),
+                               "back to target-only decoding.",
+                               group)),
+      verify_available(AddGauge(r, "specd_verify_available",
+                                "1 while the verify service answers; without a group label, "
+                                "while any verify group does.",
+                                group)),
       draft_latency(AddHistogram(r, "specd_draft_latency_seconds",
                                  "Router-observed draft round trip per step.", LatencyBuckets())),
       verify_latency(AddHistogram(r, "specd_verify_latency_seconds",
                                   "Router-observed verify round trip per step.", LatencyBuckets())),
       policy_goodput(AddGauge(r, "specd_policy_predicted_goodput",
-                              "Tokens per second the goodput policy predicts for its last step.")),
+                              "Tokens per second the goodput policy predicts for its last step.",
+                              group)),
       policy_verify_one_token(
           AddGauge(r, "specd_policy_verify_one_token_seconds",
-                   "The policy's estimate of a verify step of one row scoring one token.")),
-      policy_verify_chain4(
-          AddGauge(r, "specd_policy_verify_chain4_seconds",
-                   "The policy's estimate of a verify step of one row with a 4-token chain.")),
+                   "The policy's estimate of a verify step of one row scoring one token.", group)),
+      policy_verify_chain4(AddGauge(
+          r, "specd_policy_verify_chain4_seconds",
+          "The policy's estimate of a verify step of one row with a 4-token chain.", group)),
       policy_draft_level(AddGauge(r, "specd_policy_draft_level_seconds",
-                                  "The policy's estimate of one draft level of one sequence.")),
+                                  "The policy's estimate of one draft level of one sequence.",
+                                  group)),
       step_seconds(AddCounter(r, "specd_router_step_seconds_total",
                               "Wall time of speculation steps, from planning to the verify "
                               "reply.")),

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "common/service/metrics.h"
 #include "grpcpp/support/status.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -19,7 +20,11 @@ enum class TargetOnlyReason { kOff, kDraftUnavailable, kNoDraft };
 
 class RouterMetrics {
  public:
-  explicit RouterMetrics(prometheus::Registry& registry);
+  // `group_labels` label the gauges that describe one scheduler (requests running and waiting,
+  // draft and verify availability, the policy's estimates): with several verify groups each
+  // group's loop has its own series ({verify_group="N"}) beside the router's totals (no label).
+  // Counters and histograms are shared by every RouterMetrics of one registry.
+  explicit RouterMetrics(prometheus::Registry& registry, const MetricLabels& group_labels = {});
 
   // specd_requests_total{outcome} for a request that ended with `code`.
   void CountOutcome(grpc::StatusCode code);
@@ -53,6 +58,8 @@ class RouterMetrics {
   prometheus::Counter& spec_decode_draft_tokens;
   prometheus::Counter& spec_decode_accepted_tokens;
   prometheus::Gauge& draft_available;
+  // Set by GroupPool: 1 while the verify service answers (per group; unlabelled: any group).
+  prometheus::Gauge& verify_available;
   prometheus::Histogram& draft_latency;
   prometheus::Histogram& verify_latency;
   // The goodput policy's current estimates.

@@ -156,7 +156,7 @@ class GenerateReactor : public GenerateWriter {
 }  // namespace
 
 RouterService::RouterService(RouterServiceOptions options, const Tokenizer* tokenizer,
-                             RouterLoop* loop, RouterMetrics* metrics)
+                             GroupPool* loop, RouterMetrics* metrics)
     : options_(std::move(options)),
       tokenizer_(tokenizer),
       loop_(loop),

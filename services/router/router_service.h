@@ -13,8 +13,8 @@
 #include "common/service/tls_options.h"
 #include "common/text/tokenizer.h"
 #include "grpcpp/grpcpp.h"
+#include "services/router/group_pool.h"
 #include "services/router/request.h"
-#include "services/router/router_loop.h"
 #include "services/router/router_metrics.h"
 #include "specd/v1/generation.grpc.pb.h"
 
@@ -31,7 +31,7 @@ struct RouterServiceOptions {
 class RouterService final : public v1::Generation::CallbackService {
  public:
   // All pointers must outlive the service.
-  RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, RouterLoop* loop,
+  RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, GroupPool* loop,
                 RouterMetrics* metrics);
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
@@ -57,7 +57,7 @@ class RouterService final : public v1::Generation::CallbackService {
   // Validates and tokenizes a request; on success fills `out` except arrival and deadline.
   absl::Status Prepare(const v1::GenerateRequest& request, RouterRequest* out);
 
-  RouterLoop* loop() { return loop_; }
+  GroupPool* loop() { return loop_; }
   RouterMetrics* metrics() { return metrics_; }
 
   // Generate RPCs whose reactor gRPC has not released yet (any thread). Shutdown waits for
@@ -72,7 +72,7 @@ class RouterService final : public v1::Generation::CallbackService {
 
   const RouterServiceOptions options_;
   const Tokenizer* const tokenizer_;
-  RouterLoop* const loop_;
+  GroupPool* const loop_;
   RouterMetrics* const metrics_;
   std::atomic<int> open_streams_{0};
   std::atomic<bool> draining_{false};

@@ -124,6 +124,13 @@ int Main() {
           return loop.status();
         }
         service.SetInfo((*loop)->info());
+        // The loop outlives the gRPC server (RunModelService stops the server first).
+        service.SetLoad([l = loop->get()] {
+          v1::ServiceLoad load;
+          load.set_running_sequences(static_cast<uint32_t>(l->LiveSequences()));
+          load.set_kv_cache_usage_ratio(static_cast<float>(l->KvCacheUsage()));
+          return load;
+        });
         return std::move(*loop);
       });
 }

@@ -7,11 +7,13 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/service/grpc_util.h"
+#include "common/service/model_service_main.h"
 #include "common/logging.h"
 #include "common/service/tree_proto.h"
 #include "services/verify/sampling_proto.h"
 
 namespace specd {
+
 absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopOptions& options,
                                                                VerifyStepQueue* queue,
                                                                ModelServiceMetrics* metrics) {
@@ -42,6 +44,11 @@ VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
   info_.set_supports_logprobs(features.logprobs);
   info_.set_supports_logits_processors(features.logits_processors);
   info_.set_rows_padded(backend_->pads_rows());
+  const KvUsage usage = backend_->Usage();
+  info_.mutable_load()->set_kv_capacity_tokens(usage.capacity_tokens);
+  info_.mutable_load()->set_max_sequences(options.max_sequences);
+  capacity_summary_ =
+      KvCapacityLine(usage.capacity_tokens, config.max_position_embeddings, options.max_sequences);
   Start();
 }
 

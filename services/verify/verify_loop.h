@@ -39,6 +39,8 @@ class VerifyLoop final
                                                             ModelServiceMetrics* metrics);
   ~VerifyLoop() override;
 
+  std::string CapacitySummary() const override { return capacity_summary_; }
+
  private:
   // One sequence of one step on its way through a batch.
   struct Slot {
@@ -68,6 +70,7 @@ class VerifyLoop final
   // prompt and output as the processors see them (VerifyItem::history points here; a node map,
   // so those pointers survive later insertions).
   absl::node_hash_map<int64_t, TokenHistory> histories_;
+  std::string capacity_summary_;  // fixed at load
 };
 
 }  // namespace specd

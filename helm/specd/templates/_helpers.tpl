@@ -478,3 +478,23 @@ GPUs the device plugin gives the container are numbered from 0 inside it).
 {{- end }}
 {{- join "," $ids }}
 {{- end }}
+
+{{/*
+The router's --verify_address. One verify pod: its Service. Several (verify.replicas > 1): each
+pod of the StatefulSet by its name under the headless Service, so the router keeps one Step
+stream per verify group and places every sequence on the least-loaded one (a ClusterIP Service
+would pin each router to whichever pod its one connection reached).
+*/}}
+{{- define "specd.verifyAddresses" -}}
+{{- $name := include "specd.componentName" (dict "ctx" . "component" "verify") -}}
+{{- $port := .Values.ports.verify -}}
+{{- if gt (int .Values.verify.replicas) 1 -}}
+{{- $list := list -}}
+{{- range $i := until (int .Values.verify.replicas) -}}
+{{- $list = append $list (printf "%s-%d.%s-headless:%v" $name $i $name $port) -}}
+{{- end -}}
+{{- join "," $list -}}
+{{- else -}}
+{{- printf "%s:%v" $name $port -}}
+{{- end -}}
+{{- end -}}
