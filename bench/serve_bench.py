@@ -58,6 +58,7 @@ BASE_MODES = {
     "auto": pb.SPECULATION_AUTO,
     "draft_model": pb.SPECULATION_DRAFT_MODEL,
     "ngram": pb.SPECULATION_NGRAM,
+    "eagle3": pb.SPECULATION_EAGLE3,
 }
 MODE_NAMES = {v: k for k, v in BASE_MODES.items()}
 

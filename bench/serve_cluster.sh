@@ -10,6 +10,8 @@
 # Options (the rest go to serve_bench.py; see bench/serve_bench.py --help):
 #   --target-model DIR   target folder (default models/pycoder-target)
 #   --draft-model DIR    draft folder (default models/pycoder-draft)
+#   --eagle-head DIR     also serve this EAGLE head for the target in the draft service
+#                        (speculation mode eagle3; docs/eagle.md)
 #   --cpu                pin verify to core 0 and draft to core 1 (taskset), one engine thread
 #                        each, so that neither model steals the other's core; the router and
 #                        the benchmark client share the cores. Needs 2 cores.
@@ -27,6 +29,7 @@ COMMAND="bench/serve_cluster.sh $*"
 
 TARGET=$ROOT/models/pycoder-target
 DRAFT=$ROOT/models/pycoder-draft
+EAGLE_HEAD=
 PIN=0
 DEVICE=cpu
 DRAFT_DEVICE=
@@ -43,6 +46,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --target-model) need "$@"; TARGET=$2; shift 2 ;;
     --draft-model) need "$@"; DRAFT=$2; shift 2 ;;
+    --eagle-head) need "$@"; EAGLE_HEAD=$2; shift 2 ;;
     --cpu) PIN=1; shift ;;
     --device) need "$@"; DEVICE=$2; shift 2 ;;
     --draft-device) need "$@"; DRAFT_DEVICE=$2; shift 2 ;;
@@ -95,6 +99,9 @@ VERIFY_CMD=("$BIN/specd-verify" --address "$VERIFY_ADDR" --metrics_port "$VERIFY
             --model "$TARGET")
 DRAFT_CMD=("$BIN/specd-draft" --address "$DRAFT_ADDR" --metrics_port "$DRAFT_METRICS"
            --model "$DRAFT" --device "${DRAFT_DEVICE:-$DEVICE}")
+if [ -n "$EAGLE_HEAD" ]; then
+  DRAFT_CMD+=(--eagle_head "$EAGLE_HEAD" --eagle_target "$TARGET")
+fi
 if [ -n "$VERIFY_DEVICES" ]; then
   ranks=$(awk -F, '{print NF}' <<<"$VERIFY_DEVICES")
   VERIFY_CMD+=(--devices "$VERIFY_DEVICES" --tensor_parallel "$ranks")

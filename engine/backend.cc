@@ -136,6 +136,25 @@ absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyIt
                                                    item.logprobs, " must be in [-1, ",
                                                    kMaxLogprobs, "]"));
   }
+  if (item.tap_layers.size() > static_cast<size_t>(kMaxTapLayers)) {
+    return absl::InvalidArgumentError(absl::StrCat("verify item ", index,
+                                                   ": tap_layers: ", item.tap_layers.size(),
+                                                   " layers, at most ", kMaxTapLayers));
+  }
+  for (size_t i = 0; i < item.tap_layers.size(); ++i) {
+    const int layer = item.tap_layers[i];
+    if (layer < 0 || layer > backend.config().num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("verify item ", index, ": tap_layers[", i,
+                                                     "]: ", layer, " is not in [0, ",
+                                                     backend.config().num_layers, "]"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (item.tap_layers[j] == layer) {
+        return absl::InvalidArgumentError(absl::StrCat("verify item ", index, ": tap_layers[", i,
+                                                       "]: ", layer, " is listed twice"));
+      }
+    }
+  }
   absl::StatusOr<int64_t> len = backend.CommittedLength(item.seq);
   if (!len.ok()) return len.status();
   const int p = static_cast<int>(item.pending.size());
@@ -148,6 +167,15 @@ absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyIt
   f->logit_rows.clear();
   for (int i = p - 1; i < static_cast<int>(f->tokens.size()); ++i) f->logit_rows.push_back(i);
   return *len + p;
+}
+
+absl::Status Backend::ForwardWithTaps(absl::Span<const ForwardItem> /*items*/,
+                                      absl::Span<const int> /*tap_layers*/,
+                                      std::vector<float>* /*logits*/,
+                                      std::vector<float>* /*taps*/) {
+  return absl::UnimplementedError(
+      "this backend does not export hidden states (tap_layers); EAGLE drafting needs a "
+      "backend that does");
 }
 
 std::vector<int32_t> AcceptedScratchPath(int num_pending, const VerifyOutcome& outcome) {
@@ -166,10 +194,24 @@ absl::StatusOr<std::vector<VerifyOutcome>> Backend::Verify(absl::Span<const Veri
     if (!first.ok()) return first.status();
     first_position[b] = *first;
   }
-  std::vector<float> logits;
-  if (absl::Status s = Forward(forward, &logits); !s.ok()) return s;
+  // Taps: one capture of the union of the layers any item asks for, sliced per item below.
+  std::vector<int> tap_union;
+  for (const VerifyItem& item : items) {
+    tap_union.insert(tap_union.end(), item.tap_layers.begin(), item.tap_layers.end());
+  }
+  std::sort(tap_union.begin(), tap_union.end());
+  tap_union.erase(std::unique(tap_union.begin(), tap_union.end()), tap_union.end());
+  std::vector<float> logits, taps;
+  if (tap_union.empty()) {
+    if (absl::Status s = Forward(forward, &logits); !s.ok()) return s;
+  } else if (absl::Status s = ForwardWithTaps(forward, tap_union, &logits, &taps); !s.ok()) {
+    return s;
+  }
+  const int64_t hidden = config().hidden_size;
+  const int64_t union_width = static_cast<int64_t>(tap_union.size()) * hidden;
   std::vector<VerifyOutcome> outcomes(items.size());
   size_t row = 0;
+  int64_t token_base = 0;  // the item's first token in the step
   for (size_t b = 0; b < items.size(); ++b) {
     const size_t nrows = forward[b].logit_rows.size();
     outcomes[b] = AcceptTreeOnHost(
@@ -178,6 +220,22 @@ absl::StatusOr<std::vector<VerifyOutcome>> Backend::Verify(absl::Span<const Veri
     row += nrows;
     const std::vector<int32_t> path =
         AcceptedScratchPath(static_cast<int>(items[b].pending.size()), outcomes[b]);
+    const std::vector<int>& want = items[b].tap_layers;
+    if (!want.empty()) {
+      std::vector<float>& out = outcomes[b].taps;
+      out.resize(path.size() * want.size() * hidden);
+      float* dst = out.data();
+      for (int32_t token : path) {
+        const float* src = &taps[(token_base + token) * union_width];
+        for (int layer : want) {
+          const int64_t u =
+              std::lower_bound(tap_union.begin(), tap_union.end(), layer) - tap_union.begin();
+          std::copy_n(src + u * hidden, hidden, dst);
+          dst += hidden;
+        }
+      }
+    }
+    token_base += static_cast<int64_t>(forward[b].tokens.size());
     if (absl::Status s = Commit(items[b].seq, path); !s.ok()) return s;
   }
   return outcomes;

@@ -63,7 +63,14 @@ struct VerifyItem {
   // kMaxLogprobs) also the n most likely tokens at each position.
   int logprobs = -1;
   LogprobsMode logprobs_mode = LogprobsMode::kRaw;
+  // Residual-stream taps to return for the tokens this step commits, for an EAGLE drafter:
+  // layer ids as engine/draft/eagle_head_config.h names them (L: the stream entering decoder
+  // layer L; num_layers: the last layer's output before the final norm), in [0, num_layers],
+  // at most kMaxTapLayers. Empty: none (no cost).
+  std::vector<int> tap_layers;
 };
+
+inline constexpr int kMaxTapLayers = 8;
 
 struct VerifyOutcome {
   // Accepted draft tokens followed by one token sampled from the target (the bonus), so
@@ -75,6 +82,11 @@ struct VerifyOutcome {
   // Empty unless VerifyItem::logprobs >= 0; then one per entry of `tokens`, from the target's
   // row that token was drawn from (the row of its parent in the accepted path).
   std::vector<TokenLogprobs> logprobs;
+  // Empty unless VerifyItem::tap_layers is set; then [pending.size() + accepted_draft,
+  // tap_layers.size() * hidden_size] fp32, host: one row per token whose KV this step committed
+  // (the pending tokens, then the accepted nodes), its taps concatenated in tap_layers' order.
+  // Copies of the residual stream the forward pass computed, bit for bit.
+  std::vector<float> taps;
 };
 
 // What a backend's Verify() does beyond temperature, top-k and top-p. The default Verify()
@@ -85,6 +97,7 @@ struct VerifyOutcome {
 struct VerifyFeatures {
   bool logits_processors = false;  // min_p, logit_bias, min_tokens and the penalties
   bool logprobs = false;
+  bool taps = false;  // VerifyItem::tap_layers
 };
 
 struct KvUsage {
@@ -117,6 +130,15 @@ class Backend {
   // [1, kMaxForwardTopK], else INVALID_ARGUMENT naming k. The default runs Forward() and
   // RowTopKLogprobs() on the host.
   virtual absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out);
+
+  // Forward() that also returns residual-stream taps (VerifyItem::tap_layers' convention) of
+  // every token of every item: `taps` receives [sum over items of tokens.size(),
+  // tap_layers.size() * hidden_size] fp32 (host), tokens in item order, each row the listed
+  // layers' streams concatenated in that order. `tap_layers` are distinct ids in
+  // [0, num_layers]. The default is UNIMPLEMENTED (a backend that does not export taps).
+  virtual absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
+                                       absl::Span<const int> tap_layers, std::vector<float>* logits,
+                                       std::vector<float>* taps);
 
   // Keeps the scratch nodes of `path` (scratch indices: path[0] a child of the committed end,
   // each later one a child of the one before) and drops the rest of the scratch region.

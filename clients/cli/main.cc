@@ -1,7 +1,7 @@
 // specd-cli: a command-line client of specd-router's Generation API.
 //
 //   specd-cli generate --server HOST:PORT --prompt TEXT [--max-new-tokens N] [--temperature T]
-//       [--top-p P] [--top-k K] [--seed S] [--speculation auto|off|draft_model|ngram]
+//       [--top-p P] [--top-k K] [--seed S] [--speculation auto|off|draft_model|ngram|eagle3]
 //       [--stop STR]... [--stop-token-id ID]... [--prompt-ids 1,2,3] [--ignore-eos]
 //       [--draft-depth N] [--draft-top-k N] [--draft-max-nodes N] [--timeout-ms MS] [--json]
 //   specd-cli tokenize --server HOST:PORT --text TEXT [--add-special-tokens]
@@ -57,7 +57,8 @@ const char* kUsage =
     "usage:\n"
     "  specd-cli generate --server HOST:PORT (--prompt TEXT | --prompt-ids 1,2,3)\n"
     "      [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]\n"
-    "      [--speculation auto|off|draft_model|ngram] [--stop STR]... [--stop-token-id ID]...\n"
+    "      [--speculation auto|off|draft_model|ngram|eagle3] [--stop STR]...\n"
+    "      [--stop-token-id ID]...\n"
     "      [--ignore-eos] [--draft-depth N] [--draft-top-k N] [--draft-max-nodes N]\n"
     "      [--timeout-ms MS] [--request-id ID] [--json]\n"
     "  specd-cli tokenize --server HOST:PORT --text TEXT [--add-special-tokens]\n"
@@ -302,7 +303,9 @@ int Generate(const Args& args) {
   }
   if (args.Has("speculation")) {
     const std::optional<Speculation> s = ParseSpeculation(args.Get("speculation"));
-    if (!s.has_value()) return UsageError("--speculation: one of auto, off, draft_model, ngram");
+    if (!s.has_value()) {
+      return UsageError("--speculation: one of auto, off, draft_model, ngram, eagle3");
+    }
     request.speculation = *s;
   }
   const bool as_json = args.Has("json");

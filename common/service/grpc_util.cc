@@ -33,6 +33,8 @@ const char* SpeculationName(v1::Speculation mode) {
       return "draft_model";
     case v1::SPECULATION_NGRAM:
       return "ngram";
+    case v1::SPECULATION_EAGLE3:
+      return "eagle3";
     default:
       return "auto";
   }

@@ -30,7 +30,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 void ToSequenceError(const absl::Status& status, v1::SequenceError* error);
 
 // The wire name of a speculation mode, as the CLI and the HTTP edge print it: "off",
-// "draft_model", "ngram", or "auto" (unspecified).
+// "draft_model", "ngram", "eagle3", or "auto" (unspecified).
 const char* SpeculationName(v1::Speculation mode);
 
 // The model name services report in GetInfo: the last component of the model folder's path.

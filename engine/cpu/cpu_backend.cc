@@ -73,7 +73,21 @@ absl::Status CpuBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
 }
 
 absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) {
+  return ForwardWithTaps(items, {}, logits, nullptr);
+}
+
+absl::Status CpuBackend::ForwardWithTaps(absl::Span<const ForwardItem> items,
+                                         absl::Span<const int> tap_layers,
+                                         std::vector<float>* logits, std::vector<float>* taps) {
   if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
+  if (!tap_layers.empty() && taps == nullptr) return absl::InvalidArgumentError("taps is null");
+  for (int layer : tap_layers) {
+    if (layer < 0 || layer > config_.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tap_layers: ", layer, " is not in [0, ", config_.num_layers, "]"));
+    }
+  }
+  if (taps != nullptr) taps->clear();
   logits->clear();
   // PrepareForward validates the whole batch before changing anything, so a bad item leaves
   // all sequences as they were.
@@ -82,7 +96,8 @@ absl::Status CpuBackend::Forward(absl::Span<const ForwardItem> items, std::vecto
   if (items.empty()) return absl::OkStatus();
   model_.ReserveKvBlocks(table_.allocated_blocks());
   std::vector<float> residual, sub;
-  model_.Hidden(layout, pool_.get(), /*comm=*/nullptr, &residual, &sub);
+  model_.Hidden(layout, pool_.get(), /*comm=*/nullptr, &residual, &sub, tap_layers,
+                tap_layers.empty() ? nullptr : taps);
   logits->resize(layout.logit_tokens.size() * config_.vocab_size);
   model_.Logits(layout, residual, sub, logits->data());
   return absl::OkStatus();

@@ -52,12 +52,16 @@ class CpuBackend : public Backend {
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
   // The rows' top-k on the thread pool, a row per task, straight from the logits buffer.
   absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
+  // Copies of the fp32 residual stream the layers read (CpuModel::Hidden()).
+  absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
+                               absl::Span<const int> tap_layers, std::vector<float>* logits,
+                               std::vector<float>* taps) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   // used_tokens counts committed and scratch tokens; blocks are allocated kKvBlockTokens at a
   // time, so RESOURCE_EXHAUSTED can come up to one partly filled block per sequence early.
   KvUsage Usage() const override;
-  // Backend::Verify() on the host: every processor and logprobs.
-  VerifyFeatures verify_features() const override { return {true, true}; }
+  // Backend::Verify() on the host: every processor, logprobs and taps.
+  VerifyFeatures verify_features() const override { return {true, true, true}; }
 
   // Number of scratch nodes appended since the last Commit() (for tests and drafters).
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const;

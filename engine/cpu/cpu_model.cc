@@ -187,7 +187,8 @@ void CpuModel::Linear(const float* x, const std::vector<float>& w, const std::ve
 }
 
 void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* comm,
-                      std::vector<float>* residual_out, std::vector<float>* sub_out) {
+                      std::vector<float>* residual_out, std::vector<float>* sub_out,
+                      absl::Span<const int> tap_layers, std::vector<float>* taps) {
   const ModelConfig& c = config_;
   const int64_t T = l.num_tokens, H = c.hidden_size, hd = c.head_dim;
   const int64_t QH = slice_.q_heads.size(), KVH = slice_.kv_heads.size();
@@ -228,11 +229,25 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
     RopeCpu(p);
   };
 
+  const int64_t tap_width = static_cast<int64_t>(tap_layers.size()) * H;
+  if (taps != nullptr) taps->assign(T * tap_width, 0.0f);
+  // Copies the stream `x` ([T, H]) into the columns of every tap naming `layer`.
+  const auto capture = [&](int layer, const float* x) {
+    if (taps == nullptr) return;
+    for (size_t i = 0; i < tap_layers.size(); ++i) {
+      if (tap_layers[i] != layer) continue;
+      for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(&(*taps)[t * tap_width + i * H], x + t * H, sizeof(float) * H);
+      }
+    }
+  };
+
   for (int layer = 0; layer < c.num_layers; ++layer) {
     const LayerWeights& w = layers_[layer];
     // The previous layer's (all-reduced) MLP output joins the residual stream here.
     Norm(layer == 0 ? residual.data() : sub.data(), layer == 0 ? nullptr : residual.data(),
          w.input_norm, normed.data(), T, H);
+    capture(layer, residual.data());  // now the stream entering `layer`
     if (QH > 0) {
       Linear(normed.data(), w.q_proj, &w.q_bias, q.data(), T, H, QD);
       Linear(normed.data(), w.k_proj, &w.k_bias, k.data(), T, H, KVD);
@@ -303,6 +318,14 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
       std::fill(sub.begin(), sub.end(), 0.0f);
     }
     all_reduce(&sub);
+  }
+  if (taps != nullptr &&
+      std::find(tap_layers.begin(), tap_layers.end(), c.num_layers) != tap_layers.end()) {
+    // The last layer's output: the sum Logits()' fused norm forms, in the same order (x +
+    // residual), so these are the bits the final norm reads.
+    std::vector<float> last(T * H);
+    for (int64_t i = 0; i < T * H; ++i) last[i] = sub[i] + residual[i];
+    capture(c.num_layers, last.data());
   }
 }
 

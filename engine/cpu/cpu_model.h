@@ -52,12 +52,17 @@ class CpuModel {
   // Copies K/V of physical slots src[i] to dst[i], in order, in every layer.
   void CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst);
 
-  // Embedding and every decoder layer over `layout`, writing the step's K/V into the pools. On return the hidden state of token t is
-  // residual[t] + sub[t] (the last MLP output is not yet added; Logits() adds it in its norm).
-  // residual, sub: [T, H] fp32, host. `comm` sums partial results over the ranks; null for the
-  // full-model slice.
+  // Embedding and every decoder layer over `layout`, writing the step's K/V into the pools. On
+  // return the hidden state of token t is residual[t] + sub[t] (the last MLP output is not yet
+  // added; Logits() adds it in its norm). residual, sub: [T, H] fp32, host. `comm` sums partial
+  // results over the ranks; null for the full-model slice. `taps`, when not null, receives the
+  // residual stream entering the layers `tap_layers` lists (num_layers: the last layer's output
+  // before the final norm) for every token: [T, tap_layers.size() * H] fp32, host, layers
+  // concatenated in that order. The stream is whole on every rank (after the all-reduces), so any
+  // rank's copy is the full one.
   void Hidden(const StepLayout& layout, ThreadPool* pool, TpCommunicator* comm,
-              std::vector<float>* residual, std::vector<float>* sub);
+              std::vector<float>* residual, std::vector<float>* sub,
+              absl::Span<const int> tap_layers = {}, std::vector<float>* taps = nullptr);
 
   // Final norm and LM head of the requested rows (layout.logit_tokens), over this slice's
   // vocabulary range. residual, sub: as Hidden() left them. out: [R, slice vocab] fp32, host.

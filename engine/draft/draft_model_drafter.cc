@@ -10,158 +10,20 @@
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "engine/draft/tree_builder.h"
 
 namespace specd {
 
 namespace {
 
-// NaN sorts as the worst logit so that a broken row cannot break the ordering.
-inline float OrderKey(float v) {
-  return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v;
-}
+using draft_tree::AddChildren;
+using draft_tree::ChildCount;
+using draft_tree::Node;
+using draft_tree::PickFrontier;
+using draft_tree::Selected;
+using draft_tree::SeqWork;
 
-struct Node {
-  int32_t token = 0;
-  int32_t parent = -1;   // index into SeqWork::nodes, -1 for a child of the last fed token
-  float logprob = 0;     // cumulative draft log-probability
-  int depth = 0;         // 0 for children of the last fed token
-  int32_t scratch = -1;  // scratch index in the draft model once fed
-};
-
-// Per-sequence state of one Draft() call.
-struct SeqWork {
-  const DraftRequest* req = nullptr;
-  std::vector<Node> nodes;
-  int32_t next_scratch = 0;
-  int32_t chain_end = -1;     // scratch index of the token the tree hangs below
-  std::vector<int> frontier;  // nodes fed in the current level's Forward, in item order
-};
-
-// Total order used both for pruning and for the final cut: higher cumulative log-probability
-// first, then shallower (so a parent tied with its child comes first), then creation order
-// (siblings are created best first).
-bool Better(const std::vector<Node>& nodes, int a, int b) {
-  const float la = OrderKey(nodes[a].logprob), lb = OrderKey(nodes[b].logprob);
-  if (la != lb) return la > lb;
-  if (nodes[a].depth != nodes[b].depth) return nodes[a].depth < nodes[b].depth;
-  return a < b;
-}
-
-// Children a node at `depth` gets: a child with j better siblings ranks behind them and its
-// `depth` ancestors, so it can only make the final cut when j + depth < max_nodes.
-int ChildCount(const DraftParams& p, int depth) { return std::min(p.top_k, p.max_nodes - depth); }
-
-// Appends the children of `parent` (-1: the last fed token) from row `row` of `top`.
-void AddChildren(SeqWork& w, int parent, const TopKRows& top, int64_t row) {
-  const int depth = parent < 0 ? 0 : w.nodes[parent].depth + 1;
-  const int k = std::min(ChildCount(w.req->params, depth), top.k);
-  if (k <= 0) return;
-  const float base = parent < 0 ? 0.0f : w.nodes[parent].logprob;
-  for (int j = 0; j < k; ++j) {
-    Node n;
-    n.token = top.ids[row * top.k + j];
-    n.parent = parent;
-    n.logprob = base + top.logprobs[row * top.k + j];
-    n.depth = depth;
-    w.nodes.push_back(n);
-  }
-}
-
-// Picks the nodes of `level` to expand: the level's top_k by cumulative log-probability,
-// skipping those already outside the best max_nodes of the whole tree (their descendants
-// rank even lower, and the tree only grows).
-std::vector<int> PickFrontier(const SeqWork& w, int level) {
-  const DraftParams& p = w.req->params;
-  std::vector<int> at_level;
-  for (int i = 0; i < static_cast<int>(w.nodes.size()); ++i) {
-    if (w.nodes[i].depth == level) at_level.push_back(i);
-  }
-  std::sort(at_level.begin(), at_level.end(), [&](int a, int b) { return Better(w.nodes, a, b); });
-  if (static_cast<int>(at_level.size()) > p.top_k) at_level.resize(p.top_k);
-  std::vector<int> frontier;
-  for (int i : at_level) {
-    int ahead = 0;  // nodes ranking ahead of i
-    for (int j = 0; j < static_cast<int>(w.nodes.size()) && ahead < p.max_nodes; ++j) {
-      if (j != i && Better(w.nodes, j, i)) ++ahead;
-    }
-    if (ahead < p.max_nodes - 1) frontier.push_back(i);  // room for i and at least one child
-  }
-  return frontier;
-}
-
-// A selected tree and what a later guess of its outcome needs.
-struct Selected {
-  TokenTree tree;
-  std::vector<int32_t> scratch;  // per tree node: its scratch index, -1 if not expanded
-  std::vector<int32_t> bonus;    // per tree node: best non-child token, or the kind of none
-  std::vector<float> bonus_logprob;
-  int32_t root_bonus = -2;
-  float root_bonus_logprob = 0;
-  float top1_logprob = 0;
-};
-
-// The best non-child below `parent` (-1: the chain end) among the children the work grew for
-// it (its top-k, best first): kUnexpanded when it grew none, kNoBonus when all were chosen.
-void BestNonChild(const SeqWork& w, int parent, const std::vector<char>& taken, int32_t* token,
-                  float* logprob, double* top1_sum, int* top1_count) {
-  const float base = parent < 0 ? 0.0f : w.nodes[parent].logprob;
-  bool any = false;
-  *token = -1;
-  for (int j = 0; j < static_cast<int>(w.nodes.size()); ++j) {
-    if (w.nodes[j].parent != parent) continue;
-    if (!any) {
-      *top1_sum += w.nodes[j].logprob - base;
-      ++*top1_count;
-    }
-    any = true;
-    if (!taken[j]) {
-      *token = w.nodes[j].token;
-      *logprob = w.nodes[j].logprob - base;
-      return;
-    }
-  }
-  *token = any ? -2 : -1;
-}
-
-// The best max_nodes nodes, closed under ancestors, in topological order (by depth, best first
-// within a depth, so siblings come best first), with each node's scratch index and bonus guess.
-Selected SelectTree(const SeqWork& w) {
-  const int n = static_cast<int>(w.nodes.size());
-  std::vector<int> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int a, int b) { return Better(w.nodes, a, b); });
-  std::vector<char> taken(n, 0);
-  std::vector<int> chosen;
-  for (int i : order) {
-    if (static_cast<int>(chosen.size()) >= w.req->params.max_nodes) break;
-    const int parent = w.nodes[i].parent;
-    if (parent >= 0 && !taken[parent]) continue;  // only reachable with NaN scores
-    taken[i] = 1;
-    chosen.push_back(i);
-  }
-  std::stable_sort(chosen.begin(), chosen.end(),
-                   [&](int a, int b) { return w.nodes[a].depth < w.nodes[b].depth; });
-  std::vector<int32_t> out_index(n, -1);
-  Selected out;
-  double top1_sum = 0;
-  int top1_count = 0;
-  BestNonChild(w, -1, taken, &out.root_bonus, &out.root_bonus_logprob, &top1_sum, &top1_count);
-  for (int i : chosen) {
-    out_index[i] = out.tree.size();
-    const Node& node = w.nodes[i];
-    out.tree.tokens.push_back(node.token);
-    out.tree.parents.push_back(node.parent < 0 ? -1 : out_index[node.parent]);
-    out.tree.draft_logprobs.push_back(node.logprob);
-    out.scratch.push_back(node.scratch);
-    int32_t bonus = -1;
-    float logprob = 0;
-    BestNonChild(w, i, taken, &bonus, &logprob, &top1_sum, &top1_count);
-    out.bonus.push_back(bonus);
-    out.bonus_logprob.push_back(logprob);
-  }
-  out.top1_logprob = top1_count > 0 ? static_cast<float>(top1_sum / top1_count) : 0.0f;
-  return out;
-}
+Selected SelectTree(const SeqWork& w) { return draft_tree::SelectTreeWithGuesses(w); }
 
 // Feeds every work item's chain (`items`, one per work item, logit row = the chain's last token)
 // and grows each tree level by level: one batched forward per level over every sequence's

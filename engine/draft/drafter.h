@@ -51,6 +51,11 @@ struct DraftRequest {
   // Pre-drafting (DraftModelDrafter::PreDraft) only: the target samples (temperature > 0)
   // rather than decoding greedily, which changes which outcome of the tree is most likely.
   bool target_samples = false;
+  // EAGLE drafters: the target's taps of consecutive tokens of the sequence, row r being
+  // absolute position taps_first_position + r: [rows, feature size] fp32, host. Rows a drafter
+  // already has are skipped, so a resend is harmless. Other drafters ignore them.
+  std::vector<float> taps;
+  int64_t taps_first_position = 0;
 };
 
 // The checks every drafter's CheckRequest makes: the sequence is `known` to it (NOT_FOUND
@@ -70,6 +75,10 @@ class Drafter {
 
   // Token ids the drafter accepts and proposes; must equal the target's vocab_size.
   virtual int vocab_size() const = 0;
+
+  // The target's residual-stream taps the drafter reads (VerifyItem::tap_layers), which its
+  // caller passes on in DraftRequest::taps; empty for drafters that read tokens only.
+  virtual std::vector<int> tap_layers() const { return {}; }
 
   // The checks Draft() makes on one request before doing any work (unknown sequence, empty or
   // out-of-vocabulary new_tokens, bad params). A service calls it per sequence first so that

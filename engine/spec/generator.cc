@@ -106,6 +106,13 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
   std::vector<int> tree_of(requests.size(), -1);  // index into `trees` per request
   std::vector<VerifyItem> verify_items;
   std::vector<PolicySequence> plan_inputs;
+  // A drafter that reads the target's taps (EAGLE) gets those of every committed token, kept
+  // per request until its next draft step.
+  const std::vector<int> tap_layers =
+      drafter_ != nullptr ? drafter_->tap_layers() : std::vector<int>();
+  std::vector<std::vector<float>> taps(requests.size());
+  std::vector<int64_t> taps_first(requests.size(), 0);
+  std::vector<int64_t> committed_before;
   while (!active.empty()) {
     // Plan: every sequence's shape for this step, from one decision over the whole batch.
     plan_inputs.clear();
@@ -134,6 +141,9 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       const absl::Span<const int32_t> fresh = states[i].DrafterPending();
       d.new_tokens.assign(fresh.begin(), fresh.end());
       d.params = DraftParams{plan.shapes[a].depth, plan.shapes[a].top_k, plan.shapes[a].max_nodes};
+      d.taps = std::move(taps[i]);
+      d.taps_first_position = taps_first[i];
+      taps[i].clear();
       levels = std::max(levels, d.params.depth);
       nodes += d.params.max_nodes;
       draft_requests.push_back(std::move(d));
@@ -159,10 +169,15 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
     }
 
     verify_items.assign(active.size(), VerifyItem());
+    committed_before.assign(active.size(), 0);
     for (size_t a = 0; a < active.size(); ++a) {
       const size_t i = active[a];
       VerifyItem& v = verify_items[a];
       v.seq = ids[i];
+      if (in_drafter[i] && !tap_layers.empty()) {
+        v.tap_layers = tap_layers;
+        committed_before[a] = target_->CommittedLength(ids[i]).value_or(0);
+      }
       const absl::Span<const int32_t> pending = states[i].TargetPending();
       v.pending.assign(pending.begin(), pending.end());
       v.sampling = sampling[i];
@@ -201,6 +216,10 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       const size_t i = active[a];
       const VerifyOutcome& outcome = (*outcomes)[a];
       const absl::Span<const int32_t> emitted = states[i].Apply(outcome, verify_items[a].tree);
+      if (!outcome.taps.empty()) {
+        if (taps[i].empty()) taps_first[i] = committed_before[a];
+        taps[i].insert(taps[i].end(), outcome.taps.begin(), outcome.taps.end());
+      }
       if (!outcome.logprobs.empty()) {
         // Emitted tokens are a prefix of the outcome's (a stop cuts the rest).
         const size_t n = std::min(emitted.size(), outcome.logprobs.size());

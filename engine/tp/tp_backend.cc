@@ -133,10 +133,37 @@ absl::Status TensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
   return RunStep(layout, out);
 }
 
+absl::Status TensorParallelBackend::ForwardWithTaps(absl::Span<const ForwardItem> items,
+                                                    absl::Span<const int> tap_layers,
+                                                    std::vector<float>* logits,
+                                                    std::vector<float>* taps) {
+  if (logits == nullptr || taps == nullptr) {
+    return absl::InvalidArgumentError("logits or taps is null");
+  }
+  for (int layer : tap_layers) {
+    if (layer < 0 || layer > config_.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tap_layers: ", layer, " is not in [0, ", config_.num_layers, "]"));
+    }
+  }
+  logits->clear();
+  taps->clear();
+  StepLayout layout;
+  if (absl::Status s = table_.PrepareForward(items, &layout); !s.ok()) return s;
+  if (items.empty()) return absl::OkStatus();
+  logits->assign(layout.logit_tokens.size() * static_cast<size_t>(config_.vocab_size), 0.0f);
+  TpRankExecutor::Output out;
+  out.logits = logits->data();
+  out.tap_layers = tap_layers;
+  out.taps = taps;
+  return RunStep(layout, out);
+}
+
 absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
     absl::Span<const VerifyItem> items) {
   for (const VerifyItem& it : items) {
-    if (!VocabParallelSamplingSupported(it.sampling) || it.logprobs >= 0) {
+    if (!VocabParallelSamplingSupported(it.sampling) || it.logprobs >= 0 ||
+        !it.tap_layers.empty()) {
       return Backend::Verify(items);
     }
   }

@@ -100,6 +100,11 @@ class TpRankExecutor {
     const SamplingParams* const* row_sampling = nullptr;  // [R], or null
     const int64_t* row_position = nullptr;                // [R], or null
     VocabCandidate* candidates = nullptr;  // [R, world_size]: this rank writes column rank
+    // Residual-stream taps (Backend::ForwardWithTaps): the stream is whole on every rank after
+    // the all-reduces, so rank 0 alone copies it into `taps` ([T, tap_layers.size() * H] fp32,
+    // host); null: none.
+    absl::Span<const int> tap_layers;
+    std::vector<float>* taps = nullptr;
   };
   virtual absl::Status Forward(const StepLayout& layout, TpCommunicator* comm,
                                const Output& out) = 0;
@@ -126,6 +131,9 @@ class TensorParallelBackend : public Backend {
     return table_.CommittedLength(seq);
   }
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
+  absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
+                               absl::Span<const int> tap_layers, std::vector<float>* logits,
+                               std::vector<float>* taps) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_.Usage(); }
   // When every item's sampling is VocabParallelSamplingSupported (greedy, or temperature
@@ -133,7 +141,7 @@ class TensorParallelBackend : public Backend {
   // per-rank candidates without gathering the logits, as a GPU group does; otherwise
   // Backend::Verify on gathered logits. Same outcomes.
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
-  VerifyFeatures verify_features() const override { return {true, true}; }
+  VerifyFeatures verify_features() const override { return {true, true, true}; }
 
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const { return table_.ScratchLength(seq); }
 

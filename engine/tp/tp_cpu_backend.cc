@@ -51,7 +51,8 @@ class CpuRankExecutor : public TpRankExecutor {
 absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
                                       const Output& out) {
   std::vector<float> residual, sub;
-  model_.Hidden(l, pool_.get(), comm, &residual, &sub);
+  model_.Hidden(l, pool_.get(), comm, &residual, &sub, out.tap_layers,
+                comm->rank() == 0 ? out.taps : nullptr);
 
   // Every rank holds the same residual stream, so each normalises the requested rows itself
   // and computes the logits of its vocabulary range only.

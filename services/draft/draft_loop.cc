@@ -4,11 +4,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/service/grpc_util.h"
-#include "common/service/model_service_main.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
+#include "common/service/hidden_states_proto.h"
+#include "common/service/model_service_main.h"
 #include "common/service/tree_proto.h"
 
 namespace specd {
@@ -43,26 +45,56 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
     }
     vocab_size = model->config().vocab_size;
     model_drafter = std::make_unique<DraftModelDrafter>(model.get());
-  } else if (vocab_size < 1) {
+  }
+  std::unique_ptr<EagleHead> eagle_head;
+  if (!options.eagle_head_dir.empty()) {
+    if (options.eagle_target_dir.empty()) {
+      return absl::InvalidArgumentError(
+          "eagle_target_dir: needed with an EAGLE head (the head reads the target's embedding)");
+    }
+    EagleHeadOptions head_options;
+    head_options.device = options.backend.device;
+    head_options.kv_capacity_tokens = options.backend.kv_capacity_tokens;
+    head_options.num_threads = options.backend.num_threads;
+    absl::StatusOr<std::unique_ptr<EagleHead>> head =
+        CreateEagleHead(options.eagle_head_dir, options.eagle_target_dir, head_options);
+    if (!head.ok()) {
+      return absl::Status(head.status().code(),
+                          absl::StrCat("loading the EAGLE head from ", options.eagle_head_dir, ": ",
+                                       head.status().message()));
+    }
+    eagle_head = *std::move(head);
+    const int head_vocab = eagle_head->config().vocab_size;
+    if (vocab_size != 0 && vocab_size != head_vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("eagle_head_dir: its target's vocabulary of ", head_vocab, " differs from ",
+                       vocab_size, model != nullptr ? " (the draft model's)" : " (vocab_size)"));
+    }
+    vocab_size = head_vocab;
+  }
+  if (vocab_size < 1) {
     return absl::InvalidArgumentError(
-        "vocab_size: needed (>= 1) when no draft model is given (n-gram drafting only)");
+        "vocab_size: needed (>= 1) when no draft model or EAGLE head is given (n-gram drafting "
+        "only)");
   }
   absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
       NgramDrafter::Create(vocab_size, options.ngram);
   if (!ngram.ok()) return Prefixed(ngram.status(), "n-gram drafter: ");
-  return std::unique_ptr<DraftLoop>(new DraftLoop(
-      options, std::move(model), std::move(model_drafter), std::move(*ngram), queue, metrics));
+  return std::unique_ptr<DraftLoop>(new DraftLoop(options, std::move(model),
+                                                  std::move(model_drafter), std::move(*ngram),
+                                                  std::move(eagle_head), queue, metrics));
 }
 
 DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> model,
                      std::unique_ptr<DraftModelDrafter> model_drafter,
-                     std::unique_ptr<NgramDrafter> ngram, DraftStepQueue* queue,
-                     ModelServiceMetrics* metrics)
+                     std::unique_ptr<NgramDrafter> ngram, std::unique_ptr<EagleHead> eagle_head,
+                     DraftStepQueue* queue, ModelServiceMetrics* metrics)
     : StepLoop(queue, metrics),
       options_(options),
       model_(std::move(model)),
       model_drafter_(std::move(model_drafter)),
-      ngram_(std::move(ngram)) {
+      ngram_(std::move(ngram)),
+      eagle_head_(std::move(eagle_head)) {
   info_.set_model(model_ != nullptr ? ModelNameFromPath(options.model_dir) : "ngram");
   info_.set_vocab_size(ngram_->vocab_size());
   const int64_t capacity = model_ != nullptr ? model_->Usage().capacity_tokens : 0;
@@ -71,6 +103,15 @@ DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> m
   capacity_summary_ =
       KvCapacityLine(capacity, model_ != nullptr ? model_->config().max_position_embeddings : 0,
                    options.max_sequences);
+  if (eagle_head_ != nullptr) {
+    eagle_drafter_ = std::make_unique<EagleDrafter>(eagle_head_.get());
+    info_.set_eagle_head(ModelNameFromPath(options.eagle_head_dir));
+    const std::vector<int>& taps = eagle_head_->config().taps;
+    info_.mutable_eagle_tap_layers()->Assign(taps.begin(), taps.end());
+    // The CPU head computes in fp32: the taps come as the target's fp32 bits, what the
+    // oracle-checked head reads.
+    info_.set_eagle_tap_dtype(v1::TENSOR_DTYPE_FP32);
+  }
   Start();
 }
 
@@ -79,7 +120,7 @@ DraftLoop::~DraftLoop() { Stop(); }
 void DraftLoop::FreeModelState(int64_t seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return;
-  for (int d : {kModel, kNgram}) {
+  for (int d : {kModel, kNgram, kEagle}) {
     if (!it->second.added[d]) continue;
     if (absl::Status s = drafter(d)->Release(seq); !s.ok()) {
       SPECD_LOG(WARNING) << "releasing draft sequence " << seq << ": " << s;
@@ -92,7 +133,7 @@ void DraftLoop::Drop(StreamId stream, uint64_t seq_id, const Slot& slot) {
   table_.Remove(stream, seq_id);
   auto it = sequences_.find(slot.seq);
   if (it == sequences_.end()) return;
-  for (int d : {kModel, kNgram}) {
+  for (int d : {kModel, kNgram, kEagle}) {
     if (it->second.added[d]) drafter(d)->Release(slot.seq).IgnoreError();
   }
   sequences_.erase(it);
@@ -138,6 +179,15 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
     case v1::DRAFT_METHOD_NGRAM:
       slot->drafter = kNgram;
       break;
+    case v1::DRAFT_METHOD_EAGLE:
+      if (eagle_drafter_ == nullptr) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(where,
+                         ".method: DRAFT_METHOD_EAGLE, but this draft service has no EAGLE head "
+                         "(started without --eagle_head)"));
+      }
+      slot->drafter = kEagle;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(where, ".method: unknown value ", static_cast<int>(step.method())));
@@ -151,6 +201,25 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
   params.top_k = field(step.top_k(), options_.defaults.top_k);
   params.max_nodes = field(step.max_nodes(), options_.defaults.max_nodes);
   if (absl::Status s = ValidateDraftParams(params); !s.ok()) return Prefixed(s, where + ".");
+  if (step.has_taps() && step.taps().tokens() > 0) {
+    if (slot->drafter != kEagle) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".taps: only DRAFT_METHOD_EAGLE reads hidden states"));
+    }
+    const std::vector<int>& want = eagle_head_->config().taps;
+    if (!std::equal(want.begin(), want.end(), step.taps().layers().begin(),
+                    step.taps().layers().end())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".taps.layers: the head reads the inputs of target layers ",
+                       absl::StrJoin(want, ", "), " (DraftInfo.eagle_tap_layers), in that order"));
+    }
+    if (absl::Status s = HiddenStatesFromProto(step.taps(), eagle_head_->config().feature_size(),
+                                               where + ".taps", &slot->request.taps);
+        !s.ok()) {
+      return s;
+    }
+    slot->request.taps_first_position = step.taps().first_position();
+  }
 
   const int64_t history =
       live.has_value() ? static_cast<int64_t>(sequences_[*live].history.size()) : 0;
@@ -204,8 +273,8 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
 
 std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Batch& batch) {
   std::vector<v1::DraftStepResponse> responses(batch.steps.size());
-  std::array<std::vector<Slot>, 2> slots;  // per drafter
-  std::vector<Slot> pre_slots;             // pre-drafts (model drafter), after the drafts
+  std::array<std::vector<Slot>, kDrafters> slots;  // per drafter
+  std::vector<Slot> pre_slots;                     // pre-drafts (model drafter), after the drafts
   int64_t kv_budget = INT64_MAX;
   if (model_ != nullptr) {
     const KvUsage usage = model_->Usage();
@@ -257,7 +326,7 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
   const absl::Time start = absl::Now();
   int64_t batch_size = 0;
   int64_t tokens = 0;
-  for (int d : {kModel, kNgram}) {
+  for (int d : {kModel, kNgram, kEagle}) {
     std::vector<Slot>& group = slots[d];
     if (group.empty()) continue;
     batch_size += group.size();
@@ -265,7 +334,9 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     requests.reserve(group.size());
     for (const Slot& slot : group) requests.push_back(slot.request);
     std::vector<absl::StatusOr<TokenTree>> trees(group.size());
-    const int64_t fed_before = d == kModel ? model_drafter_->fed_tokens() : 0;
+    const int64_t fed_before = d == kModel   ? model_drafter_->fed_tokens()
+                               : d == kEagle ? eagle_drafter_->fed_tokens()
+                                             : 0;
     absl::StatusOr<std::vector<TokenTree>> all = drafter(d)->Draft(requests);
     if (all.ok()) {
       for (size_t k = 0; k < group.size(); ++k) trees[k] = std::move((*all)[k]);
@@ -285,6 +356,7 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     }
     // What went through the draft model: accepted tokens whose KV was kept are not fed again.
     if (d == kModel) tokens += model_drafter_->fed_tokens() - fed_before;
+    if (d == kEagle) tokens += eagle_drafter_->fed_tokens() - fed_before;
     for (size_t k = 0; k < group.size(); ++k) {
       const Slot& slot = group[k];
       const StreamId stream = batch.steps[slot.step].stream;

@@ -36,6 +36,8 @@
 #include "common/service/step_stream.h"
 #include "engine/backend.h"
 #include "engine/draft/draft_model_drafter.h"
+#include "engine/draft/eagle_drafter.h"
+#include "engine/draft/eagle_head.h"
 #include "engine/draft/ngram_drafter.h"
 #include "specd/v1/draft.pb.h"
 
@@ -50,6 +52,11 @@ struct DraftLoopOptions {
   int vocab_size = 0;      // without a model: the target's vocabulary size
   BackendOptions backend;  // device, KV capacity, threads (draft model only)
   NgramOptions ngram;
+  // EAGLE head folder (docs/eagle.md) and its target's folder (the head reads the target's
+  // embedding); empty: no EAGLE drafting. The head's KV capacity and threads come from
+  // `backend`.
+  std::string eagle_head_dir;
+  std::string eagle_target_dir;
   // Tree shape for fields a step leaves 0.
   DraftParams defaults;
   int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
@@ -72,11 +79,13 @@ class DraftLoop final
  private:
   static constexpr int kModel = 0;  // index of the draft-model drafter (DRAFT_METHOD_MODEL)
   static constexpr int kNgram = 1;  // DRAFT_METHOD_NGRAM
+  static constexpr int kEagle = 2;  // DRAFT_METHOD_EAGLE
+  static constexpr int kDrafters = 3;
 
   struct Sequence {
     std::vector<int32_t> history;     // every token the router sent, in order
-    std::array<size_t, 2> fed{0, 0};  // history prefix each drafter has consumed
-    std::array<bool, 2> added{false, false};
+    std::array<size_t, kDrafters> fed{};  // history prefix each drafter has consumed
+    std::array<bool, kDrafters> added{};
   };
 
   // One sequence of one step on its way through a batch.
@@ -92,7 +101,8 @@ class DraftLoop final
 
   DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> model,
             std::unique_ptr<DraftModelDrafter> model_drafter, std::unique_ptr<NgramDrafter> ngram,
-            DraftStepQueue* queue, ModelServiceMetrics* metrics);
+            std::unique_ptr<EagleHead> eagle_head, DraftStepQueue* queue,
+            ModelServiceMetrics* metrics);
 
   std::vector<v1::DraftStepResponse> RunSteps(const DraftStepQueue::Batch& batch) override;
   void FreeModelState(int64_t seq) override;
@@ -106,7 +116,9 @@ class DraftLoop final
   void RunPreDrafts(const std::vector<Slot>& group, std::vector<v1::DraftStepResponse>* responses);
   void Drop(StreamId stream, uint64_t seq_id, const Slot& slot);
   Drafter* drafter(int index) {
-    return index == kModel ? static_cast<Drafter*>(model_drafter_.get()) : ngram_.get();
+    if (index == kModel) return model_drafter_.get();
+    if (index == kEagle) return eagle_drafter_.get();
+    return ngram_.get();
   }
 
   DraftLoopOptions options_;
@@ -114,6 +126,8 @@ class DraftLoop final
   std::unique_ptr<Backend> model_;  // null without a draft model
   std::unique_ptr<DraftModelDrafter> model_drafter_;
   std::unique_ptr<NgramDrafter> ngram_;
+  std::unique_ptr<EagleHead> eagle_head_;  // null without --eagle_head
+  std::unique_ptr<EagleDrafter> eagle_drafter_;
   absl::flat_hash_map<int64_t, Sequence> sequences_;
 };
 

@@ -22,6 +22,12 @@ ABSL_FLAG(std::string, model, "",
           "n-gram drafting only");
 ABSL_FLAG(int, vocab_size, 0,
           "the target's vocabulary size; required without --model, checked against it with");
+ABSL_FLAG(std::string, eagle_head, "",
+          "folder of an EAGLE-3 (or EAGLE-1/2) head for the target (docs/eagle.md): serves "
+          "DRAFT_METHOD_EAGLE, fed with the target's hidden states; needs --eagle_target");
+ABSL_FLAG(std::string, eagle_target, "",
+          "Hugging Face folder of the target model the --eagle_head was trained for (its "
+          "config and token embedding)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda:N where a CUDA backend is built");
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "draft KV cache capacity in tokens");
@@ -66,6 +72,8 @@ int Main() {
   DraftLoopOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  options.eagle_head_dir = absl::GetFlag(FLAGS_eagle_head);
+  options.eagle_target_dir = absl::GetFlag(FLAGS_eagle_target);
   options.backend.device = absl::GetFlag(FLAGS_device);
   options.backend.kv_capacity_tokens = absl::GetFlag(FLAGS_kv_capacity_tokens);
   options.backend.num_threads = absl::GetFlag(FLAGS_num_threads);
@@ -75,10 +83,14 @@ int Main() {
   options.defaults.max_nodes = absl::GetFlag(FLAGS_tree_max_nodes);
   options.ngram.min_n = absl::GetFlag(FLAGS_ngram_min_n);
   options.ngram.max_n = absl::GetFlag(FLAGS_ngram_max_n);
-  if (options.model_dir.empty() && options.vocab_size < 1) {
+  if (options.model_dir.empty() && options.eagle_head_dir.empty() && options.vocab_size < 1) {
     return FailStartup(absl::InvalidArgumentError(
-        "--model or --vocab_size: give a draft model folder, or the target's vocabulary size "
-        "to serve n-gram drafting only"));
+        "--model, --eagle_head or --vocab_size: give a draft model folder, an EAGLE head, or "
+        "the target's vocabulary size to serve n-gram drafting only"));
+  }
+  if (!options.eagle_head_dir.empty() && options.eagle_target_dir.empty()) {
+    return FailStartup(absl::InvalidArgumentError(
+        "--eagle_target: needed with --eagle_head (the head reads the target's embedding)"));
   }
   if (options.backend.kv_capacity_tokens < 1) {
     return FailStartup(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
@@ -90,6 +102,9 @@ int Main() {
   service_options.service_full_name = v1::Drafter::service_full_name();
   service_options.loading =
       options.model_dir.empty() ? std::string("n-gram drafter only") : options.model_dir;
+  if (!options.eagle_head_dir.empty()) {
+    service_options.loading += " + EAGLE head " + options.eagle_head_dir;
+  }
   service_options.device = options.backend.device;
   return RunModelService(
       service_options,
@@ -118,7 +133,8 @@ int Main() {
 int main(int argc, char** argv) {
   specd::SetUsageAndHelpFilter(
       "Serves the drafters of a specd cluster (specd.v1.Drafter).\n"
-      "  specd-draft --model DIR | --vocab_size N [--address HOST:PORT] [--metrics_port N]");
+      "  specd-draft --model DIR | --vocab_size N [--eagle_head DIR --eagle_target DIR]\n"
+      "              [--address HOST:PORT] [--metrics_port N]");
   specd::AcceptDashedFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   return specd::Main();

@@ -110,13 +110,14 @@ absl::Status ParsePrompt(const json& body, v1::GenerateRequest* out) {
 }
 
 absl::StatusOr<v1::Speculation> ParseSpeculation(const json& v, absl::string_view field) {
-  static constexpr absl::string_view kChoices = "one of auto, off, draft_model, ngram";
+  static constexpr absl::string_view kChoices = "one of auto, off, draft_model, ngram, eagle3";
   if (!v.is_string()) return Invalid(field, absl::StrCat("must be a string: ", kChoices));
   const std::string s = absl::AsciiStrToLower(v.get<std::string>());
   if (s == "auto") return v1::SPECULATION_AUTO;
   if (s == "off") return v1::SPECULATION_OFF;
   if (s == "draft_model") return v1::SPECULATION_DRAFT_MODEL;
   if (s == "ngram") return v1::SPECULATION_NGRAM;
+  if (s == "eagle3") return v1::SPECULATION_EAGLE3;
   return Invalid(field, absl::StrCat("'", v.get<std::string>(), "' is not ", kChoices));
 }
 

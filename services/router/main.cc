@@ -51,8 +51,9 @@ ABSL_FLAG(int, draft_depth, 4, "default draft tree depth");
 ABSL_FLAG(int, draft_top_k, 4, "default children per expanded draft node");
 ABSL_FLAG(int, draft_max_nodes, 16, "default nodes per draft tree (<= 256)");
 ABSL_FLAG(std::string, default_speculation, "auto",
-          "what SPECULATION_AUTO requests use: auto (the draft model when the draft service "
-          "is up), off, draft_model or ngram");
+          "what SPECULATION_AUTO requests use: auto (EAGLE-3 when the draft service has an "
+          "EAGLE head, else the draft model, when the draft service is up), off, draft_model, "
+          "ngram or eagle3");
 ABSL_FLAG(std::string, speculation_policy, "goodput",
           "tree shape of requests that name none: goodput (every step, per sequence, the shape "
           "that maximises the batch's predicted tokens/s from measured costs and acceptance, "
@@ -127,8 +128,10 @@ int Main() {
     default_speculation = v1::SPECULATION_DRAFT_MODEL;
   } else if (spec == "ngram") {
     default_speculation = v1::SPECULATION_NGRAM;
+  } else if (spec == "eagle3") {
+    default_speculation = v1::SPECULATION_EAGLE3;
   } else {
-    return Fail("--default_speculation: one of auto, off, draft_model, ngram");
+    return Fail("--default_speculation: one of auto, off, draft_model, ngram, eagle3");
   }
 
   const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/service/grpc_util.h"
+#include "common/service/hidden_states_proto.h"
 #include "common/service/tree_proto.h"
 #include "common/token_tree.h"
 #include "engine/spec/sequence_state.h"
@@ -59,6 +60,12 @@ struct RouterLoop::Sequence {
   std::optional<SequenceState> core;
   std::unique_ptr<SequenceOutput> output;      // text, stop strings
   v1::Speculation mode = v1::SPECULATION_OFF;  // what it speculated with in the end
+  // What it drafts with: the request's mode, AUTO resolved when the sequence starts (EAGLE-3
+  // where the draft service has a head and the verify service exports taps, else the draft
+  // model).
+  v1::Speculation spec = v1::SPECULATION_OFF;
+  // EAGLE: the target's taps the verify service returned since the last draft step, to relay.
+  v1::HiddenStates taps;
   absl::Time last_emit;
   bool streamed_any = false;
   bool done = false;
@@ -181,6 +188,10 @@ v1::DraftInfo RouterLoop::draft_info() const {
   return draft_ != nullptr ? draft_->info() : v1::DraftInfo();
 }
 
+bool RouterLoop::eagle_available() const {
+  return draft_up() && !draft_info().eagle_head().empty() && verify_->info().supports_taps();
+}
+
 int RouterLoop::max_context() const {
   absl::MutexLock lock(&mu_);
   return max_context_;
@@ -297,11 +308,16 @@ void RouterLoop::Admit() {
                                                    std::move(stop));
     // What the sequence will speculate with; steps downgrade it to OFF while the draft
     // service is unavailable.
-    const v1::Speculation mode = seq->request.speculation;
-    seq->mode = mode == v1::SPECULATION_OFF     ? v1::SPECULATION_OFF
-                : mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM
-                : draft_ == nullptr             ? v1::SPECULATION_OFF
-                                                : v1::SPECULATION_DRAFT_MODEL;
+    v1::Speculation mode = seq->request.speculation;
+    if (mode == v1::SPECULATION_AUTO) {
+      mode = eagle_available() ? v1::SPECULATION_EAGLE3 : v1::SPECULATION_DRAFT_MODEL;
+    }
+    seq->spec = mode;
+    seq->mode = mode == v1::SPECULATION_OFF      ? v1::SPECULATION_OFF
+                : mode == v1::SPECULATION_NGRAM  ? v1::SPECULATION_NGRAM
+                : draft_ == nullptr              ? v1::SPECULATION_OFF
+                : mode == v1::SPECULATION_EAGLE3 ? v1::SPECULATION_EAGLE3
+                                                 : v1::SPECULATION_DRAFT_MODEL;
     metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
     metrics_->prompt_tokens.Increment(static_cast<double>(prompt_len));
     running_.push_back(std::move(seq));
@@ -340,7 +356,7 @@ void RouterLoop::Plan() {
     seq.draft_report = seq.draft_accepted;
     seq.draft_replied = false;
     seq.draft_accepted = -2;
-    const v1::Speculation mode = seq.request.speculation;
+    const v1::Speculation mode = seq.spec;
     PolicySequence p = seq.core->PolicyInput(/*model_draft=*/mode != v1::SPECULATION_NGRAM);
     // Whether a drafter can serve this sequence this step: the draft service, or for n-gram
     // also the router's own n-gram drafter.
@@ -403,7 +419,7 @@ void RouterLoop::DraftStep() {
     }
     if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
     if (shape.none()) continue;
-    const v1::Speculation mode = seq.request.speculation;
+    const v1::Speculation mode = seq.spec;
     if (mode == v1::SPECULATION_NGRAM && (!draft_up || seq.draft_failed)) {
       // The router's own n-gram drafter: microseconds, no state to feed.
       const absl::Span<const int32_t> prompt = seq.core->prompt();
@@ -420,8 +436,13 @@ void RouterLoop::DraftStep() {
     v1::DraftSequenceStep* step = request.add_steps();
     step->set_seq_id(seq.id);
     step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
-    step->set_method(mode == v1::SPECULATION_NGRAM ? v1::DRAFT_METHOD_NGRAM
-                                                   : v1::DRAFT_METHOD_MODEL);
+    step->set_method(mode == v1::SPECULATION_NGRAM    ? v1::DRAFT_METHOD_NGRAM
+                     : mode == v1::SPECULATION_EAGLE3 ? v1::DRAFT_METHOD_EAGLE
+                                                      : v1::DRAFT_METHOD_MODEL);
+    if (mode == v1::SPECULATION_EAGLE3 && seq.taps.tokens() > 0) {
+      *step->mutable_taps() = std::move(seq.taps);
+      seq.taps.Clear();
+    }
     step->set_depth(shape.depth);
     step->set_top_k(shape.top_k);
     step->set_max_nodes(shape.max_nodes);
@@ -431,7 +452,9 @@ void RouterLoop::DraftStep() {
     }
     seq.core->MarkDrafterFed();
     seq.draft_epoch = epoch;
-    seq.mode = mode == v1::SPECULATION_NGRAM ? v1::SPECULATION_NGRAM : v1::SPECULATION_DRAFT_MODEL;
+    seq.mode = mode == v1::SPECULATION_NGRAM    ? v1::SPECULATION_NGRAM
+               : mode == v1::SPECULATION_EAGLE3 ? v1::SPECULATION_EAGLE3
+                                                : v1::SPECULATION_DRAFT_MODEL;
     if (mode != v1::SPECULATION_NGRAM) {
       levels = std::max(levels, shape.depth);
       nodes += shape.max_nodes;
@@ -465,7 +488,7 @@ void RouterLoop::DraftStep() {
   if (levels > 0) {
     int drafting = 0, fed = 0;
     for (const v1::DraftSequenceStep& step : request.steps()) {
-      if (step.method() != v1::DRAFT_METHOD_MODEL) continue;
+      if (step.method() == v1::DRAFT_METHOD_NGRAM) continue;
       ++drafting;
       fed += step.new_tokens_size();
     }
@@ -513,9 +536,19 @@ void RouterLoop::VerifyStep() {
   v1::VerifyStepRequest request;
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
   int tokens = 0, longest = 0;
+  // EAGLE sequences ask for the taps the draft service's head reads while it can use them.
+  // Without a verify service that exports them, EAGLE sequences get no taps and so empty trees:
+  // target-only, never a failed request.
+  const bool taps_wanted = draft_up() && verify_->info().supports_taps();
+  const v1::DraftInfo draft_info = taps_wanted ? this->draft_info() : v1::DraftInfo();
   for (auto& s : running_) {
     Sequence& seq = *s;
     v1::VerifySequenceStep* step = request.add_steps();
+    if (taps_wanted && seq.spec == v1::SPECULATION_EAGLE3 && !seq.draft_failed &&
+        draft_info.eagle_tap_layers_size() > 0) {
+      *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
+      step->set_tap_dtype(draft_info.eagle_tap_dtype());
+    }
     step->set_seq_id(seq.id);
     // A sequence held under an older stream (the verify service was replaced between steps)
     // is fed its whole history again; sampling depends only on the prefix, the seed and the
@@ -621,6 +654,7 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
                                       ? TargetOnlyReason::kDraftUnavailable
                                       : TargetOnlyReason::kNoDraft);
   }
+  if (result.has_taps()) AppendHiddenStates(result.taps(), &seq.taps);
   if (seq.draft_replied) {
     seq.draft_accepted = result.accepted_nodes_size() > 0
                              ? result.accepted_nodes(result.accepted_nodes_size() - 1)

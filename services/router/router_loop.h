@@ -128,6 +128,9 @@ class RouterLoop {
   bool has_draft() const { return draft_ != nullptr; }
   v1::VerifyInfo verify_info() const { return verify_->info(); }
   v1::DraftInfo draft_info() const;
+  // Whether EAGLE-3 can serve a sequence now: the draft service is up with an EAGLE head and
+  // the verify service exports the taps it reads. AUTO chooses EAGLE-3 when it can.
+  bool eagle_available() const;
   // Context length in force: the smaller of the router's model config and the verify
   // service's.
   int max_context() const;

@@ -6,9 +6,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/service/grpc_util.h"
-#include "common/service/model_service_main.h"
 #include "common/logging.h"
+#include "common/service/grpc_util.h"
+#include "common/service/hidden_states_proto.h"
+#include "common/service/model_service_main.h"
 #include "common/service/tree_proto.h"
 #include "services/verify/sampling_proto.h"
 
@@ -49,6 +50,7 @@ VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
   info_.mutable_load()->set_max_sequences(options.max_sequences);
   capacity_summary_ =
       KvCapacityLine(usage.capacity_tokens, config.max_position_embeddings, options.max_sequences);
+  info_.set_supports_taps(features.taps);
   Start();
 }
 
@@ -121,6 +123,37 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
                              absl::StrCat("the ", options_.backend.device, " backend"));
       !s.ok()) {
     return Prefixed(s, where + ".");
+  }
+  if (step.tap_layers_size() > 0) {
+    if (!backend_->verify_features().taps) {
+      return absl::UnimplementedError(
+          absl::StrCat(where, ".tap_layers: the ", options_.backend.device,
+                       " backend does not export hidden states (EAGLE drafting needs them)"));
+    }
+    if (step.tap_layers_size() > kMaxTapLayers) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".tap_layers: ", step.tap_layers_size(),
+                                                     " layers, at most ", kMaxTapLayers));
+    }
+    for (int i = 0; i < step.tap_layers_size(); ++i) {
+      const int layer = step.tap_layers(i);
+      if (layer < 0 || layer > config.num_layers) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".tap_layers[", i, "]: ", layer,
+                                                       " is not a layer input in [0, ",
+                                                       config.num_layers, "]"));
+      }
+      for (int j = 0; j < i; ++j) {
+        if (step.tap_layers(j) == layer) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ".tap_layers[", i, "]: ", layer, " is listed twice"));
+        }
+      }
+    }
+    if (step.tap_dtype() != v1::TENSOR_DTYPE_BF16 && step.tap_dtype() != v1::TENSOR_DTYPE_FP32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".tap_dtype: unknown value ", static_cast<int>(step.tap_dtype())));
+    }
+    item->tap_layers.assign(step.tap_layers().begin(), step.tap_layers().end());
+    slot->tap_dtype = step.tap_dtype();
   }
   const bool needs_history = item->sampling.needs_history();
   if (needs_history && live.has_value() && !histories_.contains(*live)) {
@@ -257,6 +290,7 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
     RecordStep(start, items.size(), tokens);
     const Backend::ExecutionCounts counts = backend_->execution_counts();
     metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);
+    std::vector<int64_t> tap_bytes(responses.size(), 0);  // per reply
 
     for (size_t k = 0; k < items.size(); ++k) {
       const Slot& slot = slots[k];
@@ -283,6 +317,23 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
       result->mutable_accepted_nodes()->Add(outcome.accepted_nodes.begin(),
                                             outcome.accepted_nodes.end());
       for (const TokenLogprobs& lp : outcome.logprobs) LogprobsToProto(lp, result->add_logprobs());
+      if (!items[k].tap_layers.empty()) {
+        const int64_t width =
+            static_cast<int64_t>(items[k].tap_layers.size()) * backend_->config().hidden_size;
+        const int64_t rows = static_cast<int64_t>(outcome.taps.size()) / width;
+        const int64_t bytes = rows * width * (slot.tap_dtype == v1::TENSOR_DTYPE_FP32 ? 4 : 2);
+        // Taps are not chunked: past half the message limit a sequence's taps stay home, so
+        // a batch of long prompts can never break the stream. Its drafter then sees a gap and
+        // proposes nothing (target-only steps, still lossless).
+        if (tap_bytes[slot.step] + bytes <= kMaxMessageBytes / 2) {
+          tap_bytes[slot.step] += bytes;
+          HiddenStatesToProto(outcome.taps, rows, width, items[k].tap_layers, committed_before[k],
+                              slot.tap_dtype, result->mutable_taps());
+        } else {
+          SPECD_LOG(WARNING) << "taps of " << rows << " tokens (" << bytes
+                             << " bytes) dropped: the reply is near the message limit";
+        }
+      }
       if (auto h = histories_.find(slot.seq); h != histories_.end()) {
         // The accepted drafts are committed; the bonus token comes back as the next pending.
         h->second.AddOutput(absl::MakeConstSpan(outcome.tokens).first(outcome.accepted_draft));

@@ -48,6 +48,7 @@ class VerifyLoop final
     int result = 0;        // index into that step's response results
     int64_t seq = 0;       // model-side id
     bool created = false;  // AddSequence ran in this batch
+    v1::TensorDtype tap_dtype = v1::TENSOR_DTYPE_BF16;  // of the taps it asked for, if any
   };
 
   std::vector<v1::VerifyStepResponse> RunSteps(const VerifyStepQueue::Batch& batch) override;

@@ -68,6 +68,15 @@ TEST(HttpProtocolTest, CompletionFieldsMapToGenerateRequest) {
   EXPECT_FALSE(r->stream);
 }
 
+TEST(HttpProtocolTest, SpecdSpeculationNamesEagle3) {
+  absl::StatusOr<ParsedRequest> r =
+      ParseRequest(Endpoint::kCompletions,
+                   R"({"model": "target", "prompt": "x", "specd": {"speculation": "eagle3"}})",
+                   Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->generate.speculation(), v1::SPECULATION_EAGLE3);
+}
+
 TEST(HttpProtocolTest, UnsetSamplingFieldsStayUnset) {
   absl::StatusOr<ParsedRequest> r = ParseRequest(
       Endpoint::kCompletions, R"({"prompt": "x", "temperature": null, "top_k": -1})", Options());

@@ -6,7 +6,9 @@
 // draws the first two tokens from the target's exact distribution, penalties included.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -17,13 +19,17 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/io/safetensors.h"
 #include "engine/backend.h"
 #include "engine/draft/draft_model_drafter.h"
+#include "engine/draft/eagle_drafter.h"
+#include "engine/draft/eagle_head.h"
 #include "engine/draft/ngram_drafter.h"
-#include "engine/spec/generator.h"
 #include "engine/sampling.h"
+#include "engine/spec/generator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/testutil/extended_checkpoint.h"
 #include "tests/testutil/random_checkpoint.h"
 
@@ -42,6 +48,72 @@ std::unique_ptr<Backend> Load(const std::string& dir) {
   return b.ok() ? *std::move(b) : nullptr;
 }
 
+// A random EAGLE-3 head in the published layout for the two-layer, 32-wide target below: taps 0,
+// 1 and 2 (the three distinct layer inputs a two-layer target has), a draft vocabulary of the
+// first 100 target ids shifted by 7 (d2t), so the map is exercised.
+absl::Status WriteRandomEagleHead(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  nlohmann::json config = {{"architectures", {"LlamaForCausalLMEagle3"}},
+                           {"model_type", "llama"},
+                           {"hidden_act", "silu"},
+                           {"vocab_size", kVocab},
+                           {"hidden_size", 32},
+                           {"intermediate_size", 64},
+                           {"num_attention_heads", 4},
+                           {"num_key_value_heads", 2},
+                           {"head_dim", 8},
+                           {"num_hidden_layers", 1},
+                           {"rms_norm_eps", 1e-5},
+                           {"rope_theta", 10000.0},
+                           {"max_position_embeddings", 4096},
+                           {"tie_word_embeddings", false},
+                           {"torch_dtype", "float32"},
+                           {"draft_vocab_size", 100},
+                           {"specd_tap_layer_inputs", {0, 1, 2}}};
+  {
+    std::ofstream out(std::filesystem::path(dir) / "config.json");
+    out << config.dump(2);
+    if (!out) return absl::InternalError("writing the EAGLE head's config.json");
+  }
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  std::vector<TensorToWrite> tensors;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool ones = false) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::vector<float> v(n);
+    for (float& x : v) x = ones ? 1.0f : normal(rng);
+    TensorToWrite t;
+    t.name = name;
+    t.shape = std::move(shape);
+    t.data.resize(v.size() * sizeof(float));
+    std::memcpy(t.data.data(), v.data(), t.data.size());
+    tensors.push_back(std::move(t));
+  };
+  add("fc.weight", {32, 96});
+  add("midlayer.self_attn.q_proj.weight", {32, 64});
+  add("midlayer.self_attn.k_proj.weight", {16, 64});
+  add("midlayer.self_attn.v_proj.weight", {16, 64});
+  add("midlayer.self_attn.o_proj.weight", {32, 32});
+  add("midlayer.mlp.gate_proj.weight", {64, 32});
+  add("midlayer.mlp.up_proj.weight", {64, 32});
+  add("midlayer.mlp.down_proj.weight", {32, 64});
+  for (const char* norm : {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                           "midlayer.post_attention_layernorm.weight", "norm.weight"}) {
+    add(norm, {32}, /*ones=*/true);
+  }
+  add("lm_head.weight", {100, 32});
+  TensorToWrite d2t;
+  d2t.name = "d2t";
+  d2t.dtype = DType::kI64;
+  d2t.shape = {100};
+  std::vector<int64_t> offsets(100, 7);
+  d2t.data.resize(offsets.size() * sizeof(int64_t));
+  std::memcpy(d2t.data.data(), offsets.data(), d2t.data.size());
+  tensors.push_back(std::move(d2t));
+  return WriteSafetensors((std::filesystem::path(dir) / "model.safetensors").string(), tensors);
+}
+
 // The models every test shares (written once per process): a draft; a target made of the
 // draft plus one layer with small output projections, so drafts are often right as with a
 // real small/large pair; and an unrelated random draft of another shape and family.
@@ -50,6 +122,8 @@ struct Models {
   std::unique_ptr<Backend> target, draft, same, other;
   std::unique_ptr<DraftModelDrafter> related_drafter, same_drafter, other_drafter;
   std::unique_ptr<NgramDrafter> ngram;
+  std::unique_ptr<EagleHead> eagle_head;
+  std::unique_ptr<EagleDrafter> eagle_drafter;
 
   Models() {
     root = MakeTempDir("specd_spec_");
@@ -87,6 +161,14 @@ struct Models {
     same_drafter = std::make_unique<DraftModelDrafter>(same.get());
     other_drafter = std::make_unique<DraftModelDrafter>(other.get());
     ngram = *NgramDrafter::Create(kVocab, NgramOptions());
+    EXPECT_TRUE(WriteRandomEagleHead(root + "/eagle").ok());
+    absl::StatusOr<std::unique_ptr<EagleHead>> head =
+        CreateEagleHead(root + "/eagle", target_dir, EagleHeadOptions());
+    EXPECT_TRUE(head.ok()) << head.status();
+    if (head.ok()) {
+      eagle_head = *std::move(head);
+      eagle_drafter = std::make_unique<EagleDrafter>(eagle_head.get());
+    }
   }
   ~Models() {
     std::error_code ec;
@@ -99,7 +181,7 @@ Models& M() {
   return *models;
 }
 
-enum class DrafterKind { kNone, kRelated, kSame, kOther, kNgram };
+enum class DrafterKind { kNone, kRelated, kSame, kOther, kNgram, kEagle };
 
 Drafter* GetDrafter(DrafterKind kind) {
   switch (kind) {
@@ -113,6 +195,8 @@ Drafter* GetDrafter(DrafterKind kind) {
       return M().other_drafter.get();
     case DrafterKind::kNgram:
       return M().ngram.get();
+    case DrafterKind::kEagle:
+      return M().eagle_drafter.get();
   }
   return nullptr;
 }
@@ -129,6 +213,8 @@ const char* Name(DrafterKind kind) {
       return "other";
     case DrafterKind::kNgram:
       return "ngram";
+    case DrafterKind::kEagle:
+      return "eagle";
   }
   return "?";
 }
@@ -284,7 +370,10 @@ INSTANTIATE_TEST_SUITE_P(
         GreedyCase{DrafterKind::kNgram, {4, 1, 4}, 10},
         GreedyCase{DrafterKind::kNgram, {6, 4, 7}, 10},
         GreedyCase{DrafterKind::kNgram, {8, 4, 64}, 50},
-        GreedyCase{DrafterKind::kNgram, {10, 8, 256}, 10}),
+        GreedyCase{DrafterKind::kNgram, {10, 8, 256}, 10},
+        // The EAGLE head fed with the target's taps (random: mostly rejected, still exact).
+        GreedyCase{DrafterKind::kEagle, {4, 4, 16}, 10},
+        GreedyCase{DrafterKind::kEagle, {6, 8, 64}, 50}),
     CaseName);
 
 // With the draft model equal to the target, every drafted chain token is the target's greedy
@@ -880,15 +969,18 @@ TEST_P(DistributionTest, FirstTwoTokensFollowTheTarget) {
   EXPECT_LT(bins.Statistic(plain), critical) << "target-only sampling, df " << bins.df();
 
   uint64_t seed0 = 1;
-  for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated}) {
+  for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated, DrafterKind::kEagle}) {
     SCOPED_TRACE(Name(kind));
     seed0 += 1000003;  // seeds unrelated to the other runs'
     const std::vector<int> spec = bins.Observed(Sample(kind, prompt, sampling, n, seed0, &stats));
     // The drafts were really used: most first tokens came from an accepted draft node (fewer
-    // with processors, which the draft model does not apply to its proposals).
+    // with processors, which the draft model does not apply to its proposals). The EAGLE head
+    // is random and drafts from the second token on (its first step has no taps yet): only a
+    // few second tokens (13-40 of 4000 with these seeds) come from its trees, enough to show the
+    // walk takes its nodes, not enough to give the statistic much power over them.
     const bool exact_draft = kind == DrafterKind::kSame && !sampling.has_processors();
-    EXPECT_GT(stats.accepted_tokens, n / (exact_draft ? 2 : 8))
-        << "accepted " << stats.accepted_tokens;
+    const int64_t least = kind == DrafterKind::kEagle ? 10 : n / (exact_draft ? 2 : 8);
+    EXPECT_GT(stats.accepted_tokens, least) << "accepted " << stats.accepted_tokens;
     EXPECT_LT(bins.Statistic(spec), critical) << "speculative sampling, df " << bins.df();
     const auto [chi2, df] = TwoSample(plain, spec);
     EXPECT_LT(chi2, ChiSquareCritical001(df)) << "speculative vs target-only, df " << df;

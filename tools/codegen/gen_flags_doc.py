@@ -19,7 +19,8 @@ EXECUTABLES = [
     ("specd-http", "services/http/main.cc", "OpenAI-compatible HTTP edge in front of the router"),
     ("specd-router", "services/router/main.cc",
      "public gRPC API, tokenizer, scheduler and speculation loop (CPU only)"),
-    ("specd-draft", "services/draft/main.cc", "draft model or n-gram lookup; grows token trees"),
+    ("specd-draft", "services/draft/main.cc",
+     "draft model, EAGLE head or n-gram lookup; grows token trees"),
     ("specd-verify", "services/verify/main.cc",
      "target model; verifies token trees, optionally tensor parallel"),
 ]

@@ -12,6 +12,8 @@ v1::Speculation ToProto(Speculation s) {
       return v1::SPECULATION_DRAFT_MODEL;
     case Speculation::kNgram:
       return v1::SPECULATION_NGRAM;
+    case Speculation::kEagle3:
+      return v1::SPECULATION_EAGLE3;
     case Speculation::kAuto:
       break;
   }
@@ -27,6 +29,8 @@ Speculation FromProto(v1::Speculation s) {
       return Speculation::kDraftModel;
     case v1::SPECULATION_NGRAM:
       return Speculation::kNgram;
+    case v1::SPECULATION_EAGLE3:
+      return Speculation::kEagle3;
     default:
       return Speculation::kAuto;
   }

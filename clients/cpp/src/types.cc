@@ -17,6 +17,8 @@ const char* SpeculationName(Speculation speculation) {
       return "draft_model";
     case Speculation::kNgram:
       return "ngram";
+    case Speculation::kEagle3:
+      return "eagle3";
     case Speculation::kAuto:
       break;
   }
@@ -28,6 +30,7 @@ std::optional<Speculation> ParseSpeculation(std::string_view name) {
   if (name == "off") return Speculation::kOff;
   if (name == "draft_model" || name == "draft-model") return Speculation::kDraftModel;
   if (name == "ngram") return Speculation::kNgram;
+  if (name == "eagle3") return Speculation::kEagle3;
   return std::nullopt;
 }
 

@@ -18,6 +18,7 @@ SPECULATION = {
     "off": pb.SPECULATION_OFF,
     "draft_model": pb.SPECULATION_DRAFT_MODEL,
     "ngram": pb.SPECULATION_NGRAM,
+    "eagle3": pb.SPECULATION_EAGLE3,
 }
 _SPECULATION_NAMES = {v: k for k, v in SPECULATION.items()}
 _FINISH = {

@@ -57,7 +57,7 @@ class Client:
         """Yields the completion chunk by chunk as the router streams it; the last chunk carries
         finish_reason, usage and speculation stats. Parameters as GenerateRequest:
         prompt or prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, speculation ("auto", "off", "draft_model", "ngram"),
+        stop_token_ids, ignore_eos, speculation ("auto", "off", "draft_model", "ngram", "eagle3"),
         draft_depth, draft_top_k, draft_max_nodes, request_id. Leaving the loop early (or
         closing the generator) cancels the request in all three services."""
         request = _common.build_request(prompt, **params)

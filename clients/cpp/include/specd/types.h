@@ -20,9 +20,10 @@ enum class Speculation {
   kOff = 1,         // target-only decoding
   kDraftModel = 2,  // the draft service's draft model
   kNgram = 3,       // n-gram prompt lookup
+  kEagle3 = 4,      // the draft service's EAGLE-3 head, fed with the target's hidden states
 };
 
-// "auto", "off", "draft_model", "ngram".
+// "auto", "off", "draft_model", "ngram", "eagle3".
 const char* SpeculationName(Speculation speculation);
 // The inverse of SpeculationName ("draft-model" is accepted too); nullopt for anything else.
 std::optional<Speculation> ParseSpeculation(std::string_view name);

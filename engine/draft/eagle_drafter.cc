@@ -1,0 +1,274 @@
+#include "engine/draft/eagle_drafter.h"
+
+#include <algorithm>
+#include <numeric>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "engine/draft/tree_builder.h"
+#include "engine/topk.h"
+
+namespace specd {
+namespace {
+
+using draft_tree::AddChildren;
+using draft_tree::ChildCount;
+using draft_tree::PickFrontier;
+using draft_tree::SelectTree;
+using draft_tree::SeqWork;
+
+// One sequence of one Draft() call.
+struct Work {
+  SeqWork tree;
+  bool ready = false;                           // caught up: the chain's last output is the root
+  int chain = 0;                                // pairs fed as this step's chain
+  std::vector<float> root;                      // [H] the root's output hidden state
+  std::vector<std::vector<float>> node_hidden;  // per tree node once expanded: [H]
+};
+
+// Fills row `row` of `top` with the best `top.k` draft ids of `logits` ([draft vocab] fp32),
+// mapped to target ids.
+void DraftTopK(absl::Span<const float> logits, absl::Span<const int32_t> d2t, int64_t row,
+               TopKRows* top) {
+  int32_t* ids = &top->ids[row * top->k];
+  RowTopKLogprobs(logits, top->k, ids, &top->logprobs[row * top->k]);
+  for (int j = 0; j < top->k; ++j) ids[j] = d2t[ids[j]];
+}
+
+}  // namespace
+
+EagleDrafter::EagleDrafter(EagleHead* head)
+    : head_(head), feature_size_(head->config().feature_size()) {}
+
+absl::Status EagleDrafter::AddSequence(SeqId seq) {
+  if (absl::Status s = head_->AddSequence(seq); !s.ok()) return s;
+  states_[seq] = SeqState();
+  return absl::OkStatus();
+}
+
+absl::Status EagleDrafter::Release(SeqId seq) {
+  states_.erase(seq);
+  return head_->RemoveSequence(seq);
+}
+
+bool EagleDrafter::HasSequence(SeqId seq) const { return head_->HasSequence(seq); }
+
+int64_t EagleDrafter::committed(SeqId seq) const {
+  return head_->CommittedLength(seq).value_or(-1);
+}
+
+absl::Status EagleDrafter::CheckRequest(const DraftRequest& r) const {
+  if (absl::Status s = CheckDraftRequest(r, head_->HasSequence(r.seq), vocab_size(), "eagle");
+      !s.ok()) {
+    return s;
+  }
+  if (r.taps.size() % static_cast<size_t>(feature_size_) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("taps: ", r.taps.size(),
+                                                   " floats are not whole rows of the head's ",
+                                                   feature_size_, " (its feature size)"));
+  }
+  if (r.taps_first_position < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("taps: first position ", r.taps_first_position, " is negative"));
+  }
+  return absl::OkStatus();
+}
+
+void EagleDrafter::Merge(const DraftRequest& r, SeqState& st) const {
+  size_t skip = 0;
+  if (!st.carried.empty() && st.carried.size() <= r.new_tokens.size() &&
+      std::equal(st.carried.begin(), st.carried.end(), r.new_tokens.begin())) {
+    skip = st.carried.size();
+  }
+  st.carried.clear();
+  st.tokens.insert(st.tokens.end(), r.new_tokens.begin() + skip, r.new_tokens.end());
+
+  const int64_t f = feature_size_;
+  const int64_t rows = static_cast<int64_t>(r.taps.size()) / f;
+  const int64_t c = head_->CommittedLength(r.seq).value_or(0);
+  // Rows the head already holds are skipped.
+  const int64_t drop = std::max<int64_t>(0, c - r.taps_first_position);
+  if (drop >= rows) return;
+  const int64_t first = r.taps_first_position + drop, n = rows - drop;
+  const float* src = r.taps.data() + drop * f;
+  const int64_t have = static_cast<int64_t>(st.taps.size()) / f;
+  const int64_t end = st.taps_first + have;
+  if (have == 0 || first > end) {
+    // Nothing kept, or a gap after what is kept: only the new rows can still be of use.
+    st.taps.assign(src, src + n * f);
+    st.taps_first = first;
+  } else if (first + n > end) {
+    st.taps.insert(st.taps.end(), src + (end - first) * f, src + n * f);
+  }
+}
+
+absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
+    absl::Span<const DraftRequest> requests) {
+  absl::flat_hash_set<SeqId> seen;
+  for (const DraftRequest& r : requests) {
+    if (absl::Status s = CheckRequest(r); !s.ok()) return s;
+    if (!seen.insert(r.seq).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("seq: sequence ", r.seq, " appears twice in one draft batch"));
+    }
+  }
+  const int64_t f = feature_size_, h = head_->config().head.hidden_size;
+  const int64_t dv = head_->config().draft_vocab_size;
+  const absl::Span<const int32_t> d2t = head_->draft_to_target();
+
+  // Tokens and taps in; a failed chain puts every sequence back as it was.
+  std::vector<SeqState> before;
+  before.reserve(requests.size());
+  for (const DraftRequest& r : requests) {
+    SeqState& st = states_[r.seq];
+    before.push_back(st);
+    Merge(r, st);
+  }
+  auto restore = [&](const absl::Status& s) {
+    for (size_t b = 0; b < requests.size(); ++b) states_[requests[b].seq] = std::move(before[b]);
+    return s;
+  };
+
+  // The chain: every pair whose taps and next token have arrived.
+  std::vector<Work> work(requests.size());
+  std::vector<EagleHeadItem> items;
+  std::vector<size_t> item_work;
+  for (size_t b = 0; b < requests.size(); ++b) {
+    const DraftRequest& r = requests[b];
+    SeqState& st = states_[r.seq];
+    absl::StatusOr<int64_t> committed = head_->CommittedLength(r.seq);
+    if (!committed.ok()) return restore(committed.status());
+    const int64_t c = *committed;
+    const int64_t last = static_cast<int64_t>(st.tokens.size()) - 1;  // the tree's root token
+    const int64_t rows = static_cast<int64_t>(st.taps.size()) / f;
+    int64_t m = st.taps_first == c ? std::min(rows, last - c) : 0;
+    m = std::max<int64_t>(0, std::min<int64_t>(m, head_->context_length() - c));
+    Work& w = work[b];
+    w.chain = static_cast<int>(m);
+    w.ready = m > 0 && c + m == last && last + r.params.depth <= head_->context_length();
+    if (m == 0) continue;
+    EagleHeadItem item;
+    item.seq = r.seq;
+    item.tokens.assign(st.tokens.begin() + c + 1, st.tokens.begin() + c + 1 + m);
+    item.parents.resize(m);
+    std::iota(item.parents.begin(), item.parents.end(), -1);
+    item.input = EagleInput::kTargetFeatures;
+    item.inputs = absl::MakeConstSpan(st.taps).first(static_cast<size_t>(m * f));
+    if (w.ready) item.output_rows = {static_cast<int32_t>(m - 1)};
+    items.push_back(std::move(item));
+    item_work.push_back(b);
+  }
+  EagleHeadOutputs out;
+  if (!items.empty()) {
+    if (absl::Status s = head_->Forward(items, &out); !s.ok()) return restore(s);
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::vector<int32_t> path(items[i].tokens.size());
+    std::iota(path.begin(), path.end(), 0);
+    if (absl::Status s = head_->Commit(items[i].seq, path); !s.ok()) {
+      return absl::InternalError(absl::StrCat("EAGLE head commit of the chain failed for sequence ",
+                                              items[i].seq, ": ", s.message()));
+    }
+    fed_tokens_ += static_cast<int64_t>(path.size());
+  }
+  // From here on the chains are committed: a retry must not merge these new_tokens again.
+  for (size_t b = 0; b < requests.size(); ++b) {
+    SeqState& st = states_[requests[b].seq];
+    const int64_t m = work[b].chain;
+    st.taps.erase(st.taps.begin(), st.taps.begin() + m * f);
+    st.taps_first += m;
+    st.carried = requests[b].new_tokens;
+  }
+
+  // The roots' children.
+  std::vector<size_t> ready;
+  int64_t row = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    Work& w = work[item_work[i]];
+    if (!w.ready) continue;
+    w.root.assign(out.hidden.begin() + row * h, out.hidden.begin() + (row + 1) * h);
+    ++row;
+    ready.push_back(item_work[i]);
+  }
+  auto drop_scratch = [&](const absl::Status& s) {
+    for (size_t b : ready) head_->Commit(requests[b].seq, {}).IgnoreError();
+    return s;
+  };
+  TopKRows top;
+  int k = 1;
+  for (size_t b : ready) k = std::max(k, ChildCount(requests[b].params, 0));
+  top.k = static_cast<int>(std::min<int64_t>(k, dv));
+  top.ids.resize(ready.size() * top.k);
+  top.logprobs.resize(top.ids.size());
+  for (size_t i = 0; i < ready.size(); ++i) {
+    Work& w = work[ready[i]];
+    w.tree.req = &requests[ready[i]];
+    DraftTopK(absl::MakeConstSpan(out.logits).subspan(i * dv, dv), d2t, i, &top);
+    AddChildren(w.tree, -1, top, i);
+  }
+
+  // One batched forward per level, each node fed its parent's output.
+  std::vector<std::vector<float>> inputs;
+  for (int level = 0;; ++level) {
+    items.clear();
+    item_work.clear();
+    inputs.clear();
+    inputs.reserve(ready.size());
+    k = 1;
+    for (size_t b : ready) {
+      Work& w = work[b];
+      SeqWork& t = w.tree;
+      t.frontier.clear();
+      if (level + 1 >= t.req->params.depth) continue;
+      t.frontier = PickFrontier(t, level);
+      if (t.frontier.empty()) continue;
+      EagleHeadItem item;
+      item.seq = t.req->seq;
+      item.input = EagleInput::kHidden;
+      std::vector<float>& in = inputs.emplace_back();
+      for (int node : t.frontier) {
+        draft_tree::Node& nd = t.nodes[node];
+        nd.scratch = t.next_scratch++;
+        item.output_rows.push_back(static_cast<int32_t>(item.tokens.size()));
+        item.tokens.push_back(nd.token);
+        item.parents.push_back(nd.parent < 0 ? -1 : t.nodes[nd.parent].scratch);
+        const std::vector<float>& parent = nd.parent < 0 ? w.root : w.node_hidden[nd.parent];
+        in.insert(in.end(), parent.begin(), parent.end());
+      }
+      item.inputs = in;
+      k = std::max(k, ChildCount(t.req->params, level + 1));
+      items.push_back(std::move(item));
+      item_work.push_back(b);
+    }
+    if (items.empty()) break;
+    if (absl::Status s = head_->Forward(items, &out); !s.ok()) return drop_scratch(s);
+    fed_tokens_ += static_cast<int64_t>(out.hidden.size() / h);
+    top.k = static_cast<int>(std::min<int64_t>(k, dv));
+    top.ids.resize(out.hidden.size() / h * top.k);
+    top.logprobs.resize(top.ids.size());
+    row = 0;
+    for (size_t b : item_work) {
+      Work& w = work[b];
+      SeqWork& t = w.tree;
+      for (int node : t.frontier) {
+        if (w.node_hidden.size() < t.nodes.size()) w.node_hidden.resize(t.nodes.size());
+        w.node_hidden[node].assign(out.hidden.begin() + row * h,
+                                   out.hidden.begin() + (row + 1) * h);
+        DraftTopK(absl::MakeConstSpan(out.logits).subspan(row * dv, dv), d2t, row, &top);
+        AddChildren(t, node, top, row);
+        ++row;
+      }
+    }
+  }
+
+  std::vector<TokenTree> trees(requests.size());
+  std::vector<int32_t> scratch;
+  for (size_t b : ready) trees[b] = SelectTree(work[b].tree, &scratch);
+  // The tree's pairs hold the head's own guesses: the committed KV only takes the target's.
+  drop_scratch(absl::OkStatus()).IgnoreError();
+  for (const DraftRequest& r : requests) states_[r.seq].carried.clear();
+  return trees;
+}
+
+}  // namespace specd

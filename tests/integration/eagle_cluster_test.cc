@@ -1,0 +1,206 @@
+// EAGLE-3 end to end: specd-verify serving the reference target (models/pycoder-target),
+// specd-draft serving its trained EAGLE-3 head (models/pycoder-eagle3, --eagle_head) beside the
+// standalone draft model, and specd-router, as processes on loopback. The verify service returns
+// the target's taps for EAGLE sequences, the router relays them, the draft service's EAGLE
+// drafter grows trees from them; the output must be what target-only decoding gives.
+#include <signal.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "specd/v1/generation.grpc.pb.h"
+#include "tests/testutil/hf_fixtures.h"
+#include "tests/testutil/service_process.h"
+
+namespace specd {
+namespace {
+
+struct Result {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  v1::GenerateResponse last;  // the chunk with the finish reason
+};
+
+class Cluster {
+ public:
+  static std::unique_ptr<Cluster> Start() {
+    const std::string models = (testutil::RepoRoot() / "models").string();
+    const std::string target = models + "/pycoder-target";
+    auto c = std::make_unique<Cluster>();
+    const std::string verify_address = absl::StrCat("127.0.0.1:", PickFreePort());
+    const std::string draft_address = absl::StrCat("127.0.0.1:", PickFreePort());
+    c->router_metrics = PickFreePort();
+    const std::string router_address = absl::StrCat("127.0.0.1:", PickFreePort());
+    c->draft_options = {
+        SpecdBinary("specd-draft"),
+        {"--address=" + draft_address, absl::StrCat("--metrics_port=", PickFreePort()),
+         "--model=" + models + "/pycoder-draft", "--eagle_head=" + models + "/pycoder-eagle3",
+         "--eagle_target=" + target, "--num_threads=1"},
+        draft_address};
+    const std::vector<ServiceProcessOptions> all = {
+        {SpecdBinary("specd-verify"),
+         {"--address=" + verify_address, absl::StrCat("--metrics_port=", PickFreePort()),
+          "--model=" + target, "--num_threads=1"},
+         verify_address},
+        c->draft_options,
+        {SpecdBinary("specd-router"),
+         {"--address=" + router_address, absl::StrCat("--metrics_port=", c->router_metrics),
+          "--model=" + target, "--verify_address=" + verify_address,
+          "--draft_address=" + draft_address},
+         router_address}};
+    std::vector<std::unique_ptr<ServiceProcess>*> slots = {&c->verify, &c->draft, &c->router};
+    for (size_t i = 0; i < all.size(); ++i) {
+      absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(all[i]);
+      EXPECT_TRUE(p.ok()) << p.status();
+      if (!p.ok()) return nullptr;
+      *slots[i] = *std::move(p);
+    }
+    for (auto* p : slots) {
+      const absl::Status s = (*p)->WaitUntilServing(absl::Seconds(60));
+      EXPECT_TRUE(s.ok()) << s << "\n" << (*p)->Log();
+      if (!s.ok()) return nullptr;
+    }
+    c->stub = v1::Generation::NewStub(c->router->channel());
+    // The router probes the draft service in the background; wait until it uses it.
+    const absl::Time end = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < end && c->Metric("specd_draft_available") != 1) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_EQ(c->Metric("specd_draft_available"), 1);
+    return c;
+  }
+
+  double Metric(const std::string& name, const std::map<std::string, std::string>& labels = {}) {
+    absl::StatusOr<std::string> text = HttpGet("127.0.0.1", router_metrics, "/metrics");
+    if (!text.ok()) return -1;
+    absl::StatusOr<double> v = MetricValue(*text, name, labels);
+    return v.ok() ? *v : -1;
+  }
+
+  Result Generate(const v1::GenerateRequest& request,
+                  const std::function<void(int chunk)>& on_chunk = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+    Result r;
+    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
+        stub->Generate(&ctx, request);
+    v1::GenerateResponse chunk;
+    int chunks = 0;
+    while (reader->Read(&chunk)) {
+      r.tokens.insert(r.tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) r.last = chunk;
+      if (on_chunk) on_chunk(++chunks);
+    }
+    r.status = reader->Finish();
+    return r;
+  }
+
+  ServiceProcessOptions draft_options;
+  std::unique_ptr<ServiceProcess> verify, draft, router;
+  int router_metrics = 0;
+  std::unique_ptr<v1::Generation::Stub> stub;
+};
+
+v1::GenerateRequest Request(const std::string& prompt, int max_new_tokens,
+                            v1::Speculation speculation) {
+  v1::GenerateRequest r;
+  r.set_prompt(prompt);
+  r.set_max_new_tokens(max_new_tokens);
+  r.set_ignore_eos(true);
+  r.set_speculation(speculation);
+  return r;
+}
+
+const std::vector<std::string>& Prompts() {
+  static const auto* prompts = new std::vector<std::string>{
+      "def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
+      "class Stack:\n    def __init__(self):\n", "for i in range(10):\n    if i % 2 == 0:\n"};
+  return *prompts;
+}
+
+TEST(EagleClusterTest, GreedyAndSeededOutputIsIdenticalWithAndWithoutEagle) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  uint64_t accepted = 0, steps = 0;
+  for (const std::string& prompt : Prompts()) {
+    for (const bool seeded : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(prompt, seeded ? " seeded" : " greedy"));
+      v1::GenerateRequest r = Request(prompt, 48, v1::SPECULATION_OFF);
+      if (seeded) {
+        r.set_temperature(0.8f);
+        r.set_seed(7);
+      }
+      const Result off = c->Generate(r);
+      r.set_speculation(v1::SPECULATION_EAGLE3);
+      const Result eagle = c->Generate(r);
+      // A fixed tree shape: every step drafts, whatever the policy would choose.
+      r.set_draft_depth(4);
+      r.set_draft_top_k(4);
+      r.set_draft_max_nodes(16);
+      const Result fixed = c->Generate(r);
+      ASSERT_TRUE(off.status.ok()) << off.status.error_message();
+      ASSERT_TRUE(eagle.status.ok()) << eagle.status.error_message();
+      ASSERT_TRUE(fixed.status.ok()) << fixed.status.error_message();
+      EXPECT_EQ(eagle.tokens, off.tokens);
+      EXPECT_EQ(fixed.tokens, off.tokens);
+      EXPECT_EQ(fixed.last.speculation().mode(), v1::SPECULATION_EAGLE3);
+      accepted += fixed.last.speculation().accepted_tokens();
+      steps += fixed.last.speculation().steps();
+    }
+  }
+  // The trained head's drafts are accepted: more than one token a drafted step on average.
+  EXPECT_GT(steps, 0u);
+  EXPECT_GT(accepted, steps);
+  // AUTO picks the head when the draft service has one.
+  const Result autos = c->Generate(Request(Prompts()[0], 16, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(autos.status.ok());
+  EXPECT_EQ(autos.last.speculation().mode(), v1::SPECULATION_EAGLE3);
+}
+
+TEST(EagleClusterTest, KilledDraftServiceLosesNoRequest) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 400;
+  v1::GenerateRequest r = Request(Prompts()[1], kTokens, v1::SPECULATION_OFF);
+  const Result reference = c->Generate(r);
+  ASSERT_TRUE(reference.status.ok());
+  r.set_speculation(v1::SPECULATION_EAGLE3);
+  r.set_draft_depth(4);
+  bool killed = false;
+  const Result got = c->Generate(r, [&](int chunk) {
+    if (chunk == 3 && !killed) {
+      killed = true;
+      ::kill(c->draft->pid(), SIGKILL);
+    }
+  });
+  ASSERT_TRUE(killed);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, reference.tokens);
+  EXPECT_GT(got.last.speculation().target_only_steps(), 0u);
+  EXPECT_GT(got.last.speculation().steps(), 0u);  // it drafted with the head before the kill
+
+  // A new draft process: new EAGLE requests draft again.
+  c->draft.reset();
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> draft = ServiceProcess::Start(c->draft_options);
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  c->draft = *std::move(draft);
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < end && c->Metric("specd_draft_available") != 1) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  r.set_max_new_tokens(64);
+  const Result again = c->Generate(r);
+  ASSERT_TRUE(again.status.ok());
+  EXPECT_EQ(again.tokens,
+            std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 64));
+  EXPECT_EQ(again.last.speculation().mode(), v1::SPECULATION_EAGLE3);
+  EXPECT_GT(again.last.speculation().accepted_tokens(), 0u);
+}
+
+}  // namespace
+}  // namespace specd

@@ -1,0 +1,285 @@
+// The target's residual-stream taps (VerifyItem::tap_layers) and the EAGLE drafter that reads
+// them, on tests/fixtures/eagle3 (a random 8-layer target and an EAGLE-3 head with taps 1, 4, 6;
+// tools/oracle/make_eagle_fixtures.py). The taps of a prefill are checked against the PyTorch
+// reference's (float64 math stored in fp32), the taps of a verify step bit for bit against those
+// of a plain prefill of the same tokens, and the drafter's first tree level against the head's
+// own top-k over the draft vocabulary.
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "common/io/safetensors.h"
+#include "engine/backend.h"
+#include "engine/draft/eagle_drafter.h"
+#include "engine/draft/eagle_head.h"
+#include "engine/topk.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testutil/hf_fixtures.h"
+
+namespace specd {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testutil::ReadJson;
+using testutil::RelError;
+using testutil::RepoRoot;
+
+constexpr int kHidden = 32;
+const std::vector<int> kTaps = {1, 4, 6};
+
+fs::path FixtureDir() { return RepoRoot() / "tests" / "fixtures" / "eagle3"; }
+
+std::unique_ptr<Backend> LoadTarget() {
+  BackendOptions options;
+  options.num_threads = 1;
+  absl::StatusOr<std::unique_ptr<Backend>> b =
+      CreateBackend((FixtureDir() / "target").string(), options);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? *std::move(b) : nullptr;
+}
+
+std::vector<int32_t> Ids() {
+  return ReadJson(FixtureDir() / "oracle.json")["ids"].get<std::vector<int32_t>>();
+}
+
+// The reference's taps, [16, 3 * 32].
+std::vector<float> OracleTaps() {
+  absl::StatusOr<std::unique_ptr<TensorStore>> store =
+      TensorStore::OpenFolder(FixtureDir().string());
+  EXPECT_TRUE(store.ok()) << store.status();
+  if (!store.ok()) return {};
+  std::vector<float> out(16 * 3 * kHidden);
+  EXPECT_TRUE((*store)->ReadF32("taps", {16, 3 * kHidden}, out.data()).ok());
+  return out;
+}
+
+absl::StatusOr<VerifyOutcome> Step(Backend* target, SeqId seq, std::vector<int32_t> pending,
+                                   TokenTree tree, std::vector<int> taps) {
+  VerifyItem item;
+  item.seq = seq;
+  item.pending = std::move(pending);
+  item.tree = std::move(tree);
+  item.tap_layers = std::move(taps);
+  absl::StatusOr<std::vector<VerifyOutcome>> o = target->Verify({item});
+  if (!o.ok()) return o.status();
+  return (*o)[0];
+}
+
+TEST(EagleTapsTest, PrefillTapsMatchTheReference) {
+  std::unique_ptr<Backend> target = LoadTarget();
+  ASSERT_NE(target, nullptr);
+  ASSERT_TRUE(target->verify_features().taps);
+  const std::vector<int32_t> ids = Ids();
+  const std::vector<float> want = OracleTaps();
+  ASSERT_TRUE(target->AddSequence(1).ok());
+  absl::StatusOr<VerifyOutcome> o = Step(target.get(), 1, ids, {}, kTaps);
+  ASSERT_TRUE(o.ok()) << o.status();
+  // Every prompt token's row; the bonus token is not committed yet.
+  ASSERT_EQ(o->taps.size(), ids.size() * 3 * kHidden);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const absl::Span<const float> got =
+        absl::MakeConstSpan(o->taps).subspan(t * 3 * kHidden, 3 * kHidden);
+    const std::vector<double> ref(want.begin() + t * 3 * kHidden,
+                                  want.begin() + (t + 1) * 3 * kHidden);
+    EXPECT_LT(RelError(got, ref), 1e-5) << "token " << t;
+  }
+}
+
+TEST(EagleTapsTest, VerifyStepTapsAreTheBitsOfAPrefillOfTheSamePath) {
+  std::unique_ptr<Backend> target = LoadTarget();
+  ASSERT_NE(target, nullptr);
+  const std::vector<int32_t> ids = Ids();
+  const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 10);
+  // The greedy continuation, decoded without taps.
+  ASSERT_TRUE(target->AddSequence(9).ok());
+  std::vector<int32_t> greedy;
+  std::vector<int32_t> pending = prompt;
+  for (int i = 0; i < 5; ++i) {
+    absl::StatusOr<VerifyOutcome> o = Step(target.get(), 9, pending, {}, {});
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_TRUE(o->taps.empty());
+    greedy.push_back(o->tokens[0]);
+    pending = {o->tokens[0]};
+  }
+  // Sequence 1: prefill, then one step whose tree holds the greedy path (three nodes) beside a
+  // wrong sibling, taps asked for in a non-increasing order.
+  const std::vector<int> order = {6, 1, 8};
+  ASSERT_TRUE(target->AddSequence(1).ok());
+  ASSERT_TRUE(Step(target.get(), 1, prompt, {}, {}).ok());
+  TokenTree tree;
+  tree.tokens = {(greedy[1] + 1) % 256, greedy[1], greedy[2], greedy[3]};
+  tree.parents = {-1, -1, 1, 2};
+  absl::StatusOr<VerifyOutcome> step = Step(target.get(), 1, {greedy[0]}, tree, order);
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_EQ(step->accepted_draft, 3);
+  ASSERT_EQ(step->taps.size(), 4u * order.size() * kHidden);  // the root and three accepted
+
+  // Sequence 2: the same tokens as one prefill chain.
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), greedy.begin(), greedy.begin() + 4);
+  ASSERT_TRUE(target->AddSequence(2).ok());
+  absl::StatusOr<VerifyOutcome> chain = Step(target.get(), 2, all, {}, order);
+  ASSERT_TRUE(chain.ok()) << chain.status();
+  ASSERT_EQ(chain->taps.size(), all.size() * order.size() * kHidden);
+  const size_t row = order.size() * kHidden;
+  EXPECT_EQ(std::memcmp(step->taps.data(), chain->taps.data() + prompt.size() * row,
+                        4 * row * sizeof(float)),
+            0);
+  // Column blocks follow tap_layers' order: tap 1 (second block) matches the reference.
+  const std::vector<float> want = OracleTaps();
+  const std::vector<double> ref(want.begin(), want.begin() + kHidden);  // token 0, tap 1
+  EXPECT_LT(RelError(absl::MakeConstSpan(chain->taps).subspan(kHidden, kHidden), ref), 1e-5);
+}
+
+TEST(EagleTapsTest, TensorParallelRanksSendTheWholeStream) {
+  BackendOptions options;
+  options.num_threads = 1;
+  options.tensor_parallel = 2;
+  absl::StatusOr<std::unique_ptr<Backend>> tp =
+      CreateBackend((FixtureDir() / "target").string(), options);
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  ASSERT_TRUE((*tp)->verify_features().taps);
+  const std::vector<int32_t> ids = Ids();
+  const std::vector<float> want = OracleTaps();
+  ASSERT_TRUE((*tp)->AddSequence(1).ok());
+  absl::StatusOr<VerifyOutcome> o = Step(tp->get(), 1, ids, {}, kTaps);
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_EQ(o->taps.size(), want.size());
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const std::vector<double> ref(want.begin() + t * 3 * kHidden,
+                                  want.begin() + (t + 1) * 3 * kHidden);
+    EXPECT_LT(RelError(absl::MakeConstSpan(o->taps).subspan(t * 3 * kHidden, 3 * kHidden), ref),
+              1e-5)
+        << "token " << t;
+  }
+}
+
+TEST(EagleTapsTest, BadTapLayersAreInvalidArgument) {
+  std::unique_ptr<Backend> target = LoadTarget();
+  ASSERT_NE(target, nullptr);
+  ASSERT_TRUE(target->AddSequence(1).ok());
+  for (const std::vector<int>& bad : {std::vector<int>{9}, {-1}, {2, 2}}) {
+    absl::StatusOr<VerifyOutcome> o = Step(target.get(), 1, {1, 2}, {}, bad);
+    ASSERT_FALSE(o.ok());
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(o.status().message(), HasSubstr("tap_layers"));
+  }
+  EXPECT_EQ(target->CommittedLength(1).value_or(-1), 0);
+}
+
+class EagleDrafterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    EagleHeadOptions options;
+    options.num_threads = 1;
+    for (std::unique_ptr<EagleHead>* h : {&head_, &reference_}) {
+      absl::StatusOr<std::unique_ptr<EagleHead>> head = CreateEagleHead(
+          (FixtureDir() / "eagle3_head").string(), (FixtureDir() / "target").string(), options);
+      ASSERT_TRUE(head.ok()) << head.status();
+      *h = *std::move(head);
+    }
+    drafter_ = std::make_unique<EagleDrafter>(head_.get());
+    ids_ = Ids();
+    taps_ = OracleTaps();
+  }
+
+  DraftRequest Request(SeqId seq, std::vector<int32_t> tokens, int taps_from, int taps_to) {
+    DraftRequest r;
+    r.seq = seq;
+    r.new_tokens = std::move(tokens);
+    r.params = DraftParams{3, 3, 8};
+    r.taps.assign(taps_.begin() + taps_from * 3 * kHidden, taps_.begin() + taps_to * 3 * kHidden);
+    r.taps_first_position = taps_from;
+    return r;
+  }
+
+  std::unique_ptr<EagleHead> head_, reference_;
+  std::unique_ptr<EagleDrafter> drafter_;
+  std::vector<int32_t> ids_;
+  std::vector<float> taps_;
+};
+
+TEST_F(EagleDrafterTest, DraftsFromTheTargetTapsOnceTheyCoverTheSequence) {
+  ASSERT_TRUE(drafter_->AddSequence(1).ok());
+  // First step: the prompt, no taps yet (no verify step has run): nothing to propose.
+  const std::vector<int32_t> prompt(ids_.begin(), ids_.begin() + 12);
+  absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft({Request(1, prompt, 0, 0)});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE((*t)[0].empty());
+  EXPECT_EQ(drafter_->committed(1), 0);
+
+  // The prefill's taps and its bonus token: pairs (taps p, token p + 1) for p < 12.
+  t = drafter_->Draft({Request(1, {ids_[12]}, 0, 12)});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(drafter_->committed(1), 12);
+  const TokenTree& tree = (*t)[0];
+  ASSERT_FALSE(tree.empty());
+  EXPECT_LE(tree.size(), 8);
+  EXPECT_LE(TreeMaxDepth(tree), 3);
+
+  // The first level is the head's top 3 over the draft vocabulary, mapped by d2t, best first.
+  ASSERT_TRUE(reference_->AddSequence(1).ok());
+  EagleHeadItem chain;
+  chain.seq = 1;
+  chain.tokens.assign(ids_.begin() + 1, ids_.begin() + 13);
+  chain.parents.resize(12);
+  std::iota(chain.parents.begin(), chain.parents.end(), -1);
+  chain.inputs = absl::MakeConstSpan(taps_).first(12 * 3 * kHidden);
+  chain.output_rows = {11};
+  EagleHeadOutputs out;
+  ASSERT_TRUE(reference_->Forward({chain}, &out).ok());
+  const int dv = head_->config().draft_vocab_size;
+  std::vector<int32_t> top(3);
+  std::vector<float> lp(3);
+  RowTopKLogprobs(out.logits, 3, top.data(), lp.data());
+  std::vector<int32_t> level1;
+  std::vector<float> level1_lp;
+  for (int i = 0; i < tree.size(); ++i) {
+    if (tree.parents[i] == -1) {
+      level1.push_back(tree.tokens[i]);
+      level1_lp.push_back(tree.draft_logprobs[i]);
+    }
+  }
+  ASSERT_EQ(level1.size(), 3u);
+  for (int j = 0; j < 3; ++j) {
+    EXPECT_EQ(level1[j], head_->draft_to_target()[top[j]]);
+    EXPECT_EQ(level1_lp[j], lp[j]);
+  }
+  EXPECT_EQ(static_cast<int>(out.logits.size()), dv);
+  // Nothing but the target's pairs stays in the head's KV.
+  EXPECT_EQ(head_->Usage().used_tokens, 12);
+
+  // A verify step that accepted one token and sampled a bonus: taps of rows 12 and 13 (a resend
+  // of row 11 is skipped).
+  t = drafter_->Draft({Request(1, {ids_[13], ids_[14]}, 11, 14)});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(drafter_->committed(1), 14);
+  EXPECT_FALSE((*t)[0].empty());
+}
+
+TEST_F(EagleDrafterTest, AGapInTheTapsGivesEmptyTreesAndBadTapsAreRefused) {
+  ASSERT_TRUE(drafter_->AddSequence(1).ok());
+  const std::vector<int32_t> prompt(ids_.begin(), ids_.begin() + 13);
+  // Taps from position 2: positions 0 and 1 are missing, the head cannot start.
+  absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft({Request(1, prompt, 2, 12)});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE((*t)[0].empty());
+  EXPECT_EQ(drafter_->committed(1), 0);
+
+  DraftRequest bad = Request(1, {ids_[13]}, 0, 1);
+  bad.taps.pop_back();
+  absl::Status s = drafter_->CheckRequest(bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("taps"));
+  EXPECT_FALSE(drafter_->Draft({bad}).ok());
+}
+
+}  // namespace
+}  // namespace specd
