@@ -674,7 +674,7 @@ json SpeculationJson(const v1::SpeculationStats& s) {
       s.draft_tokens() > 0
           ? json(static_cast<double>(s.accepted_tokens()) / static_cast<double>(s.draft_tokens()))
           : json(nullptr);
-  out["mean_acceptance_length"] =
+  out["mean_accepted_length"] =
       s.steps() > 0
           ? json(1.0 + static_cast<double>(s.accepted_tokens()) / static_cast<double>(s.steps()))
           : json(nullptr);

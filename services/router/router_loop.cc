@@ -39,6 +39,22 @@ grpc::Status EndedStatus(const RouterRequest& request, bool cancelled, absl::Tim
   return grpc::Status::OK;
 }
 
+// specd_requests_finished_total's label: the SDKs' names of the finish reasons.
+const char* FinishReasonLabel(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_STOP_TOKEN:
+      return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING:
+      return "stop_string";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    default:
+      return "length";
+  }
+}
+
 class StreamDecoder : public TokenTextDecoder {
  public:
   explicit StreamDecoder(const Tokenizer* tokenizer)
@@ -295,6 +311,7 @@ void RouterLoop::Admit() {
                                                 : v1::SPECULATION_DRAFT_MODEL;
     metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
     metrics_->prompt_tokens.Increment(static_cast<double>(prompt_len));
+    metrics_->request_prompt_tokens.Observe(static_cast<double>(prompt_len));
     running_.push_back(std::move(seq));
   }
   UpdateGauges();
@@ -645,6 +662,8 @@ void RouterLoop::Emit(Sequence& seq) {
     seq.sink->Write(std::move(response));
     seq.sink->Finish(grpc::Status::OK);
     metrics_->CountOutcome(grpc::StatusCode::OK);
+    metrics_->CountFinish(FinishReasonLabel(seq.output->finish_reason()));
+    metrics_->request_generation_tokens.Observe(seq.output->generated());
     metrics_->e2e_request_latency.Observe(absl::ToDoubleSeconds(now - seq.request.arrival));
     Release(seq, /*finished=*/true);
     return;

@@ -29,6 +29,9 @@ class RouterMetrics {
   // specd_spec_steps_total{tree_size, reason}: one sequence's verify step, by the tree size
   // bucket it carried (engine/spec/policy.h TreeSizeBucket) and why it had that shape.
   void CountStep(const char* tree_size, const char* reason);
+  // specd_requests_finished_total{finish_reason}: one request that ended normally, with
+  // `finish_reason` one of length, eos, stop_token, stop_string, context.
+  void CountFinish(const char* finish_reason);
 
   prometheus::Gauge& requests_running;
   prometheus::Gauge& requests_waiting;
@@ -38,6 +41,9 @@ class RouterMetrics {
   prometheus::Histogram& queue_time;
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& generation_tokens;
+  // Per request: prompt tokens at admission, generated tokens (stop tokens included) at the end.
+  prometheus::Histogram& request_prompt_tokens;
+  prometheus::Histogram& request_generation_tokens;
   prometheus::Counter& spec_decode_steps;
   prometheus::Counter& spec_decode_draft_tokens;
   prometheus::Counter& spec_decode_accepted_tokens;
@@ -55,6 +61,7 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& accepted_per_pos_;
   prometheus::Family<prometheus::Counter>& target_only_;
   prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Family<prometheus::Counter>& finished_;
   absl::Mutex mu_;
   // Children of accepted_per_pos_ by position, created on first use.
   std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);

@@ -238,6 +238,10 @@ TEST_F(GenerationApiTest, MinTokensHoldsBackEos) {
     EXPECT_EQ(s.last.usage().completion_tokens(), 11u) << "mode " << mode;
     EXPECT_EQ(s.tokens.size(), 10u) << "mode " << mode;
   }
+  // The other tests of this suite ignore EOS, so these two are the only ones it ended.
+  EXPECT_TRUE(CpuCluster::WaitForMetric(cluster_->router_metrics, "specd_requests_finished_total",
+                                        {{"finish_reason", "eos"}}, 2)
+                  .ok());
 }
 
 TEST_F(GenerationApiTest, NSamplesStreamByIndexWithSeedPlusIndex) {

@@ -356,7 +356,7 @@ TEST(HttpProtocolTest, CompletionResponse) {
   EXPECT_EQ(r["specd"]["matched_stop"], "\n");
   EXPECT_EQ(r["specd"]["speculation"]["mode"], "draft_model");
   EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["acceptance_rate"].get<double>(), 6.0 / 16.0);
-  EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["mean_acceptance_length"].get<double>(),
+  EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["mean_accepted_length"].get<double>(),
                    1.0 + 6.0 / 4.0);
   EXPECT_EQ(r["specd"]["speculation"]["accepted_per_position"], json::array({3, 2}));
 
@@ -374,7 +374,7 @@ TEST(HttpProtocolTest, FinishReasons) {
   EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_STRING), "stop");
   const json none = SpeculationJson(v1::SpeculationStats());
   EXPECT_TRUE(none["acceptance_rate"].is_null());
-  EXPECT_TRUE(none["mean_acceptance_length"].is_null());
+  EXPECT_TRUE(none["mean_accepted_length"].is_null());
 }
 
 TEST(HttpProtocolTest, StreamChunks) {
