@@ -676,7 +676,8 @@ void OpenAiServer::HandleHealth(httplib::Response& res) {
 }
 
 void OpenAiServer::HandleMetrics(httplib::Response& res) {
-  res.set_content(SerializeMetrics(*registry_), "text/plain; version=0.0.4; charset=utf-8");
+  res.set_content(SerializeMetrics(*registry_, MetricLabelsNow()),
+                  "text/plain; version=0.0.4; charset=utf-8");
 }
 
 }  // namespace specd

@@ -239,9 +239,14 @@ TEST_F(GenerationApiTest, MinTokensHoldsBackEos) {
     EXPECT_EQ(s.tokens.size(), 10u) << "mode " << mode;
   }
   // The other tests of this suite ignore EOS, so these two are the only ones it ended.
+  // Every specd_ sample carries the served model's name (the model folder is ".../target").
   EXPECT_TRUE(CpuCluster::WaitForMetric(cluster_->router_metrics, "specd_requests_finished_total",
-                                        {{"finish_reason", "eos"}}, 2)
+                                        {{"finish_reason", "eos"}, {"model", "target"}}, 2)
                   .ok());
+  EXPECT_FALSE(std::isnan(CpuCluster::Metric(cluster_->verify_metrics, "specd_sequences_freed_total",
+                                             {{"reason", "finished"}, {"model", "target"}})));
+  EXPECT_FALSE(std::isnan(CpuCluster::Metric(cluster_->draft_metrics, "specd_sequences",
+                                             {{"model", "draft"}})));
 }
 
 TEST_F(GenerationApiTest, NSamplesStreamByIndexWithSeedPlusIndex) {
