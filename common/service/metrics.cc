@@ -125,10 +125,10 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   });
   MetricsServer* self = server.get();
   server->http_->Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
-    res.set_content(SerializeMetrics(*self->registry_, self->service_labels_
-                                                           ? self->service_labels_()
-                                                           : MetricLabels()),
-                    "text/plain; version=0.0.4; charset=utf-8");
+    res.set_content(
+        SerializeMetrics(*self->registry_,
+                         self->service_labels_ ? self->service_labels_() : MetricLabels()),
+        "text/plain; version=0.0.4; charset=utf-8");
   });
   server->http_->Get("/health", [self](const httplib::Request&, httplib::Response& res) {
     const bool ok = !self->healthy_ || self->healthy_();

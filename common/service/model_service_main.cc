@@ -49,8 +49,8 @@ int RunModelService(
     const MetricLabels labels = {{"model", ModelLabel(options.model)}};
     metrics_options.service_labels = [labels] { return labels; };
   }
-  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
-      metrics_options, registry, [&serving] { return serving.load(); });
+  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
+      MetricsServer::Start(metrics_options, registry, [&serving] { return serving.load(); });
   if (!metrics_server.ok()) return FailStartup(metrics_server.status());
   SPECD_LOG(INFO) << options.name << ": gRPC on port " << (*server)->port()
                   << ", metrics on port " << (*metrics_server)->port() << "; loading "

@@ -173,19 +173,44 @@ absl::Status ParseSpecdExtension(const json& body, v1::GenerateRequest* out) {
 // The request fields each endpoint knows. Anything else is a 400 naming it: a field silently
 // dropped would return something other than what was asked for (docs/http.md lists them all).
 bool KnownField(Endpoint endpoint, const std::string& key) {
-  static const absl::flat_hash_set<std::string> kCommon = {
-      "model",          "max_tokens",        "temperature",       "top_p",
-      "top_k",          "min_p",             "n",                 "stream",
-      "stream_options", "stop",              "stop_token_ids",    "seed",
-      "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-      "min_tokens",     "ignore_eos",        "logprobs",          "echo",
-      "speculation",    "specd",             "user",              "best_of"};
+  static const absl::flat_hash_set<std::string> kCommon = {"model",
+                                                           "max_tokens",
+                                                           "temperature",
+                                                           "top_p",
+                                                           "top_k",
+                                                           "min_p",
+                                                           "n",
+                                                           "stream",
+                                                           "stream_options",
+                                                           "stop",
+                                                           "stop_token_ids",
+                                                           "seed",
+                                                           "presence_penalty",
+                                                           "frequency_penalty",
+                                                           "repetition_penalty",
+                                                           "logit_bias",
+                                                           "min_tokens",
+                                                           "ignore_eos",
+                                                           "logprobs",
+                                                           "echo",
+                                                           "speculation",
+                                                           "specd",
+                                                           "user",
+                                                           "best_of"};
   static const absl::flat_hash_set<std::string> kCompletions = {"prompt", "suffix"};
-  static const absl::flat_hash_set<std::string> kChat = {
-      "messages",          "max_completion_tokens", "top_logprobs",     "tools",
-      "tool_choice",       "response_format",       "add_special_tokens", "add_generation_prompt",
-      "continue_final_message", "chat_template_kwargs", "chat_template",  "documents",
-      "parallel_tool_calls"};
+  static const absl::flat_hash_set<std::string> kChat = {"messages",
+                                                         "max_completion_tokens",
+                                                         "top_logprobs",
+                                                         "tools",
+                                                         "tool_choice",
+                                                         "response_format",
+                                                         "add_special_tokens",
+                                                         "add_generation_prompt",
+                                                         "continue_final_message",
+                                                         "chat_template_kwargs",
+                                                         "chat_template",
+                                                         "documents",
+                                                         "parallel_tool_calls"};
   if (kCommon.contains(key)) return true;
   return endpoint == Endpoint::kCompletions ? kCompletions.contains(key) : kChat.contains(key);
 }
@@ -202,8 +227,9 @@ absl::Status RejectUnsupported(Endpoint endpoint, const json& body) {
       return Invalid(key, kLaterWave);
     }
     if (!KnownField(endpoint, key)) {
-      return Invalid(key, "unknown field; specd does not honour it (docs/http.md lists the "
-                          "fields it does)");
+      return Invalid(key,
+                     "unknown field; specd does not honour it (docs/http.md lists the "
+                     "fields it does)");
     }
   }
   absl::StatusOr<std::optional<int64_t>> n = OptionalInt(body, "n");
@@ -297,7 +323,8 @@ absl::Status ParseSampling(const json& body, v1::GenerateRequest* out) {
     }
     out->set_top_k(static_cast<int32_t>(**top_k));
   }
-  for (const char* name : {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}) {
+  for (const char* name :
+       {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}) {
     absl::StatusOr<std::optional<double>> v = OptionalNumber(body, name);
     if (!v.ok()) return v.status();
     if (!v->has_value()) continue;

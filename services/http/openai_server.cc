@@ -90,10 +90,10 @@ struct StreamState {
   absl::Duration keepalive;
   std::unique_ptr<ActiveCall> call;
   std::optional<v1::GenerateResponse> pending;  // the first chunk, read before the headers
-  int logprobs = -1;      // ParsedRequest::logprobs
-  uint32_t samples = 1;   // choices; the stream ends when each has finished
-  uint32_t finished = 0;  // choices whose last chunk was written
-  v1::Usage usage;        // of the finished choices
+  int logprobs = -1;                            // ParsedRequest::logprobs
+  uint32_t samples = 1;                         // choices; the stream ends when each has finished
+  uint32_t finished = 0;                        // choices whose last chunk was written
+  v1::Usage usage;                              // of the finished choices
   // Per choice.
   std::vector<bool> role_sent;
   std::vector<size_t> text_offset;
@@ -112,8 +112,7 @@ bool WriteChunk(StreamState& s, const v1::GenerateResponse& chunk, httplib::Data
   const std::vector<int32_t> ids(chunk.token_ids().begin(), chunk.token_ids().end());
   const nlohmann::json logprobs =
       s.logprobs >= 0
-          ? LogprobsJson(s.endpoint, s.logprobs,
-                         {chunk.logprobs().begin(), chunk.logprobs().end()},
+          ? LogprobsJson(s.endpoint, s.logprobs, {chunk.logprobs().begin(), chunk.logprobs().end()},
                          &s.text_offset[index])
           : nlohmann::json();
   std::string out =

@@ -86,8 +86,8 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
     return Invalid(absl::StrCat("logprobs_source: unknown value ", r.logprobs_source()));
   }
   if (r.n() > static_cast<uint32_t>(kMaxSamplesPerRequest)) {
-    return Invalid(absl::StrCat("n: ", r.n(), " exceeds ", kMaxSamplesPerRequest,
-                                " samples per request"));
+    return Invalid(
+        absl::StrCat("n: ", r.n(), " exceeds ", kMaxSamplesPerRequest, " samples per request"));
   }
   if (r.draft_max_nodes() > static_cast<uint32_t>(kMaxTreeNodes)) {
     return Invalid(absl::StrCat("draft_max_nodes: ", r.draft_max_nodes(), " exceeds ",

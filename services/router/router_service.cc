@@ -140,9 +140,7 @@ class SampleSink : public ResponseSink {
     }
   }
 
-  bool Cancelled() const override {
-    return shared_->failed.load() || shared_->parent->Cancelled();
-  }
+  bool Cancelled() const override { return shared_->failed.load() || shared_->parent->Cancelled(); }
 
  private:
   const std::shared_ptr<Shared> shared_;
@@ -175,10 +173,9 @@ class GenerateReactor : public GenerateWriter {
           RouterRequest sample = prepared;
           // vLLM's rule for n > 1: sample i of a seeded request uses seed + i, so each sample
           // is reproducible on its own and the samples differ.
-          sample.sampling.seed =
-              request->has_seed() ? request->seed() + static_cast<uint64_t>(i)
-              : i == 0            ? prepared.sampling.seed
-                                  : service->RandomSeed();
+          sample.sampling.seed = request->has_seed() ? request->seed() + static_cast<uint64_t>(i)
+                                 : i == 0            ? prepared.sampling.seed
+                                                     : service->RandomSeed();
           if (!sample.request_id.empty()) absl::StrAppend(&sample.request_id, "/", i);
           status = service->loop()->Submit(
               std::move(sample), std::make_shared<SampleSink>(shared, static_cast<uint32_t>(i)));

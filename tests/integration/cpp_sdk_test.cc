@@ -440,12 +440,12 @@ TEST(CppSdkTest, SamplingFieldsLogprobsAndSamplesRoundTrip) {
     EXPECT_EQ(got->token_ids, want->token_ids) << "sample " << i;
   }
 
-  const std::string cmd = absl::StrCat(SpecdBinary("specd-cli"), " generate --server ",
-                                       c->router_address,
-                                       " --prompt 'def parse(line):' --max-new-tokens 24"
-                                       " --ignore-eos --speculation off --logprobs 2"
-                                       " --repetition-penalty 1.25 --frequency-penalty 0.5"
-                                       " --logit-bias 101=4 --min-tokens 4 --json");
+  const std::string cmd =
+      absl::StrCat(SpecdBinary("specd-cli"), " generate --server ", c->router_address,
+                   " --prompt 'def parse(line):' --max-new-tokens 24"
+                   " --ignore-eos --speculation off --logprobs 2"
+                   " --repetition-penalty 1.25 --frequency-penalty 0.5"
+                   " --logit-bias 101=4 --min-tokens 4 --json");
   FILE* p = popen(cmd.c_str(), "r");
   ASSERT_NE(p, nullptr);
   std::string out;

@@ -43,8 +43,8 @@ struct Result {
 };
 
 Result Generate(const std::string& address, const v1::GenerateRequest& request) {
-  auto stub = v1::Generation::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::Generation::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
   Result r;
@@ -243,10 +243,11 @@ TEST_F(GenerationApiTest, MinTokensHoldsBackEos) {
   EXPECT_TRUE(CpuCluster::WaitForMetric(cluster_->router_metrics, "specd_requests_finished_total",
                                         {{"finish_reason", "eos"}, {"model", "target"}}, 2)
                   .ok());
-  EXPECT_FALSE(std::isnan(CpuCluster::Metric(cluster_->verify_metrics, "specd_sequences_freed_total",
-                                             {{"reason", "finished"}, {"model", "target"}})));
-  EXPECT_FALSE(std::isnan(CpuCluster::Metric(cluster_->draft_metrics, "specd_sequences",
-                                             {{"model", "draft"}})));
+  EXPECT_FALSE(
+      std::isnan(CpuCluster::Metric(cluster_->verify_metrics, "specd_sequences_freed_total",
+                                    {{"reason", "finished"}, {"model", "target"}})));
+  EXPECT_FALSE(std::isnan(
+      CpuCluster::Metric(cluster_->draft_metrics, "specd_sequences", {{"model", "draft"}})));
 }
 
 TEST_F(GenerationApiTest, NSamplesStreamByIndexWithSeedPlusIndex) {
@@ -291,9 +292,8 @@ TEST_F(GenerationApiTest, BadFieldsAreInvalidArgumentNamingTheField) {
       {"frequency_penalty", [](v1::GenerateRequest* r) { r->set_frequency_penalty(-3); }},
       {"min_tokens", [](v1::GenerateRequest* r) { r->set_min_tokens(17); }},
       {"logprobs", [](v1::GenerateRequest* r) { r->set_logprobs(21); }},
-      {"logprobs_source", [](v1::GenerateRequest* r) {
-         r->set_logprobs_source(static_cast<v1::LogprobsSource>(7));
-       }},
+      {"logprobs_source",
+       [](v1::GenerateRequest* r) { r->set_logprobs_source(static_cast<v1::LogprobsSource>(7)); }},
       {"n", [](v1::GenerateRequest* r) { r->set_n(17); }},
   };
   for (const Case& c : cases) {

@@ -675,10 +675,14 @@ TEST(HttpEdgeTest, LogprobsNAndSamplingFieldsMatchGrpc) {
   ASSERT_TRUE(want.status.ok()) << want.status.error_message();
   ASSERT_EQ(want.logprobs.size(), want.tokens.size());
 
-  const json body = {{"prompt", "def add(a, b):"},   {"max_tokens", 12},
-                     {"ignore_eos", true},           {"logprobs", 2},
-                     {"repetition_penalty", 1.2},    {"presence_penalty", 0.3},
-                     {"min_p", 0.05},                {"logit_bias", {{"101", 2.0}}}};
+  const json body = {{"prompt", "def add(a, b):"},
+                     {"max_tokens", 12},
+                     {"ignore_eos", true},
+                     {"logprobs", 2},
+                     {"repetition_penalty", 1.2},
+                     {"presence_penalty", 0.3},
+                     {"min_p", 0.05},
+                     {"logit_bias", {{"101", 2.0}}}};
   const HttpReply reply = Post(http.port, "/v1/completions", body.dump());
   ASSERT_EQ(reply.status, 200) << reply.body;
   const json r = ParseJson(reply.body);
@@ -798,8 +802,8 @@ TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {
            "response_format": {"type": "json_schema", "json_schema": {}}})",
        400, "response_format"},
       {"/v1/chat/completions",
-       R"({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]})",
-       400, "tools"},
+       R"({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]})", 400,
+       "tools"},
       {kC, R"({"max_tokens": 3})", 400, "prompt"},
       {kC, R"({"prompt": "x", "max_tokens": 3)", 400, nullptr},
       {kC, R"(not json at all)", 400, nullptr},

@@ -411,12 +411,12 @@ TEST(HttpProtocolTest, StreamChunks) {
 }
 
 TEST(HttpProtocolTest, SamplingFieldsLogprobsAndNMapToGenerateRequest) {
-  absl::StatusOr<ParsedRequest> r = ParseRequest(
-      Endpoint::kCompletions,
-      R"({"prompt": "x", "min_p": 0.1, "min_tokens": 5, "repetition_penalty": 1.2,
+  absl::StatusOr<ParsedRequest> r =
+      ParseRequest(Endpoint::kCompletions,
+                   R"({"prompt": "x", "min_p": 0.1, "min_tokens": 5, "repetition_penalty": 1.2,
           "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"7": -100, "9": 2.5},
           "logprobs": 3, "n": 4, "best_of": 4, "specd": {"logprobs_mode": "processed_logprobs"}})",
-      Options());
+                   Options());
   ASSERT_TRUE(r.ok()) << r.status();
   const v1::GenerateRequest& g = r->generate;
   EXPECT_FLOAT_EQ(g.min_p(), 0.1f);

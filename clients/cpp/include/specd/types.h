@@ -63,7 +63,7 @@ struct GenerateRequest {
   std::string request_id;  // echoed in the router's logs
 
   // Logits processors (docs/sampling.md); lossless under speculation.
-  float min_p = 0.0f;  // [0, 1]; 0 = off
+  float min_p = 0.0f;                                 // [0, 1]; 0 = off
   std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, bias in [-100, 100])
   std::optional<float> repetition_penalty;            // > 0; unset = 1 (off)
   float presence_penalty = 0.0f;                      // [-2, 2]
@@ -91,7 +91,7 @@ struct TokenLogprob {
   int32_t token_id = 0;
   std::string token;
   float logprob = 0.0f;
-  uint32_t rank = 0;  // 1 + the number of tokens with a strictly higher log-probability
+  uint32_t rank = 0;            // 1 + the number of tokens with a strictly higher log-probability
   std::vector<TopLogprob> top;  // most likely first
 };
 
