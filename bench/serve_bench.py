@@ -145,6 +145,7 @@ def pct(values, q):
 # ---- /metrics scraping -------------------------------------------------------------------------
 
 METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEnaNinf]+)")
+MODEL_LABEL_RE = re.compile(r',?model="(?:[^"\\]|\\.)*"')
 
 
 def scrape(url):
@@ -159,7 +160,10 @@ def scrape(url):
         m = METRIC_RE.match(line)
         if m:
             try:
-                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+                # Every specd_ sample carries the service's model label; keys leave it out.
+                labels = MODEL_LABEL_RE.sub("", m.group(2) or "").replace("{,", "{")
+                labels = "" if labels == "{}" else labels.replace(",}", "}")
+                out[m.group(1) + labels] = float(m.group(3))
             except ValueError:
                 pass
     return out

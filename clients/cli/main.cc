@@ -4,6 +4,8 @@
 //       [--top-p P] [--top-k K] [--seed S] [--speculation auto|off|draft_model|ngram|eagle3]
 //       [--stop STR]... [--stop-token-id ID]... [--prompt-ids 1,2,3] [--ignore-eos]
 //       [--draft-depth N] [--draft-top-k N] [--draft-max-nodes N] [--timeout-ms MS] [--json]
+//       [--min-p P] [--min-tokens N] [--logit-bias ID=BIAS]... [--repetition-penalty R]
+//       [--presence-penalty P] [--frequency-penalty F] [--logprobs N] [--processed-logprobs]
 //   specd-cli tokenize --server HOST:PORT --text TEXT [--add-special-tokens]
 //   specd-cli detokenize --server HOST:PORT --ids 1,2,3 [--skip-special-tokens]
 //   specd-cli info --server HOST:PORT
@@ -15,7 +17,9 @@
 // UNAVAILABLE or RESOURCE_EXHAUSTED before any output are retried with backoff.
 //
 // generate streams the completion to stdout as it arrives. With --json it prints one JSON
-// object per streamed chunk ({"token_ids": [...], "text": "..."}) and a last line with the
+// object per streamed chunk ({"token_ids": [...], "text": "...", and with --logprobs N
+// "logprobs": [{"token_id", "token", "logprob", "rank", "top": [{"token_id", "token",
+// "logprob"}]}]}) and a last line with the
 // finish reason, usage, speculation stats and timings. Errors go to stderr as
 // "error: CODE_NAME: message" with a non-zero exit status.
 //
@@ -118,6 +122,14 @@ class Args {
         {"timeout-ms", true},
         {"request-id", true},
         {"json", false},
+        {"min-p", true},
+        {"min-tokens", true},
+        {"logit-bias", true},
+        {"repetition-penalty", true},
+        {"presence-penalty", true},
+        {"frequency-penalty", true},
+        {"logprobs", true},
+        {"processed-logprobs", false},
         {"text", true},
         {"ids", true},
         {"add-special-tokens", false},
@@ -287,8 +299,33 @@ int Generate(const Args& args) {
       !ParseNumber(args, "draft-depth", &request.draft_depth, &error) ||
       !ParseNumber(args, "draft-top-k", &request.draft_top_k, &error) ||
       !ParseNumber(args, "draft-max-nodes", &request.draft_max_nodes, &error) ||
-      !ParseNumber(args, "timeout-ms", &timeout_ms, &error)) {
+      !ParseNumber(args, "timeout-ms", &timeout_ms, &error) ||
+      !ParseNumber(args, "min-p", &request.min_p, &error) ||
+      !ParseNumber(args, "min-tokens", &request.min_tokens, &error) ||
+      !ParseNumber(args, "presence-penalty", &request.presence_penalty, &error) ||
+      !ParseNumber(args, "frequency-penalty", &request.frequency_penalty, &error)) {
     return UsageError(error);
+  }
+  if (args.Has("repetition-penalty")) {
+    float r = 1;
+    if (!ParseNumber(args, "repetition-penalty", &r, &error)) return UsageError(error);
+    request.repetition_penalty = r;
+  }
+  if (args.Has("logprobs")) {
+    uint32_t n = 0;
+    if (!ParseNumber(args, "logprobs", &n, &error)) return UsageError(error);
+    request.logprobs = n;
+  }
+  request.processed_logprobs = args.Has("processed-logprobs");
+  for (const std::string& b : args.All("logit-bias")) {
+    const size_t eq = b.find('=');
+    int32_t id = 0;
+    float bias = 0;
+    if (eq == std::string::npos || !absl::SimpleAtoi(b.substr(0, eq), &id) ||
+        !absl::SimpleAtof(b.substr(eq + 1), &bias)) {
+      return UsageError(absl::StrCat("--logit-bias: expected ID=BIAS, got '", b, "'"));
+    }
+    request.logit_bias.emplace_back(id, bias);
   }
   // Only what the user gave is sent; the router validates the values and fills defaults.
   if (args.Has("temperature")) request.temperature = temperature;
@@ -325,6 +362,22 @@ int Generate(const Args& args) {
         if (as_json) {
           if (!chunk.token_ids.empty() || !chunk.text.empty()) {
             json line = {{"token_ids", chunk.token_ids}, {"text", chunk.text}};
+            if (request.logprobs.has_value()) {
+              json lps = json::array();
+              for (const TokenLogprob& lp : chunk.logprobs) {
+                json top = json::array();
+                for (const TopLogprob& t : lp.top) {
+                  top.push_back(
+                      {{"token_id", t.token_id}, {"token", t.token}, {"logprob", t.logprob}});
+                }
+                lps.push_back({{"token_id", lp.token_id},
+                               {"token", lp.token},
+                               {"logprob", lp.logprob},
+                               {"rank", lp.rank},
+                               {"top", std::move(top)}});
+              }
+              line["logprobs"] = std::move(lps);
+            }
             std::printf("%s\n", Dump(line).c_str());
           }
         } else {

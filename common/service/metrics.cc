@@ -52,10 +52,28 @@ prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& 
   return prometheus::BuildCounter().Name(name).Help(help).Register(registry);
 }
 
-std::string SerializeMetrics(prometheus::Registry& registry) {
+std::string SerializeMetrics(prometheus::Registry& registry, const MetricLabels& service_labels) {
+  std::vector<prometheus::MetricFamily> families = registry.Collect();
+  if (!service_labels.empty()) {
+    for (prometheus::MetricFamily& family : families) {
+      if (family.name.rfind("specd_", 0) != 0) continue;
+      for (prometheus::ClientMetric& metric : family.metric) {
+        for (const auto& [name, value] : service_labels) {
+          metric.label.push_back({name, value});
+        }
+      }
+    }
+  }
   std::ostringstream out;
-  prometheus::TextSerializer().Serialize(out, registry.Collect());
+  prometheus::TextSerializer().Serialize(out, families);
   return out.str();
+}
+
+std::string ModelLabel(const std::string& model_dir) {
+  std::string dir = model_dir;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const size_t slash = dir.rfind('/');
+  return slash == std::string::npos ? dir : dir.substr(slash + 1);
 }
 
 namespace {
@@ -107,6 +125,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   std::unique_ptr<MetricsServer> server(new MetricsServer());
   server->registry_ = std::move(registry);
   server->healthy_ = std::move(healthy);
+  server->service_labels_ = options.service_labels;
   // Scrapes and health checks are few; the cap and deadline keep idle or slow connections
   // from starving them.
   GuardedHttpOptions guard;
@@ -123,7 +142,10 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   });
   MetricsServer* self = server.get();
   server->http_->Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
-    res.set_content(SerializeMetrics(*self->registry_), "text/plain; version=0.0.4; charset=utf-8");
+    res.set_content(
+        SerializeMetrics(*self->registry_,
+                         self->service_labels_ ? self->service_labels_() : MetricLabels()),
+        "text/plain; version=0.0.4; charset=utf-8");
   });
   server->http_->Get("/health", [self](const httplib::Request&, httplib::Response& res) {
     const bool ok = !self->healthy_ || self->healthy_();

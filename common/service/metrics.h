@@ -54,8 +54,16 @@ prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& 
                                                           const std::string& name,
                                                           const std::string& help);
 
-// The registry's current state in the Prometheus text exposition format (version 0.0.4).
-std::string SerializeMetrics(prometheus::Registry& registry);
+// The registry's current state in the Prometheus text exposition format (version 0.0.4), with
+// `service_labels` added to every sample of every specd_ family (the `model` label each service
+// puts on all its metrics, as vLLM's model_name, so that several models scraped by one
+// Prometheus stay apart).
+std::string SerializeMetrics(prometheus::Registry& registry,
+                             const MetricLabels& service_labels = {});
+
+// The `model` label of a service serving the Hugging Face folder `model_dir`: its last path
+// component ("/models/Llama-3.1-8B/" -> "Llama-3.1-8B").
+std::string ModelLabel(const std::string& model_dir);
 
 // The metrics the draft and verify services share (docs/metrics.md, "draft and verify").
 // Updated only by the loop thread that owns the model; scraped from the HTTP thread, which is
@@ -84,6 +92,8 @@ struct ModelServiceMetrics {
 struct MetricsServerOptions {
   std::string host = "0.0.0.0";
   int port = 0;  // 0: pick a free port; MetricsServer::port() tells which
+  // Labels added to every specd_ sample at each scrape (SerializeMetrics); null: none.
+  std::function<MetricLabels()> service_labels;
 };
 
 // Serves GET /metrics (text format of `registry`) and GET /health (200 "ok" while `healthy`
@@ -108,6 +118,7 @@ class MetricsServer {
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::function<bool()> healthy_;
+  std::function<MetricLabels()> service_labels_;
   std::unique_ptr<httplib::Server> http_;
   std::thread thread_;
   std::atomic<bool> listen_returned_{false};

@@ -54,9 +54,15 @@ int RunModelService(
   server_options.reflection = options.reflection;
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(server_options);
   if (!server.ok()) return FailStartup(server.status());
-  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServer::Start(
-      {host_port->host.empty() ? "0.0.0.0" : host_port->host, options.metrics_port}, registry,
-      [&serving] { return serving.load(); });
+  MetricsServerOptions metrics_options;
+  metrics_options.host = host_port->host.empty() ? "0.0.0.0" : host_port->host;
+  metrics_options.port = options.metrics_port;
+  if (!options.model.empty()) {
+    const MetricLabels labels = {{"model", ModelLabel(options.model)}};
+    metrics_options.service_labels = [labels] { return labels; };
+  }
+  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
+      MetricsServer::Start(metrics_options, registry, [&serving] { return serving.load(); });
   if (!metrics_server.ok()) return FailStartup(metrics_server.status());
   SPECD_LOG(INFO) << options.name << ": gRPC on port " << (*server)->port()
                   << ", metrics on port " << (*metrics_server)->port() << "; loading "

@@ -54,6 +54,8 @@ struct ModelServiceOptions {
   std::string service_full_name;     // health status name, e.g. v1::Drafter::service_full_name()
   std::string loading;    // what the startup log line says is being loaded
   std::string device;     // where the model runs, for the "serving" log line
+  // The model folder (--model); its name is the `model` label of every specd_ metric.
+  std::string model;
   int startup_delay_ms = 0;     // wait before loading (readiness probes in tests)
   int shutdown_grace_ms = 5000;  // how long running sequences may go on after a signal
   // TLS of the gRPC listener (see common/service/tls_options.h); null: plaintext. The

@@ -1,5 +1,6 @@
 #include "services/http/generate_call.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace specd {
@@ -27,7 +28,11 @@ void GenerateCall::OnReadDone(bool ok) {
   if (!ok) return;
   {
     absl::MutexLock lock(&mu_);
-    if (incoming_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) saw_last_ = true;
+    // With n samples, each ends with a chunk of its own that carries a finish reason.
+    if (incoming_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED &&
+        ++finished_samples_ >= std::max<uint32_t>(1, request_.n())) {
+      saw_last_ = true;
+    }
     queue_.push_back(std::move(incoming_));
   }
   incoming_.Clear();

@@ -51,7 +51,8 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
 
   absl::Mutex mu_;
   std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);
-  bool saw_last_ ABSL_GUARDED_BY(mu_) = false;  // a chunk with a finish reason arrived
+  uint32_t finished_samples_ ABSL_GUARDED_BY(mu_) = 0;
+  bool saw_last_ ABSL_GUARDED_BY(mu_) = false;  // every sample's last chunk arrived
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };

@@ -143,6 +143,7 @@ int Main() {
     metrics_options.host = options.host;
     metrics_options.port = metrics_port;
     OpenAiServer* s = server->get();
+    metrics_options.service_labels = [s] { return s->MetricLabelsNow(); };
     absl::StatusOr<std::unique_ptr<MetricsServer>> m = MetricsServer::Start(
         metrics_options, (*server)->registry(), [s] { return s->RouterServing(); });
     if (!m.ok()) return Fail(absl::StrCat("--metrics_port: ", m.status().ToString()));

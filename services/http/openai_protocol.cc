@@ -1,9 +1,14 @@
 #include "services/http/openai_protocol.h"
 
+#include <algorithm>
 #include <limits>
+#include <string_view>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/service/grpc_util.h"
@@ -138,6 +143,16 @@ absl::Status ParseSpecdExtension(const json& body, v1::GenerateRequest* out) {
       absl::StatusOr<v1::Speculation> s = ParseSpeculation(value, field);
       if (!s.ok()) return s.status();
       out->set_speculation(*s);
+    } else if (key == "logprobs_mode") {
+      // vLLM's --logprobs-mode names; per request here.
+      if (value.is_null()) continue;
+      if (value == json("raw_logprobs")) {
+        out->set_logprobs_source(v1::LOGPROBS_SOURCE_RAW);
+      } else if (value == json("processed_logprobs")) {
+        out->set_logprobs_source(v1::LOGPROBS_SOURCE_PROCESSED);
+      } else {
+        return Invalid(field, "must be raw_logprobs or processed_logprobs");
+      }
     } else if (key == "draft_depth" || key == "draft_top_k" || key == "draft_max_nodes") {
       absl::StatusOr<std::optional<int64_t>> v = OptionalInt(*ext, key.c_str(), field);
       if (!v.ok()) return v.status();
@@ -150,75 +165,145 @@ absl::Status ParseSpecdExtension(const json& body, v1::GenerateRequest* out) {
     } else {
       return Invalid(field,
                      "unknown field (known: speculation, draft_depth, draft_top_k, "
-                     "draft_max_nodes)");
+                     "draft_max_nodes, logprobs_mode)");
     }
   }
   return absl::OkStatus();
 }
 
-// Options specd does not implement: rejected when set to anything but their neutral value,
-// because silently ignoring them would return something other than what was asked for.
+// The request fields each endpoint knows. Anything else is a 400 naming it: a field silently
+// dropped would return something other than what was asked for (docs/http.md lists them all).
+bool KnownField(Endpoint endpoint, const std::string& key) {
+  static const absl::flat_hash_set<std::string> kCommon = {"model",
+                                                           "max_tokens",
+                                                           "temperature",
+                                                           "top_p",
+                                                           "top_k",
+                                                           "min_p",
+                                                           "n",
+                                                           "stream",
+                                                           "stream_options",
+                                                           "stop",
+                                                           "stop_token_ids",
+                                                           "seed",
+                                                           "presence_penalty",
+                                                           "frequency_penalty",
+                                                           "repetition_penalty",
+                                                           "logit_bias",
+                                                           "min_tokens",
+                                                           "ignore_eos",
+                                                           "logprobs",
+                                                           "echo",
+                                                           "speculation",
+                                                           "specd",
+                                                           "user",
+                                                           "best_of"};
+  static const absl::flat_hash_set<std::string> kCompletions = {"prompt", "suffix"};
+  static const absl::flat_hash_set<std::string> kChat = {"messages",
+                                                         "max_completion_tokens",
+                                                         "top_logprobs",
+                                                         "tools",
+                                                         "tool_choice",
+                                                         "response_format",
+                                                         "add_special_tokens",
+                                                         "add_generation_prompt",
+                                                         "continue_final_message",
+                                                         "chat_template_kwargs",
+                                                         "chat_template",
+                                                         "documents",
+                                                         "parallel_tool_calls"};
+  if (kCommon.contains(key)) return true;
+  return endpoint == Endpoint::kCompletions ? kCompletions.contains(key) : kChat.contains(key);
+}
+
+constexpr absl::string_view kLaterWave =
+    "structured output and tool calls are not served by specd yet (a later release will); "
+    "remove the field";
+
+// Options specd does not implement: rejected when set to anything but their neutral value.
 absl::Status RejectUnsupported(Endpoint endpoint, const json& body) {
-  if (absl::StatusOr<std::optional<int64_t>> n = OptionalInt(body, "n"); !n.ok()) {
-    return n.status();
-  } else if (n->has_value() && **n != 1) {
-    return Invalid("n", absl::StrCat("only n=1 is supported, got ", **n));
+  for (const auto& [key, value] : body.items()) {
+    if (absl::StartsWith(key, "guided_") || key == "structured_outputs") {
+      if (value.is_null()) continue;
+      return Invalid(key, kLaterWave);
+    }
+    if (!KnownField(endpoint, key)) {
+      return Invalid(key,
+                     "unknown field; specd does not honour it (docs/http.md lists the "
+                     "fields it does)");
+    }
+  }
+  absl::StatusOr<std::optional<int64_t>> n = OptionalInt(body, "n");
+  if (!n.ok()) return n.status();
+  if (n->has_value() && **n < 1) return Invalid("n", absl::StrCat("must be >= 1, got ", **n));
+  if (absl::StatusOr<std::optional<int64_t>> b = OptionalInt(body, "best_of"); !b.ok()) {
+    return b.status();
+  } else if (b->has_value() && **b != (n->has_value() ? **n : 1)) {
+    return Invalid("best_of", "must equal n: specd returns every sample it generates");
+  }
+  if (absl::StatusOr<bool> echo = OptionalBool(body, "echo", false); !echo.ok()) {
+    return echo.status();
+  } else if (*echo) {
+    return Invalid("echo", "not supported");
+  }
+  if (Field(body, "user") != nullptr && !Field(body, "user")->is_string()) {
+    return Invalid("user", "must be a string");
   }
   if (endpoint == Endpoint::kCompletions) {
-    if (absl::StatusOr<std::optional<int64_t>> b = OptionalInt(body, "best_of"); !b.ok()) {
-      return b.status();
-    } else if (b->has_value() && **b != 1) {
-      return Invalid("best_of", "only best_of=1 is supported");
-    }
-    if (Field(body, "logprobs") != nullptr) return Invalid("logprobs", "not supported");
-    if (absl::StatusOr<bool> echo = OptionalBool(body, "echo", false); !echo.ok()) {
-      return echo.status();
-    } else if (*echo) {
-      return Invalid("echo", "not supported");
-    }
     if (const json* suffix = Field(body, "suffix");
         suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty())) {
       return Invalid("suffix", "not supported");
     }
   } else {
-    if (absl::StatusOr<bool> lp = OptionalBool(body, "logprobs", false); !lp.ok()) {
-      return lp.status();
-    } else if (*lp) {
-      return Invalid("logprobs", "not supported");
-    }
-    if (const json* top = Field(body, "top_logprobs");
-        top != nullptr && !(top->is_number_integer() && top->get<int64_t>() == 0)) {
-      return Invalid("top_logprobs", "not supported");
-    }
     if (const json* tools = Field(body, "tools");
         tools != nullptr && !(tools->is_array() && tools->empty())) {
-      return Invalid("tools", "tool calls are not supported");
+      return Invalid("tools", kLaterWave);
     }
     if (const json* choice = Field(body, "tool_choice");
         choice != nullptr && !(choice->is_string() && choice->get<std::string>() == "none")) {
-      return Invalid("tool_choice", "tool calls are not supported");
+      return Invalid("tool_choice", kLaterWave);
+    }
+    if (const json* parallel = Field(body, "parallel_tool_calls");
+        parallel != nullptr && !parallel->is_boolean()) {
+      return Invalid("parallel_tool_calls", "must be true or false");
     }
     if (const json* format = Field(body, "response_format");
         format != nullptr &&
         !(format->is_object() && format->value("type", json()) == json("text"))) {
-      return Invalid("response_format", "only {\"type\": \"text\"} is supported");
+      return Invalid("response_format", kLaterWave);
     }
   }
-  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
-    absl::StatusOr<std::optional<double>> v = OptionalNumber(body, penalty);
-    if (!v.ok()) return v.status();
-    if (v->has_value() && **v != 0.0) return Invalid(penalty, "not supported (must be 0)");
+  return absl::OkStatus();
+}
+
+// OpenAI's logprobs fields: completions `logprobs: N` (the top N, 0 = the token's own only);
+// chat `logprobs: true` with `top_logprobs: N`. Up to 20 alternatives, as vLLM's default
+// max_logprobs.
+absl::Status ParseLogprobs(Endpoint endpoint, const json& body, ParsedRequest* out) {
+  constexpr int64_t kMax = 20;
+  if (endpoint == Endpoint::kCompletions) {
+    absl::StatusOr<std::optional<int64_t>> n = OptionalInt(body, "logprobs");
+    if (!n.ok()) return n.status();
+    if (!n->has_value()) return absl::OkStatus();
+    if (**n < 0 || **n > kMax) {
+      return Invalid("logprobs", absl::StrCat("must be in [0, ", kMax, "], got ", **n));
+    }
+    out->logprobs = static_cast<int>(**n);
+  } else {
+    absl::StatusOr<bool> wanted = OptionalBool(body, "logprobs", false);
+    if (!wanted.ok()) return wanted.status();
+    absl::StatusOr<std::optional<int64_t>> top = OptionalInt(body, "top_logprobs");
+    if (!top.ok()) return top.status();
+    if (top->has_value()) {
+      if (**top < 0 || **top > kMax) {
+        return Invalid("top_logprobs", absl::StrCat("must be in [0, ", kMax, "], got ", **top));
+      }
+      if (!*wanted && **top > 0) return Invalid("top_logprobs", "requires logprobs: true");
+    }
+    if (!*wanted) return absl::OkStatus();
+    out->logprobs = top->has_value() ? static_cast<int>(**top) : 0;
   }
-  if (absl::StatusOr<std::optional<double>> v = OptionalNumber(body, "repetition_penalty");
-      !v.ok()) {
-    return v.status();
-  } else if (v->has_value() && **v != 1.0) {
-    return Invalid("repetition_penalty", "not supported (must be 1)");
-  }
-  if (const json* bias = Field(body, "logit_bias");
-      bias != nullptr && !(bias->is_object() && bias->empty())) {
-    return Invalid("logit_bias", "not supported");
-  }
+  out->generate.set_logprobs(static_cast<uint32_t>(out->logprobs));
   return absl::OkStatus();
 }
 
@@ -238,6 +323,38 @@ absl::Status ParseSampling(const json& body, v1::GenerateRequest* out) {
       return Invalid("top_k", "is out of range");
     }
     out->set_top_k(static_cast<int32_t>(**top_k));
+  }
+  for (const char* name :
+       {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}) {
+    absl::StatusOr<std::optional<double>> v = OptionalNumber(body, name);
+    if (!v.ok()) return v.status();
+    if (!v->has_value()) continue;
+    const float f = static_cast<float>(**v);
+    if (std::string_view(name) == "min_p") out->set_min_p(f);
+    if (std::string_view(name) == "repetition_penalty") out->set_repetition_penalty(f);
+    if (std::string_view(name) == "presence_penalty") out->set_presence_penalty(f);
+    if (std::string_view(name) == "frequency_penalty") out->set_frequency_penalty(f);
+  }
+  if (absl::StatusOr<std::optional<int64_t>> m = OptionalInt(body, "min_tokens"); !m.ok()) {
+    return m.status();
+  } else if (m->has_value()) {
+    absl::StatusOr<uint32_t> u = NonNegativeU32(**m, "min_tokens");
+    if (!u.ok()) return u.status();
+    out->set_min_tokens(*u);
+  }
+  // OpenAI's logit_bias: {"token id as a string": bias}. The router checks ids and ranges.
+  if (const json* bias = Field(body, "logit_bias"); bias != nullptr) {
+    if (!bias->is_object()) return Invalid("logit_bias", "must be an object of token id -> bias");
+    for (const auto& [key, value] : bias->items()) {
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(key, &id)) {
+        return Invalid(absl::StrCat("logit_bias[", key, "]"), "keys must be token ids");
+      }
+      if (!value.is_number()) {
+        return Invalid(absl::StrCat("logit_bias[", key, "]"), "must be a number");
+      }
+      (*out->mutable_logit_bias())[id] = static_cast<float>(value.get<double>());
+    }
   }
   if (const json* seed = Field(body, "seed"); seed != nullptr) {
     if (seed->is_number_unsigned()) {
@@ -475,6 +592,12 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
     g.set_speculation(*s);
   }
   if (absl::Status s = ParseSpecdExtension(body, &g); !s.ok()) return s;
+  if (absl::Status s = ParseLogprobs(endpoint, body, &out); !s.ok()) return s;
+  if (absl::StatusOr<std::optional<int64_t>> n = OptionalInt(body, "n"); n.ok() && n->has_value()) {
+    // Past 16 the router refuses it, naming n.
+    out.n = static_cast<uint32_t>(std::min<int64_t>(**n, std::numeric_limits<uint32_t>::max()));
+    g.set_n(out.n);
+  }
 
   absl::StatusOr<bool> stream = OptionalBool(body, "stream", false);
   if (!stream.ok()) return stream.status();
@@ -579,7 +702,7 @@ json SpeculationJson(const v1::SpeculationStats& s) {
       s.draft_tokens() > 0
           ? json(static_cast<double>(s.accepted_tokens()) / static_cast<double>(s.draft_tokens()))
           : json(nullptr);
-  out["mean_acceptance_length"] =
+  out["mean_accepted_length"] =
       s.steps() > 0
           ? json(1.0 + static_cast<double>(s.accepted_tokens()) / static_cast<double>(s.steps()))
           : json(nullptr);
@@ -588,27 +711,99 @@ json SpeculationJson(const v1::SpeculationStats& s) {
 
 json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& identity,
                             const Completion& completion) {
-  json choice = {{"index", 0}};
-  if (endpoint == Endpoint::kChatCompletions) {
-    choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
-  } else {
-    choice["text"] = completion.text;
+  return CompletionResponseJson(endpoint, identity, std::vector<Completion>{completion}, -1);
+}
+
+json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& identity,
+                            const std::vector<Completion>& completions, int logprobs) {
+  json choices = json::array();
+  v1::Usage usage;
+  for (size_t i = 0; i < completions.size(); ++i) {
+    const Completion& completion = completions[i];
+    json choice = {{"index", i}};
+    if (endpoint == Endpoint::kChatCompletions) {
+      choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+    } else {
+      choice["text"] = completion.text;
+    }
+    size_t offset = 0;
+    choice["logprobs"] =
+        logprobs >= 0 ? LogprobsJson(endpoint, logprobs, completion.logprobs, &offset) : json();
+    choice["finish_reason"] = FinishReasonName(completion.last.finish_reason());
+    if (completions.size() > 1) choice["specd"] = SpecdJson(completion.token_ids, &completion.last);
+    choices.push_back(std::move(choice));
+    usage.set_prompt_tokens(completion.last.usage().prompt_tokens());
+    usage.set_completion_tokens(usage.completion_tokens() +
+                                completion.last.usage().completion_tokens());
   }
-  choice["logprobs"] = nullptr;
-  choice["finish_reason"] = FinishReasonName(completion.last.finish_reason());
-  return {{"id", identity.id},
-          {"object", ObjectName(endpoint, /*chunk=*/false)},
-          {"created", identity.created},
-          {"model", identity.model},
-          {"choices", json::array({choice})},
-          {"usage", UsageJson(completion.last.usage())},
-          {"specd", SpecdJson(completion.token_ids, &completion.last)}};
+  json out = {{"id", identity.id},
+              {"object", ObjectName(endpoint, /*chunk=*/false)},
+              {"created", identity.created},
+              {"model", identity.model},
+              {"choices", std::move(choices)},
+              {"usage", UsageJson(usage)}};
+  if (!completions.empty()) {
+    out["specd"] = SpecdJson(completions[0].token_ids, &completions[0].last);
+  }
+  return out;
+}
+
+namespace {
+
+json TokenBytes(const std::string& text) {
+  json bytes = json::array();
+  for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
+  return bytes;
+}
+
+}  // namespace
+
+json LogprobsJson(Endpoint endpoint, int top, const std::vector<v1::TokenLogprob>& logprobs,
+                  size_t* text_offset) {
+  if (endpoint == Endpoint::kChatCompletions) {
+    json content = json::array();
+    for (const v1::TokenLogprob& lp : logprobs) {
+      json alternatives = json::array();
+      for (int k = 0; k < lp.top_logprobs_size() && k < top; ++k) {
+        const v1::TopLogprob& t = lp.top_logprobs(k);
+        alternatives.push_back(
+            {{"token", t.token()}, {"logprob", t.logprob()}, {"bytes", TokenBytes(t.token())}});
+      }
+      content.push_back({{"token", lp.token()},
+                         {"logprob", lp.logprob()},
+                         {"bytes", TokenBytes(lp.token())},
+                         {"top_logprobs", std::move(alternatives)}});
+      *text_offset += lp.token().size();
+    }
+    return {{"content", std::move(content)}};
+  }
+  json tokens = json::array(), token_logprobs = json::array(), tops = json::array(),
+       offsets = json::array();
+  for (const v1::TokenLogprob& lp : logprobs) {
+    tokens.push_back(lp.token());
+    token_logprobs.push_back(lp.logprob());
+    // As vLLM: the top alternatives and the chosen token, keyed by text (tokens with the same
+    // text share a key, a limit of OpenAI's shape).
+    json alternatives = json::object();
+    for (int k = 0; k < lp.top_logprobs_size() && k < top; ++k) {
+      alternatives[lp.top_logprobs(k).token()] = lp.top_logprobs(k).logprob();
+    }
+    alternatives[lp.token()] = lp.logprob();
+    tops.push_back(std::move(alternatives));
+    offsets.push_back(*text_offset);
+    *text_offset += lp.token().size();
+  }
+  return {{"tokens", std::move(tokens)},
+          {"token_logprobs", std::move(token_logprobs)},
+          {"top_logprobs", std::move(tops)},
+          {"text_offset", std::move(offsets)}};
 }
 
 json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& identity, absl::string_view text,
                      const std::vector<int32_t>& token_ids, bool role,
-                     const v1::GenerateResponse* last, bool include_usage) {
-  json choice = {{"index", 0}};
+                     const v1::GenerateResponse* last, bool include_usage, uint32_t index,
+                     const json& logprobs) {
+  json choice = {{"index", index}};
   if (endpoint == Endpoint::kChatCompletions) {
     json delta = json::object();
     if (role) delta["role"] = "assistant";
@@ -617,7 +812,7 @@ json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& identity, absl::
   } else {
     choice["text"] = std::string(text);
   }
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = logprobs;
   choice["finish_reason"] =
       last != nullptr ? json(FinishReasonName(last->finish_reason())) : json(nullptr);
   json out = {{"id", identity.id},

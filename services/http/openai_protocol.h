@@ -46,6 +46,10 @@ struct ParsedRequest {
   // router would give a second BOS.
   bool tokenize_prompt = false;
   bool add_special_tokens = false;
+  // Alternatives per token the response lists: -1 = no logprobs (completions' `logprobs`,
+  // chat's `top_logprobs` with `logprobs: true`).
+  int logprobs = -1;
+  uint32_t n = 1;  // samples (choices); generate.n() carries it to the router
 };
 
 // Parses and checks a POST body. Checks the OpenAI-level rules (types, n, logprobs and other
@@ -89,6 +93,7 @@ nlohmann::json SpeculationJson(const v1::SpeculationStats& stats);
 struct Completion {
   std::string text;
   std::vector<int32_t> token_ids;
+  std::vector<v1::TokenLogprob> logprobs;  // one per token id when the request asked
   v1::GenerateResponse last;  // the chunk with finish_reason, usage and speculation
 };
 
@@ -102,6 +107,18 @@ struct ResponseIdentity {
 // The whole non-streaming response body.
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& identity,
                                       const Completion& completion);
+// The same for n choices (choices[i] = completions[i]); `logprobs` as ParsedRequest's. usage
+// counts the prompt once and every choice's completion tokens; each choice carries its own
+// `specd` object when there are several.
+nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& identity,
+                                      const std::vector<Completion>& completions, int logprobs);
+
+// A choice's `logprobs` in OpenAI's shape. Completions: {tokens, token_logprobs, top_logprobs
+// (the top `top` and the chosen token, by text), text_offset}; chat: {content: [{token, logprob,
+// bytes, top_logprobs: [{token, logprob, bytes}]}]}. `text_offset` is where the first token's
+// text starts in the choice's text, advanced past these tokens.
+nlohmann::json LogprobsJson(Endpoint endpoint, int top,
+                            const std::vector<v1::TokenLogprob>& logprobs, size_t* text_offset);
 
 // One streamed chunk's JSON (the part after "data: "). `text` is the new text; `role` sets
 // delta.role (the first chat chunk); `last` is the router's final chunk, which adds
@@ -109,7 +126,9 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 // "usage": null, as OpenAI's do.
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& identity,
                                absl::string_view text, const std::vector<int32_t>& token_ids,
-                               bool role, const v1::GenerateResponse* last, bool include_usage);
+                               bool role, const v1::GenerateResponse* last, bool include_usage,
+                               uint32_t index = 0,
+                               const nlohmann::json& logprobs = nlohmann::json(nullptr));
 
 // The extra chunk OpenAI sends after the last one when stream_options.include_usage is set:
 // empty choices and the usage of the whole request.

@@ -2,9 +2,11 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -88,26 +90,45 @@ struct StreamState {
   absl::Duration keepalive;
   std::unique_ptr<ActiveCall> call;
   std::optional<v1::GenerateResponse> pending;  // the first chunk, read before the headers
-  bool role_sent = false;
+  int logprobs = -1;                            // ParsedRequest::logprobs
+  uint32_t samples = 1;                         // choices; the stream ends when each has finished
+  uint32_t finished = 0;                        // choices whose last chunk was written
+  v1::Usage usage;                              // of the finished choices
+  // Per choice.
+  std::vector<bool> role_sent;
+  std::vector<size_t> text_offset;
   std::unique_ptr<InFlight> in_flight;
 };
 
 // Writes the SSE events for one router chunk. Returns false when the client is gone.
 bool WriteChunk(StreamState& s, const v1::GenerateResponse& chunk, httplib::DataSink& sink) {
+  const uint32_t index = chunk.index();
+  if (index >= s.samples) return true;  // not a choice of this request; the router sends none
   const bool last = chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
-  const bool role = s.endpoint == Endpoint::kChatCompletions && !s.role_sent;
-  // A chunk without text (tokens held back while they might begin a stop string) is not worth
-  // an event of its own unless it ends the stream or opens the chat turn.
-  if (chunk.text().empty() && !last && !role) return true;
+  const bool role = s.endpoint == Endpoint::kChatCompletions && !s.role_sent[index];
+  // A chunk without text or logprobs (tokens held back while they might begin a stop string)
+  // is not worth an event of its own unless it ends the choice or opens the chat turn.
+  if (chunk.text().empty() && chunk.logprobs_size() == 0 && !last && !role) return true;
   const std::vector<int32_t> ids(chunk.token_ids().begin(), chunk.token_ids().end());
-  std::string out = SseEvent(StreamChunkJson(s.endpoint, s.identity, chunk.text(), ids, role,
-                                             last ? &chunk : nullptr, s.include_usage));
-  s.role_sent = true;
+  const nlohmann::json logprobs =
+      s.logprobs >= 0
+          ? LogprobsJson(s.endpoint, s.logprobs, {chunk.logprobs().begin(), chunk.logprobs().end()},
+                         &s.text_offset[index])
+          : nlohmann::json();
+  std::string out =
+      SseEvent(StreamChunkJson(s.endpoint, s.identity, chunk.text(), ids, role,
+                               last ? &chunk : nullptr, s.include_usage, index, logprobs));
+  s.role_sent[index] = true;
   if (last) {
-    if (s.include_usage) {
-      absl::StrAppend(&out, SseEvent(UsageChunkJson(s.endpoint, s.identity, chunk.usage())));
+    ++s.finished;
+    s.usage.set_prompt_tokens(chunk.usage().prompt_tokens());
+    s.usage.set_completion_tokens(s.usage.completion_tokens() + chunk.usage().completion_tokens());
+    if (s.finished == s.samples) {
+      if (s.include_usage) {
+        absl::StrAppend(&out, SseEvent(UsageChunkJson(s.endpoint, s.identity, s.usage)));
+      }
+      absl::StrAppend(&out, kSseDone);
     }
-    absl::StrAppend(&out, kSseDone);
   }
   return sink.write(out.data(), out.size());
 }
@@ -430,22 +451,28 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
       &calls_mu_, &calls_,
       std::make_unique<GenerateCall>(stub_.get(), std::move(parsed->generate), Deadline()));
 
+  const uint32_t samples = std::max<uint32_t>(1, parsed->n);
   if (!parsed->stream) {
-    Completion completion;
-    bool finished = false;
+    std::vector<Completion> completions(samples);
+    uint32_t finished_samples = 0;
     v1::GenerateResponse chunk;
     for (;;) {
       const GenerateCall::Event event = (*call)->Next(absl::Seconds(1), &chunk);
       if (event == GenerateCall::Event::kTimeout) continue;
       if (event == GenerateCall::Event::kDone) break;
+      if (chunk.index() >= samples) continue;
+      Completion& completion = completions[chunk.index()];
       completion.text += chunk.text();
       completion.token_ids.insert(completion.token_ids.end(), chunk.token_ids().begin(),
                                   chunk.token_ids().end());
+      completion.logprobs.insert(completion.logprobs.end(), chunk.logprobs().begin(),
+                                 chunk.logprobs().end());
       if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
         completion.last = std::move(chunk);
-        finished = true;
+        ++finished_samples;
       }
     }
+    const bool finished = finished_samples == samples;
     const grpc::Status status = (*call)->status();
     if (!status.ok()) {
       SendError(ToApiError(FromGrpcStatus(status), endpoint), res);
@@ -455,8 +482,9 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
                            endpoint),
                 res);
     } else {
-      res.set_content(DumpJson(CompletionResponseJson(endpoint, identity, completion)),
-                      "application/json");
+      res.set_content(
+          DumpJson(CompletionResponseJson(endpoint, identity, completions, parsed->logprobs)),
+          "application/json");
     }
     return;
   }
@@ -481,6 +509,10 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
   state->endpoint = endpoint;
   state->identity = identity;
   state->include_usage = parsed->include_usage;
+  state->logprobs = parsed->logprobs;
+  state->samples = samples;
+  state->role_sent.assign(samples, false);
+  state->text_offset.assign(samples, 0);
   state->keepalive = options_.keepalive_interval;
   state->call = std::move(call);
   state->pending = std::move(first);
@@ -513,7 +545,7 @@ void OpenAiServer::HandleGenerate(Endpoint endpoint, const httplib::Request& req
           }
           case GenerateCall::Event::kChunk: {
             if (!WriteChunk(s, chunk, sink)) return false;
-            if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) sink.done();
+            if (s.finished == s.samples) sink.done();
             return true;
           }
           case GenerateCall::Event::kDone: {
@@ -643,7 +675,8 @@ void OpenAiServer::HandleHealth(httplib::Response& res) {
 }
 
 void OpenAiServer::HandleMetrics(httplib::Response& res) {
-  res.set_content(SerializeMetrics(*registry_), "text/plain; version=0.0.4; charset=utf-8");
+  res.set_content(SerializeMetrics(*registry_, MetricLabelsNow()),
+                  "text/plain; version=0.0.4; charset=utf-8");
 }
 
 }  // namespace specd

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/service/metrics.h"
 #include "common/service/tls_options.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -88,6 +89,9 @@ class OpenAiServer {
 
   // grpc.health.v1 of the router's Generation service says SERVING (1 s deadline).
   bool RouterServing();
+  // The `model` label of every specd_ metric this server exports: the served model's name (empty
+  // until the router has answered GetModelInfo).
+  MetricLabels MetricLabelsNow() { return {{"model", CurrentProtocolOptions().model_name}}; }
 
   // Cancels running generations (their clients get an error event or a 503), stops listening
   // and joins the threads; idempotent.

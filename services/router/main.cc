@@ -251,6 +251,8 @@ int Main() {
     metrics_options.host = hp->host.empty() ? "0.0.0.0" : hp->host;
     metrics_options.port = hp->port;
   }
+  const MetricLabels model_label = {{"model", ModelLabel(model_dir)}};
+  metrics_options.service_labels = [model_label] { return model_label; };
   absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
       MetricsServer::Start(metrics_options, registry, [&] { return serving.load(); });
   if (!metrics_server.ok()) {

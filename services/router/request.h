@@ -33,6 +33,9 @@ struct RequestLimits {
   int max_stop_bytes = 256;
 };
 
+// The most samples one request may ask for (GenerateRequest.n).
+inline constexpr int kMaxSamplesPerRequest = 16;
+
 // request_id is only echoed in logs; a bound keeps one request from growing the log by
 // megabytes.
 inline constexpr size_t kMaxRequestIdBytes = 128;
@@ -43,7 +46,12 @@ struct RouterRequest {
   std::string request_id;
   std::vector<int32_t> prompt;
   int max_new_tokens = 0;
-  SamplingParams sampling;  // seed already drawn for unseeded sampling requests
+  // Seed already drawn for unseeded sampling requests. min_tokens_stop_ids stays empty: the
+  // verify service completes it with its model's EOS ids and stop_token_ids.
+  SamplingParams sampling;
+  // Log-probabilities to return: -1 none, 0 the emitted tokens' own, n also the top n.
+  int logprobs = -1;
+  LogprobsMode logprobs_mode = LogprobsMode::kRaw;
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop;
   bool ignore_eos = false;

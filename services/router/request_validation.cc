@@ -1,5 +1,6 @@
 #include "services/router/request_validation.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/escaping.h"
@@ -61,6 +62,33 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
   if (!v1::Speculation_IsValid(r.speculation())) {
     return Invalid(absl::StrCat("speculation: unknown value ", r.speculation()));
   }
+  // The logits processors: the engine's own checks, whose messages name these same fields.
+  SamplingParams processors;
+  processors.min_p = r.min_p();
+  processors.logit_bias.assign(r.logit_bias().begin(), r.logit_bias().end());
+  processors.repetition_penalty = r.has_repetition_penalty() ? r.repetition_penalty() : 1.0f;
+  processors.presence_penalty = r.presence_penalty();
+  processors.frequency_penalty = r.frequency_penalty();
+  if (absl::Status s = ValidateSamplingParams(processors, limits.vocab_size); !s.ok()) return s;
+  if (r.min_tokens() > static_cast<uint32_t>(limits.max_new_tokens_limit)) {
+    return Invalid(absl::StrCat("min_tokens: ", r.min_tokens(), " exceeds the limit ",
+                                limits.max_new_tokens_limit));
+  }
+  if (r.max_new_tokens() > 0 && r.min_tokens() > r.max_new_tokens()) {
+    return Invalid(absl::StrCat("min_tokens: ", r.min_tokens(), " exceeds max_new_tokens ",
+                                r.max_new_tokens()));
+  }
+  if (r.has_logprobs() && r.logprobs() > static_cast<uint32_t>(kMaxLogprobs)) {
+    return Invalid(absl::StrCat("logprobs: ", r.logprobs(), " exceeds ", kMaxLogprobs,
+                                " (the most top alternatives returned per token)"));
+  }
+  if (!v1::LogprobsSource_IsValid(r.logprobs_source())) {
+    return Invalid(absl::StrCat("logprobs_source: unknown value ", r.logprobs_source()));
+  }
+  if (r.n() > static_cast<uint32_t>(kMaxSamplesPerRequest)) {
+    return Invalid(
+        absl::StrCat("n: ", r.n(), " exceeds ", kMaxSamplesPerRequest, " samples per request"));
+  }
   if (r.draft_max_nodes() > static_cast<uint32_t>(kMaxTreeNodes)) {
     return Invalid(absl::StrCat("draft_max_nodes: ", r.draft_max_nodes(), " exceeds ",
                                 kMaxTreeNodes, " (the largest tree a verifier accepts)"));
@@ -98,6 +126,18 @@ RouterRequest ResolveRequest(const v1::GenerateRequest& r, const RequestLimits& 
   // Every sampled request gets a seed, so its tokens depend only on (prefix, seed, position)
   // and stay the same whatever is batched with it or however much is speculated.
   out.sampling.seed = r.has_seed() ? r.seed() : random_seed;
+  out.sampling.min_p = r.min_p();
+  // Sorted, so the wire form (and anything logged) does not depend on the map's order.
+  out.sampling.logit_bias.assign(r.logit_bias().begin(), r.logit_bias().end());
+  std::sort(out.sampling.logit_bias.begin(), out.sampling.logit_bias.end());
+  out.sampling.repetition_penalty = r.has_repetition_penalty() ? r.repetition_penalty() : 1.0f;
+  out.sampling.presence_penalty = r.presence_penalty();
+  out.sampling.frequency_penalty = r.frequency_penalty();
+  out.sampling.min_tokens = static_cast<int>(r.min_tokens());
+  out.logprobs = r.has_logprobs() ? static_cast<int>(r.logprobs()) : -1;
+  out.logprobs_mode = r.logprobs_source() == v1::LOGPROBS_SOURCE_PROCESSED
+                          ? LogprobsMode::kProcessed
+                          : LogprobsMode::kRaw;
   out.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
   out.stop.assign(r.stop().begin(), r.stop().end());
   out.ignore_eos = r.ignore_eos();

@@ -1,6 +1,7 @@
 #include "services/router/router_loop.h"
 
 #include <algorithm>
+#include <deque>
 #include <optional>
 #include <random>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "common/service/tree_proto.h"
 #include "common/token_tree.h"
 #include "engine/spec/sequence_state.h"
+#include "services/verify/sampling_proto.h"
 
 namespace specd {
 namespace {
@@ -38,6 +40,22 @@ grpc::Status EndedStatus(const RouterRequest& request, bool cancelled, absl::Tim
   return grpc::Status::OK;
 }
 
+// specd_requests_finished_total's label: the SDKs' names of the finish reasons.
+const char* FinishReasonLabel(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_STOP_TOKEN:
+      return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING:
+      return "stop_string";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    default:
+      return "length";
+  }
+}
+
 class StreamDecoder : public TokenTextDecoder {
  public:
   explicit StreamDecoder(const Tokenizer* tokenizer)
@@ -59,6 +77,10 @@ struct RouterLoop::Sequence {
   // the tree shape of this step, acceptance and statistics.
   std::optional<SequenceState> core;
   std::unique_ptr<SequenceOutput> output;      // text, stop strings
+  // With request.logprobs >= 0: those of the tokens pushed into `output` and not streamed yet,
+  // in order. The output streams a prefix of what it was pushed, so chunk i's n token ids take
+  // the first n entries.
+  std::deque<TokenLogprobs> logprobs;
   v1::Speculation mode = v1::SPECULATION_OFF;  // what it speculated with in the end
   // What it drafts with: the request's mode, AUTO resolved when the sequence starts (EAGLE-3
   // where the draft service has a head and the verify service exports taps, else the draft
@@ -320,6 +342,7 @@ void RouterLoop::Admit() {
                                                  : v1::SPECULATION_DRAFT_MODEL;
     metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
     metrics_->prompt_tokens.Increment(static_cast<double>(prompt_len));
+    metrics_->request_prompt_tokens.Observe(static_cast<double>(prompt_len));
     running_.push_back(std::move(seq));
   }
   UpdateGauges();
@@ -559,11 +582,13 @@ void RouterLoop::VerifyStep() {
     tokens += static_cast<int>(pending.size() + seq.tree.size());
     longest = std::max(longest, static_cast<int>(pending.size() + seq.tree.size()));
     if (!seq.tree.empty()) TreeToProto(seq.tree, step->mutable_tree());
-    v1::SamplingParams* sampling = step->mutable_sampling();
-    sampling->set_temperature(seq.request.sampling.temperature);
-    sampling->set_top_k(seq.request.sampling.top_k);
-    sampling->set_top_p(seq.request.sampling.top_p);
-    sampling->set_seed(seq.request.sampling.seed);
+    SamplingToProto(seq.request.sampling, seq.request.stop_token_ids, step->mutable_sampling());
+    if (seq.request.logprobs >= 0) {
+      step->set_logprobs(static_cast<uint32_t>(seq.request.logprobs));
+      step->set_logprobs_mode(seq.request.logprobs_mode == LogprobsMode::kProcessed
+                                  ? v1::LOGPROBS_MODE_PROCESSED
+                                  : v1::LOGPROBS_MODE_RAW);
+    }
     step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
     seq.verify_epoch = epoch;
     by_id[seq.id] = &seq;
@@ -638,6 +663,12 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL, std::string(s.message())));
     return;
   }
+  if (seq.request.logprobs >= 0 && result.logprobs_size() != result.tokens_size()) {
+    Fail(seq, grpc::Status(grpc::StatusCode::INTERNAL,
+                           absl::StrCat("the verify service returned ", result.logprobs_size(),
+                                        " logprobs for ", result.tokens_size(), " tokens")));
+    return;
+  }
   const int accepted = outcome.accepted_draft;
   const SpecShape planned = seq.core->planned();
   const ShapeReason reason = seq.draft_down ? ShapeReason::kDraftDown : seq.core->planned_reason();
@@ -662,7 +693,11 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
   }
   // The core keeps the tokens the verifier emitted up to a token stop; the text stream may end
   // earlier, at a stop string.
+  // The kept tokens are a prefix of the emitted ones, so result.logprobs(i) is token i's.
+  int i = 0;
   for (int32_t t : seq.core->Apply(outcome, seq.tree)) {
+    if (seq.request.logprobs >= 0) seq.logprobs.push_back(LogprobsFromProto(result.logprobs(i)));
+    ++i;
     if (!seq.output->Push(t)) break;
   }
   if (seq.pre_sent) {
@@ -777,6 +812,21 @@ void RouterLoop::Emit(Sequence& seq) {
   response.mutable_token_ids()->Assign(chunk.token_ids.begin(), chunk.token_ids.end());
   response.set_text(std::move(chunk.text));
   const int n = static_cast<int>(chunk.token_ids.size());
+  for (int i = 0; i < n && !seq.logprobs.empty(); ++i) {
+    const TokenLogprobs& lp = seq.logprobs.front();
+    v1::TokenLogprob* out = response.add_logprobs();
+    out->set_token_id(chunk.token_ids[i]);
+    out->set_token(TokenText(chunk.token_ids[i]));
+    out->set_logprob(lp.logprob);
+    out->set_rank(static_cast<uint32_t>(lp.rank));
+    for (const TokenLogprob& top : lp.top) {
+      v1::TopLogprob* alt = out->add_top_logprobs();
+      alt->set_token_id(top.token);
+      alt->set_token(TokenText(top.token));
+      alt->set_logprob(top.logprob);
+    }
+    seq.logprobs.pop_front();
+  }
   if (n > 0) {
     if (!seq.streamed_any) {
       metrics_->time_to_first_token.Observe(absl::ToDoubleSeconds(now - seq.request.arrival));
@@ -810,11 +860,17 @@ void RouterLoop::Emit(Sequence& seq) {
     seq.sink->Write(std::move(response));
     seq.sink->Finish(grpc::Status::OK);
     metrics_->CountOutcome(grpc::StatusCode::OK);
+    metrics_->CountFinish(FinishReasonLabel(seq.output->finish_reason()));
+    metrics_->request_generation_tokens.Observe(seq.output->generated());
     metrics_->e2e_request_latency.Observe(absl::ToDoubleSeconds(now - seq.request.arrival));
     Release(seq, /*finished=*/true);
     return;
   }
   seq.sink->Write(std::move(response));
+}
+
+std::string RouterLoop::TokenText(int32_t token) const {
+  return tokenizer_->Decode(absl::MakeConstSpan(&token, 1), /*skip_special_tokens=*/false);
 }
 
 void RouterLoop::Fail(Sequence& seq, const grpc::Status& status) {

@@ -169,6 +169,8 @@ class RouterLoop {
   // it ended normally (release_seq_ids) or was cut short (cancel_seq_ids).
   void Release(Sequence& seq, bool finished);
   void FailEverything(const grpc::Status& status);
+  // One token's text on its own, for logprobs (special tokens included).
+  std::string TokenText(int32_t token) const;
   void RemoveDone();
   void UpdateGauges();
 

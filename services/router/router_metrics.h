@@ -45,6 +45,9 @@ class RouterMetrics {
   // specd_service_busy_seconds_total{service}: that service's round trips (overlapping ones
   // counted once each), for idle fractions against specd_router_step_seconds_total.
   void CountBusy(const char* service, double seconds);
+  // specd_requests_finished_total{finish_reason}: one request that ended normally, with
+  // `finish_reason` one of length, eos, stop_token, stop_string, context.
+  void CountFinish(const char* finish_reason);
 
   prometheus::Gauge& requests_running;
   prometheus::Gauge& requests_waiting;
@@ -54,6 +57,9 @@ class RouterMetrics {
   prometheus::Histogram& queue_time;
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& generation_tokens;
+  // Per request: prompt tokens at admission, generated tokens (stop tokens included) at the end.
+  prometheus::Histogram& request_prompt_tokens;
+  prometheus::Histogram& request_generation_tokens;
   prometheus::Counter& spec_decode_steps;
   prometheus::Counter& spec_decode_draft_tokens;
   prometheus::Counter& spec_decode_accepted_tokens;
@@ -78,6 +84,7 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& predraft_misses_;
   prometheus::Family<prometheus::Counter>& wait_;
   prometheus::Family<prometheus::Counter>& busy_;
+  prometheus::Family<prometheus::Counter>& finished_;
   absl::Mutex mu_;
   // Children of accepted_per_pos_ by position, created on first use.
   std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);

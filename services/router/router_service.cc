@@ -1,5 +1,6 @@
 #include "services/router/router_service.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
@@ -8,10 +9,12 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/service/grpc_util.h"
 #include "common/service/lenient_handler.h"
+#include "engine/backend.h"
 #include "services/router/request_validation.h"
 
 namespace specd {
@@ -106,6 +109,45 @@ class ReactorSink : public ResponseSink {
   std::atomic<bool> cancelled_{false};
 };
 
+// One of a request's n samples (GenerateRequest.n > 1): tags its chunks with the sample's index
+// and ends the RPC when the last sample ends, or at once with the first error (the others then
+// read as cancelled, so the scheduler frees them).
+class SampleSink : public ResponseSink {
+ public:
+  struct Shared {
+    explicit Shared(std::shared_ptr<ResponseSink> parent, int samples)
+        : parent(std::move(parent)), remaining(samples) {}
+    const std::shared_ptr<ResponseSink> parent;
+    std::atomic<int> remaining;
+    std::atomic<bool> failed{false};
+  };
+
+  SampleSink(std::shared_ptr<Shared> shared, uint32_t index)
+      : shared_(std::move(shared)), index_(index) {}
+
+  void Write(v1::GenerateResponse chunk) override {
+    chunk.set_index(index_);
+    shared_->parent->Write(std::move(chunk));
+  }
+
+  void Finish(const grpc::Status& status) override {
+    if (finished_.exchange(true)) return;
+    if (!status.ok()) {
+      shared_->failed.store(true);
+      shared_->parent->Finish(status);
+    } else if (shared_->remaining.fetch_sub(1) == 1) {
+      shared_->parent->Finish(status);
+    }
+  }
+
+  bool Cancelled() const override { return shared_->failed.load() || shared_->parent->Cancelled(); }
+
+ private:
+  const std::shared_ptr<Shared> shared_;
+  const uint32_t index_;
+  std::atomic<bool> finished_{false};
+};
+
 class GenerateReactor : public GenerateWriter {
  public:
   GenerateReactor(RouterService* service, grpc::CallbackServerContext* context,
@@ -122,7 +164,25 @@ class GenerateReactor : public GenerateWriter {
       if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365 * 10)) {
         prepared.deadline = absl::FromChrono(deadline);
       }
-      status = service->loop()->Submit(std::move(prepared), sink_);
+      const int samples = std::max<int>(1, static_cast<int>(request->n()));
+      if (samples == 1) {
+        status = service->loop()->Submit(std::move(prepared), sink_);
+      } else {
+        auto shared = std::make_shared<SampleSink::Shared>(sink_, samples);
+        for (int i = 0; i < samples && status.ok(); ++i) {
+          RouterRequest sample = prepared;
+          // vLLM's rule for n > 1: sample i of a seeded request uses seed + i, so each sample
+          // is reproducible on its own and the samples differ.
+          sample.sampling.seed = request->has_seed() ? request->seed() + static_cast<uint64_t>(i)
+                                 : i == 0            ? prepared.sampling.seed
+                                                     : service->RandomSeed();
+          if (!sample.request_id.empty()) absl::StrAppend(&sample.request_id, "/", i);
+          status = service->loop()->Submit(
+              std::move(sample), std::make_shared<SampleSink>(shared, static_cast<uint32_t>(i)));
+        }
+        // Samples queued before a refusal end as cancelled; the RPC ends with the refusal.
+        if (!status.ok()) shared->failed.store(true);
+      }
     }
     if (!status.ok()) {
       if (status.code() != absl::StatusCode::kInvalidArgument &&
@@ -202,11 +262,28 @@ absl::Status RouterService::Admit(const grpc::CallbackServerContext& context, bo
   return absl::OkStatus();
 }
 
+absl::Status RouterService::CheckVerifySupport(const RouterRequest& request) const {
+  // Refused up front, naming the fields, rather than failing at the request's first verify
+  // step. While the verify service is down its info is empty; Submit refuses the request then.
+  if (!loop_->verify_up()) return absl::OkStatus();
+  const v1::VerifyInfo verify = loop_->verify_info();
+  VerifyFeatures features;
+  features.logprobs = verify.supports_logprobs();
+  features.logits_processors = verify.supports_logits_processors();
+  absl::Status s = specd::CheckVerifySupport(features, request.sampling, request.logprobs,
+                                             "the verify service's backend");
+  if (s.ok()) return s;
+  // The engine names the field as in its SamplingParams ("sampling.min_p"); this API's field is
+  // top-level.
+  return absl::Status(s.code(), absl::StripPrefix(s.message(), "sampling."));
+}
+
 absl::Status RouterService::Prepare(const v1::GenerateRequest& request, RouterRequest* out) {
   if (absl::Status s = WireError(request); !s.ok()) return s;
   const RequestLimits limits = CurrentLimits();
   if (absl::Status s = ValidateGenerateRequest(request, limits); !s.ok()) return s;
   *out = ResolveRequest(request, limits, RandomSeed());
+  if (absl::Status s = CheckVerifySupport(*out); !s.ok()) return s;
   if (request.input_case() == v1::GenerateRequest::kPromptIds) {
     out->prompt.assign(request.prompt_ids().ids().begin(), request.prompt_ids().ids().end());
     return absl::OkStatus();

@@ -57,6 +57,9 @@ class RouterService final : public v1::Generation::CallbackService {
   // Validates and tokenizes a request; on success fills `out` except arrival and deadline.
   absl::Status Prepare(const v1::GenerateRequest& request, RouterRequest* out);
 
+  // A fresh seed for a sampling request that names none (or for its further samples).
+  uint64_t RandomSeed();
+
   GroupPool* loop() { return loop_; }
   RouterMetrics* metrics() { return metrics_; }
 
@@ -68,7 +71,8 @@ class RouterService final : public v1::Generation::CallbackService {
 
  private:
   RequestLimits CurrentLimits() const;
-  uint64_t RandomSeed();
+  // UNIMPLEMENTED naming the fields when the verify service cannot do what `request` asks.
+  absl::Status CheckVerifySupport(const RouterRequest& request) const;
 
   const RouterServiceOptions options_;
   const Tokenizer* const tokenizer_;

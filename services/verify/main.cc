@@ -54,6 +54,7 @@ namespace {
 
 int Main() {
   ModelServiceOptions service_options;
+  service_options.model = absl::GetFlag(FLAGS_model);
   service_options.name = "specd-verify";
   service_options.address = absl::GetFlag(FLAGS_address);
   service_options.metrics_port = absl::GetFlag(FLAGS_metrics_port);

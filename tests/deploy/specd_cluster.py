@@ -164,7 +164,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if re.search(r"^specd_draft_available(\{\})? 1(\.0*)?$",
+                if re.search(r"^specd_draft_available(\{[^}]*\})? 1(\.0*)?$",
                              self.scrape("specd-router"), re.M):
                     return
             except OSError:

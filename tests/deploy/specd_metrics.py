@@ -20,6 +20,9 @@ ALL_JOBS = ("specd-router", "specd-draft", "specd-verify", "specd-http")
 # prometheus-operator (namespace, pod, service, endpoint, container) add to every series.
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "endpoint", "container"}
 
+# Labels every service puts on all of its specd_ samples (docs/metrics.md): the served model.
+SERVICE_LABELS = {"model"}
+
 # Series every Prometheus has whatever it scrapes.
 BUILTIN_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped",
                   "scrape_series_added", "scrape_samples_post_metric_relabeling",
@@ -211,7 +214,7 @@ def check_expression(expr, index, recorded, where):
         return [f"{where}: {e}"]
     if not selectors:
         problems.append(f"{where}: no metric in {expr!r}")
-    known_labels = set(TARGET_LABELS)
+    known_labels = set(TARGET_LABELS) | SERVICE_LABELS
     for sel in selectors:
         if sel.name in recorded:
             known_labels |= recorded[sel.name]
@@ -232,7 +235,7 @@ def check_expression(expr, index, recorded, where):
                     hint = " (a histogram is read through _bucket, _sum or _count)"
             problems.append(f"{where}: {sel.name} is not exported by any specd service{hint}")
             continue
-        allowed = metric.labels | TARGET_LABELS
+        allowed = metric.labels | TARGET_LABELS | SERVICE_LABELS
         if sel.name.endswith("_bucket") and metric.kind == "histogram":
             allowed = allowed | {"le"}
         known_labels |= allowed
@@ -289,7 +292,7 @@ def rule_expressions(rule_docs):
                 out.append((f"{path}: {name}", rule["expr"]))
                 if "record" in rule:
                     _, grouping = parse_promql(rule["expr"])
-                    recorded[rule["record"]] = grouping | TARGET_LABELS
+                    recorded[rule["record"]] = grouping | TARGET_LABELS | SERVICE_LABELS
     return out, recorded
 
 
@@ -347,7 +350,9 @@ def check_exposition(contract, job, text):
         kind, labels = families[name]
         if kind != metric.kind:
             problems.append(f"{job}: {name} is a {kind}, the contract says {metric.kind}")
-        extra = labels - metric.labels
+        extra = labels - metric.labels - SERVICE_LABELS
+        if name.startswith("specd_") and not SERVICE_LABELS <= labels:
+            problems.append(f"{job}: {name} lacks the service labels {sorted(SERVICE_LABELS)}")
         if extra:
             problems.append(f"{job}: {name} has labels {sorted(extra)} not in the contract")
     for name in sorted(families):

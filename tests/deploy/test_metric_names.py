@@ -73,22 +73,27 @@ def test_exposition_checked_both_ways():
     lines = []
     for m in router:
         lines.append(f"# TYPE {m.name} {m.kind}")
-        label = ",".join(f'{l}="x"' for l in sorted(m.labels))
+        # Every specd_ sample carries the service's model label.
+        label = ",".join([f'{l}="x"' for l in sorted(m.labels)] + ['model="m"'])
         if m.kind == "histogram":
-            lines += [f'{m.name}_bucket{{le="+Inf"}} 1', f"{m.name}_sum 0.5", f"{m.name}_count 1"]
+            lines += [f'{m.name}_bucket{{le="+Inf",model="m"}} 1',
+                      f'{m.name}_sum{{model="m"}} 0.5', f'{m.name}_count{{model="m"}} 1']
         else:
-            lines.append(f"{m.name}{{{label}}} 1" if label else f"{m.name} 1")
+            lines.append(f"{m.name}{{{label}}} 1")
     text = "\n".join(lines) + "\n"
     assert specd_metrics.check_exposition(CONTRACT, "specd-router", text) == []
     # Missing, mistyped, extra-labelled and unlisted metrics are all reported.
     broken = (text.replace("# TYPE specd_queue_time_seconds histogram",
                            "# TYPE specd_queue_time_seconds summary")
-              .replace('specd_requests_total{outcome="x"}', 'specd_requests_total{outcome="x",model="m"}')
-              .replace("# TYPE specd_draft_available gauge\nspecd_draft_available 1\n", "")
+              .replace('specd_requests_total{outcome="x",model="m"}',
+                       'specd_requests_total{outcome="x",model="m",result="m"}')
+              .replace('specd_requests_running{model="m"}', "specd_requests_running")
+              .replace('# TYPE specd_draft_available gauge\nspecd_draft_available{model="m"} 1\n', "")
               + "# TYPE specd_surprise_total counter\nspecd_surprise_total 1\n")
     found = specd_metrics.check_exposition(CONTRACT, "specd-router", broken)
-    for needle in ["specd_queue_time_seconds is a summary", "labels ['model']",
-                   "specd_draft_available (gauge) missing", "exports specd_surprise_total"]:
+    for needle in ["specd_queue_time_seconds is a summary", "labels ['result']",
+                   "specd_draft_available (gauge) missing", "exports specd_surprise_total",
+                   "specd_requests_running lacks the service labels ['model']"]:
         assert any(needle in p for p in found), (needle, found)
     # The draft service must not export router metrics.
     found = specd_metrics.check_exposition(CONTRACT, "specd-draft", text)

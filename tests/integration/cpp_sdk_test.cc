@@ -5,6 +5,8 @@
 // from a full queue is retried until the request gets in; a stream that fails after a chunk is
 // not retried. Each test starts its own cluster, so metric deltas belong to it alone.
 #include <signal.h>
+#include <stdio.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <map>
@@ -14,11 +16,15 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "specd/client.h"
 #include "specd/v1/generation.grpc.pb.h"
 #include "tests/testutil/cpu_cluster.h"
+#include "tests/testutil/service_process.h"
 
 namespace specd {
 namespace {
@@ -361,6 +367,106 @@ TEST(CppSdkTest, TokenizeDetokenizeAndModelInfo) {
   EXPECT_EQ(info->max_new_tokens_limit, static_cast<uint32_t>(kCpuClusterMaxNewTokensLimit));
   EXPECT_EQ(info->eos_token_ids, std::vector<int32_t>{kCpuClusterEosId});
   EXPECT_TRUE(info->draft_available);
+}
+
+// The sampling fields and logprobs round-trip through the SDK as through the raw stream; n > 1
+// comes back through Stream() tagged by index; specd-cli --json prints the logprobs.
+TEST(CppSdkTest, SamplingFieldsLogprobsAndSamplesRoundTrip) {
+  std::unique_ptr<CpuCluster> c = StartCluster();
+  ASSERT_NE(c, nullptr);
+  std::unique_ptr<Client> client = Connect(*c);
+  GenerateRequest request = Greedy("def parse(line):", 24, Speculation::kDraftModel);
+  request.logprobs = 2;
+  request.repetition_penalty = 1.25f;
+  request.frequency_penalty = 0.5f;
+  request.logit_bias = {{101, 4.0f}};
+  request.min_tokens = 4;
+  const absl::StatusOr<Completion> sdk = client->Generate(request);
+  ASSERT_TRUE(sdk.ok()) << sdk.status();
+
+  // The same request on the raw stream, target-only.
+  auto stub = v1::Generation::NewStub(
+      grpc::CreateChannel(c->router_address, grpc::InsecureChannelCredentials()));
+  v1::GenerateRequest raw;
+  raw.set_prompt(request.prompt);
+  raw.set_max_new_tokens(24);
+  raw.set_ignore_eos(true);
+  raw.set_speculation(v1::SPECULATION_OFF);
+  raw.set_logprobs(2);
+  raw.set_repetition_penalty(1.25f);
+  raw.set_frequency_penalty(0.5f);
+  (*raw.mutable_logit_bias())[101] = 4.0f;
+  raw.set_min_tokens(4);
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, raw);
+  std::vector<int32_t> ids;
+  std::vector<v1::TokenLogprob> lps;
+  v1::GenerateResponse chunk;
+  while (reader->Read(&chunk)) {
+    ids.insert(ids.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+    lps.insert(lps.end(), chunk.logprobs().begin(), chunk.logprobs().end());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(sdk->token_ids, ids);
+  ASSERT_EQ(sdk->logprobs.size(), lps.size());
+  ASSERT_EQ(sdk->logprobs.size(), sdk->token_ids.size());
+  for (size_t i = 0; i < lps.size(); ++i) {
+    EXPECT_EQ(sdk->logprobs[i].token_id, lps[i].token_id());
+    EXPECT_EQ(sdk->logprobs[i].token, lps[i].token());
+    EXPECT_NEAR(sdk->logprobs[i].logprob, lps[i].logprob(), 1e-4);
+    ASSERT_EQ(sdk->logprobs[i].top.size(), 2u);
+    EXPECT_EQ(sdk->logprobs[i].top[0].token_id, lps[i].top_logprobs(0).token_id());
+  }
+
+  GenerateRequest samples = Greedy("import sys", 8, Speculation::kAuto);
+  samples.temperature = 1.0f;
+  samples.seed = 5;
+  samples.n = 2;
+  EXPECT_EQ(client->Generate(samples).status().code(), StatusCode::kInvalidArgument);
+  std::unique_ptr<GenerateStream> stream = client->Stream(samples);
+  Chunk piece;
+  std::map<uint32_t, CompletionBuilder> by_index;
+  while (stream->Next(&piece)) by_index[piece.index].Add(piece);
+  ASSERT_OK(stream->status());
+  ASSERT_EQ(by_index.size(), 2u);
+  for (uint32_t i = 0; i < 2; ++i) {
+    absl::StatusOr<Completion> got = std::move(by_index[i]).Finish();
+    ASSERT_TRUE(got.ok()) << got.status();
+    GenerateRequest one = samples;
+    one.n = 1;
+    one.seed = 5 + i;
+    const absl::StatusOr<Completion> want = client->Generate(one);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got->token_ids, want->token_ids) << "sample " << i;
+  }
+
+  const std::string cmd =
+      absl::StrCat(SpecdBinary("specd-cli"), " generate --server ", c->router_address,
+                   " --prompt 'def parse(line):' --max-new-tokens 24"
+                   " --ignore-eos --speculation off --logprobs 2"
+                   " --repetition-penalty 1.25 --frequency-penalty 0.5"
+                   " --logit-bias 101=4 --min-tokens 4 --json");
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  ASSERT_EQ(pclose(p), 0) << out;
+  std::vector<int32_t> cli_ids;
+  std::vector<float> cli_logprobs;
+  for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("logprobs")) continue;
+    for (const auto& id : j["token_ids"]) cli_ids.push_back(id.get<int32_t>());
+    for (const auto& lp : j["logprobs"]) {
+      cli_logprobs.push_back(lp["logprob"].get<float>());
+      EXPECT_EQ(lp["top"].size(), 2u);
+    }
+  }
+  EXPECT_EQ(cli_ids, ids);
+  ASSERT_EQ(cli_logprobs.size(), lps.size());
+  for (size_t i = 0; i < lps.size(); ++i) EXPECT_NEAR(cli_logprobs[i], lps[i].logprob(), 1e-4);
 }
 
 }  // namespace

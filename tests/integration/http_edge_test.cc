@@ -90,6 +90,7 @@ struct GrpcResult {
   grpc::Status status;
   std::vector<int32_t> tokens;
   std::string text;
+  std::vector<v1::TokenLogprob> logprobs;
   v1::GenerateResponse last;
 };
 
@@ -175,6 +176,7 @@ class Cluster {
     while (reader->Read(&chunk)) {
       r.tokens.insert(r.tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
       r.text += chunk.text();
+      r.logprobs.insert(r.logprobs.end(), chunk.logprobs().begin(), chunk.logprobs().end());
       if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) r.last = chunk;
     }
     r.status = reader->Finish();
@@ -652,6 +654,116 @@ TEST(HttpEdgeTest, UnsupportedTemplateFailsAtStartup) {
       << (*p)->Log();
 }
 
+// OpenAI's logprobs shapes, n choices and the sampling fields, against the router's gRPC answer
+// to the same request.
+TEST(HttpEdgeTest, LogprobsNAndSamplingFieldsMatchGrpc) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  Http http = c->StartHttp({absl::StrCat("--chat_template=", kQwen25Template)});
+  ASSERT_NE(http.process, nullptr);
+
+  v1::GenerateRequest g;
+  g.set_prompt("def add(a, b):");
+  g.set_max_new_tokens(12);
+  g.set_ignore_eos(true);
+  g.set_logprobs(2);
+  g.set_repetition_penalty(1.2f);
+  g.set_presence_penalty(0.3f);
+  g.set_min_p(0.05f);
+  (*g.mutable_logit_bias())[101] = 2.0f;
+  const GrpcResult want = c->Generate(g);
+  ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+  ASSERT_EQ(want.logprobs.size(), want.tokens.size());
+
+  const json body = {{"prompt", "def add(a, b):"},
+                     {"max_tokens", 12},
+                     {"ignore_eos", true},
+                     {"logprobs", 2},
+                     {"repetition_penalty", 1.2},
+                     {"presence_penalty", 0.3},
+                     {"min_p", 0.05},
+                     {"logit_bias", {{"101", 2.0}}}};
+  const HttpReply reply = Post(http.port, "/v1/completions", body.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const json r = ParseJson(reply.body);
+  EXPECT_EQ(Ids(r["specd"]["token_ids"]), want.tokens);
+  const json& lp = r["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["token_logprobs"].size(), want.tokens.size()) << reply.body;
+  for (size_t i = 0; i < want.logprobs.size(); ++i) {
+    EXPECT_FLOAT_EQ(lp["token_logprobs"][i].get<float>(), want.logprobs[i].logprob());
+    EXPECT_EQ(lp["tokens"][i], want.logprobs[i].token());
+    EXPECT_LE(lp["top_logprobs"][i].size(), 3u);
+  }
+
+  // Chat: logprobs: true with top_logprobs; streamed, the same values arrive chunk by chunk.
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                     {"max_tokens", 8},
+                     {"ignore_eos", true},
+                     {"logprobs", true},
+                     {"top_logprobs", 3}};
+  const HttpReply whole = Post(http.port, "/v1/chat/completions", chat.dump());
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  const json wj = ParseJson(whole.body);
+  const json& content = wj["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), wj["specd"]["token_ids"].size()) << whole.body;
+  for (const json& t : content) {
+    ASSERT_EQ(t["top_logprobs"].size(), 3u);
+    EXPECT_EQ(t["top_logprobs"][0]["logprob"], t["logprob"]);  // greedy: the top token
+    EXPECT_TRUE(t["bytes"].is_array());
+  }
+  json chat_stream = chat;
+  chat_stream["stream"] = true;
+  const HttpReply streamed = Post(http.port, "/v1/chat/completions", chat_stream.dump());
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  const StreamResult sr = ReadStream(streamed, /*chat=*/true);
+  json streamed_content = json::array();
+  for (const json& chunk : sr.chunks) {
+    const json& l = chunk["choices"][0]["logprobs"];
+    if (l.is_null()) continue;
+    for (const json& t : l["content"]) streamed_content.push_back(t);
+  }
+  EXPECT_EQ(streamed_content, content);
+
+  // n = 3 seeded samples: choice i is the single request with seed + i.
+  const json n_body = {{"prompt", "import os"}, {"max_tokens", 10}, {"ignore_eos", true},
+                       {"temperature", 1.0},    {"seed", 11},       {"n", 3}};
+  const HttpReply n_reply = Post(http.port, "/v1/completions", n_body.dump());
+  ASSERT_EQ(n_reply.status, 200) << n_reply.body;
+  const json nj = ParseJson(n_reply.body);
+  ASSERT_EQ(nj["choices"].size(), 3u);
+  EXPECT_EQ(nj["usage"]["completion_tokens"], 30);
+  for (int i = 0; i < 3; ++i) {
+    v1::GenerateRequest one;
+    one.set_prompt("import os");
+    one.set_max_new_tokens(10);
+    one.set_ignore_eos(true);
+    one.set_temperature(1.0f);
+    one.set_seed(11 + i);
+    const GrpcResult single = c->Generate(one);
+    ASSERT_TRUE(single.status.ok());
+    EXPECT_EQ(nj["choices"][i]["index"], i);
+    EXPECT_EQ(nj["choices"][i]["text"], single.text) << "choice " << i;
+  }
+  json n_stream = n_body;
+  n_stream["stream"] = true;
+  const HttpReply ns = Post(http.port, "/v1/completions", n_stream.dump());
+  ASSERT_EQ(ns.status, 200) << ns.body;
+  std::vector<std::string> texts(3);
+  int finishes = 0;
+  const std::vector<std::string> events = SseData(ns.body);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back(), "[DONE]");
+  for (const std::string& e : events) {
+    if (e == "[DONE]") continue;
+    const json chunk = ParseJson(e);
+    const json& choice = chunk["choices"][0];
+    texts[choice["index"].get<int>()] += choice["text"].get<std::string>();
+    if (!choice["finish_reason"].is_null()) ++finishes;
+  }
+  EXPECT_EQ(finishes, 3);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(texts[i], nj["choices"][i]["text"]) << "choice " << i;
+}
+
 TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {
   std::unique_ptr<Cluster> c = Cluster::Start();
   ASSERT_NE(c, nullptr);
@@ -674,8 +786,24 @@ TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {
       {kC, R"({"prompt": "x", "specd": {"draft_max_nodes": 1000}})", 400, "specd.draft_max_nodes"},
       {kC, R"({"prompt": "", "max_tokens": 3})", 400, "prompt"},
       // Checked here.
-      {kC, R"({"prompt": "x", "n": 2})", 400, "n"},
-      {kC, R"({"prompt": "x", "logprobs": 2})", 400, "logprobs"},
+      {kC, R"({"prompt": "x", "n": 17})", 400, "n"},
+      {kC, R"({"prompt": "x", "min_p": 2})", 400, "min_p"},
+      {kC, R"({"prompt": "x", "max_tokens": 4, "min_tokens": 9})", 400, "min_tokens"},
+      {kC, R"({"prompt": "x", "repetition_penalty": 0})", 400, "repetition_penalty"},
+      {kC, R"({"prompt": "x", "logit_bias": {"99999": 1}})", 400, "logit_bias[99999]"},
+      {kC, R"({"prompt": "x", "logit_bias": {"5": 500}})", 400, "logit_bias[5]"},
+      // Checked here.
+      {kC, R"({"prompt": "x", "n": 0})", 400, "n"},
+      {kC, R"({"prompt": "x", "logprobs": 21})", 400, "logprobs"},
+      {kC, R"({"prompt": "x", "guided_regex": "a+"})", 400, "guided_regex"},
+      {kC, R"({"prompt": "x", "not_a_field": 1})", 400, "not_a_field"},
+      {"/v1/chat/completions",
+       R"({"messages": [{"role": "user", "content": "a"}],
+           "response_format": {"type": "json_schema", "json_schema": {}}})",
+       400, "response_format"},
+      {"/v1/chat/completions",
+       R"({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]})", 400,
+       "tools"},
       {kC, R"({"max_tokens": 3})", 400, "prompt"},
       {kC, R"({"prompt": "x", "max_tokens": 3)", 400, nullptr},
       {kC, R"(not json at all)", 400, nullptr},
@@ -723,10 +851,10 @@ TEST(HttpEdgeTest, BadInputsAre400WithTheParamAndTheServiceKeepsServing) {
             1);
   EXPECT_EQ(
       Cluster::WaitForMetric(http_port, "specd_http_requests_in_flight", {{"endpoint", kC}}, 0), 0);
-  // The seven cases above that only the router can judge reached it.
+  // The thirteen cases above that only the router can judge reached it.
   EXPECT_EQ(Cluster::WaitForMetric(c->router_metrics, "specd_requests_total",
-                                   {{"outcome", "invalid_argument"}}, 7),
-            7);
+                                   {{"outcome", "invalid_argument"}}, 13),
+            13);
 
   // A deadline shorter than the generation is a 504.
   Http hurried = c->StartHttp({"--request_timeout_ms=300"});

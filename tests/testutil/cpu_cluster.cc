@@ -45,16 +45,23 @@ std::string Address() { return absl::StrCat("127.0.0.1:", PickFreePort()); }
 
 }  // namespace
 
+absl::StatusOr<std::string> CpuCluster::TestTargetDir() {
+  const Models& models = TestModels();
+  if (!models.status.ok()) return models.status;
+  return models.target;
+}
+
 absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOptions& options) {
   const Models& models = TestModels();
   if (!models.status.ok()) return models.status;
+  const std::string target = options.target_dir.empty() ? models.target : options.target_dir;
   auto c = std::make_unique<CpuCluster>();
   c->verify_metrics = PickFreePort();
   const std::string verify_address = Address();
   c->verify_options = {
       SpecdBinary("specd-verify"),
       {"--address=" + verify_address, absl::StrCat("--metrics_port=", c->verify_metrics),
-       "--model=" + models.target, "--num_threads=1"},
+       "--model=" + target, "--num_threads=1"},
       verify_address,
       options.upstream_credentials};
   c->verify_options.args.insert(c->verify_options.args.end(), options.verify_args.begin(),
@@ -83,7 +90,7 @@ absl::StatusOr<std::unique_ptr<CpuCluster>> CpuCluster::Start(const CpuClusterOp
   std::vector<std::string> args = {
       "--address=" + c->router_address,
       absl::StrCat("--metrics_port=", c->router_metrics),
-      "--model=" + models.target,
+      "--model=" + target,
       "--verify_address=" + verify_address,
       "--draft_address=" + draft_address,
       absl::StrCat("--max_new_tokens_limit=", kCpuClusterMaxNewTokensLimit)};

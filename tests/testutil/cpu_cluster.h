@@ -28,6 +28,9 @@ struct CpuClusterOptions {
   bool draft = true;
   std::vector<std::string> router_args;  // appended to the router's flags
   std::vector<std::string> verify_args, draft_args;  // appended to those services' flags
+  // The target model verify and router serve; empty: the random test model. It must have the
+  // random model's vocabulary (TestTargetDir() has a tokenizer to copy beside it).
+  std::string target_dir;
   // How the test's health checks reach the services (TLS clusters); null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> router_credentials, upstream_credentials;
 };
@@ -37,6 +40,9 @@ class CpuCluster {
   // Starts the services and waits until they serve (and, with a draft service, until the
   // router uses it).
   static absl::StatusOr<std::unique_ptr<CpuCluster>> Start(const CpuClusterOptions& options = {});
+
+  // The folder of the random target model (config, weights, tokenizer.json).
+  static absl::StatusOr<std::string> TestTargetDir();
 
   // The value of a metric sample on the /metrics of `port`; NaN when it cannot be read.
   static double Metric(int port, const std::string& name,

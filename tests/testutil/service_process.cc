@@ -405,6 +405,9 @@ absl::StatusOr<double> MetricValue(const std::string& text, const std::string& n
         return absl::InvalidArgumentError(absl::StrCat("malformed sample: ", line));
       }
     }
+    // Every specd_ sample carries the service's `model` label; a query that does not name it
+    // matches whatever model.
+    if (labels.count("model") == 0) got.erase("model");
     if (got != labels) continue;
     std::vector<std::string> fields = absl::StrSplit(line.substr(pos), ' ', absl::SkipEmpty());
     double value = 0;

@@ -103,7 +103,8 @@ absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std
                                     int* status = nullptr);
 
 // The value of the sample `name{labels}` in Prometheus text format (labels must match exactly,
-// in any order). NOT_FOUND when there is no such sample.
+// in any order, except that the services' `model` label is ignored unless `labels` names it).
+// NOT_FOUND when there is no such sample.
 absl::StatusOr<double> MetricValue(const std::string& text, const std::string& name,
                                    const std::map<std::string, std::string>& labels = {});
 

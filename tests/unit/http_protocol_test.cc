@@ -124,14 +124,23 @@ TEST(HttpProtocolTest, BadFieldsNameTheParam) {
     const char* param;
   };
   for (const Case& c : {
-           Case{R"({"prompt": "x", "n": 2})", "n"},
+           Case{R"({"prompt": "x", "n": 0})", "n"},
            Case{R"({"prompt": "x", "n": "1"})", "n"},
            Case{R"({"prompt": "x", "best_of": 3})", "best_of"},
-           Case{R"({"prompt": "x", "logprobs": 1})", "logprobs"},
+           Case{R"({"prompt": "x", "n": 2, "best_of": 3})", "best_of"},
+           Case{R"({"prompt": "x", "logprobs": 21})", "logprobs"},
+           Case{R"({"prompt": "x", "logprobs": true})", "logprobs"},
+           Case{R"({"prompt": "x", "guided_json": {}})", "guided_json"},
+           Case{R"({"prompt": "x", "guided_choice": ["a"]})", "guided_choice"},
+           Case{R"({"prompt": "x", "frobnicate": 1})", "frobnicate"},
+           Case{R"({"prompt": "x", "min_tokens": -1})", "min_tokens"},
+           Case{R"({"prompt": "x", "min_p": "low"})", "min_p"},
            Case{R"({"prompt": "x", "echo": true})", "echo"},
            Case{R"({"prompt": "x", "suffix": "y"})", "suffix"},
-           Case{R"({"prompt": "x", "presence_penalty": 0.5})", "presence_penalty"},
-           Case{R"({"prompt": "x", "logit_bias": {"5": 1}})", "logit_bias"},
+           Case{R"({"prompt": "x", "presence_penalty": "lots"})", "presence_penalty"},
+           Case{R"({"prompt": "x", "logit_bias": {"a": 1}})", "logit_bias[a]"},
+           Case{R"({"prompt": "x", "logit_bias": {"5": "up"}})", "logit_bias[5]"},
+           Case{R"({"prompt": "x", "logit_bias": [1]})", "logit_bias"},
            Case{R"({"prompt": "x", "temperature": "hot"})", "temperature"},
            Case{R"({"prompt": "x", "top_p": [1]})", "top_p"},
            Case{R"({"prompt": "x", "top_k": 1.5})", "top_k"},
@@ -237,9 +246,19 @@ TEST(HttpProtocolTest, ChatRequest) {
                 .param,
             "messages[0].content[0].type");
   EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
-                     R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true})")
+                     R"({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2})")
                 .param,
-            "logprobs");
+            "top_logprobs");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true,
+                         "top_logprobs": 21})")
+                .param,
+            "top_logprobs");
+  EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                     R"({"messages": [{"role": "user", "content": "a"}],
+                         "response_format": {"type": "json_object"}})")
+                .param,
+            "response_format");
   EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
                      R"({"messages": [{"role": "user", "content": "a"}],
                          "tools": [{"type": "function"}]})")
@@ -346,7 +365,7 @@ TEST(HttpProtocolTest, CompletionResponse) {
   EXPECT_EQ(r["specd"]["matched_stop"], "\n");
   EXPECT_EQ(r["specd"]["speculation"]["mode"], "draft_model");
   EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["acceptance_rate"].get<double>(), 6.0 / 16.0);
-  EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["mean_acceptance_length"].get<double>(),
+  EXPECT_DOUBLE_EQ(r["specd"]["speculation"]["mean_accepted_length"].get<double>(),
                    1.0 + 6.0 / 4.0);
   EXPECT_EQ(r["specd"]["speculation"]["accepted_per_position"], json::array({3, 2}));
 
@@ -364,7 +383,7 @@ TEST(HttpProtocolTest, FinishReasons) {
   EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_STRING), "stop");
   const json none = SpeculationJson(v1::SpeculationStats());
   EXPECT_TRUE(none["acceptance_rate"].is_null());
-  EXPECT_TRUE(none["mean_acceptance_length"].is_null());
+  EXPECT_TRUE(none["mean_accepted_length"].is_null());
 }
 
 TEST(HttpProtocolTest, StreamChunks) {
@@ -398,6 +417,113 @@ TEST(HttpProtocolTest, StreamChunks) {
   EXPECT_EQ(kSseDone, "data: [DONE]\n\n");
   // Invalid UTF-8 is replaced, not thrown on.
   EXPECT_EQ(DumpJson(json("a\xff")), "\"a\xEF\xBF\xBD\"");
+}
+
+TEST(HttpProtocolTest, SamplingFieldsLogprobsAndNMapToGenerateRequest) {
+  absl::StatusOr<ParsedRequest> r =
+      ParseRequest(Endpoint::kCompletions,
+                   R"({"prompt": "x", "min_p": 0.1, "min_tokens": 5, "repetition_penalty": 1.2,
+          "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"7": -100, "9": 2.5},
+          "logprobs": 3, "n": 4, "best_of": 4, "specd": {"logprobs_mode": "processed_logprobs"}})",
+                   Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::GenerateRequest& g = r->generate;
+  EXPECT_FLOAT_EQ(g.min_p(), 0.1f);
+  EXPECT_EQ(g.min_tokens(), 5u);
+  ASSERT_TRUE(g.has_repetition_penalty());
+  EXPECT_FLOAT_EQ(g.repetition_penalty(), 1.2f);
+  EXPECT_FLOAT_EQ(g.presence_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(g.frequency_penalty(), -0.25f);
+  ASSERT_EQ(g.logit_bias_size(), 2);
+  EXPECT_FLOAT_EQ(g.logit_bias().at(7), -100.0f);
+  EXPECT_FLOAT_EQ(g.logit_bias().at(9), 2.5f);
+  ASSERT_TRUE(g.has_logprobs());
+  EXPECT_EQ(g.logprobs(), 3u);
+  EXPECT_EQ(r->logprobs, 3);
+  EXPECT_EQ(g.logprobs_source(), v1::LOGPROBS_SOURCE_PROCESSED);
+  EXPECT_EQ(g.n(), 4u);
+  EXPECT_EQ(r->n, 4u);
+
+  // Chat: logprobs: true alone is the chosen token's only; top_logprobs adds alternatives.
+  absl::StatusOr<ParsedRequest> chat = ParseRequest(
+      Endpoint::kChatCompletions,
+      R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true})", Options());
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ(chat->logprobs, 0);
+  EXPECT_EQ(chat->generate.logprobs(), 0u);
+  chat = ParseRequest(Endpoint::kChatCompletions,
+                      R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true,
+                          "top_logprobs": 2})",
+                      Options());
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ(chat->generate.logprobs(), 2u);
+  // Not asked: nothing is computed.
+  chat = ParseRequest(Endpoint::kChatCompletions,
+                      R"({"messages": [{"role": "user", "content": "a"}], "logprobs": false})",
+                      Options());
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ(chat->logprobs, -1);
+  EXPECT_FALSE(chat->generate.has_logprobs());
+}
+
+TEST(HttpProtocolTest, LogprobsInOpenAiShapes) {
+  std::vector<v1::TokenLogprob> lps(2);
+  lps[0].set_token_id(5);
+  lps[0].set_token("He");
+  lps[0].set_logprob(-0.5f);
+  lps[0].set_rank(2);
+  v1::TopLogprob* t = lps[0].add_top_logprobs();
+  t->set_token_id(6);
+  t->set_token("Ha");
+  t->set_logprob(-0.25f);
+  t = lps[0].add_top_logprobs();
+  t->set_token_id(5);
+  t->set_token("He");
+  t->set_logprob(-0.5f);
+  lps[1].set_token_id(7);
+  lps[1].set_token("\xC3\xA9");
+  lps[1].set_logprob(-1.0f);
+  lps[1].set_rank(1);
+
+  size_t offset = 3;
+  const json completions = LogprobsJson(Endpoint::kCompletions, 1, lps, &offset);
+  EXPECT_EQ(completions["tokens"], json({"He", "\xC3\xA9"}));
+  EXPECT_EQ(completions["token_logprobs"], json({-0.5, -1.0}));
+  EXPECT_EQ(completions["text_offset"], json({3, 5}));
+  EXPECT_EQ(offset, 7u);
+  // The top 1 and the chosen token.
+  EXPECT_EQ(completions["top_logprobs"][0], json({{"Ha", -0.25}, {"He", -0.5}}));
+  EXPECT_EQ(completions["top_logprobs"][1], json({{"\xC3\xA9", -1.0}}));
+
+  offset = 0;
+  const json chat = LogprobsJson(Endpoint::kChatCompletions, 2, lps, &offset);
+  ASSERT_EQ(chat["content"].size(), 2u);
+  EXPECT_EQ(chat["content"][0]["token"], "He");
+  EXPECT_EQ(chat["content"][0]["logprob"], -0.5);
+  EXPECT_EQ(chat["content"][0]["bytes"], json({72, 101}));
+  ASSERT_EQ(chat["content"][0]["top_logprobs"].size(), 2u);
+  EXPECT_EQ(chat["content"][0]["top_logprobs"][0]["token"], "Ha");
+  EXPECT_EQ(chat["content"][1]["bytes"], json({0xC3, 0xA9}));
+  EXPECT_TRUE(chat["content"][1]["top_logprobs"].empty());
+
+  // n choices: indexed, usage counts the prompt once.
+  std::vector<Completion> choices(2);
+  for (int i = 0; i < 2; ++i) {
+    choices[i].text = i == 0 ? "He" : "Ha";
+    choices[i].logprobs = {lps[0]};
+    choices[i].last.set_finish_reason(v1::FINISH_REASON_LENGTH);
+    choices[i].last.mutable_usage()->set_prompt_tokens(4);
+    choices[i].last.mutable_usage()->set_completion_tokens(1);
+  }
+  ResponseIdentity id{"cmpl-1", 1, "m"};
+  const json r = CompletionResponseJson(Endpoint::kCompletions, id, choices, 0);
+  ASSERT_EQ(r["choices"].size(), 2u);
+  EXPECT_EQ(r["choices"][1]["index"], 1);
+  EXPECT_EQ(r["choices"][1]["text"], "Ha");
+  EXPECT_EQ(r["choices"][1]["logprobs"]["tokens"], json({"He"}));
+  EXPECT_EQ(r["usage"]["prompt_tokens"], 4);
+  EXPECT_EQ(r["usage"]["completion_tokens"], 2);
+  EXPECT_TRUE(r["choices"][0].contains("specd"));
 }
 
 }  // namespace

@@ -3,7 +3,10 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "services/router/request_validation.h"
 
@@ -143,6 +146,53 @@ TEST(RouterValidationTest, DefaultsAndSeedsAreResolved) {
   EXPECT_EQ(g.sampling.seed, 5u);
   EXPECT_EQ(g.speculation, v1::SPECULATION_OFF);
   EXPECT_EQ(g.shape.depth, 6);
+}
+
+TEST(RouterValidationTest, SamplingFieldsLogprobsAndNResolve) {
+  v1::GenerateRequest r = Valid();
+  r.set_min_p(0.2f);
+  (*r.mutable_logit_bias())[9] = -3.0f;
+  (*r.mutable_logit_bias())[4] = 1.5f;
+  r.set_repetition_penalty(1.1f);
+  r.set_presence_penalty(-0.5f);
+  r.set_frequency_penalty(2.0f);
+  r.set_min_tokens(3);
+  r.set_logprobs(20);
+  r.set_logprobs_source(v1::LOGPROBS_SOURCE_PROCESSED);
+  r.set_n(16);
+  ASSERT_TRUE(ValidateGenerateRequest(r, Limits()).ok());
+  const RouterRequest out = ResolveRequest(r, Limits(), 7);
+  EXPECT_FLOAT_EQ(out.sampling.min_p, 0.2f);
+  // Sorted by id, whatever the map's order.
+  ASSERT_EQ(out.sampling.logit_bias.size(), 2u);
+  EXPECT_EQ(out.sampling.logit_bias[0], std::make_pair(4, 1.5f));
+  EXPECT_EQ(out.sampling.logit_bias[1], std::make_pair(9, -3.0f));
+  EXPECT_FLOAT_EQ(out.sampling.repetition_penalty, 1.1f);
+  EXPECT_FLOAT_EQ(out.sampling.presence_penalty, -0.5f);
+  EXPECT_FLOAT_EQ(out.sampling.frequency_penalty, 2.0f);
+  EXPECT_EQ(out.sampling.min_tokens, 3);
+  EXPECT_EQ(out.logprobs, 20);
+  EXPECT_EQ(out.logprobs_mode, LogprobsMode::kProcessed);
+
+  // Unset: no logprobs, repetition penalty off.
+  const RouterRequest plain = ResolveRequest(Valid(), Limits(), 7);
+  EXPECT_EQ(plain.logprobs, -1);
+  EXPECT_FLOAT_EQ(plain.sampling.repetition_penalty, 1.0f);
+  EXPECT_FALSE(plain.sampling.has_processors());
+
+  for (auto [field, set] : std::vector<std::pair<std::string, void (*)(v1::GenerateRequest*)>>{
+           {"logprobs", [](v1::GenerateRequest* q) { q->set_logprobs(21); }},
+           {"n", [](v1::GenerateRequest* q) { q->set_n(17); }},
+           {"min_p", [](v1::GenerateRequest* q) { q->set_min_p(-0.1f); }},
+           {"repetition_penalty", [](v1::GenerateRequest* q) { q->set_repetition_penalty(-1); }},
+           {"logit_bias[-1]", [](v1::GenerateRequest* q) { (*q->mutable_logit_bias())[-1] = 1; }},
+       }) {
+    v1::GenerateRequest bad = Valid();
+    set(&bad);
+    const absl::Status s = ValidateGenerateRequest(bad, Limits());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_TRUE(absl::StartsWith(s.message(), field + ":")) << s.message();
+  }
 }
 
 }  // namespace

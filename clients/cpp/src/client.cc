@@ -170,6 +170,10 @@ class ClientImpl final : public Client {
 
   absl::StatusOr<Completion> Generate(const GenerateRequest& request, const ChunkCallback& on_chunk,
                                       const CallOptions& call) override {
+    if (request.n > 1) {
+      return absl::InvalidArgumentError(
+          "n: Generate() returns one completion; use Stream() and Chunk::index for n > 1");
+    }
     std::unique_ptr<GenerateStream> stream = Stream(request, call);
     CompletionBuilder builder;
     Chunk chunk;

@@ -81,6 +81,18 @@ absl::StatusOr<v1::GenerateRequest> ToProto(const GenerateRequest& request) {
   out.set_draft_top_k(request.draft_top_k);
   out.set_draft_max_nodes(request.draft_max_nodes);
   out.set_request_id(request.request_id);
+  out.set_min_p(request.min_p);
+  for (const auto& [id, bias] : request.logit_bias) (*out.mutable_logit_bias())[id] = bias;
+  if (request.repetition_penalty.has_value()) {
+    out.set_repetition_penalty(*request.repetition_penalty);
+  }
+  out.set_presence_penalty(request.presence_penalty);
+  out.set_frequency_penalty(request.frequency_penalty);
+  out.set_min_tokens(request.min_tokens);
+  if (request.logprobs.has_value()) out.set_logprobs(*request.logprobs);
+  out.set_logprobs_source(request.processed_logprobs ? v1::LOGPROBS_SOURCE_PROCESSED
+                                                     : v1::LOGPROBS_SOURCE_RAW);
+  out.set_n(request.n);
   return out;
 }
 
@@ -89,6 +101,17 @@ Chunk FromProto(const v1::GenerateResponse& response) {
   chunk.token_ids.assign(response.token_ids().begin(), response.token_ids().end());
   chunk.text = response.text();
   chunk.finish_reason = FromProto(response.finish_reason());
+  chunk.index = response.index();
+  for (const v1::TokenLogprob& lp : response.logprobs()) {
+    TokenLogprob& out = chunk.logprobs.emplace_back();
+    out.token_id = lp.token_id();
+    out.token = lp.token();
+    out.logprob = lp.logprob();
+    out.rank = lp.rank();
+    for (const v1::TopLogprob& t : lp.top_logprobs()) {
+      out.top.push_back({t.token_id(), t.token(), t.logprob()});
+    }
+  }
   if (chunk.last()) {
     chunk.usage.prompt_tokens = response.usage().prompt_tokens();
     chunk.usage.completion_tokens = response.usage().completion_tokens();

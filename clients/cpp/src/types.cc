@@ -66,6 +66,8 @@ void CompletionBuilder::Add(const Chunk& chunk) {
   completion_.text += chunk.text;
   completion_.token_ids.insert(completion_.token_ids.end(), chunk.token_ids.begin(),
                                chunk.token_ids.end());
+  completion_.logprobs.insert(completion_.logprobs.end(), chunk.logprobs.begin(),
+                              chunk.logprobs.end());
   if (chunk.last()) {
     completion_.finish_reason = chunk.finish_reason;
     completion_.usage = chunk.usage;

@@ -13,13 +13,14 @@ from .errors import (
     FailedPreconditionError, InternalError, InvalidArgumentError, NotFoundError,
     OutOfRangeError, PermissionDeniedError, ResourceExhaustedError, SpecdError,
     UnauthenticatedError, UnavailableError, UnimplementedError, UnknownError, from_rpc_error)
-from .types import Chunk, GenerateResult, ModelInfo, SpeculationStats, Usage
+from .types import (Chunk, GenerateResult, ModelInfo, SpeculationStats, TokenLogprob,
+                    TopLogprob, Usage)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Client", "AsyncClient", "TLS", "RetryPolicy", "Chunk", "GenerateResult", "ModelInfo",
-    "SpeculationStats", "Usage", "SpecdError", "AbortedError", "AlreadyExistsError",
+    "SpeculationStats", "TokenLogprob", "TopLogprob", "Usage", "SpecdError", "AbortedError", "AlreadyExistsError",
     "CancelledError", "DataLossError", "DeadlineExceededError", "FailedPreconditionError",
     "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnauthenticatedError",

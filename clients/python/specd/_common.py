@@ -7,7 +7,8 @@ from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
-from .types import Chunk, GenerateResult, ModelInfo, SpeculationStats, Usage
+from .types import (Chunk, GenerateResult, ModelInfo, SpeculationStats, TokenLogprob,
+                    TopLogprob, Usage)
 
 from .v1 import generation_pb2, generation_pb2_grpc  # noqa: F401  (gen_protos.py)
 
@@ -72,9 +73,18 @@ def merge_metadata(base: Metadata, extra: Metadata):
 def build_request(prompt=None, *, prompt_ids=None, max_new_tokens=0, temperature=None,
                   top_p=None, top_k=None, seed=None, stop: Iterable[str] = (),
                   stop_token_ids: Iterable[int] = (), ignore_eos=False, speculation="auto",
-                  draft_depth=0, draft_top_k=0, draft_max_nodes=0, request_id=""):
+                  draft_depth=0, draft_top_k=0, draft_max_nodes=0, request_id="", min_p=0.0,
+                  logit_bias: Optional[Mapping[int, float]] = None, repetition_penalty=None,
+                  presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, logprobs=None,
+                  logprobs_source="raw", n=1):
     """A GenerateRequest. Exactly one of prompt (text) and prompt_ids (token ids). Range checks
-    are the router's: it answers a bad value with INVALID_ARGUMENT naming the field."""
+    are the router's: it answers a bad value with INVALID_ARGUMENT naming the field.
+    logprobs: None = none, 0 = each token's own, k = also the top k alternatives (up to 20);
+    logprobs_source "raw" (the model's log_softmax) or "processed" (what the token was drawn
+    from). n: independent samples (sample i uses seed + i), streamed with Chunk.index."""
+    if logprobs_source not in _LOGPROBS_SOURCE:
+        raise ValueError(f"logprobs_source must be one of {sorted(_LOGPROBS_SOURCE)}, "
+                         f"got {logprobs_source!r}")
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt and prompt_ids")
     if isinstance(stop, str):
@@ -98,7 +108,28 @@ def build_request(prompt=None, *, prompt_ids=None, max_new_tokens=0, temperature
         req.top_k = top_k
     if seed is not None:
         req.seed = seed
+    req.min_p = min_p
+    for token_id, bias in (logit_bias or {}).items():
+        req.logit_bias[int(token_id)] = bias
+    if repetition_penalty is not None:
+        req.repetition_penalty = repetition_penalty
+    req.presence_penalty = presence_penalty
+    req.frequency_penalty = frequency_penalty
+    req.min_tokens = min_tokens
+    if logprobs is not None:
+        req.logprobs = logprobs
+    req.logprobs_source = _LOGPROBS_SOURCE[logprobs_source]
+    req.n = n
     return req
+
+
+_LOGPROBS_SOURCE = {"raw": pb.LOGPROBS_SOURCE_RAW, "processed": pb.LOGPROBS_SOURCE_PROCESSED}
+
+
+def to_logprob(lp) -> TokenLogprob:
+    return TokenLogprob(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, rank=lp.rank,
+                        top=[TopLogprob(t.token_id, t.token, t.logprob)
+                             for t in lp.top_logprobs])
 
 
 def to_chunk(resp) -> Chunk:
@@ -108,7 +139,8 @@ def to_chunk(resp) -> Chunk:
         finish_reason=_FINISH.get(resp.finish_reason, "unspecified") if last else None,
         usage=Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens) if last else None,
         speculation=to_stats(resp.speculation) if last else None,
-        matched_stop=resp.matched_stop or None)
+        matched_stop=resp.matched_stop or None,
+        logprobs=[to_logprob(lp) for lp in resp.logprobs], index=resp.index)
 
 
 def to_stats(s) -> SpeculationStats:
@@ -124,11 +156,12 @@ class ResultBuilder:
     """Joins chunks into a GenerateResult."""
 
     def __init__(self):
-        self.text, self.ids, self.last = [], [], None
+        self.text, self.ids, self.logprobs, self.last = [], [], [], None
 
     def add(self, chunk: Chunk):
         self.text.append(chunk.text)
         self.ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason is not None:
             self.last = chunk
 
@@ -138,7 +171,8 @@ class ResultBuilder:
         return GenerateResult(text="".join(self.text), token_ids=self.ids,
                               finish_reason=self.last.finish_reason, usage=self.last.usage,
                               speculation=self.last.speculation,
-                              matched_stop=self.last.matched_stop)
+                              matched_stop=self.last.matched_stop, logprobs=self.logprobs,
+                              index=self.last.index)
 
 
 def to_model_info(m) -> ModelInfo:
@@ -204,3 +238,22 @@ class RetryPolicy:
                 attempt + 1 < self.max_attempts and
                 (time_left is None or
                  time_left > min(self.max_backoff, self.initial_backoff * (2 ** attempt))))
+
+
+def check_single(params):
+    """generate() returns one result; several samples are generate_samples'."""
+    if params.get("n", 1) > 1:
+        raise ValueError("n > 1: use generate_samples (or generate_stream and Chunk.index)")
+
+
+class SampleBuilders:
+    """Joins the chunks of n samples, told apart by Chunk.index."""
+
+    def __init__(self, n: int):
+        self.builders = [ResultBuilder() for _ in range(max(1, n))]
+
+    def add(self, chunk: Chunk):
+        self.builders[chunk.index].add(chunk)
+
+    def results(self):
+        return [b.result() for b in self.builders]

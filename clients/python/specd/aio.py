@@ -67,10 +67,19 @@ class AsyncClient:
                 call.cancel()
 
     async def generate(self, prompt: Optional[str] = None, **params) -> GenerateResult:
+        _common.check_single(params)
         builder = _common.ResultBuilder()
         async for chunk in self.generate_stream(prompt, **params):
             builder.add(chunk)
         return builder.result()
+
+    async def generate_samples(self, prompt: Optional[str] = None, *, n: int,
+                               **params) -> List[GenerateResult]:
+        """See Client.generate_samples."""
+        builders = _common.SampleBuilders(n)
+        async for chunk in self.generate_stream(prompt, n=n, **params):
+            builders.add(chunk)
+        return builders.results()
 
     async def tokenize(self, text: str, *, add_special_tokens=False, timeout=None,
                        metadata: Metadata = None) -> List[int]:

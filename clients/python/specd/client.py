@@ -83,11 +83,20 @@ class Client:
 
     def generate(self, prompt: Optional[str] = None, **params) -> GenerateResult:
         """The whole completion: text, token ids, finish reason, usage and speculation stats.
-        Same parameters as generate_stream."""
+        Same parameters as generate_stream; n > 1 is generate_samples'."""
+        _common.check_single(params)
         builder = _common.ResultBuilder()
         for chunk in self.generate_stream(prompt, **params):
             builder.add(chunk)
         return builder.result()
+
+    def generate_samples(self, prompt: Optional[str] = None, *, n: int,
+                         **params) -> List[GenerateResult]:
+        """n independent samples of one prompt (sample i uses seed + i), in index order."""
+        builders = _common.SampleBuilders(n)
+        for chunk in self.generate_stream(prompt, n=n, **params):
+            builders.add(chunk)
+        return builders.results()
 
     # -- other calls --------------------------------------------------------------------------
 

@@ -34,6 +34,27 @@ class SpeculationStats:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One alternative at a position."""
+
+    token_id: int
+    token: str  # its text alone
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target (raw: the model's log_softmax;
+    processed: the distribution it was drawn from)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int  # 1 + the number of tokens with a strictly higher log-probability
+    top: List[TopLogprob] = field(default_factory=list)  # most likely first
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed piece of a completion. finish_reason, usage and speculation are set on the
     last chunk only."""
@@ -44,6 +65,8 @@ class Chunk:
     usage: Optional[Usage] = None
     speculation: Optional[SpeculationStats] = None
     matched_stop: Optional[str] = None
+    logprobs: List[TokenLogprob] = field(default_factory=list)  # one per token id, if asked
+    index: int = 0  # which of the request's n samples
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,8 @@ class GenerateResult:
     usage: Usage
     speculation: SpeculationStats
     matched_stop: Optional[str] = None
+    logprobs: List[TokenLogprob] = field(default_factory=list)
+    index: int = 0
 
 
 @dataclass(frozen=True)

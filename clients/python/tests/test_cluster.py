@@ -72,6 +72,35 @@ def test_invalid_argument_names_the_field(client):
     assert client.generate("x", max_new_tokens=2, ignore_eos=True).usage.completion_tokens == 2
 
 
+def test_logprobs_sampling_fields_and_samples(client):
+    kw = dict(max_new_tokens=16, ignore_eos=True, logprobs=3, repetition_penalty=1.3,
+              presence_penalty=0.5, logit_bias={101: 3.0}, min_tokens=4)
+    off = client.generate("def fib(n):", speculation="off", **kw)
+    spec = client.generate("def fib(n):", speculation="draft_model", **kw)
+    plain = client.generate("def fib(n):", max_new_tokens=16, ignore_eos=True)
+    assert spec.token_ids == off.token_ids  # penalties stay lossless under speculation
+    assert plain.token_ids != off.token_ids  # and they were applied
+    assert len(off.logprobs) == 16 and [lp.token_id for lp in off.logprobs] == off.token_ids
+    for a, b in zip(off.logprobs, spec.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4 and len(a.top) == 3
+        assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+        assert a.rank >= 1 and a.logprob <= 0
+    processed = client.generate("def fib(n):", logprobs_source="processed", **kw)
+    assert all(lp.rank == 1 for lp in processed.logprobs)  # greedy on the processed logits
+    with pytest.raises(ValueError):
+        client.generate("x", n=2)
+    samples = client.generate_samples("import re", n=3, max_new_tokens=8, ignore_eos=True,
+                                      temperature=1.0, seed=21)
+    assert [s.index for s in samples] == [0, 1, 2]
+    for i, s in enumerate(samples):
+        one = client.generate("import re", max_new_tokens=8, ignore_eos=True, temperature=1.0,
+                              seed=21 + i)
+        assert s.token_ids == one.token_ids
+    with pytest.raises(specd.InvalidArgumentError) as info:
+        client.generate("x", min_p=2.0)
+    assert info.value.details.startswith("min_p")
+
+
 def test_deadline_exceeded(client):
     with pytest.raises(specd.DeadlineExceededError):
         client.generate("x", max_new_tokens=4000, ignore_eos=True, timeout=0.05)

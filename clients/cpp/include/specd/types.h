@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace specd {
@@ -61,6 +62,38 @@ struct GenerateRequest {
   uint32_t draft_top_k = 0;
   uint32_t draft_max_nodes = 0;
   std::string request_id;  // echoed in the router's logs
+
+  // Logits processors (docs/sampling.md); lossless under speculation.
+  float min_p = 0.0f;                                 // [0, 1]; 0 = off
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, bias in [-100, 100])
+  std::optional<float> repetition_penalty;            // > 0; unset = 1 (off)
+  float presence_penalty = 0.0f;                      // [-2, 2]
+  float frequency_penalty = 0.0f;                     // [-2, 2]
+  uint32_t min_tokens = 0;  // EOS and stop_token_ids held back until this many tokens
+  // Log-probabilities of the emitted tokens: unset = none; 0 = each token's own; n in [1, 20]
+  // = also the n most likely alternatives. Raw (the model's log_softmax) unless
+  // processed_logprobs (the distribution the token was drawn from).
+  std::optional<uint32_t> logprobs;
+  bool processed_logprobs = false;
+  // Independent samples (sample i uses seed + i). Generate() returns one completion and so
+  // takes n <= 1; Stream() gives every sample's chunks, told apart by Chunk::index.
+  uint32_t n = 0;
+};
+
+// One alternative at a position (TokenLogprob::top).
+struct TopLogprob {
+  int32_t token_id = 0;
+  std::string token;  // its text alone
+  float logprob = 0.0f;
+};
+
+// One emitted token's log-probability under the target.
+struct TokenLogprob {
+  int32_t token_id = 0;
+  std::string token;
+  float logprob = 0.0f;
+  uint32_t rank = 0;            // 1 + the number of tokens with a strictly higher log-probability
+  std::vector<TopLogprob> top;  // most likely first
 };
 
 struct Usage {
@@ -94,6 +127,8 @@ struct Chunk {
   Usage usage;
   SpeculationStats speculation;
   std::string matched_stop;  // the stop string that ended generation (kStopString)
+  std::vector<TokenLogprob> logprobs;  // one per token id, when the request asked
+  uint32_t index = 0;                  // which of the request's n samples
 
   bool last() const { return finish_reason != FinishReason::kUnspecified; }
 };
@@ -106,6 +141,7 @@ struct Completion {
   Usage usage;
   SpeculationStats speculation;
   std::string matched_stop;
+  std::vector<TokenLogprob> logprobs;  // one per token id, when the request asked
 };
 
 struct ModelInfo {

@@ -13,39 +13,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specd/v1/generation.proto\x12\x08specd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xad\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12(\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12*\n\x0bspeculation\x18\x0b \x01(\x0e\x32\x15.specd.v1.Speculation\x12\x13\n\x0b\x64raft_depth\x18\x0c \x01(\r\x12\x13\n\x0b\x64raft_top_k\x18\r \x01(\r\x12\x17\n\x0f\x64raft_max_nodes\x18\x0e \x01(\r\x12\x12\n\nrequest_id\x18\x0f \x01(\tB\x07\n\x05inputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc6\x01\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x04\x12\x19\n\x11target_only_steps\x18\x05 \x01(\x04\x12#\n\x04mode\x18\x06 \x01(\x0e\x32\x15.specd.v1.Speculation\x12\x15\n\rshape_changes\x18\x07 \x01(\x04\"\xc9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.specd.v1.Usage\x12/\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"=\n\x11\x44\x65tokenizeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x06 \x01(\r\x12\x17\n\x0f\x64raft_available\x18\x07 \x01(\x08*\x84\x01\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x13\n\x0fSPECULATION_OFF\x10\x01\x12\x1b\n\x17SPECULATION_DRAFT_MODEL\x10\x02\x12\x15\n\x11SPECULATION_NGRAM\x10\x03\x12\x16\n\x12SPECULATION_EAGLE3\x10\x04*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x05\x32\xa1\x02\n\nGeneration\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.specd.v1.TokenizeRequest\x1a\x1a.specd.v1.TokenizeResponse\x12G\n\nDetokenize\x12\x1b.specd.v1.DetokenizeRequest\x1a\x1c.specd.v1.DetokenizeResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specd/v1/generation.proto\x12\x08specd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8f\x06\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12(\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12*\n\x0bspeculation\x18\x0b \x01(\x0e\x32\x15.specd.v1.Speculation\x12\x13\n\x0b\x64raft_depth\x18\x0c \x01(\r\x12\x13\n\x0b\x64raft_top_k\x18\r \x01(\r\x12\x17\n\x0f\x64raft_max_nodes\x18\x0e \x01(\r\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.specd.v1.GenerateRequest.LogitBiasEntry\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x13 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x02\x12\x12\n\nmin_tokens\x18\x15 \x01(\r\x12\x15\n\x08logprobs\x18\x16 \x01(\rH\x06\x88\x01\x01\x12\x31\n\x0flogprobs_source\x18\x17 \x01(\x0e\x32\x18.specd.v1.LogprobsSource\x12\t\n\x01n\x18\x18 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc6\x01\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x04\x12\x19\n\x11target_only_steps\x18\x05 \x01(\x04\x12#\n\x04mode\x18\x06 \x01(\x0e\x32\x15.specd.v1.Speculation\x12\x15\n\rshape_changes\x18\x07 \x01(\x04\"\x82\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.specd.v1.Usage\x12/\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.specd.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12*\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x14.specd.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"=\n\x11\x44\x65tokenizeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x06 \x01(\r\x12\x17\n\x0f\x64raft_available\x18\x07 \x01(\x08*\x84\x01\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x13\n\x0fSPECULATION_OFF\x10\x01\x12\x1b\n\x17SPECULATION_DRAFT_MODEL\x10\x02\x12\x15\n\x11SPECULATION_NGRAM\x10\x03\x12\x16\n\x12SPECULATION_EAGLE3\x10\x04*H\n\x0eLogprobsSource\x12\x17\n\x13LOGPROBS_SOURCE_RAW\x10\x00\x12\x1d\n\x19LOGPROBS_SOURCE_PROCESSED\x10\x01*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x05\x32\xa1\x02\n\nGeneration\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.specd.v1.TokenizeRequest\x1a\x1a.specd.v1.TokenizeResponse\x12G\n\nDetokenize\x12\x1b.specd.v1.DetokenizeRequest\x1a\x1c.specd.v1.DetokenizeResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.generation_pb2', globals())
 if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
-  _SPECULATION._serialized_start=1353
-  _SPECULATION._serialized_end=1485
-  _FINISHREASON._serialized_start=1488
-  _FINISHREASON._serialized_end=1670
+  _GENERATEREQUEST_LOGITBIASENTRY._options = None
+  _GENERATEREQUEST_LOGITBIASENTRY._serialized_options = b'8\001'
+  _SPECULATION._serialized_start=1952
+  _SPECULATION._serialized_end=2084
+  _LOGPROBSSOURCE._serialized_start=2086
+  _LOGPROBSSOURCE._serialized_end=2158
+  _FINISHREASON._serialized_start=2161
+  _FINISHREASON._serialized_end=2343
   _TOKENIDS._serialized_start=39
   _TOKENIDS._serialized_end=62
   _GENERATEREQUEST._serialized_start=65
-  _GENERATEREQUEST._serialized_end=494
-  _USAGE._serialized_start=496
-  _USAGE._serialized_end=553
-  _SPECULATIONSTATS._serialized_start=556
-  _SPECULATIONSTATS._serialized_end=754
-  _GENERATERESPONSE._serialized_start=757
-  _GENERATERESPONSE._serialized_end=958
-  _TOKENIZEREQUEST._serialized_start=960
-  _TOKENIZEREQUEST._serialized_end=1019
-  _TOKENIZERESPONSE._serialized_start=1021
-  _TOKENIZERESPONSE._serialized_end=1052
-  _DETOKENIZEREQUEST._serialized_start=1054
-  _DETOKENIZEREQUEST._serialized_end=1115
-  _DETOKENIZERESPONSE._serialized_start=1117
-  _DETOKENIZERESPONSE._serialized_end=1151
-  _GETMODELINFOREQUEST._serialized_start=1153
-  _GETMODELINFOREQUEST._serialized_end=1174
-  _MODELINFO._serialized_start=1177
-  _MODELINFO._serialized_end=1350
-  _GENERATION._serialized_start=1673
-  _GENERATION._serialized_end=1962
+  _GENERATEREQUEST._serialized_end=848
+  _GENERATEREQUEST_LOGITBIASENTRY._serialized_start=710
+  _GENERATEREQUEST_LOGITBIASENTRY._serialized_end=758
+  _USAGE._serialized_start=850
+  _USAGE._serialized_end=907
+  _SPECULATIONSTATS._serialized_start=910
+  _SPECULATIONSTATS._serialized_end=1108
+  _GENERATERESPONSE._serialized_start=1111
+  _GENERATERESPONSE._serialized_end=1369
+  _TOKENLOGPROB._serialized_start=1371
+  _TOKENLOGPROB._serialized_end=1493
+  _TOPLOGPROB._serialized_start=1495
+  _TOPLOGPROB._serialized_end=1557
+  _TOKENIZEREQUEST._serialized_start=1559
+  _TOKENIZEREQUEST._serialized_end=1618
+  _TOKENIZERESPONSE._serialized_start=1620
+  _TOKENIZERESPONSE._serialized_end=1651
+  _DETOKENIZEREQUEST._serialized_start=1653
+  _DETOKENIZEREQUEST._serialized_end=1714
+  _DETOKENIZERESPONSE._serialized_start=1716
+  _DETOKENIZERESPONSE._serialized_end=1750
+  _GETMODELINFOREQUEST._serialized_start=1752
+  _GETMODELINFOREQUEST._serialized_end=1773
+  _MODELINFO._serialized_start=1776
+  _MODELINFO._serialized_end=1949
+  _GENERATION._serialized_start=2346
+  _GENERATION._serialized_end=2635
 # @@protoc_insertion_point(module_scope)

@@ -11,6 +11,8 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_UNSPECIFIED: FinishReason
+LOGPROBS_SOURCE_PROCESSED: LogprobsSource
+LOGPROBS_SOURCE_RAW: LogprobsSource
 SPECULATION_AUTO: Speculation
 SPECULATION_DRAFT_MODEL: Speculation
 SPECULATION_EAGLE3: Speculation
@@ -32,14 +34,30 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ["draft_depth", "draft_max_nodes", "draft_top_k", "ignore_eos", "max_new_tokens", "prompt", "prompt_ids", "request_id", "seed", "speculation", "stop", "stop_token_ids", "temperature", "top_k", "top_p"]
+    __slots__ = ["draft_depth", "draft_max_nodes", "draft_top_k", "frequency_penalty", "ignore_eos", "logit_bias", "logprobs", "logprobs_source", "max_new_tokens", "min_p", "min_tokens", "n", "presence_penalty", "prompt", "prompt_ids", "repetition_penalty", "request_id", "seed", "speculation", "stop", "stop_token_ids", "temperature", "top_k", "top_p"]
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ["key", "value"]
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
@@ -51,10 +69,19 @@ class GenerateRequest(_message.Message):
     draft_depth: int
     draft_max_nodes: int
     draft_top_k: int
+    frequency_penalty: float
     ignore_eos: bool
+    logit_bias: _containers.ScalarMap[int, float]
+    logprobs: int
+    logprobs_source: LogprobsSource
     max_new_tokens: int
+    min_p: float
+    min_tokens: int
+    n: int
+    presence_penalty: float
     prompt: str
     prompt_ids: TokenIds
+    repetition_penalty: float
     request_id: str
     seed: int
     speculation: Speculation
@@ -63,23 +90,27 @@ class GenerateRequest(_message.Message):
     temperature: float
     top_k: int
     top_p: float
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: bool = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_depth: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., draft_max_nodes: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: bool = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_depth: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., draft_max_nodes: _Optional[int] = ..., request_id: _Optional[str] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., logprobs_source: _Optional[_Union[LogprobsSource, str]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ["finish_reason", "matched_stop", "speculation", "text", "token_ids", "usage"]
+    __slots__ = ["finish_reason", "index", "logprobs", "matched_stop", "speculation", "text", "token_ids", "usage"]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     matched_stop: str
     speculation: SpeculationStats
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     usage: Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., matched_stop: _Optional[str] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., matched_stop: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = []
@@ -127,6 +158,20 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class TokenLogprob(_message.Message):
+    __slots__ = ["logprob", "rank", "token", "token_id", "top_logprobs"]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    rank: int
+    token: str
+    token_id: int
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ["add_special_tokens", "text"]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +186,16 @@ class TokenizeResponse(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class TopLogprob(_message.Message):
+    __slots__ = ["logprob", "token", "token_id"]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    token: str
+    token_id: int
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ["completion_tokens", "prompt_tokens"]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +205,9 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = []
+
+class LogprobsSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = []
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
