@@ -27,43 +27,11 @@
 #include "engine/backend.h"
 #include "engine/draft/draft_model_drafter.h"
 #include "engine/topk.h"
+#include "tests/testutil/counting_backend.h"
 #include "tests/testutil/hf_fixtures.h"
 
 namespace specd {
 namespace {
-
-// Counts the forward calls and tokens the drafter sends its model.
-class Counted : public Backend {
- public:
-  explicit Counted(Backend* model) : model_(model) {}
-  const ModelConfig& config() const override { return model_->config(); }
-  absl::Status AddSequence(SeqId seq) override { return model_->AddSequence(seq); }
-  absl::Status RemoveSequence(SeqId seq) override { return model_->RemoveSequence(seq); }
-  bool HasSequence(SeqId seq) const override { return model_->HasSequence(seq); }
-  absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override {
-    return model_->CommittedLength(seq);
-  }
-  absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override {
-    Count(items);
-    return model_->Forward(items, logits);
-  }
-  absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override {
-    Count(items);
-    return model_->ForwardTopK(items, k, out);
-  }
-  absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override {
-    return model_->Commit(seq, path);
-  }
-  KvUsage Usage() const override { return model_->Usage(); }
-  int64_t calls = 0, tokens = 0;
-
- private:
-  void Count(absl::Span<const ForwardItem> items) {
-    ++calls;
-    for (const ForwardItem& it : items) tokens += static_cast<int64_t>(it.tokens.size());
-  }
-  Backend* model_;
-};
 
 constexpr int kPrompt = 64;
 constexpr int kMaxLength = 640;  // well inside the draft's 1024 positions
@@ -87,7 +55,7 @@ void BM_DraftStep(benchmark::State& state) {
     state.SkipWithError(std::string(loaded.status().message()).c_str());
     return;
   }
-  Counted model(loaded->get());
+  CountingBackend model(loaded->get());
   DraftModelDrafter drafter(&model, {saving, saving});
   const DraftParams params{4, 4, 16};
   std::vector<DraftRequest> requests(batch);
@@ -127,8 +95,8 @@ void BM_DraftStep(benchmark::State& state) {
       requests[s] = {s, next, params, node};
       length[s] += static_cast<int64_t>(next.size());
     }
-    calls0 = model.calls;
-    tokens0 = model.tokens;
+    calls0 = model.calls();
+    tokens0 = model.tokens();
     state.ResumeTiming();
     trees = drafter.Draft(requests);
     if (!trees.ok()) {
@@ -136,8 +104,8 @@ void BM_DraftStep(benchmark::State& state) {
       return;
     }
     state.PauseTiming();
-    state.counters["forwards"] += static_cast<double>(model.calls - calls0);
-    state.counters["fed"] += static_cast<double>(model.tokens - tokens0);
+    state.counters["forwards"] += static_cast<double>(model.calls() - calls0);
+    state.counters["fed"] += static_cast<double>(model.tokens() - tokens0);
     ++steps;
     state.ResumeTiming();
   }

@@ -19,6 +19,7 @@
 #include "engine/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/counting_backend.h"
 #include "tests/testutil/hf_fixtures.h"
 
 namespace specd {
@@ -151,39 +152,6 @@ TEST(BackendTopKTest, CpuEqualsDefaultAndOracle) {
   }
 }
 
-// Counts the tokens a drafter feeds its model; everything else goes to the real backend.
-class FeedCounter : public Backend {
- public:
-  explicit FeedCounter(Backend* model) : model_(model) {}
-  const ModelConfig& config() const override { return model_->config(); }
-  absl::Status AddSequence(SeqId seq) override { return model_->AddSequence(seq); }
-  absl::Status RemoveSequence(SeqId seq) override { return model_->RemoveSequence(seq); }
-  bool HasSequence(SeqId seq) const override { return model_->HasSequence(seq); }
-  absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override {
-    return model_->CommittedLength(seq);
-  }
-  absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override {
-    Count(items);
-    return model_->Forward(items, logits);
-  }
-  absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override {
-    Count(items);
-    return model_->ForwardTopK(items, k, out);
-  }
-  absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override {
-    return model_->Commit(seq, path);
-  }
-  KvUsage Usage() const override { return model_->Usage(); }
-  int64_t fed() const { return fed_; }
-
- private:
-  void Count(absl::Span<const ForwardItem> items) {
-    for (const ForwardItem& it : items) fed_ += static_cast<int64_t>(it.tokens.size());
-  }
-  Backend* model_;
-  int64_t fed_ = 0;
-};
-
 // How the run tells the drafter the previous step's outcome.
 enum class Outcome {
   kReported,  // accepted_node as the router sends it
@@ -215,7 +183,7 @@ SpecRun Speculate(Models& models, const std::vector<int32_t>& prompt,
   SpecRun run;
   Backend* draft = models.draft.get();
   Backend* target = models.target.get();
-  FeedCounter counter(draft);
+  CountingBackend counter(draft);
   DraftModelDrafter drafter(&counter, options);
   const SeqId seq = models.next_seq++;
   EXPECT_TRUE(drafter.AddSequence(seq).ok());
@@ -265,7 +233,7 @@ SpecRun Speculate(Models& models, const std::vector<int32_t>& prompt,
                                            : DraftRequest::kNoOutcome;
     }
   }
-  run.fed = counter.fed();
+  run.fed = counter.tokens();
   EXPECT_TRUE(drafter.Release(seq).ok());
   EXPECT_TRUE(target->RemoveSequence(seq).ok());
   return run;
