@@ -6,7 +6,6 @@
 #include <numeric>
 #include <tuple>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -202,13 +201,10 @@ absl::Status DraftModelDrafter::LevelTopK(absl::Span<const ForwardItem> items, i
 
 absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
     absl::Span<const DraftRequest> requests) {
-  absl::flat_hash_set<SeqId> seen;
-  for (const DraftRequest& r : requests) {
-    if (absl::Status s = CheckRequest(r); !s.ok()) return s;
-    if (!seen.insert(r.seq).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("seq: sequence ", r.seq, " appears twice in one draft batch"));
-    }
+  if (absl::Status s =
+          CheckDraftBatch(requests, [this](const DraftRequest& r) { return CheckRequest(r); });
+      !s.ok()) {
+    return s;
   }
   // The previous steps' outcomes first: from here on each sequence's committed KV matches the
   // first skip[b] of its new_tokens, whatever happens to this step.
@@ -274,20 +270,15 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
 
 absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter::PreDraft(
     absl::Span<const DraftRequest> requests) {
-  absl::flat_hash_set<SeqId> seen;
-  for (const DraftRequest& r : requests) {
+  // Unlike Draft(), new_tokens may be empty: nothing new since the tree being verified.
+  auto check = [this](const DraftRequest& r) -> absl::Status {
     if (!model_->HasSequence(r.seq)) {
       return absl::NotFoundError(absl::StrCat("seq: unknown draft sequence ", r.seq));
     }
     if (absl::Status s = ValidateDraftParams(r.params); !s.ok()) return s;
-    if (absl::Status s = CheckTokenIds(r.new_tokens, vocab_size_, "new_tokens"); !s.ok()) {
-      return s;
-    }
-    if (!seen.insert(r.seq).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("seq: sequence ", r.seq, " appears twice in one draft batch"));
-    }
-  }
+    return CheckTokenIds(r.new_tokens, vocab_size_, "new_tokens");
+  };
+  if (absl::Status s = CheckDraftBatch(requests, check); !s.ok()) return s;
   std::vector<PreDraftResult> results(requests.size());
   // What each guessing sequence feeds: the unexpanded rest of the guessed path (and its bonus
   // token when known) hanging from `anchor`, its scratch path so far, and where the grown

@@ -1,5 +1,6 @@
 #include "engine/draft/drafter.h"
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace specd {
@@ -34,6 +35,19 @@ absl::Status CheckDraftRequest(const DraftRequest& r, bool known, int vocab_size
   }
   if (absl::Status s = CheckTokenIds(r.new_tokens, vocab_size, "new_tokens"); !s.ok()) return s;
   return ValidateDraftParams(r.params);
+}
+
+absl::Status CheckDraftBatch(absl::Span<const DraftRequest> requests,
+                             absl::FunctionRef<absl::Status(const DraftRequest&)> check) {
+  absl::flat_hash_set<SeqId> seen;
+  for (const DraftRequest& r : requests) {
+    if (absl::Status s = check(r); !s.ok()) return s;
+    if (!seen.insert(r.seq).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("seq: sequence ", r.seq, " appears twice in one draft batch"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace specd

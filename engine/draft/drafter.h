@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -62,6 +63,12 @@ struct DraftRequest {
 // naming `kind` otherwise), new_tokens is not empty and within the vocabulary, params valid.
 absl::Status CheckDraftRequest(const DraftRequest& request, bool known, int vocab_size,
                                absl::string_view kind);
+
+// What a batched call checks before it changes any state: each request passes `check`, in
+// order (its error is returned), and no two requests name the same sequence (INVALID_ARGUMENT
+// naming seq).
+absl::Status CheckDraftBatch(absl::Span<const DraftRequest> requests,
+                             absl::FunctionRef<absl::Status(const DraftRequest&)> check);
 
 class Drafter {
  public:

@@ -4,7 +4,6 @@
 #include <numeric>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "engine/draft/tree_builder.h"
 #include "engine/topk.h"
@@ -105,13 +104,10 @@ void EagleDrafter::Merge(const DraftRequest& r, SeqState& st) const {
 
 absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
     absl::Span<const DraftRequest> requests) {
-  absl::flat_hash_set<SeqId> seen;
-  for (const DraftRequest& r : requests) {
-    if (absl::Status s = CheckRequest(r); !s.ok()) return s;
-    if (!seen.insert(r.seq).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("seq: sequence ", r.seq, " appears twice in one draft batch"));
-    }
+  if (absl::Status s =
+          CheckDraftBatch(requests, [this](const DraftRequest& r) { return CheckRequest(r); });
+      !s.ok()) {
+    return s;
   }
   const int64_t f = feature_size_, h = head_->config().head.hidden_size;
   const int64_t dv = head_->config().draft_vocab_size;

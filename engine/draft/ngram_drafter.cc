@@ -1,7 +1,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "engine/draft/ngram_drafter.h"
 
@@ -106,13 +105,10 @@ TokenTree NgramDrafter::Propose(absl::Span<const int32_t> h, const DraftParams& 
 
 absl::StatusOr<std::vector<TokenTree>> NgramDrafter::Draft(
     absl::Span<const DraftRequest> requests) {
-  absl::flat_hash_set<SeqId> seen;
-  for (const DraftRequest& r : requests) {
-    if (absl::Status s = CheckRequest(r); !s.ok()) return s;
-    if (!seen.insert(r.seq).second) {
-      return absl::InvalidArgumentError(absl::StrCat("seq: sequence ", r.seq,
-                                                     " appears twice in one draft batch"));
-    }
+  if (absl::Status s =
+          CheckDraftBatch(requests, [this](const DraftRequest& r) { return CheckRequest(r); });
+      !s.ok()) {
+    return s;
   }
   std::vector<TokenTree> trees;
   trees.reserve(requests.size());
