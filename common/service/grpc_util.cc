@@ -40,6 +40,23 @@ const char* SpeculationName(v1::Speculation mode) {
   }
 }
 
+const char* FinishReasonName(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_STOP_TOKEN:
+      return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING:
+      return "stop_string";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    default:
+      return "unspecified";
+  }
+}
+
 void ToSequenceError(const absl::Status& status, v1::SequenceError* error) {
   error->set_code(static_cast<int32_t>(status.code()));
   error->set_message(std::string(status.message()));

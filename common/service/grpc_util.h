@@ -33,6 +33,10 @@ void ToSequenceError(const absl::Status& status, v1::SequenceError* error);
 // "draft_model", "ngram", "eagle3", or "auto" (unspecified).
 const char* SpeculationName(v1::Speculation mode);
 
+// The name of a finish reason, as the SDKs, the HTTP edge and the metrics say it: "length",
+// "eos", "stop_token", "stop_string", "context", or "unspecified".
+const char* FinishReasonName(v1::FinishReason reason);
+
 // The model name services report in GetInfo: the last component of the model folder's path.
 std::string ModelNameFromPath(absl::string_view dir);
 

@@ -496,29 +496,12 @@ json UsageJson(const v1::Usage& usage) {
           {"total_tokens", usage.prompt_tokens() + usage.completion_tokens()}};
 }
 
-const char* FinishDetail(v1::FinishReason reason) {
-  switch (reason) {
-    case v1::FINISH_REASON_LENGTH:
-      return "length";
-    case v1::FINISH_REASON_EOS:
-      return "eos";
-    case v1::FINISH_REASON_STOP_TOKEN:
-      return "stop_token";
-    case v1::FINISH_REASON_STOP_STRING:
-      return "stop_string";
-    case v1::FINISH_REASON_CONTEXT:
-      return "context";
-    default:
-      return "unspecified";
-  }
-}
-
 // The `specd` object of a response or chunk: token ids always; for the last chunk also how
 // generation ended and the speculation statistics.
 json SpecdJson(const std::vector<int32_t>& token_ids, const v1::GenerateResponse* last) {
   json out = {{"token_ids", token_ids}};
   if (last != nullptr) {
-    out["finish_detail"] = FinishDetail(last->finish_reason());
+    out["finish_detail"] = FinishReasonName(last->finish_reason());
     if (last->finish_reason() == v1::FINISH_REASON_STOP_STRING) {
       out["matched_stop"] = last->matched_stop();
     }
@@ -680,7 +663,7 @@ json ErrorJson(const ApiError& error) {
             {"code", error.code}}}};
 }
 
-const char* FinishReasonName(v1::FinishReason reason) {
+const char* OpenAiFinishReason(v1::FinishReason reason) {
   switch (reason) {
     case v1::FINISH_REASON_LENGTH:
     case v1::FINISH_REASON_CONTEXT:
@@ -729,7 +712,7 @@ json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& identity,
     size_t offset = 0;
     choice["logprobs"] =
         logprobs >= 0 ? LogprobsJson(endpoint, logprobs, completion.logprobs, &offset) : json();
-    choice["finish_reason"] = FinishReasonName(completion.last.finish_reason());
+    choice["finish_reason"] = OpenAiFinishReason(completion.last.finish_reason());
     if (completions.size() > 1) choice["specd"] = SpecdJson(completion.token_ids, &completion.last);
     choices.push_back(std::move(choice));
     usage.set_prompt_tokens(completion.last.usage().prompt_tokens());
@@ -814,7 +797,7 @@ json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& identity, absl::
   }
   choice["logprobs"] = logprobs;
   choice["finish_reason"] =
-      last != nullptr ? json(FinishReasonName(last->finish_reason())) : json(nullptr);
+      last != nullptr ? json(OpenAiFinishReason(last->finish_reason())) : json(nullptr);
   json out = {{"id", identity.id},
               {"object", ObjectName(endpoint, /*chunk=*/true)},
               {"created", identity.created},

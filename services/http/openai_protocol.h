@@ -83,7 +83,7 @@ ApiError ToApiError(const absl::Status& status, Endpoint endpoint);
 nlohmann::json ErrorJson(const ApiError& error);
 
 // "stop" or "length" (the OpenAI finish reasons; the context filling up counts as length).
-const char* FinishReasonName(v1::FinishReason reason);
+const char* OpenAiFinishReason(v1::FinishReason reason);
 
 // The speculation statistics of a finished request, with acceptance rate and mean acceptance
 // length derived as in docs/metrics.md.

@@ -40,22 +40,6 @@ grpc::Status EndedStatus(const RouterRequest& request, bool cancelled, absl::Tim
   return grpc::Status::OK;
 }
 
-// specd_requests_finished_total's label: the SDKs' names of the finish reasons.
-const char* FinishReasonLabel(v1::FinishReason reason) {
-  switch (reason) {
-    case v1::FINISH_REASON_EOS:
-      return "eos";
-    case v1::FINISH_REASON_STOP_TOKEN:
-      return "stop_token";
-    case v1::FINISH_REASON_STOP_STRING:
-      return "stop_string";
-    case v1::FINISH_REASON_CONTEXT:
-      return "context";
-    default:
-      return "length";
-  }
-}
-
 class StreamDecoder : public TokenTextDecoder {
  public:
   explicit StreamDecoder(const Tokenizer* tokenizer)
@@ -860,7 +844,11 @@ void RouterLoop::Emit(Sequence& seq) {
     seq.sink->Write(std::move(response));
     seq.sink->Finish(grpc::Status::OK);
     metrics_->CountOutcome(grpc::StatusCode::OK);
-    metrics_->CountFinish(FinishReasonLabel(seq.output->finish_reason()));
+    // A request that ended normally has a finish reason; an unset one would be counted as
+    // "length", the reason a generation without another stops for.
+    const v1::FinishReason reason = seq.output->finish_reason();
+    metrics_->CountFinish(FinishReasonName(
+        reason == v1::FINISH_REASON_UNSPECIFIED ? v1::FINISH_REASON_LENGTH : reason));
     metrics_->request_generation_tokens.Observe(seq.output->generated());
     metrics_->e2e_request_latency.Observe(absl::ToDoubleSeconds(now - seq.request.arrival));
     Release(seq, /*finished=*/true);

@@ -376,11 +376,11 @@ TEST(HttpProtocolTest, CompletionResponse) {
 }
 
 TEST(HttpProtocolTest, FinishReasons) {
-  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_LENGTH), "length");
-  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_CONTEXT), "length");
-  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_EOS), "stop");
-  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_TOKEN), "stop");
-  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_STRING), "stop");
+  EXPECT_STREQ(OpenAiFinishReason(v1::FINISH_REASON_LENGTH), "length");
+  EXPECT_STREQ(OpenAiFinishReason(v1::FINISH_REASON_CONTEXT), "length");
+  EXPECT_STREQ(OpenAiFinishReason(v1::FINISH_REASON_EOS), "stop");
+  EXPECT_STREQ(OpenAiFinishReason(v1::FINISH_REASON_STOP_TOKEN), "stop");
+  EXPECT_STREQ(OpenAiFinishReason(v1::FINISH_REASON_STOP_STRING), "stop");
   const json none = SpeculationJson(v1::SpeculationStats());
   EXPECT_TRUE(none["acceptance_rate"].is_null());
   EXPECT_TRUE(none["mean_accepted_length"].is_null());
