@@ -212,12 +212,15 @@ double CostModel::LevelRatio(int tb) const {
 // priors have a CPU's shape, so scaling them by the nearest measured bucket predicts a GPU's
 // bigger trees several times too dear, and the policy would never run them to learn otherwise.
 // So along the token axis the measured buckets themselves give the shape: interpolated between
-// measured buckets, extended by the measured slope, and flat beyond a single measured bucket.
-// Flat is the optimistic guess; a step that acts on it measures the bucket, and a bucket that
-// turns out dear is not chosen again.
-template <typename CostAt>
+// measured buckets, extended by the measured slope. Beyond a single measured bucket the cost is
+// flat up to twice its tokens or flat_tokens, whichever is more (the optimistic guess, which a
+// step acting on it then measures), and grows by the scaled prior's slope past that: the policy
+// climbs the curve a bucket at a time. Flat all the way would send a saturated batch straight to
+// its biggest trees, a step several times dearer than the one it knows, paid twice before it is
+// measured (a bucket's first call is not a sample).
+template <typename CostAt, typename PriorAt>
 double CostModel::AlongTokens(int tb, double tokens, const int* n, const double* mean_tokens,
-                              int buckets, CostAt cost_at) {
+                              int buckets, double flat_tokens, CostAt cost_at, PriorAt prior_at) {
   int lo = -1, lo2 = -1, hi = -1;
   for (int t = tb - 1; t >= 0; --t) {
     if (n[t] == 0) continue;
@@ -235,7 +238,15 @@ double CostModel::AlongTokens(int tb, double tokens, const int* n, const double*
     }
   }
   if (lo < 0 && hi < 0) return -1.0;
-  if (lo < 0) return cost_at(hi);  // below the smallest measured: at most its cost
+  if (lo < 0) {
+    // Below the smallest measured bucket: that bucket's cost, less what the scaled prior says
+    // the fewer tokens save. Its cost alone would price the step without drafts as dear as the
+    // smallest tree that ran, and a policy that started by drafting would never learn that not
+    // drafting is cheaper.
+    const double c_hi = cost_at(hi);
+    return std::clamp(c_hi - (prior_at(hi, mean_tokens[hi]) - prior_at(hi, tokens)), 0.1 * c_hi,
+                      c_hi);
+  }
   const double c_lo = cost_at(lo), x_lo = mean_tokens[lo];
   if (hi >= 0) {
     const double c_hi = cost_at(hi), x_hi = mean_tokens[hi];
@@ -243,9 +254,12 @@ double CostModel::AlongTokens(int tb, double tokens, const int* n, const double*
     const double f = std::clamp((tokens - x_lo) / (x_hi - x_lo), 0.0, 1.0);
     return c_lo + f * (c_hi - c_lo);
   }
-  if (lo2 < 0) return c_lo;
-  const double x_lo2 = mean_tokens[lo2];
-  if (x_lo <= x_lo2) return c_lo;
+  const double x_lo2 = lo2 >= 0 ? mean_tokens[lo2] : 0.0;
+  if (lo2 < 0 || x_lo <= x_lo2) {
+    const double knee = std::max(2.0 * x_lo, flat_tokens);
+    if (tokens <= knee) return c_lo;
+    return c_lo + std::max(0.0, prior_at(lo, tokens) - prior_at(lo, knee));
+  }
   const double slope = std::max(0.0, (c_lo - cost_at(lo2)) / (x_lo - x_lo2));
   return c_lo + slope * std::max(0.0, tokens - x_lo);
 }
@@ -262,8 +276,12 @@ double CostModel::VerifySeconds(int rows, int tokens) const {
     return VerifyPrior(rows, static_cast<int>(std::lround(verify_tokens_[rb][t]))) *
            verify_ratio_[rb][t];
   };
-  const double along =
-      AlongTokens(tb, tokens, verify_n_[rb], verify_tokens_[rb], kTokenBuckets, cost_at);
+  // The prior at `x` tokens, scaled by measured bucket t's ratio to it.
+  auto prior_at = [&](int t, double x) {
+    return VerifyPrior(rows, static_cast<int>(std::lround(x))) * verify_ratio_[rb][t];
+  };
+  const double along = AlongTokens(tb, tokens, verify_n_[rb], verify_tokens_[rb], kTokenBuckets,
+                                   options_->flat_tokens, cost_at, prior_at);
   if (along > 0) return along;
   return prior * VerifyRatio(rb, tb);
 }
@@ -271,7 +289,10 @@ double CostModel::VerifySeconds(int rows, int tokens) const {
 double CostModel::CatchUpTokenSeconds() const {
   if (!options_->measure_costs) return options_->draft_prefill_token_s;
   if (catch_up_n_ > 0) return catch_up_token_s_;
-  return options_->draft_prefill_token_s * options_->unmeasured_draft_scale;
+  // Not scaled down like an unmeasured level: a catch-up is a prefill of every sequence that
+  // starts drafting, so an optimistic guess sends a whole batch of new sequences into one call
+  // that stalls the step for their whole prompts.
+  return options_->draft_prefill_token_s;
 }
 
 double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch_up) const {
@@ -285,8 +306,9 @@ double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch
       level *= level_ratio_[tb];
     } else {
       auto cost_at = [&](int t) { return LevelPrior(level_tokens_[t]) * level_ratio_[t]; };
-      const double along =
-          AlongTokens(tb, per_level, level_n_, level_tokens_, kTokenBuckets, cost_at);
+      auto prior_at = [&](int t, double x) { return LevelPrior(x) * level_ratio_[t]; };
+      const double along = AlongTokens(tb, per_level, level_n_, level_tokens_, kTokenBuckets,
+                                       options_->flat_tokens, cost_at, prior_at);
       level = along > 0 ? along : level * LevelRatio(tb);
     }
     if (std::all_of(std::begin(level_n_), std::end(level_n_), [](int n) { return n == 0; })) {
@@ -382,9 +404,16 @@ SpecShape GoodputPolicy::Clamp(const SpecShape& shape, int max_depth) {
 namespace {
 
 // Tokens a sequence's drafter must be fed beyond a step's worth (the accepted tokens and the
-// bonus token of the last step) before it can draft `s`.
-int CatchUp(const PolicySequence& seq, const SpecShape& s) {
-  return std::max(0, seq.draft_backlog - (s.depth + 1));
+// bonus token of the last step) before it can draft `s`, as the share a step is charged: the
+// catch-up is paid once and then serves every step the sequence drafts until it finishes, so it
+// is spread over those steps (its remaining tokens over what a step of `s` emits, `gain` being
+// the expected accepted drafts), and never less than catch_up_share of it is charged.
+double CatchUp(const PolicySequence& seq, const SpecShape& s, double gain,
+               const PolicyOptions& options) {
+  const int tokens = std::max(0, seq.draft_backlog - (s.depth + 1));
+  if (tokens == 0) return 0.0;
+  const double steps_left = std::max(1.0, (seq.max_depth + 1) / (1.0 + std::max(gain, 0.0)));
+  return tokens * std::max(options.catch_up_share, 1.0 / steps_left);
 }
 
 // Running totals of one assignment, so that changing one sequence's shape re-scores in O(depth).
@@ -393,7 +422,7 @@ struct Totals {
   int tokens = 0;
   int drafting = 0;     // sequences the draft model drafts
   int draft_nodes = 0;  // their nodes
-  int catch_up = 0;     // their catch-up tokens
+  double catch_up = 0;  // their catch-up tokens, as charged to this step (CatchUp)
   double emitted = 0;
   int row_buckets[kRowTokenBuckets] = {};  // rows by RowTokenBucket(pending + nodes)
 
@@ -415,35 +444,61 @@ struct Totals {
 
 }  // namespace
 
+PolicyOptions GoodputPolicy::AcceptanceOptions() const {
+  PolicyOptions o = options_;
+  if (pooled_rate_ >= 0) o.acceptance_prior = pooled_rate_;
+  return o;
+}
+
 double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
                               absl::Span<const SpecShape> shapes) const {
+  const PolicyOptions acceptance_options = AcceptanceOptions();
   double emitted = 0;
-  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, catch_up = 0, longest = 0;
+  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, longest = 0;
+  double catch_up = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const SpecShape s = Clamp(shapes[i], batch[i].max_depth);
     ++rows;
     tokens += batch[i].pending + s.nodes();
     longest = std::max(longest, batch[i].pending + s.nodes());
     emitted += 1.0;
+    double gain = 0;
     if (!s.none() && batch[i].acceptance != nullptr) {
-      emitted += batch[i].acceptance->ExpectedAccepted(s, options_);
+      gain = batch[i].acceptance->ExpectedAccepted(s, acceptance_options);
+      emitted += gain;
     }
     if (!s.none() && batch[i].model_draft) {
       ++drafting;
       nodes += s.nodes();
       levels = std::max(levels, s.depth);
-      catch_up += CatchUp(batch[i], s);
+      catch_up += CatchUp(batch[i], s, gain, options_);
     }
   }
   if (rows == 0) return 0.0;
   const double t =
       costs_.VerifySeconds(rows, VerifyStepTokens(options_.padded_rows, rows, tokens, longest)) +
-      costs_.DraftSeconds(drafting, levels, nodes, options_.catch_up_share * catch_up);
+      costs_.DraftSeconds(drafting, levels, nodes, catch_up);
   return emitted / t;
 }
 
-PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) const {
+PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   const size_t n = batch.size();
+  // The pooled prior: the mean depth-1 rate of the sequences that have enough samples to speak
+  // for themselves, averaged over steps so that one batch's mix does not swing it.
+  {
+    double sum = 0;
+    int count = 0;
+    for (const PolicySequence& s : batch) {
+      if (s.acceptance == nullptr || s.acceptance->samples() < 4) continue;
+      sum += s.acceptance->ChainRate(1, options_);
+      ++count;
+    }
+    if (count > 0) {
+      const double mean = sum / count;
+      pooled_rate_ = pooled_rate_ < 0 ? mean : pooled_rate_ + 0.2 * (mean - pooled_rate_);
+    }
+  }
+  const PolicyOptions acceptance_options = AcceptanceOptions();
   PolicyDecision out;
   out.shapes.assign(n, SpecShape());
   out.reasons.assign(n, ShapeReason::kPolicy);
@@ -471,7 +526,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     ++free_count;
     for (const SpecShape& c : candidates) {
       clamped[i].push_back(Clamp(c, s.max_depth));
-      gain[i].push_back(s.acceptance->ExpectedAccepted(clamped[i].back(), options_));
+      gain[i].push_back(s.acceptance->ExpectedAccepted(clamped[i].back(), acceptance_options));
     }
   }
 
@@ -490,7 +545,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     if (!s.none() && batch[i].model_draft) {
       t.drafting += sign;
       t.draft_nodes += sign * s.nodes();
-      t.catch_up += sign * CatchUp(batch[i], s);
+      t.catch_up += sign * CatchUp(batch[i], s, g, options_);
       t.depth_count[std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1)] += sign;
     }
   };
@@ -498,8 +553,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     const int step_tokens =
         VerifyStepTokens(options_.padded_rows, t.rows, t.tokens, t.longest_row());
     const double time = costs_.VerifySeconds(t.rows, step_tokens) +
-                        costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes,
-                                            options_.catch_up_share * t.catch_up);
+                        costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes, t.catch_up);
     return t.emitted / time;
   };
   // choice[i]: index into candidates; -1 for sequences that are not free.
@@ -513,9 +567,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
       if (free[i]) {
         add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
       } else if (!out.shapes[i].none()) {
-        const double g = batch[i].acceptance != nullptr
-                             ? batch[i].acceptance->ExpectedAccepted(out.shapes[i], options_)
-                             : 0.0;
+        const double g = batch[i].acceptance != nullptr ? batch[i].acceptance->ExpectedAccepted(
+                                                              out.shapes[i], acceptance_options)
+                                                        : 0.0;
         add(t, i, out.shapes[i], g, +1);
       }
     }
@@ -610,28 +664,56 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) con
     if (!moved) break;
   }
 
+  int probes = 0;
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     out.shapes[i] = clamped[i][choice[i]];
     if (out.shapes[i].none() && options_.probe_interval > 0 &&
-        batch[i].steps_without_draft >= options_.probe_interval) {
-      // Probe again only where a probe could be worth it: the short chain would pay if this
-      // sequence accepted nearly everything. Elsewhere (a saturated batch, a tiny target) no
-      // acceptance could make it pay, and the probe (which also feeds the drafter the tokens
-      // it missed, charged like any catch-up) would only stall the batch. A sequence never
-      // drafted is probed once, so that every sequence that may draft has tried.
+        (batch[i].steps_without_draft >= options_.probe_interval || batch[i].never_drafted) &&
+        probes < options_.max_probes_per_step) {
+      // Probe only where a probe could be worth it: the short chain would pay if this sequence
+      // accepted nearly everything. Elsewhere (a saturated batch, a tiny target, a padded batch
+      // whose every row a probe would lengthen) no acceptance could make it pay, and the probe,
+      // which also feeds the drafter the tokens it missed, would only stall the batch. A
+      // sequence never drafted is judged the same way: where nothing could pay, its acceptance
+      // does not matter. Probes taken are kept in the totals, so each next one is judged with
+      // the cost of those before it, and at most max_probes_per_step are taken at once, so that
+      // a burst of new sequences does not stall one step with all their catch-ups.
       const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
       constexpr double kOptimistic = 0.9 + 0.81;
       add(t, i, clamped[i][choice[i]], gain[i][choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
       const double s = score(t);
-      add(t, i, probe, kOptimistic, -1);
-      add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
-      if (s > current || batch[i].never_drafted) {
+      if (s > current) {
         out.shapes[i] = probe;
         out.reasons[i] = ShapeReason::kProbe;
+        current = s;
+        ++probes;
+      } else {
+        add(t, i, probe, kOptimistic, -1);
+        add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
       }
     }
+  }
+  // Catch-ups are fed before the step's first draft level, so their cost stalls the whole batch
+  // for this one step, however well it is amortised. Bounded like a prefill budget: beyond the
+  // first, a sequence starts drafting only while the step's catch-ups cost no more than the
+  // step's verify; the rest start on later steps.
+  const double token_s = costs_.CatchUpTokenSeconds();
+  double budget =
+      options_.catch_up_budget * costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
+  bool first = true;
+  for (size_t i = 0; i < n; ++i) {
+    if (!free[i] || out.shapes[i].none() || !batch[i].model_draft) continue;
+    const double cost = token_s * std::max(0, batch[i].draft_backlog - (out.shapes[i].depth + 1));
+    if (cost <= 0) continue;
+    if (!first && cost > budget) {
+      out.shapes[i] = SpecShape();
+      out.reasons[i] = ShapeReason::kPolicy;
+      continue;
+    }
+    budget -= cost;
+    first = false;
   }
   out.predicted_goodput = Goodput(batch, out.shapes);
   return out;

@@ -69,7 +69,9 @@ struct PolicyOptions {
                                        {5, 1, 5}, {6, 1, 6}, {4, 2, 8}, {5, 4, 16}};
   // A new assignment must beat the previous one's predicted goodput by this fraction.
   double hysteresis = 0.05;
-  // Conditional acceptance at each depth before a sequence has samples.
+  // Conditional acceptance at each depth before a sequence has samples, until the batch's
+  // sequences have some: from then on a new sequence starts from theirs (the pooled rate), which
+  // says more about this draft on this traffic than any constant.
   double acceptance_prior = 0.6;
   // Weight of a new sample in the acceptance and cost averages.
   double acceptance_ema = 0.15;
@@ -98,14 +100,24 @@ struct PolicyOptions {
   double unmeasured_draft_scale = 0.1;
   // A sequence the drafter has fallen behind on (never drafted, or not drafted for a while)
   // must first feed the drafter what it missed. That catch-up is paid once and then serves
-  // every step the sequence drafts, so a step is charged this fraction of it; the whole of it
-  // would make resuming look dearer the longer a sequence went without drafts.
-  double catch_up_share = 0.125;
+  // every step the sequence drafts until it finishes, so a step is charged it spread over those
+  // steps, but at least this fraction of it: a catch-up also stalls the one step that carries it.
+  double catch_up_share = 1.0 / 64;
+  // Up to this many tokens a step, a verify bucket beyond the one measured bucket of its batch
+  // size is guessed to cost what that one does (a forward of a few dozen tokens reads the same
+  // weights as one of a single token: on an accelerator it costs about the same). Past it, and
+  // past twice the measured bucket's tokens, the guess grows by the prior's slope.
+  double flat_tokens = 64;
+  // A step's catch-ups may cost at most this many times a decode step's verify (the first one
+  // is always let through).
+  double catch_up_budget = 1.0;
   // Cost of one catch-up token in the drafter before any was measured, in seconds.
   double draft_prefill_token_s = 2e-5;
   // A sequence left without drafts this many steps (or never drafted yet) gets one short chain
   // to refresh its acceptance estimate (0: never).
   int probe_interval = 64;
+  // At most this many probes a step.
+  int max_probes_per_step = 4;
 };
 
 // Per-sequence acceptance, per depth: the rate at which the draft token at depth d was accepted
@@ -121,6 +133,8 @@ class AcceptanceEstimate {
   double ExpectedAccepted(const SpecShape& shape, const PolicyOptions& options) const;
   // Conditional acceptance at depth d (1-based) for a chain, from whichever samples exist.
   double ChainRate(int d, const PolicyOptions& options) const;
+  // Verify outcomes observed (at depth 1).
+  int samples() const { return chain_n_[0] + tree_n_[0]; }
 
  private:
   double LevelRate(int d, double width, const PolicyOptions& options) const;
@@ -172,11 +186,13 @@ class CostModel {
   const PolicyOptions* options_;
   // Cost at `tokens` from the measured buckets of one row: interpolated between the measured
   // token buckets on either side; beyond the largest, extended by the slope of the two largest,
-  // or flat when only one is measured. `cost_at(t)` is bucket t's measured cost at `tokens`'
-  // scale; returns a negative value when the row has no measured bucket.
-  template <typename CostAt>
+  // or, when only one is measured, flat up to twice its tokens or `flat_tokens` and by the
+  // prior's slope past that. `cost_at(t)` is bucket t's measured cost at `tokens`' scale;
+  // `prior_at(t, x)` the prior at x tokens scaled by bucket t's measured ratio. Returns a negative
+  // value when the row has no measured bucket.
+  template <typename CostAt, typename PriorAt>
   static double AlongTokens(int tb, double tokens, const int* n, const double* mean_tokens,
-                            int buckets, CostAt cost_at);
+                            int buckets, double flat_tokens, CostAt cost_at, PriorAt prior_at);
 
   double verify_ratio_[kRowBuckets][kTokenBuckets] = {};
   int verify_n_[kRowBuckets][kTokenBuckets] = {};
@@ -218,7 +234,8 @@ struct PolicySequence {
   const AcceptanceEstimate* acceptance = nullptr;  // required unless fixed
   SpecShape previous;                              // what it ran last step
   int steps_without_draft = 0;
-  // Never drafted: its acceptance is unknown, so it is probed once whatever the costs.
+  // Never drafted: its acceptance is unknown, so it is probed (where a probe could pay) without
+  // waiting probe_interval steps.
   bool never_drafted = false;
 };
 
@@ -232,7 +249,8 @@ class GoodputPolicy {
  public:
   explicit GoodputPolicy(PolicyOptions options = PolicyOptions());
 
-  PolicyDecision Decide(absl::Span<const PolicySequence> batch) const;
+  // Not const: it also pools the acceptance of the batch's sequences, the prior of new ones.
+  PolicyDecision Decide(absl::Span<const PolicySequence> batch);
 
   // Predicted tokens/s of `batch` under `shapes` (the objective; also for tests).
   double Goodput(absl::Span<const PolicySequence> batch, absl::Span<const SpecShape> shapes) const;
@@ -243,11 +261,16 @@ class GoodputPolicy {
   const CostModel& costs() const { return costs_; }
 
  private:
+  // The options the acceptance estimates are read with: the pooled prior in place of the
+  // constant one once there is one.
+  PolicyOptions AcceptanceOptions() const;
   // `shape` cut to a sequence's depth budget (chains shorten; trees keep their width).
   static SpecShape Clamp(const SpecShape& shape, int max_depth);
 
   PolicyOptions options_;
   CostModel costs_;
+  // Conditional acceptance pooled over the sequences with samples (negative: none yet).
+  double pooled_rate_ = -1.0;
 };
 
 }  // namespace specd

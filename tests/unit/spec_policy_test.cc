@@ -373,9 +373,30 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   steep.verify_per_token_s = 3e-3;
   GoodputPolicy never(steep);
   EXPECT_TRUE(never.Decide(batch).shapes[0].none());
-  // Except once for a sequence never drafted: its acceptance is unknown.
+  // A sequence never drafted is judged the same way: where nothing could pay, its acceptance
+  // does not matter, and a probe would only stall the batch.
   batch[0].never_drafted = true;
-  EXPECT_EQ(never.Decide(batch).reasons[0], ShapeReason::kProbe);
+  EXPECT_TRUE(never.Decide(batch).shapes[0].none());
+  // Where a probe could pay, it is probed without waiting probe_interval steps.
+  batch[0].steps_without_draft = 0;
+  EXPECT_EQ(policy.Decide(batch).reasons[0], ShapeReason::kProbe);
+  batch[0].never_drafted = false;
+  EXPECT_TRUE(policy.Decide(batch).shapes[0].none());
+  // At most max_probes_per_step probes a step, so that a burst of new sequences does not carry
+  // all their catch-ups in one step.
+  PolicyOptions cheap = o;
+  cheap.verify_per_token_s = 0.3e-3;  // too dear for acceptance 0.3, not for 0.9
+  cheap.draft_fixed_s = 0;
+  cheap.draft_level_fixed_s = 0;
+  cheap.draft_level_per_token_s = 0;
+  cheap.max_probes_per_step = 3;
+  GoodputPolicy few(cheap);
+  std::vector<PolicySequence> fresh = Batch(10, &a);
+  for (PolicySequence& s : fresh) s.never_drafted = true;
+  const PolicyDecision burst = few.Decide(fresh);
+  int probes = 0;
+  for (ShapeReason r : burst.reasons) probes += r == ShapeReason::kProbe;
+  EXPECT_EQ(probes, 3);
 }
 
 // A sequence the drafter has fallen behind on pays a share of its catch-up when it drafts
@@ -395,9 +416,15 @@ TEST(SpecPolicyTest, CatchUpIsChargedAndMeasured) {
   std::vector<PolicySequence> batch = Batch(1, &a);
   batch[0].draft_backlog = 3;
   ASSERT_FALSE(cheap.Decide(batch).shapes[0].none());
-  // 2000 tokens at 20 us, an eighth charged: 5 ms against a 1 ms step.
+  // 2000 tokens at 20 us (40 ms) serve every step the sequence has left: worth paying with 1000
+  // tokens to go, not with 8 (spread over the two or three steps left, each is charged over
+  // 10 ms against a 1 ms step).
   batch[0].draft_backlog = 2000;
+  batch[0].max_depth = 1000;
+  EXPECT_FALSE(cheap.Decide(batch).shapes[0].none());
+  batch[0].max_depth = 8;
   EXPECT_TRUE(cheap.Decide(batch).shapes[0].none());
+  batch[0].max_depth = 64;
 
   // Measured at 1 us a token (what the call took beyond its levels, per token beyond a step's
   // worth), the same catch-up is cheap enough.
