@@ -268,6 +268,55 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
   return trees;
 }
 
+absl::Status DraftModelDrafter::Ingest(absl::Span<const DraftRequest> requests) {
+  if (absl::Status s =
+          CheckDraftBatch(requests, [this](const DraftRequest& r) { return CheckRequest(r); });
+      !s.ok()) {
+    return s;
+  }
+  std::vector<int> skip(requests.size());
+  for (size_t b = 0; b < requests.size(); ++b) {
+    absl::StatusOr<int> n = ApplyOutcome(requests[b]);
+    if (!n.ok()) return n.status();
+    skip[b] = *n;
+  }
+  std::vector<ForwardItem> items;
+  std::vector<size_t> fed;  // request index of each item
+  for (size_t b = 0; b < requests.size(); ++b) {
+    const DraftRequest& r = requests[b];
+    if (skip[b] >= static_cast<int>(r.new_tokens.size())) continue;  // all held already
+    ForwardItem& item = items.emplace_back();
+    item.seq = r.seq;
+    item.tokens.assign(r.new_tokens.begin() + skip[b], r.new_tokens.end());
+    item.parents.resize(item.tokens.size());
+    std::iota(item.parents.begin(), item.parents.end(), -1);
+    // The backend computes logits for the rows asked; one is the least a forward returns.
+    item.logit_rows = {static_cast<int32_t>(item.tokens.size()) - 1};
+    fed.push_back(b);
+  }
+  if (!items.empty()) {
+    if (absl::Status s = model_->Forward(items, &logits_); !s.ok()) {
+      // The outcomes stay applied (ApplyOutcome noted what they committed as carried), so the
+      // same requests can be retried; this call's scratch goes.
+      for (const ForwardItem& item : items) model_->Commit(item.seq, {}).IgnoreError();
+      return s;
+    }
+    for (const ForwardItem& item : items) fed_tokens_ += static_cast<int64_t>(item.tokens.size());
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::vector<int32_t> chain(items[i].tokens.size());
+    std::iota(chain.begin(), chain.end(), 0);
+    if (absl::Status s = model_->Commit(items[i].seq, chain); !s.ok()) {
+      return absl::InternalError(
+          absl::StrCat("draft model commit of ingested tokens failed for "
+                       "sequence ",
+                       items[i].seq, ": ", s.message()));
+    }
+  }
+  for (const DraftRequest& r : requests) states_[r.seq].carried.clear();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter::PreDraft(
     absl::Span<const DraftRequest> requests) {
   // Unlike Draft(), new_tokens may be empty: nothing new since the tree being verified.

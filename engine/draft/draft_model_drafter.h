@@ -87,6 +87,14 @@ class DraftModelDrafter : public Drafter {
   };
   absl::StatusOr<std::vector<PreDraftResult>> PreDraft(absl::Span<const DraftRequest> requests);
 
+  // Feeds each request's new_tokens into the draft KV without growing a tree: the previous
+  // step's outcome is applied as Draft() applies it (the accepted path of a kept tree is
+  // committed, not fed again), the rest is fed as a chain and committed. For a sequence the
+  // router is not drafting (the goodput policy chose none), so that drafting it again starts
+  // from a current state instead of a catch-up that stalls that step. The next Draft()'s
+  // new_tokens are the tokens appended after these. Errors as Draft()'s.
+  absl::Status Ingest(absl::Span<const DraftRequest> requests);
+
   // Tokens fed through the draft model so far (chains and expanded nodes of successful
   // forwards): what kept KV saves shows here.
   int64_t fed_tokens() const { return fed_tokens_; }

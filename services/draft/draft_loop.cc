@@ -15,7 +15,6 @@
 
 namespace specd {
 
-
 absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOptions& options,
                                                              DraftStepQueue* queue,
                                                              ModelServiceMetrics* metrics) {
@@ -102,7 +101,7 @@ DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> m
   info_.mutable_load()->set_max_sequences(options.max_sequences);
   capacity_summary_ =
       KvCapacityLine(capacity, model_ != nullptr ? model_->config().max_position_embeddings : 0,
-                   options.max_sequences);
+                     options.max_sequences);
   if (eagle_head_ != nullptr) {
     eagle_drafter_ = std::make_unique<EagleDrafter>(eagle_head_.get());
     info_.set_eagle_head(ModelNameFromPath(options.eagle_head_dir));
@@ -275,6 +274,7 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
   std::vector<v1::DraftStepResponse> responses(batch.steps.size());
   std::array<std::vector<Slot>, kDrafters> slots;  // per drafter
   std::vector<Slot> pre_slots;                     // pre-drafts (model drafter), after the drafts
+  std::vector<Slot> ingest_slots;                  // ingest-only steps (model drafter)
   int64_t kv_budget = INT64_MAX;
   if (model_ != nullptr) {
     const KvUsage usage = model_->Usage();
@@ -298,6 +298,13 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
       slot.step = b;
       slot.result = i;
       bool empty_tree = false;
+      if (step.ingest_only() && (step.pre_draft() || step.method() != v1::DRAFT_METHOD_MODEL)) {
+        ToSequenceError(
+            absl::InvalidArgumentError(absl::StrCat(
+                "steps[", i, "].ingest_only: DRAFT_METHOD_MODEL steps only, not with pre_draft")),
+            result->mutable_error());
+        continue;
+      }
       if (step.pre_draft()) {
         absl::Status status = AdmitPreDraft(stream, i, step, &kv_budget, &slot, &empty_tree);
         if (!status.ok()) {
@@ -315,8 +322,9 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
         ToSequenceError(status, result->mutable_error());
         continue;
       }
-      if (empty_tree) {
+      if (empty_tree || step.ingest_only()) {
         result->mutable_tree();  // present and empty: target-only for this step
+        if (!empty_tree) ingest_slots.push_back(std::move(slot));
         continue;
       }
       slots[slot.drafter].push_back(std::move(slot));
@@ -378,12 +386,43 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     RunPreDrafts(pre_slots, &responses);
     tokens += model_drafter_->fed_tokens() - fed_before;
   }
+  if (!ingest_slots.empty()) {
+    batch_size += ingest_slots.size();
+    const int64_t fed_before = model_drafter_->fed_tokens();
+    RunIngests(batch, ingest_slots, &responses);
+    tokens += model_drafter_->fed_tokens() - fed_before;
+  }
   if (batch_size > 0) RecordStep(start, batch_size, tokens);
   if (model_ != nullptr) {
     const Backend::ExecutionCounts counts = model_->execution_counts();
     metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);
   }
   return responses;
+}
+
+void DraftLoop::RunIngests(const DraftStepQueue::Batch& batch, const std::vector<Slot>& group,
+                           std::vector<v1::DraftStepResponse>* responses) {
+  std::vector<DraftRequest> requests;
+  requests.reserve(group.size());
+  for (const Slot& slot : group) requests.push_back(slot.request);
+  std::vector<absl::Status> results(group.size());
+  if (absl::Status all = model_drafter_->Ingest(requests); !all.ok()) {
+    // A failed Ingest() can be retried: find the culprit one by one.
+    for (size_t k = 0; k < group.size(); ++k) {
+      results[k] = model_drafter_->Ingest(absl::MakeConstSpan(&requests[k], 1));
+    }
+  }
+  for (size_t k = 0; k < group.size(); ++k) {
+    const Slot& slot = group[k];
+    v1::DraftSequenceResult* result = (*responses)[slot.step].mutable_results(slot.result);
+    if (!results[k].ok()) {
+      if (slot.created) Drop(batch.steps[slot.step].stream, result->seq_id(), slot);
+      ToSequenceError(results[k], result->mutable_error());
+      continue;
+    }
+    Sequence& seq = sequences_[slot.seq];
+    seq.fed[kModel] = seq.history.size();
+  }
 }
 
 void DraftLoop::RunPreDrafts(const std::vector<Slot>& group,

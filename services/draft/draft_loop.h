@@ -83,7 +83,7 @@ class DraftLoop final
   static constexpr int kDrafters = 3;
 
   struct Sequence {
-    std::vector<int32_t> history;     // every token the router sent, in order
+    std::vector<int32_t> history;         // every token the router sent, in order
     std::array<size_t, kDrafters> fed{};  // history prefix each drafter has consumed
     std::array<bool, kDrafters> added{};
   };
@@ -113,6 +113,9 @@ class DraftLoop final
   // A pre_draft step: the sequence must be live and drafted by the model; never creates one.
   absl::Status AdmitPreDraft(StreamId stream, int index, const v1::DraftSequenceStep& step,
                              int64_t* kv_budget, Slot* slot, bool* empty_tree);
+  // Ingest-only steps: the model drafter's Ingest() over `group`, one by one on a failure.
+  void RunIngests(const DraftStepQueue::Batch& batch, const std::vector<Slot>& group,
+                  std::vector<v1::DraftStepResponse>* responses);
   void RunPreDrafts(const std::vector<Slot>& group, std::vector<v1::DraftStepResponse>* responses);
   void Drop(StreamId stream, uint64_t seq_id, const Slot& slot);
   Drafter* drafter(int index) {
@@ -122,7 +125,7 @@ class DraftLoop final
   }
 
   DraftLoopOptions options_;
-  std::string capacity_summary_;  // fixed at load
+  std::string capacity_summary_;    // fixed at load
   std::unique_ptr<Backend> model_;  // null without a draft model
   std::unique_ptr<DraftModelDrafter> model_drafter_;
   std::unique_ptr<NgramDrafter> ngram_;

@@ -58,6 +58,10 @@ ABSL_FLAG(std::string, speculation_policy, "goodput",
           "tree shape of requests that name none: goodput (every step, per sequence, the shape "
           "that maximises the batch's predicted tokens/s from measured costs and acceptance, "
           "down to none) or fixed (--draft_depth/--draft_top_k/--draft_max_nodes every step)");
+ABSL_FLAG(int, draft_ingest_tokens, 16,
+          "feed a sequence the policy is not drafting to the draft service once it is this many "
+          "tokens behind (beside the verify step, never waited for), so that drafting it again "
+          "needs no catch-up; 0: never");
 ABSL_FLAG(std::string, overlap, "off",
           "pre-draft while verify runs: on (each step that verifies draft-model trees also asks "
           "the draft service for the next trees below each tree's most likely outcome; a hit "
@@ -191,6 +195,8 @@ int Main() {
     return Fail("--speculation_policy: one of goodput, fixed");
   }
   loop_options.adaptive = policy == "goodput";
+  loop_options.draft_ingest_tokens = absl::GetFlag(FLAGS_draft_ingest_tokens);
+  if (loop_options.draft_ingest_tokens < 0) return Fail("--draft_ingest_tokens: must be >= 0");
   const std::string overlap = absl::AsciiStrToLower(absl::GetFlag(FLAGS_overlap));
   if (overlap == "on") {
     loop_options.overlap = OverlapMode::kOn;

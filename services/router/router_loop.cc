@@ -60,7 +60,7 @@ struct RouterLoop::Sequence {
   // The speculation core: tokens, what each service still has to be fed, the depth budget,
   // the tree shape of this step, acceptance and statistics.
   std::optional<SequenceState> core;
-  std::unique_ptr<SequenceOutput> output;      // text, stop strings
+  std::unique_ptr<SequenceOutput> output;  // text, stop strings
   // With request.logprobs >= 0: those of the tokens pushed into `output` and not streamed yet,
   // in order. The output streams a prefix of what it was pushed, so chunk i's n token ids take
   // the first n entries.
@@ -99,7 +99,8 @@ struct RouterLoop::Sequence {
   TokenTree hit_tree;
   SpecShape hit_shape;
   ShapeReason hit_reason = ShapeReason::kPolicy;  // why the pre-drafted step had its shape
-  bool missed = false;  // the last pre-draft missed: count how this step serves it
+  bool missed = false;       // the last pre-draft missed: count how this step serves it
+  bool ingest_sent = false;  // this step feeds the drafter without a tree (draft_ingest_tokens)
 
   // This step.
   TokenTree tree;
@@ -706,12 +707,55 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
 
 v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
   v1::DraftStepRequest request;
-  if (options_.overlap == OverlapMode::kOff || !draft_up()) return request;
+  for (auto& s : running_) {
+    s->pre_sent = false;
+    s->ingest_sent = false;
+  }
+  if (!draft_up()) return request;
   const uint64_t epoch = draft_->epoch();
+  if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, &request);
+  if (options_.draft_ingest_tokens > 0) {
+    // Verify runs this step's rows meanwhile; an ingest that outlasted it would delay the next
+    // step's draft, so they are taken in order while their catch-up fits in the verify step.
+    int verify_tokens = 0;
+    for (auto& s : running_) verify_tokens += static_cast<int>(s->tree.size()) + 1;
+    double budget = policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens);
+    const double token_s = policy_.costs().CatchUpTokenSeconds();
+    for (auto& s : running_) {
+      Sequence& seq = *s;
+      if (!seq.tree.empty() || seq.pre_sent || seq.spec != v1::SPECULATION_DRAFT_MODEL ||
+          seq.draft_failed || seq.draft_down || seq.no_drafter || seq.core->finished()) {
+        continue;
+      }
+      if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
+      const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
+      if (static_cast<int>(fresh.size()) < options_.draft_ingest_tokens) continue;
+      const double cost = token_s * static_cast<double>(fresh.size());
+      if (cost > budget && request.steps_size() > 0) break;
+      budget -= cost;
+      v1::DraftSequenceStep* step = request.add_steps();
+      step->set_seq_id(seq.id);
+      step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
+      step->set_method(v1::DRAFT_METHOD_MODEL);
+      step->set_ingest_only(true);
+      step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+      if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
+        step->set_accepted_node(seq.draft_report);
+      }
+      seq.draft_report = -2;
+      seq.draft_epoch = epoch;
+      seq.ingest_sent = true;
+    }
+  }
+  if (request.steps_size() > 0) request.set_step_id(step_id | (uint64_t{1} << 63));
+  return request;
+}
+
+void RouterLoop::AddPreDrafts(uint64_t epoch, v1::DraftStepRequest* out) {
+  v1::DraftStepRequest request;
   int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
   for (auto& s : running_) {
     Sequence& seq = *s;
-    seq.pre_sent = false;
     verify_tokens += static_cast<int>(seq.tree.size()) + 1;
     if (seq.tree.empty() || seq.mode != v1::SPECULATION_DRAFT_MODEL || !seq.draft_replied ||
         seq.draft_failed || seq.draft_epoch != epoch) {
@@ -737,34 +781,53 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
     levels = std::max(levels, shape.depth + 1);
     nodes += shape.max_nodes + shape.depth + 1;
   }
-  if (rows == 0) return request;
+  if (rows == 0) return;
   if (options_.overlap == OverlapMode::kAuto &&
       policy_.costs().DraftSeconds(rows, levels, nodes) >
           policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens)) {
     // The pre-draft would outlast verify: the step stays sequential.
     for (auto& s : running_) s->pre_sent = false;
-    return v1::DraftStepRequest();
+    return;
   }
-  request.set_step_id(step_id | (uint64_t{1} << 63));
-  return request;
+  *out = std::move(request);
 }
 
 void RouterLoop::TakePreDrafts(const v1::DraftStepRequest& request, const absl::Status& status,
                                const v1::DraftStepResponse& response) {
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
   for (auto& s : running_) {
-    if (s->pre_sent) by_id[s->id] = s.get();
+    if (s->pre_sent || s->ingest_sent) by_id[s->id] = s.get();
   }
   if (!status.ok()) {
-    // The next step's draft sees the service down (or reconnected) and acts on it.
+    // The next step's draft sees the service down (or reconnected) and acts on it; an ingest
+    // the service may or may not have taken in is sent again whole, on a new stream.
     SPECD_LOG(WARNING) << "pre-draft: " << status.message();
-    for (auto& [id, seq] : by_id) seq->pre_sent = false;
+    for (auto& [id, seq] : by_id) {
+      seq->pre_sent = false;
+      if (seq->ingest_sent) seq->draft_epoch = 0;
+      seq->ingest_sent = false;
+    }
     return;
   }
   for (const v1::DraftSequenceResult& result : response.results()) {
     auto it = by_id.find(result.seq_id());
     if (it == by_id.end()) continue;
     Sequence& seq = *it->second;
+    if (seq.ingest_sent) {
+      seq.ingest_sent = false;
+      if (result.has_error() && result.error().code() != 0) {
+        // As for a rejected draft: the service's state of it is unknown, so it is not drafted
+        // again (target-only from here, the output unchanged).
+        SPECD_LOG(WARNING) << "draft service rejected the ingest of sequence " << seq.id << ": "
+                           << result.error().message() << "; continuing it target-only";
+        seq.draft_failed = true;
+        continue;
+      }
+      metrics_->draft_ingest_tokens.Increment(
+          static_cast<double>(seq.core->DrafterPending().size()));
+      seq.core->MarkDrafterFed();
+      continue;
+    }
     if (result.has_error() && result.error().code() != 0) {
       // Not a reason to stop drafting the sequence: its next step drafts after the outcome.
       seq.pre_sent = false;

@@ -100,6 +100,11 @@ struct RouterLoopOptions {
   bool adaptive = true;
   PolicyOptions policy;
   OverlapMode overlap = OverlapMode::kOff;
+  // A sequence the policy is not drafting whose drafter has fallen this many tokens behind is
+  // fed them (an ingest-only draft step, sent beside the verify step so that the router does
+  // not wait for it), so that drafting it again needs no catch-up. 0: never (a sequence that
+  // resumes drafting first feeds everything it missed).
+  int draft_ingest_tokens = 16;
   // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
@@ -154,10 +159,15 @@ class RouterLoop {
   void Plan();
   void DraftStep();
   void VerifyStep();
-  // Which sequences pre-draft this step (overlap), in a request for the draft service; empty
-  // when none does.
+  // What the draft service does while verify runs, in one request (the draft stream carries one
+  // message at a time): the sequences that pre-draft this step (overlap), and those that are fed
+  // their backlog without a tree (draft_ingest_tokens); empty when none does either.
   v1::DraftStepRequest PreDraftRequest(uint64_t step_id);
-  // Takes the pre-draft replies: each sequence's guessed outcome and the tree below it.
+  // Adds this step's pre-drafts to `request` (draft stream `epoch`), unless overlap is auto and
+  // they would outlast verify.
+  void AddPreDrafts(uint64_t epoch, v1::DraftStepRequest* request);
+  // Takes the replies of that request: each pre-drafted sequence's guessed outcome and the tree
+  // below it, and which ingests the draft service took in.
   void TakePreDrafts(const v1::DraftStepRequest& request, const absl::Status& status,
                      const v1::DraftStepResponse& response);
   void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);

@@ -78,6 +78,10 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
       step_seconds(AddCounter(r, "specd_router_step_seconds_total",
                               "Wall time of speculation steps, from planning to the verify "
                               "reply.")),
+      draft_ingest_tokens(AddCounter(
+          r, "specd_draft_ingest_tokens_total",
+          "Tokens fed to the draft service for sequences it was not drafting (ingest-only "
+          "steps beside verify), so that drafting them again needs no catch-up.")),
       outcomes_(AddCounterFamily(r, "specd_requests_total", "Finished requests by outcome.")),
       accepted_per_pos_(
           AddCounterFamily(r, "specd_spec_decode_accepted_tokens_per_pos_total",

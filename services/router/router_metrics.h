@@ -74,6 +74,7 @@ class RouterMetrics {
   prometheus::Gauge& policy_verify_chain4;
   prometheus::Gauge& policy_draft_level;
   prometheus::Counter& step_seconds;  // wall time of speculation steps (plan to verify reply)
+  prometheus::Counter& draft_ingest_tokens;
 
  private:
   prometheus::Family<prometheus::Counter>& outcomes_;

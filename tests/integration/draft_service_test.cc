@@ -318,6 +318,62 @@ TEST_F(DraftServiceTest, PreDraftsGuessTheOutcomeAndRefuseBadStepsByField) {
   EXPECT_TRUE(stream.Close().ok());
 }
 
+// Ingest-only steps feed a sequence without drafting it: a present, empty tree, and the next
+// draft of the sequence equals that of a fresh one sent its whole history, whether the ingest
+// created the sequence or followed a drafted step (with its outcome). Misuse is named.
+TEST_F(DraftServiceTest, IngestOnlyStepsFeedWithoutDrafting) {
+  std::unique_ptr<ServiceProcess> p = StartDraft();
+  ASSERT_NE(p, nullptr);
+  DraftStream stream(p->channel());
+  const DraftParams params{3, 2, 6};
+  const std::vector<int32_t> prompt = {1, 2, 3, 4};
+  v1::DraftStepRequest first;
+  first.set_step_id(1);
+  AddStep(&first, 1, prompt, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&first, 2, prompt, v1::DRAFT_METHOD_MODEL, params)->set_ingest_only(true);
+  AddStep(&first, 3, prompt, v1::DRAFT_METHOD_NGRAM, params)->set_ingest_only(true);
+  v1::DraftSequenceStep* both = AddStep(&first, 4, prompt, v1::DRAFT_METHOD_MODEL, params);
+  both->set_ingest_only(true);
+  both->set_pre_draft(true);
+  const v1::DraftStepResponse r1 = stream.Step(first);
+  ASSERT_FALSE(r1.results(0).has_error()) << r1.results(0).error().message();
+  const TokenTree tree = FromProto(r1.results(0).tree());
+  ASSERT_FALSE(tree.empty());
+  ASSERT_FALSE(r1.results(1).has_error()) << r1.results(1).error().message();
+  EXPECT_TRUE(r1.results(1).has_tree());
+  EXPECT_EQ(r1.results(1).tree().tokens_size(), 0);
+  for (int i : {2, 3}) {
+    EXPECT_EQ(r1.results(i).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(r1.results(i).error().message(), HasSubstr("].ingest_only"));
+  }
+
+  // Sequence 1 accepted node 0 plus a bonus token; both sequences are then ingested once more
+  // and drafted with one new token.
+  const std::vector<int32_t> outcome = {tree.tokens[0], 9};
+  v1::DraftStepRequest second;
+  second.set_step_id(2);
+  AddStep(&second, 1, outcome, v1::DRAFT_METHOD_MODEL, params)->set_ingest_only(true);
+  second.mutable_steps(0)->set_accepted_node(0);
+  AddStep(&second, 2, outcome, v1::DRAFT_METHOD_MODEL, params)->set_ingest_only(true);
+  const v1::DraftStepResponse r2 = stream.Step(second);
+  for (int i : {0, 1}) ASSERT_FALSE(r2.results(i).has_error()) << r2.results(i).error().message();
+  v1::DraftStepRequest third;
+  third.set_step_id(3);
+  AddStep(&third, 1, {11}, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&third, 2, {11}, v1::DRAFT_METHOD_MODEL, params);
+  std::vector<int32_t> history = prompt;
+  history.insert(history.end(), outcome.begin(), outcome.end());
+  history.push_back(11);
+  AddStep(&third, 5, history, v1::DRAFT_METHOD_MODEL, params);
+  const v1::DraftStepResponse r3 = stream.Step(third);
+  for (int i : {0, 1, 2}) ASSERT_FALSE(r3.results(i).has_error()) << r3.results(i).error().message();
+  for (int i : {0, 1}) {
+    EXPECT_THAT(r3.results(i).tree().tokens(), ElementsAreArray(r3.results(2).tree().tokens()));
+    EXPECT_THAT(r3.results(i).tree().parents(), ElementsAreArray(r3.results(2).tree().parents()));
+  }
+  EXPECT_TRUE(stream.Close().ok());
+}
+
 // Tree shapes no tree can have (depth 100000 used to answer an empty tree) and a history
 // beyond any served context are refused per sequence, naming the field.
 TEST_F(DraftServiceTest, OversizedShapesAndHistoriesAreNamed) {

@@ -263,6 +263,37 @@ TEST_F(DraftModelTest, StepsKeepTheFedChainOnly) {
   }
 }
 
+// Ingest() feeds a sequence without drafting it (the router's ingest-only steps): after any mix
+// of drafted and ingested steps, including an ingest that reports the accepted node of the tree
+// drafted before it, the next tree equals that of a fresh sequence fed everything at once, and
+// the draft KV holds exactly the tokens fed.
+TEST_F(DraftModelTest, IngestThenDraftEqualsDraftingEverything) {
+  const DraftParams p{3, 3, 12};
+  ASSERT_TRUE(drafter_->AddSequence(1).ok());
+  std::vector<int32_t> all = {10, 20, 30, 40, 50, 60};
+  const TokenTree first = DraftOne(1, all, p);
+  ASSERT_FALSE(first.empty());
+  // The verifier accepted the first tree's node 0 and emitted a bonus token; the policy then
+  // drafts nothing for two steps, whose tokens are ingested, the first with the outcome.
+  const std::vector<int32_t> accepted = {first.tokens[0], 77};
+  ASSERT_TRUE(drafter_->Ingest({{1, accepted, p, /*accepted_node=*/0}}).ok());
+  all.insert(all.end(), accepted.begin(), accepted.end());
+  EXPECT_EQ(*draft_->CommittedLength(1), static_cast<int64_t>(all.size()));
+  const std::vector<int32_t> more = {5, 6, 7};
+  ASSERT_TRUE(drafter_->Ingest({{1, more, p}}).ok());
+  all.insert(all.end(), more.begin(), more.end());
+  EXPECT_EQ(*draft_->CommittedLength(1), static_cast<int64_t>(all.size()));
+  const TokenTree resumed = DraftOne(1, {8}, p);
+  all.push_back(8);
+  ASSERT_TRUE(drafter_->AddSequence(2).ok());
+  const TokenTree whole = DraftOne(2, all, p);
+  EXPECT_EQ(resumed.tokens, whole.tokens);
+  EXPECT_EQ(resumed.parents, whole.parents);
+  // Requests are checked as Draft() checks them, before anything changes.
+  EXPECT_EQ(drafter_->Ingest({{99, {1}, p}}).code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(drafter_->Ingest({{1, {}, p}}).message(), HasSubstr("new_tokens"));
+}
+
 TEST_F(DraftModelTest, BatchEqualsOneByOne) {
   std::mt19937 rng(5);
   std::vector<DraftRequest> batch;
