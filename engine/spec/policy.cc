@@ -420,6 +420,7 @@ double CatchUp(const PolicySequence& seq, const SpecShape& s, double gain,
 struct Totals {
   int rows = 0;
   int tokens = 0;
+  int tree_nodes = 0;   // of every tree in the step (draft model and n-gram)
   int drafting = 0;     // sequences the draft model drafts
   int draft_nodes = 0;  // their nodes
   double catch_up = 0;  // their catch-up tokens, as charged to this step (CatchUp)
@@ -454,12 +455,13 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
                               absl::Span<const SpecShape> shapes) const {
   const PolicyOptions acceptance_options = AcceptanceOptions();
   double emitted = 0;
-  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, longest = 0;
+  int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, longest = 0, tree_nodes = 0;
   double catch_up = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const SpecShape s = Clamp(shapes[i], batch[i].max_depth);
     ++rows;
     tokens += batch[i].pending + s.nodes();
+    tree_nodes += s.nodes();
     longest = std::max(longest, batch[i].pending + s.nodes());
     emitted += 1.0;
     double gain = 0;
@@ -478,7 +480,7 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
   const double t =
       costs_.VerifySeconds(rows, VerifyStepTokens(options_.padded_rows, rows, tokens, longest)) +
       costs_.DraftSeconds(drafting, levels, nodes, catch_up);
-  return emitted / t;
+  return emitted / (t * (tree_nodes > 0 ? 1.0 + options_.speculation_margin : 1.0));
 }
 
 PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
@@ -537,6 +539,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   };
   auto add = [&](Totals& t, size_t i, const SpecShape& s, double g, int sign) {
     t.tokens += sign * s.nodes();
+    t.tree_nodes += sign * s.nodes();
     t.emitted += sign * g;
     if (s.nodes() > 0) {
       t.row_buckets[row_bucket(batch[i].pending)] -= sign;
@@ -554,7 +557,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
         VerifyStepTokens(options_.padded_rows, t.rows, t.tokens, t.longest_row());
     const double time = costs_.VerifySeconds(t.rows, step_tokens) +
                         costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes, t.catch_up);
-    return t.emitted / time;
+    return t.emitted / (time * (t.tree_nodes > 0 ? 1.0 + options_.speculation_margin : 1.0));
   };
   // choice[i]: index into candidates; -1 for sequences that are not free.
   auto totals_of = [&](const std::vector<int>& choice) {

@@ -69,6 +69,10 @@ struct PolicyOptions {
                                        {5, 1, 5}, {6, 1, 6}, {4, 2, 8}, {5, 4, 16}};
   // A new assignment must beat the previous one's predicted goodput by this fraction.
   double hysteresis = 0.05;
+  // A step with any tree is priced this much dearer than predicted: speculation has costs the
+  // model leaves out (the router's work on trees, the longest draft call of a batch, graph
+  // buckets not yet warm), so near break-even the policy keeps to no drafts, which cannot lose.
+  double speculation_margin = 0.03;
   // Conditional acceptance at each depth before a sequence has samples, until the batch's
   // sequences have some: from then on a new sequence starts from theirs (the pooled rate), which
   // says more about this draft on this traffic than any constant.

@@ -58,10 +58,11 @@ ABSL_FLAG(std::string, speculation_policy, "goodput",
           "tree shape of requests that name none: goodput (every step, per sequence, the shape "
           "that maximises the batch's predicted tokens/s from measured costs and acceptance, "
           "down to none) or fixed (--draft_depth/--draft_top_k/--draft_max_nodes every step)");
-ABSL_FLAG(int, draft_ingest_tokens, 16,
+ABSL_FLAG(int, draft_ingest_tokens, 0,
           "feed a sequence the policy is not drafting to the draft service once it is this many "
-          "tokens behind (beside the verify step, never waited for), so that drafting it again "
-          "needs no catch-up; 0: never");
+          "tokens behind (beside the verify step, while it fits in it), so that drafting it "
+          "again needs no catch-up; 0: never. For a draft service on its own GPU (e.g. 16): on "
+          "the verify service's GPU the ingest slows verify");
 ABSL_FLAG(std::string, overlap, "off",
           "pre-draft while verify runs: on (each step that verifies draft-model trees also asks "
           "the draft service for the next trees below each tree's most likely outcome; a hit "

@@ -719,7 +719,11 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
     // step's draft, so they are taken in order while their catch-up fits in the verify step.
     int verify_tokens = 0;
     for (auto& s : running_) verify_tokens += static_cast<int>(s->tree.size()) + 1;
-    double budget = policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens);
+    // The call's own cost (a one-token draft call stands for its round trip) counts too: where
+    // verify is quicker than a draft round trip (a tiny target) nothing is ingested.
+    double budget =
+        policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens) -
+        policy_.costs().DraftSeconds(1, 1, 1);
     const double token_s = policy_.costs().CatchUpTokenSeconds();
     for (auto& s : running_) {
       Sequence& seq = *s;
@@ -731,7 +735,7 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
       const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
       if (static_cast<int>(fresh.size()) < options_.draft_ingest_tokens) continue;
       const double cost = token_s * static_cast<double>(fresh.size());
-      if (cost > budget && request.steps_size() > 0) break;
+      if (cost > budget) break;
       budget -= cost;
       v1::DraftSequenceStep* step = request.add_steps();
       step->set_seq_id(seq.id);

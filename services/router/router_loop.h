@@ -103,8 +103,9 @@ struct RouterLoopOptions {
   // A sequence the policy is not drafting whose drafter has fallen this many tokens behind is
   // fed them (an ingest-only draft step, sent beside the verify step so that the router does
   // not wait for it), so that drafting it again needs no catch-up. 0: never (a sequence that
-  // resumes drafting first feeds everything it missed).
-  int draft_ingest_tokens = 16;
+  // resumes drafting first feeds everything it missed). Worth it where the draft service has
+  // its own device; sharing the verify service's GPU, the ingest slows verify.
+  int draft_ingest_tokens = 0;
   // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
