@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -87,6 +88,9 @@ std::string CaseName(const OpCase& c) {
   }
   return name + "_" + c.dtype + "_v" + std::to_string(c.variant);
 }
+
+// gtest prints a case by its name (--gtest_list_tests, failures).
+void PrintTo(const OpCase& c, std::ostream* os) { *os << CaseName(c); }
 
 using Runner = void (*)(const OpCase& c, std::mt19937_64& rng, cudaStream_t stream,
                         std::vector<Compared>* out);
