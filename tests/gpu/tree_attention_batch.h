@@ -166,9 +166,9 @@ inline std::vector<float> RunTreeAttentionCpu(const Shape& sh, const Batch& b, f
   TreeAttentionParams ref;
   ref.q = q_packed.data();
   ref.out = want.data();
-  ref.k_cache = b.k_cache.data();
-  ref.v_cache = b.v_cache.data();
-  ref.block_tables = b.tables.data();
+  ref.kv.k_cache = b.k_cache.data();
+  ref.kv.v_cache = b.v_cache.data();
+  ref.kv.block_tables = b.tables.data();
   ref.query_seq = b.query_seq.data();
   ref.prefix_len = b.prefix_len.data();
   ref.tree_key_offsets = b.tree_key_offsets.data();
@@ -177,8 +177,8 @@ inline std::vector<float> RunTreeAttentionCpu(const Shape& sh, const Batch& b, f
   ref.num_heads = sh.num_heads;
   ref.num_kv_heads = sh.num_kv_heads;
   ref.head_dim = sh.head_dim;
-  ref.block_size = sh.block_size;
-  ref.max_blocks_per_seq = b.max_blocks;
+  ref.kv.block_size = sh.block_size;
+  ref.kv.max_blocks_per_seq = b.max_blocks;
   ref.scale = scale;
   // The reference is plain loops; spread its (query, head) items over the host's cores.
   const int64_t items = int64_t{num_queries} * sh.num_heads;
