@@ -11,6 +11,7 @@
 
 #include "kernels/cuda/gemm_internal.h"
 #include "specd/kernels/cuda/gemm.h"
+#include "specd/kernels/cuda/gemm_plan.h"
 
 namespace specd {
 namespace cuda {
@@ -28,9 +29,6 @@ using internal::FillCheckRows;
 using internal::Fingerprint;
 using internal::FlushBytes;
 using internal::kCandidates;
-using internal::kCostRows;
-using internal::kCostWeights;
-using internal::kDisplace;
 using internal::kMaxBases;
 using internal::kMaxChecked;
 using internal::kMaxTimed;
@@ -55,17 +53,10 @@ void Gemm::ChooseBase(const FamilyKey& fk, const GemmParams& p, cudaStream_t str
   const auto key_for = [&](int64_t m) {
     return Key{m, n, k, y_fp32, has_bias, align_x, align_w, align_y, splits};
   };
-  // The timed row counts (capped at invariant_rows; a row count capped onto
-  // an earlier one is dropped with its weight) and the largest of them.
-  std::vector<int64_t> timed_m;
-  std::vector<double> weights;
-  for (size_t i = 0; i < sizeof(kCostRows) / sizeof(kCostRows[0]); ++i) {
-    const int64_t m = std::min(kCostRows[i], invariant_rows_);
-    if (timed_m.empty() || m > timed_m.back()) {
-      timed_m.push_back(m);
-      weights.push_back(kCostWeights[i]);
-    }
-  }
+  // The timed row counts and their weights, and the largest of them.
+  const GemmCostRows cost_rows = GemmBaseCostRows(invariant_rows_);
+  const std::vector<int64_t>& timed_m = cost_rows.rows;
+  const std::vector<double>& weights = cost_rows.weights;
   const int64_t max_timed = timed_m.back();
   std::vector<std::unique_ptr<Plan>> plans;
   Plan at_most;
@@ -269,15 +260,10 @@ void Gemm::ChooseBase(const FamilyKey& fk, const GemmParams& p, cudaStream_t str
     }
     return sum;
   };
-  int chosen = -1;
-  double chosen_cost = 0.0;
-  for (size_t b = 0; b < bases; ++b) {
-    const double c = cost(b);
-    if (c >= 0.0 && (chosen < 0 || c < kDisplace * chosen_cost)) {
-      chosen = static_cast<int>(b);
-      chosen_cost = c;
-    }
-  }
+  std::vector<double> costs(bases);
+  for (size_t b = 0; b < bases; ++b) costs[b] = cost(b);
+  const int chosen = GemmPickCheapest(costs);
+  const double chosen_cost = chosen >= 0 ? costs[static_cast<size_t>(chosen)] : 0.0;
   family->bases_timed = static_cast<int>(bases);
   family->helpers_timed = static_cast<int>(pool.size() - bases);
   family->first_cost_us = static_cast<float>(cost(0));
@@ -555,7 +541,7 @@ void Gemm::DecideClass(const FamilyKey& fk, Family* family, size_t c, const Gemm
   };
   size_t chosen = 0;
   for (size_t a = 1; a < passed.size(); ++a) {
-    if (total(a) < kDisplace * total(chosen)) chosen = a;
+    if (total(a) < kGemmDisplace * total(chosen)) chosen = a;
   }
   const bool own = !is_base(passed[chosen]);
   for (size_t t = 0; t < timed_rows.size(); ++t) {

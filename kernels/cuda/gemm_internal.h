@@ -54,15 +54,9 @@ constexpr size_t kMaxTimed = 4;
 // three GEMMs at up to the class's largest m).
 constexpr int kMaxChecked = 16;
 constexpr int kTimingReps = 3;
-// The base's choice (gemm.h): potential bases timed, and the row counts timed
-// with their weights in the cost.
+// The base's choice (gemm.h): potential bases timed (the row counts timed and their weights are
+// GemmBaseCostRows', the displacement rule kGemmDisplace: gemm_plan.h).
 constexpr size_t kMaxBases = 6;
-constexpr int64_t kCostRows[] = {1, 64, 256};
-constexpr double kCostWeights[] = {1.0, 0.5, 0.25};
-// A later candidate (in cuBLASLt's order; the base last) displaces an earlier
-// one only when faster than this fraction of its time: timing noise should not
-// flip the choice from run to run.
-constexpr double kDisplace = 0.97;
 
 // cuBLASLt's tile ids by shape, for re-tiled class candidates (DecideClass): tile
 // (64 * (i + 1)) x (8 * (j + 1)) is kRetileTiles[i][j], where the first extent counts rows of

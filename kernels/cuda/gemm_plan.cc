@@ -28,5 +28,32 @@ size_t GemmRowClassOf(const std::vector<int64_t>& limits, int64_t m) {
   return static_cast<size_t>(std::lower_bound(limits.begin(), limits.end(), m) - limits.begin());
 }
 
+GemmCostRows GemmBaseCostRows(int64_t invariant_rows) {
+  static constexpr int64_t kRows[] = {1, 64, 256};
+  static constexpr double kWeights[] = {1.0, 0.5, 0.25};
+  GemmCostRows out;
+  for (size_t i = 0; i < sizeof(kRows) / sizeof(kRows[0]); ++i) {
+    const int64_t m = std::min(kRows[i], invariant_rows);
+    if (out.rows.empty() || m > out.rows.back()) {
+      out.rows.push_back(m);
+      out.weights.push_back(kWeights[i]);
+    }
+  }
+  return out;
+}
+
+int GemmPickCheapest(const std::vector<double>& costs) {
+  int chosen = -1;
+  double chosen_cost = 0.0;
+  for (size_t b = 0; b < costs.size(); ++b) {
+    const double c = costs[b];
+    if (c >= 0.0 && (chosen < 0 || c < kGemmDisplace * chosen_cost)) {
+      chosen = static_cast<int>(b);
+      chosen_cost = c;
+    }
+  }
+  return chosen;
+}
+
 }  // namespace cuda
 }  // namespace specd

@@ -55,5 +55,35 @@ TEST(GemmPlanTest, ClassOfFindsTheFirstBoundAtOrAboveM) {
   }
 }
 
+// A base's cost weighs decode most (gemm.h): t(1) + 0.5 t(64) + 0.25 t(256), the row counts
+// capped at invariant_rows and one capped onto an earlier one dropped with its weight.
+TEST(GemmPlanTest, BaseCostRowsAreCappedAndDeduplicated) {
+  cuda::GemmCostRows r = cuda::GemmBaseCostRows(1024);
+  EXPECT_EQ(r.rows, (std::vector<int64_t>{1, 64, 256}));
+  EXPECT_EQ(r.weights, (std::vector<double>{1.0, 0.5, 0.25}));
+  r = cuda::GemmBaseCostRows(100);  // 256 capped to 100
+  EXPECT_EQ(r.rows, (std::vector<int64_t>{1, 64, 100}));
+  EXPECT_EQ(r.weights, (std::vector<double>{1.0, 0.5, 0.25}));
+  r = cuda::GemmBaseCostRows(64);  // 256 capped onto 64: dropped
+  EXPECT_EQ(r.rows, (std::vector<int64_t>{1, 64}));
+  EXPECT_EQ(r.weights, (std::vector<double>{1.0, 0.5}));
+  r = cuda::GemmBaseCostRows(1);
+  EXPECT_EQ(r.rows, (std::vector<int64_t>{1}));
+  EXPECT_EQ(r.weights, (std::vector<double>{1.0}));
+}
+
+// The first timed candidate stands unless a later one is more than 3% cheaper; untimed ones
+// (negative costs) never win.
+TEST(GemmPlanTest, PickCheapestNeedsAClearMarginToDisplace) {
+  EXPECT_EQ(cuda::GemmPickCheapest({}), -1);
+  EXPECT_EQ(cuda::GemmPickCheapest({-1.0, -1.0}), -1);
+  EXPECT_EQ(cuda::GemmPickCheapest({10.0, 9.8}), 0) << "2% cheaper: noise";
+  EXPECT_EQ(cuda::GemmPickCheapest({10.0, 9.6}), 1) << "4% cheaper";
+  EXPECT_EQ(cuda::GemmPickCheapest({-1.0, 10.0, 12.0}), 1) << "the first with a cost";
+  EXPECT_EQ(cuda::GemmPickCheapest({10.0, -1.0, 9.0, 8.9}), 2)
+      << "displaced by 9, which 8.9 does not displace";
+  EXPECT_EQ(cuda::GemmPickCheapest({10.0, 9.0, 8.0}), 2) << "each displacement from the last";
+}
+
 }  // namespace
 }  // namespace specd

@@ -27,6 +27,24 @@ std::vector<int64_t> GemmRowClassLimits(int64_t invariant_rows, int64_t plan_row
 // limits.size() when m is past the last.
 size_t GemmRowClassOf(const std::vector<int64_t>& limits, int64_t m);
 
+// The row counts at which a family's candidate bases are timed, and their weights in a base's
+// cost (gemm.h: cost = t(1) + 0.5 t(64) + 0.25 t(256)): each row count capped at invariant_rows,
+// one capped onto an earlier one dropped with its weight.
+struct GemmCostRows {
+  std::vector<int64_t> rows;
+  std::vector<double> weights;
+};
+GemmCostRows GemmBaseCostRows(int64_t invariant_rows);
+
+// A later candidate displaces the one chosen so far only when it costs less than this fraction of
+// the chosen one's cost: timing noise should not flip the choice from run to run.
+inline constexpr double kGemmDisplace = 0.97;
+
+// The candidate a timed pick takes, by index into `costs` (candidate order, negative: not timed):
+// the first with a cost, displaced by each later one that costs less than kGemmDisplace times the
+// chosen one's cost; -1 when none has a cost.
+int GemmPickCheapest(const std::vector<double>& costs);
+
 }  // namespace cuda
 }  // namespace specd
 
