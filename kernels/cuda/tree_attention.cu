@@ -9,6 +9,7 @@
 //   tree_attention_generic.cu      the generic kernel (other head sizes)
 //   tree_attention_instances/      one MMA instantiation per head size
 #include <algorithm>
+#include <atomic>
 #include <climits>
 
 #include "kernels/cuda/tree_attention_common.cuh"
@@ -20,7 +21,7 @@ namespace {
 
 #ifdef SPECD_ATTN_PROFILE
 // The head size of the last MMA launch, whose instance file holds the records.
-int g_profiled_head_dim = 0;
+std::atomic<int> g_profiled_head_dim{0};  // launches may come from several threads (ranks)
 #endif
 
 // Whether the tensor-parallel head mapping is well formed: the local KV heads are exactly those
@@ -80,7 +81,7 @@ cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream)
 
 #ifdef SPECD_ATTN_PROFILE
 cudaError_t TreeAttentionProfile(unsigned long long* records, int64_t ctas) {
-  switch (g_profiled_head_dim) {
+  switch (g_profiled_head_dim.load()) {
     case 16:
       return tree_attn::ReadMmaProfile<16>(records, ctas);
     case 32:
