@@ -580,7 +580,7 @@ void RunKvCacheCompact(const OpCase& c, std::mt19937_64& rng, cudaStream_t strea
 // tree_attention: shape {num_heads, num_kv_heads, head_dim, block_size, batch, index,
 // force_splits}. batch (the variant's tests/gpu/tree_attention_batch.h batches): 0 decode, 1
 // prefill chains, 2 verification trees (VerifyBatchAt(index)), 3 a 256-node tree over 4095 keys
-// (tree shape `index`); force_splits as RunTreeAttentionGpu takes it (0 the plan's, 1 unsplit, c
+// (LongTreeAt(index)); force_splits as RunTreeAttentionGpu takes it (0 the plan's, 1 unsplit, c
 // > 1 at least c splits, -c every chunk split with c chunks a CTA).
 std::vector<gpu_test::SeqSpec> TreeAttentionSeqs(const OpCase& c, bool generic) {
   const int batch = static_cast<int>(c.shape[4]), index = static_cast<int>(c.shape[5]);
@@ -591,10 +591,8 @@ std::vector<gpu_test::SeqSpec> TreeAttentionSeqs(const OpCase& c, bool generic) 
       return gpu_test::PrefillBatch();
     case 2:
       return gpu_test::VerifyBatchAt(index, generic ? 5 : 4, generic ? 12 : 7);
-    default: {
-      std::mt19937_64 rng(generic ? 13 : 8);
-      return {gpu_test::LongTree(index, rng)};
-    }
+    default:
+      return {gpu_test::LongTreeAt(index, generic ? 13 : 8)};
   }
 }
 
@@ -606,7 +604,7 @@ void RunTreeAttention(const OpCase& c, std::mt19937_64& rng, cudaStream_t stream
   const bool generic = !cuda::TreeAttentionUsesMmaKernel(sh.head_dim);
   const int batch = static_cast<int>(c.shape[4]);
   const uint64_t seed = (generic ? 600 : 100) + 100 * static_cast<uint64_t>(batch) +
-                        (batch == 3 ? static_cast<uint64_t>(c.shape[5]) : 0);
+                        (batch == 3 ? 2 + static_cast<uint64_t>(c.shape[5]) % 2 : 0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
   // A batch's split cases are consecutive in the table: the batch and its CPU reference are
   // made for the first and kept for the others (the last batch only: they are large).
@@ -748,8 +746,12 @@ std::vector<OpCase> AllCases() {
       }
     }
     for (int i = 0; i < count; ++i) attention(shapes[i], 2, i, {0, 1, 4});
-    for (int i : mma ? std::vector<int>{1, 5, 6} : std::vector<int>{0, 3, 7}) {
-      for (int tree_shape : {2, 3}) attention(shapes[i], 3, tree_shape, {0});
+    const std::vector<int> long_tree_shapes =
+        mma ? std::vector<int>{1, 5, 6} : std::vector<int>{0, 3, 7};
+    for (size_t pos = 0; pos < long_tree_shapes.size(); ++pos) {
+      for (int tree : {0, 1}) {
+        attention(shapes[long_tree_shapes[pos]], 3, 2 * static_cast<int>(pos) + tree, {0});
+      }
     }
   }
   return cases;

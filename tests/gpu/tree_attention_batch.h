@@ -373,6 +373,15 @@ inline std::vector<SeqSpec> VerifyBatchAt(int i, int tree_shapes, uint64_t seed)
   return seqs;
 }
 
+// LargeTreesOverLongContext's i-th tree: LongTree replayed from `seed` as its loop makes them,
+// shapes 2 and 3 for each head shape in turn (tree i has shape 2 + i % 2).
+inline SeqSpec LongTreeAt(int i, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  SeqSpec s;
+  for (int j = 0; j <= i; ++j) s = LongTree(2 + j % 2, rng);
+  return s;
+}
+
 }  // namespace gpu_test
 }  // namespace specd
 
