@@ -161,8 +161,8 @@ TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContextSplitsAgree) {
   }
 }
 
-// The generic kernel (head sizes without an MMA build) on the same batches as Decode,
-// PrefillChains, VerifyTrees and LargeTreesOverLongContext; Check also runs it without tiles.
+// The generic kernel (head sizes without an MMA build) on the same batches as the tests above;
+// Check also runs it without tiles.
 TEST_F(TreeAttentionCudaTest, GenericKernelDecodeSplitsAgree) {
   for (const Shape& sh : kGenericShapes) {
     ASSERT_TRUE(cuda::TreeAttentionHeadDimSupported(sh.head_dim)) << sh.head_dim;
