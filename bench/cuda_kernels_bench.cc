@@ -255,11 +255,11 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   p.q_stride = kHeads * kHeadDim;
   p.out = out;
   p.out_stride = kHeads * kHeadDim;
-  p.k_cache = k;
-  p.v_cache = v;
-  p.block_tables = d_tables;
-  p.max_blocks_per_seq = blocks_per_seq;
-  p.block_size = kBlock;
+  p.kv.k_cache = k;
+  p.kv.v_cache = v;
+  p.kv.block_tables = d_tables;
+  p.kv.max_blocks_per_seq = blocks_per_seq;
+  p.kv.block_size = kBlock;
   p.query_seq = d_qs;
   p.kv_end = d_end;
   p.mask_begin = masks ? d_mb : nullptr;

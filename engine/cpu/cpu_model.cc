@@ -272,9 +272,9 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
       TreeAttentionParams ap;
       ap.q = q.data();
       ap.out = attn.data();
-      ap.k_cache = k_pool_[layer].data();
-      ap.v_cache = v_pool_[layer].data();
-      ap.block_tables = l.block_tables.data();
+      ap.kv.k_cache = k_pool_[layer].data();
+      ap.kv.v_cache = v_pool_[layer].data();
+      ap.kv.block_tables = l.block_tables.data();
       ap.query_seq = l.query_seq.data();
       ap.prefix_len = l.prefix_len.data();
       ap.tree_key_offsets = l.key_offsets.data();
@@ -283,8 +283,8 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
       ap.num_heads = QH;
       ap.num_kv_heads = KVH;
       ap.head_dim = hd;
-      ap.block_size = kKvBlockTokens;
-      ap.max_blocks_per_seq = l.max_blocks_per_seq;
+      ap.kv.block_size = kKvBlockTokens;
+      ap.kv.max_blocks_per_seq = l.max_blocks_per_seq;
       ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
       ap.kv_group = kv_group_;
       ap.q_head_offset = slice_.q_heads.begin;

@@ -1154,11 +1154,11 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
     ap.q_stride = QKVD;
     ap.out = attn;
     ap.out_stride = QD;
-    ap.k_cache = rope.k_cache;
-    ap.v_cache = rope.v_cache;
-    ap.block_tables = block_tables;
-    ap.max_blocks_per_seq = step.max_blocks;
-    ap.block_size = kKvBlockTokens;
+    ap.kv.k_cache = rope.k_cache;
+    ap.kv.v_cache = rope.v_cache;
+    ap.kv.block_tables = block_tables;
+    ap.kv.max_blocks_per_seq = step.max_blocks;
+    ap.kv.block_size = kKvBlockTokens;
     ap.query_seq = At<int32_t>(meta, step.o_query_seq);
     ap.kv_end = At<int32_t>(meta, step.o_kv_end);
     // Chains only (decode, prefill): null masks select the kernel build
@@ -1246,14 +1246,14 @@ absl::Status CudaBackend::Enqueue(const Step &step) {
   SPECD_CUDA_RETURN_(cuda::TreeAcceptCuda(tp, stream_), "tree acceptance");
 
   cuda::KvCacheCompactParams cp;
-  cp.k_cache = k_pool_;
-  cp.v_cache = v_pool_;
+  cp.kv.k_cache = k_pool_;
+  cp.kv.v_cache = v_pool_;
   cp.num_layers = c.num_layers;
   cp.layer_stride = layer_stride_;
   cp.kv_dim = kv_dim_;
-  cp.block_tables = block_tables;
-  cp.max_blocks_per_seq = step.max_blocks;
-  cp.block_size = kKvBlockTokens;
+  cp.kv.block_tables = block_tables;
+  cp.kv.max_blocks_per_seq = step.max_blocks;
+  cp.kv.block_size = kKvBlockTokens;
   cp.seq_rows = At<int32_t>(meta, step.o_seq_rows);
   cp.base_slot = At<int32_t>(meta, step.o_base_slot);
   cp.nodes = out_nodes;

@@ -160,9 +160,9 @@ void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int
   TreeAttentionParams ap;
   ap.q = q.data();
   ap.out = attn.data();
-  ap.k_cache = k_pool_[layer].data();
-  ap.v_cache = v_pool_[layer].data();
-  ap.block_tables = l.block_tables.data();
+  ap.kv.k_cache = k_pool_[layer].data();
+  ap.kv.v_cache = v_pool_[layer].data();
+  ap.kv.block_tables = l.block_tables.data();
   ap.query_seq = l.query_seq.data();
   ap.prefix_len = l.prefix_len.data();
   ap.tree_key_offsets = l.key_offsets.data();
@@ -171,8 +171,8 @@ void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int
   ap.num_heads = h.num_heads;
   ap.num_kv_heads = h.num_kv_heads;
   ap.head_dim = hd;
-  ap.block_size = kKvBlockTokens;
-  ap.max_blocks_per_seq = l.max_blocks_per_seq;
+  ap.kv.block_size = kKvBlockTokens;
+  ap.kv.max_blocks_per_seq = l.max_blocks_per_seq;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   int64_t keys = 0;
   for (int64_t i = 0; i < T; ++i) keys += l.prefix_len[i] + l.key_offsets[i + 1] - l.key_offsets[i];

@@ -18,10 +18,10 @@ void TreeAttentionCpuItems(const TreeAttentionParams& p, int64_t item_begin, int
     const int64_t t = item / p.num_heads;
     const int64_t h = item % p.num_heads;
     const int64_t kvh = (p.q_head_offset + h) / group - p.kv_head_offset;
-    const int32_t* table = p.block_tables + p.query_seq[t] * p.max_blocks_per_seq;
+    const int32_t* table = p.kv.block_tables + p.query_seq[t] * p.kv.max_blocks_per_seq;
     const auto physical = [&](int64_t logical) {
-      return static_cast<int64_t>(table[logical / p.block_size]) * p.block_size +
-             logical % p.block_size;
+      return static_cast<int64_t>(table[logical / p.kv.block_size]) * p.kv.block_size +
+             logical % p.kv.block_size;
     };
     slots.clear();
     for (int64_t j = 0; j < p.prefix_len[t]; ++j) slots.push_back(physical(j));
@@ -37,7 +37,7 @@ void TreeAttentionCpuItems(const TreeAttentionParams& p, int64_t item_begin, int
     scores.resize(slots.size());
     float max_score = -std::numeric_limits<float>::infinity();
     for (size_t j = 0; j < slots.size(); ++j) {
-      const float* k = p.k_cache + slots[j] * kv_stride + kvh * d;
+      const float* k = p.kv.k_cache + slots[j] * kv_stride + kvh * d;
       float dot = 0.0f;
       for (int64_t i = 0; i < d; ++i) dot += q[i] * k[i];
       scores[j] = dot * p.scale;
@@ -48,7 +48,7 @@ void TreeAttentionCpuItems(const TreeAttentionParams& p, int64_t item_begin, int
     for (size_t j = 0; j < slots.size(); ++j) {
       const float w = std::exp(scores[j] - max_score);
       denom += w;
-      const float* v = p.v_cache + slots[j] * kv_stride + kvh * d;
+      const float* v = p.kv.v_cache + slots[j] * kv_stride + kvh * d;
       for (int64_t i = 0; i < d; ++i) acc[i] += w * v[i];
     }
     const float inv = 1.0f / denom;

@@ -63,14 +63,14 @@ __global__ void KvCacheCompactKernel(KvCacheCompactParams p) {
   const int64_t col = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * kVec;
   if (col >= p.kv_dim) return;
   const int s = blockIdx.z;
-  bf16* kc = p.k_cache + blockIdx.y * p.layer_stride;
-  bf16* vc = p.v_cache + blockIdx.y * p.layer_stride;
-  const int32_t* table = p.block_tables + p.seq_rows[s] * p.max_blocks_per_seq;
+  bf16* kc = p.kv.k_cache + blockIdx.y * p.layer_stride;
+  bf16* vc = p.kv.v_cache + blockIdx.y * p.layer_stride;
+  const int32_t* table = p.kv.block_tables + p.seq_rows[s] * p.kv.max_blocks_per_seq;
   const int32_t* nodes = p.nodes + s * p.node_stride;
   const int64_t base = p.base_slot[s];
   auto physical = [&](int64_t logical) {
-    return static_cast<int64_t>(table[logical / p.block_size]) * p.block_size +
-           logical % p.block_size;
+    return static_cast<int64_t>(table[logical / p.kv.block_size]) * p.kv.block_size +
+           logical % p.kv.block_size;
   };
   const int n = p.num_nodes[s];
   for (int j = 0; j < n; ++j) {
@@ -135,17 +135,17 @@ cudaError_t KvCacheCopyCuda(const KvCacheCopyParams& p, cudaStream_t stream) {
 cudaError_t KvCacheCompactCuda(const KvCacheCompactParams& p, cudaStream_t stream) {
   if (p.num_seqs < 0 || p.num_seqs > 65535 || p.kv_dim <= 0 || p.num_layers <= 0 ||
       p.num_layers > 65535 || (p.num_layers > 1 && p.layer_stride < p.kv_dim) ||
-      p.block_size <= 0 || p.max_blocks_per_seq <= 0 || p.node_stride < 0) {
+      p.kv.block_size <= 0 || p.kv.max_blocks_per_seq <= 0 || p.node_stride < 0) {
     return cudaErrorInvalidValue;
   }
   if (p.num_seqs == 0) return cudaSuccess;
-  if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_tables == nullptr ||
+  if (p.kv.k_cache == nullptr || p.kv.v_cache == nullptr || p.kv.block_tables == nullptr ||
       p.seq_rows == nullptr || p.base_slot == nullptr || p.nodes == nullptr ||
       p.num_nodes == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const bool vec = p.kv_dim % 8 == 0 && p.layer_stride % 8 == 0 && IsAligned(p.k_cache, 16) &&
-                   IsAligned(p.v_cache, 16);
+  const bool vec = p.kv_dim % 8 == 0 && p.layer_stride % 8 == 0 && IsAligned(p.kv.k_cache, 16) &&
+                   IsAligned(p.kv.v_cache, 16);
   const int threads = 128;
   if (vec) {
     KvCacheCompactKernel<8>

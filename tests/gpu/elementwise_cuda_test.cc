@@ -1,12 +1,13 @@
-// Embedding, RMSNorm (+ fused residual), RoPE (+ fused q/k norm) and SwiGLU on the GPU against
-// the fp32 CPU references of kernels/cpu, on random data with awkward sizes.
+// Embedding, RMSNorm, RoPE and SwiGLU on the GPU, their special cases: vocabulary-parallel
+// embedding shards, RoPE's fused KV-cache write against the unfused one, the params' checks.
+// Their results against the fp32 CPU references of kernels/cpu are op-table cases
+// (ops_cuda_test.cc).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "engine/model_config.h"
@@ -15,11 +16,7 @@
 #include "specd/kernels/cuda/kv_cache.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
-#include "specd/kernels/cuda/swiglu.h"
-#include "specd/kernels/embedding.h"
-#include "specd/kernels/rmsnorm.h"
 #include "specd/kernels/rope.h"
-#include "specd/kernels/swiglu.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace specd {
@@ -36,70 +33,7 @@ using gpu_test::ToFloat;
 // bf16 outputs carry a relative rounding error of up to 2^-8.
 constexpr float kBf16Rtol = 1.0f / 128;
 
-class ElementwiseCudaTest : public gpu_test::GpuTest {
- protected:
-  // Runs RmsNormCuda(p), whose input row sums to x (host, fp32), and expects its output to match
-  // RmsNormCpu's on x, and, when `residual` is given (the host copy of what d_res held before),
-  // d_res to hold the reference's updated residual within residual_tol.
-  void ExpectRmsNormMatchesCpu(const cuda::RmsNormParams& p, const std::vector<float>& x,
-                               const std::vector<float>& w, std::vector<float>* residual,
-                               DeviceBuffer<float>& d_res, DeviceBuffer<bf16>& d_out,
-                               float residual_tol, const std::string& what) {
-    SPECD_CUDA_OK(cuda::RmsNormCuda(p, stream_));
-    Sync();
-    std::vector<float> want(x.size());
-    RmsNormParams ref;
-    ref.x = x.data();
-    ref.residual = residual != nullptr ? residual->data() : nullptr;
-    ref.weight = w.data();
-    ref.out = want.data();
-    ref.rows = p.rows;
-    ref.dim = p.dim;
-    ref.eps = p.eps;
-    RmsNormCpu(ref);
-    EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol)) << what;
-    if (residual != nullptr) {
-      EXPECT_TRUE(AllClose(d_res.Download(), *residual, residual_tol, residual_tol))
-          << "residual, " << what;
-    }
-  }
-};
-
-TEST_F(ElementwiseCudaTest, EmbeddingGathersRows) {
-  std::mt19937_64 rng(11);
-  for (int hidden : {136, 37}) {  // 16-byte vector path and scalar path
-    const int vocab = 1001, n = 97;
-    const std::vector<float> table =
-        RoundBf16(RandomNormal(static_cast<size_t>(vocab) * hidden, rng));
-    std::vector<int32_t> tokens(n);
-    std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
-    for (int32_t& t : tokens) t = pick(rng);
-    tokens[3] = tokens[5];  // a repeated id
-    tokens[7] = vocab - 1;
-    DeviceBuffer<bf16> d_table(ToBf16(table));
-    DeviceBuffer<int32_t> d_tokens(tokens);
-    DeviceBuffer<bf16> d_out(static_cast<size_t>(n) * hidden);
-    cuda::EmbeddingParams p;
-    p.tokens = d_tokens.get();
-    p.table = d_table.get();
-    p.out = d_out.get();
-    p.num_tokens = n;
-    p.vocab_size = vocab;
-    p.hidden = hidden;
-    SPECD_CUDA_OK(cuda::EmbeddingCuda(p, stream_));
-    Sync();
-    std::vector<float> want(static_cast<size_t>(n) * hidden);
-    EmbeddingParams ref;
-    ref.tokens = tokens.data();
-    ref.table = table.data();
-    ref.out = want.data();
-    ref.num_tokens = n;
-    ref.vocab_size = vocab;
-    ref.hidden = hidden;
-    EmbeddingCpu(ref);
-    EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 0.0f, 0.0f)) << "hidden " << hidden;
-  }
-}
+class ElementwiseCudaTest : public gpu_test::GpuTest {};
 
 // Vocabulary-parallel embedding: each shard's table gives its own tokens' rows and zeros for
 // the rest (and for ids outside the vocabulary), so the shards' outputs sum to the full gather
@@ -165,89 +99,10 @@ TEST_F(ElementwiseCudaTest, EmbeddingShardsSumToTheFullGather) {
   }
 }
 
-TEST_F(ElementwiseCudaTest, RmsNormWithAndWithoutResidual) {
-  std::mt19937_64 rng(12);
-  struct Case {
-    int rows, dim;
-  };
-  for (const Case c : {Case{1, 4096}, Case{7, 64}, Case{33, 100}, Case{5, 8192}, Case{3, 1000}}) {
-    for (int mode = 0; mode < 3; ++mode) {  // 0: plain, 1: residual add, 2: residual init
-      const size_t n = static_cast<size_t>(c.rows) * c.dim;
-      const std::vector<float> x = RoundBf16(RandomNormal(n, rng, 2.0f));
-      const std::vector<float> w = RandomNormal(c.dim, rng, 0.5f);  // fp32 weights
-      std::vector<float> residual = RandomNormal(n, rng, 3.0f);
-      if (mode == 2) std::fill(residual.begin(), residual.end(), 0.0f);
-      DeviceBuffer<bf16> d_x(ToBf16(x));
-      DeviceBuffer<float> d_w(w);
-      DeviceBuffer<float> d_res(mode == 2 ? RandomNormal(n, rng) : residual);  // init overwrites
-      DeviceBuffer<bf16> d_out(n);
-      cuda::RmsNormParams p;
-      p.x = d_x.get();
-      p.residual = mode == 0 ? nullptr : d_res.get();
-      p.residual_init = mode == 2;
-      p.weight = d_w.get();
-      p.out = d_out.get();
-      p.rows = c.rows;
-      p.dim = c.dim;
-      p.eps = 1e-5f;
-      ExpectRmsNormMatchesCpu(p, x, w, mode == 0 ? nullptr : &residual, d_res, d_out, 1e-6f,
-                              "rows " + std::to_string(c.rows) + " dim " +
-                                  std::to_string(c.dim) + " mode " + std::to_string(mode));
-    }
-  }
-}
-
-// The norm of a K-split GEMM's output: the input row is the sum of fp32 slabs
-// (RmsNormParams::partials), added in slab order, with the residual add and without.
-TEST_F(ElementwiseCudaTest, RmsNormOfKSplitPartials) {
-  std::mt19937_64 rng(14);
-  struct Case {
-    int rows, dim, parts;
-  };
-  for (const Case c : {Case{1, 4096, 2}, Case{65, 4096, 2}, Case{7, 64, 3}, Case{33, 100, 2},
-                       Case{3, 1000, 4}, Case{2, 2048, 1}}) {
-    // 0: plain, 1: residual add, 2: residual add, the slabs and a dead buffer dropped from L2
-    // after they are read (RmsNormParams::discard_partials, dead), as the backend runs it.
-    for (int mode = 0; mode < 3; ++mode) {
-      const size_t n = static_cast<size_t>(c.rows) * c.dim;
-      const std::vector<float> parts = RandomNormal(n * c.parts, rng, 2.0f);
-      const std::vector<float> w = RandomNormal(c.dim, rng, 0.5f);
-      std::vector<float> residual = RandomNormal(n, rng, 3.0f);
-      DeviceBuffer<float> d_parts(parts), d_w(w), d_res(residual);
-      DeviceBuffer<bf16> d_out(n);
-      cuda::RmsNormParams p;
-      p.partials = d_parts.get();
-      p.num_partials = c.parts;
-      p.residual = mode == 0 ? nullptr : d_res.get();
-      DeviceBuffer<bf16> d_dead(n);
-      if (mode == 2) {
-        p.discard_partials = true;
-        p.dead[1] = {d_dead.get(), static_cast<int64_t>(c.dim * sizeof(bf16))};
-      }
-      p.weight = d_w.get();
-      p.out = d_out.get();
-      p.rows = c.rows;
-      p.dim = c.dim;
-      p.eps = 1e-5f;
-      std::vector<float> x(n);
-      for (size_t i = 0; i < n; ++i) {
-        float sum = parts[i];
-        for (int s = 1; s < c.parts; ++s) sum += parts[s * n + i];
-        x[i] = sum;
-      }
-      // The residual exactly: the slabs' sum in slab order plus the residual is the same fp32
-      // operations on both sides.
-      ExpectRmsNormMatchesCpu(p, x, w, mode == 0 ? nullptr : &residual, d_res, d_out, 0.0f,
-                              "rows " + std::to_string(c.rows) + " dim " +
-                                  std::to_string(c.dim) + " parts " + std::to_string(c.parts) +
-                                  " mode " + std::to_string(mode));
-    }
-  }
-}
-
-// RoPE over q and k of a fused QKV row, with llama3-scaled frequencies and positions up to
-// 2e5, optionally with Qwen3's per-head norm fused in front.
-TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
+// RoPE with the paged KV-cache write fused in gives the rotation of RoPE alone, bit for bit, and
+// leaves in the cache exactly what a KvCacheWriteCuda of the rotated row would (the rotation
+// itself against the CPU reference is the op table's rope cases, on these shapes).
+TEST_F(ElementwiseCudaTest, RopeFusedKvWriteMatchesTheUnfusedWrite) {
   std::mt19937_64 rng(13);
   struct Case {
     int tokens, q_heads, k_heads, head_dim;
@@ -303,56 +158,9 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     SPECD_CUDA_OK(cuda::RopeCuda(p, stream_));
     Sync();
 
-    // Reference: RmsNormCpu over [tokens * heads, head_dim] (when fused), then RopeCpu.
-    std::vector<float> q(static_cast<size_t>(c.tokens) * q_dim),
-        k(static_cast<size_t>(c.tokens) * k_dim);
-    for (int t = 0; t < c.tokens; ++t) {
-      std::copy_n(&qkv[static_cast<size_t>(t) * stride], q_dim, &q[static_cast<size_t>(t) * q_dim]);
-      std::copy_n(&qkv[static_cast<size_t>(t) * stride + q_dim], k_dim,
-                  &k[static_cast<size_t>(t) * k_dim]);
-    }
-    if (c.qk_norm) {
-      for (auto [buf, heads, weight] :
-           {std::make_tuple(&q, c.q_heads, &q_norm), std::make_tuple(&k, c.k_heads, &k_norm)}) {
-        RmsNormParams n;
-        n.x = buf->data();
-        n.weight = weight->data();
-        n.out = buf->data();
-        n.rows = int64_t{c.tokens} * heads;
-        n.dim = c.head_dim;
-        n.eps = 1e-6f;
-        RmsNormCpu(n);
-      }
-    }
-    for (auto [buf, heads] : {std::make_pair(&q, c.q_heads), std::make_pair(&k, c.k_heads)}) {
-      RopeParams r;
-      r.x = buf->data();
-      r.positions = positions.data();
-      r.inv_freq = inv_freq.data();
-      r.num_tokens = c.tokens;
-      r.num_heads = heads;
-      r.head_dim = c.head_dim;
-      r.row_stride = int64_t{heads} * c.head_dim;
-      RopeCpu(r);
-    }
-    const std::vector<float> got = ToFloat(d_qkv.Download());
-    std::vector<float> got_q(q.size()), got_k(k.size()), got_v, want_v;
-    for (int t = 0; t < c.tokens; ++t) {
-      std::copy_n(&got[static_cast<size_t>(t) * stride], q_dim,
-                  &got_q[static_cast<size_t>(t) * q_dim]);
-      std::copy_n(&got[static_cast<size_t>(t) * stride + q_dim], k_dim,
-                  &got_k[static_cast<size_t>(t) * k_dim]);
-      for (int i = q_dim + k_dim; i < stride; ++i) {
-        got_v.push_back(got[static_cast<size_t>(t) * stride + i]);
-        want_v.push_back(qkv[static_cast<size_t>(t) * stride + i]);
-      }
-    }
     const std::string what = "tokens " + std::to_string(c.tokens) + " heads " +
                              std::to_string(c.q_heads) + "/" + std::to_string(c.k_heads) +
                              " head_dim " + std::to_string(c.head_dim);
-    EXPECT_TRUE(AllClose(got_q, q, 2e-2f, kBf16Rtol)) << "q, " << what;
-    EXPECT_TRUE(AllClose(got_k, k, 2e-2f, kBf16Rtol)) << "k, " << what;
-    EXPECT_TRUE(AllClose(got_v, want_v, 0.0f, 0.0f)) << "v untouched, " << what;
 
     // The fused KV-cache write gives the same rotation, bit for bit, and leaves in the cache
     // exactly what a KvCacheWriteCuda of the rotated row would; token 1 (slot -1) is skipped.
@@ -392,49 +200,6 @@ TEST_F(ElementwiseCudaTest, RopeMatchesReference) {
     EXPECT_EQ(bits(f_qkv.Download()), bits(d_qkv.Download())) << "fused rotation, " << what;
     EXPECT_EQ(bits(f_kc.Download()), bits(w_kc.Download())) << "fused K cache, " << what;
     EXPECT_EQ(bits(f_vc.Download()), bits(w_vc.Download())) << "fused V cache, " << what;
-  }
-}
-
-TEST_F(ElementwiseCudaTest, SwiGluMatchesReference) {
-  std::mt19937_64 rng(14);
-  // discard: gate_up and a dead buffer dropped from L2 after they are read
-  // (SwiGluParams::discard_gate_up, dead), as the backend runs it.
-  for (auto [rows, dim, discard] :
-       {std::tuple{5, 1000, false}, std::tuple{3, 77, false}, std::tuple{64, 2816, false},
-        std::tuple{5, 1000, true}, std::tuple{3, 77, true}, std::tuple{65, 14336, true},
-        std::tuple{2, 56, true}}) {
-    const std::vector<float> gate_up =
-        RoundBf16(RandomNormal(static_cast<size_t>(rows) * 2 * dim, rng, 3.0f));
-    DeviceBuffer<bf16> d_in(ToBf16(gate_up));
-    DeviceBuffer<bf16> d_out(static_cast<size_t>(rows) * dim);
-    DeviceBuffer<bf16> d_dead(static_cast<size_t>(rows) * 40);
-    cuda::SwiGluParams p;
-    p.gate_up = d_in.get();
-    p.out = d_out.get();
-    p.rows = rows;
-    p.dim = dim;
-    if (discard) {
-      p.discard_gate_up = true;
-      p.dead = {d_dead.get(), static_cast<int64_t>(40 * sizeof(bf16))};
-    }
-    SPECD_CUDA_OK(cuda::SwiGluCuda(p, stream_));
-    Sync();
-    std::vector<float> gate(static_cast<size_t>(rows) * dim), up(static_cast<size_t>(rows) * dim),
-        want(static_cast<size_t>(rows) * dim);
-    for (int r = 0; r < rows; ++r) {
-      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim], dim,
-                  &gate[static_cast<size_t>(r) * dim]);
-      std::copy_n(&gate_up[static_cast<size_t>(r) * 2 * dim + dim], dim,
-                  &up[static_cast<size_t>(r) * dim]);
-    }
-    SwiGluParams ref;
-    ref.gate = gate.data();
-    ref.up = up.data();
-    ref.out = want.data();
-    ref.n = int64_t{rows} * dim;
-    SwiGluCpu(ref);
-    EXPECT_TRUE(AllClose(ToFloat(d_out.Download()), want, 1e-3f, kBf16Rtol))
-        << "rows " << rows << " dim " << dim << " discard " << discard;
   }
 }
 

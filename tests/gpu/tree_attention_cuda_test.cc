@@ -1,10 +1,9 @@
-// Tree attention on the GPU against kernels/cpu/tree_attention.cc: decode, prefill chains and
-// verification trees (1, 7 and 256 nodes of several shapes) below pending chains, batched over
-// sequences with context lengths that are not multiples of the block size, odd head counts,
-// head_dim 16, 32, 64 and 128 (the MMA kernel) and other even sizes from 2 to 256 (the generic
-// kernel), with the key range unsplit, split by the plan and split by force (the generic kernel
-// ignores the split), and tensor-parallel head ranges against the full model's heads; and bit
-// identity of every tree node with its own decode (batch invariance).
+// Tree attention on the GPU, its special cases: bit identity across splits of the key range
+// (unsplit, the plan's, forced, several chunks a CTA), with kv_stable_end, without masks and (the
+// generic kernel) without tiles; bit identity of every tree node with its own decode (batch
+// invariance); tensor-parallel head ranges against the full model's heads; the params' checks.
+// The results against the CPU reference (kernels/cpu/tree_attention.cc) on every shape and batch
+// are op-table cases (ops_cuda_test.cc); the batches are tests/gpu/tree_attention_batch.h's.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -19,212 +18,49 @@
 #include "specd/kernels/cuda/tree_attention.h"
 #include "specd/kernels/tree_attention.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/tree_attention_batch.h"
 
 namespace specd {
 namespace {
 
 using gpu_test::AllClose;
+using gpu_test::Batch;
 using gpu_test::bf16;
+using gpu_test::BuildBatch;
+using gpu_test::DecodeBatch;
 using gpu_test::DeviceBuffer;
+using gpu_test::HeadSlice;
+using gpu_test::kGenericShapes;
+using gpu_test::kShapes;
+using gpu_test::LongTree;
+using gpu_test::PrefillBatch;
 using gpu_test::RandomNormal;
 using gpu_test::RoundBf16;
+using gpu_test::RunTreeAttentionCpu;
+using gpu_test::SeqSpec;
+using gpu_test::Shape;
 using gpu_test::ToBf16;
 using gpu_test::ToFloat;
-
-// One sequence of a batch: `committed` cached tokens, then the new queries: a chain of
-// `chain` tokens (pending tokens, a prefill chunk, or a decode token), then a tree hanging
-// below the chain's last token (parents index the tree; -1 is the chain's last token).
-struct SeqSpec {
-  int committed = 0;
-  int chain = 1;
-  std::vector<int32_t> tree_parents;
-};
-
-std::vector<int32_t> TreeParents(int nodes, int shape, std::mt19937_64& rng) {
-  std::vector<int32_t> parents;
-  for (int i = 0; i < nodes; ++i) {
-    switch (shape) {
-      case 0:
-        parents.push_back(i - 1);  // chain
-        break;
-      case 1:
-        parents.push_back(-1);  // star: every node a child of the root
-        break;
-      case 2:
-        parents.push_back(i == 0 ? -1 : (i - 1) / 2);  // binary
-        break;
-      case 4:
-        parents.push_back(i < 2 ? -1 : i - 2);  // two interleaved chains
-        break;
-      default: {
-        std::uniform_int_distribution<int32_t> pick(-1, i - 1);
-        parents.push_back(pick(rng));
-      }
-    }
-  }
-  return parents;
-}
-
-struct Shape {
-  int num_heads, num_kv_heads, head_dim, block_size;
-};
-
-// Tensor-parallel head range of a rank (TreeAttentionParams' fields); all 0 for the full model.
-struct HeadSlice {
-  int64_t q_head_offset = 0;
-  int64_t kv_head_offset = 0;
-  int64_t kv_group = 0;
-};
-
-// A batch of sequences over a random paged KV cache, in both descriptions (the GPU's masks and
-// the CPU reference's ancestor lists).
-struct Batch {
-  std::vector<int32_t> tables;
-  int max_blocks = 1;
-  std::vector<float> k_cache, v_cache;  // [num_slots, kv_dim], bf16-exact
-  std::vector<int32_t> query_seq, kv_end, mask_begin, prefix_len, tree_key_offsets = {0}, tree_keys;
-  std::vector<uint32_t> mask;
-  std::vector<float> q;  // [num_queries, q_stride], bf16-exact
-  int q_stride = 0;
-  int num_queries() const { return static_cast<int>(query_seq.size()); }
-};
-
-Batch BuildBatch(const Shape& sh, const std::vector<SeqSpec>& seqs, uint64_t seed) {
-  Batch b;
-  std::mt19937_64 rng(seed);
-  const int kv_dim = sh.num_kv_heads * sh.head_dim;
-  const int q_dim = sh.num_heads * sh.head_dim;
-  // Block tables: each sequence gets enough blocks for all its keys, drawn from a shuffled
-  // pool with spare blocks, so logical and physical order differ.
-  std::vector<int> need_blocks;
-  int total_blocks = 0;
-  for (const SeqSpec& s : seqs) {
-    const int keys = s.committed + s.chain + static_cast<int>(s.tree_parents.size());
-    need_blocks.push_back((keys + sh.block_size - 1) / sh.block_size);
-    b.max_blocks = std::max(b.max_blocks, need_blocks.back());
-    total_blocks += need_blocks.back();
-  }
-  const int pool_blocks = total_blocks + 5;
-  std::vector<int32_t> pool(pool_blocks);
-  std::iota(pool.begin(), pool.end(), 0);
-  std::shuffle(pool.begin(), pool.end(), rng);
-  const int num_seqs = static_cast<int>(seqs.size());
-  // Sequence s uses block-table row num_seqs - 1 - s (rows need not follow batch order).
-  b.tables.assign(static_cast<size_t>(num_seqs) * b.max_blocks, -1);
-  int next = 0;
-  for (int s = 0; s < num_seqs; ++s) {
-    for (int k = 0; k < need_blocks[s]; ++k) {
-      b.tables[static_cast<size_t>(num_seqs - 1 - s) * b.max_blocks + k] = pool[next++];
-    }
-  }
-  const int64_t num_slots = int64_t{pool_blocks} * sh.block_size;
-  b.k_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
-  b.v_cache = RoundBf16(RandomNormal(num_slots * kv_dim, rng));
-
-  for (int s = 0; s < num_seqs; ++s) {
-    const SeqSpec& spec = seqs[s];
-    const int row = num_seqs - 1 - s;
-    for (int i = 0; i < spec.chain; ++i) {
-      const int end = spec.committed + i + 1;
-      b.query_seq.push_back(row);
-      b.kv_end.push_back(end);
-      b.mask_begin.push_back(end);
-      b.mask.insert(b.mask.end(), cuda::kTreeAttentionMaskWords, 0u);
-      b.prefix_len.push_back(end);
-      b.tree_key_offsets.push_back(static_cast<int32_t>(b.tree_keys.size()));
-    }
-    const int tree_base = spec.committed + spec.chain;
-    const int n = static_cast<int>(spec.tree_parents.size());
-    std::vector<std::vector<int32_t>> ancestors(n);
-    for (int j = 0; j < n; ++j) {
-      const int32_t parent = spec.tree_parents[j];
-      if (parent >= 0) ancestors[j] = ancestors[parent];
-      ancestors[j].push_back(j);
-      std::vector<uint32_t> bits(cuda::kTreeAttentionMaskWords, 0u);
-      std::vector<int32_t> sorted = ancestors[j];
-      std::sort(sorted.begin(), sorted.end());
-      for (int32_t a : sorted) {
-        bits[a / 32] |= 1u << (a % 32);
-        b.tree_keys.push_back(tree_base + a);
-      }
-      b.query_seq.push_back(row);
-      b.kv_end.push_back(tree_base + j + 1);
-      b.mask_begin.push_back(tree_base);
-      b.mask.insert(b.mask.end(), bits.begin(), bits.end());
-      b.prefix_len.push_back(tree_base);
-      b.tree_key_offsets.push_back(static_cast<int32_t>(b.tree_keys.size()));
-    }
-  }
-  // q rows carry padding columns, as in a fused QKV output.
-  b.q_stride = q_dim + 2 * kv_dim;
-  // Scores with a spread of a few units make the softmax peaky, so that a wrongly masked or
-  // dropped key changes the output visibly.
-  b.q = RoundBf16(RandomNormal(static_cast<size_t>(b.num_queries()) * b.q_stride, rng, 2.5f));
-  return b;
-}
-
-// The CPU reference's output [num_queries, num_heads * head_dim] for the full model.
-std::vector<float> RunCpu(const Shape& sh, const Batch& b, float scale) {
-  const int num_queries = b.num_queries();
-  const int q_dim = sh.num_heads * sh.head_dim;
-  std::vector<float> q_packed(static_cast<size_t>(num_queries) * q_dim),
-      want(static_cast<size_t>(num_queries) * q_dim);
-  for (int t = 0; t < num_queries; ++t) {
-    std::copy_n(&b.q[static_cast<size_t>(t) * b.q_stride], q_dim,
-                &q_packed[static_cast<size_t>(t) * q_dim]);
-  }
-  TreeAttentionParams ref;
-  ref.q = q_packed.data();
-  ref.out = want.data();
-  ref.k_cache = b.k_cache.data();
-  ref.v_cache = b.v_cache.data();
-  ref.block_tables = b.tables.data();
-  ref.query_seq = b.query_seq.data();
-  ref.prefix_len = b.prefix_len.data();
-  ref.tree_key_offsets = b.tree_key_offsets.data();
-  ref.tree_keys = b.tree_keys.data();
-  ref.num_queries = num_queries;
-  ref.num_heads = sh.num_heads;
-  ref.num_kv_heads = sh.num_kv_heads;
-  ref.head_dim = sh.head_dim;
-  ref.block_size = sh.block_size;
-  ref.max_blocks_per_seq = b.max_blocks;
-  ref.scale = scale;
-  // The reference is plain loops; spread its (query, head) items over the host's cores.
-  const int64_t items = int64_t{num_queries} * sh.num_heads;
-  const int64_t workers = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::thread> threads;
-  for (int64_t w = 0; w < workers; ++w) {
-    threads.emplace_back(
-        [&, w] { TreeAttentionCpuItems(ref, items * w / workers, items * (w + 1) / workers); });
-  }
-  for (std::thread& t : threads) t.join();
-  return want;
-}
+using gpu_test::TreeParents;
+using gpu_test::VerifyBatch;
 
 class TreeAttentionCudaTest : public gpu_test::GpuTest {
  protected:
   // Runs one batch on the GPU once per entry of `splits` (0: the plan's choice, else forced),
-  // then split with 2 and with 3 chunks a CTA, and compares each result with the CPU reference.
+  // then split with 2 and with 3 chunks a CTA, and expects the same bits from each (the op
+  // table compares each of these runs with the CPU reference).
   void Check(const Shape& sh, const std::vector<SeqSpec>& seqs, std::vector<int> splits,
              uint64_t seed) {
     splits.push_back(-2);
     splits.push_back(-3);
     const Batch b = BuildBatch(sh, seqs, seed);
     const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
-    const std::vector<float> want = RunCpu(sh, b, scale);
     // Every split gives the same bits (the kernel's batch invariance).
     std::vector<float> first;
     for (int force_splits : splits) {
       const std::vector<float> got =
           RunGpu(sh, force_splits, b.q, b.q_stride, b.k_cache, b.v_cache, b.tables, b.max_blocks,
                  b.query_seq, b.kv_end, b.mask_begin, b.mask, scale);
-      // Outputs are convex combinations of N(0, 1) values; bf16 probabilities in the P.V
-      // product and the bf16 output each add about 2^-9 relative error.
-      EXPECT_TRUE(AllClose(got, want, 4e-3f, 2e-2f))
-          << "heads " << sh.num_heads << "/" << sh.num_kv_heads << " head_dim " << sh.head_dim
-          << " block " << sh.block_size << " forced splits " << force_splits << " queries "
-          << b.num_queries();
       if (first.empty()) {
         first = got;
       } else {
@@ -280,12 +116,7 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
     }
   }
 
-  // GPU output [num_queries, num_heads * head_dim] (bf16 values as floats). force_splits: 0
-  // the plan's choice, 1 unsplit, more: one CTA per chunk (at least that many splits), -c:
-  // every chunk split, c chunks a CTA. With a
-  // slice, sh holds the rank's local head counts, q and the caches its heads only. With
-  // drop_tiles_ (generic kernel only), no tiles, split or workspace are passed. The output
-  // starts as NaN, so an element the kernel does not write never passes.
+  // RunTreeAttentionGpu on the fixture's stream, with its kv_stable_end and tile switches.
   std::vector<float> RunGpu(const Shape& sh, int force_splits, const std::vector<float>& q,
                             int q_stride, const std::vector<float>& k_cache,
                             const std::vector<float>& v_cache, const std::vector<int32_t>& tables,
@@ -294,87 +125,9 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
                             const std::vector<int32_t>& mask_begin,
                             const std::vector<uint32_t>& mask, float scale,
                             const HeadSlice& slice = HeadSlice()) {
-    const int num_queries = static_cast<int>(query_seq.size());
-    const int q_dim = sh.num_heads * sh.head_dim;
-
-    // GPU.
-    int num_sms = 0;
-    EXPECT_EQ(cudaSuccess, cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-    cuda::TreeAttentionPlan plan =
-        slice.kv_group == 0
-            ? cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), num_queries, sh.num_heads,
-                                      sh.num_kv_heads, num_sms)
-            : cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), num_queries, sh.num_heads,
-                                      sh.num_kv_heads, slice.kv_group, num_sms);
-    EXPECT_FALSE(plan.tile_begin.empty()) << "no plan";
-    if (force_splits == 1) plan.num_splits = 1;
-    if (force_splits > 1) {
-      plan.num_splits = std::max(
-          force_splits, cuda::TreeAttentionChunks(*std::max_element(kv_end.begin(), kv_end.end())));
-      plan.chunks_per_cta = 1;
-    }
-    if (force_splits < 0) {  // every chunk split, -force_splits chunks a CTA
-      plan.num_splits = std::max(
-          2, cuda::TreeAttentionChunks(*std::max_element(kv_end.begin(), kv_end.end())));
-      plan.chunks_per_cta = -force_splits;
-    }
-    DeviceBuffer<bf16> d_q(ToBf16(q)), d_k(ToBf16(k_cache)), d_v(ToBf16(v_cache));
-    const int out_stride = q_dim + 6;
-    DeviceBuffer<bf16> d_out(static_cast<size_t>(num_queries) * out_stride);
-    EXPECT_EQ(cudaSuccess, cudaMemset(d_out.get(), 0xff, d_out.size() * sizeof(bf16)));  // NaN
-    DeviceBuffer<int32_t> d_tables(tables), d_query_seq(query_seq), d_kv_end(kv_end),
-        d_mask_begin(mask_begin), d_tile_begin(plan.tile_begin), d_tile_end(plan.tile_end);
-    DeviceBuffer<uint32_t> d_mask(mask);
-    DeviceBuffer<int32_t> d_stable(stable_end_.empty() ? std::vector<int32_t>{0} : stable_end_);
-    DeviceBuffer<float> d_ws(
-        std::max<int64_t>(1, cuda::TreeAttentionWorkspaceFloats(plan.num_splits, num_queries,
-                                                                sh.num_heads, sh.head_dim)));
-    cuda::TreeAttentionParams p;
-    p.q = d_q.get();
-    p.q_stride = q_stride;
-    p.out = d_out.get();
-    p.out_stride = out_stride;
-    p.k_cache = d_k.get();
-    p.v_cache = d_v.get();
-    p.block_tables = d_tables.get();
-    p.max_blocks_per_seq = max_blocks;
-    p.block_size = sh.block_size;
-    p.query_seq = d_query_seq.get();
-    p.kv_end = d_kv_end.get();
-    p.mask_begin = d_mask_begin.get();
-    p.mask = d_mask.get();
-    p.kv_stable_end = stable_end_.empty() ? nullptr : d_stable.get();
-    p.tile_begin = d_tile_begin.get();
-    p.tile_end = d_tile_end.get();
-    p.num_tiles = static_cast<int64_t>(plan.tile_begin.size());
-    p.num_splits = plan.num_splits;
-    p.chunks_per_cta = plan.chunks_per_cta;
-    p.workspace = d_ws.get();
-    // As the backend runs it: the combine drops the workspace from L2 after its merges.
-    p.discard_workspace = true;
-    p.num_queries = num_queries;
-    p.num_heads = sh.num_heads;
-    p.num_kv_heads = sh.num_kv_heads;
-    p.head_dim = sh.head_dim;
-    p.scale = scale;
-    p.q_head_offset = slice.q_head_offset;
-    p.kv_head_offset = slice.kv_head_offset;
-    p.kv_group = slice.kv_group;
-    if (drop_tiles_) {
-      p.tile_begin = p.tile_end = nullptr;
-      p.num_tiles = 0;
-      p.num_splits = p.chunks_per_cta = 1;
-      p.workspace = nullptr;
-    }
-    EXPECT_EQ(cudaSuccess, cuda::TreeAttentionCuda(p, stream_));
-    Sync();
-    const std::vector<float> out = ToFloat(d_out.Download());
-    std::vector<float> got(static_cast<size_t>(num_queries) * q_dim);
-    for (int t = 0; t < num_queries; ++t) {
-      std::copy_n(&out[static_cast<size_t>(t) * out_stride], q_dim,
-                  &got[static_cast<size_t>(t) * q_dim]);
-    }
-    return got;
+    return gpu_test::RunTreeAttentionGpu(sh, force_splits, q, q_stride, k_cache, v_cache, tables,
+                                         max_blocks, query_seq, kv_end, mask_begin, mask, scale,
+                                         stream_, slice, stable_end_, drop_tiles_);
   }
 
   bool drop_tiles_ = false;
@@ -382,92 +135,18 @@ class TreeAttentionCudaTest : public gpu_test::GpuTest {
   std::vector<int32_t> stable_end_;
 };
 
-const Shape kShapes[] = {
-    {7, 1, 64, 16},    // group of 7, one KV head
-    {12, 4, 128, 16},  // group of 3
-    {28, 4, 128, 32},  // group of 7 (Qwen2.5-7B-like)
-    {5, 5, 64, 8},     // no grouping
-    {32, 8, 128, 16},  // Llama-3-8B-like
-    {4, 2, 32, 16},    // the reference draft model (models/pycoder-draft)
-    {3, 1, 16, 16},    // the transformers fixtures (llama31, qwen2)
-    {5, 1, 16, 8},     // group of 5 (the qwen3 fixture)
-    {8, 2, 128, 12},   // a block size that is not a power of two (the loads divide)
-};
 
-// Head sizes of the generic kernel (no MMA build): one to four dim pairs a lane, lanes partly
-// idle, sizes that are not multiples of 4 or 8.
-const Shape kGenericShapes[] = {
-    {5, 1, 8, 16},    // the mistral fixture: head_dim 8, group of 5
-    {6, 2, 24, 16},   // group of 3
-    {3, 3, 80, 8},    // no grouping (Phi-2-like head); two dim pairs a lane
-    {12, 4, 96, 32},  // Phi-3-like head
-    {7, 1, 2, 16},    // the smallest head, group of 7
-    {4, 1, 6, 16},    // not a multiple of 4
-    {9, 3, 200, 16},  // four dim pairs a lane, the last one partly used
-    {4, 2, 256, 16},  // the largest (Gemma-like)
-};
-
-// The batches the tests below run, on the MMA kernel's shapes and on the generic kernel's.
-// Decode: five sequences of different committed lengths, one new token each.
-std::vector<SeqSpec> DecodeBatch() {
-  std::vector<SeqSpec> seqs;
-  for (int committed : {0, 16, 300, 1000, 5001}) {
-    SeqSpec s;
-    s.committed = committed;
-    s.chain = 1;
-    seqs.push_back(s);
-  }
-  return seqs;
-}
-
-// Prefill: chains from an empty cache, after a short prefix, and a single token.
-std::vector<SeqSpec> PrefillBatch() {
-  std::vector<SeqSpec> seqs(3);
-  seqs[0].committed = 0;
-  seqs[0].chain = 130;
-  seqs[1].committed = 37;
-  seqs[1].chain = 77;
-  seqs[2].committed = 500;
-  seqs[2].chain = 1;
-  return seqs;
-}
-
-// Trees of 1, 7 and 256 nodes below 1-3 pending tokens; `*shape` counts the trees made so far
-// (it picks the committed lengths, and the tree shape among `tree_shapes` of TreeParents').
-std::vector<SeqSpec> VerifyBatch(int* shape, int tree_shapes, std::mt19937_64& rng) {
-  std::vector<SeqSpec> seqs;
-  const int committed[3][3] = {{0, 33, 2000}, {517, 0, 40}, {1, 1500, 7}};
-  for (int i = 0; i < 3; ++i) {
-    const int nodes = i == 0 ? 1 : i == 1 ? 7 : 256;
-    SeqSpec s;
-    s.committed = committed[*shape % 3][i];
-    s.chain = 1 + static_cast<int>(rng() % 3);  // pending tokens before the tree
-    s.tree_parents = TreeParents(nodes, (*shape)++ % tree_shapes, rng);
-    seqs.push_back(s);
-  }
-  return seqs;
-}
-
-// A 256-node tree alone after 4095 committed keys.
-SeqSpec LongTree(int shape, std::mt19937_64& rng) {
-  SeqSpec s;
-  s.committed = 4095;
-  s.chain = 1;
-  s.tree_parents = TreeParents(256, shape, rng);
-  return s;
-}
-
-TEST_F(TreeAttentionCudaTest, Decode) {
+TEST_F(TreeAttentionCudaTest, DecodeSplitsAgree) {
   for (const Shape& sh : kShapes) Check(sh, DecodeBatch(), {0, 1, 3}, 100);
 }
 
-TEST_F(TreeAttentionCudaTest, PrefillChains) {
+TEST_F(TreeAttentionCudaTest, PrefillChainsSplitsAgree) {
   for (const Shape& sh : {kShapes[0], kShapes[1], kShapes[4], kShapes[5], kShapes[6]}) {
     Check(sh, PrefillBatch(), {0, 2}, 200);
   }
 }
 
-TEST_F(TreeAttentionCudaTest, VerifyTrees) {
+TEST_F(TreeAttentionCudaTest, VerifyTreesSplitsAgree) {
   std::mt19937_64 rng(7);
   int shape = 0;
   for (const Shape& sh : kShapes) Check(sh, VerifyBatch(&shape, 4, rng), {0, 1, 4}, 300);
@@ -475,16 +154,16 @@ TEST_F(TreeAttentionCudaTest, VerifyTrees) {
 
 // A 256-node tree alone over a long context: one sequence, few tiles, so the plan splits the
 // key range.
-TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContext) {
+TEST_F(TreeAttentionCudaTest, LargeTreesOverLongContextSplitsAgree) {
   std::mt19937_64 rng(8);
   for (const Shape& sh : {kShapes[1], kShapes[5], kShapes[6]}) {
     for (int shape : {2, 3}) Check(sh, {LongTree(shape, rng)}, {0}, 400 + shape);
   }
 }
 
-// The generic kernel (head sizes without an MMA build) on the same batches as Decode,
-// PrefillChains, VerifyTrees and LargeTreesOverLongContext; Check also runs it without tiles.
-TEST_F(TreeAttentionCudaTest, GenericKernelDecode) {
+// The generic kernel (head sizes without an MMA build) on the same batches as the tests above;
+// Check also runs it without tiles.
+TEST_F(TreeAttentionCudaTest, GenericKernelDecodeSplitsAgree) {
   for (const Shape& sh : kGenericShapes) {
     ASSERT_TRUE(cuda::TreeAttentionHeadDimSupported(sh.head_dim)) << sh.head_dim;
     ASSERT_FALSE(cuda::TreeAttentionUsesMmaKernel(sh.head_dim)) << sh.head_dim;
@@ -492,17 +171,17 @@ TEST_F(TreeAttentionCudaTest, GenericKernelDecode) {
   }
 }
 
-TEST_F(TreeAttentionCudaTest, GenericKernelPrefillChains) {
+TEST_F(TreeAttentionCudaTest, GenericKernelPrefillChainsSplitsAgree) {
   for (const Shape& sh : kGenericShapes) Check(sh, PrefillBatch(), {0, 2}, 700);
 }
 
-TEST_F(TreeAttentionCudaTest, GenericKernelVerifyTrees) {
+TEST_F(TreeAttentionCudaTest, GenericKernelVerifyTreesSplitsAgree) {
   std::mt19937_64 rng(12);
   int shape = 0;
   for (const Shape& sh : kGenericShapes) Check(sh, VerifyBatch(&shape, 5, rng), {0, 1, 4}, 800);
 }
 
-TEST_F(TreeAttentionCudaTest, GenericKernelLargeTreesOverLongContext) {
+TEST_F(TreeAttentionCudaTest, GenericKernelLargeTreesOverLongContextSplitsAgree) {
   std::mt19937_64 rng(13);
   for (const Shape& sh : {kGenericShapes[0], kGenericShapes[3], kGenericShapes[7]}) {
     for (int shape : {2, 3}) Check(sh, {LongTree(shape, rng)}, {0}, 900 + shape);
@@ -780,7 +459,7 @@ TEST_F(TreeAttentionCudaTest, TensorParallelHeadRangesMatchTheFullModel) {
     seqs[4].committed = 2100;  // a long decode
     const Batch b = BuildBatch(sh, seqs, seed++);
     const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
-    const std::vector<float> want = RunCpu(sh, b, scale);
+    const std::vector<float> want = RunTreeAttentionCpu(sh, b, scale);
     const std::vector<float> full =
         RunGpu(sh, 0, b.q, b.q_stride, b.k_cache, b.v_cache, b.tables, b.max_blocks, b.query_seq,
                b.kv_end, b.mask_begin, b.mask, scale);
@@ -862,8 +541,8 @@ TEST_F(TreeAttentionCudaTest, HeadRangeParamsAreValidated) {
   ok.num_heads = 9;
   ok.num_kv_heads = 2;
   ok.head_dim = 128;
-  ok.block_size = 16;
-  ok.max_blocks_per_seq = 1;
+  ok.kv.block_size = 16;
+  ok.kv.max_blocks_per_seq = 1;
   ok.q_stride = ok.out_stride = 9 * 128;
   ok.q_head_offset = 10;
   ok.kv_head_offset = 1;
@@ -913,63 +592,6 @@ TEST_F(TreeAttentionCudaTest, HeadRangeParamsAreValidated) {
       << "without kv_group, 9 heads over 2 KV heads is no plan";
 }
 
-// The planner's chunks per CTA (host code: runs without a GPU too). One chunk a CTA while the
-// split fits one wave (a decode step: 8 KV heads x 17 chunks = 136 CTAs on 132 SMs); 5 tiles x
-// 8 KV heads x 17 chunks (680 CTAs, 2.6 waves) fold into one wave. With 256-key chunks a 64-node
-// verify step at 2K keys has 9 chunks: 360 CTAs fold two chunks a CTA.
-TEST(TreeAttentionPlanTest, ChunksPerCtaFoldsLongSplitsIntoFewerWaves) {
-  EXPECT_EQ(cuda::TreeAttentionChunksPerCta(1, 8, 17, 132), 1);
-  const int verify = cuda::TreeAttentionChunksPerCta(5, 8, 17, 132);
-  EXPECT_EQ(verify, 3);
-  EXPECT_LE(5 * 8 * ((17 + verify - 1) / verify), 2 * 132) << "one wave";
-  EXPECT_EQ(cuda::TreeAttentionChunksPerCta(5, 8, 1, 132), 1) << "unsplit";
-  EXPECT_EQ(cuda::TreeAttentionChunksPerCta(0, 8, 17, 132), 1) << "no tiles";
-  for (int tiles : {1, 3, 9, 40}) {
-    for (int splits : {2, 5, 17, 65}) {
-      const int c = cuda::TreeAttentionChunksPerCta(tiles, 8, splits, 132);
-      EXPECT_GE(c, 1);
-      EXPECT_LE(c, splits);
-    }
-  }
-  // PlanTreeAttention reports it for the split it picks.
-  std::vector<int32_t> query_seq(65, 0), kv_end(65);
-  for (int i = 0; i < 65; ++i) kv_end[i] = 2049 + i;
-  const cuda::TreeAttentionPlan plan =
-      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 65, 32, 8, 132);
-  ASSERT_EQ(plan.tile_begin.size(), 5u);
-  static_assert(cuda::kTreeAttentionChunkKeys == 256, "the counts below");
-  EXPECT_EQ(plan.num_splits, 9);  // keys up to 2049 + 64
-  EXPECT_EQ(plan.chunks_per_cta, 2);
-}
-
-// Tiles that fill the SMs but not their resident slots still split when the waves of split CTAs
-// take less than every CTA walking all chunks; enough tiles to fill the slots do not.
-TEST(TreeAttentionPlanTest, SplitsWhenTheUnsplitLaunchLeavesSlotsIdle) {
-  // A 256-node tree at context 2048 (queries: the pending token and the nodes), Llama-3.1-8B
-  // heads: 17 tiles x 8 KV heads = 136 CTAs on 132 SMs, 10 chunks each unsplit.
-  std::vector<int32_t> query_seq(257, 0), kv_end(257);
-  for (int i = 0; i < 257; ++i) kv_end[i] = 2049 + i;
-  cuda::TreeAttentionPlan plan =
-      cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
-  ASSERT_EQ(plan.tile_begin.size(), 17u);
-  EXPECT_EQ(plan.num_splits, 10);  // keys up to 2049 + 256
-  EXPECT_EQ(plan.chunks_per_cta, 2);  // 680 CTAs: 3 waves of 2 chunks instead of 1 of 10
-  // 64 sequences decoding at context 2048: 512 CTAs, two waves of resident slots already.
-  std::vector<int32_t> seqs(64), ends(64, 2048);
-  for (int i = 0; i < 64; ++i) seqs[i] = i;
-  plan = cuda::PlanTreeAttention(seqs.data(), ends.data(), 64, 32, 8, 132);
-  ASSERT_EQ(plan.tile_begin.size(), 64u);
-  EXPECT_EQ(plan.num_splits, 1);
-  // 256 nodes at 8192 keys split (34 chunks: 36 M workspace floats); at 16384 keys the
-  // workspace would pass its cap (66 chunks, 71 M floats), so the launch stays unsplit.
-  for (int i = 0; i < 257; ++i) kv_end[i] = 8193 + i;
-  plan = cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
-  EXPECT_EQ(plan.num_splits, 34);
-  for (int i = 0; i < 257; ++i) kv_end[i] = 16385 + i;
-  plan = cuda::PlanTreeAttention(query_seq.data(), kv_end.data(), 257, 32, 8, 132);
-  EXPECT_EQ(plan.num_splits, 1);
-}
-
 TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
   cuda::TreeAttentionParams p;
   p.num_queries = 1;
@@ -978,8 +600,8 @@ TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
   p.head_dim = 128;
   EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
   p.num_kv_heads = 3;
-  p.block_size = 16;
-  p.max_blocks_per_seq = 1;
+  p.kv.block_size = 16;
+  p.kv.max_blocks_per_seq = 1;
   for (int head_dim : {-2, 0, 1, 7, 9, 131, 258, 512}) {  // odd, or out of range
     p.head_dim = head_dim;
     p.q_stride = p.out_stride = 6 * std::max(head_dim, 2) + 2;
@@ -1019,7 +641,7 @@ TEST_F(TreeAttentionCudaTest, BadParamsAreRejected) {
   }
   p.scale = 0.088f;
   EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaSuccess);
-  p.block_size = int64_t{1} << 23;  // 2^23 slots of 3 heads of 128: past 2^31 elements
+  p.kv.block_size = int64_t{1} << 23;  // 2^23 slots of 3 heads of 128: past 2^31 elements
   EXPECT_EQ(cuda::TreeAttentionCuda(p, stream_), cudaErrorInvalidValue);
 }
 

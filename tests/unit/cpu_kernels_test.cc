@@ -337,9 +337,9 @@ TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
   TreeAttentionParams p;
   p.q = q.data();
   p.out = out.data();
-  p.k_cache = kc.data();
-  p.v_cache = vc.data();
-  p.block_tables = tables.data();
+  p.kv.k_cache = kc.data();
+  p.kv.v_cache = vc.data();
+  p.kv.block_tables = tables.data();
   p.query_seq = query_seq.data();
   p.prefix_len = prefix_len.data();
   p.tree_key_offsets = offsets.data();
@@ -348,8 +348,8 @@ TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
   p.num_heads = heads;
   p.num_kv_heads = kv_heads;
   p.head_dim = hd;
-  p.block_size = block;
-  p.max_blocks_per_seq = max_blocks;
+  p.kv.block_size = block;
+  p.kv.max_blocks_per_seq = max_blocks;
   p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   TreeAttentionCpu(p);
   for (int64_t t = 0; t < nq; ++t) {

@@ -226,9 +226,9 @@ TEST(TpPlanTest, TreeAttentionOnAHeadSliceMatchesTheFullCall) {
   const std::vector<int32_t> keys = {6, 6, 7, 6, 8};
   TreeAttentionParams full;
   full.q = q.data();
-  full.k_cache = kc.data();
-  full.v_cache = vc.data();
-  full.block_tables = table.data();
+  full.kv.k_cache = kc.data();
+  full.kv.v_cache = vc.data();
+  full.kv.block_tables = table.data();
   full.query_seq = query_seq.data();
   full.prefix_len = prefix_len.data();
   full.tree_key_offsets = offsets.data();
@@ -237,8 +237,8 @@ TEST(TpPlanTest, TreeAttentionOnAHeadSliceMatchesTheFullCall) {
   full.num_heads = heads;
   full.num_kv_heads = kv_heads;
   full.head_dim = d;
-  full.block_size = block;
-  full.max_blocks_per_seq = 4;
+  full.kv.block_size = block;
+  full.kv.max_blocks_per_seq = 4;
   full.scale = 0.35f;
   std::vector<float> want(queries * heads * d);
   full.out = want.data();
@@ -262,8 +262,8 @@ TEST(TpPlanTest, TreeAttentionOnAHeadSliceMatchesTheFullCall) {
       std::vector<float> got(queries * qh * d);
       p.q = lq.data();
       p.out = got.data();
-      p.k_cache = lk.data();
-      p.v_cache = lv.data();
+      p.kv.k_cache = lk.data();
+      p.kv.v_cache = lv.data();
       p.num_heads = qh;
       p.num_kv_heads = kvh;
       p.kv_group = group;

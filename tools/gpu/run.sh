@@ -324,11 +324,12 @@ cmd_attn_ab() {
 #          [--attn-filter REGEX] [--no-step] [--no-attn] [--untimed-gemm] [-- CONFIG...]
 #   A kernel change against the build before it, whose benchmarks travel as
 #   DEV/bin/bench-prev/cuda_{kernels,step}_bench_prev (build/bench-prev/ here; pack.sh keeps
-#   them): the named tests (default tree attention, model, graphs), then attn-ab and ab of
-#   "prev" against "new" plus the CONFIGs after --. The 8B checkpoint is written meanwhile.
+#   them): the named tests (default tree attention, the op table, model, graphs), then attn-ab
+#   and ab of "prev" against "new" plus the CONFIGs after --. The 8B checkpoint is written meanwhile.
 #   Results go to OUT/attn_ab.txt and OUT/step_ab.txt; sorted summaries are printed.
 cmd_validate() {
-  local tests="tree_attention_cuda_test cuda_model_test cuda_graph_test" attn_rounds=2
+  local tests="tree_attention_cuda_test ops_cuda_test cuda_model_test cuda_graph_test"
+  local attn_rounds=2
   local step_rounds=3 trees=16,64 attn_filter="" step=1 attn=1 untimed=() ckpt=""
   while [ $# -gt 0 ]; do
     case "$1" in

@@ -31,15 +31,16 @@
 
 #include <stdint.h>
 
+#include "specd/kernels/paged_kv.h"
+
 namespace specd {
 
 struct TreeAttentionParams {
   const float* q = nullptr;        // [num_queries, num_heads, head_dim] fp32, host (RoPE applied)
   float* out = nullptr;            // [num_queries, num_heads, head_dim] fp32, host
-  const float* k_cache = nullptr;  // [num_slots, num_kv_heads, head_dim] fp32, host
-  const float* v_cache = nullptr;  // [num_slots, num_kv_heads, head_dim] fp32, host
-  // [num_seqs, max_blocks_per_seq] int32, host: physical block of each logical block.
-  const int32_t* block_tables = nullptr;
+  // The cache: pools [num_slots, num_kv_heads, head_dim] fp32, host, and the block tables
+  // [num_seqs, max_blocks_per_seq] int32, host.
+  PagedKvT<const float> kv;
   const int32_t* query_seq = nullptr;         // [num_queries] int32, host: row of block_tables
   const int32_t* prefix_len = nullptr;        // [num_queries] int32, host: length of the key run
   const int32_t* tree_key_offsets = nullptr;  // [num_queries + 1] int32, host (CSR offsets)
@@ -48,8 +49,6 @@ struct TreeAttentionParams {
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;  // divides num_heads unless kv_group is set
   int64_t head_dim = 0;
-  int64_t block_size = 0;
-  int64_t max_blocks_per_seq = 0;
   float scale = 1.0f;  // usually 1 / sqrt(head_dim)
   // Tensor-parallel slices (see above): query heads per KV head in the whole model (0: the
   // unsliced num_heads / num_kv_heads, with both offsets 0), and the global indices of this

@@ -20,13 +20,12 @@ namespace specd {
 namespace cuda {
 
 struct GemmParams {
-  const bf16 *x = nullptr; // [m, k] bf16, device, row-major
-  const bf16 *w = nullptr; // [n, k] bf16, device, row-major
-  const bf16 *bias =
-      nullptr;       // [n] bf16, device, or null (only with a bf16 output)
+  const bf16* x = nullptr;     // [m, k] bf16, device, row-major
+  const bf16* w = nullptr;     // [n, k] bf16, device, row-major
+  const bf16* bias = nullptr;  // [n] bf16, device, or null (only with a bf16 output)
   // [m, n] device, row-major: fp32 if y_fp32, else bf16. With k_splits > 1:
   // [k_splits, m, n] fp32 (y_fp32 must be set).
-  void *y = nullptr;
+  void* y = nullptr;
   bool y_fp32 = false;
   int64_t m = 0;
   int64_t n = 0;
@@ -132,14 +131,11 @@ struct GemmParams {
 //   twice the L2 size for small weights; without that memory the class stays
 //   on the base (the base is the untimed choice).
 class Gemm {
-public:
+ public:
   // Allocates `workspace_bytes` of device memory on the current device.
-  static cublasStatus_t Create(size_t workspace_bytes,
-                               std::unique_ptr<Gemm> *out,
-                               int64_t invariant_rows = 0,
-                               int64_t plan_rows = 16,
-                               bool bucket_classes = false,
-                               bool timed_picks = true,
+  static cublasStatus_t Create(size_t workspace_bytes, std::unique_ptr<Gemm>* out,
+                               int64_t invariant_rows = 0, int64_t plan_rows = 16,
+                               bool bucket_classes = false, bool timed_picks = true,
                                bool retile = true);
 
   // Whether GemmParams::k_splits may cut a depth of k: k_splits >= 1 ranges of
@@ -160,7 +156,7 @@ public:
 
   // The row classes' upper bounds (ascending; the first class starts at 1);
   // empty without invariance.
-  const std::vector<int64_t> &row_class_limits() const { return class_hi_; }
+  const std::vector<int64_t>& row_class_limits() const { return class_hi_; }
   // Decided (family, row class) pairs so far: those that run an algorithm of
   // their own (not the base), and those that run the base algorithm (because
   // it timed fastest among the identical ones, or no other candidate passed,
@@ -179,45 +175,44 @@ public:
   std::string Summary() const;
 
   ~Gemm();
-  Gemm(const Gemm &) = delete;
-  Gemm &operator=(const Gemm &) = delete;
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
 
   // Enqueues y = x w^T (+ bias) on `stream`. CUBLAS_STATUS_INVALID_VALUE for
   // bad params, CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt offers no algorithm
   // for the shape. May synchronize `stream` once per new (shape family, row
   // class) while the stream is not capturing (see the class comment).
-  cublasStatus_t Run(const GemmParams &p, cudaStream_t stream);
+  cublasStatus_t Run(const GemmParams& p, cudaStream_t stream);
 
-private:
+ private:
   struct Plan;
   // (m, n, k, y_fp32, has_bias, alignment of x, w, y in bytes, capped at 256,
   // k_splits)
-  using Key =
-      std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, int, int>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, int, int>;
 
   // (n, k, y_fp32, has_bias, alignment of x, w, y, k_splits): the shape family
   // a base algorithm serves.
   using FamilyKey = std::tuple<int64_t, int64_t, bool, bool, int, int, int, int>;
   struct RowClass {
     bool decided = false;
-    bool own = false; // runs `algo`; else the family's base
+    bool own = false;  // runs `algo`; else the family's base
     cublasLtMatmulAlgo_t algo = {};
-    int checked = 0;    // candidates run through the self-check
-    int mismatched = 0; // of those, how many gave other bits than the base
-    int passed = 0;     // identical candidates timed (the base among them)
-    bool base_mismatch = false; // see self_check_failures()
+    int checked = 0;             // candidates run through the self-check
+    int mismatched = 0;          // of those, how many gave other bits than the base
+    int passed = 0;              // identical candidates timed (the base among them)
+    bool base_mismatch = false;  // see self_check_failures()
     // Microseconds a launch of the chosen algorithm and of the base took at
     // the class's smallest and largest m (negative: not timed).
     float us[2] = {-1.0f, -1.0f};
     float base_us[2] = {-1.0f, -1.0f};
-    const char *why = "";   // how the decision came about
-    float decide_ms = 0.0f; // host time the decision took (Summary)
+    const char* why = "";    // how the decision came about
+    float decide_ms = 0.0f;  // host time the decision took (Summary)
     // Re-tiled candidates joined the pool and the pool was ordered by a quick
     // timing at the class's largest m (`retile`, classes up to 256 rows).
     bool retiled = false;
   };
   struct Family {
-    bool found = false; // has a base algorithm (else not row-invariant)
+    bool found = false;  // has a base algorithm (else not row-invariant)
     cublasLtMatmulAlgo_t base = {};
     // The base's choice: how it came about, the candidates timed (potential
     // bases; helpers), the row counts timed and their weights, the chosen
@@ -226,7 +221,7 @@ private:
     // the time of cuBLASLt's first m = 1 pick (what a per-shape GEMM runs).
     // Times negative where not measured.
     bool timed = false;
-    const char *why = "";
+    const char* why = "";
     int bases_timed = 0, helpers_timed = 0;
     std::vector<int64_t> timed_rows;
     std::vector<float> weights, base_us, group_us;
@@ -235,32 +230,30 @@ private:
     // Timed candidates with the base's K split whose outputs equalled the
     // base's wherever both ran: offered to every row class's self-check.
     std::vector<cublasLtMatmulAlgo_t> group;
-    float choose_ms = 0.0f;        // host time the choice took (Summary)
-    std::vector<RowClass> classes; // one per row_class_limits() entry
+    float choose_ms = 0.0f;         // host time the choice took (Summary)
+    std::vector<RowClass> classes;  // one per row_class_limits() entry
   };
 
   Gemm() = default;
-  cublasStatus_t ChooseAlgo(const Key &key, const GemmParams &p,
-                            cudaStream_t stream, Plan *plan);
-  cublasStatus_t MakeLayouts(const Key &key, Plan *plan);
+  cublasStatus_t ChooseAlgo(const Key& key, const GemmParams& p, cudaStream_t stream, Plan* plan);
+  cublasStatus_t MakeLayouts(const Key& key, Plan* plan);
   // The family of `key`, its base algorithm chosen on first use (ChooseBase;
   // untimed while `capturing`).
-  Family &FamilyFor(const Key &key, const GemmParams &p, cudaStream_t stream,
-                    bool capturing);
+  Family& FamilyFor(const Key& key, const GemmParams& p, cudaStream_t stream, bool capturing);
   // Picks `family`'s base as the class comment describes. Synchronizes
   // `stream` unless `capturing`.
-  void ChooseBase(const FamilyKey &fk, const GemmParams &p, cudaStream_t stream,
-                  bool capturing, Family *family);
+  void ChooseBase(const FamilyKey& fk, const GemmParams& p, cudaStream_t stream, bool capturing,
+                  Family* family);
   // Index of the row class of m (1 <= m <= invariant_rows).
   size_t ClassOf(int64_t m) const;
   // Runs the self-check of row class `c` of `family` and records the decision.
   // Synchronizes `stream`; never called while it captures.
-  void DecideClass(const FamilyKey &fk, Family *family, size_t c,
-                   const GemmParams &p, cudaStream_t stream);
-  bool AlgoFits(const cublasLtMatmulAlgo_t &algo, const Plan &plan);
+  void DecideClass(const FamilyKey& fk, Family* family, size_t c, const GemmParams& p,
+                   cudaStream_t stream);
+  bool AlgoFits(const cublasLtMatmulAlgo_t& algo, const Plan& plan);
 
   cublasLtHandle_t handle_ = nullptr;
-  void *workspace_ = nullptr;
+  void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int64_t invariant_rows_ = 0;
@@ -276,7 +269,7 @@ private:
   std::map<FamilyKey, Family> families_;
 };
 
-} // namespace cuda
-} // namespace specd
+}  // namespace cuda
+}  // namespace specd
 
-#endif // SPECD_KERNELS_CUDA_GEMM_H_
+#endif  // SPECD_KERNELS_CUDA_GEMM_H_

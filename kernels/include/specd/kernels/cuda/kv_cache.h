@@ -7,6 +7,7 @@
 #define SPECD_KERNELS_CUDA_KV_CACHE_H_
 
 #include "specd/kernels/cuda/common.h"
+#include "specd/kernels/cuda/paged_kv.h"
 
 namespace specd {
 namespace cuda {
@@ -49,14 +50,12 @@ cudaError_t KvCacheCopyCuda(const KvCacheCopyParams& p, cudaStream_t stream);
 // to logical slot base_slot[s] + j, in every layer. Path nodes increase along the path (a
 // topologically ordered tree), so moving them in path order never overwrites a later source.
 struct KvCacheCompactParams {
-  bf16* k_cache = nullptr;  // [num_layers, layer_stride] bf16, device
-  bf16* v_cache = nullptr;  // [num_layers, layer_stride] bf16, device
+  // The pools of layer 0 and the block tables; layer l's pools are kv.k_cache + l * layer_stride
+  // and kv.v_cache + l * layer_stride ([num_layers, layer_stride] bf16, device, in all).
+  MutablePagedKvView kv;
   int64_t num_layers = 1;
   int64_t layer_stride = 0;
   int64_t kv_dim = 0;
-  const int32_t* block_tables = nullptr;  // [*, max_blocks_per_seq] int32, device
-  int64_t max_blocks_per_seq = 0;
-  int64_t block_size = 0;
   const int32_t* seq_rows = nullptr;   // [num_seqs] int32, device: block-table row of sequence s
   const int32_t* base_slot = nullptr;  // [num_seqs] int32, device
   const int32_t* nodes = nullptr;      // [num_seqs, node_stride] int32, device: scratch indices

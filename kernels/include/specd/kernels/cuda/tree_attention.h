@@ -53,26 +53,12 @@
 #ifndef SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 #define SPECD_KERNELS_CUDA_TREE_ATTENTION_H_
 
-#include <vector>
-
 #include "specd/kernels/cuda/common.h"
+#include "specd/kernels/cuda/paged_kv.h"
+#include "specd/kernels/cuda/tree_attention_plan.h"
 
 namespace specd {
 namespace cuda {
-
-inline constexpr int kTreeAttentionMaskBits = 256;  // docs/architecture.md: at most 256 tree nodes
-inline constexpr int kTreeAttentionMaskWords = kTreeAttentionMaskBits / 32;
-inline constexpr int kTreeAttentionTileRows = 64;
-// Keys per chunk: four 64-key sub-chunks. Every chunk's state goes through the split workspace
-// and the combine kernel's merge, so fewer, longer chunks make verify steps cheaper (a 64-node
-// tree at 2K keys: 9 chunk states a row instead of 17), at the price of fewer CTAs for a batch-1
-// decode at short contexts (8 KV heads x 9 chunks = 72 CTAs at 2K). Measured on an H200 against
-// 128 keys (bench/history/13-gpu-run-07.md): the 64-node 8B step 6.6% faster, decode at 2K 2-4%
-// slower, attention at 8K keys ~20% faster for decode and verify alike.
-inline constexpr int kTreeAttentionChunkKeys = 256;
-// The largest head_dim TreeAttentionCuda accepts: the largest that FlashAttention and vLLM serve
-// (Gemma's 256); beyond it a lane of the generic kernel would hold more than four dim pairs.
-inline constexpr int kTreeAttentionMaxHeadDim = 256;
 
 struct TreeAttentionParams {
   // [num_queries, q_stride] bf16, device (RoPE applied): head h of query t at
@@ -81,13 +67,11 @@ struct TreeAttentionParams {
   int64_t q_stride = 0;
   bf16* out = nullptr;  // [num_queries, out_stride] bf16, device, same layout; even stride
   int64_t out_stride = 0;
-  const bf16* k_cache = nullptr;  // [num_slots, num_kv_heads * head_dim] bf16, device (one layer)
-  const bf16* v_cache = nullptr;  // [num_slots, num_kv_heads * head_dim] bf16, device
-  const int32_t* block_tables = nullptr;  // [*, max_blocks_per_seq] int32, device
-  int64_t max_blocks_per_seq = 0;
-  int64_t block_size = 0;
-  const int32_t* query_seq = nullptr;   // [num_queries] int32, device: block-table row
-  const int32_t* kv_end = nullptr;      // [num_queries] int32, device
+  // One layer's cache: pools [num_slots, num_kv_heads * head_dim] bf16, device, and the block
+  // tables; query t's keys are logical slots of block-table row query_seq[t].
+  PagedKvView kv;
+  const int32_t* query_seq = nullptr;  // [num_queries] int32, device: block-table row
+  const int32_t* kv_end = nullptr;     // [num_queries] int32, device
   // [num_queries] int32, device; null: no masks (no query has tree keys; the same results as
   // masks without bits, from a kernel built without the tree machinery).
   const int32_t* mask_begin = nullptr;
@@ -128,7 +112,7 @@ struct TreeAttentionParams {
   // Even, in [2, kTreeAttentionMaxHeadDim] (TreeAttentionHeadDimSupported); 16, 32, 64 and 128
   // take the MMA kernel, the others the generic one (see the top).
   int64_t head_dim = 0;
-  float scale = 1.0f;    // usually 1 / sqrt(head_dim)
+  float scale = 1.0f;  // usually 1 / sqrt(head_dim)
   // Tensor parallelism: local query head h is global head q_head_offset + h, which reads global KV
   // head (q_head_offset + h) / kv_group, i.e. local KV head (q_head_offset + h) / kv_group -
   // kv_head_offset. kv_group = 0 means num_heads / num_kv_heads (and then num_kv_heads must divide
@@ -140,54 +124,6 @@ struct TreeAttentionParams {
   int64_t kv_head_offset = 0;
   int64_t kv_group = 0;
 };
-
-// How to cut a batch into CTAs (host).
-struct TreeAttentionPlan {
-  std::vector<int32_t> tile_begin;
-  std::vector<int32_t> tile_end;
-  int num_splits = 1;
-  int chunks_per_cta = 1;
-};
-
-// The chunks_per_cta that PlanTreeAttention picks for a split launch of num_tiles tiles: the
-// count that minimises the waves of CTAs (two resident per multiprocessor) times each CTA's
-// work (its chunks plus about half a chunk of setup).
-int TreeAttentionChunksPerCta(int64_t num_tiles, int64_t num_kv_heads, int num_splits,
-                              int num_sms);
-
-// Tiles group consecutive queries of one sequence (queries of a sequence must be contiguous).
-// The key range is split into its chunks when the tiles alone would leave some of the GPU's
-// `num_sms` multiprocessors idle (and the workspace stays under a cap); either way the results
-// are the same bits. query_seq and kv_end are host copies of the params' arrays. Returns an empty
-// plan (no tiles) when num_kv_heads does not divide num_heads.
-TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
-                                    int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
-                                    int num_sms);
-
-// The same for a tensor-parallel head range: num_heads and num_kv_heads are the local counts and
-// kv_group the params' kv_group (0: num_heads / num_kv_heads, as above); tiles are sized for
-// kv_group heads per KV head, the most a local KV head serves. Empty plan when kv_group < 0, or
-// kv_group is 0 and num_kv_heads does not divide num_heads.
-TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_end,
-                                    int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
-                                    int64_t kv_group, int num_sms);
-
-// Chunks of a query with `max_kv_end` keys: the num_splits that splits them all.
-int TreeAttentionChunks(int32_t max_kv_end);
-
-// Workspace floats that TreeAttentionCuda needs for `num_splits` (0 when it is 1, and for head
-// sizes of the generic kernel, which never splits).
-int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_t num_heads,
-                                     int64_t head_dim);
-
-// The head sizes the MMA kernel is instantiated for: whole k-steps of the m16n8k16 MMA (16 dims),
-// and V read as pairs of 8-dim tiles. Only these split the key range (PlanTreeAttention's
-// num_splits and chunks_per_cta, the workspace).
-bool TreeAttentionUsesMmaKernel(int64_t head_dim);
-
-// The head sizes TreeAttentionCuda accepts at all: every even one from 2 to
-// kTreeAttentionMaxHeadDim (the MMA kernel's, and the generic kernel for the rest).
-bool TreeAttentionHeadDimSupported(int64_t head_dim);
 
 cudaError_t TreeAttentionCuda(const TreeAttentionParams& p, cudaStream_t stream);
 
