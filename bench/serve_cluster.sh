@@ -18,8 +18,8 @@
 #                        as a list; each new sequence goes to the least-loaded group
 #   --drafts N           N specd-draft services (default 1); each sequence drafts on the
 #                        least-loaded one
-#   --cpu                pin each model service to its own cores (taskset): verify 0, draft 0,
-#                        verify 1, draft 1, ... take --threads-per-service consecutive cores
+#   --cpu                pin each model service to its own cores (taskset): the verify services,
+#                        then the draft services, take --threads-per-service consecutive cores
 #                        each (wrapping around when there are too few) and run that many engine
 #                        threads, so that no model steals another's cores; the router and the
 #                        benchmark client share the cores. Needs 2 cores.
@@ -133,40 +133,38 @@ DRAFT_CMDS=()
 VERIFY_ADDRS=()
 DRAFT_ADDRS=()
 METRICS_ARGS=()
-for ((g = 0; g < GROUPS_N || g < DRAFTS_N; g++)); do
-  if [ "$g" -lt "$GROUPS_N" ]; then
-    addr=127.0.0.1:$(free_port)
-    port=$(free_port)
-    cmd=("$BIN/specd-verify" --address "$addr" --metrics_port "$port" --model "$TARGET")
-    if [ -n "$VERIFY_DEVICES" ]; then
-      ranks=$(awk -F, '{print NF}' <<<"$VERIFY_DEVICES")
-      cmd+=(--devices "$VERIFY_DEVICES" --tensor_parallel "$ranks")
-    else
-      cmd+=(--device "$DEVICE")
-    fi
-    pin "${cmd[@]}"
-    # shellcheck disable=SC2206  # the extra flags are meant to split on spaces
-    PINNED+=($VERIFY_FLAGS)
-    VERIFY_CMDS+=("${PINNED[*]}")
-    VERIFY_ADDRS+=("$addr")
-    # serve_bench.py's step breakdown reads "verify" (group 0); the others are scraped beside.
-    METRICS_ARGS+=(--metrics "verify$([ "$g" = 0 ] || echo "$g")=http://127.0.0.1:$port/metrics")
+for ((g = 0; g < GROUPS_N; g++)); do
+  addr=127.0.0.1:$(free_port)
+  port=$(free_port)
+  cmd=("$BIN/specd-verify" --address "$addr" --metrics_port "$port" --model "$TARGET")
+  if [ -n "$VERIFY_DEVICES" ]; then
+    ranks=$(awk -F, '{print NF}' <<<"$VERIFY_DEVICES")
+    cmd+=(--devices "$VERIFY_DEVICES" --tensor_parallel "$ranks")
+  else
+    cmd+=(--device "$DEVICE")
   fi
-  if [ "$g" -lt "$DRAFTS_N" ]; then
-    addr=127.0.0.1:$(free_port)
-    port=$(free_port)
-    cmd=("$BIN/specd-draft" --address "$addr" --metrics_port "$port" --model "$DRAFT"
-         --device "${DRAFT_DEVICE:-$DEVICE}")
-    if [ -n "$EAGLE_HEAD" ]; then
-      cmd+=(--eagle_head "$EAGLE_HEAD" --eagle_target "$TARGET")
-    fi
-    pin "${cmd[@]}"
-    # shellcheck disable=SC2206
-    PINNED+=($DRAFT_FLAGS)
-    DRAFT_CMDS+=("${PINNED[*]}")
-    DRAFT_ADDRS+=("$addr")
-    METRICS_ARGS+=(--metrics "draft$([ "$g" = 0 ] || echo "$g")=http://127.0.0.1:$port/metrics")
+  pin "${cmd[@]}"
+  # shellcheck disable=SC2206  # the extra flags are meant to split on spaces
+  PINNED+=($VERIFY_FLAGS)
+  VERIFY_CMDS+=("${PINNED[*]}")
+  VERIFY_ADDRS+=("$addr")
+  # serve_bench.py's step breakdown reads "verify" (group 0); the others are scraped beside.
+  METRICS_ARGS+=(--metrics "verify$([ "$g" = 0 ] || echo "$g")=http://127.0.0.1:$port/metrics")
+done
+for ((g = 0; g < DRAFTS_N; g++)); do
+  addr=127.0.0.1:$(free_port)
+  port=$(free_port)
+  cmd=("$BIN/specd-draft" --address "$addr" --metrics_port "$port" --model "$DRAFT"
+       --device "${DRAFT_DEVICE:-$DEVICE}")
+  if [ -n "$EAGLE_HEAD" ]; then
+    cmd+=(--eagle_head "$EAGLE_HEAD" --eagle_target "$TARGET")
   fi
+  pin "${cmd[@]}"
+  # shellcheck disable=SC2206
+  PINNED+=($DRAFT_FLAGS)
+  DRAFT_CMDS+=("${PINNED[*]}")
+  DRAFT_ADDRS+=("$addr")
+  METRICS_ARGS+=(--metrics "draft$([ "$g" = 0 ] || echo "$g")=http://127.0.0.1:$port/metrics")
 done
 if [ "$PIN" = 1 ]; then
   PINNING="each model service on $THREADS core(s) of its own (taskset, $THREADS engine"

@@ -90,7 +90,9 @@ struct GroupPool::DraftService {
 
   mutable absl::Mutex mu;
   Reported reported ABSL_GUARDED_BY(mu);
-  bool down ABSL_GUARDED_BY(mu) = false;  // the last GetInfo failed
+  // No GetInfo answered yet, or the last one failed. Its slots are known from the answer, so
+  // until then its load cannot be compared with the others'.
+  bool down ABSL_GUARDED_BY(mu) = true;
 };
 
 // Counts a request against its group and its draft service until the loop finishes it.
@@ -503,6 +505,15 @@ bool GroupPool::verify_up() const {
     if (g->loop->verify_up()) return true;
   }
   return false;
+}
+
+int GroupPool::drafts_up() const {
+  int up = 0;
+  for (const auto& d : Drafts()) {
+    absl::MutexLock lock(&d->mu);
+    up += d->down ? 0 : 1;
+  }
+  return up;
 }
 
 int GroupPool::groups_up() const {

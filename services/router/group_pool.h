@@ -110,6 +110,7 @@ class GroupPool {
   std::vector<std::string> draft_addresses() const;
   bool verify_up() const;  // any group
   int groups_up() const;   // groups whose verify service is up
+  int drafts_up() const;   // draft services that answered the last poll
   bool draft_up() const;   // any group's stream to any draft service
   bool has_draft() const { return !options_.draft_addresses.empty(); }
   // Of the first group that is up (the first group while none is).
