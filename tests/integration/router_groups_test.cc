@@ -117,6 +117,7 @@ struct ClusterShape {
   // The router reaches the services by dns:///localhost:PORT (the system's resolver) rather
   // than by their addresses (one verify and one draft service).
   bool by_localhost = false;
+  std::vector<std::string> router_args;  // more router flags
 };
 
 class Groups {
@@ -149,13 +150,16 @@ class Groups {
     for (int r = 0; r < routers; ++r) {
       const int metrics_port = PickFreePort();
       const std::string address = absl::StrCat("127.0.0.1:", PickFreePort());
-      absl::StatusOr<std::unique_ptr<ServiceProcess>> router = ServiceProcess::Spawn(
-          {SpecdBinary("specd-router"),
-           {"--address=" + address, absl::StrCat("--metrics_port=", metrics_port),
-            "--model=" + models.target, "--verify_address=" + absl::StrJoin(verify_list, ","),
-            "--draft_address=" + absl::StrJoin(draft_list, ","), "--max_batch=64",
-            "--max_new_tokens_limit=4000"},
-           address});
+      std::vector<std::string> args = {"--address=" + address,
+                                       absl::StrCat("--metrics_port=", metrics_port),
+                                       "--model=" + models.target,
+                                       "--verify_address=" + absl::StrJoin(verify_list, ","),
+                                       "--draft_address=" + absl::StrJoin(draft_list, ","),
+                                       "--max_batch=64",
+                                       "--max_new_tokens_limit=4000"};
+      args.insert(args.end(), shape.router_args.begin(), shape.router_args.end());
+      absl::StatusOr<std::unique_ptr<ServiceProcess>> router =
+          ServiceProcess::Spawn({SpecdBinary("specd-router"), args, address});
       EXPECT_TRUE(router.ok()) << router.status();
       if (!router.ok()) return nullptr;
       g->router_metrics.push_back(metrics_port);
@@ -437,9 +441,12 @@ namespace specd {
 namespace {
 
 // One verify group and two draft services: each sequence's draft service is chosen by load, not
-// by its group, and a draft service killed mid-run costs speculation, never a request.
+// by its group, and a draft service killed mid-run costs speculation, never a request. The
+// router pre-drafts while verify runs (--overlap=on), one pre-draft message to each draft
+// service a step.
 TEST(RouterGroupsTest, DraftServicesChosenByLoadAndAKilledOneLosesNothing) {
-  std::unique_ptr<Groups> g = Groups::Start({.verifies = 1, .drafts = 2});
+  std::unique_ptr<Groups> g =
+      Groups::Start({.verifies = 1, .drafts = 2, .router_args = {"--overlap=on"}});
   ASSERT_NE(g, nullptr);
   constexpr int kStreams = 64, kTokens = 48, kLong = 32, kLongTokens = 160;
   const std::vector<std::vector<int32_t>> want = References(kStreams, kLongTokens);
@@ -457,6 +464,13 @@ TEST(RouterGroupsTest, DraftServicesChosenByLoadAndAKilledOneLosesNothing) {
   auto drafted = [&] { return g->draft[0].Finished() + g->draft[1].Finished(); };
   EXPECT_EQ(WaitFor(drafted, kStreams), kStreams);
   ExpectBalanced(g->draft[0].Finished(), g->draft[1].Finished(), 0.2, "draft service");
+  // Pre-drafts went out (those whose step accepted nothing are counted at position 0).
+  double predrafts = 0;
+  for (const char* result : {"hit", "miss"}) {
+    predrafts += Metric(g->router_metrics[0], "specd_predraft_outcomes_total",
+                        {{"position", "0"}, {"result", result}});
+  }
+  EXPECT_GT(predrafts, 0);
 
   // Draft service 1 is killed once every stream has its first chunk (all are placed): its
   // sequences go on target-only, and every output is still the engine's.
