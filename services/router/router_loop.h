@@ -11,13 +11,13 @@
 //   2. plans every sequence's tree shape: the goodput policy's choice (down to none) for
 //      requests that did not name a shape, the named shape for those that did, none for
 //      speculation = off or while the drafter is unavailable;
-//   3. sends ONE draft Step message for every sequence that speculates through the draft
-//      service (its new tokens since its last draft step, the tree shape), with the ids of
-//      sequences to free;
+//   3. sends ONE draft Step message to each draft service for every sequence that speculates
+//      through it (its new tokens since its last draft step, the tree shape), with the ids of
+//      sequences to free; the messages to different draft services go out at once;
 //   4. sends ONE verify Step message for every running sequence (pending tokens and the draft
 //      tree, an empty tree for target-only sequences), with the ids to free;
-//   4b. with overlap, sends at the same moment (from a helper thread) ONE pre-draft Step to the
-//      draft service for the sequences whose trees are being verified: it guesses each tree's
+//   4b. with overlap, sends at the same moment (from helper threads) ONE pre-draft Step to each
+//      draft service for its sequences whose trees are being verified: it guesses each tree's
 //      outcome and grows the next tree below the guess. When verify answers, a sequence whose
 //      emitted tokens equal the guess (a hit) takes that tree for its next step without
 //      drafting; a miss is planned like any sequence (drafted late, or a plain one-token step
@@ -35,8 +35,9 @@
 // Failures. A sequence's draft service down: the sequence continues target-only through the
 // verify service (the output is unchanged: verification is lossless), specd_draft_available is
 // 0 while none of the loop's draft services is up, and a connector thread reconnects with
-// backoff. After a reconnect the new draft stream holds
-// nothing, so each drafting sequence is resynced by sending its whole history as new_tokens.
+// backoff. After a reconnect the new draft stream holds nothing, so each drafting sequence is
+// resynced by sending its whole history as new_tokens. A sequence keeps its draft service: one
+// placed on a service that is down stays target-only until that service is back.
 // N-gram requests (speculation = ngram) draft in the draft service like the others; while it is
 // unavailable (or when none is configured) the router runs the same prompt-lookup drafter
 // itself: it needs no model and costs microseconds, so there is no reason to lose speculation.
