@@ -32,6 +32,7 @@
 #include "specd/v1/generation.grpc.pb.h"
 #include "tests/testutil/random_checkpoint.h"
 #include "tests/testutil/service_process.h"
+#include "tests/testutil/test_pki.h"
 
 namespace specd {
 namespace {
@@ -719,6 +720,68 @@ TEST(RouterGroupsTest, GroupsFollowTheAddressesANameResolvesTo) {
   EXPECT_EQ(WaitFor([&] { return g->verify[0].Finished(); }, v0_before + ok), v0_before + ok);
   ASSERT_TRUE(WaitUntil([&] { return p.pool().num_groups() == 1; }));
   EXPECT_TRUE(p.pool().verify_up());
+}
+
+// With TLS, an address resolved from a name is checked against that name: a verify service whose
+// certificate names only localhost (no address) serves a router given dns:///localhost:PORT
+// (resolved to 127.0.0.1:PORT), and is refused by a router given 127.0.0.1:PORT.
+TEST(RouterGroupsTest, ResolvedAddressesAreCheckedAgainstTheNameWithTls) {
+  absl::StatusOr<TestPki> pki = MakeTestPki("router_groups_pki");
+  ASSERT_TRUE(pki.ok()) << pki.status();
+  Model verify = Model::Make("specd-verify", TestModels().target);
+  verify.options.args.push_back("--tls_cert=" + pki->Path("named-server.pem"));
+  verify.options.args.push_back("--tls_key=" + pki->Path("named-server.key"));
+  ASSERT_TRUE(verify.Spawn().ok());
+  const std::string port =
+      verify.options.grpc_address.substr(verify.options.grpc_address.rfind(':') + 1);
+  struct Router {
+    int metrics_port = PickFreePort();
+    std::unique_ptr<ServiceProcess> process;
+  };
+  auto start = [&](const std::string& verify_address) {
+    Router r;
+    const std::string address = absl::StrCat("127.0.0.1:", PickFreePort());
+    absl::StatusOr<std::unique_ptr<ServiceProcess>> p = ServiceProcess::Spawn(
+        {SpecdBinary("specd-router"),
+         {"--address=" + address, absl::StrCat("--metrics_port=", r.metrics_port),
+          "--model=" + TestModels().target, "--verify_address=" + verify_address,
+          "--upstream_tls_ca=" + pki->Path("ca.pem")},
+         address});
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (p.ok()) r.process = *std::move(p);
+    return r;
+  };
+  Router named = start(absl::StrCat(kDnsScheme, "localhost:", port));
+  Router by_address = start("127.0.0.1:" + port);
+  ASSERT_NE(named.process, nullptr);
+  ASSERT_NE(by_address.process, nullptr);
+  const absl::Status serving = named.process->WaitUntilServing(absl::Seconds(60));
+  ASSERT_TRUE(serving.ok()) << serving << "\n" << named.process->Log() << verify.process->Log();
+
+  const std::vector<std::vector<int32_t>> want = References(2, 16);
+  ASSERT_EQ(want.size(), 2u);
+  auto generate = [&](Router& r, int i, int tokens) {
+    auto stub = v1::Generation::NewStub(r.process->channel());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    Result out;
+    auto reader = stub->Generate(&ctx, Greedy(PromptOf(i), tokens));
+    v1::GenerateResponse chunk;
+    while (reader->Read(&chunk)) {
+      out.tokens.insert(out.tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+    }
+    out.status = reader->Finish();
+    return out;
+  };
+  for (int i = 0; i < 2; ++i) {
+    const Result r = generate(named, i, 16);
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.tokens, want[i]) << PromptOf(i);
+  }
+  // By its address the handshake fails (the certificate does not name 127.0.0.1): the router
+  // never sees the service up, which the named router did in the same time.
+  EXPECT_EQ(Metric(by_address.metrics_port, "specd_verify_available"), 0);
+  EXPECT_EQ(generate(by_address, 0, 4).status.error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
 // The real resolver: localhost resolves (to 127.0.0.1 at least), and a router given
