@@ -1,5 +1,6 @@
-// Several verify groups behind one router: one RouterLoop per verify service (each with its own
-// Step stream, scheduler thread and paired draft service) and a placement layer above them.
+// Several verify groups and draft services behind one router: one RouterLoop per verify service
+// (each with its own Step stream, scheduler thread, and a Step stream to every draft service)
+// and a placement layer above them.
 //
 // Placement. Each new request goes to the group with the least load among those whose verify
 // service is up. A group's load is the fraction of its sequence slots in use plus the fraction
@@ -19,7 +20,8 @@
 //
 // Addresses. Each entry of verify_addresses and draft_addresses is "host:port" (one service)
 // or "dns:///host:port": every address the name resolves to (A and AAAA records; in Kubernetes
-// the headless Service of a StatefulSet has one per ready pod) is one service. Names are
+// a headless Service has one per pod) is one service. With TLS, each such address is checked
+// against the name, not the address (the certificate names the Service). Names are
 // resolved again every `resolve_interval`: a new address becomes a new group (or draft service)
 // that takes new sequences at once; an address that is gone takes no new sequences and is
 // closed once the sequences it holds have ended (they finish normally if the service still
