@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# Starts specd-verify, specd-draft and specd-router on free loopback ports, waits until they
-# serve, runs bench/serve_bench.py against the router with every argument this script does not
-# know, and stops the services when it exits (also on an error or Ctrl-C).
+# Starts specd-verify, specd-draft and specd-router on free loopback ports (one or more verify
+# groups and draft services behind the router), waits until they all serve, runs
+# bench/serve_bench.py against the router with every argument this script does not know, and
+# stops the services when it exits (also on an error or Ctrl-C).
 #
 #   bench/serve_cluster.sh --cpu --concurrency 1,4,16,64 \
 #       --speculation off,draft_model,ngram,auto --json results.json --plot results.png
 #   bench/serve_cluster.sh --device cuda:0 --verify-devices 1,2,3,4 --target-model M ...
+#   bench/serve_cluster.sh --cpu --threads-per-service 4 --verify-groups 2 --drafts 2 ...
 #
 # Options (the rest go to serve_bench.py; see bench/serve_bench.py --help):
 #   --target-model DIR   target folder (default models/pycoder-target)
 #   --draft-model DIR    draft folder (default models/pycoder-draft)
 #   --eagle-head DIR     also serve this EAGLE head for the target in the draft service
 #                        (speculation mode eagle3; docs/eagle.md)
-#   --cpu                pin verify to core 0 and draft to core 1 (taskset), one engine thread
-#                        each, so that neither model steals the other's core; the router and
-#                        the benchmark client share the cores. Needs 2 cores.
+#   --verify-groups N    N specd-verify services (verify groups; default 1), given to the router
+#                        as a list; each new sequence goes to the least-loaded group
+#   --drafts N           N specd-draft services (default 1); each sequence drafts on the
+#                        least-loaded one
+#   --cpu                pin each model service to its own cores (taskset): the verify services,
+#                        then the draft services, take --threads-per-service consecutive cores
+#                        each (wrapping around when there are too few) and run that many engine
+#                        threads, so that no model steals another's cores; the router and the
+#                        benchmark client share the cores. Needs 2 cores.
+#   --threads-per-service T   cores and engine threads per model service with --cpu (default 1)
 #   --device DEV         cpu (default) or cuda:N, for both model services
 #   --draft-device DEV   the draft service's device, if not --device
 #   --verify-devices L   GPUs of the verify service, one tensor-parallel rank each ("1,2,3")
@@ -41,6 +50,9 @@ BIN=
 BUILD=build
 LOGS=
 BENCH_ARGS=()
+GROUPS_N=1
+DRAFTS_N=1
+THREADS=1
 need() { [ $# -ge 2 ] || { echo "serve_cluster.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -48,6 +60,9 @@ while [ $# -gt 0 ]; do
     --draft-model) need "$@"; DRAFT=$2; shift 2 ;;
     --eagle-head) need "$@"; EAGLE_HEAD=$2; shift 2 ;;
     --cpu) PIN=1; shift ;;
+    --verify-groups) need "$@"; GROUPS_N=$2; shift 2 ;;
+    --drafts) need "$@"; DRAFTS_N=$2; shift 2 ;;
+    --threads-per-service) need "$@"; THREADS=$2; shift 2 ;;
     --device) need "$@"; DEVICE=$2; shift 2 ;;
     --draft-device) need "$@"; DRAFT_DEVICE=$2; shift 2 ;;
     --verify-devices) need "$@"; VERIFY_DEVICES=$2; shift 2 ;;
@@ -60,6 +75,9 @@ while [ $# -gt 0 ]; do
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) BENCH_ARGS+=("$1"); shift ;;
   esac
+done
+for n in "$GROUPS_N" "$DRAFTS_N" "$THREADS"; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "serve_cluster.sh: '$n' is not a count >= 1" >&2; exit 2; }
 done
 [ -n "$BIN" ] || BIN=$ROOT/$BUILD/bin
 case "$BIN" in /*) ;; *) BIN=$(pwd)/$BIN ;; esac
@@ -88,76 +106,129 @@ PIDS=()
 trap 'stop_services "$WORK" "${PIDS[@]}"' EXIT
 trap 'exit 130' INT TERM
 
-VERIFY_ADDR=127.0.0.1:$(free_port)
-DRAFT_ADDR=127.0.0.1:$(free_port)
 ROUTER_ADDR=127.0.0.1:$(free_port)
-VERIFY_METRICS=$(free_port)
-DRAFT_METRICS=$(free_port)
 ROUTER_METRICS=$(free_port)
-
-VERIFY_CMD=("$BIN/specd-verify" --address "$VERIFY_ADDR" --metrics_port "$VERIFY_METRICS"
-            --model "$TARGET")
-DRAFT_CMD=("$BIN/specd-draft" --address "$DRAFT_ADDR" --metrics_port "$DRAFT_METRICS"
-           --model "$DRAFT" --device "${DRAFT_DEVICE:-$DEVICE}")
-if [ -n "$EAGLE_HEAD" ]; then
-  DRAFT_CMD+=(--eagle_head "$EAGLE_HEAD" --eagle_target "$TARGET")
-fi
-if [ -n "$VERIFY_DEVICES" ]; then
-  ranks=$(awk -F, '{print NF}' <<<"$VERIFY_DEVICES")
-  VERIFY_CMD+=(--devices "$VERIFY_DEVICES" --tensor_parallel "$ranks")
-else
-  VERIFY_CMD+=(--device "$DEVICE")
-fi
 PINNING="none"
-if [ "$PIN" = 1 ]; then
-  if [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null; then
-    echo "serve_cluster.sh: --cpu needs 2 cores and taskset; running unpinned" >&2
-  else
-    VERIFY_CMD=(taskset -c 0 "${VERIFY_CMD[@]}" --num_threads 1)
-    DRAFT_CMD=(taskset -c 1 "${DRAFT_CMD[@]}" --num_threads 1)
-    PINNING="verify on core 0, draft on core 1 (taskset, 1 engine thread each);"
-    PINNING+=" router and client unpinned"
-  fi
+if [ "$PIN" = 1 ] && { [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null; }; then
+  echo "serve_cluster.sh: --cpu needs 2 cores and taskset; running unpinned" >&2
+  PIN=0
 fi
-# shellcheck disable=SC2206  # the extra flags are meant to split on spaces
-VERIFY_CMD+=($VERIFY_FLAGS)
-# shellcheck disable=SC2206
-DRAFT_CMD+=($DRAFT_FLAGS)
+NEXT_CORE=0
+# pin CMD...: sets PINNED to CMD, pinned to the next --threads-per-service cores with --cpu.
+PINNED=()
+pin() {
+  PINNED=("$@")
+  [ "$PIN" = 1 ] || return 0
+  local cores=() i
+  for ((i = 0; i < THREADS; i++)); do
+    cores+=($(((NEXT_CORE + i) % $(nproc))))
+  done
+  NEXT_CORE=$((NEXT_CORE + THREADS))
+  PINNED=(taskset -c "$(IFS=,; echo "${cores[*]}")" "$@" --num_threads "$THREADS")
+}
+
+# Each command joined with spaces (the paths and flags here have none).
+VERIFY_CMDS=()
+DRAFT_CMDS=()
+VERIFY_ADDRS=()
+DRAFT_ADDRS=()
+METRICS_ARGS=()
+for ((g = 0; g < GROUPS_N; g++)); do
+  addr=127.0.0.1:$(free_port)
+  port=$(free_port)
+  cmd=("$BIN/specd-verify" --address "$addr" --metrics_port "$port" --model "$TARGET")
+  if [ -n "$VERIFY_DEVICES" ]; then
+    ranks=$(awk -F, '{print NF}' <<<"$VERIFY_DEVICES")
+    cmd+=(--devices "$VERIFY_DEVICES" --tensor_parallel "$ranks")
+  else
+    cmd+=(--device "$DEVICE")
+  fi
+  pin "${cmd[@]}"
+  # shellcheck disable=SC2206  # the extra flags are meant to split on spaces
+  PINNED+=($VERIFY_FLAGS)
+  VERIFY_CMDS+=("${PINNED[*]}")
+  VERIFY_ADDRS+=("$addr")
+  # serve_bench.py's step breakdown reads "verify" (group 0); the others are scraped beside.
+  METRICS_ARGS+=(--metrics "verify$([ "$g" = 0 ] || echo "$g")=http://127.0.0.1:$port/metrics")
+done
+for ((g = 0; g < DRAFTS_N; g++)); do
+  addr=127.0.0.1:$(free_port)
+  port=$(free_port)
+  cmd=("$BIN/specd-draft" --address "$addr" --metrics_port "$port" --model "$DRAFT"
+       --device "${DRAFT_DEVICE:-$DEVICE}")
+  if [ -n "$EAGLE_HEAD" ]; then
+    cmd+=(--eagle_head "$EAGLE_HEAD" --eagle_target "$TARGET")
+  fi
+  pin "${cmd[@]}"
+  # shellcheck disable=SC2206
+  PINNED+=($DRAFT_FLAGS)
+  DRAFT_CMDS+=("${PINNED[*]}")
+  DRAFT_ADDRS+=("$addr")
+  METRICS_ARGS+=(--metrics "draft$([ "$g" = 0 ] || echo "$g")=http://127.0.0.1:$port/metrics")
+done
+if [ "$PIN" = 1 ]; then
+  PINNING="each model service on $THREADS core(s) of its own (taskset, $THREADS engine"
+  PINNING+=" thread(s) each; wrapping around $(nproc) cores); router and client unpinned"
+fi
+VERIFY_LIST=$(IFS=,; echo "${VERIFY_ADDRS[*]}")
+DRAFT_LIST=$(IFS=,; echo "${DRAFT_ADDRS[*]}")
 ROUTER_CMD=("$BIN/specd-router" --address "$ROUTER_ADDR" --metrics_port "$ROUTER_METRICS"
-            --model "$TARGET" --verify_address "$VERIFY_ADDR" --draft_address "$DRAFT_ADDR")
+            --model "$TARGET" --verify_address "$VERIFY_LIST" --draft_address "$DRAFT_LIST")
 # shellcheck disable=SC2206
 ROUTER_CMD+=($ROUTER_FLAGS)
 
 echo "== serve_cluster: target $TARGET, draft $DRAFT" >&2
 echo "   pinning: $PINNING" >&2
-"${VERIFY_CMD[@]}" >"$LOGDIR/verify.log" 2>&1 &
-PIDS+=($!)
-"${DRAFT_CMD[@]}" >"$LOGDIR/draft.log" 2>&1 &
-PIDS+=($!)
+for i in "${!VERIFY_CMDS[@]}"; do
+  # shellcheck disable=SC2086  # joined with spaces above
+  ${VERIFY_CMDS[$i]} >"$LOGDIR/verify$i.log" 2>&1 &
+  PIDS+=($!)
+done
+for i in "${!DRAFT_CMDS[@]}"; do
+  # shellcheck disable=SC2086
+  ${DRAFT_CMDS[$i]} >"$LOGDIR/draft$i.log" 2>&1 &
+  PIDS+=($!)
+done
 "${ROUTER_CMD[@]}" >"$LOGDIR/router.log" 2>&1 &
 PIDS+=($!)
-echo "   router $ROUTER_ADDR, verify $VERIFY_ADDR, draft $DRAFT_ADDR; logs in $LOGDIR" >&2
+echo "   router $ROUTER_ADDR, verify $VERIFY_LIST, draft $DRAFT_LIST; logs in $LOGDIR" >&2
 wait_for_cluster "$BIN" "$ROUTER_ADDR" "$LOGDIR" "${SERVE_CLUSTER_TIMEOUT_S:-600}" "${PIDS[@]}" ||
   exit 1
+# The router serves once one group is up: wait for every group, so that none starts late.
+if [ "$GROUPS_N" -gt 1 ]; then
+  "$PYTHON" - "$ROUTER_METRICS" "$GROUPS_N" "${SERVE_CLUSTER_TIMEOUT_S:-600}" <<'EOF' || exit 1
+import re, sys, time, urllib.request
+port, groups, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+end = time.time() + timeout
+while time.time() < end:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    up = re.findall(r'^specd_verify_available\{[^}]*verify_group="\d+"[^}]*\} 1', text, re.M)
+    if len(up) >= groups:
+        sys.exit(0)
+    time.sleep(0.2)
+sys.exit("serve_cluster.sh: not every verify group came up")
+EOF
+fi
 
 BUILD_TYPE=
 if [ -f "$BIN/../CMakeCache.txt" ]; then
   BUILD_TYPE=$(sed -n 's/^CMAKE_BUILD_TYPE:STRING=//p' "$BIN/../CMakeCache.txt")
 fi
-META=$("$PYTHON" - "$TARGET" "$DRAFT" "$PINNING" "$BIN" "$BUILD_TYPE" "${VERIFY_CMD[*]}" \
-  "${DRAFT_CMD[*]}" "${ROUTER_CMD[*]}" "$COMMAND" <<'EOF'
+META=$("$PYTHON" - "$TARGET" "$DRAFT" "$PINNING" "$BIN" "$BUILD_TYPE" \
+  "$(IFS=';'; echo "${VERIFY_CMDS[*]}")" "$(IFS=';'; echo "${DRAFT_CMDS[*]}")" \
+  "${ROUTER_CMD[*]}" "$COMMAND" "$GROUPS_N" "$DRAFTS_N" <<'EOF'
 import json, sys
 print(json.dumps({"target_dir": sys.argv[1], "draft_dir": sys.argv[2], "pinning": sys.argv[3],
                   "bin": sys.argv[4], "build_type": sys.argv[5], "verify_cmd": sys.argv[6],
                   "draft_cmd": sys.argv[7], "router_cmd": sys.argv[8],
-                  "launcher": "bench/serve_cluster.sh", "launcher_command": sys.argv[9]}))
+                  "launcher": "bench/serve_cluster.sh", "launcher_command": sys.argv[9],
+                  "verify_groups": int(sys.argv[10]), "draft_services": int(sys.argv[11])}))
 EOF
 )
 set +e
 SPECD_BENCH_META=$META "$PYTHON" "$ROOT/bench/serve_bench.py" --target "$ROUTER_ADDR" \
-  --metrics "router=http://127.0.0.1:$ROUTER_METRICS/metrics" \
-  --metrics "verify=http://127.0.0.1:$VERIFY_METRICS/metrics" \
-  --metrics "draft=http://127.0.0.1:$DRAFT_METRICS/metrics" "${BENCH_ARGS[@]}"
+  --metrics "router=http://127.0.0.1:$ROUTER_METRICS/metrics" "${METRICS_ARGS[@]}" \
+  "${BENCH_ARGS[@]}"
 rc=$?
 set -e
 for pid in "${PIDS[@]}"; do

@@ -91,6 +91,20 @@ def pod_under_headless(services, workload, address, port_name):
                 for p in headless[0]["spec"]["ports"]))
 
 
+def headless_for(services, workload, address, port_name):
+    """Whether address is dns:///NAME:PORT where NAME is a headless Service that selects the
+    pods of `workload` and has PORT under port_name: the router resolves it to every pod."""
+    if not (address or "").startswith("dns:///"):
+        return False
+    host, _, port = address[len("dns:///"):].rpartition(":")
+    labels = workload["spec"]["template"]["metadata"].get("labels", {})
+    return any(s["metadata"]["name"] == host and s["spec"].get("clusterIP") == "None" and
+               s["spec"].get("selector") and
+               all(labels.get(k) == v for k, v in s["spec"]["selector"].items()) and
+               any(str(p["port"]) == port and p["name"] == port_name for p in s["spec"]["ports"])
+               for s in services)
+
+
 def gpu_count(container, kind):
     return int(container.get("resources", {}).get(kind, {}).get(GPU, 0))
 
@@ -352,17 +366,12 @@ def check(docs, profile):
             if comp not in comps:
                 c.expect(addr is None, f"router: {flag} set but no {comp} workload")
                 continue
-            if comp == "verify" and comps[comp]["spec"].get("replicas", 1) > 1:
-                # One verify group per pod, each by its name under the headless Service.
-                pods = (addr or "").split(",")
-                c.expect(len(pods) == comps[comp]["spec"]["replicas"] and len(set(pods)) ==
-                         len(pods), f"router: {flag}={addr} does not name every verify pod")
-                for pod in pods:
-                    c.expect(pod_under_headless(services, comps[comp], pod, "grpc"),
-                             f"router: {flag} entry {pod} is no verify pod's grpc port")
-                continue
-            c.expect(service_port(services, addr, "grpc"),
-                     f"router: {flag}={addr} is no Service's grpc port")
+            # Every pod of the tier, by the headless Service's DNS name (one group or draft
+            # service per pod), or failing that one Service's or pod's grpc port.
+            c.expect(headless_for(services, comps[comp], addr, "grpc") or
+                     service_port(services, addr, "grpc") or
+                     pod_under_headless(services, comps[comp], addr, "grpc"),
+                     f"router: {flag}={addr} reaches no {comp} pod's grpc port")
 
     check_jobs_and_tests(c, by_kind, services, comps, claims, config)
 
@@ -429,8 +438,9 @@ def check(docs, profile):
         c.expect(gpus == {"router": 0, "http": 0, "draft": 1, "verify": 1}, f"GPUs {gpus}")
         c.expect(comps["verify"]["spec"]["replicas"] == 2, "verify.replicas=2: two verify pods")
         args = comps["router"]["spec"]["template"]["spec"]["containers"][0]["args"]
-        c.expect(len(arg_value(args, "--verify_address").split(",")) == 2,
-                 "the router does not list both verify groups")
+        c.expect(headless_for(services, comps["verify"], arg_value(args, "--verify_address"),
+                              "grpc"),
+                 "the router does not resolve every verify group by the headless Service")
     elif profile == "image-volume":
         # models.source=imageVolume, no download, no specd-http, no helm test.
         c.expect("http" not in comps and "Pod" not in kinds and "Job" not in kinds,

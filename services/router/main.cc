@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flag_names.h"
@@ -36,12 +38,17 @@ ABSL_FLAG(std::string, model, "",
           "generation_config.json (vocabulary, context, EOS); the weights stay with the verify "
           "service");
 ABSL_FLAG(std::string, verify_address, "127.0.0.1:50052",
-          "host:port of specd-verify, or a comma-separated list of several verify groups (e.g. "
-          "the pods of the verify StatefulSet by their headless Service names): each new "
-          "sequence goes to the least-loaded group that is up");
+          "host:port of specd-verify, or a comma-separated list of verify groups; an entry "
+          "dns:///name:port stands for every address the name resolves to (e.g. the headless "
+          "Service of the verify StatefulSet), resolved again every --dns_refresh_seconds. Each "
+          "new sequence goes to the least-loaded group that is up");
 ABSL_FLAG(std::string, draft_address, "",
-          "host:port of specd-draft, or a comma-separated list; verify group i drafts through "
-          "entry i mod (entries). Empty = no draft service (target-only decoding)");
+          "host:port of specd-draft, or a comma-separated list (dns:///name:port entries as for "
+          "--verify_address); each new sequence drafts through the least-loaded draft service, "
+          "whatever its verify group. Empty = no draft service (target-only decoding)");
+ABSL_FLAG(double, dns_refresh_seconds, 10,
+          "how often dns:/// entries of --verify_address and --draft_address are resolved "
+          "again: new addresses get new sequences, gone ones close once drained");
 ABSL_FLAG(int, max_batch, 32, "most sequences in one speculation step");
 ABSL_FLAG(int, max_queue, 256,
           "most requests waiting to start; more are refused with RESOURCE_EXHAUSTED");
@@ -207,18 +214,22 @@ int Main() {
     return Fail("--overlap: one of on, auto, off");
   }
   loop_options.upstream_credentials = *upstream_credentials;
-  for (std::string& address : pool_options.verify_addresses) {
-    address = std::string(absl::StripAsciiWhitespace(address));
-    if (absl::StatusOr<HostPort> hp = ParseHostPort(address, "--verify_address"); !hp.ok()) {
-      return Fail(hp.status().ToString());
+  for (auto [list, flag] : {std::pair{&pool_options.verify_addresses, "--verify_address"},
+                            std::pair{&pool_options.draft_addresses, "--draft_address"}}) {
+    for (std::string& address : *list) {
+      address = std::string(absl::StripAsciiWhitespace(address));
+      absl::string_view host_port = address;
+      const bool dns = absl::ConsumePrefix(&host_port, kDnsScheme);
+      absl::StatusOr<HostPort> hp = ParseHostPort(host_port, flag);
+      if (!hp.ok()) return Fail(hp.status().ToString());
+      if (dns && hp->host.empty()) {
+        return Fail(absl::StrCat(flag, ": ", address, " names no host (dns:///name:port)"));
+      }
     }
   }
-  for (std::string& address : pool_options.draft_addresses) {
-    address = std::string(absl::StripAsciiWhitespace(address));
-    if (absl::StatusOr<HostPort> hp = ParseHostPort(address, "--draft_address"); !hp.ok()) {
-      return Fail(hp.status().ToString());
-    }
-  }
+  const double refresh = absl::GetFlag(FLAGS_dns_refresh_seconds);
+  if (!(refresh > 0)) return Fail("--dns_refresh_seconds: must be positive");
+  pool_options.resolve_interval = absl::Seconds(refresh);
 
   // The health status follows the verify services: SERVING while at least one is up.
   std::atomic<GrpcServer*> server_ptr{nullptr};

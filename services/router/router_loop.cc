@@ -57,6 +57,7 @@ struct RouterLoop::Sequence {
   uint64_t id = 0;
   RouterRequest request;
   std::shared_ptr<ResponseSink> sink;
+  std::shared_ptr<Draft> draft;  // the draft service it drafts through; null: none
   // The speculation core: tokens, what each service still has to be fed, the depth budget,
   // the tree shape of this step, acceptance and statistics.
   std::optional<SequenceState> core;
@@ -119,9 +120,10 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
       seq_id_base_((std::random_device{}() & 0x7fffffffULL) << 32),
       policy_(options_.policy) {
   max_context_ = options_.limits.max_context;
-  UpstreamOptions vo;
+  UpstreamOptions& vo = verify_upstream_options_;
   vo.name = "verify";
   vo.address = options_.verify_address;
+  vo.tls_name = options_.verify_tls_name;
   vo.probe_timeout = options_.probe_timeout;
   vo.initial_backoff = options_.initial_backoff;
   vo.max_backoff = options_.max_backoff;
@@ -146,21 +148,11 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
         if (up) Wake();
         if (on_serving_) on_serving_(up);
       });
-  if (!options_.draft_address.empty()) {
-    UpstreamOptions dopt = vo;
-    dopt.name = "draft";
-    dopt.address = options_.draft_address;
-    draft_ = std::make_unique<DraftUpstream>(
-        dopt,
-        [this](const v1::DraftInfo& info) -> absl::Status {
-          if (static_cast<int>(info.vocab_size()) != options_.limits.vocab_size) {
-            return absl::FailedPreconditionError(
-                absl::StrCat("the draft model has a vocabulary of ", info.vocab_size(),
-                             " tokens; the target's has ", options_.limits.vocab_size));
-          }
-          return absl::OkStatus();
-        },
-        [this](bool up) { metrics_->draft_available.Set(up ? 1 : 0); });
+  for (size_t i = 0; i < options_.draft_addresses.size(); ++i) {
+    absl::MutexLock lock(&mu_);
+    drafts_.push_back(MakeDraft(options_.draft_addresses[i], i < options_.draft_tls_names.size()
+                                                                 ? options_.draft_tls_names[i]
+                                                                 : std::string()));
   }
   metrics_->draft_available.Set(0);
   absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
@@ -174,9 +166,35 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
 
 RouterLoop::~RouterLoop() { Stop(); }
 
+std::shared_ptr<RouterLoop::Draft> RouterLoop::MakeDraft(const std::string& address,
+                                                         const std::string& tls_name) {
+  auto draft = std::make_shared<Draft>();
+  draft->address = address;
+  UpstreamOptions options = verify_upstream_options_;
+  options.name = "draft";
+  options.address = address;
+  options.tls_name = tls_name;
+  draft->upstream = std::make_unique<DraftUpstream>(
+      options,
+      [this](const v1::DraftInfo& info) -> absl::Status {
+        if (static_cast<int>(info.vocab_size()) != options_.limits.vocab_size) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("the draft model has a vocabulary of ", info.vocab_size(),
+                           " tokens; the target's has ", options_.limits.vocab_size));
+        }
+        return absl::OkStatus();
+      },
+      [this](bool) { metrics_->draft_available.Set(draft_up() ? 1 : 0); });
+  return draft;
+}
+
 void RouterLoop::Start() {
   verify_->Start();
-  if (draft_ != nullptr) draft_->Start();
+  for (const auto& d : Drafts()) d->upstream->Start();
+  {
+    absl::MutexLock lock(&mu_);
+    started_ = true;
+  }
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -188,15 +206,97 @@ void RouterLoop::Stop() {
   }
   if (thread_.joinable()) thread_.join();
   verify_->Stop();
-  if (draft_ != nullptr) draft_->Stop();
+  std::vector<std::shared_ptr<Draft>> drafts;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto* list : {&drafts_, &removed_drafts_, &released_drafts_}) {
+      drafts.insert(drafts.end(), list->begin(), list->end());
+      list->clear();
+    }
+  }
+  for (const auto& d : drafts) d->upstream->Stop();
+}
+
+void RouterLoop::AddDraft(const std::string& address, const std::string& tls_name) {
+  std::shared_ptr<Draft> draft;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    for (const auto& d : drafts_) {
+      if (d->address == address) return;
+    }
+    draft = MakeDraft(address, tls_name);
+    drafts_.push_back(draft);
+    if (!started_) return;  // Start() starts it
+  }
+  draft->upstream->Start();
+}
+
+void RouterLoop::RemoveDraft(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = drafts_.begin(); it != drafts_.end(); ++it) {
+    if ((*it)->address == address) {
+      removed_drafts_.push_back(std::move(*it));
+      drafts_.erase(it);
+      wake_ = true;
+      return;
+    }
+  }
+}
+
+void RouterLoop::RetireDrafts() {
+  absl::MutexLock lock(&mu_);
+  for (auto it = removed_drafts_.begin(); it != removed_drafts_.end();) {
+    const bool used = std::any_of(running_.begin(), running_.end(),
+                                  [&](const auto& s) { return s->draft == *it; });
+    if (used) {
+      ++it;
+    } else {
+      released_drafts_.push_back(std::move(*it));
+      it = removed_drafts_.erase(it);
+    }
+  }
+}
+
+void RouterLoop::ReapDrafts() {
+  std::vector<std::shared_ptr<Draft>> released;
+  {
+    absl::MutexLock lock(&mu_);
+    released.swap(released_drafts_);
+  }
+  // The stream is cancelled: the service frees whatever it still held on it.
+  for (const auto& d : released) d->upstream->Stop();
+  if (!released.empty()) metrics_->draft_available.Set(draft_up() ? 1 : 0);
+}
+
+std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::Drafts() const {
+  absl::MutexLock lock(&mu_);
+  return drafts_;
+}
+
+bool RouterLoop::draft_up() const {
+  for (const auto& d : Drafts()) {
+    if (d->upstream->up()) return true;
+  }
+  return false;
+}
+
+bool RouterLoop::has_draft() const {
+  absl::MutexLock lock(&mu_);
+  return !drafts_.empty();
 }
 
 v1::DraftInfo RouterLoop::draft_info() const {
-  return draft_ != nullptr ? draft_->info() : v1::DraftInfo();
+  const std::vector<std::shared_ptr<Draft>> drafts = Drafts();
+  for (const auto& d : drafts) {
+    if (d->upstream->up()) return d->upstream->info();
+  }
+  return drafts.empty() ? v1::DraftInfo() : drafts[0]->upstream->info();
 }
 
-bool RouterLoop::eagle_available() const {
-  return draft_up() && !draft_info().eagle_head().empty() && verify_->info().supports_taps();
+bool RouterLoop::EagleAvailable(const Draft* draft) const {
+  return draft != nullptr && draft->upstream->up() &&
+         !draft->upstream->info().eagle_head().empty() && verify_->info().supports_taps();
 }
 
 int RouterLoop::max_context() const {
@@ -204,7 +304,8 @@ int RouterLoop::max_context() const {
   return max_context_;
 }
 
-absl::Status RouterLoop::Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink) {
+absl::Status RouterLoop::Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink,
+                                std::string draft_address) {
   if (!verify_->up()) {
     return absl::UnavailableError(absl::StrCat("the verify service at ", options_.verify_address,
                                                " is not available; retry later"));
@@ -215,7 +316,7 @@ absl::Status RouterLoop::Submit(RouterRequest request, std::shared_ptr<ResponseS
     return absl::ResourceExhaustedError(absl::StrCat(
         "the router's queue is full (", options_.max_queue, " requests waiting); retry later"));
   }
-  queue_.push_back({std::move(request), std::move(sink)});
+  queue_.push_back({std::move(request), std::move(sink), std::move(draft_address)});
   metrics_->requests_waiting.Set(queue_.size());
   wake_ = true;
   return absl::OkStatus();
@@ -231,7 +332,9 @@ void RouterLoop::Run() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) break;
-      if (running_.empty() && verify_releases_.empty() && draft_releases_.empty()) {
+      const bool releases = std::any_of(drafts_.begin(), drafts_.end(),
+                                        [](const auto& d) { return !d->releases.empty(); });
+      if (running_.empty() && verify_releases_.empty() && !releases) {
         // Idle: sleep until a request arrives, something is cancelled, or a service changes
         // state; the timeout bounds how long a cancelled queued request can linger.
         auto woken = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return wake_ || stopping_; };
@@ -244,8 +347,10 @@ void RouterLoop::Run() {
       FailEverything(grpc::Status(
           grpc::StatusCode::UNAVAILABLE,
           absl::StrCat("the verify service at ", options_.verify_address, " is not available")));
-      // The old verify stream (and every sequence on it) is gone with it.
+      // The old verify stream (and every sequence on it) is gone with it; the draft services
+      // are told now, so that nothing is left to send and the loop can sleep.
       verify_releases_.clear();
+      DraftStep();
       continue;
     }
     Admit();
@@ -253,12 +358,12 @@ void RouterLoop::Run() {
   }
   FailEverything(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down"));
   verify_->CloseGracefully();
-  if (draft_ != nullptr) draft_->CloseGracefully();
+  for (const auto& d : Drafts()) d->upstream->CloseGracefully();
 }
 
 void RouterLoop::Admit() {
   std::vector<std::pair<Queued, grpc::Status>> expired;
-  std::vector<Queued> admitted;
+  std::vector<std::pair<Queued, std::shared_ptr<Draft>>> admitted;
   const absl::Time now = absl::Now();
   {
     absl::MutexLock lock(&mu_);
@@ -274,7 +379,11 @@ void RouterLoop::Admit() {
     }
     while (static_cast<int>(running_.size() + admitted.size()) < options_.max_batch &&
            !queue_.empty()) {
-      admitted.push_back(std::move(queue_.front()));
+      std::shared_ptr<Draft> draft;
+      for (const auto& d : drafts_) {
+        if (d->address == queue_.front().draft_address) draft = d;
+      }
+      admitted.emplace_back(std::move(queue_.front()), std::move(draft));
       queue_.pop_front();
     }
     metrics_->requests_waiting.Set(queue_.size());
@@ -284,11 +393,12 @@ void RouterLoop::Admit() {
     metrics_->CountOutcome(status.error_code());
   }
   const int max_context = this->max_context();
-  for (Queued& q : admitted) {
+  for (auto& [q, draft] : admitted) {
     auto seq = std::make_unique<Sequence>();
     seq->id = seq_id_base_ | (next_seq_++ & 0xffffffffULL);
     seq->request = std::move(q.request);
     seq->sink = std::move(q.sink);
+    seq->draft = std::move(draft);
     StopConditions core_stop;
     core_stop.max_new_tokens = seq->request.max_new_tokens;
     core_stop.eos_token_ids = options_.limits.eos_token_ids;
@@ -317,12 +427,13 @@ void RouterLoop::Admit() {
     // service is unavailable.
     v1::Speculation mode = seq->request.speculation;
     if (mode == v1::SPECULATION_AUTO) {
-      mode = eagle_available() ? v1::SPECULATION_EAGLE3 : v1::SPECULATION_DRAFT_MODEL;
+      mode =
+          EagleAvailable(seq->draft.get()) ? v1::SPECULATION_EAGLE3 : v1::SPECULATION_DRAFT_MODEL;
     }
     seq->spec = mode;
     seq->mode = mode == v1::SPECULATION_OFF      ? v1::SPECULATION_OFF
                 : mode == v1::SPECULATION_NGRAM  ? v1::SPECULATION_NGRAM
-                : draft_ == nullptr              ? v1::SPECULATION_OFF
+                : seq->draft == nullptr          ? v1::SPECULATION_OFF
                 : mode == v1::SPECULATION_EAGLE3 ? v1::SPECULATION_EAGLE3
                                                  : v1::SPECULATION_DRAFT_MODEL;
     metrics_->queue_time.Observe(absl::ToDoubleSeconds(now - seq->request.arrival));
@@ -341,6 +452,7 @@ void RouterLoop::Step() {
     if (!ended.ok()) Fail(*seq, ended);
   }
   RemoveDone();
+  RetireDrafts();
   const absl::Time start = absl::Now();
   Plan();
   DraftStep();
@@ -353,7 +465,9 @@ void RouterLoop::Step() {
 }
 
 void RouterLoop::Plan() {
-  const bool draft_up = this->draft_up();
+  for (const auto& s : running_) {
+    if (s->draft != nullptr) s->draft->up = s->draft->upstream->up();
+  }
   std::vector<PolicySequence> inputs;
   inputs.reserve(running_.size());
   for (auto& s : running_) {
@@ -368,7 +482,8 @@ void RouterLoop::Plan() {
     PolicySequence p = seq.core->PolicyInput(/*model_draft=*/mode != v1::SPECULATION_NGRAM);
     // Whether a drafter can serve this sequence this step: the draft service, or for n-gram
     // also the router's own n-gram drafter.
-    const bool service = draft_ != nullptr && !seq.draft_failed;
+    const bool service = seq.draft != nullptr && !seq.draft_failed;
+    const bool draft_up = seq.draft != nullptr && seq.draft->up;
     if (seq.hit_ready) {
       p.fixed = true;  // the pre-drafted tree is ready
       p.fixed_shape = seq.hit_shape;
@@ -406,11 +521,36 @@ void RouterLoop::Plan() {
 }
 
 void RouterLoop::DraftStep() {
-  const bool draft_up = this->draft_up();
-  const uint64_t epoch = draft_up ? draft_->epoch() : 0;
-  v1::DraftStepRequest request;
-  absl::flat_hash_map<uint64_t, Sequence*> by_id;
-  int levels = 0, nodes = 0;
+  // One message per draft service, sent together: a step waits for the slowest, not the sum.
+  struct Batch {
+    Draft* draft = nullptr;
+    uint64_t epoch = 0;
+    v1::DraftStepRequest request;
+    absl::flat_hash_map<uint64_t, Sequence*> by_id;
+    int levels = 0, nodes = 0;
+    absl::Status status;
+    v1::DraftStepResponse response;
+    double seconds = 0;
+  };
+  const std::vector<std::shared_ptr<Draft>> drafts = Drafts();
+  std::vector<Batch> batches;
+  absl::flat_hash_map<const Draft*, size_t> batch_of;
+  auto batch_for = [&](Draft* d) -> Batch& {
+    auto [it, inserted] = batch_of.try_emplace(d, batches.size());
+    if (inserted) {
+      Batch b;
+      b.draft = d;
+      d->up = d->upstream->up();
+      b.epoch = d->up ? d->upstream->epoch() : 0;
+      batches.push_back(std::move(b));
+    }
+    return batches[it->second];
+  };
+  // Every draft service, so that releases held for a stream that is gone are dropped.
+  for (const auto& d : drafts) batch_for(d.get());
+  for (auto& s : running_) {
+    if (s->draft != nullptr) batch_for(s->draft.get());
+  }
   for (auto& s : running_) {
     Sequence& seq = *s;
     const SpecShape shape = seq.core->planned();
@@ -428,7 +568,8 @@ void RouterLoop::DraftStep() {
     if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
     if (shape.none()) continue;
     const v1::Speculation mode = seq.spec;
-    if (mode == v1::SPECULATION_NGRAM && (!draft_up || seq.draft_failed)) {
+    if (mode == v1::SPECULATION_NGRAM &&
+        (seq.draft == nullptr || !seq.draft->up || seq.draft_failed)) {
       // The router's own n-gram drafter: microseconds, no state to feed.
       const absl::Span<const int32_t> prompt = seq.core->prompt();
       const absl::Span<const int32_t> output = seq.core->output();
@@ -439,9 +580,12 @@ void RouterLoop::DraftStep() {
       seq.mode = v1::SPECULATION_NGRAM;
       continue;
     }
+    if (seq.draft == nullptr) continue;  // planned with no drafter: not reached
+    Batch& b = batch_for(seq.draft.get());
+    const uint64_t epoch = b.epoch;
     if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
     const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
-    v1::DraftSequenceStep* step = request.add_steps();
+    v1::DraftSequenceStep* step = b.request.add_steps();
     step->set_seq_id(seq.id);
     step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
     step->set_method(mode == v1::SPECULATION_NGRAM    ? v1::DRAFT_METHOD_NGRAM
@@ -464,73 +608,92 @@ void RouterLoop::DraftStep() {
                : mode == v1::SPECULATION_EAGLE3 ? v1::SPECULATION_EAGLE3
                                                 : v1::SPECULATION_DRAFT_MODEL;
     if (mode != v1::SPECULATION_NGRAM) {
-      levels = std::max(levels, shape.depth);
-      nodes += shape.max_nodes;
+      b.levels = std::max(b.levels, shape.depth);
+      b.nodes += shape.max_nodes;
     }
-    by_id[seq.id] = &seq;
+    b.by_id[seq.id] = &seq;
   }
-  if (epoch != draft_epoch_) {
-    // Sequences named here lived on a stream that is gone; the service freed them with it.
-    draft_epoch_ = epoch;
-    draft_releases_.clear();
-  }
-  if (!draft_up) return;
-  if (request.steps_size() == 0 && draft_releases_.empty()) return;
-  request.set_step_id(next_step_);
-  draft_releases_.MoveInto(&request);
-  v1::DraftStepResponse response;
-  const absl::Time start = absl::Now();
-  const absl::Status status = draft_->RoundTrip(request, &response, epoch);
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  if (request.steps_size() > 0) metrics_->draft_latency.Observe(seconds);
-  metrics_->CountWait("draft", seconds);
-  metrics_->CountBusy("draft", seconds);
-  if (!status.ok()) {
-    SPECD_LOG(WARNING) << status.message() << "; continuing target-only";
-    for (auto& [id, seq] : by_id) {
-      seq->draft_down = true;
-      seq->mode = v1::SPECULATION_OFF;
+  std::vector<Batch*> sending;
+  for (Batch& b : batches) {
+    Draft& d = *b.draft;
+    if (b.epoch != d.epoch) {
+      // Sequences named here lived on a stream that is gone; the service freed them with it.
+      d.epoch = b.epoch;
+      d.releases.clear();
     }
-    return;
-  }
-  if (levels > 0) {
-    int drafting = 0, fed = 0;
-    for (const v1::DraftSequenceStep& step : request.steps()) {
-      if (step.method() == v1::DRAFT_METHOD_NGRAM) continue;
-      ++drafting;
-      fed += step.new_tokens_size();
-    }
-    policy_.costs().ObserveDraft(drafting, levels, nodes, fed, seconds);
-  }
-  for (const v1::DraftSequenceResult& result : response.results()) {
-    auto it = by_id.find(result.seq_id());
-    if (it == by_id.end()) continue;
-    Sequence& seq = *it->second;
-    if (result.has_error() && result.error().code() != 0) {
-      SPECD_LOG(WARNING) << "draft service rejected sequence " << seq.id << " (request '"
-                         << seq.request.request_id << "'): " << result.error().message()
-                         << "; it continues target-only";
-      seq.draft_failed = true;
-      seq.draft_down = true;
-      draft_releases_.cancelled.push_back(seq.id);
-      seq.draft_epoch = 0;
+    if (!d.up) {
+      // Drafted sequences only ever join a batch that is up; these wanted a draft.
       continue;
     }
-    seq.draft_replied = true;
-    TokenTree tree = TreeFromProto(result.tree());
-    if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size); !valid.ok()) {
-      SPECD_LOG(WARNING) << "draft service sent a bad tree for sequence " << seq.id << ": "
-                         << valid.message();
+    if (b.request.steps_size() == 0 && d.releases.empty()) continue;
+    b.request.set_step_id(next_step_);
+    d.releases.MoveInto(&b.request);
+    sending.push_back(&b);
+  }
+  auto round_trip = [](Batch* b) {
+    const absl::Time start = absl::Now();
+    b->status = b->draft->upstream->RoundTrip(b->request, &b->response, b->epoch);
+    b->seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  };
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < sending.size(); ++i) threads.emplace_back(round_trip, sending[i]);
+  if (!sending.empty()) round_trip(sending[0]);
+  for (std::thread& t : threads) t.join();
+  double slowest = 0;
+  for (Batch* b : sending) {
+    slowest = std::max(slowest, b->seconds);
+    if (b->request.steps_size() > 0) metrics_->draft_latency.Observe(b->seconds);
+    metrics_->CountBusy("draft", b->seconds);
+  }
+  if (!sending.empty()) metrics_->CountWait("draft", slowest);
+  for (Batch* b : sending) {
+    if (!b->status.ok()) {
+      SPECD_LOG(WARNING) << b->status.message() << "; its sequences continue target-only";
+      for (auto& [id, seq] : b->by_id) {
+        seq->draft_down = true;
+        seq->mode = v1::SPECULATION_OFF;
+      }
       continue;
     }
-    seq.tree = std::move(tree);
-  }
-  // Trees deeper than what was asked would run past the context: drop them.
-  for (const v1::DraftSequenceStep& step : request.steps()) {
-    Sequence& seq = *by_id[step.seq_id()];
-    if (!seq.tree.empty() && TreeMaxDepth(seq.tree) > static_cast<int>(step.depth())) {
-      SPECD_LOG(WARNING) << "draft tree deeper than " << step.depth() << " dropped";
-      seq.tree = TokenTree();
+    if (b->levels > 0) {
+      int drafting = 0, fed = 0;
+      for (const v1::DraftSequenceStep& step : b->request.steps()) {
+        if (step.method() == v1::DRAFT_METHOD_NGRAM) continue;
+        ++drafting;
+        fed += step.new_tokens_size();
+      }
+      policy_.costs().ObserveDraft(drafting, b->levels, b->nodes, fed, b->seconds);
+    }
+    for (const v1::DraftSequenceResult& result : b->response.results()) {
+      auto it = b->by_id.find(result.seq_id());
+      if (it == b->by_id.end()) continue;
+      Sequence& seq = *it->second;
+      if (result.has_error() && result.error().code() != 0) {
+        SPECD_LOG(WARNING) << "draft service at " << b->draft->address << " rejected sequence "
+                           << seq.id << " (request '" << seq.request.request_id
+                           << "'): " << result.error().message() << "; it continues target-only";
+        seq.draft_failed = true;
+        seq.draft_down = true;
+        b->draft->releases.cancelled.push_back(seq.id);
+        seq.draft_epoch = 0;
+        continue;
+      }
+      seq.draft_replied = true;
+      TokenTree tree = TreeFromProto(result.tree());
+      if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size); !valid.ok()) {
+        SPECD_LOG(WARNING) << "draft service sent a bad tree for sequence " << seq.id << ": "
+                           << valid.message();
+        continue;
+      }
+      seq.tree = std::move(tree);
+    }
+    // Trees deeper than what was asked would run past the context: drop them.
+    for (const v1::DraftSequenceStep& step : b->request.steps()) {
+      Sequence& seq = *b->by_id[step.seq_id()];
+      if (!seq.tree.empty() && TreeMaxDepth(seq.tree) > static_cast<int>(step.depth())) {
+        SPECD_LOG(WARNING) << "draft tree deeper than " << step.depth() << " dropped";
+        seq.tree = TokenTree();
+      }
     }
   }
 }
@@ -547,15 +710,22 @@ void RouterLoop::VerifyStep() {
   // EAGLE sequences ask for the taps the draft service's head reads while it can use them.
   // Without a verify service that exports them, EAGLE sequences get no taps and so empty trees:
   // target-only, never a failed request.
-  const bool taps_wanted = draft_up() && verify_->info().supports_taps();
-  const v1::DraftInfo draft_info = taps_wanted ? this->draft_info() : v1::DraftInfo();
+  const bool taps = verify_->info().supports_taps();
+  absl::flat_hash_map<const Draft*, v1::DraftInfo> draft_infos;  // of those up, when taps
   for (auto& s : running_) {
     Sequence& seq = *s;
     v1::VerifySequenceStep* step = request.add_steps();
-    if (taps_wanted && seq.spec == v1::SPECULATION_EAGLE3 && !seq.draft_failed &&
-        draft_info.eagle_tap_layers_size() > 0) {
-      *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
-      step->set_tap_dtype(draft_info.eagle_tap_dtype());
+    if (taps && seq.spec == v1::SPECULATION_EAGLE3 && !seq.draft_failed && seq.draft != nullptr &&
+        seq.draft->upstream->up()) {
+      auto it = draft_infos.find(seq.draft.get());
+      if (it == draft_infos.end()) {
+        it = draft_infos.emplace(seq.draft.get(), seq.draft->upstream->info()).first;
+      }
+      const v1::DraftInfo& draft_info = it->second;
+      if (draft_info.eagle_tap_layers_size() > 0) {
+        *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
+        step->set_tap_dtype(draft_info.eagle_tap_dtype());
+      }
     }
     step->set_seq_id(seq.id);
     // A sequence held under an older stream (the verify service was replaced between steps)
@@ -582,31 +752,47 @@ void RouterLoop::VerifyStep() {
   request.set_step_id(next_step_++);
   verify_releases_.MoveInto(&request);
   v1::VerifyStepResponse response;
-  // The pre-draft goes out with the verify step and is joined when verify answers; the draft
-  // stream carries one message at a time, and the next step's draft waits for this reply.
-  v1::DraftStepRequest pre_request = PreDraftRequest(request.step_id());
-  v1::DraftStepResponse pre_response;
-  absl::Status pre_status;
-  double pre_seconds = 0;
-  std::thread pre_thread;
+  // The pre-drafts (one per draft service) go out with the verify step and are joined when
+  // verify answers; a draft stream carries one message at a time, and the next step's draft
+  // waits for this reply.
+  struct PreDraft {
+    Draft* draft;
+    uint64_t epoch;
+    v1::DraftStepRequest request;
+    v1::DraftStepResponse response;
+    absl::Status status;
+    double seconds = 0;
+  };
+  std::vector<PreDraft> pre;
+  if (options_.overlap != OverlapMode::kOff || options_.draft_ingest_tokens > 0) {
+    absl::flat_hash_map<const Draft*, bool> seen;
+    for (auto& s : running_) {
+      Draft* d = s->draft.get();
+      if (d == nullptr || !seen.emplace(d, true).second) continue;
+      v1::DraftStepRequest r = PreDraftRequest(request.step_id(), *d);
+      if (r.steps_size() > 0) pre.push_back({d, d->upstream->epoch(), std::move(r)});
+    }
+  }
+  std::vector<std::thread> pre_threads;
   const absl::Time start = absl::Now();
-  if (pre_request.steps_size() > 0) {
-    const uint64_t draft_epoch = draft_->epoch();
-    pre_thread = std::thread([&, draft_epoch] {
-      pre_status = draft_->RoundTrip(pre_request, &pre_response, draft_epoch);
-      pre_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  for (PreDraft& p : pre) {
+    pre_threads.emplace_back([&p, start] {
+      p.status = p.draft->upstream->RoundTrip(p.request, &p.response, p.epoch);
+      p.seconds = absl::ToDoubleSeconds(absl::Now() - start);
     });
   }
   const absl::Status status = verify_->RoundTrip(request, &response, epoch);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   metrics_->CountWait("verify", seconds);
   metrics_->CountBusy("verify", seconds);
-  if (pre_thread.joinable()) {
-    pre_thread.join();
-    metrics_->CountWait("draft", std::max(0.0, pre_seconds - seconds));
-    metrics_->CountBusy("draft", pre_seconds);
-    TakePreDrafts(pre_request, pre_status, pre_response);
+  double pre_slowest = 0;
+  for (size_t i = 0; i < pre.size(); ++i) {
+    pre_threads[i].join();
+    pre_slowest = std::max(pre_slowest, pre[i].seconds);
+    metrics_->CountBusy("draft", pre[i].seconds);
+    TakePreDrafts(*pre[i].draft, pre[i].status, pre[i].response);
   }
+  if (!pre.empty()) metrics_->CountWait("draft", std::max(0.0, pre_slowest - seconds));
   if (request.steps_size() > 0) {
     metrics_->verify_latency.Observe(seconds);
     if (status.ok()) {
@@ -705,15 +891,16 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
   Emit(seq);
 }
 
-v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
+v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft) {
   v1::DraftStepRequest request;
   for (auto& s : running_) {
+    if (s->draft.get() != &draft) continue;
     s->pre_sent = false;
     s->ingest_sent = false;
   }
-  if (!draft_up()) return request;
-  const uint64_t epoch = draft_->epoch();
-  if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, &request);
+  if (!draft.upstream->up()) return request;
+  const uint64_t epoch = draft.upstream->epoch();
+  if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, draft, &request);
   if (options_.draft_ingest_tokens > 0) {
     // Verify runs this step's rows meanwhile; an ingest that outlasted it would delay the next
     // step's draft, so they are taken in order while their catch-up fits in the verify step.
@@ -727,8 +914,9 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
     const double token_s = policy_.costs().CatchUpTokenSeconds();
     for (auto& s : running_) {
       Sequence& seq = *s;
-      if (!seq.tree.empty() || seq.pre_sent || seq.spec != v1::SPECULATION_DRAFT_MODEL ||
-          seq.draft_failed || seq.draft_down || seq.no_drafter || seq.core->finished()) {
+      if (seq.draft.get() != &draft || !seq.tree.empty() || seq.pre_sent ||
+          seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.draft_down ||
+          seq.no_drafter || seq.core->finished()) {
         continue;
       }
       if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
@@ -755,12 +943,14 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id) {
   return request;
 }
 
-void RouterLoop::AddPreDrafts(uint64_t epoch, v1::DraftStepRequest* out) {
+void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* out) {
   v1::DraftStepRequest request;
   int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
   for (auto& s : running_) {
     Sequence& seq = *s;
     verify_tokens += static_cast<int>(seq.tree.size()) + 1;
+    if (seq.draft.get() != &draft) continue;
+    seq.pre_sent = false;
     if (seq.tree.empty() || seq.mode != v1::SPECULATION_DRAFT_MODEL || !seq.draft_replied ||
         seq.draft_failed || seq.draft_epoch != epoch) {
       continue;
@@ -790,17 +980,19 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, v1::DraftStepRequest* out) {
       policy_.costs().DraftSeconds(rows, levels, nodes) >
           policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens)) {
     // The pre-draft would outlast verify: the step stays sequential.
-    for (auto& s : running_) s->pre_sent = false;
+    for (auto& s : running_) {
+      if (s->draft.get() == &draft) s->pre_sent = false;
+    }
     return;
   }
   *out = std::move(request);
 }
 
-void RouterLoop::TakePreDrafts(const v1::DraftStepRequest& request, const absl::Status& status,
+void RouterLoop::TakePreDrafts(const Draft& draft, const absl::Status& status,
                                const v1::DraftStepResponse& response) {
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
   for (auto& s : running_) {
-    if (s->pre_sent || s->ingest_sent) by_id[s->id] = s.get();
+    if ((s->pre_sent || s->ingest_sent) && s->draft.get() == &draft) by_id[s->id] = s.get();
   }
   if (!status.ok()) {
     // The next step's draft sees the service down (or reconnected) and acts on it; an ingest
@@ -945,8 +1137,10 @@ void RouterLoop::Release(Sequence& seq, bool finished) {
   if (seq.verify_epoch != 0 && seq.verify_epoch == verify_->epoch()) {
     (finished ? verify_releases_.finished : verify_releases_.cancelled).push_back(seq.id);
   }
-  if (draft_ != nullptr && seq.draft_epoch != 0 && seq.draft_epoch == draft_->epoch()) {
-    (finished ? draft_releases_.finished : draft_releases_.cancelled).push_back(seq.id);
+  if (seq.draft != nullptr && seq.draft_epoch != 0 &&
+      seq.draft_epoch == seq.draft->upstream->epoch()) {
+    Releases& releases = seq.draft->releases;
+    (finished ? releases.finished : releases.cancelled).push_back(seq.id);
   }
 }
 

@@ -11,13 +11,13 @@
 //   2. plans every sequence's tree shape: the goodput policy's choice (down to none) for
 //      requests that did not name a shape, the named shape for those that did, none for
 //      speculation = off or while the drafter is unavailable;
-//   3. sends ONE draft Step message for every sequence that speculates through the draft
-//      service (its new tokens since its last draft step, the tree shape), with the ids of
-//      sequences to free;
+//   3. sends ONE draft Step message to each draft service for every sequence that speculates
+//      through it (its new tokens since its last draft step, the tree shape), with the ids of
+//      sequences to free; the messages to different draft services go out at once;
 //   4. sends ONE verify Step message for every running sequence (pending tokens and the draft
 //      tree, an empty tree for target-only sequences), with the ids to free;
-//   4b. with overlap, sends at the same moment (from a helper thread) ONE pre-draft Step to the
-//      draft service for the sequences whose trees are being verified: it guesses each tree's
+//   4b. with overlap, sends at the same moment (from helper threads) ONE pre-draft Step to each
+//      draft service for its sequences whose trees are being verified: it guesses each tree's
 //      outcome and grows the next tree below the guess. When verify answers, a sequence whose
 //      emitted tokens equal the guess (a hit) takes that tree for its next step without
 //      drafting; a miss is planned like any sequence (drafted late, or a plain one-token step
@@ -27,10 +27,17 @@
 // The draft and verify services hold state per sequence and per stream, so a sequence that
 // ends is named in release_seq_ids of the next message to each service that holds it.
 //
-// Failures. Draft service down: every sequence continues target-only through the verify
-// service (the output is unchanged: verification is lossless), specd_draft_available is 0 and
-// a connector thread reconnects with backoff. After a reconnect the new draft stream holds
-// nothing, so each drafting sequence is resynced by sending its whole history as new_tokens.
+// Draft services. The loop holds a Step stream to each draft service it knows (AddDraft,
+// RemoveDraft: the group pool keeps the set), and each sequence drafts through the one it was
+// submitted with, whatever its verify service: the draft and verify tiers are placed apart. A
+// step sends one draft message to each draft service that has sequences to draft, all at once.
+//
+// Failures. A sequence's draft service down: the sequence continues target-only through the
+// verify service (the output is unchanged: verification is lossless), specd_draft_available is
+// 0 while none of the loop's draft services is up, and a connector thread reconnects with
+// backoff. After a reconnect the new draft stream holds nothing, so each drafting sequence is
+// resynced by sending its whole history as new_tokens. A sequence keeps its draft service: one
+// placed on a service that is down stays target-only until that service is back.
 // N-gram requests (speculation = ngram) draft in the draft service like the others; while it is
 // unavailable (or when none is configured) the router runs the same prompt-lookup drafter
 // itself: it needs no model and costs microseconds, so there is no reason to lose speculation.
@@ -86,9 +93,15 @@ enum class OverlapMode {
 
 struct RouterLoopOptions {
   std::string verify_address;
-  std::string draft_address;  // empty: no draft service, every step is target-only
-  int max_batch = 32;         // sequences per step
-  int max_queue = 256;        // requests waiting to start
+  // With TLS: the name the verify service's certificate is checked against when it is not the
+  // address's host (UpstreamOptions::tls_name).
+  std::string verify_tls_name;
+  // Draft services known from the start (AddDraft adds more). None: every step is target-only
+  // (or drafts n-grams in the router).
+  std::vector<std::string> draft_addresses;
+  std::vector<std::string> draft_tls_names;  // empty, or one per draft address (as above)
+  int max_batch = 32;                        // sequences per step
+  int max_queue = 256;                       // requests waiting to start
   // vocab_size, max_context, eos ids. max_context is lowered to the verify service's when it
   // reports a smaller one.
   RequestLimits limits;
@@ -122,21 +135,31 @@ class RouterLoop {
   // Fails whatever is still running or queued with UNAVAILABLE and joins the threads.
   void Stop();
 
-  // Queues a request. RESOURCE_EXHAUSTED when max_queue requests already wait, UNAVAILABLE
-  // while the verify service is down. On success the loop owns finishing `sink`.
-  absl::Status Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink);
+  // Queues a request that drafts through `draft_address` (one of the loop's draft services;
+  // empty or unknown: none). RESOURCE_EXHAUSTED when max_queue requests already wait,
+  // UNAVAILABLE while the verify service is down. On success the loop owns finishing `sink`.
+  absl::Status Submit(RouterRequest request, std::shared_ptr<ResponseSink> sink,
+                      std::string draft_address = "");
+
+  // Opens a Step stream to one more draft service (nothing if the loop has it already);
+  // `tls_name` as in RouterLoopOptions::draft_tls_names.
+  void AddDraft(const std::string& address, const std::string& tls_name = "");
+  // Takes a draft service out: new requests naming it get none. The scheduler lets go of it once
+  // no running sequence drafts through it, and ReapDrafts then closes it.
+  void RemoveDraft(const std::string& address);
+  // Closes the draft services the scheduler has let go of (blocks while their connector threads
+  // end; not for the scheduler thread).
+  void ReapDrafts();
 
   // Makes the scheduler look at its queue now (a queued request was cancelled).
   void Wake();
 
   bool verify_up() const { return verify_->up(); }
-  bool draft_up() const { return draft_ != nullptr && draft_->up(); }
-  bool has_draft() const { return draft_ != nullptr; }
+  bool draft_up() const;  // any of its draft services
+  bool has_draft() const;
   v1::VerifyInfo verify_info() const { return verify_->info(); }
+  // Of the first draft service that is up (the first one while none is).
   v1::DraftInfo draft_info() const;
-  // Whether EAGLE-3 can serve a sequence now: the draft service is up with an EAGLE head and
-  // the verify service exports the taps it reads. AUTO chooses EAGLE-3 when it can.
-  bool eagle_available() const;
   // Context length in force: the smaller of the router's model config and the verify
   // service's.
   int max_context() const;
@@ -146,11 +169,46 @@ class RouterLoop {
   struct Queued {
     RouterRequest request;
     std::shared_ptr<ResponseSink> sink;
+    std::string draft_address;
   };
   using DraftUpstream = Upstream<v1::Drafter, v1::DraftStepRequest, v1::DraftStepResponse,
                                  v1::DraftInfoRequest, v1::DraftInfo>;
   using VerifyUpstream = Upstream<v1::Verifier, v1::VerifyStepRequest, v1::VerifyStepResponse,
                                   v1::VerifyInfoRequest, v1::VerifyInfo>;
+  // Sequences to name in the next Step message to a service.
+  struct Releases {
+    std::vector<uint64_t> finished;
+    std::vector<uint64_t> cancelled;
+    bool empty() const { return finished.empty() && cancelled.empty(); }
+    void clear() {
+      finished.clear();
+      cancelled.clear();
+    }
+    template <typename Request>
+    void MoveInto(Request* request) {
+      request->mutable_release_seq_ids()->Assign(finished.begin(), finished.end());
+      request->mutable_cancel_seq_ids()->Assign(cancelled.begin(), cancelled.end());
+      clear();
+    }
+  };
+  // One draft service and the loop's stream to it.
+  struct Draft {
+    std::string address;
+    std::unique_ptr<DraftUpstream> upstream;
+    // Scheduler thread only.
+    Releases releases;
+    uint64_t epoch = 0;  // the stream epoch `releases` belong to
+    bool up = false;     // upstream->up() as of this step's start
+  };
+
+  std::shared_ptr<Draft> MakeDraft(const std::string& address, const std::string& tls_name);
+  // The draft services in use (a copy, for the scheduler thread's step).
+  std::vector<std::shared_ptr<Draft>> Drafts() const;
+  // Whether EAGLE-3 can serve a sequence drafting through `draft` now: it is up with an EAGLE
+  // head and the verify service exports the taps it reads. AUTO chooses EAGLE-3 when it can.
+  bool EagleAvailable(const Draft* draft) const;
+  // Lets go of removed draft services that no running sequence drafts through.
+  void RetireDrafts();
 
   void Run();
   // Moves queued requests into running_ (and ends cancelled or expired queued ones). Returns
@@ -160,16 +218,16 @@ class RouterLoop {
   void Plan();
   void DraftStep();
   void VerifyStep();
-  // What the draft service does while verify runs, in one request (the draft stream carries one
-  // message at a time): the sequences that pre-draft this step (overlap), and those that are fed
-  // their backlog without a tree (draft_ingest_tokens); empty when none does either.
-  v1::DraftStepRequest PreDraftRequest(uint64_t step_id);
-  // Adds this step's pre-drafts to `request` (draft stream `epoch`), unless overlap is auto and
-  // they would outlast verify.
-  void AddPreDrafts(uint64_t epoch, v1::DraftStepRequest* request);
-  // Takes the replies of that request: each pre-drafted sequence's guessed outcome and the tree
-  // below it, and which ingests the draft service took in.
-  void TakePreDrafts(const v1::DraftStepRequest& request, const absl::Status& status,
+  // What `draft` does while verify runs, in one request (a draft stream carries one message at a
+  // time): its sequences that pre-draft this step (overlap), and those that are fed their backlog
+  // without a tree (draft_ingest_tokens); empty when none does either.
+  v1::DraftStepRequest PreDraftRequest(uint64_t step_id, const Draft& draft);
+  // Adds this step's pre-drafts of `draft` (stream `epoch`) to `request`, unless overlap is auto
+  // and they would outlast verify.
+  void AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* request);
+  // Takes the replies of `draft` to that request: each pre-drafted sequence's guessed outcome
+  // and the tree below it, and which ingests the draft service took in.
+  void TakePreDrafts(const Draft& draft, const absl::Status& status,
                      const v1::DraftStepResponse& response);
   void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);
   // Streams what the sequence has ready; on finish also sends the last chunk and ends the RPC.
@@ -191,8 +249,8 @@ class RouterLoop {
   const std::function<void(bool)> on_serving_;
   const uint64_t seq_id_base_;
 
+  UpstreamOptions verify_upstream_options_;
   std::unique_ptr<VerifyUpstream> verify_;
-  std::unique_ptr<DraftUpstream> draft_;
   std::unique_ptr<NgramDrafter> local_ngram_;
   GoodputPolicy policy_;  // scheduler thread only
   // From the verify service's GetInfo (any thread); handed to the policy each step.
@@ -203,32 +261,19 @@ class RouterLoop {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   int max_context_ ABSL_GUARDED_BY(mu_) = 0;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::shared_ptr<Draft>> drafts_ ABSL_GUARDED_BY(mu_);
+  // Removed, until no running sequence drafts through them; then let go, until reaped.
+  std::vector<std::shared_ptr<Draft>> removed_drafts_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Draft>> released_drafts_ ABSL_GUARDED_BY(mu_);
 
   // Scheduler thread only.
   std::thread thread_;
   std::vector<std::unique_ptr<Sequence>> running_;
-  // Sequences to name in the next Step message to each service.
-  struct Releases {
-    std::vector<uint64_t> finished;
-    std::vector<uint64_t> cancelled;
-    bool empty() const { return finished.empty() && cancelled.empty(); }
-    void clear() {
-      finished.clear();
-      cancelled.clear();
-    }
-    template <typename Request>
-    void MoveInto(Request* request) {
-      request->mutable_release_seq_ids()->Assign(finished.begin(), finished.end());
-      request->mutable_cancel_seq_ids()->Assign(cancelled.begin(), cancelled.end());
-      clear();
-    }
-  };
   Releases verify_releases_;
-  Releases draft_releases_;
   uint64_t next_seq_ = 1;
   uint64_t next_step_ = 1;
   uint64_t verify_epoch_ = 0;
-  uint64_t draft_epoch_ = 0;
 };
 
 }  // namespace specd

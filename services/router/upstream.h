@@ -41,6 +41,9 @@ struct UpstreamOptions {
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: plaintext
+  // With TLS: the name the service's certificate is checked against when it is not the
+  // address's host (an address resolved from a DNS name is checked against that name).
+  std::string tls_name;
 };
 
 // `Service` is a generated gRPC service (v1::Drafter, v1::Verifier) with
@@ -150,6 +153,9 @@ class Upstream {
                 static_cast<int>(absl::ToInt64Milliseconds(options.max_backoff)));
     // Leaving READY means the service went away; an idle timeout must not look like that.
     args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, std::numeric_limits<int>::max());
+    if (options.credentials && !options.tls_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_name);
+    }
     return grpc::CreateCustomChannel(
         options.address,
         options.credentials ? options.credentials : grpc::InsecureChannelCredentials(), args);

@@ -32,13 +32,18 @@ absl::StatusOr<TestPki> MakeTestPki(const std::string& prefix) {
   }
   std::ofstream(d + "/server.ext") << "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
                                    << "extendedKeyUsage=serverAuth\n";
+  std::ofstream(d + "/named-server.ext") << "subjectAltName=DNS:localhost\n"
+                                         << "extendedKeyUsage=serverAuth\n";
   std::ofstream(d + "/client.ext") << "extendedKeyUsage=clientAuth\n";
   const std::vector<std::pair<std::string, std::string>> leaves = {{"server", "ca"},
                                                                    {"client", "ca"},
                                                                    {"other-server", "other-ca"},
-                                                                   {"other-client", "other-ca"}};
+                                                                   {"other-client", "other-ca"},
+                                                                   {"named-server", "ca"}};
   for (const auto& [name, ca] : leaves) {
-    const std::string ext = name.find("server") != std::string::npos ? "server" : "client";
+    const std::string ext = name == "named-server"                     ? name
+                            : name.find("server") != std::string::npos ? "server"
+                                                                       : "client";
     cmds.push_back(absl::StrCat("openssl req ", key, " -keyout ", d, "/", name, ".key -out ", d,
                                 "/", name, ".csr -subj /CN=", name));
     cmds.push_back(absl::StrCat("openssl x509 -req -in ", d, "/", name, ".csr -CA ", d, "/", ca,

@@ -14,6 +14,7 @@ namespace specd {
 //   server, client          signed by ca: server for localhost and 127.0.0.1, client for
 //                           client authentication
 //   other-server, other-client  the same, signed by other-ca
+//   named-server            signed by ca for the DNS name localhost alone (no address)
 struct TestPki {
   std::string dir;
   std::string Path(const std::string& file) const { return dir + "/" + file; }

@@ -480,21 +480,18 @@ GPUs the device plugin gives the container are numbered from 0 inside it).
 {{- end }}
 
 {{/*
-The router's --verify_address. One verify pod: its Service. Several (verify.replicas > 1): each
-pod of the StatefulSet by its name under the headless Service, so the router keeps one Step
-stream per verify group and places every sequence on the least-loaded one (a ClusterIP Service
-would pin each router to whichever pod its one connection reached).
+The router's --verify_address and --draft_address: the headless Service of the tier as a DNS
+name (dns:///<release>-verify-headless:PORT), which resolves to every pod of it. The router keeps
+one Step stream per verify pod (a verify group) and per draft pod, places each new sequence on
+the least-loaded of each, and resolves the name again every --dns_refresh_seconds, so scaling
+either tier needs no new router flags (a ClusterIP Service would pin each router to whichever
+pod its one connection reached).
 */}}
 {{- define "specd.verifyAddresses" -}}
 {{- $name := include "specd.componentName" (dict "ctx" . "component" "verify") -}}
-{{- $port := .Values.ports.verify -}}
-{{- if gt (int .Values.verify.replicas) 1 -}}
-{{- $list := list -}}
-{{- range $i := until (int .Values.verify.replicas) -}}
-{{- $list = append $list (printf "%s-%d.%s-headless:%v" $name $i $name $port) -}}
+{{- printf "dns:///%s-headless:%v" $name .Values.ports.verify -}}
 {{- end -}}
-{{- join "," $list -}}
-{{- else -}}
-{{- printf "%s:%v" $name $port -}}
-{{- end -}}
+{{- define "specd.draftAddresses" -}}
+{{- $name := include "specd.componentName" (dict "ctx" . "component" "draft") -}}
+{{- printf "dns:///%s-headless:%v" $name .Values.ports.draft -}}
 {{- end -}}
