@@ -184,7 +184,7 @@ std::shared_ptr<RouterLoop::Draft> RouterLoop::MakeDraft(const std::string& addr
         }
         return absl::OkStatus();
       },
-      [this](bool) { metrics_->draft_available.Set(draft_up() ? 1 : 0); });
+      [this](bool) { UpdateDraftGauges(); });
   return draft;
 }
 
@@ -266,12 +266,19 @@ void RouterLoop::ReapDrafts() {
   }
   // The stream is cancelled: the service frees whatever it still held on it.
   for (const auto& d : released) d->upstream->Stop();
-  if (!released.empty()) metrics_->draft_available.Set(draft_up() ? 1 : 0);
+  if (!released.empty()) UpdateDraftGauges();
 }
 
 std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::Drafts() const {
   absl::MutexLock lock(&mu_);
   return drafts_;
+}
+
+void RouterLoop::UpdateDraftGauges() {
+  int up = 0;
+  for (const auto& d : Drafts()) up += d->upstream->up() ? 1 : 0;
+  metrics_->draft_available.Set(up > 0 ? 1 : 0);
+  metrics_->draft_services_up.Set(up);
 }
 
 bool RouterLoop::draft_up() const {

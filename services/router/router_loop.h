@@ -156,6 +156,8 @@ class RouterLoop {
 
   bool verify_up() const { return verify_->up(); }
   bool draft_up() const;  // any of its draft services
+  // specd_draft_available and specd_draft_services_up from the draft streams' state.
+  void UpdateDraftGauges();
   bool has_draft() const;
   v1::VerifyInfo verify_info() const { return verify_->info(); }
   // Of the first draft service that is up (the first one while none is).

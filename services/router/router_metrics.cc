@@ -55,6 +55,10 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
                                "1 while the draft service answers, 0 while the router falls "
                                "back to target-only decoding.",
                                group)),
+      draft_services_up(AddGauge(r, "specd_draft_services_up",
+                                 "Draft services the router has a working stream to (of those "
+                                 "it was given or resolved).",
+                                 group)),
       verify_available(AddGauge(r, "specd_verify_available",
                                 "1 while the verify service answers; without a group label, "
                                 "while any verify group does.",

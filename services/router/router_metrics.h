@@ -64,6 +64,7 @@ class RouterMetrics {
   prometheus::Counter& spec_decode_draft_tokens;
   prometheus::Counter& spec_decode_accepted_tokens;
   prometheus::Gauge& draft_available;
+  prometheus::Gauge& draft_services_up;
   // Set by GroupPool: 1 while the verify service answers (per group; unlabelled: any group).
   prometheus::Gauge& verify_available;
   prometheus::Histogram& draft_latency;

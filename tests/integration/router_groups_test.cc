@@ -183,8 +183,11 @@ class Groups {
     for (int r = 0; r < routers; ++r) {
       for (int i = 0; i < shape.verifies; ++i) {
         const std::string group = labelled ? absl::StrCat(i) : "";
+        // Every draft service's stream, not only one: a sequence placed on a draft service
+        // whose stream is not up yet runs target-only.
         if (!g->WaitForGroup(r, group, "specd_verify_available") ||
-            (shape.drafts > 0 && !g->WaitForGroup(r, group, "specd_draft_available"))) {
+            (shape.drafts > 0 &&
+             !g->WaitForGroup(r, group, "specd_draft_services_up", shape.drafts))) {
           return nullptr;
         }
       }
@@ -193,17 +196,17 @@ class Groups {
   }
 
   // Polls router `r`'s gauge `name` of verify group `group` ("": the router's own) until it
-  // reads 1 (20 s).
-  bool WaitForGroup(int r, const std::string& group, const std::string& name) {
+  // reads `want` (20 s).
+  bool WaitForGroup(int r, const std::string& group, const std::string& name, double want = 1) {
     std::map<std::string, std::string> labels;
     if (!group.empty()) labels["verify_group"] = group;
     const absl::Time end = absl::Now() + absl::Seconds(20);
     double v = NAN;
-    while ((v = Metric(router_metrics[r], name, labels)) != 1 && absl::Now() < end) {
+    while ((v = Metric(router_metrics[r], name, labels)) != want && absl::Now() < end) {
       absl::SleepFor(absl::Milliseconds(20));
     }
-    EXPECT_EQ(v, 1) << name << "{verify_group=\"" << group << "\"} of router " << r;
-    return v == 1;
+    EXPECT_EQ(v, want) << name << "{verify_group=\"" << group << "\"} of router " << r;
+    return v == want;
   }
 
   Result Generate(const v1::GenerateRequest& request, int router = 0,
