@@ -1,12 +1,13 @@
 // An httplib::Server that a few slow or numerous clients cannot take over: it serves every
 // connection on its own thread up to a cap and answers 503 beyond it, bounds the time a client
 // may take to send one whole request (not only each read), and listens with a backlog of
-// SOMAXCONN. The same path serves HTTPS when given a TLS context: the handshake runs on the
+// SOMAXCONN. Plain httplib queued connections behind a fixed pool of workers, each of which a
+// client sending one header line a second could hold indefinitely (the per-read timeout never
+// fired), and listened with a backlog of 5, so bursts of connections were reset.
+//
+// HTTPS takes the same path when the options hold a TLS context: the handshake runs on the
 // connection's thread within the read deadline, and the context is asked for at each
-// connection, so a rotated certificate serves new connections while open ones go on. Plain httplib
-// queued connections behind a fixed pool of workers, each of which a client sending one header line
-// a second could hold indefinitely (the per-read timeout never fired), and listened with a backlog
-// of 5, so bursts of connections were reset.
+// connection, so a rotated certificate serves new connections while open ones keep theirs.
 #ifndef SPECD_COMMON_SERVICE_GUARDED_HTTP_SERVER_H_
 #define SPECD_COMMON_SERVICE_GUARDED_HTTP_SERVER_H_
 
