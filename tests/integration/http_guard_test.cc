@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -28,6 +29,7 @@
 #include "common/service/reloading_ssl_context.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/random_checkpoint.h"
 #include "tests/testutil/service_process.h"
 #include "tests/testutil/test_pki.h"
 
@@ -277,7 +279,7 @@ class SlowClients {
 class GuardedServer {
  public:
   GuardedServer(GuardedHttpOptions options, bool https) {
-    if (https) {
+    if (https && options.tls == nullptr) {
       absl::StatusOr<std::unique_ptr<ReloadingSslContext>> tls = ReloadingSslContext::Create(
           {Pki().Path("server.pem"), Pki().Path("server.key"), ""}, "--tls_");
       EXPECT_TRUE(tls.ok()) << tls.status();
@@ -448,6 +450,71 @@ TEST_P(GuardedHttpServerTest, FiveHundredConcurrentConnectionsAreAllAnswered) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, GuardedHttpServerTest, ::testing::Bool(), TransportName);
+
+// A trust store holding only `ca` (a file of the test PKI).
+SSL_CTX* Trusting(const std::string& ca) {
+  ClientTls(true);  // ignores SIGPIPE
+  SSL_CTX* c = SSL_CTX_new(TLS_client_method());
+  EXPECT_EQ(SSL_CTX_load_verify_locations(c, Pki().Path(ca).c_str(), nullptr), 1);
+  SSL_CTX_set_verify(c, SSL_VERIFY_PEER, nullptr);
+  return c;
+}
+
+// Reads one response of a keep-alive connection (until its body, "ok\n", has arrived).
+std::string ReadHealthResponse(Conn* c) {
+  std::string out;
+  const absl::Time end = absl::Now() + absl::Seconds(5);
+  while (!absl::StrContains(out, "\r\n\r\nok\n") && absl::Now() < end) {
+    if (c->ReadSome(&out) < 0) c->Poll(POLLIN, absl::Milliseconds(50));
+  }
+  return out;
+}
+
+// Certificate files replaced on disk (no signal): new connections get the new certificate
+// within the polling period, and a keep-alive connection opened before goes on serving.
+TEST(GuardedHttpsTest, RotatedFilesServeNewConnectionsAndOpenOnesGoOn) {
+  const std::string dir = MakeTempDir("http_guard_rotation");
+  std::filesystem::copy_file(Pki().Path("server.pem"), dir + "/tls.crt");
+  std::filesystem::copy_file(Pki().Path("server.key"), dir + "/tls.key");
+  absl::StatusOr<std::unique_ptr<ReloadingSslContext>> tls =
+      ReloadingSslContext::Create({dir + "/tls.crt", dir + "/tls.key", ""}, "--tls_");
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  GuardedHttpOptions options;
+  options.tls = *std::move(tls);
+  ReloadingSslContext* context = options.tls.get();
+  GuardedServer s(options, /*https=*/true);
+  SSL_CTX* old_ca = Trusting("ca.pem");
+  SSL_CTX* new_ca = Trusting("other-ca.pem");
+
+  std::unique_ptr<Conn> open = Conn::Open(s.port(), old_ca);
+  ASSERT_NE(open, nullptr);
+  const std::string request = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_TRUE(open->Send(request));
+  EXPECT_THAT(ReadHealthResponse(open.get()), StartsWith("HTTP/1.1 200"));
+  EXPECT_EQ(Conn::Open(s.port(), new_ca, absl::Seconds(2)), nullptr);
+
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{"other-server.key", "tls.key"},
+                                 {"other-server.pem", "tls.crt"}}) {
+    std::filesystem::copy_file(Pki().Path(from), dir + "/" + to + ".new");
+    std::filesystem::rename(dir + "/" + to + ".new", dir + "/" + to);
+  }
+  std::unique_ptr<Conn> fresh;
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (fresh == nullptr && absl::Now() < end) {
+    fresh = Conn::Open(s.port(), new_ca, absl::Seconds(2));
+    if (fresh == nullptr) absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_NE(fresh, nullptr) << "no connection saw the new certificate";
+  EXPECT_EQ(context->reloads(), 1);
+  ASSERT_TRUE(fresh->Send(request));
+  EXPECT_THAT(ReadHealthResponse(fresh.get()), StartsWith("HTTP/1.1 200"));
+  EXPECT_EQ(Conn::Open(s.port(), old_ca, absl::Seconds(2)), nullptr);
+  // The connection made under the old certificate still serves requests.
+  ASSERT_TRUE(open->Send(request));
+  EXPECT_THAT(ReadHealthResponse(open.get()), StartsWith("HTTP/1.1 200"));
+  SSL_CTX_free(old_ca);
+  SSL_CTX_free(new_ca);
+}
 
 // The same against a specd-http process (no router behind it, so /health answers 503: the
 // point is that it answers), over HTTP and over HTTPS.
