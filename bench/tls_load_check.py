@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
-"""Short load check of a TLS + token cluster (not CI): starts specd-verify, specd-draft and
+"""Load check of a TLS + token cluster (not CI): starts specd-verify, specd-draft and
 specd-router from the build on loopback (random-weight model, mutual TLS router -> services,
 TLS + bearer token on the public port), runs `--streams` concurrent greedy Generate streams
-through the Python SDK for `--seconds`, and reports completed requests, errors, tokens/s and
-the router's RSS idle, every 5 s under load, and at the end. Certificates are made with openssl in a temporary folder.
+through the Python SDK for `--seconds`, and reports completed requests, errors and tokens/s.
 
-  SPECD_BUILD_DIR=build SPECD_RANDOM_MODEL=build/bin/specd-make-test-model \\
-      PYTHONPATH=clients/python:tests/deploy python3 bench/tls_load_check.py --streams 32
+Memory: the RSS of every service is sampled each `--sample-seconds` from before the load to
+its end. Per service the table gives the idle RSS, the RSS at the start and end of the second
+half of the run, and the least-squares slope over that second half with its standard error
+(the first half holds the ramp-up: connections, TLS sessions, buffers). RSS grows when that
+slope is above two standard errors and above 0.1 % of the RSS per minute; the script fails
+(exit 1) on any error or any growing service. `--json` writes the
+samples and the table, `--plot` a PNG of RSS over time (matplotlib). Certificates are made with
+openssl in a temporary folder.
+
+  SPECD_BIN_DIR=build/bin SPECD_RANDOM_MODEL=build/tests/specd_write_random_model \\
+      PYTHONPATH=clients/python:tests/deploy python3 bench/tls_load_check.py --streams 256 \\
+      --seconds 60 --json bench/results/tls_load_256.json --plot bench/results/tls_load_256.png
 """
 
 import argparse
+import json
+import math
 import os
 import statistics
 import subprocess
@@ -50,12 +61,67 @@ def rss_kib(pid):
     return 0
 
 
+def slope(points):
+    """Least-squares slope (KiB/s) of [(t, kib)] and its standard error."""
+    n = len(points)
+    if n < 3:
+        return 0.0, float("inf")
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    sxx = sum((t - mt) ** 2 for t, _ in points)
+    if sxx == 0:
+        return 0.0, float("inf")
+    b = sum((t - mt) * (v - mv) for t, v in points) / sxx
+    a = mv - b * mt
+    residual = sum((v - (a + b * t)) ** 2 for t, v in points) / (n - 2)
+    return b, math.sqrt(residual / sxx)
+
+
+def memory_table(samples, idle, load_start, load_end):
+    """Per service: idle, second-half start/end RSS (KiB), slope and verdict."""
+    half = load_start + (load_end - load_start) / 2
+    rows = []
+    for name, series in samples.items():
+        second = [(t, v) for t, v in series if half <= t <= load_end]
+        b, se = slope(second)
+        last = second[-1][1] if second else 0
+        # Growing: a slope above its noise (two standard errors) and above 0.1 % of the RSS
+        # per minute. A falling RSS (freed buffers, the drain at the end) is not growth.
+        grows = b > 2 * se and b * 60 > 0.001 * max(last, 1)
+        rows.append({"service": name, "idle_kib": idle[name],
+                     "second_half_start_kib": second[0][1] if second else 0,
+                     "end_kib": last, "slope_kib_per_min": b * 60,
+                     "stderr_kib_per_min": se * 60, "samples": len(second), "grows": grows})
+    return rows
+
+
+def plot(path, samples, load_start, load_end, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, series in samples.items():
+        ax.plot([t for t, _ in series], [v / 1024 for _, v in series], label=name)
+    ax.axvspan(load_start + (load_end - load_start) / 2, load_end, color="0.9",
+               label="second half (slope)")
+    ax.axvline(load_start, color="0.5", linestyle=":")
+    ax.set_xlabel("seconds since the cluster started serving")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--sample-seconds", type=float, default=1.0)
+    ap.add_argument("--json", help="write samples and the memory table here")
+    ap.add_argument("--plot", help="write a PNG of RSS over time here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         ca = certificates(d)
@@ -72,8 +138,22 @@ def main():
             service_root_certificates=ca, service_client_pair=(f"{d}/client.key",
                                                                f"{d}/client.pem"))
         with c:
-            pid = c.procs["specd-router"].pid
-            rss_start = rss_kib(pid)
+            pids = {n: c.procs[n].pid for n in ("specd-router", "specd-draft", "specd-verify")}
+            t0 = time.monotonic()
+            samples = {n: [] for n in pids}
+            sampling = threading.Event()
+
+            def sample_rss():
+                while not sampling.is_set():
+                    now = time.monotonic() - t0
+                    for n, pid in pids.items():
+                        samples[n].append((now, rss_kib(pid)))
+                    sampling.wait(args.sample_seconds)
+            sampler = threading.Thread(target=sample_rss)
+            sampler.start()
+            time.sleep(3 * args.sample_seconds)  # idle samples before the load
+            idle = {n: s[-1][1] for n, s in samples.items()}
+            load_start = time.monotonic() - t0
             stop = time.monotonic() + args.seconds
             done, errors, tokens, latencies = [0], [], [0], []
             lock = threading.Lock()
@@ -83,7 +163,7 @@ def main():
                                   metadata={"authorization": "Bearer bench-token"}) as client:
                     n = 0
                     while time.monotonic() < stop:
-                        t0 = time.monotonic()
+                        t1 = time.monotonic()
                         try:
                             r = client.generate(f"def f{i}_{n}(x):", temperature=0,
                                                 max_new_tokens=args.max_new_tokens,
@@ -91,34 +171,48 @@ def main():
                             with lock:
                                 done[0] += 1
                                 tokens[0] += len(r.token_ids)
-                                latencies.append(time.monotonic() - t0)
+                                latencies.append(time.monotonic() - t1)
                         except specd.SpecdError as e:
                             with lock:
                                 errors.append(str(e))
                         n += 1
-            samples = []
-
-            def sample_rss():
-                while time.monotonic() < stop:
-                    samples.append(rss_kib(pid))
-                    time.sleep(5)
             start = time.monotonic()
             threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.streams)]
-            threads.append(threading.Thread(target=sample_rss))
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             wall = time.monotonic() - start
-            rss_end = rss_kib(pid)
+            # The requests running at `stop` end a little later; the slope window ends at the
+            # last of them.
+            load_end = time.monotonic() - t0
+            sampling.set()
+            sampler.join()
+        rows = memory_table(samples, idle, load_start, load_end)
         print(f"streams={args.streams} seconds={wall:.1f} requests={done[0]} "
               f"errors={len(errors)} tokens/s={tokens[0] / wall:.1f} "
-              f"median_request_s={statistics.median(latencies) if latencies else 0:.3f} "
-              f"router_rss_kib idle={rss_start} end={rss_end} "
-              f"under_load={samples}")
+              f"median_request_s={statistics.median(latencies) if latencies else 0:.3f}")
+        print("| service | idle MiB | second half start MiB | end MiB | slope KiB/min "
+              "(second half) | ± std. error | samples | grows |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for r in rows:
+            print(f"| {r['service']} | {r['idle_kib'] / 1024:.1f} | "
+                  f"{r['second_half_start_kib'] / 1024:.1f} | {r['end_kib'] / 1024:.1f} | "
+                  f"{r['slope_kib_per_min']:+.1f} | {r['stderr_kib_per_min']:.1f} | "
+                  f"{r['samples']} | {'YES' if r['grows'] else 'no'} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"streams": args.streams, "seconds": wall, "requests": done[0],
+                           "errors": len(errors), "tokens_per_s": tokens[0] / wall,
+                           "load_start_s": load_start, "load_end_s": load_end,
+                           "load_average": os.getloadavg(), "memory": rows,
+                           "rss_kib": samples}, f, indent=1)
+        if args.plot:
+            plot(args.plot, samples, load_start, load_end,
+                 f"RSS under {args.streams} TLS streams ({wall:.0f} s)")
         for e in errors[:5]:
             print("error:", e, file=sys.stderr)
-        return 1 if errors else 0
+        return 1 if errors or any(r["grows"] for r in rows) else 0
 
 
 if __name__ == "__main__":

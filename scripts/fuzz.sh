@@ -5,24 +5,28 @@
 # build-fuzz/fuzz-corpus/<harness>/ and survive between runs; a crashing input is written to
 # build-fuzz/fuzz-artifacts/ and the script fails.
 #
-#   scripts/fuzz.sh [--seconds N] [--runs N] [--build DIR] [harness ...]
+#   scripts/fuzz.sh [--seconds N] [--runs N] [--fork N] [--build DIR] [harness ...]
 #
 # --seconds N: run each harness for N seconds (default 15; ctest's fuzz_smoke uses this).
 # --runs N: stop each harness after N executions instead (for the long runs of docs/fuzzing.md).
+# --fork N: fuzz each harness in N processes (libFuzzer's -fork; one per core); with --runs
+#   the count is over all of them.
 # Reproduce a failure: build-fuzz/fuzz/<harness> build-fuzz/fuzz-artifacts/<crash-file>
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 seconds=15
 runs=""
+fork=""
 build=build-fuzz
 harnesses=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds="$2"; shift 2 ;;
     --runs) runs="$2"; shift 2 ;;
+    --fork) fork="$2"; shift 2 ;;
     --build) build="$2"; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
     *) harnesses+=("$1"); shift ;;
   esac
@@ -46,6 +50,7 @@ cmake --build "$build" --target "${harnesses[@]}"
 mkdir -p "$build/fuzz-artifacts"
 limit=(-max_total_time="$seconds")
 [ -n "$runs" ] && limit=(-runs="$runs")
+[ -n "$fork" ] && limit+=(-fork="$fork")
 status=0
 for h in "${harnesses[@]}"; do
   mkdir -p "$build/fuzz-corpus/$h"

@@ -597,6 +597,12 @@ class Bpe {
     }
   }
 
+  void ClearCache() const {
+    absl::flat_hash_map<std::string, std::vector<int32_t>> empty;
+    absl::MutexLock lock(&cache_mu_);
+    cache_.swap(empty);  // frees the table too (clear() may keep it)
+  }
+
  private:
   static constexpr size_t kMaxCachedWordBytes = 256;
   static constexpr size_t kMaxCacheEntries = 50000;
@@ -900,6 +906,8 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_t
   if (add_special_tokens) ids.insert(ids.end(), im.suffix_ids.begin(), im.suffix_ids.end());
   return ids;
 }
+
+void Tokenizer::ClearEncodeCache() const { impl_->bpe.ClearCache(); }
 
 std::string Tokenizer::Decode(absl::Span<const int32_t> ids, bool skip_special_tokens) const {
   bool clean;

@@ -32,15 +32,15 @@ class Tokenizer {
  public:
   // Loads a tokenizer.json; a tokenizer_config.json in the same folder, if present,
   // supplies bos/eos tokens and add_bos_token/add_eos_token (see add_special_tokens below).
-  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromFile(const std::string& tokenizer_json_path);
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromFile(
+      const std::string& tokenizer_json_path);
   // Loads dir/tokenizer.json (and dir/tokenizer_config.json if present).
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromModelDir(const std::string& dir);
   // Parses tokenizer.json text; `source` names it in errors. `config_json` is the text of a
   // tokenizer_config.json (named `config_source` in errors), or empty.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(
       std::string_view json, std::string_view source = "tokenizer.json",
-      std::string_view config_json = {},
-      std::string_view config_source = "tokenizer_config.json");
+      std::string_view config_json = {}, std::string_view config_source = "tokenizer_config.json");
 
   ~Tokenizer();
   Tokenizer(const Tokenizer&) = delete;
@@ -52,6 +52,12 @@ class Tokenizer {
   // tokenizer_config.json sets add_bos_token or add_eos_token, those flags decide instead,
   // as transformers' Llama tokenizers do.
   std::vector<int32_t> Encode(std::string_view text, bool add_special_tokens = false) const;
+
+  // Forgets the words Encode memoized (a bounded cache that grows with the distinct words
+  // seen), so that the next call starts from the state after loading. For the fuzzer: its
+  // leak check takes memory kept across inputs for a leak, and an input's run must not depend
+  // on the inputs before it.
+  void ClearEncodeCache() const;
 
   // Text of `ids`, as Hugging Face decodes it (invalid UTF-8 from byte tokens becomes
   // U+FFFD). Ids outside the vocabulary are skipped.

@@ -45,7 +45,9 @@ ABSL_FLAG(int, request_read_timeout_ms, 10000,
 ABSL_FLAG(int, default_max_tokens, 16,
           "max_tokens of /v1/completions requests that give none (OpenAI's default is 16); "
           "chat requests default to the router's --default_max_new_tokens");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve HTTPS (with --tls_key)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve HTTPS (with --tls_key). Read again (with the key and "
+          "--tls_client_ca) when the files change and on SIGHUP, for new connections");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require HTTPS clients to present a certificate it signed");

@@ -15,6 +15,7 @@
 #include "common/service/grpc_util.h"
 #include "common/service/guarded_http_server.h"
 #include "common/service/metrics.h"
+#include "common/service/reloading_ssl_context.h"
 #include "httplib.h"
 #include "services/http/generate_call.h"
 #include "services/http/tokenize_protocol.h"
@@ -185,32 +186,21 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
                   "cancelled.");
 
   if (absl::Status s = CheckServerTlsFiles(options.tls, "--tls_"); !s.ok()) return s;
-  GuardedHttpServer* guarded_server = nullptr;
-  if (!options.tls.cert.empty()) {
-    auto https = std::make_unique<httplib::SSLServer>(
-        options.tls.cert.c_str(), options.tls.key.c_str(),
-        options.tls.client_ca.empty() ? nullptr : options.tls.client_ca.c_str());
-    if (!https->is_valid()) {
-      return absl::InvalidArgumentError(
-          "--tls_cert / --tls_key / --tls_client_ca: OpenSSL refused them (key not matching "
-          "the certificate?)");
-    }
-    // GuardedHttpServer's 503 cap and whole-request deadline work on plaintext sockets; over
-    // TLS httplib's own pool bounds the connections served at once (the rest wait in the
-    // backlog) and its per-read timeout bounds a slow client.
-    const size_t threads = static_cast<size_t>(options.threads);
-    https->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-    const int64_t read_ms = absl::ToInt64Milliseconds(options.request_read_deadline);
-    https->set_read_timeout(read_ms / 1000, (read_ms % 1000) * 1000);
-    self->http_ = std::move(https);
-  } else {
-    GuardedHttpOptions guard;
-    guard.max_connections = options.threads;
-    guard.request_read_deadline = options.request_read_deadline;
-    auto guarded = std::make_unique<GuardedHttpServer>(guard);
-    guarded_server = guarded.get();
-    self->http_ = std::move(guarded);
+  // Plaintext and HTTPS take one path: the guard's connection cap (503), whole-request read
+  // deadline and SOMAXCONN backlog hold for both, and HTTPS certificates rotate without a
+  // restart (the context is looked at again for each new connection).
+  GuardedHttpOptions guard;
+  guard.max_connections = options.threads;
+  guard.request_read_deadline = options.request_read_deadline;
+  if (options.tls.enabled()) {
+    absl::StatusOr<std::unique_ptr<ReloadingSslContext>> tls =
+        ReloadingSslContext::Create(options.tls, "--tls_");
+    if (!tls.ok()) return tls.status();
+    guard.tls = *std::move(tls);
   }
+  auto guarded = std::make_unique<GuardedHttpServer>(guard);
+  GuardedHttpServer* guarded_server = guarded.get();
+  self->http_ = std::move(guarded);
   httplib::Server& http = *self->http_;
   // httplib's default also sets SO_REUSEPORT, which would let a second process share the port;
   // a busy port must be an error.
@@ -311,7 +301,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.host, ":", options.port, " (in use?)"));
   }
-  if (guarded_server != nullptr) guarded_server->RaiseListenBacklog();
+  guarded_server->RaiseListenBacklog();
   self->thread_ = std::thread([self] {
     self->http_->listen_after_bind();
     self->listen_returned_ = true;

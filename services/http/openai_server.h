@@ -5,8 +5,9 @@
 //   POST /tokenize, POST /detokenize, GET /version (vLLM's utility endpoints)
 //   GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
 //
-// Each HTTP request is served by one thread of httplib's pool (a streaming one holds its thread
-// until the stream ends) and makes one Generate call on the router. The edge keeps no model
+// Each HTTP connection is served by a thread of its own up to a cap (GuardedHttpServer; a
+// stream holds its connection until it ends), over plaintext or HTTPS alike, and each request
+// makes one Generate call on the router. The edge keeps no model
 // state, so it is scaled and restarted independently of the router. docs/http.md is the user's
 // reference; services/http/openai_protocol.h holds the translation rules.
 #ifndef SPECD_SERVICES_HTTP_OPENAI_SERVER_H_
@@ -65,6 +66,8 @@ struct OpenAiServerOptions {
   absl::Duration keepalive_interval = absl::Seconds(10);
   uint32_t default_completion_max_tokens = 16;
   // HTTPS when tls.cert is set (tls.client_ca: clients must present a certificate it signed).
+  // The files are read again on SIGHUP and when they change; new connections get the new
+  // certificate, open ones keep theirs.
   ServerTlsFiles tls;
   // Set: every route but /health and /metrics needs "Authorization: Bearer <token>" (401
   // otherwise). Not owned; must outlive the server.

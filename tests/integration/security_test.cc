@@ -2,8 +2,15 @@
 // specd-router as processes on loopback with certificates openssl makes for the test, spoken to
 // through the C++ SDK and raw gRPC. Router to draft and verify is mutual TLS; the public API
 // is TLS with bearer tokens. Also the fault suite with all of that on: router SIGTERM with
-// streams in flight, draft SIGKILL.
+// streams in flight, verify SIGTERM and restart, draft SIGKILL; and the HTTPS edge's
+// certificate rotation under a running stream.
+#include <netinet/in.h>
+#include <openssl/bn.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -18,6 +25,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
@@ -138,6 +146,57 @@ grpc::StatusCode VerifyGetInfo(const std::string& address,
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::VerifyInfo info;
   return stub->GetInfo(&context, v1::VerifyInfoRequest(), &info).error_code();
+}
+
+// "subject serial" of a PEM certificate.
+std::string Identify(X509* cert) {
+  if (cert == nullptr) return "";
+  char subject[256] = {};
+  X509_NAME_oneline(X509_get_subject_name(cert), subject, sizeof(subject));
+  BIGNUM* bn = ASN1_INTEGER_to_BN(X509_get_serialNumber(cert), nullptr);
+  char* hex = BN_bn2hex(bn);
+  std::string out = absl::StrCat(subject, " ", hex);
+  OPENSSL_free(hex);
+  BN_free(bn);
+  return out;
+}
+
+std::string CertificateInFile(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return "";
+  X509* cert = PEM_read_X509(f, nullptr, nullptr, nullptr);
+  std::fclose(f);
+  std::string out = Identify(cert);
+  X509_free(cert);
+  return out;
+}
+
+// The certificate that a new TLS connection to 127.0.0.1:port is served ("subject serial"),
+// whoever signed it; "" when the handshake fails.
+std::string CertificateServed(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+    SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
+    SSL* ssl = SSL_new(ctx);
+    SSL_set_fd(ssl, fd);
+    if (SSL_connect(ssl) == 1) {
+      X509* cert = SSL_get1_peer_certificate(ssl);
+      out = Identify(cert);
+      X509_free(cert);
+      SSL_shutdown(ssl);
+    }
+    SSL_free(ssl);
+    SSL_CTX_free(ctx);
+  }
+  close(fd);
+  return out;
 }
 
 TEST(SecurityTest, TlsClusterWithTokensServesIdenticalOutputsAndRefusesStrangers) {
@@ -355,6 +414,67 @@ TEST(SecurityTest, RouterSigtermCancelsStreamsLeftAfterTheGracePeriod) {
   EXPECT_EQ(*exit_code, 0);
 }
 
+// A verify service stopped gracefully (SIGTERM, a rolling restart) with mutual TLS and tokens
+// on: the router sees it at once, refuses meanwhile with UNAVAILABLE, and once a new verify
+// process is up no request fails (none dies on the stream the old process closed, nor on a
+// handshake with the new one).
+TEST(SecurityTest, VerifySigtermAndRestartLoseNoRequestOnceItIsBack) {
+  std::unique_ptr<SecureCluster> s = StartSecureCluster();
+  ASSERT_NE(s, nullptr);
+  CpuCluster& c = *s->cluster;
+  auto client = Connect(c.router_address, Trusting("ca.pem"), "first-token");
+  constexpr int kRequests = 8;
+  std::vector<std::vector<int32_t>> reference(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    absl::StatusOr<Completion> r =
+        client->Generate(Greedy(absl::StrCat("def g", i, "():"), 48, Speculation::kOff));
+    ASSERT_TRUE(r.ok()) << r.status();
+    reference[i] = r->token_ids;
+  }
+
+  ASSERT_EQ(::kill(c.verify->pid(), SIGTERM), 0);
+  const absl::Time stopped = absl::Now();
+  const absl::Status down =
+      c.router->WaitForHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(3));
+  ASSERT_TRUE(down.ok()) << down << "\n" << c.router->Log();
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(2));
+  const absl::StatusOr<int> code = c.verify->WaitForExit(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_EQ(client->Generate(Greedy("x", 4, Speculation::kOff)).status().code(),
+            StatusCode::kUnavailable);
+
+  c.verify.reset();
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> verify = ServiceProcess::Start(c.verify_options);
+  ASSERT_TRUE(verify.ok()) << verify.status();
+  c.verify = *std::move(verify);
+  ASSERT_TRUE(c.router->WaitUntilServing(absl::Seconds(20)).ok()) << c.router->Log();
+
+  // Once it is back: every request succeeds with the outputs of before, concurrent ones
+  // (draft model and n-gram speculation) and then one after another.
+  std::vector<absl::StatusOr<Completion>> results(kRequests, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] =
+          client->Generate(Greedy(absl::StrCat("def g", i, "():"), 48,
+                                  i % 2 == 0 ? Speculation::kDraftModel : Speculation::kNgram));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(results[i].ok()) << i << ": " << results[i].status();
+    EXPECT_EQ(results[i]->token_ids, reference[i]) << "request " << i;
+  }
+  for (int i = 0; i < kRequests; ++i) {
+    const absl::StatusOr<Completion> again =
+        client->Generate(Greedy(absl::StrCat("def g", i, "():"), 48, Speculation::kAuto));
+    ASSERT_TRUE(again.ok()) << i << ": " << again.status();
+    EXPECT_EQ(again->token_ids, reference[i]);
+  }
+  EXPECT_TRUE(c.router->Running());
+}
+
 TEST(SecurityTest, KilledDraftServiceLeavesOutputsIdenticalOverTls) {
   std::unique_ptr<SecureCluster> s = StartSecureCluster();
   ASSERT_NE(s, nullptr);
@@ -452,6 +572,110 @@ TEST(SecurityTest, HttpEdgeServesHttpsWithApiKeysAndReachesTheRouterOverTls) {
   untrusting.set_ca_cert_path(pki.Path("other-ca.pem").c_str());
   untrusting.enable_server_certificate_verification(true);
   EXPECT_FALSE(untrusting.Get("/health"));
+}
+
+// The HTTPS edge reads its certificate again on SIGHUP and when the files change: new
+// connections get the new one (its subject and serial), while a stream that began under the
+// old one runs to its end on its connection.
+TEST(SecurityTest, HttpsEdgeRotatesItsCertificateAndARunningStreamGoesOn) {
+  ::signal(SIGPIPE, SIG_IGN);
+  std::unique_ptr<SecureCluster> s = StartSecureCluster();
+  ASSERT_NE(s, nullptr);
+  CpuCluster& c = *s->cluster;
+  const TestPki& pki = Pki();
+  std::filesystem::copy_file(pki.Path("server.pem"), s->Path("edge.pem"));
+  std::filesystem::copy_file(pki.Path("server.key"), s->Path("edge.key"));
+  std::ofstream(s->Path("router-token")) << "first-token\n";
+  const int port = PickFreePort();
+  absl::StatusOr<std::unique_ptr<ServiceProcess>> edge = ServiceProcess::Spawn(
+      {SpecdBinary("specd-http"),
+       {absl::StrCat("--address=127.0.0.1:", port), "--router=" + c.router_address,
+        "--tls_cert=" + s->Path("edge.pem"), "--tls_key=" + s->Path("edge.key"),
+        "--router_tls_ca=" + pki.Path("ca.pem"), "--router_token_file=" + s->Path("router-token")},
+       absl::StrCat("127.0.0.1:", port)});
+  ASSERT_TRUE(edge.ok()) << edge.status();
+  auto health = [&](const std::string& ca) {
+    httplib::SSLClient https("localhost", port);
+    https.set_ca_cert_path(pki.Path(ca).c_str());
+    https.enable_server_certificate_verification(true);
+    httplib::Result r = https.Get("/health");
+    return r ? r->status : 0;
+  };
+  const absl::Time up = absl::Now() + absl::Seconds(30);
+  while (health("ca.pem") != 200 && absl::Now() < up) absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_EQ(health("ca.pem"), 200) << (*edge)->Log();
+  const std::string first = CertificateInFile(pki.Path("server.pem"));
+  const std::string second = CertificateInFile(pki.Path("other-server.pem"));
+  ASSERT_NE(first, second);
+  EXPECT_EQ(CertificateServed(port), first);
+
+  // A long stream, read on its own connection while the certificate changes.
+  std::atomic<bool> streaming_done{false};
+  absl::Notification first_event;
+  std::string events;
+  int stream_status = 0;
+  std::thread reader([&] {
+    httplib::SSLClient https("localhost", port);
+    https.set_ca_cert_path(pki.Path("ca.pem").c_str());
+    https.enable_server_certificate_verification(true);
+    https.set_read_timeout(120, 0);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.headers = {{"Content-Type", "application/json"}};
+    req.body =
+        R"({"prompt": "while True:", "max_tokens": 1900, "temperature": 0, "stream": true,)"
+        R"( "ignore_eos": true, "speculation": "off", "stream_options": {"include_usage": true}})";
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      events.append(data, n);
+      if (!first_event.HasBeenNotified()) first_event.Notify();
+      return true;
+    };
+    httplib::Result r = https.send(req);
+    stream_status = r ? r->status : 0;
+    streaming_done = true;
+    if (!first_event.HasBeenNotified()) first_event.Notify();
+  });
+  ASSERT_TRUE(first_event.WaitForNotificationWithTimeout(absl::Seconds(60)));
+
+  // Rotation with SIGHUP while the stream runs: the very next connection has the new
+  // certificate (and only clients of the new CA accept it).
+  ReplaceFile(s->Path("edge.key"), pki.Pem("other-server.key"));
+  ReplaceFile(s->Path("edge.pem"), pki.Pem("other-server.pem"));
+  ASSERT_EQ(::kill((*edge)->pid(), SIGHUP), 0);
+  absl::SleepFor(absl::Milliseconds(100));  // the signal is counted on the edge's own thread
+  EXPECT_EQ(CertificateServed(port), second) << (*edge)->Log();
+  EXPECT_FALSE(streaming_done.load()) << "the stream ended before the rotation";
+  EXPECT_EQ(health("other-ca.pem"), 200);
+  EXPECT_EQ(health("ca.pem"), 0) << "a client trusting only the old CA was served";
+
+  // A half-done rotation (a key that is not the certificate's) keeps the working pair.
+  ReplaceFile(s->Path("edge.key"), pki.Pem("server.key"));
+  ASSERT_EQ(::kill((*edge)->pid(), SIGHUP), 0);
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(CertificateServed(port), second);
+  EXPECT_EQ(health("other-ca.pem"), 200);
+
+  // Rotation by the files alone (as a Kubernetes Secret update does), completing the half-done
+  // one: seen by new connections within the polling period.
+  ReplaceFile(s->Path("edge.pem"), pki.Pem("server.pem"));
+  const absl::Time end = absl::Now() + absl::Seconds(15);
+  std::string served = CertificateServed(port);
+  while (served != first && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(200));
+    served = CertificateServed(port);
+  }
+  EXPECT_EQ(served, first) << (*edge)->Log();
+  EXPECT_EQ(health("ca.pem"), 200);
+
+  // The stream that began before all this ends normally with every token.
+  reader.join();
+  EXPECT_EQ(stream_status, 200);
+  EXPECT_EQ(events.find("\"error\""), std::string::npos) << events.substr(0, 2000);
+  EXPECT_NE(events.find("\"completion_tokens\":1900"), std::string::npos)
+      << events.substr(events.size() > 2000 ? events.size() - 2000 : 0);
+  EXPECT_NE(events.rfind("data: [DONE]"), std::string::npos);
+  EXPECT_TRUE((*edge)->Running());
 }
 
 }  // namespace

@@ -122,5 +122,31 @@ TEST(TokenizerFixtureTest, MatchesHuggingFaceTokenizers) {
   }
 }
 
+// The encode cases again after emptying the word cache: the first pass fills it (a second
+// Encode of the same text reads it), the pass after ClearEncodeCache computes every word again;
+// both must match Hugging Face.
+TEST(TokenizerFixtureTest, EncodeMatchesAfterTheCacheIsEmptied) {
+  const std::vector<fs::path> dirs = FixtureDirs();
+  if (dirs.empty()) GTEST_SKIP() << "no tokenizer fixtures under " << FixtureRoot();
+  for (const fs::path& dir : dirs) {
+    const std::string folder = dir.filename().string();
+    SCOPED_TRACE(folder);
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tok =
+        Tokenizer::FromFile((dir / "tokenizer.json").string());
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    std::ifstream in(dir / "cases.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const json cases = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(cases.contains("encode")) << folder;
+    int checked = 0;
+    for (int pass = 0; pass < 3; ++pass) {
+      CheckCases(**tok, cases["encode"], "encode", folder, &checked);
+      if (pass == 1) (*tok)->ClearEncodeCache();
+    }
+    EXPECT_GT(checked, 0);
+  }
+}
+
 }  // namespace
 }  // namespace specd
