@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "common/token_tree.h"
 #include "engine/backend.h"
+#include "engine/cuda/cuda_tp_backend.h"
 #include "engine/sampling.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/testutil/random_checkpoint.h"
@@ -167,7 +168,9 @@ bool GreedyNearTie(const VerifyItem& item, absl::Span<const float> row, int node
 
 class CudaVerifySamplingTest : public gpu_test::GpuTest {};
 
-TEST_F(CudaVerifySamplingTest, MatchesHostReferenceTargetOnlyAndCpu) {
+// cuda_backend_test's llama3 model, whose rows it holds to the CPU's within 2e-2 (drafts of the
+// target-only continuation get accepted however flat the distributions are).
+std::string WriteModel() {
   RandomCheckpointSpec spec;
   spec.vocab_size = kVocab;
   spec.hidden_size = 128;
@@ -177,18 +180,17 @@ TEST_F(CudaVerifySamplingTest, MatchesHostReferenceTargetOnlyAndCpu) {
   spec.num_kv_heads = 2;
   spec.head_dim = 64;
   spec.dtype = DType::kBF16;
-  // cuda_backend_test's llama3 model, whose rows it holds to the CPU's within 2e-2 (drafts of the
-  // target-only continuation get accepted however flat the distributions are).
   spec.init_std = 0.08f;
   spec.llama3_rope_scaling = true;
   spec.rope_theta = 500000.0f;
   spec.model_type = "llama";
   const std::string dir = MakeTempDir("cuda_verify_sampling_");
-  ASSERT_TRUE(WriteRandomCheckpoint(dir, spec).ok());
-  std::unique_ptr<Backend> gpu = Load(dir, "cuda:0");
-  std::unique_ptr<Backend> cpu = Load(dir, "cpu");
-  ASSERT_NE(gpu, nullptr);
-  ASSERT_NE(cpu, nullptr);
+  EXPECT_TRUE(WriteRandomCheckpoint(dir, spec).ok());
+  return dir;
+}
+
+// Every batch of Batches() through `gpu`'s Verify(), against the three oracles.
+void CheckAgainstOracles(Backend* gpu, Backend* cpu) {
   const VerifyFeatures features = gpu->verify_features();
   EXPECT_TRUE(features.logits_processors);
   EXPECT_TRUE(features.logprobs);
@@ -416,6 +418,35 @@ TEST_F(CudaVerifySamplingTest, MatchesHostReferenceTargetOnlyAndCpu) {
   }
   // Drafts of the target-only continuation must get accepted, or the trees test nothing.
   EXPECT_GE(batches_with_acceptance, static_cast<int>(Batches().size()) - 1);
+}
+
+TEST_F(CudaVerifySamplingTest, MatchesHostReferenceTargetOnlyAndCpu) {
+  const std::string dir = WriteModel();
+  std::unique_ptr<Backend> gpu = Load(dir, "cuda:0");
+  std::unique_ptr<Backend> cpu = Load(dir, "cpu");
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_NE(cpu, nullptr);
+  CheckAgainstOracles(gpu.get(), cpu.get());
+}
+
+// The tensor-parallel CUDA backend over two GPUs (one where the host has one: the same split of
+// the batch, and the ranks' device path, with a group of one).
+TEST_F(CudaVerifySamplingTest, TensorParallelMatchesHostReferenceTargetOnlyAndCpu) {
+  int n = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+  const std::string dir = WriteModel();
+  BackendOptions options;
+  options.device = "cuda:0";
+  options.kv_capacity_tokens = 8192;
+  CudaTpOptions tp;
+  for (int d = 0; d < std::min(n, 2); ++d) tp.devices.push_back(d);
+  absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> gpu =
+      CudaTensorParallelBackend::Create(dir, options, tp);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  std::unique_ptr<Backend> cpu = Load(dir, "cpu");
+  ASSERT_NE(cpu, nullptr);
+  std::printf("tensor parallel over %zu GPU(s)\n", tp.devices.size());
+  CheckAgainstOracles(gpu->get(), cpu.get());
 }
 
 // Bad input names the field and changes nothing: a logit_bias id outside the vocabulary, in a
