@@ -1587,7 +1587,7 @@ absl::Status CudaBackend::ForwardTopK(absl::Span<const ForwardItem> items,
 // eagerly), one copy of the outcomes back.
 
 bool CudaBackend::SamplesOnDevice(const VerifyItem &item) {
-  return !item.sampling.has_processors() && item.sampling.min_p <= 0.0f;
+  return !item.sampling.has_processors();
 }
 
 bool CudaBackend::LogprobsOnDevice(const VerifyItem &item) {
@@ -1607,7 +1607,7 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
         return absl::FailedPreconditionError(absl::StrCat(
             "verify item ", b,
             ": a tensor-parallel rank verifies on the device only (no logits "
-            "processors, min_p or logprobs); the group serves the rest"));
+            "processors or logprobs); the group serves the rest"));
       }
     }
     return VerifyOnDevice(items);
@@ -1733,6 +1733,7 @@ CudaBackend::VerifyOnDevice(absl::Span<const VerifyItem> items) {
       r.temperature = it.sampling.temperature;
       r.top_p = it.sampling.top_p;
       r.top_k = it.sampling.top_k;
+      r.min_p = it.sampling.min_p;
     }
   }
   if (step.padded) {

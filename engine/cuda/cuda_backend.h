@@ -15,8 +15,8 @@
 // then a single copy of the outcomes to the host (and, for items that ask for
 // logprobs, of their rows' top-n, sampled-token log-probability and rank,
 // kernels/cuda/topk.cu). Items whose sampling the device sampler lacks (logits
-// processors, min_p, processed logprobs of sampled rows) take the host
-// acceptance path over this backend's Forward() rows instead (VerifySplit).
+// processors, processed logprobs of sampled rows) take the host acceptance
+// path over this backend's Forward() rows instead (VerifySplit).
 //
 // Attention masks. A scratch node sees the committed prefix, then the run of
 // scratch nodes 0..a that form a chain from the committed end (its deepest such
@@ -132,8 +132,8 @@ public:
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
   // Items VerifiesOnDevice() accepts sample, accept and compute their
-  // logprobs on the device; the rest (logits processors, min_p, processed
-  // logprobs of sampled rows) take the host path over this backend's Forward()
+  // logprobs on the device; the rest (logits processors, processed logprobs
+  // of sampled rows) take the host path over this backend's Forward()
   // rows (VerifySplit). A rank of a group serves SamplesOnDevice() items
   // without logprobs only: CudaTensorParallelBackend splits the batch.
   absl::StatusOr<std::vector<VerifyOutcome>>
@@ -141,8 +141,8 @@ public:
   VerifyFeatures verify_features() const override {
     return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
   }
-  // Whether the device sampler serves `item`'s sampling: no logits processor,
-  // no min_p.
+  // Whether the device sampler serves `item`'s sampling (temperature, min_p,
+  // top-k, top-p): no logits processor.
   static bool SamplesOnDevice(const VerifyItem &item);
   // Whether the device computes `item`'s logprobs: none asked for, raw mode,
   // or processed mode of a greedy row (log_softmax of the row itself when no

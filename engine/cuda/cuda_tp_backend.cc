@@ -130,7 +130,7 @@ absl::Status CudaTensorParallelBackend::Commit(SeqId seq, absl::Span<const int32
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::Verify(
     absl::Span<const VerifyItem> items) {
-  // Items with logits processors, min_p or logprobs take the host path over the group's
+  // Items with logits processors or logprobs take the host path over the group's
   // Forward() (every rank's columns: a rank alone has a slice of each row); the ranks accept the
   // rest on their devices.
   return VerifySplit(

@@ -1,7 +1,8 @@
 // The CUDA backend's Verify() with the logits processors (logit_bias, the penalties,
-// min_tokens), min_p and logprobs (raw and processed; computed on the device for plain sampling
-// in raw mode and for greedy rows, on the host over the GPU's rows otherwise), alone and in
-// batches that mix items of both paths, held against three oracles:
+// min_tokens; on the host over the GPU's rows), min_p (on the device) and logprobs (raw and
+// processed; on the device for sampling without processors in raw mode and for greedy rows, on
+// the host otherwise), alone and in batches that mix items of both paths, held against three
+// oracles:
 //  - the host reference over the same GPU's logits: a twin sequence fed the same steps through
 //    Forward() and AcceptTreeOnHost() (engine/sampling.cc's ProcessLogits, SampleToken and
 //    ComputeLogprobs) must give the same tokens, accepted nodes and ranks, and logprobs within
@@ -97,13 +98,17 @@ std::vector<Batch> Batches() {
   });
   const SamplingParams seeded_plain = with(seeded, [](SamplingParams& p) { p.top_k = 40; });
   using M = LogprobsMode;
+  const SamplingParams min_p_only = with(seeded, [](SamplingParams& p) { p.min_p = 0.2f; });
   return {
+      // Logits processors: on the host, over the GPU's rows.
       {"logit_bias", {{"greedy", bias}}},
       {"penalties", {{"greedy", penalties}}},
       {"min_tokens", {{"greedy", min_tokens}}},
-      {"min_p", {{"seeded", min_p}}},
       {"seeded_processors", {{"seeded", seeded_all}}},
-      // Plain sampling with raw logprobs, or processed ones of greedy rows: on the device.
+      // Sampling without processors (min_p too), with raw logprobs, or processed ones of greedy
+      // rows: on the device.
+      {"min_p", {{"seeded", min_p}}},
+      {"min_p_only_logprobs_raw", {{"seeded", min_p_only, 3, M::kRaw}}},
       {"logprobs_raw_greedy", {{"plain", greedy, 5, M::kRaw}}},
       {"logprobs_raw_seeded_plain", {{"plain", seeded_plain, 20, M::kRaw}}},
       {"logprobs_processed_greedy_plain", {{"plain", greedy, 20, M::kProcessed}}},
@@ -120,6 +125,7 @@ std::vector<Batch> Batches() {
         {"plain_seeded_processed_logprobs", seeded_plain, 1, M::kProcessed},
         {"bias_raw", bias, 3, M::kRaw},
         {"plain_seeded", seeded_plain},
+        {"min_p", min_p},
         {"seeded_processed", seeded_all, 5, M::kProcessed},
         {"penalties", penalties},
         {"plain_greedy_2", greedy}}},
