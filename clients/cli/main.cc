@@ -472,7 +472,9 @@ int Info(const Args& args) {
             {"max_context", info->max_context},
             {"eos_token_ids", info->eos_token_ids},
             {"max_new_tokens_limit", info->max_new_tokens_limit},
-            {"draft_available", info->draft_available}};
+            {"draft_available", info->draft_available},
+            {"supports_logprobs", info->supports_logprobs},
+            {"supports_logits_processors", info->supports_logits_processors}};
   std::printf("%s\n", Dump(j).c_str());
   return 0;
 }

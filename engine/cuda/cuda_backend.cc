@@ -1586,8 +1586,40 @@ absl::Status CudaBackend::ForwardTopK(absl::Span<const ForwardItem> items,
 // Verify on the device: one metadata upload, one graph (or the same launches
 // eagerly), one copy of the outcomes back.
 
+bool CudaBackend::SamplesOnDevice(const VerifyItem &item) {
+  return !item.sampling.has_processors();
+}
+
+bool CudaBackend::LogprobsOnDevice(const VerifyItem &item) {
+  return item.logprobs < 0 || item.logprobs_mode == LogprobsMode::kRaw ||
+         item.sampling.greedy();
+}
+
 absl::StatusOr<std::vector<VerifyOutcome>>
 CudaBackend::Verify(absl::Span<const VerifyItem> items) {
+  if (world_ > 1) {
+    // A rank's Forward() fills only its columns, so the host path belongs to
+    // the group (CudaTensorParallelBackend::Verify), never to one rank.
+    // A rank holds a slice of the vocabulary, so log-probabilities (a whole
+    // row's log-sum-exp and top-n) are the group's too.
+    for (size_t b = 0; b < items.size(); ++b) {
+      if (!SamplesOnDevice(items[b]) || items[b].logprobs >= 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "verify item ", b,
+            ": a tensor-parallel rank verifies on the device only (no logits "
+            "processors or logprobs); the group serves the rest"));
+      }
+    }
+    return VerifyOnDevice(items);
+  }
+  return VerifySplit(*this, items, VerifiesOnDevice,
+                     [this](absl::Span<const VerifyItem> device_items) {
+                       return VerifyOnDevice(device_items);
+                     });
+}
+
+absl::StatusOr<std::vector<VerifyOutcome>>
+CudaBackend::VerifyOnDevice(absl::Span<const VerifyItem> items) {
   const auto t_enter = std::chrono::steady_clock::now();
   const int vocab = config_.vocab_size;
   std::vector<ForwardItem> forward(items.size());
@@ -1602,6 +1634,11 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
       return s;
     if (absl::Status s = ValidateSamplingParams(it.sampling); !s.ok())
       return s;
+    if (it.logprobs < -1 || it.logprobs > kMaxLogprobs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("verify item ", b, ": logprobs ", it.logprobs,
+                       " must be in [-1, ", kMaxLogprobs, "]"));
+    }
     auto found = seqs_.find(it.seq);
     if (found == seqs_.end()) {
       return absl::NotFoundError(
@@ -1696,6 +1733,7 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
       r.temperature = it.sampling.temperature;
       r.top_p = it.sampling.top_p;
       r.top_k = it.sampling.top_k;
+      r.min_p = it.sampling.min_p;
     }
   }
   if (step.padded) {
@@ -1719,6 +1757,38 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
   step.o_out = pack.Add(std::vector<int32_t>(out_count));
 
   SPECD_RETURN_IF_ERROR_(PrepareBuffers(step, pack.bytes().size()));
+
+  // Log-probabilities: every sampling row of the items that ask (the walk's
+  // rows are known only after acceptance), the top-n of the widest request,
+  // and each row's sampled token's log-probability and rank, by one launch
+  // after the step; only [rows, n] come back. The rows go up before the step
+  // is launched, so nothing waits on the host in between.
+  std::vector<int32_t> lp_rows;
+  std::vector<int64_t> lp_first(num_seqs, -1); // item's first entry in lp_rows
+  int lp_k = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    if (items[b].logprobs < 0)
+      continue;
+    lp_first[b] = static_cast<int64_t>(lp_rows.size());
+    for (int j = 0; j <= items[b].tree.size(); ++j)
+      lp_rows.push_back(static_cast<int32_t>(step.item_row_begin[b] + j));
+    lp_k = std::max(lp_k, items[b].logprobs);
+  }
+  lp_k = std::min(lp_k, vocab);
+  const int64_t lp_n = static_cast<int64_t>(lp_rows.size());
+  // [lp_n] row index, then [lp_n, lp_k] ids, [lp_n, lp_k] log-probabilities,
+  // [lp_n] token log-probabilities and [lp_n] ranks (copied back in one go).
+  const size_t lp_index_bytes = (lp_n * sizeof(int32_t) + 15) / 16 * 16;
+  const size_t lp_result_bytes =
+      lp_n * (lp_k + 1) * (sizeof(int32_t) + sizeof(float));
+  std::vector<char> lp_host(lp_result_bytes);
+  if (lp_n > 0) {
+    SPECD_RETURN_IF_ERROR_(Ensure(&topk_, lp_index_bytes + lp_result_bytes));
+    SPECD_CUDA_RETURN_(cudaMemcpyAsync(topk_.ptr, lp_rows.data(),
+                                       lp_n * sizeof(int32_t),
+                                       cudaMemcpyHostToDevice, stream_),
+                       "uploading logprob rows");
+  }
   const bool timing = phase_timing_ && world_ == 1;
   if (timing) {
     for (cudaEvent_t &e : phase_events_) {
@@ -1731,6 +1801,30 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
   const auto t_upload = std::chrono::steady_clock::now();
   SPECD_RETURN_IF_ERROR_(UploadMeta(pack));
   SPECD_RETURN_IF_ERROR_(Execute(step));
+  if (lp_n > 0) {
+    char *base = static_cast<char *>(topk_.ptr);
+    cuda::TopKLogprobsParams p;
+    p.logits = static_cast<const float *>(logits_.ptr);
+    p.logits_stride = vocab_rows_;
+    p.row_index = reinterpret_cast<const int32_t *>(base);
+    p.num_rows = lp_n;
+    p.vocab_size = vocab;
+    p.k = lp_k;
+    p.ids = reinterpret_cast<int32_t *>(base + lp_index_bytes);
+    p.logprobs = reinterpret_cast<float *>(p.ids + lp_n * lp_k);
+    p.tokens = At<int32_t>(meta_.ptr, step.o_sampled);
+    p.token_logprobs = p.logprobs + lp_n * lp_k;
+    p.token_ranks = reinterpret_cast<int32_t *>(p.token_logprobs + lp_n);
+    if (lp_k == 0) {
+      p.ids = nullptr;
+      p.logprobs = nullptr;
+    }
+    SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream_), "logprobs launch");
+    SPECD_CUDA_RETURN_(cudaMemcpyAsync(lp_host.data(), base + lp_index_bytes,
+                                       lp_result_bytes, cudaMemcpyDeviceToHost,
+                                       stream_),
+                       "copying logprobs");
+  }
   if (host_out_count_ < out_count) {
     if (host_out_ != nullptr)
       cudaFreeHost(host_out_);
@@ -1766,6 +1860,27 @@ CudaBackend::Verify(absl::Span<const VerifyItem> items) {
     o.tokens.assign(toks, toks + n + 1);
     o.accepted_nodes.assign(nodes, nodes + n);
     o.accepted_draft = n;
+    if (lp_first[b] >= 0) {
+      // Token j was drawn from the row of its parent on the accepted path.
+      const int32_t *ids = reinterpret_cast<const int32_t *>(lp_host.data());
+      const float *lps = reinterpret_cast<const float *>(ids + lp_n * lp_k);
+      const float *token_lps = lps + lp_n * lp_k;
+      const int32_t *ranks =
+          reinterpret_cast<const int32_t *>(token_lps + lp_n);
+      for (int j = 0; j <= n; ++j) {
+        const int64_t e =
+            lp_first[b] + (j == 0 ? 0 : o.accepted_nodes[j - 1] + 1);
+        TokenLogprobs &t = o.logprobs.emplace_back();
+        t.logprob = token_lps[e];
+        t.rank = ranks[e];
+        for (int m = 0; m < std::min(items[b].logprobs, lp_k); ++m) {
+          // Probability 0 (a -inf logit) is never listed, as on the host.
+          if (std::isinf(lps[e * lp_k + m]))
+            break;
+          t.top.push_back({ids[e * lp_k + m], lps[e * lp_k + m]});
+        }
+      }
+    }
     Sequence &s = *batch->seqs[b];
     s.committed += static_cast<int64_t>(items[b].pending.size()) + n;
     s.scratch_parents.clear();

@@ -12,7 +12,11 @@
 // Verify() runs on the device end to end: one forward pass over every
 // sequence's pending tokens and tree, sampling of every tree row (Philox, the
 // host sampler's semantics), tree acceptance and compaction of the accepted KV,
-// then a single copy of the outcomes to the host.
+// then a single copy of the outcomes to the host (and, for items that ask for
+// logprobs, of their rows' top-n, sampled-token log-probability and rank,
+// kernels/cuda/topk.cu). Items whose sampling the device sampler lacks (logits
+// processors, processed logprobs of sampled rows) take the host acceptance
+// path over this backend's Forward() rows instead (VerifySplit).
 //
 // Attention masks. A scratch node sees the committed prefix, then the run of
 // scratch nodes 0..a that form a chain from the committed end (its deepest such
@@ -127,8 +131,26 @@ public:
                            TopKRows *out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
+  // Items VerifiesOnDevice() accepts sample, accept and compute their
+  // logprobs on the device; the rest (logits processors, processed logprobs
+  // of sampled rows) take the host path over this backend's Forward()
+  // rows (VerifySplit). A rank of a group serves SamplesOnDevice() items
+  // without logprobs only: CudaTensorParallelBackend splits the batch.
   absl::StatusOr<std::vector<VerifyOutcome>>
   Verify(absl::Span<const VerifyItem> items) override;
+  VerifyFeatures verify_features() const override {
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
+  }
+  // Whether the device sampler serves `item`'s sampling (temperature, min_p,
+  // top-k, top-p): no logits processor.
+  static bool SamplesOnDevice(const VerifyItem &item);
+  // Whether the device computes `item`'s logprobs: none asked for, raw mode,
+  // or processed mode of a greedy row (log_softmax of the row itself when no
+  // processor edits it).
+  static bool LogprobsOnDevice(const VerifyItem &item);
+  static bool VerifiesOnDevice(const VerifyItem &item) {
+    return SamplesOnDevice(item) && LogprobsOnDevice(item);
+  }
 
   // Forward() for one rank of a group: writes this rank's vocabulary columns
   // of `logits`, [rows of all items, vocab_size] fp32, host, which the caller
@@ -285,6 +307,10 @@ private:
                           const float *weight,
                           cuda::DeadRows dead0 = {},
                           cuda::DeadRows dead1 = {});
+  // Verify() of items that VerifiesOnDevice(): sampling, acceptance and KV
+  // compaction on the device.
+  absl::StatusOr<std::vector<VerifyOutcome>>
+  VerifyOnDevice(absl::Span<const VerifyItem> items);
   // Turns the [R, local vocab] logits into sampled tokens (verify steps).
   absl::Status SampleRows(const Step &step, int32_t *tokens);
 
@@ -356,7 +382,9 @@ private:
   Scratch attn_ws_;  // split-KV workspace
   Scratch sample_ws_;  // split-vocabulary sampling workspace (SampleWorkspaceBytes)
   Scratch verify_;   // sampling and acceptance outputs
-  Scratch topk_;     // ForwardTopK(): row index, ids, log-probabilities
+  // ForwardTopK(): row index, ids, log-probabilities; Verify() logprobs: the
+  // same, then the sampled tokens' log-probabilities and ranks.
+  Scratch topk_;
   // Tensor parallel verify: this rank's candidates [R] and everyone's
   // [world, R] (cuda::SampleCandidate); or everyone's logits [world, R,
   // vocab_rows_max_] fp32 and the whole rows [R, vocab] fp32.

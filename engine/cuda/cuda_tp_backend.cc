@@ -130,6 +130,19 @@ absl::Status CudaTensorParallelBackend::Commit(SeqId seq, absl::Span<const int32
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::Verify(
     absl::Span<const VerifyItem> items) {
+  // Items with logits processors or logprobs take the host path over the group's
+  // Forward() (every rank's columns: a rank alone has a slice of each row); the ranks accept the
+  // rest on their devices.
+  return VerifySplit(
+      *this, items,
+      [](const VerifyItem& item) {
+        return CudaBackend::SamplesOnDevice(item) && item.logprobs < 0;
+      },
+      [this](absl::Span<const VerifyItem> device_items) { return VerifyOnRanks(device_items); });
+}
+
+absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::VerifyOnRanks(
+    absl::Span<const VerifyItem> items) {
   std::vector<absl::StatusOr<std::vector<VerifyOutcome>>> outcomes(ranks_.size());
   absl::Status s = workers_.Run([&](int r) {
     outcomes[r] = ranks_[r]->Verify(items);

@@ -61,9 +61,14 @@ class CudaTensorParallelBackend : public Backend {
   bool pads_rows() const override { return ranks_[0]->pads_rows(); }
   ExecutionCounts execution_counts() const override { return ranks_[0]->execution_counts(); }
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
+  VerifyFeatures verify_features() const override {
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
+  }
 
  private:
   CudaTensorParallelBackend(TpPlan plan, int world);
+  // Verify() of items that CudaBackend::VerifiesOnDevice(), on every rank in lockstep.
+  absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnRanks(absl::Span<const VerifyItem> items);
   // Calls fn on each rank in turn on this thread (host-only calls); the first error wins.
   absl::Status OnEveryRank(const std::function<absl::Status(CudaBackend&)>& fn);
 

@@ -238,13 +238,14 @@ __device__ __forceinline__ float GumbelScreen(double u) {
 
 // Whether a row needs the top-k/top-p threshold search (else the split path can take it).
 __device__ __forceinline__ bool IsFiltered(const SampleRowParams& rp, int vocab) {
-  return rp.temperature > 0.0f && ((rp.top_k > 0 && rp.top_k < vocab) || rp.top_p < 1.0f);
+  return rp.temperature > 0.0f &&
+         ((rp.top_k > 0 && rp.top_k < vocab) || rp.top_p < 1.0f || rp.min_p > 0.0f);
 }
 
 // Rows candidate mode accepts (engine/tp/tp_plan.h VocabParallelSamplingSupported): top_k is judged
 // against the global vocabulary, which a shard does not know, so only "no limit" passes.
 __device__ __forceinline__ bool CandidateAllowed(const SampleRowParams& rp) {
-  return !(rp.temperature > 0.0f) || (rp.top_k == 0 && rp.top_p >= 1.0f);
+  return !(rp.temperature > 0.0f) || (rp.top_k == 0 && rp.top_p >= 1.0f && !(rp.min_p > 0.0f));
 }
 
 // Whether SampleSplitKernel takes the row (with a workspace); SampleKernel takes the others.
@@ -314,9 +315,24 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool on
   const bool use_k = rp.top_k > 0 && rp.top_k < vocab;
   const bool use_p = rp.top_p < 1.0f;
   uint64_t lower = 0;  // kept: keys >= lower (every key is > 0)
+  if (rp.min_p > 0.0f) {
+    // The host's test, exp((x - max) / T) >= min_p in fp64, keeps a prefix of the sorted order
+    // (the argmax always): its smallest kept key is the threshold.
+    uint64_t smallest = ~uint64_t{0};
+    for (int id = threadIdx.x; id < vocab; id += kThreads) {
+      const float x = logits[id];
+      const uint64_t key = SortKey(x, id);
+      if (exp((static_cast<double>(x) - max_logit) * inv_t) >= static_cast<double>(rp.min_p) &&
+          key < smallest) {
+        smallest = key;
+      }
+    }
+    lower = ~BlockMaxU64(~smallest, s);
+  }
   if (use_k) {
-    lower =
-        Descend<false>(logits, vocab, 0, static_cast<uint32_t>(rp.top_k), 0.0, 0.0, 0.0, 0.0, s);
+    // Top-k of what min-p kept (all of it when fewer remain).
+    lower = Descend<false>(logits, vocab, lower, static_cast<uint32_t>(rp.top_k), 0.0, 0.0, 0.0,
+                           0.0, s);
   }
   if (use_p) {
     double total = 0.0;

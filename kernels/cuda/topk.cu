@@ -1,4 +1,5 @@
 // Per-row top-k log-probabilities (specd/kernels/cuda/topk.h).
+#include <algorithm>
 #include <cstdint>
 
 #include "device_utils.cuh"
@@ -8,9 +9,7 @@ namespace specd {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kLists = kThreads / 32;  // lists each lane of the merging warp owns
-constexpr int32_t kNoId = INT32_MAX;   // sentinel candidates lose to every real one
+constexpr int32_t kNoId = INT32_MAX;  // sentinel candidates lose to every real one
 
 // The host order: larger key, then smaller id.
 __device__ __forceinline__ bool Better(float a, int32_t a_id, float b, int32_t b_id) {
@@ -21,13 +20,16 @@ __device__ __forceinline__ float OrderKey(float v) { return isnan(v) ? -INFINITY
 
 // K: the candidates each thread keeps, a power of two >= the requested k, so the lists live in
 // registers (every index is static after unrolling); the first k of the merged K are the top k.
-template <int K>
+// kThreads: the CTA, fewer for the largest K so that the lists fit the static shared memory.
+template <int K, int kThreads>
 __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParams p) {
+  constexpr int kLists = kThreads / 32;  // lists each lane of the merging warp owns
   __shared__ float s_val[K][kThreads];
   __shared__ int32_t s_id[K][kThreads];
   __shared__ float s_best_val[K];
   __shared__ int32_t s_best_id[K];
   __shared__ double s_sum[kThreads / 32];
+  __shared__ int32_t s_higher[kThreads / 32];
 
   const int64_t out_row = blockIdx.x;
   const int64_t in_row = p.row_index != nullptr ? p.row_index[out_row] : out_row;
@@ -76,7 +78,9 @@ __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParam
     int head[kLists];
 #pragma unroll
     for (int m = 0; m < kLists; ++m) head[m] = 0;
-    for (int r = 0; r < p.k; ++r) {
+    // At least the best one: the log-sum-exp shifts by the row's maximum even when k = 0.
+    const int merged = p.k > 0 ? p.k : 1;
+    for (int r = 0; r < merged; ++r) {
       float best = -INFINITY;
       int32_t best_id = kNoId;
       int from = -1;
@@ -117,44 +121,70 @@ __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParam
   __syncthreads();
 
   const double max_l = static_cast<double>(s_best_val[0]);
+  const bool with_token = p.tokens != nullptr;
+  const int32_t token = with_token ? p.tokens[in_row] : 0;
+  const float token_key = with_token ? OrderKey(row[token]) : 0.0f;
   double sum = 0.0;
+  int32_t higher = 0;
   for (int i = t; i < vocab; i += kThreads) {
-    sum += exp(static_cast<double>(OrderKey(row[i])) - max_l);
+    const float x = OrderKey(row[i]);
+    sum += exp(static_cast<double>(x) - max_l);
+    higher += x > token_key ? 1 : 0;
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(internal::kFullMask, sum, o);
-  if ((t & 31) == 0) s_sum[t >> 5] = sum;
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_xor_sync(internal::kFullMask, sum, o);
+    higher += __shfl_xor_sync(internal::kFullMask, higher, o);
+  }
+  if ((t & 31) == 0) {
+    s_sum[t >> 5] = sum;
+    s_higher[t >> 5] = higher;
+  }
   __syncthreads();
-  if (t < p.k) {
-    double total = 0.0;
+  double total = 0.0;
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += s_sum[w];
-    const double log_z = max_l + log(total);
+  for (int w = 0; w < kThreads / 32; ++w) total += s_sum[w];
+  const double log_z = max_l + log(total);
+  if (t < p.k) {
     p.ids[out_row * p.k + t] = s_best_id[t];
     p.logprobs[out_row * p.k + t] = static_cast<float>(static_cast<double>(s_best_val[t]) - log_z);
+  }
+  if (with_token && t == 0) {
+    int32_t rank = 1;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) rank += s_higher[w];
+    p.token_logprobs[out_row] = static_cast<float>(static_cast<double>(token_key) - log_z);
+    p.token_ranks[out_row] = rank;
   }
 }
 
 }  // namespace
 
 cudaError_t TopKLogprobsCuda(const TopKLogprobsParams& p, cudaStream_t stream) {
-  if (p.k < 1 || p.k > kMaxTopK || p.vocab_size < p.k || p.vocab_size >= (int64_t{1} << 31) ||
-      p.num_rows < 0 || p.logits_stride < p.vocab_size || p.logits == nullptr || p.ids == nullptr ||
-      p.logprobs == nullptr) {
+  const bool with_token = p.tokens != nullptr;
+  if (with_token != (p.token_logprobs != nullptr) || with_token != (p.token_ranks != nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.k < (with_token ? 0 : 1) || p.k > kMaxTopK || p.vocab_size < std::max(p.k, 1) ||
+      p.vocab_size >= (int64_t{1} << 31) || p.num_rows < 0 || p.logits_stride < p.vocab_size ||
+      p.logits == nullptr || (p.k > 0 && (p.ids == nullptr || p.logprobs == nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (p.num_rows == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.num_rows));
+  // k = 0 still finds the row's maximum (the log-sum-exp's shift) through the K = 1 build.
   if (p.k <= 1) {
-    TopKLogprobsKernel<1><<<grid, kThreads, 0, stream>>>(p);
+    TopKLogprobsKernel<1, 256><<<grid, 256, 0, stream>>>(p);
   } else if (p.k <= 2) {
-    TopKLogprobsKernel<2><<<grid, kThreads, 0, stream>>>(p);
+    TopKLogprobsKernel<2, 256><<<grid, 256, 0, stream>>>(p);
   } else if (p.k <= 4) {
-    TopKLogprobsKernel<4><<<grid, kThreads, 0, stream>>>(p);
+    TopKLogprobsKernel<4, 256><<<grid, 256, 0, stream>>>(p);
   } else if (p.k <= 8) {
-    TopKLogprobsKernel<8><<<grid, kThreads, 0, stream>>>(p);
+    TopKLogprobsKernel<8, 256><<<grid, 256, 0, stream>>>(p);
+  } else if (p.k <= 16) {
+    TopKLogprobsKernel<16, 256><<<grid, 256, 0, stream>>>(p);
   } else {
-    TopKLogprobsKernel<16><<<grid, kThreads, 0, stream>>>(p);
+    TopKLogprobsKernel<32, 128><<<grid, 128, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

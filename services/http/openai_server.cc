@@ -373,6 +373,8 @@ ProtocolOptions OpenAiServer::CurrentProtocolOptions() {
       if (alias != model_name_) model_aliases_.push_back(alias);
     }
     max_context_ = info.max_context();
+    model_features_.logprobs = info.supports_logprobs();
+    model_features_.logits_processors = info.supports_logits_processors();
   } else {
     SPECD_LOG(WARNING) << "specd-http: GetModelInfo on " << options_.router_address << ": "
                        << status.error_message();
@@ -585,7 +587,8 @@ void OpenAiServer::HandleModels(httplib::Response& res) {
   if (!HaveModel(protocol, res)) return;
   absl::MutexLock lock(&model_mu_);
   res.set_content(DumpJson({{"object", "list"},
-                            {"data", json::array({ModelJson(protocol.model_name, max_context_)})}}),
+                            {"data", json::array({ModelJson(protocol.model_name, max_context_,
+                                                                   model_features_)})}}),
                   "application/json");
 }
 
@@ -600,7 +603,8 @@ void OpenAiServer::HandleModel(const std::string& id, httplib::Response& res) {
     return;
   }
   absl::MutexLock lock(&model_mu_);
-  res.set_content(DumpJson(ModelJson(protocol.model_name, max_context_)), "application/json");
+  res.set_content(DumpJson(ModelJson(protocol.model_name, max_context_, model_features_)),
+                  "application/json");
 }
 
 absl::StatusOr<std::vector<int32_t>> OpenAiServer::Tokenize(const std::string& text,

@@ -34,6 +34,7 @@
 #include "prometheus/registry.h"
 #include "services/http/chat_template.h"
 #include "services/http/openai_protocol.h"
+#include "services/http/tokenize_protocol.h"
 #include "specd/v1/generation.grpc.pb.h"
 
 namespace httplib {
@@ -133,6 +134,7 @@ class OpenAiServer {
   std::string model_name_ ABSL_GUARDED_BY(model_mu_);
   std::vector<std::string> model_aliases_ ABSL_GUARDED_BY(model_mu_);
   uint32_t max_context_ ABSL_GUARDED_BY(model_mu_) = 0;
+  ModelFeatures model_features_ ABSL_GUARDED_BY(model_mu_);
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;

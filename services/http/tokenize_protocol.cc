@@ -134,9 +134,12 @@ absl::StatusOr<std::vector<int32_t>> ParseDetokenizeRequest(absl::string_view te
 
 nlohmann::json DetokenizeResponseJson(const std::string& text) { return {{"prompt", text}}; }
 
-nlohmann::json ModelJson(const std::string& id, uint32_t max_model_len) {
+nlohmann::json ModelJson(const std::string& id, uint32_t max_model_len,
+                         const ModelFeatures& features) {
   nlohmann::json model = {{"id", id}, {"object", "model"}, {"created", 0}, {"owned_by", "specd"}};
   if (max_model_len > 0) model["max_model_len"] = max_model_len;
+  model["specd"] = {{"supports_logprobs", features.logprobs},
+                    {"supports_logits_processors", features.logits_processors}};
   return model;
 }
 

@@ -39,8 +39,17 @@ absl::StatusOr<std::vector<int32_t>> ParseDetokenizeRequest(absl::string_view bo
                                                             const ProtocolOptions& options);
 nlohmann::json DetokenizeResponseJson(const std::string& text);
 
-// OpenAI's model object (the entry of /v1/models, and /v1/models/{id}).
-nlohmann::json ModelJson(const std::string& id, uint32_t max_model_len);
+// What the model's verify backend honours (the router's ModelInfo.supports_*).
+struct ModelFeatures {
+  bool logprobs = false;
+  bool logits_processors = false;  // min_p, logit_bias, min_tokens and the penalties
+};
+
+// OpenAI's model object (the entry of /v1/models, and /v1/models/{id}), with `features` under
+// "specd" (supports_logprobs, supports_logits_processors): a request for a feature the backend
+// lacks is a 501 naming the field.
+nlohmann::json ModelJson(const std::string& id, uint32_t max_model_len,
+                         const ModelFeatures& features);
 // 404 for GET /v1/models/{id} of a model not served here.
 ApiError ModelNotFound(const std::string& id);
 

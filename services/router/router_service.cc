@@ -358,6 +358,8 @@ grpc::ServerUnaryReactor* RouterService::GetModelInfo(grpc::CallbackServerContex
                                             options_.limits.eos_token_ids.end());
   response->set_max_new_tokens_limit(options_.limits.max_new_tokens_limit);
   response->set_draft_available(loop_->draft_up());
+  response->set_supports_logprobs(verify.supports_logprobs());
+  response->set_supports_logits_processors(verify.supports_logits_processors());
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

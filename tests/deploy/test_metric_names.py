@@ -4,6 +4,7 @@ mistake a dashboard or rule can make."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,6 +122,26 @@ def test_dashboard_has_required_panels():
     for q in ("0.5", "0.99"):
         assert any(f"histogram_quantile({q}, sum by (le) (rate(specd_verify_latency_seconds_bucket"
                    in e for e in exprs), q
+
+
+def test_dashboards_filter_every_specd_selector_by_model():
+    # Both copies (deploy/ for plain Grafana, the chart's for its ConfigMap): a "model" variable
+    # over the label every service sets, and every specd_ selector of every panel filtered by it.
+    for path in (os.path.join(ROOT, "deploy", "grafana", "dashboards", "specd.json"),
+                 os.path.join(ROOT, "helm", "specd", "dashboards", "specd.json")):
+        with open(path) as f:
+            dash = json.load(f)
+        variables = {v["name"]: v for v in dash["templating"]["list"]}
+        assert "model" in variables, path
+        assert variables["model"]["includeAll"] and variables["model"]["multi"], path
+        exprs = [(w, e) for w, e in specd_metrics.dashboard_expressions(dash)
+                 if w.startswith("panel ")]
+        assert exprs, path
+        for where, expr in exprs:
+            selectors = re.findall(r"(specd_[A-Za-z0-9_:]*)(\{[^}]*\})?", expr)
+            assert selectors, (path, where)
+            for name, labels in selectors:
+                assert 'model=~"$model"' in labels, (path, where, name)
 
 
 def test_broken_dashboard_fails(tmp_path):

@@ -208,7 +208,8 @@ def test_dashboard_and_rule_expressions_run_in_prometheus(stack, stats):
         if any(rec in expr for rec in ("specd_acceptance_rate_5m", "specd_verify_latency_p99_5m",
                                        "specd_draft_latency_p99_5m")):
             continue  # alerts over recording rules: no rule evaluation in this Prometheus
-        q = expr.replace("$__rate_interval", "5m").replace("$namespace", ".*")
+        q = (expr.replace("$__rate_interval", "5m").replace("$namespace", ".*")
+             .replace("$model", ".*"))
         if not prom.query(q):
             empty.append(where)
     # Panels over the router's requests and the services' steps have data after the requests

@@ -57,6 +57,7 @@ cuda::SampleRowParams RowParams(const SamplingParams& s, int64_t position) {
   r.temperature = s.temperature;
   r.top_p = s.top_p;
   r.top_k = s.top_k;
+  r.min_p = s.min_p;
   return r;
 }
 
@@ -80,13 +81,15 @@ std::vector<float> MakeLogits(int rows, int vocab, std::mt19937_64& rng) {
 
 TEST_F(SamplingCudaTest, TokensMatchHostSampler) {
   std::mt19937_64 rng(31);
-  // Parameter sets: greedy, plain temperature, top-k, top-p, both, and extremes.
+  // Parameter sets: greedy, plain temperature, top-k, top-p, both, min-p alone and with the
+  // others (min-p first, so top-k may find fewer than k left), and extremes.
   std::vector<SamplingParams> settings;
-  auto add = [&](float t, int k, float p) {
+  auto add = [&](float t, int k, float p, float min_p = 0.0f) {
     SamplingParams s;
     s.temperature = t;
     s.top_k = k;
     s.top_p = p;
+    s.min_p = min_p;
     settings.push_back(s);
   };
   add(0.0f, 0, 1.0f);
@@ -100,6 +103,13 @@ TEST_F(SamplingCudaTest, TokensMatchHostSampler) {
   add(5.0f, 0, 0.97f);
   add(1.0f, 0, 0.013f);
   add(2.0f, 1000, 1.0f);
+  add(1.0f, 0, 1.0f, 0.05f);
+  add(0.7f, 0, 1.0f, 0.3f);
+  add(1.0f, 40, 1.0f, 0.02f);
+  add(1.0f, 0, 0.9f, 0.1f);
+  add(0.9f, 60, 0.8f, 0.01f);
+  add(0.0f, 0, 1.0f, 0.5f);  // greedy ignores min-p
+  add(1.0f, 0, 1.0f, 1.0f);  // only the argmax (and its ties) survive
   for (int vocab : {320, 50257, 128256}) {
     const int rows = vocab > 100000 ? 66 : 132;
     const std::vector<float> logits = MakeLogits(rows, vocab, rng);
@@ -123,8 +133,8 @@ TEST_F(SamplingCudaTest, TokensMatchHostSampler) {
         if (got[r] != want[r] && ++mismatches <= 5) {
           const cuda::SampleRowParams& p = params[r];
           ADD_FAILURE() << "vocab " << vocab << " split " << split << " row " << r << " (t "
-                        << p.temperature << " k " << p.top_k << " p " << p.top_p << "): gpu "
-                        << got[r] << " host " << want[r];
+                        << p.temperature << " k " << p.top_k << " p " << p.top_p << " min_p "
+                        << p.min_p << "): gpu " << got[r] << " host " << want[r];
         }
       }
       EXPECT_EQ(mismatches, 0) << "vocab " << vocab << " split " << split;
@@ -406,6 +416,7 @@ SamplingParams HostParams(const cuda::SampleRowParams& r) {
   s.temperature = r.temperature;
   s.top_k = r.top_k;
   s.top_p = r.top_p;
+  s.min_p = r.min_p;
   s.seed = r.seed;
   return s;
 }
@@ -517,10 +528,10 @@ TEST_F(VocabParallelSamplingTest, TiesAcrossShardsPickTheLowestId) {
   }
 }
 
-// Rows candidate mode cannot serve (top-k or top-p with a temperature) get the empty candidate,
-// and ReduceCandidatesCuda reports -1 for them; their neighbours are unaffected.
+// Rows candidate mode cannot serve (top-k, top-p or min-p with a temperature) get the empty
+// candidate, and ReduceCandidatesCuda reports -1 for them; their neighbours are unaffected.
 TEST_F(VocabParallelSamplingTest, FilteredRowsGetEmptyCandidates) {
-  const int vocab = 5000, rows = 4;
+  const int vocab = 5000, rows = 5;
   std::mt19937_64 rng(43);
   const std::vector<float> logits = MakeLogits(rows, vocab, rng);
   std::vector<cuda::SampleRowParams> params(rows);
@@ -532,6 +543,7 @@ TEST_F(VocabParallelSamplingTest, FilteredRowsGetEmptyCandidates) {
   params[1].top_k = 40;
   params[2].top_p = 0.9f;
   params[3].top_k = vocab;  // >= the shard: no-op for a full row, but still not allowed
+  params[4].min_p = 0.1f;
   for (bool split : {true, false}) {
     const ShardedResult got = SampleSharded(logits, vocab, params, SplitEvenly(vocab, 3), split);
     for (int k = 0; k < 3; ++k) {

@@ -11,6 +11,7 @@
 
 #include "engine/backend.h"
 #include "engine/draft/draft_model_drafter.h"
+#include "engine/sampling.h"
 #include "engine/topk.h"
 #include "specd/kernels/cuda/topk.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -96,6 +97,86 @@ TEST_F(TopKCudaTest, EqualsTheHostForEveryKWithTies) {
   }
 }
 
+// The sampled token's log-probability and rank (the OpenAI API's logprobs, raw mode) against
+// engine/sampling.h ComputeLogprobs on the same fp32 rows, with and without top lists (k = 0: the
+// token only; up to 20 alternatives as the API allows, and kMaxTopK): ranks exactly (ties share
+// the best rank), log-probabilities to fp32 rounding.
+TEST_F(TopKCudaTest, TokenLogprobAndRankEqualComputeLogprobs) {
+  std::mt19937_64 rng(28);
+  for (int vocab : {1, 7, 320, 32000, 151936}) {
+    const int rows = 8;
+    const int64_t stride = vocab + 5;
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> dense(static_cast<size_t>(rows) * vocab);
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < vocab; ++i) {
+        const float x = normal(rng);
+        dense[static_cast<size_t>(r) * vocab + i] = r % 2 == 1 ? std::round(x) : x;  // ties
+      }
+      if (vocab > 3) dense[static_cast<size_t>(r) * vocab + 2] = -INFINITY;
+    }
+    // Rows sit at stride vocab + 5, read in reverse through row_index; tokens are indexed like
+    // the logits rows. Row by row: the argmax, a -inf token, random ones.
+    std::vector<float> strided(static_cast<size_t>(rows * stride), 1e30f);
+    std::vector<int32_t> index(rows), tokens(rows);
+    for (int r = 0; r < rows; ++r) {
+      index[r] = rows - 1 - r;
+      const float* row = &dense[static_cast<size_t>(r) * vocab];
+      std::copy(row, row + vocab, strided.begin() + static_cast<size_t>(index[r]) * stride);
+      int32_t token = static_cast<int32_t>(rng() % vocab);
+      if (r == 0) token = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      if (r == 1 && vocab > 3) token = 2;
+      tokens[index[r]] = token;
+    }
+    DeviceBuffer<float> d_logits(strided);
+    DeviceBuffer<int32_t> d_index(index);
+    DeviceBuffer<int32_t> d_tokens(tokens);
+    for (int k : {0, 1, 5, 20, cuda::kMaxTopK}) {
+      if (k > vocab) continue;
+      SCOPED_TRACE(testing::Message() << "vocab " << vocab << " k " << k);
+      DeviceBuffer<int32_t> d_ids(static_cast<size_t>(rows * std::max(k, 1)));
+      DeviceBuffer<float> d_lps(static_cast<size_t>(rows * std::max(k, 1)));
+      DeviceBuffer<float> d_token_lps(rows);
+      DeviceBuffer<int32_t> d_ranks(rows);
+      cuda::TopKLogprobsParams p;
+      p.logits = d_logits.get();
+      p.logits_stride = stride;
+      p.row_index = d_index.get();
+      p.num_rows = rows;
+      p.vocab_size = vocab;
+      p.k = k;
+      p.ids = k > 0 ? d_ids.get() : nullptr;
+      p.logprobs = k > 0 ? d_lps.get() : nullptr;
+      p.tokens = d_tokens.get();
+      p.token_logprobs = d_token_lps.get();
+      p.token_ranks = d_ranks.get();
+      ASSERT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaSuccess);
+      Sync();
+      const std::vector<int32_t> ids = d_ids.Download(), ranks = d_ranks.Download();
+      const std::vector<float> lps = d_lps.Download(), token_lps = d_token_lps.Download();
+      auto close = [](float got, float want) {
+        return got == want || std::fabs(got - want) <= 4.0f *
+                                                           std::numeric_limits<float>::epsilon() *
+                                                           std::max(1.0f, std::fabs(want));
+      };
+      for (int r = 0; r < rows; ++r) {
+        const absl::Span<const float> row =
+            absl::Span<const float>(dense).subspan(static_cast<size_t>(r) * vocab, vocab);
+        const int32_t token = tokens[index[r]];
+        const TokenLogprobs want = ComputeLogprobs(row, row, SamplingParams(), LogprobsMode::kRaw,
+                                                   token, std::min(k, kMaxLogprobs));
+        EXPECT_EQ(ranks[r], want.rank) << "row " << r << " token " << token;
+        EXPECT_TRUE(close(token_lps[r], want.logprob))
+            << "row " << r << ": " << token_lps[r] << " vs " << want.logprob;
+        for (size_t j = 0; j < want.top.size(); ++j) {
+          EXPECT_EQ(ids[r * k + j], want.top[j].token) << "row " << r << " rank " << j;
+          EXPECT_TRUE(close(lps[r * k + j], want.top[j].logprob)) << "row " << r << " rank " << j;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(TopKCudaTest, RefusesBadParams) {
   DeviceBuffer<float> d_logits(std::vector<float>(16, 0.0f));
   DeviceBuffer<int32_t> d_ids(32);
@@ -115,6 +196,20 @@ TEST_F(TopKCudaTest, RefusesBadParams) {
   p.vocab_size = 3;
   p.logits_stride = 3;
   EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+  // The token outputs come all together or not at all.
+  DeviceBuffer<int32_t> d_tokens(std::vector<int32_t>{0});
+  p.vocab_size = 16;
+  p.logits_stride = 16;
+  p.tokens = d_tokens.get();
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+  p.token_logprobs = d_lps.get();
+  p.token_ranks = d_ids.get();
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaSuccess);
+  p.k = 0;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaSuccess);
+  p.k = cuda::kMaxTopK + 1;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+  Sync();
 }
 
 std::unique_ptr<Backend> LoadDraft() {

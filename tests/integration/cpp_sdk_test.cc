@@ -364,6 +364,9 @@ TEST(CppSdkTest, TokenizeDetokenizeAndModelInfo) {
   EXPECT_EQ(info->target_model, "target");
   EXPECT_EQ(info->vocab_size, static_cast<uint32_t>(kCpuClusterVocabSize));
   EXPECT_EQ(info->max_context, static_cast<uint32_t>(kCpuClusterMaxContext));
+  // The CPU verify backend serves logprobs and the logits processors (VerifyInfo, passed on).
+  EXPECT_TRUE(info->supports_logprobs);
+  EXPECT_TRUE(info->supports_logits_processors);
   EXPECT_EQ(info->max_new_tokens_limit, static_cast<uint32_t>(kCpuClusterMaxNewTokensLimit));
   EXPECT_EQ(info->eos_token_ids, std::vector<int32_t>{kCpuClusterEosId});
   EXPECT_TRUE(info->draft_available);

@@ -622,6 +622,9 @@ TEST(HttpEdgeTest, TemplateBosTokenizeDetokenizeVersionAndModel) {
   EXPECT_EQ(m["id"], "chat_target");
   EXPECT_EQ(m["object"], "model");
   EXPECT_EQ(m["max_model_len"], kMaxContext);
+  // The CPU verify backend serves logprobs and the logits processors; the router says so.
+  EXPECT_EQ(m["specd"]["supports_logprobs"], true);
+  EXPECT_EQ(m["specd"]["supports_logits_processors"], true);
   // Ids may hold slashes, as Hugging Face names do.
   absl::StatusOr<std::string> missing =
       HttpGet("127.0.0.1", http.port, "/v1/models/meta-llama/Llama-3", &status);

@@ -305,9 +305,9 @@ TEST(HttpChatTest, TokenizeAndDetokenizeRequests) {
 }
 
 TEST(HttpChatTest, ModelObjects) {
-  EXPECT_EQ(
-      ModelJson("target", 4096).dump(),
-      R"({"created":0,"id":"target","max_model_len":4096,"object":"model","owned_by":"specd"})");
+  EXPECT_EQ(ModelJson("target", 4096, ModelFeatures{true, false}).dump(),
+            R"({"created":0,"id":"target","max_model_len":4096,"object":"model","owned_by":"specd",)"
+            R"("specd":{"supports_logits_processors":false,"supports_logprobs":true}})");
   const ApiError e = ModelNotFound("nope/x");
   EXPECT_EQ(e.http_status, 404);
   EXPECT_EQ(e.code, "model_not_found");

@@ -138,6 +138,8 @@ ModelInfo FromProto(const v1::ModelInfo& info) {
   out.eos_token_ids.assign(info.eos_token_ids().begin(), info.eos_token_ids().end());
   out.max_new_tokens_limit = info.max_new_tokens_limit();
   out.draft_available = info.draft_available();
+  out.supports_logprobs = info.supports_logprobs();
+  out.supports_logits_processors = info.supports_logits_processors();
   return out;
 }
 

@@ -180,7 +180,9 @@ def to_model_info(m) -> ModelInfo:
                      vocab_size=m.vocab_size, max_context=m.max_context,
                      eos_token_ids=list(m.eos_token_ids),
                      max_new_tokens_limit=m.max_new_tokens_limit,
-                     draft_available=m.draft_available)
+                     draft_available=m.draft_available,
+                     supports_logprobs=m.supports_logprobs,
+                     supports_logits_processors=m.supports_logits_processors)
 
 
 # grpc.health.v1.Health/Check, encoded by hand so that no health stubs are needed:

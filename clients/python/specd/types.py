@@ -90,3 +90,7 @@ class ModelInfo:
     eos_token_ids: List[int]
     max_new_tokens_limit: int
     draft_available: bool
+    # Whether the verify service's backend serves logprobs, and min_p, logit_bias, min_tokens
+    # and the penalties (a request for one it lacks fails with UNIMPLEMENTED naming the field).
+    supports_logprobs: bool = False
+    supports_logits_processors: bool = False

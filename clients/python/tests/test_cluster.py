@@ -30,6 +30,8 @@ def test_model_info_and_health(client):
     assert info.vocab_size == 320  # tests/testutil/random_checkpoint.h's default
     assert info.draft_available
     assert info.max_new_tokens_limit > 0 and info.eos_token_ids
+    # The CPU verify backend serves logprobs and the logits processors.
+    assert info.supports_logprobs and info.supports_logits_processors
     assert client.health() == "SERVING"
 
 

@@ -152,6 +152,10 @@ struct ModelInfo {
   std::vector<int32_t> eos_token_ids;
   uint32_t max_new_tokens_limit = 0;
   bool draft_available = false;
+  // Whether the verify service's backend serves logprobs, and min_p, logit_bias, min_tokens and
+  // the penalties; a request for one it lacks fails with UNIMPLEMENTED naming the field.
+  bool supports_logprobs = false;
+  bool supports_logits_processors = false;
 };
 
 }  // namespace specd

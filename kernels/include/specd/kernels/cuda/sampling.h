@@ -1,10 +1,13 @@
 // Token sampling on the GPU with exactly the semantics of engine/sampling.h SampleToken, so a
 // seeded request draws the same tokens on either backend: greedy is the argmax with the lowest
-// id on ties; otherwise Gumbel-max over the tokens kept by top-k and then top-p of
+// id on ties; otherwise Gumbel-max over the tokens kept by min-p, then top-k, then top-p of
 // softmax(logits / temperature), with noise from Philox keyed by (seed, position, token id)
-// (specd/kernels/philox.h), decided in fp64 like the host.
+// (specd/kernels/philox.h), decided in fp64 like the host. Min-p keeps the tokens with
+// exp((logit - max) / temperature) >= min_p, in fp64 as the host (a prefix of the sorted order, so
+// its threshold is the smallest kept key); a token within an ulp of exp's rounding of that
+// boundary may be kept on one side only.
 //
-// With a workspace, greedy rows and temperature rows without top-k/top-p are split over the
+// With a workspace, greedy rows and temperature rows without min-p/top-k/top-p are split over the
 // vocabulary: CTAs of 4096 tokens each find their chunk's argmax (greedy) or Gumbel-max winner,
 // and the last CTA of a row to finish (a ticket counter) reduces the chunks' partials, so one
 // launch keeps every SM busy even for a single row. Rows with top-k or top-p (and every row when
@@ -37,7 +40,7 @@ struct SampleRowParams {
   float temperature = 0.0f;  // <= 0: greedy
   float top_p = 1.0f;        // (0, 1]
   int32_t top_k = 0;         // 0: no limit
-  int32_t reserved = 0;
+  float min_p = 0.0f;        // [0, 1]; 0: off
 };
 
 // One rank's best token of a vocabulary shard (engine/tp/tp_plan.h VocabCandidate), laid out for
@@ -64,7 +67,8 @@ struct SampleParams {
   // tokens are reported as global ids. 0 for a full row. vocab_offset + vocab_size <= 2^31.
   int64_t vocab_offset = 0;
   // Optional: instead of tokens, write each row's best (score, global id) over this shard for
-  // rows whose sampling is greedy or temperature without top-k/top-p (top_k == 0, top_p >= 1:
+  // rows whose sampling is greedy or temperature without filters (top_k == 0, top_p >= 1,
+  // min_p == 0:
   // engine/tp/tp_plan.h VocabParallelSamplingSupported), the only rows allowed when set; the row
   // parameters live on the device, so any other row gets token -1 and score -inf. score = logit
   // for greedy, logit / temperature + Gumbel noise otherwise, in fp64, as ShardCandidate.

@@ -8,6 +8,10 @@
 // in registers (sorted insertion), the CTA's lists go to shared memory, one warp merges them k
 // times (each lane owns blockDim / 32 lists and offers its best head; a warp arg-max picks the
 // winner, whose list advances), then the CTA sums exp(logit - max) in fp64 over a second pass.
+//
+// Optionally, per row, the log-probability and rank of one given token (the sampled one: the
+// OpenAI API's logprobs, engine/sampling.h ComputeLogprobs in raw mode): rank = 1 + the tokens
+// with a strictly larger logit, counted in the same second pass; k may then be 0 (the token only).
 #ifndef SPECD_KERNELS_CUDA_TOPK_H_
 #define SPECD_KERNELS_CUDA_TOPK_H_
 
@@ -16,8 +20,9 @@
 namespace specd {
 namespace cuda {
 
-// Largest k TopKLogprobsCuda serves: each thread keeps k candidates in registers.
-inline constexpr int kMaxTopK = 16;
+// Largest k TopKLogprobsCuda serves: each thread keeps k candidates in registers (the OpenAI
+// API's top_logprobs go up to 20).
+inline constexpr int kMaxTopK = 32;
 
 struct TopKLogprobsParams {
   // [num_rows, logits_stride] fp32, device: row r's logits are columns [0, vocab_size) of the
@@ -29,9 +34,14 @@ struct TopKLogprobsParams {
   const int32_t* row_index = nullptr;
   int64_t num_rows = 0;
   int64_t vocab_size = 0;     // >= k, < 2^31
-  int k = 0;                  // 1 .. kMaxTopK
-  int32_t* ids = nullptr;     // [num_rows, k] int32, device: best first
-  float* logprobs = nullptr;  // [num_rows, k] fp32, device
+  int k = 0;                  // 1 .. kMaxTopK; 0 .. kMaxTopK with `tokens`
+  int32_t* ids = nullptr;     // [num_rows, k] int32, device: best first; may be null when k = 0
+  float* logprobs = nullptr;  // [num_rows, k] fp32, device; may be null when k = 0
+  // Optional, all three or none: tokens[row_index[r]] (tokens[r] without row_index) is the token
+  // of output row r, in [0, vocab_size), whose log-probability and rank are written.
+  const int32_t* tokens = nullptr;  // [logits rows] int32, device: indexed like the logits rows
+  float* token_logprobs = nullptr;  // [num_rows] fp32, device
+  int32_t* token_ranks = nullptr;   // [num_rows] int32, device: 1 = the most likely
 };
 
 cudaError_t TopKLogprobsCuda(const TopKLogprobsParams& p, cudaStream_t stream);
