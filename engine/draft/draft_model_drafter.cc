@@ -199,7 +199,7 @@ absl::Status DraftModelDrafter::LevelTopK(absl::Span<const ForwardItem> items, i
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
+absl::StatusOr<std::vector<int>> DraftModelDrafter::CheckAndApplyOutcomes(
     absl::Span<const DraftRequest> requests) {
   if (absl::Status s =
           CheckDraftBatch(requests, [this](const DraftRequest& r) { return CheckRequest(r); });
@@ -214,6 +214,14 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
     if (!n.ok()) return n.status();
     skip[b] = *n;
   }
+  return skip;
+}
+
+absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
+    absl::Span<const DraftRequest> requests) {
+  absl::StatusOr<std::vector<int>> skip_or = CheckAndApplyOutcomes(requests);
+  if (!skip_or.ok()) return skip_or.status();
+  const std::vector<int>& skip = *skip_or;
   std::vector<SeqWork> work(requests.size());
   // Drops this call's scratch region of every sequence; they stay as ApplyOutcome left them.
   auto fail = [&](const absl::Status& s) {
@@ -269,17 +277,9 @@ absl::StatusOr<std::vector<TokenTree>> DraftModelDrafter::Draft(
 }
 
 absl::Status DraftModelDrafter::Ingest(absl::Span<const DraftRequest> requests) {
-  if (absl::Status s =
-          CheckDraftBatch(requests, [this](const DraftRequest& r) { return CheckRequest(r); });
-      !s.ok()) {
-    return s;
-  }
-  std::vector<int> skip(requests.size());
-  for (size_t b = 0; b < requests.size(); ++b) {
-    absl::StatusOr<int> n = ApplyOutcome(requests[b]);
-    if (!n.ok()) return n.status();
-    skip[b] = *n;
-  }
+  absl::StatusOr<std::vector<int>> skip_or = CheckAndApplyOutcomes(requests);
+  if (!skip_or.ok()) return skip_or.status();
+  const std::vector<int>& skip = *skip_or;
   std::vector<ForwardItem> items;
   std::vector<size_t> fed;  // request index of each item
   for (size_t b = 0; b < requests.size(); ++b) {

@@ -132,6 +132,9 @@ class DraftModelDrafter : public Drafter {
     std::vector<int32_t> carried;
   };
 
+  // Draft()'s and Ingest()'s start: CheckDraftBatch() of `requests`, then ApplyOutcome() of
+  // each; returns how many of each request's new_tokens the draft KV now holds.
+  absl::StatusOr<std::vector<int>> CheckAndApplyOutcomes(absl::Span<const DraftRequest> requests);
   // Applies the previous step's outcome to `request`'s sequence and returns how many of its
   // new_tokens the draft KV now holds.
   absl::StatusOr<int> ApplyOutcome(const DraftRequest& request);
