@@ -404,16 +404,27 @@ SpecShape GoodputPolicy::Clamp(const SpecShape& shape, int max_depth) {
 namespace {
 
 // Tokens a sequence's drafter must be fed beyond a step's worth (the accepted tokens and the
-// bonus token of the last step) before it can draft `s`, as the share a step is charged: the
-// catch-up is paid once and then serves every step the sequence drafts until it finishes, so it
-// is spread over those steps (its remaining tokens over what a step of `s` emits, `gain` being
-// the expected accepted drafts), and never less than catch_up_share of it is charged.
+// bonus token of the last step) before it can draft `s`.
+int CatchUpTokens(const PolicySequence& seq, const SpecShape& s) {
+  return std::max(0, seq.draft_backlog - (s.depth + 1));
+}
+
+// CatchUpTokens() as the share a step is charged: the catch-up is paid once and then serves
+// every step the sequence drafts until it finishes, so it is spread over those steps (its
+// remaining tokens over what a step of `s` emits, `gain` being the expected accepted drafts),
+// and never less than catch_up_share of it is charged.
 double CatchUp(const PolicySequence& seq, const SpecShape& s, double gain,
                const PolicyOptions& options) {
-  const int tokens = std::max(0, seq.draft_backlog - (s.depth + 1));
+  const int tokens = CatchUpTokens(seq, s);
   if (tokens == 0) return 0.0;
   const double steps_left = std::max(1.0, (seq.max_depth + 1) / (1.0 + std::max(gain, 0.0)));
   return tokens * std::max(options.catch_up_share, 1.0 / steps_left);
+}
+
+// Tokens a step emits per second, its predicted time priced speculation_margin dearer when it
+// carries any tree (`tree_nodes` > 0).
+double PricedGoodput(double emitted, double seconds, int tree_nodes, const PolicyOptions& options) {
+  return emitted / (seconds * (tree_nodes > 0 ? 1.0 + options.speculation_margin : 1.0));
 }
 
 // Running totals of one assignment, so that changing one sequence's shape re-scores in O(depth).
@@ -480,7 +491,7 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
   const double t =
       costs_.VerifySeconds(rows, VerifyStepTokens(options_.padded_rows, rows, tokens, longest)) +
       costs_.DraftSeconds(drafting, levels, nodes, catch_up);
-  return emitted / (t * (tree_nodes > 0 ? 1.0 + options_.speculation_margin : 1.0));
+  return PricedGoodput(emitted, t, tree_nodes, options_);
 }
 
 PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
@@ -557,7 +568,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
         VerifyStepTokens(options_.padded_rows, t.rows, t.tokens, t.longest_row());
     const double time = costs_.VerifySeconds(t.rows, step_tokens) +
                         costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes, t.catch_up);
-    return t.emitted / (time * (t.tree_nodes > 0 ? 1.0 + options_.speculation_margin : 1.0));
+    return PricedGoodput(t.emitted, time, t.tree_nodes, options_);
   };
   // choice[i]: index into candidates; -1 for sequences that are not free.
   auto totals_of = [&](const std::vector<int>& choice) {
@@ -708,7 +719,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   bool first = true;
   for (size_t i = 0; i < n; ++i) {
     if (!free[i] || out.shapes[i].none() || !batch[i].model_draft) continue;
-    const double cost = token_s * std::max(0, batch[i].draft_backlog - (out.shapes[i].depth + 1));
+    const double cost = token_s * CatchUpTokens(batch[i], out.shapes[i]);
     if (cost <= 0) continue;
     if (!first && cost > budget) {
       out.shapes[i] = SpecShape();
