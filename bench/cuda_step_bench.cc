@@ -13,6 +13,13 @@
 //       [--contexts 512,2048,8192] [--trees 1,16,64,128,256]
 //       [--tp N] [--custom_bytes B] [--graphs both|on|off] [--profile NODES]
 //       [--phases 1] [--trace NODES] [--trace_csv PREFIX]
+//       [--prefill N1,N2,..] [--prefill_batch B1,B2,..] [--prefill_trace 1]
+// --prefill adds a table of prompt prefills: B fresh sequences of N tokens each in one
+// Backend::Forward (the logits of each one's last token only, as the verify service's prefill
+// and the draft service's catch-up ask), timed on the host, against the compute floor
+// 2 x parameters (embedding and LM head left out) x tokens at the device's dense bf16 rate (--peak_tflops, default 989, H100/H200
+// SXM). It is what a request's time to first token and a draft's catch-up are made of.
+// --prefill_trace 1 prints the kernel timeline of the last timed prefill of each case.
 // --tp N shards the model over GPUs 0..N-1 (engine/cuda/cuda_tp_backend.h);
 // the floor is then one rank's weight bytes / the copy bandwidth, and
 // --custom_bytes is BackendOptions::cuda_custom_allreduce_max_bytes (0: NCCL
@@ -119,6 +126,9 @@ int Main(int argc, char **argv) {
   int trace_nodes = -1;
   std::string trace_csv;
   std::vector<int> contexts = {512, 2048, 8192}, trees = {1, 16, 64, 128, 256};
+  std::vector<int> prefill_lengths, prefill_batches = {1};
+  bool prefill_trace = false;
+  double peak_tflops = 989;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--model")
@@ -145,6 +155,14 @@ int Main(int argc, char **argv) {
       trace_nodes = std::atoi(value.c_str());
     else if (flag == "--trace_csv")
       trace_csv = value;
+    else if (flag == "--prefill")
+      prefill_lengths = Ints(value);
+    else if (flag == "--prefill_batch")
+      prefill_batches = Ints(value);
+    else if (flag == "--prefill_trace")
+      prefill_trace = value == "1";
+    else if (flag == "--peak_tflops")
+      peak_tflops = std::atof(value.c_str());
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -155,12 +173,14 @@ int Main(int argc, char **argv) {
                  "usage: cuda_step_bench --model DIR [--label L] [--runs N] "
                  "[--contexts a,b,..] [--trees a,b,..] [--tp N] "
                  "[--custom_bytes B] [--graphs both|on|off] [--profile NODES] "
-                 "[--phases 1] [--trace NODES] [--trace_csv PREFIX]\n");
+                 "[--phases 1] [--trace NODES] [--trace_csv PREFIX] "
+                 "[--prefill N,..] [--prefill_batch B,..] [--prefill_trace 1] "
+                 "[--peak_tflops T]\n");
     return 2;
   }
 #ifdef SPECD_HAVE_CUPTI
   bench::KernelTrace trace;
-  if (trace_nodes >= 0) {
+  if (trace_nodes >= 0 || prefill_trace) {
     // Before the backend exists, so that every kernel, graph replays included, is recorded.
     if (absl::Status s = trace.Enable(); !s.ok()) {
       std::fprintf(stderr, "--trace: %s\n", s.ToString().c_str());
@@ -168,7 +188,7 @@ int Main(int argc, char **argv) {
     }
   }
 #else
-  if (trace_nodes >= 0) {
+  if (trace_nodes >= 0 || prefill_trace) {
     std::fprintf(stderr, "--trace: this build has no CUPTI\n");
     return 2;
   }
@@ -181,6 +201,9 @@ int Main(int argc, char **argv) {
   int max_context = 0;
   for (int c : contexts)
     max_context = std::max(max_context, c);
+  for (int n : prefill_lengths)
+    for (int bsz : prefill_batches)
+      max_context = std::max(max_context, n * bsz);
   opts.kv_capacity_tokens = max_context + 4096;
   opts.tensor_parallel = tp;
   opts.cuda_custom_allreduce_max_bytes = custom_bytes;
@@ -227,6 +250,66 @@ int Main(int argc, char **argv) {
 
   std::mt19937_64 rng(5);
   SeqId next = 1;
+  if (!prefill_lengths.empty()) {
+    std::printf("| shape | TP | prefill | tokens | ms (median of %d) | tokens/s | vs compute "
+                "floor |\n|---|---|---|---|---|---|---|\n",
+                runs);
+    // The embedding table and the LM head do no per-token work in a prefill (one row of logits
+    // per sequence), so they stay out of the floor.
+    const double embed = double{1} * c.vocab_size * c.hidden_size;
+    const double flops_per_token =
+        2.0 * (static_cast<double>(c.ParameterCount()) - embed * (c.tie_word_embeddings ? 1 : 2));
+    for (int bsz : prefill_batches) {
+      for (int n : prefill_lengths) {
+        std::vector<double> ms;
+        for (int r = 0; r < runs + 2; ++r) {
+          std::vector<ForwardItem> items(bsz);
+          for (int i = 0; i < bsz; ++i) {
+            items[i].seq = next++;
+            if (!b.AddSequence(items[i].seq).ok())
+              return 1;
+            for (int j = 0; j < n; ++j) {
+              items[i].tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
+              items[i].parents.push_back(j - 1);
+            }
+            items[i].logit_rows = {n - 1};
+          }
+          const bool traced = prefill_trace && r == runs + 1;
+#ifdef SPECD_HAVE_CUPTI
+          const uint64_t trace_t0 = traced ? bench::KernelTrace::Now() : 0;
+#endif
+          std::vector<float> logits;
+          const auto s0 = std::chrono::steady_clock::now();
+          absl::Status st = b.Forward(items, &logits);
+          const double dt =
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0)
+                  .count();
+#ifdef SPECD_HAVE_CUPTI
+          if (traced) {
+            bench::KernelTrace::Summarize(absl::StrCat("prefill ", bsz, " x ", n),
+                                          trace.Window(trace_t0, bench::KernelTrace::Now()),
+                                          stdout);
+          }
+#else
+          (void)traced;
+#endif
+          if (!st.ok()) {
+            std::fprintf(stderr, "prefill %d x %d: %s\n", bsz, n, st.ToString().c_str());
+            return 1;
+          }
+          for (const ForwardItem &it : items)
+            (void)b.RemoveSequence(it.seq);
+          if (r >= 2)
+            ms.push_back(dt);
+        }
+        const double med = Median(ms), tokens = double{1} * bsz * n;
+        const double floor_ms = flops_per_token * tokens / tp / (peak_tflops * 1e12) * 1e3;
+        std::printf("| %s | %d | %d x %d | %.0f | %.3f | %.0f | %.2fx |\n", label.c_str(), tp,
+                    bsz, n, tokens, med, tokens / (med * 1e-3), med / floor_ms);
+        std::fflush(stdout);
+      }
+    }
+  }
   for (int context : contexts) {
     const SeqId seq = next++;
     if (!b.AddSequence(seq).ok())
