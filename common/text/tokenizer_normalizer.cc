@@ -11,24 +11,16 @@ std::string Normalize(const std::vector<NormalizerStep>& steps, std::string s) {
   for (const NormalizerStep& st : steps) {
     if (s.empty()) break;  // every supported normalizer maps "" to ""
     switch (st.kind) {
-      case NormalizerStep::kPrepend:
-        s = st.a + s;
-        break;
-      case NormalizerStep::kReplace:
-        s = ReplaceAll(s, st.a, st.b);
-        break;
+      case NormalizerStep::kPrepend: s = st.a + s; break;
+      case NormalizerStep::kReplace: s = ReplaceAll(s, st.a, st.b); break;
       case NormalizerStep::kStrip: {
         size_t b = st.left ? LeadingSpaceBytes(s) : 0;
         size_t e = st.right ? TrailingSpaceStart(s) : s.size();
         s = e > b ? s.substr(b, e - b) : std::string();
         break;
       }
-      case NormalizerStep::kNfc:
-        s = unicode::Nfc(s);
-        break;
-      case NormalizerStep::kNfd:
-        s = unicode::Nfd(s);
-        break;
+      case NormalizerStep::kNfc: s = unicode::Nfc(s); break;
+      case NormalizerStep::kNfd: s = unicode::Nfd(s); break;
     }
   }
   return s;
