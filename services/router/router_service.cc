@@ -395,12 +395,13 @@ grpc::ServerUnaryReactor* RouterService::GetModelInfo(grpc::CallbackServerContex
   response->mutable_eos_token_ids()->Assign(options_.limits.eos_token_ids.begin(),
                                             options_.limits.eos_token_ids.end());
   response->set_max_new_tokens_limit(options_.limits.max_new_tokens_limit);
-  response->set_draft_available(loop_->draft_up());
+  // One look at the draft services for draft_available and the modes, so they agree.
+  const bool draft_up = loop_->draft_up();
+  response->set_draft_available(draft_up);
   response->set_supports_logprobs(verify.supports_logprobs());
   response->set_supports_logits_processors(verify.supports_logits_processors());
   response->set_has_chat_template(!options_.chat_template_source.empty());
   response->set_chat_template_source(options_.chat_template_source);
-  const bool draft_up = loop_->draft_up();
   for (v1::Speculation mode : AvailableSpeculationModes(
            draft_up, draft_up ? loop_->draft_info() : v1::DraftInfo(), verify)) {
     response->add_speculation_modes(mode);
