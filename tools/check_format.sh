@@ -6,7 +6,8 @@
 # ever added to it (format a file with `clang-format -i FILE` when you change it).
 #   tools/check_format.sh            check (exit 1 on a finding)
 #   tools/check_format.sh --update   drop the files that have become clean from the list
-# Runs as the ctest test `format` (tests/tools/CMakeLists.txt).
+# Runs as the ctest test `format` (tests/tools/CMakeLists.txt). The canonical clang-format is
+# Debian 12's (14; scripts/install-deps.sh): other versions format some constructs differently.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CLANG_FORMAT=${CLANG_FORMAT:-clang-format}
