@@ -11,6 +11,8 @@ pkgs=(build-essential cmake ninja-build pkg-config libgrpc++-dev protobuf-compil
       python3-venv python3-pip python3-setuptools python3-wheel git curl unzip openssl
       # scripts/fuzz.sh: clang with its sanitizer and libFuzzer runtimes.
       clang libclang-rt-14-dev
+      # tools/check_format.sh (the ctest test "format").
+      clang-format
       # The EAGLE oracle and head tools' tests (tests/tools/test_eagle_oracle.py).
       python3-torch python3-regex
       # The serving benchmark's plots (bench/serve_bench.py --plot).

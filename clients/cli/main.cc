@@ -474,7 +474,12 @@ int Info(const Args& args) {
             {"max_new_tokens_limit", info->max_new_tokens_limit},
             {"draft_available", info->draft_available},
             {"supports_logprobs", info->supports_logprobs},
-            {"supports_logits_processors", info->supports_logits_processors}};
+            {"supports_logits_processors", info->supports_logits_processors},
+            {"has_chat_template", info->has_chat_template},
+            {"chat_template_source", info->chat_template_source}};
+  json modes = json::array();
+  for (Speculation mode : info->speculation_modes) modes.push_back(SpeculationName(mode));
+  j["speculation_modes"] = std::move(modes);
   std::printf("%s\n", Dump(j).c_str());
   return 0;
 }

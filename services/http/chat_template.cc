@@ -154,6 +154,7 @@ absl::StatusOr<std::optional<ChatTemplate>> ChatTemplate::Load(const std::string
     if (!text.ok()) return text.status();
     absl::StatusOr<ChatTemplate> t = FromSource(*text, std::move(special), override_file);
     if (!t.ok()) return t.status();
+    t->source_ = "--chat_template";
     return std::optional<ChatTemplate>(*std::move(t));
   }
   if (!model_dir.empty()) {
@@ -163,6 +164,7 @@ absl::StatusOr<std::optional<ChatTemplate>> ChatTemplate::Load(const std::string
       if (!text.ok()) return text.status();
       absl::StatusOr<ChatTemplate> t = FromSource(*text, std::move(special), jinja_path.string());
       if (!t.ok()) return t.status();
+      t->source_ = "chat_template.jinja";
       return std::optional<ChatTemplate>(*std::move(t));
     }
   }
@@ -170,6 +172,7 @@ absl::StatusOr<std::optional<ChatTemplate>> ChatTemplate::Load(const std::string
     absl::StatusOr<ChatTemplate> t =
         FromSource(*config_template, std::move(special), config_origin);
     if (!t.ok()) return t.status();
+    t->source_ = "tokenizer_config.json";
     return std::optional<ChatTemplate>(*std::move(t));
   }
   return std::optional<ChatTemplate>();

@@ -40,6 +40,9 @@ class ChatTemplate {
 
   // Where the template came from ("models/x/tokenizer_config.json", a file name).
   const std::string& origin() const { return origin_; }
+  // Which of Load's places it came from: "--chat_template", "chat_template.jinja" or
+  // "tokenizer_config.json"; empty for a template made by FromSource.
+  const std::string& source() const { return source_; }
 
   struct Request {
     nlohmann::ordered_json messages;  // as NormalizeMessages returns them
@@ -64,6 +67,7 @@ class ChatTemplate {
   jinja::Template template_;
   nlohmann::ordered_json special_tokens_;
   std::string origin_;
+  std::string source_;
 };
 
 // OpenAI chat `messages` as templates see them: [{"role", "content"[, "name"]}], content a string

@@ -358,8 +358,13 @@ ProtocolOptions OpenAiServer::CurrentProtocolOptions() {
       return p;
     }
   }
-  // First use (or the router has not answered yet): ask it. A --model_name set by the operator
-  // stays the reported name; the router's own name is accepted as an alias.
+  // First use (or the router has not answered yet): ask it.
+  return RefreshModelInfo();
+}
+
+ProtocolOptions OpenAiServer::RefreshModelInfo() {
+  // A --model_name set by the operator stays the reported name; the router's own name is
+  // accepted as an alias.
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + kModelInfoTimeout));
   v1::ModelInfo info;
@@ -375,6 +380,12 @@ ProtocolOptions OpenAiServer::CurrentProtocolOptions() {
     max_context_ = info.max_context();
     model_features_.logprobs = info.supports_logprobs();
     model_features_.logits_processors = info.supports_logits_processors();
+    model_features_.chat_template =
+        options_.chat_template != nullptr ? options_.chat_template->source() : std::string();
+    model_features_.speculation_modes.clear();
+    for (int mode : info.speculation_modes()) {
+      model_features_.speculation_modes.push_back(static_cast<v1::Speculation>(mode));
+    }
   } else {
     SPECD_LOG(WARNING) << "specd-http: GetModelInfo on " << options_.router_address << ": "
                        << status.error_message();
@@ -583,17 +594,18 @@ bool OpenAiServer::HaveModel(const ProtocolOptions& protocol, httplib::Response&
 }
 
 void OpenAiServer::HandleModels(httplib::Response& res) {
-  const ProtocolOptions protocol = CurrentProtocolOptions();
+  const ProtocolOptions protocol = RefreshModelInfo();
   if (!HaveModel(protocol, res)) return;
   absl::MutexLock lock(&model_mu_);
-  res.set_content(DumpJson({{"object", "list"},
-                            {"data", json::array({ModelJson(protocol.model_name, max_context_,
-                                                                   model_features_)})}}),
-                  "application/json");
+  res.set_content(
+      DumpJson(
+          {{"object", "list"},
+           {"data", json::array({ModelJson(protocol.model_name, max_context_, model_features_)})}}),
+      "application/json");
 }
 
 void OpenAiServer::HandleModel(const std::string& id, httplib::Response& res) {
-  const ProtocolOptions protocol = CurrentProtocolOptions();
+  const ProtocolOptions protocol = RefreshModelInfo();
   if (!HaveModel(protocol, res)) return;
   const bool served = id == protocol.model_name ||
                       std::find(protocol.model_aliases.begin(), protocol.model_aliases.end(), id) !=

@@ -123,6 +123,9 @@ class OpenAiServer {
   // The model name and the names a request may use for it; empty name when the router has not
   // answered GetModelInfo yet.
   ProtocolOptions CurrentProtocolOptions();
+  // Asks the router's GetModelInfo now and keeps the answer (the model endpoints call it on
+  // every request: the speculation modes follow the draft service's state).
+  ProtocolOptions RefreshModelInfo();
   absl::Time Deadline() const;
 
   const OpenAiServerOptions options_;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/service/grpc_util.h"
 
 namespace specd {
 namespace {
@@ -138,8 +139,14 @@ nlohmann::json ModelJson(const std::string& id, uint32_t max_model_len,
                          const ModelFeatures& features) {
   nlohmann::json model = {{"id", id}, {"object", "model"}, {"created", 0}, {"owned_by", "specd"}};
   if (max_model_len > 0) model["max_model_len"] = max_model_len;
-  model["specd"] = {{"supports_logprobs", features.logprobs},
-                    {"supports_logits_processors", features.logits_processors}};
+  nlohmann::json modes = nlohmann::json::array();
+  for (v1::Speculation mode : features.speculation_modes) modes.push_back(SpeculationName(mode));
+  model["specd"] = {
+      {"supports_logprobs", features.logprobs},
+      {"supports_logits_processors", features.logits_processors},
+      {"chat_template",
+       features.chat_template.empty() ? nlohmann::json() : nlohmann::json(features.chat_template)},
+      {"speculation_modes", std::move(modes)}};
   return model;
 }
 

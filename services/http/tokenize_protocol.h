@@ -19,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
 #include "services/http/openai_protocol.h"
+#include "specd/v1/generation.pb.h"
 
 namespace specd {
 
@@ -39,15 +40,21 @@ absl::StatusOr<std::vector<int32_t>> ParseDetokenizeRequest(absl::string_view bo
                                                             const ProtocolOptions& options);
 nlohmann::json DetokenizeResponseJson(const std::string& text);
 
-// What the model's verify backend honours (the router's ModelInfo.supports_*).
+// What the model's verify backend honours (the router's ModelInfo.supports_*), the chat
+// template this server renders, and the speculation modes the cluster serves.
 struct ModelFeatures {
   bool logprobs = false;
   bool logits_processors = false;  // min_p, logit_bias, min_tokens and the penalties
+  // Where specd-http's chat template came from: "--chat_template", "chat_template.jinja" or
+  // "tokenizer_config.json" (ChatTemplate::source()); empty: none (chat requests are 400s).
+  std::string chat_template;
+  std::vector<v1::Speculation> speculation_modes;  // the router's ModelInfo.speculation_modes
 };
 
-// OpenAI's model object (the entry of /v1/models, and /v1/models/{id}), with `features` under
-// "specd" (supports_logprobs, supports_logits_processors): a request for a feature the backend
-// lacks is a 501 naming the field.
+// OpenAI's model object (the entry of /v1/models, and /v1/models/{id}) with vLLM's
+// max_model_len, and `features` under "specd": supports_logprobs, supports_logits_processors (a
+// request for a feature the backend lacks is a 501 naming the field), chat_template (its source,
+// or null) and speculation_modes (names as the "specd.speculation" request field takes them).
 nlohmann::json ModelJson(const std::string& id, uint32_t max_model_len,
                          const ModelFeatures& features);
 // 404 for GET /v1/models/{id} of a model not served here.

@@ -244,6 +244,7 @@ int Main() {
   RouterServiceOptions service_options;
   service_options.limits = limits;
   service_options.target_model = model_dir;
+  service_options.chat_template_source = ChatTemplateSourceOf(model_dir);
   service_options.tokens = tokens.get();
   RouterService service(service_options, tokenizer->get(), &loop, &metrics);
 

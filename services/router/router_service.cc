@@ -4,6 +4,8 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <utility>
 
@@ -15,6 +17,7 @@
 #include "common/service/grpc_util.h"
 #include "common/service/lenient_handler.h"
 #include "engine/backend.h"
+#include "nlohmann/json.hpp"
 #include "services/router/request_validation.h"
 
 namespace specd {
@@ -291,9 +294,9 @@ absl::Status RouterService::Prepare(const v1::GenerateRequest& request, RouterRe
   // No tokenizer makes tokens of more than a few dozen bytes, so a text this long cannot fit
   // the context; refusing it up front keeps a huge prompt from tying up a reactor thread.
   if (request.prompt().size() > static_cast<size_t>(limits.max_context) * 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt: ", request.prompt().size(), " bytes cannot fit the context of ",
-                     limits.max_context, " tokens"));
+    return absl::InvalidArgumentError(absl::StrCat("prompt: ", request.prompt().size(),
+                                                   " bytes cannot fit the context of ",
+                                                   limits.max_context, " tokens"));
   }
   out->prompt = tokenizer_->Encode(request.prompt(), /*add_special_tokens=*/true);
   return ValidatePrompt(out->prompt, "prompt", limits);
@@ -329,8 +332,7 @@ grpc::ServerUnaryReactor* RouterService::Detokenize(grpc::CallbackServerContext*
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
-  if (absl::Status s = CheckTokenIds(request->ids(), options_.limits.vocab_size, "ids");
-      !s.ok()) {
+  if (absl::Status s = CheckTokenIds(request->ids(), options_.limits.vocab_size, "ids"); !s.ok()) {
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
@@ -339,6 +341,42 @@ grpc::ServerUnaryReactor* RouterService::Detokenize(grpc::CallbackServerContext*
                          request->skip_special_tokens()));
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+std::string ChatTemplateSourceOf(const std::string& model_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(fs::path(model_dir) / "chat_template.jinja", ec)) return "chat_template.jinja";
+  std::ifstream in(fs::path(model_dir) / "tokenizer_config.json", std::ios::binary);
+  if (!in) return "";
+  const nlohmann::json config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object()) return "";
+  const auto it = config.find("chat_template");
+  if (it == config.end()) return "";
+  if (it->is_string()) return "tokenizer_config.json";
+  if (it->is_array()) {
+    for (const nlohmann::json& entry : *it) {
+      if (entry.is_object() && entry.value("name", nlohmann::json()) == "default" &&
+          entry.contains("template") && entry["template"].is_string()) {
+        return "tokenizer_config.json";
+      }
+    }
+  }
+  return "";
+}
+
+std::vector<v1::Speculation> AvailableSpeculationModes(bool draft_up, const v1::DraftInfo& draft,
+                                                       const v1::VerifyInfo& verify) {
+  std::vector<v1::Speculation> modes = {v1::SPECULATION_AUTO, v1::SPECULATION_OFF};
+  // A draft service without a model (n-gram only) has no KV cache.
+  if (draft_up && draft.load().kv_capacity_tokens() > 0) {
+    modes.push_back(v1::SPECULATION_DRAFT_MODEL);
+  }
+  modes.push_back(v1::SPECULATION_NGRAM);
+  if (draft_up && !draft.eagle_head().empty() && verify.supports_taps()) {
+    modes.push_back(v1::SPECULATION_EAGLE3);
+  }
+  return modes;
 }
 
 grpc::ServerUnaryReactor* RouterService::GetModelInfo(grpc::CallbackServerContext* context,
@@ -357,9 +395,17 @@ grpc::ServerUnaryReactor* RouterService::GetModelInfo(grpc::CallbackServerContex
   response->mutable_eos_token_ids()->Assign(options_.limits.eos_token_ids.begin(),
                                             options_.limits.eos_token_ids.end());
   response->set_max_new_tokens_limit(options_.limits.max_new_tokens_limit);
-  response->set_draft_available(loop_->draft_up());
+  // One look at the draft services for draft_available and the modes, so they agree.
+  const bool draft_up = loop_->draft_up();
+  response->set_draft_available(draft_up);
   response->set_supports_logprobs(verify.supports_logprobs());
   response->set_supports_logits_processors(verify.supports_logits_processors());
+  response->set_has_chat_template(!options_.chat_template_source.empty());
+  response->set_chat_template_source(options_.chat_template_source);
+  for (v1::Speculation mode : AvailableSpeculationModes(
+           draft_up, draft_up ? loop_->draft_info() : v1::DraftInfo(), verify)) {
+    response->add_speculation_modes(mode);
+  }
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

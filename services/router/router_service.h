@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "common/service/tls_options.h"
@@ -26,7 +27,23 @@ struct RouterServiceOptions {
   // Set: every call must carry "authorization: Bearer <token>" with one of these tokens
   // (UNAUTHENTICATED otherwise). Not owned; must outlive the service.
   BearerTokens* tokens = nullptr;
+  // Where the model folder's chat template is, for ModelInfo (ChatTemplateSourceOf); empty:
+  // the folder has none.
+  std::string chat_template_source;
 };
+
+// Where `model_dir`'s chat template is, in the order specd-http's ChatTemplate::Load looks:
+// "chat_template.jinja", then "tokenizer_config.json" (its chat_template, a string or a list
+// with a "default" entry); empty when there is none, or the config cannot be read as JSON.
+// Only the presence is checked: the router does not render templates.
+std::string ChatTemplateSourceOf(const std::string& model_dir);
+
+// The speculation modes a new request can get (ModelInfo.speculation_modes), in enum order:
+// AUTO, OFF and NGRAM always (the router drafts n-grams itself when no draft service does);
+// DRAFT_MODEL while a draft service with a model is up (`draft` is its info); EAGLE3 while one
+// with an EAGLE head is up and the verify service exports taps.
+std::vector<v1::Speculation> AvailableSpeculationModes(bool draft_up, const v1::DraftInfo& draft,
+                                                       const v1::VerifyInfo& verify);
 
 class RouterService final : public v1::Generation::CallbackService {
  public:

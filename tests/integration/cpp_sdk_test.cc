@@ -370,6 +370,29 @@ TEST(CppSdkTest, TokenizeDetokenizeAndModelInfo) {
   EXPECT_EQ(info->max_new_tokens_limit, static_cast<uint32_t>(kCpuClusterMaxNewTokensLimit));
   EXPECT_EQ(info->eos_token_ids, std::vector<int32_t>{kCpuClusterEosId});
   EXPECT_TRUE(info->draft_available);
+  // The random model's folder has no chat template; the draft service has a draft model.
+  EXPECT_FALSE(info->has_chat_template);
+  EXPECT_EQ(info->chat_template_source, "");
+  EXPECT_EQ(info->speculation_modes,
+            (std::vector<Speculation>{Speculation::kAuto, Speculation::kOff,
+                                      Speculation::kDraftModel, Speculation::kNgram}));
+
+  // specd-cli info prints the same, as JSON.
+  const std::string cmd =
+      absl::StrCat(SpecdBinary("specd-cli"), " info --server ", c->router_address);
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  ASSERT_EQ(pclose(p), 0) << out;
+  const nlohmann::json j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["max_context"], kCpuClusterMaxContext);
+  EXPECT_EQ(j["has_chat_template"], false);
+  EXPECT_EQ(j["chat_template_source"], "");
+  EXPECT_EQ(j["speculation_modes"], nlohmann::json({"auto", "off", "draft_model", "ngram"}));
 }
 
 // The sampling fields and logprobs round-trip through the SDK as through the raw stream; n > 1

@@ -116,6 +116,15 @@ v1::GenerateRequest Request(const std::string& prompt, int max_new_tokens,
   return r;
 }
 
+// GetModelInfo's speculation_modes.
+std::vector<int> Modes(v1::Generation::Stub* stub) {
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  const grpc::Status status = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return {info.speculation_modes().begin(), info.speculation_modes().end()};
+}
+
 const std::vector<std::string>& Prompts() {
   static const auto* prompts = new std::vector<std::string>{
       "def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
@@ -160,6 +169,11 @@ TEST(EagleClusterTest, GreedyAndSeededOutputIsIdenticalWithAndWithoutEagle) {
   const Result autos = c->Generate(Request(Prompts()[0], 16, v1::SPECULATION_AUTO));
   ASSERT_TRUE(autos.status.ok());
   EXPECT_EQ(autos.last.speculation().mode(), v1::SPECULATION_EAGLE3);
+  // And GetModelInfo offers it, beside the draft model the same service has.
+  EXPECT_EQ(
+      Modes(c->stub.get()),
+      (std::vector<int>{v1::SPECULATION_AUTO, v1::SPECULATION_OFF, v1::SPECULATION_DRAFT_MODEL,
+                        v1::SPECULATION_NGRAM, v1::SPECULATION_EAGLE3}));
 }
 
 TEST(EagleClusterTest, KilledDraftServiceLosesNoRequest) {
@@ -183,6 +197,14 @@ TEST(EagleClusterTest, KilledDraftServiceLosesNoRequest) {
   EXPECT_EQ(got.tokens, reference.tokens);
   EXPECT_GT(got.last.speculation().target_only_steps(), 0u);
   EXPECT_GT(got.last.speculation().steps(), 0u);  // it drafted with the head before the kill
+  // Without the draft service the router offers what it can still serve itself (as soon as its
+  // stream has seen the service go: the request above ran target-only steps after that).
+  const std::vector<int> alone = {v1::SPECULATION_AUTO, v1::SPECULATION_OFF, v1::SPECULATION_NGRAM};
+  const absl::Time gone_by = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < gone_by && Modes(c->stub.get()) != alone) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(Modes(c->stub.get()), alone);
 
   // A new draft process: new EAGLE requests draft again.
   c->draft.reset();
@@ -193,6 +215,7 @@ TEST(EagleClusterTest, KilledDraftServiceLosesNoRequest) {
   while (absl::Now() < end && c->Metric("specd_draft_available") != 1) {
     absl::SleepFor(absl::Milliseconds(20));
   }
+  EXPECT_EQ(Modes(c->stub.get()).back(), v1::SPECULATION_EAGLE3);
   r.set_max_new_tokens(64);
   const Result again = c->Generate(r);
   ASSERT_TRUE(again.status.ok());

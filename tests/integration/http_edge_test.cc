@@ -625,6 +625,13 @@ TEST(HttpEdgeTest, TemplateBosTokenizeDetokenizeVersionAndModel) {
   // The CPU verify backend serves logprobs and the logits processors; the router says so.
   EXPECT_EQ(m["specd"]["supports_logprobs"], true);
   EXPECT_EQ(m["specd"]["supports_logits_processors"], true);
+  // The template this edge renders, and what the cluster can speculate with (fresh each GET).
+  EXPECT_EQ(m["specd"]["chat_template"], "tokenizer_config.json");
+  ASSERT_EQ(Cluster::WaitForMetric(c->router_metrics, "specd_draft_available", {}, 1), 1);
+  model = HttpGet("127.0.0.1", http.port, "/v1/models/chat_target", &status);
+  ASSERT_TRUE(model.ok());
+  EXPECT_EQ(ParseJson(*model)["specd"]["speculation_modes"],
+            json({"auto", "off", "draft_model", "ngram"}));
   // Ids may hold slashes, as Hugging Face names do.
   absl::StatusOr<std::string> missing =
       HttpGet("127.0.0.1", http.port, "/v1/models/meta-llama/Llama-3", &status);

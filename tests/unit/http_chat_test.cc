@@ -49,6 +49,7 @@ TEST(HttpChatTest, LoadFindsTheTemplateAndTheSpecialTokens) {
   ASSERT_TRUE(t.ok()) << t.status();
   ASSERT_TRUE(t->has_value());
   EXPECT_EQ((*t)->origin(), dir + "/tokenizer_config.json");
+  EXPECT_EQ((*t)->source(), "tokenizer_config.json");
   EXPECT_EQ(*(*t)->Render(Messages(R"([{"role": "user", "content": "hi"}])")), "<s>[user]hi</s>");
 
   // The list of named templates: "default" is used; without one, loading fails.
@@ -72,10 +73,12 @@ TEST(HttpChatTest, LoadFindsTheTemplateAndTheSpecialTokens) {
   t = ChatTemplate::Load(dir, "");
   ASSERT_TRUE(t.ok());
   EXPECT_EQ(*(*t)->Render(Messages(R"([{"role": "user", "content": "x"}])")), "jinja file E");
+  EXPECT_EQ((*t)->source(), "chat_template.jinja");
   WriteFile(dir + "/override.jinja", "override {{ eos_token }}");
   t = ChatTemplate::Load(dir, dir + "/override.jinja");
   ASSERT_TRUE(t.ok());
   EXPECT_EQ((*t)->origin(), dir + "/override.jinja");
+  EXPECT_EQ((*t)->source(), "--chat_template");
   EXPECT_EQ(*(*t)->Render(Messages(R"([{"role": "user", "content": "x"}])")), "override E");
   // --chat_template alone (no model folder): no special tokens, so bos_token is undefined.
   t = ChatTemplate::Load("", dir + "/override.jinja");
@@ -305,9 +308,21 @@ TEST(HttpChatTest, TokenizeAndDetokenizeRequests) {
 }
 
 TEST(HttpChatTest, ModelObjects) {
-  EXPECT_EQ(ModelJson("target", 4096, ModelFeatures{true, false}).dump(),
-            R"({"created":0,"id":"target","max_model_len":4096,"object":"model","owned_by":"specd",)"
-            R"("specd":{"supports_logits_processors":false,"supports_logprobs":true}})");
+  EXPECT_EQ(
+      ModelJson("target", 4096, ModelFeatures{true, false}).dump(),
+      R"({"created":0,"id":"target","max_model_len":4096,"object":"model","owned_by":"specd",)"
+      R"("specd":{"chat_template":null,"speculation_modes":[],)"
+      R"("supports_logits_processors":false,"supports_logprobs":true}})");
+  ModelFeatures features{
+      false,
+      true,
+      "chat_template.jinja",
+      {v1::SPECULATION_AUTO, v1::SPECULATION_OFF, v1::SPECULATION_NGRAM, v1::SPECULATION_EAGLE3}};
+  EXPECT_EQ(ModelJson("target", 0, features).dump(),
+            R"({"created":0,"id":"target","object":"model","owned_by":"specd",)"
+            R"("specd":{"chat_template":"chat_template.jinja",)"
+            R"("speculation_modes":["auto","off","ngram","eagle3"],)"
+            R"("supports_logits_processors":true,"supports_logprobs":false}})");
   const ApiError e = ModelNotFound("nope/x");
   EXPECT_EQ(e.http_status, 404);
   EXPECT_EQ(e.code, "model_not_found");

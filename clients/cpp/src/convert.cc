@@ -6,16 +6,11 @@ namespace {
 
 v1::Speculation ToProto(Speculation s) {
   switch (s) {
-    case Speculation::kOff:
-      return v1::SPECULATION_OFF;
-    case Speculation::kDraftModel:
-      return v1::SPECULATION_DRAFT_MODEL;
-    case Speculation::kNgram:
-      return v1::SPECULATION_NGRAM;
-    case Speculation::kEagle3:
-      return v1::SPECULATION_EAGLE3;
-    case Speculation::kAuto:
-      break;
+    case Speculation::kOff: return v1::SPECULATION_OFF;
+    case Speculation::kDraftModel: return v1::SPECULATION_DRAFT_MODEL;
+    case Speculation::kNgram: return v1::SPECULATION_NGRAM;
+    case Speculation::kEagle3: return v1::SPECULATION_EAGLE3;
+    case Speculation::kAuto: break;
   }
   return v1::SPECULATION_AUTO;
 }
@@ -23,33 +18,22 @@ v1::Speculation ToProto(Speculation s) {
 // An unknown value from a newer router reads as the default rather than being cast blindly.
 Speculation FromProto(v1::Speculation s) {
   switch (s) {
-    case v1::SPECULATION_OFF:
-      return Speculation::kOff;
-    case v1::SPECULATION_DRAFT_MODEL:
-      return Speculation::kDraftModel;
-    case v1::SPECULATION_NGRAM:
-      return Speculation::kNgram;
-    case v1::SPECULATION_EAGLE3:
-      return Speculation::kEagle3;
-    default:
-      return Speculation::kAuto;
+    case v1::SPECULATION_OFF: return Speculation::kOff;
+    case v1::SPECULATION_DRAFT_MODEL: return Speculation::kDraftModel;
+    case v1::SPECULATION_NGRAM: return Speculation::kNgram;
+    case v1::SPECULATION_EAGLE3: return Speculation::kEagle3;
+    default: return Speculation::kAuto;
   }
 }
 
 FinishReason FromProto(v1::FinishReason r) {
   switch (r) {
-    case v1::FINISH_REASON_LENGTH:
-      return FinishReason::kLength;
-    case v1::FINISH_REASON_EOS:
-      return FinishReason::kEos;
-    case v1::FINISH_REASON_STOP_TOKEN:
-      return FinishReason::kStopToken;
-    case v1::FINISH_REASON_STOP_STRING:
-      return FinishReason::kStopString;
-    case v1::FINISH_REASON_CONTEXT:
-      return FinishReason::kContext;
-    default:
-      return FinishReason::kUnspecified;
+    case v1::FINISH_REASON_LENGTH: return FinishReason::kLength;
+    case v1::FINISH_REASON_EOS: return FinishReason::kEos;
+    case v1::FINISH_REASON_STOP_TOKEN: return FinishReason::kStopToken;
+    case v1::FINISH_REASON_STOP_STRING: return FinishReason::kStopString;
+    case v1::FINISH_REASON_CONTEXT: return FinishReason::kContext;
+    default: return FinishReason::kUnspecified;
   }
 }
 
@@ -140,6 +124,14 @@ ModelInfo FromProto(const v1::ModelInfo& info) {
   out.draft_available = info.draft_available();
   out.supports_logprobs = info.supports_logprobs();
   out.supports_logits_processors = info.supports_logits_processors();
+  out.has_chat_template = info.has_chat_template();
+  out.chat_template_source = info.chat_template_source();
+  for (int mode : info.speculation_modes()) {
+    // A mode newer than this SDK is left out rather than shown as another.
+    if (v1::Speculation_IsValid(mode)) {
+      out.speculation_modes.push_back(FromProto(static_cast<v1::Speculation>(mode)));
+    }
+  }
   return out;
 }
 

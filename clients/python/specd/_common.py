@@ -182,7 +182,12 @@ def to_model_info(m) -> ModelInfo:
                      max_new_tokens_limit=m.max_new_tokens_limit,
                      draft_available=m.draft_available,
                      supports_logprobs=m.supports_logprobs,
-                     supports_logits_processors=m.supports_logits_processors)
+                     supports_logits_processors=m.supports_logits_processors,
+                     has_chat_template=m.has_chat_template,
+                     chat_template_source=m.chat_template_source,
+                     # A mode newer than this SDK is left out rather than misnamed.
+                     speculation_modes=[_SPECULATION_NAMES[s] for s in m.speculation_modes
+                                        if s in _SPECULATION_NAMES])
 
 
 # grpc.health.v1.Health/Check, encoded by hand so that no health stubs are needed:

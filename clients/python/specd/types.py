@@ -94,3 +94,11 @@ class ModelInfo:
     # and the penalties (a request for one it lacks fails with UNIMPLEMENTED naming the field).
     supports_logprobs: bool = False
     supports_logits_processors: bool = False
+    # Whether the router's model folder has a chat template, and where: "chat_template.jinja" or
+    # "tokenizer_config.json" ("" without one). The router does not render it.
+    has_chat_template: bool = False
+    chat_template_source: str = ""
+    # The speculation modes a request can get now, by name ("auto", "off" and "ngram" always;
+    # "draft_model" and "eagle3" while a draft service that has them is up). An unavailable
+    # mode is not refused: the request runs target-only, with the same output.
+    speculation_modes: List[str] = field(default_factory=list)

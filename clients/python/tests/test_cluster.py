@@ -32,6 +32,9 @@ def test_model_info_and_health(client):
     assert info.max_new_tokens_limit > 0 and info.eos_token_ids
     # The CPU verify backend serves logprobs and the logits processors.
     assert info.supports_logprobs and info.supports_logits_processors
+    # The random test model's folder has no chat template; the draft service has a draft model.
+    assert not info.has_chat_template and info.chat_template_source == ""
+    assert info.speculation_modes == ["auto", "off", "draft_model", "ngram"]
     assert client.health() == "SERVING"
 
 

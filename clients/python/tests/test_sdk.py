@@ -69,6 +69,19 @@ def test_last_chunk_carries_stats():
     assert specd.SpeculationStats().acceptance_rate is None
 
 
+def test_model_info_names_the_modes_and_leaves_unknown_ones_out():
+    m = pb.ModelInfo(target_model="t", has_chat_template=True,
+                     chat_template_source="chat_template.jinja",
+                     speculation_modes=[pb.SPECULATION_AUTO, pb.SPECULATION_OFF,
+                                        pb.SPECULATION_NGRAM, pb.SPECULATION_EAGLE3])
+    m.speculation_modes.append(99)  # a mode newer than this SDK
+    info = _common.to_model_info(m)
+    assert info.has_chat_template and info.chat_template_source == "chat_template.jinja"
+    assert info.speculation_modes == ["auto", "off", "ngram", "eagle3"]
+    empty = _common.to_model_info(pb.ModelInfo())
+    assert not empty.has_chat_template and empty.speculation_modes == []
+
+
 def test_every_status_code_has_a_typed_error():
     for code in grpc.StatusCode:
         if code == grpc.StatusCode.OK:

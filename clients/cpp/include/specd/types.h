@@ -126,7 +126,7 @@ struct Chunk {
   FinishReason finish_reason = FinishReason::kUnspecified;
   Usage usage;
   SpeculationStats speculation;
-  std::string matched_stop;  // the stop string that ended generation (kStopString)
+  std::string matched_stop;            // the stop string that ended generation (kStopString)
   std::vector<TokenLogprob> logprobs;  // one per token id, when the request asked
   uint32_t index = 0;                  // which of the request's n samples
 
@@ -156,6 +156,14 @@ struct ModelInfo {
   // the penalties; a request for one it lacks fails with UNIMPLEMENTED naming the field.
   bool supports_logprobs = false;
   bool supports_logits_processors = false;
+  // Whether the router's model folder has a chat template, and where: "chat_template.jinja" or
+  // "tokenizer_config.json" (empty without one). The router does not render it.
+  bool has_chat_template = false;
+  std::string chat_template_source;
+  // The speculation modes a request can get now (kAuto, kOff and kNgram always; kDraftModel
+  // and kEagle3 while a draft service that has them is up). An unavailable mode is not refused:
+  // the request runs target-only, with the same output.
+  std::vector<Speculation> speculation_modes;
 };
 
 }  // namespace specd

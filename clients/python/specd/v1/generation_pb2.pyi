@@ -117,26 +117,32 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ["draft_available", "draft_model", "eos_token_ids", "max_context", "max_new_tokens_limit", "supports_logits_processors", "supports_logprobs", "target_model", "vocab_size"]
+    __slots__ = ["chat_template_source", "draft_available", "draft_model", "eos_token_ids", "has_chat_template", "max_context", "max_new_tokens_limit", "speculation_modes", "supports_logits_processors", "supports_logprobs", "target_model", "vocab_size"]
+    CHAT_TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_MODES_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_LOGITS_PROCESSORS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    chat_template_source: str
     draft_available: bool
     draft_model: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_chat_template: bool
     max_context: int
     max_new_tokens_limit: int
+    speculation_modes: _containers.RepeatedScalarFieldContainer[Speculation]
     supports_logits_processors: bool
     supports_logprobs: bool
     target_model: str
     vocab_size: int
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., draft_available: bool = ..., supports_logprobs: bool = ..., supports_logits_processors: bool = ...) -> None: ...
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., draft_available: bool = ..., supports_logprobs: bool = ..., supports_logits_processors: bool = ..., has_chat_template: bool = ..., chat_template_source: _Optional[str] = ..., speculation_modes: _Optional[_Iterable[_Union[Speculation, str]]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
     __slots__ = ["accepted_per_position", "accepted_tokens", "draft_tokens", "mode", "shape_changes", "steps", "target_only_steps"]
