@@ -246,6 +246,11 @@ struct BackendOptions {
   // and A/B switches (SPECD_GEMM_TIMING, SPECD_PDL, ...) are not options: they are read once
   // from the environment when a backend is created (engine/cuda/cuda_tuning.h, docs/tuning.md).
   int64_t cuda_gemm_invariant_rows = 1024;
+  // cuda: before CreateBackend returns, run one forward at each GEMM row class
+  // (engine/warmup.h), so that no request -- and no measurement of the speculation policy --
+  // pays for a class's algorithm decision. Off by default for tests and benchmarks; the
+  // model services turn it on (--warmup).
+  bool cuda_warmup = false;
 };
 
 // Loads the model folder `dir` onto the device named in `options`.

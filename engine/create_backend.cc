@@ -2,15 +2,35 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "engine/backend.h"
 #include "engine/cpu/cpu_backend.h"
 #include "engine/tp/tp_cpu_backend.h"
+#include "engine/warmup.h"
 #ifdef SPECD_WITH_CUDA
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_tp_backend.h"
 #endif
 
 namespace specd {
+namespace {
+
+#ifdef SPECD_WITH_CUDA
+// Runs the warm-up of BackendOptions::cuda_warmup on a freshly loaded CUDA backend.
+absl::StatusOr<std::unique_ptr<Backend>> WarmedUp(std::unique_ptr<Backend> backend,
+                                                  const BackendOptions& options) {
+  if (!options.cuda_warmup) return backend;
+  absl::StatusOr<WarmUpReport> report =
+      WarmUpBackend(*backend, GemmClassWarmUpRows(options.cuda_gemm_invariant_rows));
+  if (!report.ok()) return report.status();
+  SPECD_LOG(INFO) << options.device << ": warmed up at " << report->rows.size()
+                  << " GEMM row classes (up to " << (report->rows.empty() ? 0 : report->rows.back())
+                  << " rows) in " << report->seconds << " s";
+  return backend;
+}
+#endif
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
                                                        const BackendOptions& options) {
@@ -44,19 +64,19 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
         for (int r = 0; r < options.tensor_parallel; ++r) tp.devices.push_back(device + r);
       }
       if (static_cast<int>(tp.devices.size()) != options.tensor_parallel) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("devices: lists ", tp.devices.size(), " GPUs but tensor_parallel is ",
-                         options.tensor_parallel));
+        return absl::InvalidArgumentError(absl::StrCat("devices: lists ", tp.devices.size(),
+                                                       " GPUs but tensor_parallel is ",
+                                                       options.tensor_parallel));
       }
       tp.custom_allreduce_max_bytes = options.cuda_custom_allreduce_max_bytes;
       absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> gpus =
           CudaTensorParallelBackend::Create(dir, options, tp);
       if (!gpus.ok()) return gpus.status();
-      return std::unique_ptr<Backend>(std::move(*gpus));
+      return WarmedUp(std::unique_ptr<Backend>(std::move(*gpus)), options);
     }
     absl::StatusOr<std::unique_ptr<CudaBackend>> gpu = CudaBackend::Create(dir, device, options);
     if (!gpu.ok()) return gpu.status();
-    return std::unique_ptr<Backend>(std::move(*gpu));
+    return WarmedUp(std::unique_ptr<Backend>(std::move(*gpu)), options);
 #else
     return absl::UnimplementedError(
         absl::StrCat("device \"", options.device,

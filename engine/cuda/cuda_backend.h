@@ -433,6 +433,11 @@ public:
   int non_invariant_gemm_shapes() const {
     return gemm_->non_invariant_shapes();
   }
+  // GEMM row classes whose algorithm has been decided (engine/warmup.h): after a warm-up, a
+  // step whose row counts fall in decided classes adds none.
+  int gemm_classes_decided() const {
+    return gemm_->own_algorithm_classes() + gemm_->base_algorithm_classes();
+  }
 };
 
 } // namespace specd

@@ -31,6 +31,9 @@ ABSL_FLAG(std::string, eagle_target, "",
 ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda:N where a CUDA backend is built");
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "draft KV cache capacity in tokens");
+ABSL_FLAG(bool, warmup, true,
+          "on a GPU, run one forward at each GEMM row class before serving, so that no request "
+          "pays for choosing a class's algorithm (takes a few seconds at startup)");
 ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
 ABSL_FLAG(int, tree_depth, 4, "tree depth when a step leaves it 0");
 ABSL_FLAG(int, tree_top_k, 4, "children per expanded node when a step leaves it 0");
@@ -78,6 +81,7 @@ int Main() {
   options.backend.device = absl::GetFlag(FLAGS_device);
   options.backend.kv_capacity_tokens = absl::GetFlag(FLAGS_kv_capacity_tokens);
   options.backend.num_threads = absl::GetFlag(FLAGS_num_threads);
+  options.backend.cuda_warmup = absl::GetFlag(FLAGS_warmup);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.defaults.depth = absl::GetFlag(FLAGS_tree_depth);
   options.defaults.top_k = absl::GetFlag(FLAGS_tree_top_k);

@@ -34,6 +34,9 @@ ABSL_FLAG(int64_t, custom_allreduce_max_bytes, -1,
           "kernel, larger ones NCCL (-1: every CUDA-graph step, 0: NCCL only)");
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
+ABSL_FLAG(bool, warmup, true,
+          "on a GPU, run one forward at each GEMM row class before serving, so that no request "
+          "pays for choosing a class's algorithm (takes a few seconds at startup)");
 ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
 ABSL_FLAG(int, startup_delay_ms, 0,
           "wait this long before loading the model (to exercise readiness probes in tests)");
@@ -77,6 +80,7 @@ int Main() {
   options.backend.device = absl::GetFlag(FLAGS_device);
   options.backend.kv_capacity_tokens = absl::GetFlag(FLAGS_kv_capacity_tokens);
   options.backend.num_threads = absl::GetFlag(FLAGS_num_threads);
+  options.backend.cuda_warmup = absl::GetFlag(FLAGS_warmup);
   options.backend.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   if (const std::string devices = absl::GetFlag(FLAGS_devices); !devices.empty()) {
