@@ -19,6 +19,10 @@
 
 namespace specd {
 
+// Tokens per KV block of every backend's paged pools (CPU, CUDA, their tensor-parallel ranks and
+// the EAGLE heads).
+inline constexpr int64_t kKvBlockTokens = 16;
+
 // Everything about one Forward() step that does not depend on the weights; T tokens over all
 // items, R requested logits rows.
 struct StepLayout {

@@ -5,8 +5,8 @@
 // whose depth equals their index, i.e. the chain 0, 1, 2, ... from the committed end), so every
 // spine node up to a is an ancestor too; which spine node serves as a is free within the mask's
 // reach, and any choice selects the same keys in the same (ascending) order.
-#ifndef SPECD_ENGINE_TREE_MASK_H_
-#define SPECD_ENGINE_TREE_MASK_H_
+#ifndef SPECD_ENGINE_CUDA_TREE_MASK_H_
+#define SPECD_ENGINE_CUDA_TREE_MASK_H_
 
 #include <cstdint>
 #include <optional>
@@ -39,4 +39,4 @@ void SetTreeMaskBits(absl::Span<const int32_t> parents, int32_t index, int32_t a
 
 }  // namespace specd
 
-#endif  // SPECD_ENGINE_TREE_MASK_H_
+#endif  // SPECD_ENGINE_CUDA_TREE_MASK_H_
