@@ -6,11 +6,9 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/token_tree.h"
 #include "engine/cuda/cuda_status.h"
-#include "engine/cuda/tree_mask.h"
 #include "engine/kv/paged_kv_table.h"
 #include "engine/sampling.h"
 #include "specd/kernels/cuda/sampling.h"
@@ -19,8 +17,6 @@
 
 namespace specd {
 namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <typename T>
 T* At(void* base, size_t offset) {
@@ -84,11 +80,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const std::stri
   std::unique_ptr<CudaBackend> backend(
       new CudaBackend(*std::move(config), device, options, tp, parsed));
   SPECD_RETURN_IF_ERROR_(backend->forward_->Init());
-  // Every block is free: blocks are handed out from the back, lowest first.
-  backend->num_blocks_ = backend->forward_->kv_blocks();
-  for (int64_t b = backend->num_blocks_ - 1; b >= 0; --b) {
-    backend->free_blocks_.push_back(static_cast<int32_t>(b));
-  }
+  backend->table_ = backend->MakeTable(backend->forward_->kv_blocks());
   return backend;
 }
 
@@ -113,201 +105,45 @@ CudaBackend::~CudaBackend() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Sequences and KV blocks (the CPU backend's bookkeeping).
+// Sequences and KV blocks: engine/kv/paged_kv_table.h.
 
-void CudaBackend::ReleaseBlocks(Sequence* s, int64_t keep_blocks) {
-  while (static_cast<int64_t>(s->blocks.size()) > keep_blocks) {
-    free_blocks_.push_back(s->blocks.back());
-    s->blocks.pop_back();
-  }
+std::unique_ptr<PagedKvTable> CudaBackend::MakeTable(int64_t blocks) const {
+  auto table = std::make_unique<PagedKvTable>(kKvBlockTokens, blocks * kKvBlockTokens,
+                                              config_.vocab_size, config_.max_position_embeddings);
+  // The pools were allocated whole at load.
+  table->AllocateUpFront();
+  table->SetMaskBits(cuda::kTreeAttentionMaskBits);
+  return table;
 }
 
-int64_t CudaBackend::PhysicalSlot(const Sequence& s, int64_t logical) const {
-  return int64_t{s.blocks[logical / kKvBlockTokens]} * kKvBlockTokens + logical % kKvBlockTokens;
-}
+absl::Status CudaBackend::AddSequence(SeqId seq) { return table_->AddSequence(seq); }
 
-absl::Status CudaBackend::AddSequence(SeqId seq) {
-  if (seqs_.contains(seq)) {
-    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " already exists"));
-  }
-  if (free_blocks_.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache full: no free block for sequence ",
-                                                     seq, " (capacity ",
-                                                     num_blocks_ * kKvBlockTokens, " tokens)"));
-  }
-  seqs_.emplace(seq, Sequence{});
-  return absl::OkStatus();
-}
+absl::Status CudaBackend::RemoveSequence(SeqId seq) { return table_->RemoveSequence(seq); }
 
-absl::Status CudaBackend::RemoveSequence(SeqId seq) {
-  auto it = seqs_.find(seq);
-  if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
-  ReleaseBlocks(&it->second, 0);
-  seqs_.erase(it);
-  return absl::OkStatus();
-}
-
-bool CudaBackend::HasSequence(SeqId seq) const { return seqs_.contains(seq); }
+bool CudaBackend::HasSequence(SeqId seq) const { return table_->HasSequence(seq); }
 
 absl::StatusOr<int64_t> CudaBackend::CommittedLength(SeqId seq) const {
-  auto it = seqs_.find(seq);
-  if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
-  return it->second.committed;
+  return table_->CommittedLength(seq);
 }
 
-KvUsage CudaBackend::Usage() const {
-  KvUsage u;
-  for (const auto& [id, s] : seqs_) u.used_tokens += s.tokens();
-  u.capacity_tokens = num_blocks_ * kKvBlockTokens;
-  u.sequences = static_cast<int>(seqs_.size());
-  return u;
-}
+KvUsage CudaBackend::Usage() const { return table_->Usage(); }
 
 absl::Status CudaBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
-  auto it = seqs_.find(seq);
-  if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " not found"));
-  Sequence& s = it->second;
-  const int64_t scratch = static_cast<int64_t>(s.scratch_parents.size());
-  for (size_t j = 0; j < path.size(); ++j) {
-    if (path[j] < 0 || path[j] >= scratch) {
-      return absl::InvalidArgumentError(absl::StrCat("path[", j, "] = ", path[j],
-                                                     " is not a scratch node (sequence ", seq,
-                                                     " has ", scratch, ")"));
-    }
-    const int32_t want = j == 0 ? -1 : path[j - 1];
-    if (s.scratch_parents[path[j]] != want) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "path[", j, "] = ", path[j], " is not a child of ",
-          j == 0 ? std::string("the committed end") : absl::StrCat("path[", j - 1, "]"),
-          " (its parent is ", s.scratch_parents[path[j]], ")"));
-    }
-  }
-  // path[j] >= j and increases, so copying in order never overwrites a later
-  // source.
   std::vector<int64_t> src, dst;
-  for (size_t j = 0; j < path.size(); ++j) {
-    if (path[j] == static_cast<int32_t>(j)) continue;
-    src.push_back(PhysicalSlot(s, s.committed + path[j]));
-    dst.push_back(PhysicalSlot(s, s.committed + static_cast<int64_t>(j)));
-  }
-  SPECD_RETURN_IF_ERROR_(forward_->CopyKvSlots(src, dst));
-  s.committed += static_cast<int64_t>(path.size());
-  s.scratch_parents.clear();
-  s.scratch_depth.clear();
-  ReleaseBlocks(&s, CeilDiv(s.committed, kKvBlockTokens));
-  return absl::OkStatus();
+  SPECD_RETURN_IF_ERROR_(table_->PrepareCommit(seq, path, &src, &dst));
+  return forward_->CopyKvSlots(src, dst);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-absl::StatusOr<CudaBackend::Batch> CudaBackend::Validate(absl::Span<const ForwardItem> items) {
-  const ModelConfig& c = config_;
-  Batch batch;
-  batch.seqs.resize(items.size());
-  batch.depth.resize(items.size());
-  batch.spine.resize(items.size());
-  absl::flat_hash_set<SeqId> seen;
-  int64_t blocks_needed = 0;
-  for (size_t b = 0; b < items.size(); ++b) {
-    const ForwardItem& it = items[b];
-    auto found = seqs_.find(it.seq);
-    if (found == seqs_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("items[", b, "].seq: sequence ", it.seq, " not found"));
-    }
-    if (!seen.insert(it.seq).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("items[", b, "].seq: sequence ", it.seq, " appears twice in one batch"));
-    }
-    Sequence& s = found->second;
-    batch.seqs[b] = &s;
-    const int64_t n = static_cast<int64_t>(it.tokens.size());
-    if (n == 0) return absl::InvalidArgumentError(absl::StrCat("items[", b, "].tokens is empty"));
-    if (it.parents.size() != it.tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "items[", b, "].parents has ", it.parents.size(), " entries for ", n, " tokens"));
-    }
-    const int64_t base = static_cast<int64_t>(s.scratch_parents.size());
-    // Parents and depths of the old and new scratch nodes together, to find
-    // each new node's deepest ancestor on the chain from the committed end.
-    std::vector<int32_t> parents = s.scratch_parents, depth = s.scratch_depth;
-    std::vector<int32_t>& new_depth = batch.depth[b];
-    std::vector<int32_t>& spine = batch.spine[b];
-    for (int64_t j = 0; j < n; ++j) {
-      const int32_t tok = it.tokens[j];
-      if (tok < 0 || tok >= c.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].tokens[", j, "] = ", tok,
-                                                       " is outside the vocabulary [0, ",
-                                                       c.vocab_size, ")"));
-      }
-      const int32_t parent = it.parents[j];
-      if (parent < -1 || parent >= base + j) {
-        return absl::InvalidArgumentError(absl::StrCat("items[", b, "].parents[", j, "] = ", parent,
-                                                       " must be -1 or an earlier scratch node (< ",
-                                                       base + j, ")"));
-      }
-      const int32_t d = parent < 0 ? 0 : 1 + depth[parent];
-      if (s.committed + d >= c.max_position_embeddings) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "items[", b, "].tokens[", j, "]: position ", s.committed + d,
-            " is beyond the context (max_position_embeddings ", c.max_position_embeddings, ")"));
-      }
-      parents.push_back(parent);
-      depth.push_back(d);
-      new_depth.push_back(d);
-      const int32_t index = static_cast<int32_t>(base + j);
-      const int32_t a = SpineEnd(parents, depth, index);
-      if (index - a > cuda::kTreeAttentionMaskBits) {
-        return absl::UnimplementedError(absl::StrCat(
-            "items[", b, "].parents[", j, "]: scratch node ", index, " lies ", index - a,
-            " nodes past the chain from the committed end; the "
-            "cuda backend masks at most ",
-            cuda::kTreeAttentionMaskBits));
-      }
-      spine.push_back(a);
-    }
-    for (int32_t r : it.logit_rows) {
-      if (r < 0 || r >= n) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("items[", b, "].logit_rows holds ", r, ", outside [0, ", n, ")"));
-      }
-    }
-    blocks_needed +=
-        CeilDiv(s.tokens() + n, kKvBlockTokens) - static_cast<int64_t>(s.blocks.size());
-    batch.tokens += n;
-    batch.rows += static_cast<int64_t>(it.logit_rows.size());
-  }
-  if (blocks_needed > static_cast<int64_t>(free_blocks_.size())) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: the batch needs ", blocks_needed * kKvBlockTokens,
-                     " more slots, ", free_blocks_.size() * kKvBlockTokens, " are free (capacity ",
-                     num_blocks_ * kKvBlockTokens, " tokens)"));
-  }
-  return batch;
-}
-
-std::vector<PlanItem> CudaBackend::Append(absl::Span<const ForwardItem> items, const Batch& batch) {
-  std::vector<PlanItem> plan(items.size());
-  for (size_t b = 0; b < items.size(); ++b) {
-    const ForwardItem& it = items[b];
-    Sequence& s = *batch.seqs[b];
-    const int64_t n = static_cast<int64_t>(it.tokens.size());
-    while (static_cast<int64_t>(s.blocks.size()) < CeilDiv(s.tokens() + n, kKvBlockTokens)) {
-      s.blocks.push_back(free_blocks_.back());
-      free_blocks_.pop_back();
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      s.scratch_parents.push_back(it.parents[j]);
-      s.scratch_depth.push_back(batch.depth[b][j]);
-    }
-    plan[b] = {s.committed, s.scratch_parents, batch.depth[b], batch.spine[b], s.blocks};
-  }
-  return plan;
-}
-
-void CudaBackend::ChooseStepBuckets(const std::vector<int64_t>& item_tokens, CudaStep* step) const {
+void CudaBackend::PlanForward(absl::Span<const ForwardItem> items, const StepLayout& layout,
+                              const std::vector<int64_t>& item_tokens, CudaStep* step,
+                              StepPacker* pack) {
   if (graphs_enabled_) ChooseBuckets(item_tokens, step);
+  PlanItems plan;
+  PlanItemsFromLayout(layout, &plan);
+  LayoutForward(items, plan.items, forward_->PlanOptions(), step, pack);
 }
 
 absl::Status CudaBackend::Execute(const CudaStep& step) {
@@ -331,35 +167,32 @@ absl::Status CudaBackend::ForwardColumns(absl::Span<const ForwardItem> items, fl
 }
 
 void CudaBackend::LimitKvBlocks(int64_t blocks) {
-  if (blocks >= num_blocks_) return;
-  // Only called before any sequence exists: every block is free.
-  num_blocks_ = blocks;
-  free_blocks_.clear();
-  for (int64_t b = num_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
+  // Only called before any sequence exists.
+  if (blocks < table_->capacity_blocks()) table_ = MakeTable(blocks);
 }
 
-absl::Status CudaBackend::PrepareForward(absl::Span<const ForwardItem> items, const Batch& batch,
-                                         CudaStep* step) {
+absl::Status CudaBackend::PrepareForward(absl::Span<const ForwardItem> items,
+                                         const StepLayout& layout, CudaStep* step) {
   SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
   std::vector<int64_t> item_tokens;
-  // A padded sequence has per_seq token slots and per_seq logit rows (rows may
-  // repeat).
+  // A padded sequence has per_seq token slots and per_seq logit rows (rows may repeat).
   for (const ForwardItem& it : items) {
     item_tokens.push_back(static_cast<int64_t>(std::max(it.tokens.size(), it.logit_rows.size())));
   }
-  ChooseStepBuckets(item_tokens, step);
   StepPacker pack;
-  LayoutForward(items, Append(items, batch), forward_->PlanOptions(), step, &pack);
+  PlanForward(items, layout, item_tokens, step, &pack);
   SPECD_RETURN_IF_ERROR_(forward_->PrepareBuffers(*step, pack.bytes().size()));
   return forward_->UploadMeta(pack);
 }
 
 absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items, float* logits) {
-  absl::StatusOr<Batch> batch = Validate(items);
-  if (!batch.ok()) return batch.status();
+  // PrepareForward validates the whole batch before changing anything, so a bad item leaves
+  // all sequences as they were.
+  StepLayout layout;
+  SPECD_RETURN_IF_ERROR_(table_->PrepareForward(items, &layout));
   if (items.empty()) return absl::OkStatus();
   CudaStep step;
-  SPECD_RETURN_IF_ERROR_(PrepareForward(items, *batch, &step));
+  SPECD_RETURN_IF_ERROR_(PrepareForward(items, layout, &step));
   SPECD_RETURN_IF_ERROR_(Execute(step));
   const cudaStream_t stream = forward_->stream();
   const CudaForward::Buffers& buf = forward_->buffers();
@@ -397,15 +230,15 @@ absl::Status CudaBackend::ForwardTopK(absl::Span<const ForwardItem> items, int k
   // A rank holds a slice of the vocabulary: the whole rows' top-k would need
   // the slices' lists merged across ranks, so the group takes the host path.
   if (world_ > 1) return Backend::ForwardTopK(items, k, out);
-  absl::StatusOr<Batch> batch = Validate(items);
-  if (!batch.ok()) return batch.status();
+  StepLayout layout;
+  SPECD_RETURN_IF_ERROR_(table_->PrepareForward(items, &layout));
   const int64_t vocab = config_.vocab_size;
   out->k = static_cast<int>(std::min<int64_t>(k, vocab));
   out->ids.clear();
   out->logprobs.clear();
   if (items.empty()) return absl::OkStatus();
   CudaStep step;
-  SPECD_RETURN_IF_ERROR_(PrepareForward(items, *batch, &step));
+  SPECD_RETURN_IF_ERROR_(PrepareForward(items, layout, &step));
   const cudaStream_t stream = forward_->stream();
   CudaForward::Buffers& buf = forward_->buffers();
   // The requested rows among the step's (padded steps interleave unused ones),
@@ -499,16 +332,17 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::VerifyOnDevice(
     absl::StatusOr<int64_t> first = MakeVerifyForward(*this, items[b], b, &forward[b]);
     if (!first.ok()) return first.status();
     // The tree's KV slots follow the pending tokens right after the committed prefix.
-    const Sequence& s = seqs_.at(items[b].seq);
-    if (!s.scratch_parents.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "verify item ", b, ": sequence ", items[b].seq, " has ", s.scratch_parents.size(),
-          " uncommitted scratch nodes; Commit() them before Verify()"));
+    const absl::StatusOr<int64_t> scratch = table_->ScratchLength(items[b].seq);
+    if (!scratch.ok()) return scratch.status();
+    if (*scratch > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("verify item ", b, ": sequence ", items[b].seq, " has ", *scratch,
+                       " uncommitted scratch nodes; Commit() them before Verify()"));
     }
-    committed[b] = s.committed;
+    committed[b] = *first - static_cast<int64_t>(items[b].pending.size());
   }
-  absl::StatusOr<Batch> batch = Validate(forward);
-  if (!batch.ok()) return batch.status();
+  StepLayout layout;
+  SPECD_RETURN_IF_ERROR_(table_->PrepareForward(forward, &layout));
   if (items.empty()) return std::vector<VerifyOutcome>{};
   SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
   const cudaStream_t stream = forward_->stream();
@@ -522,9 +356,8 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::VerifyOnDevice(
   }
   std::vector<int64_t> item_tokens;
   for (const ForwardItem& f : forward) item_tokens.push_back(static_cast<int64_t>(f.tokens.size()));
-  ChooseStepBuckets(item_tokens, &step);
   StepPacker pack;
-  LayoutForward(forward, Append(forward, *batch), forward_->PlanOptions(), &step, &pack);
+  PlanForward(forward, layout, item_tokens, &step, &pack);
 
   // Sampling rows (the last pending token's, then one per tree node, at the item's logit rows),
   // then the packed trees and the outputs (LayoutVerify). Padding rows and sequences sample
@@ -659,11 +492,11 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::VerifyOnDevice(
         }
       }
     }
-    Sequence& s = *batch->seqs[b];
-    s.committed += static_cast<int64_t>(items[b].pending.size()) + n;
-    s.scratch_parents.clear();
-    s.scratch_depth.clear();
-    ReleaseBlocks(&s, CeilDiv(s.committed, kKvBlockTokens));
+    // The compaction kernel has already moved the accepted nodes' K/V into place.
+    std::vector<int64_t> src, dst;
+    SPECD_RETURN_IF_ERROR_(table_->PrepareCommit(
+        items[b].seq, AcceptedScratchPath(static_cast<int>(items[b].pending.size()), o), &src,
+        &dst));
   }
   if (timing) {
     const auto us = [](auto a, auto b) {

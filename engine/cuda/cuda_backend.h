@@ -14,8 +14,9 @@
 //
 // KV cache. One pool per tensor for all layers, [num_layers, num_slots, kv_dim] bf16, allocated
 // at load for BackendOptions::kv_capacity_tokens (clamped to the free device memory), in blocks
-// of kKvBlockTokens slots with per-sequence block tables -- the CPU backend's bookkeeping, so
-// committed prefixes take logical slots [0, L) and scratch nodes the slots after them.
+// of kKvBlockTokens slots with per-sequence block tables kept by engine/kv/paged_kv_table.h --
+// the CPU backend's bookkeeping, so committed prefixes take logical slots [0, L) and scratch
+// nodes the slots after them.
 //
 // Verify() runs on the device end to end: one forward pass over every sequence's pending tokens
 // and tree, sampling of every tree row (Philox, the host sampler's semantics), tree acceptance
@@ -60,7 +61,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
@@ -68,6 +68,7 @@
 #include "engine/cuda/cuda_graph_cache.h"
 #include "engine/cuda/cuda_step_plan.h"
 #include "engine/cuda/cuda_tuning.h"
+#include "engine/kv/paged_kv_table.h"
 #include "engine/model_config.h"
 
 namespace specd {
@@ -133,7 +134,7 @@ class CudaBackend : public Backend {
   absl::Status ForwardColumns(absl::Span<const ForwardItem> items, float* logits);
   // KV blocks this backend can hold, and a cap on them: the ranks of a group must run out of KV
   // blocks at the same moment.
-  int64_t kv_blocks() const { return num_blocks_; }
+  int64_t kv_blocks() const { return table_->capacity_blocks(); }
   void LimitKvBlocks(int64_t blocks);
 
   void SetPhaseTiming(bool on) { phase_timing_ = on; }
@@ -153,36 +154,17 @@ class CudaBackend : public Backend {
   int non_invariant_gemm_shapes() const { return forward_->gemm().non_invariant_shapes(); }
 
  private:
-  struct Sequence {
-    int64_t committed = 0;
-    std::vector<int32_t> blocks;
-    std::vector<int32_t> scratch_parents;
-    std::vector<int32_t> scratch_depth;
-    int64_t tokens() const { return committed + static_cast<int64_t>(scratch_parents.size()); }
-  };
-  // A validated batch: per item its sequence, the new nodes' depths, and for each new node its
-  // deepest ancestor on the chain from the committed end (-1 if none).
-  struct Batch {
-    std::vector<Sequence*> seqs;
-    std::vector<std::vector<int32_t>> depth;
-    std::vector<std::vector<int32_t>> spine;
-    int64_t tokens = 0;
-    int64_t rows = 0;
-  };
-
   CudaBackend(ModelConfig config, int device, const BackendOptions& options, const CudaTpRank* tp,
               const CudaTuning& tuning);
-  absl::StatusOr<Batch> Validate(absl::Span<const ForwardItem> items);
-  // Appends a validated batch to the scratch regions, allocating blocks, and returns what the
-  // step planner reads of each item (spans into the sequences and `batch`).
-  std::vector<PlanItem> Append(absl::Span<const ForwardItem> items, const Batch& batch);
-  void ReleaseBlocks(Sequence* s, int64_t keep_blocks);
-  int64_t PhysicalSlot(const Sequence& s, int64_t logical) const;
-  // Picks the step's bucket when graphs are on and the step fits one.
-  void ChooseStepBuckets(const std::vector<int64_t>& item_tokens, CudaStep* step) const;
-  // Lays out a validated batch's forward pass and uploads its metadata; Execute(*step) then
-  // leaves [step.R, vocab rows] fp32 logits in the forward's logits buffer.
-  absl::Status PrepareForward(absl::Span<const ForwardItem> items, const Batch& batch,
+  // A table of `blocks` KV blocks, allocated up front, for this backend's masks.
+  std::unique_ptr<PagedKvTable> MakeTable(int64_t blocks) const;
+  // Plans the forward pass of `items`, which table_ laid out in `layout`, into `step` and
+  // `pack`; item_tokens: each item's token slots (for the bucket).
+  void PlanForward(absl::Span<const ForwardItem> items, const StepLayout& layout,
+                   const std::vector<int64_t>& item_tokens, CudaStep* step, StepPacker* pack);
+  // Plans a laid out forward pass and uploads its metadata; Execute(*step) then leaves
+  // [step.R, vocab rows] fp32 logits in the forward's logits buffer.
+  absl::Status PrepareForward(absl::Span<const ForwardItem> items, const StepLayout& layout,
                               CudaStep* step);
   // Runs a prepared step (eagerly, or as a CUDA graph when it is padded).
   absl::Status Execute(const CudaStep& step);
@@ -198,9 +180,9 @@ class CudaBackend : public Backend {
   int world_ = 1;  // ranks of the group (1 without tensor parallelism)
   std::unique_ptr<CudaForward> forward_;
 
-  int64_t num_blocks_ = 0;
-  std::vector<int32_t> free_blocks_;
-  absl::flat_hash_map<SeqId, Sequence> seqs_;
+  // Sequences, block tables and scratch trees (engine/kv/paged_kv_table.h), sized to the KV
+  // pools that forward_ holds.
+  std::unique_ptr<PagedKvTable> table_;
 
   // CUDA graphs, keyed by everything their launches take by value (CudaGraphKey).
   bool graphs_enabled_ = false;

@@ -34,6 +34,29 @@ bool ChooseBuckets(const std::vector<int64_t>& item_tokens, CudaStep* step) {
   return true;
 }
 
+void PlanItemsFromLayout(const StepLayout& layout, PlanItems* out) {
+  const int64_t num_seqs = layout.num_seqs;
+  out->depth.assign(num_seqs, {});
+  out->spine.assign(num_seqs, {});
+  out->items.assign(num_seqs, {});
+  for (int64_t t = 0; t < layout.num_tokens; ++t) {
+    const int32_t b = layout.query_seq[t];
+    const int64_t committed = layout.committed[b];
+    out->depth[b].push_back(static_cast<int32_t>(layout.positions[t] - committed));
+    // prefix_len is committed + a + 1 for the token's own spine end a.
+    out->spine[b].push_back(static_cast<int32_t>(layout.prefix_len[t] - committed - 1));
+  }
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    PlanItem& item = out->items[b];
+    item.committed = layout.committed[b];
+    item.scratch_parents = layout.scratch_parents[b];
+    item.depth = out->depth[b];
+    item.spine = out->spine[b];
+    item.blocks = absl::MakeConstSpan(layout.block_tables)
+                      .subspan(b * layout.max_blocks_per_seq, layout.max_blocks_per_seq);
+  }
+}
+
 void LayoutForward(absl::Span<const ForwardItem> items, absl::Span<const PlanItem> plan_items,
                    const StepPlanOptions& options, CudaStep* step, StepPacker* pack) {
   constexpr int kWords = cuda::kTreeAttentionMaskWords;

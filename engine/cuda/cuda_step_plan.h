@@ -22,6 +22,7 @@
 
 #include "absl/types/span.h"
 #include "engine/backend.h"
+#include "engine/kv/paged_kv_table.h"
 
 namespace specd {
 
@@ -105,6 +106,15 @@ struct PlanItem {
   absl::Span<const int32_t> spine;
   absl::Span<const int32_t> blocks;  // the sequence's block table
 };
+
+// The planner's items of a step that PagedKvTable::PrepareForward laid out (with SetMaskBits):
+// spans into the layout and into depth and spine, which hold each item's nodes' depths and own
+// spine ends (from the layout's positions and prefix_len). Valid while the layout lives.
+struct PlanItems {
+  std::vector<std::vector<int32_t>> depth, spine;
+  std::vector<PlanItem> items;
+};
+void PlanItemsFromLayout(const StepLayout& layout, PlanItems* out);
 
 // What the planner needs of the model and the machine.
 struct StepPlanOptions {

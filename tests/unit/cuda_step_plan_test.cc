@@ -351,3 +351,106 @@ TEST(CudaStepPlanTest, GraphKeysTellBucketsApartNotContents) {
 
 }  // namespace
 }  // namespace specd
+
+namespace specd {
+namespace {
+
+// The keys the CPU attention reads for token t of a PagedKvTable layout: the prefix run, then
+// the listed ancestors.
+std::vector<int64_t> CpuKeys(const StepLayout& l, int64_t t) {
+  std::vector<int64_t> keys;
+  for (int64_t k = 0; k < l.prefix_len[t]; ++k) keys.push_back(k);
+  for (int32_t i = l.key_offsets[t]; i < l.key_offsets[t + 1]; ++i) keys.push_back(l.tree_keys[i]);
+  return keys;
+}
+
+// PagedKvTable (as the CUDA backend configures it) and the planner together: a prefill, its
+// commit, then a verify step with a random tree for two sequences; every token's mask decodes to
+// exactly the keys the CPU backend's attention reads from the same layout, and its slot is the
+// layout's.
+TEST(CudaStepPlanTest, PlannedMasksReadTheKeysOfTheTableLayout) {
+  for (bool padded : {false, true}) {
+    SCOPED_TRACE(padded ? "padded" : "unpadded");
+    PagedKvTable table(kKvBlockTokens, 64 * kKvBlockTokens, 1000, 4096);
+    table.AllocateUpFront();
+    table.SetMaskBits(cuda::kTreeAttentionMaskBits);
+    std::mt19937 rng(11);
+    std::vector<ForwardItem> step(2);
+    for (int b = 0; b < 2; ++b) {
+      ASSERT_TRUE(table.AddSequence(b).ok());
+      step[b].seq = b;
+      for (int j = 0; j < 21 + 17 * b; ++j) {
+        step[b].tokens.push_back(j);
+        step[b].parents.push_back(j - 1);
+      }
+    }
+    StepLayout layout;
+    ASSERT_TRUE(table.PrepareForward(step, &layout).ok());
+    for (int b = 0; b < 2; ++b) {
+      std::vector<int32_t> all(step[b].tokens.size());
+      for (size_t j = 0; j < all.size(); ++j) all[j] = static_cast<int32_t>(j);
+      std::vector<int64_t> src, dst;
+      ASSERT_TRUE(table.PrepareCommit(b, all, &src, &dst).ok());
+    }
+    // Verify: a pending token, then a random tree of 40 nodes below it.
+    for (int b = 0; b < 2; ++b) {
+      ForwardItem& f = step[b];
+      f.tokens = {5};
+      f.parents = {-1};
+      f.logit_rows = {0};
+      for (int j = 1; j <= 40; ++j) {
+        f.tokens.push_back(j);
+        f.parents.push_back(static_cast<int32_t>(rng() % j));
+        f.logit_rows.push_back(j);
+      }
+    }
+    ASSERT_TRUE(table.PrepareForward(step, &layout).ok());
+    ASSERT_EQ(layout.committed, (std::vector<int64_t>{21, 38}));
+    PlanItems plan;
+    PlanItemsFromLayout(layout, &plan);
+    CudaStep cuda_step;
+    if (padded) ASSERT_TRUE(ChooseBuckets({41, 41}, &cuda_step));
+    StepPacker pack;
+    LayoutForward(step, plan.items, Options(), &cuda_step, &pack);
+    const int64_t T = cuda_step.T;
+    const auto kv_end = Read<int32_t>(pack, cuda_step.o_kv_end, T);
+    const auto mask_begin = Read<int32_t>(pack, cuda_step.o_mask_begin, T);
+    const auto mask = Read<uint32_t>(pack, cuda_step.o_mask, T * kWords);
+    const auto slots = Read<int64_t>(pack, cuda_step.o_slots, T);
+    const auto positions = Read<int32_t>(pack, cuda_step.o_positions, T);
+    for (int64_t t = 0; t < layout.num_tokens; ++t) {
+      const int64_t q = padded ? layout.query_seq[t] * cuda_step.per_seq + t % 41 : t;
+      SCOPED_TRACE(testing::Message() << "token " << t);
+      EXPECT_EQ(DecodeKeys(kv_end[q], mask_begin[q], &mask[q * kWords]), CpuKeys(layout, t));
+      EXPECT_EQ(slots[q], layout.slots[t]);
+      EXPECT_EQ(positions[q], layout.positions[t]);
+    }
+  }
+}
+
+TEST(CudaStepPlanTest, TableRefusesNodesBeyondTheMaskAndChangesNothing) {
+  PagedKvTable table(kKvBlockTokens, 64 * kKvBlockTokens, 1000, 4096);
+  table.AllocateUpFront();
+  table.SetMaskBits(cuda::kTreeAttentionMaskBits);
+  ASSERT_TRUE(table.AddSequence(1).ok());
+  // A pending token, then a star of 300 children: child j lies j nodes past the spine end 0.
+  ForwardItem f;
+  f.seq = 1;
+  f.tokens.assign(301, 3);
+  f.parents.assign(301, 0);
+  f.parents[0] = -1;
+  StepLayout layout;
+  const absl::Status s = table.PrepareForward({f}, &layout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("items[0].parents[257]"), std::string::npos) << s;
+  EXPECT_EQ(*table.ScratchLength(1), 0);
+  EXPECT_EQ(table.Usage().used_tokens, 0);
+  // 257 nodes fit the mask.
+  f.tokens.resize(257);
+  f.parents.resize(257);
+  EXPECT_TRUE(table.PrepareForward({f}, &layout).ok());
+  EXPECT_EQ(*table.ScratchLength(1), 257);
+}
+
+}  // namespace
+}  // namespace specd
