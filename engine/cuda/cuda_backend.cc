@@ -80,7 +80,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const std::stri
   std::unique_ptr<CudaBackend> backend(
       new CudaBackend(*std::move(config), device, options, tp, parsed));
   SPECD_RETURN_IF_ERROR_(backend->forward_->Init());
-  backend->table_ = backend->MakeTable(backend->forward_->kv_blocks());
+  // A rank of a group keeps no table: the group keeps one for all ranks.
+  if (tp == nullptr) {
+    backend->table_ = MakeKvTable(backend->config_, backend->forward_->kv_blocks());
+  }
   return backend;
 }
 
@@ -107,28 +110,49 @@ CudaBackend::~CudaBackend() {
 // ---------------------------------------------------------------------------------------------
 // Sequences and KV blocks: engine/kv/paged_kv_table.h.
 
-std::unique_ptr<PagedKvTable> CudaBackend::MakeTable(int64_t blocks) const {
+std::unique_ptr<PagedKvTable> CudaBackend::MakeKvTable(const ModelConfig& config, int64_t blocks) {
   auto table = std::make_unique<PagedKvTable>(kKvBlockTokens, blocks * kKvBlockTokens,
-                                              config_.vocab_size, config_.max_position_embeddings);
+                                              config.vocab_size, config.max_position_embeddings);
   // The pools were allocated whole at load.
   table->AllocateUpFront();
   table->SetMaskBits(cuda::kTreeAttentionMaskBits);
   return table;
 }
 
-absl::Status CudaBackend::AddSequence(SeqId seq) { return table_->AddSequence(seq); }
+absl::Status CudaBackend::CheckOwnsTable() const {
+  if (table_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "cuda backend: a tensor-parallel rank keeps no sequences; its group does");
+}
 
-absl::Status CudaBackend::RemoveSequence(SeqId seq) { return table_->RemoveSequence(seq); }
+absl::Status CudaBackend::AddSequence(SeqId seq) {
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
+  return table_->AddSequence(seq);
+}
 
-bool CudaBackend::HasSequence(SeqId seq) const { return table_->HasSequence(seq); }
+absl::Status CudaBackend::RemoveSequence(SeqId seq) {
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
+  return table_->RemoveSequence(seq);
+}
+
+bool CudaBackend::HasSequence(SeqId seq) const {
+  return table_ != nullptr && table_->HasSequence(seq);
+}
 
 absl::StatusOr<int64_t> CudaBackend::CommittedLength(SeqId seq) const {
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
   return table_->CommittedLength(seq);
 }
 
-KvUsage CudaBackend::Usage() const { return table_->Usage(); }
+KvUsage CudaBackend::Usage() const { return table_ != nullptr ? table_->Usage() : KvUsage(); }
+
+absl::Status CudaBackend::CopyKvSlots(absl::Span<const int64_t> src,
+                                      absl::Span<const int64_t> dst) {
+  return forward_->CopyKvSlots(src, dst);
+}
 
 absl::Status CudaBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
   std::vector<int64_t> src, dst;
   SPECD_RETURN_IF_ERROR_(table_->PrepareCommit(seq, path, &src, &dst));
   return forward_->CopyKvSlots(src, dst);
@@ -162,13 +186,10 @@ absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items, std::vect
   return s;
 }
 
-absl::Status CudaBackend::ForwardColumns(absl::Span<const ForwardItem> items, float* logits) {
-  return ForwardToHost(items, logits);
-}
-
-void CudaBackend::LimitKvBlocks(int64_t blocks) {
-  // Only called before any sequence exists.
-  if (blocks < table_->capacity_blocks()) table_ = MakeTable(blocks);
+absl::Status CudaBackend::ForwardColumns(absl::Span<const ForwardItem> items,
+                                         const StepLayout& layout, float* logits) {
+  if (items.empty()) return absl::OkStatus();
+  return ForwardLaidOut(items, layout, logits);
 }
 
 absl::Status CudaBackend::PrepareForward(absl::Span<const ForwardItem> items,
@@ -186,11 +207,17 @@ absl::Status CudaBackend::PrepareForward(absl::Span<const ForwardItem> items,
 }
 
 absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items, float* logits) {
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
   // PrepareForward validates the whole batch before changing anything, so a bad item leaves
   // all sequences as they were.
   StepLayout layout;
   SPECD_RETURN_IF_ERROR_(table_->PrepareForward(items, &layout));
   if (items.empty()) return absl::OkStatus();
+  return ForwardLaidOut(items, layout, logits);
+}
+
+absl::Status CudaBackend::ForwardLaidOut(absl::Span<const ForwardItem> items,
+                                         const StepLayout& layout, float* logits) {
   CudaStep step;
   SPECD_RETURN_IF_ERROR_(PrepareForward(items, layout, &step));
   SPECD_RETURN_IF_ERROR_(Execute(step));
@@ -227,9 +254,9 @@ absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items, flo
 
 absl::Status CudaBackend::ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) {
   SPECD_RETURN_IF_ERROR_(CheckForwardTopK(k, out));
-  // A rank holds a slice of the vocabulary: the whole rows' top-k would need
-  // the slices' lists merged across ranks, so the group takes the host path.
-  if (world_ > 1) return Backend::ForwardTopK(items, k, out);
+  // A rank of a group holds a slice of the vocabulary: the whole rows' top-k would need the
+  // slices' lists merged across ranks, so the group takes the host path.
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
   StepLayout layout;
   SPECD_RETURN_IF_ERROR_(table_->PrepareForward(items, &layout));
   const int64_t vocab = config_.vocab_size;
@@ -302,21 +329,7 @@ bool CudaBackend::LogprobsOnDevice(const VerifyItem& item) {
 }
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(absl::Span<const VerifyItem> items) {
-  if (world_ > 1) {
-    // A rank's Forward() fills only its columns, so the host path belongs to
-    // the group (CudaTensorParallelBackend::Verify), never to one rank.
-    // A rank holds a slice of the vocabulary, so log-probabilities (a whole
-    // row's log-sum-exp and top-n) are the group's too.
-    for (size_t b = 0; b < items.size(); ++b) {
-      if (!SamplesOnDevice(items[b]) || items[b].logprobs >= 0) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("verify item ", b,
-                         ": a tensor-parallel rank verifies on the device only (no logits "
-                         "processors or logprobs); the group serves the rest"));
-      }
-    }
-    return VerifyOnDevice(items);
-  }
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
   return VerifySplit(
       *this, items, VerifiesOnDevice,
       [this](absl::Span<const VerifyItem> device_items) { return VerifyOnDevice(device_items); });
@@ -325,25 +338,54 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(absl::Span<const 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::VerifyOnDevice(
     absl::Span<const VerifyItem> items) {
   const auto t_enter = std::chrono::steady_clock::now();
-  const int vocab = config_.vocab_size;
-  std::vector<ForwardItem> forward(items.size());
-  std::vector<int64_t> committed(items.size());
+  VerifyPlan plan;
+  SPECD_RETURN_IF_ERROR_(PrepareVerify(*this, table_.get(), items, &plan));
+  if (items.empty()) return std::vector<VerifyOutcome>{};
+  absl::StatusOr<std::vector<VerifyOutcome>> outcomes = RunVerify(items, plan, t_enter);
+  if (!outcomes.ok()) return outcomes.status();
+  SPECD_RETURN_IF_ERROR_(CommitVerify(table_.get(), items, *outcomes));
+  return outcomes;
+}
+
+absl::Status CudaBackend::PrepareVerify(const Backend& backend, PagedKvTable* table,
+                                        absl::Span<const VerifyItem> items, VerifyPlan* plan) {
+  plan->forward.assign(items.size(), ForwardItem());
+  plan->committed.assign(items.size(), 0);
   for (size_t b = 0; b < items.size(); ++b) {
-    absl::StatusOr<int64_t> first = MakeVerifyForward(*this, items[b], b, &forward[b]);
+    absl::StatusOr<int64_t> first = MakeVerifyForward(backend, items[b], b, &plan->forward[b]);
     if (!first.ok()) return first.status();
     // The tree's KV slots follow the pending tokens right after the committed prefix.
-    const absl::StatusOr<int64_t> scratch = table_->ScratchLength(items[b].seq);
+    const absl::StatusOr<int64_t> scratch = table->ScratchLength(items[b].seq);
     if (!scratch.ok()) return scratch.status();
     if (*scratch > 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("verify item ", b, ": sequence ", items[b].seq, " has ", *scratch,
                        " uncommitted scratch nodes; Commit() them before Verify()"));
     }
-    committed[b] = *first - static_cast<int64_t>(items[b].pending.size());
+    plan->committed[b] = *first - static_cast<int64_t>(items[b].pending.size());
   }
-  StepLayout layout;
-  SPECD_RETURN_IF_ERROR_(table_->PrepareForward(forward, &layout));
-  if (items.empty()) return std::vector<VerifyOutcome>{};
+  return table->PrepareForward(plan->forward, &plan->layout);
+}
+
+absl::Status CudaBackend::CommitVerify(PagedKvTable* table, absl::Span<const VerifyItem> items,
+                                       const std::vector<VerifyOutcome>& outcomes) {
+  for (size_t b = 0; b < items.size(); ++b) {
+    // The compaction kernel has already moved the accepted nodes' K/V into place.
+    std::vector<int64_t> src, dst;
+    SPECD_RETURN_IF_ERROR_(table->PrepareCommit(
+        items[b].seq, AcceptedScratchPath(static_cast<int>(items[b].pending.size()), outcomes[b]),
+        &src, &dst));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
+    absl::Span<const VerifyItem> items, const VerifyPlan& plan,
+    std::chrono::steady_clock::time_point t_enter) {
+  const int vocab = config_.vocab_size;
+  const std::vector<ForwardItem>& forward = plan.forward;
+  const std::vector<int64_t>& committed = plan.committed;
+  const StepLayout& layout = plan.layout;
   SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
   const cudaStream_t stream = forward_->stream();
   CudaForward::Buffers& buf = forward_->buffers();
@@ -492,11 +534,6 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::VerifyOnDevice(
         }
       }
     }
-    // The compaction kernel has already moved the accepted nodes' K/V into place.
-    std::vector<int64_t> src, dst;
-    SPECD_RETURN_IF_ERROR_(table_->PrepareCommit(
-        items[b].seq, AcceptedScratchPath(static_cast<int>(items[b].pending.size()), o), &src,
-        &dst));
   }
   if (timing) {
     const auto us = [](auto a, auto b) {

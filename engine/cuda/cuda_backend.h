@@ -56,6 +56,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -128,14 +129,39 @@ class CudaBackend : public Backend {
     return SamplesOnDevice(item) && LogprobsOnDevice(item);
   }
 
-  // Forward() for one rank of a group: writes this rank's vocabulary columns of `logits`, [rows
-  // of all items, vocab_size] fp32, host, which the caller sized (the other ranks write the
-  // other columns at the same time).
-  absl::Status ForwardColumns(absl::Span<const ForwardItem> items, float* logits);
-  // KV blocks this backend can hold, and a cap on them: the ranks of a group must run out of KV
-  // blocks at the same moment.
-  int64_t kv_blocks() const { return table_->capacity_blocks(); }
-  void LimitKvBlocks(int64_t blocks);
+  // A rank of a tensor-parallel group (created with a CudaTpRank) keeps no sequences:
+  // the group keeps one PagedKvTable for all ranks (MakeKvTable), lays out each step once and
+  // hands the layout to every rank through the calls below; the Backend calls above that touch
+  // sequences answer FAILED_PRECONDITION on a rank.
+  //
+  // The table of a backend whose pools hold `blocks` KV blocks (kv_blocks(); a group's smallest
+  // rank's), allocated up front, with this backend's mask limit.
+  static std::unique_ptr<PagedKvTable> MakeKvTable(const ModelConfig& config, int64_t blocks);
+  // KV blocks this backend's pools hold.
+  int64_t kv_blocks() const { return forward_->kv_blocks(); }
+  // Forward() of a laid out step (PagedKvTable::PrepareForward of `items`) for one rank: writes
+  // this rank's vocabulary columns of `logits`, [rows of all items, vocab_size] fp32, host, which
+  // the caller sized (the other ranks write the other columns at the same time).
+  absl::Status ForwardColumns(absl::Span<const ForwardItem> items, const StepLayout& layout,
+                              float* logits);
+  // Copies K/V of physical slots src[i] to dst[i], in order (PagedKvTable::PrepareCommit's).
+  absl::Status CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst);
+  // A verify step of items that SamplesOnDevice() (and, on a rank, ask no logprobs), validated
+  // and laid out by a table: PrepareVerify (once for a group; `backend` answers
+  // CommittedLength), RunVerify (on every rank: sampling, acceptance and KV compaction on the
+  // device; the outcomes), CommitVerify (once: the accepted paths into the table).
+  struct VerifyPlan {
+    std::vector<ForwardItem> forward;  // per item: the pending chain, then the tree
+    std::vector<int64_t> committed;    // per item: the committed length before the step
+    StepLayout layout;
+  };
+  static absl::Status PrepareVerify(const Backend& backend, PagedKvTable* table,
+                                    absl::Span<const VerifyItem> items, VerifyPlan* plan);
+  absl::StatusOr<std::vector<VerifyOutcome>> RunVerify(
+      absl::Span<const VerifyItem> items, const VerifyPlan& plan,
+      std::chrono::steady_clock::time_point t_enter = std::chrono::steady_clock::now());
+  static absl::Status CommitVerify(PagedKvTable* table, absl::Span<const VerifyItem> items,
+                                   const std::vector<VerifyOutcome>& outcomes);
 
   void SetPhaseTiming(bool on) { phase_timing_ = on; }
   const VerifyPhases& last_verify_phases() const { return last_phases_; }
@@ -156,8 +182,8 @@ class CudaBackend : public Backend {
  private:
   CudaBackend(ModelConfig config, int device, const BackendOptions& options, const CudaTpRank* tp,
               const CudaTuning& tuning);
-  // A table of `blocks` KV blocks, allocated up front, for this backend's masks.
-  std::unique_ptr<PagedKvTable> MakeTable(int64_t blocks) const;
+  // OK when this backend keeps sequences (not a rank of a group).
+  absl::Status CheckOwnsTable() const;
   // Plans the forward pass of `items`, which table_ laid out in `layout`, into `step` and
   // `pack`; item_tokens: each item's token slots (for the bucket).
   void PlanForward(absl::Span<const ForwardItem> items, const StepLayout& layout,
@@ -168,10 +194,13 @@ class CudaBackend : public Backend {
                               CudaStep* step);
   // Runs a prepared step (eagerly, or as a CUDA graph when it is padded).
   absl::Status Execute(const CudaStep& step);
-  // Forward() into host rows of stride vocab_size, this rank's columns.
+  // Forward() into host rows of stride vocab_size.
   absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float* logits);
-  // Verify() of items that VerifiesOnDevice(): sampling, acceptance and KV compaction on the
-  // device.
+  // ForwardToHost() of a laid out step, this rank's columns.
+  absl::Status ForwardLaidOut(absl::Span<const ForwardItem> items, const StepLayout& layout,
+                              float* logits);
+  // Verify() of items that VerifiesOnDevice(): PrepareVerify, RunVerify and CommitVerify on
+  // this backend's table.
   absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnDevice(absl::Span<const VerifyItem> items);
 
   ModelConfig config_;
@@ -181,7 +210,7 @@ class CudaBackend : public Backend {
   std::unique_ptr<CudaForward> forward_;
 
   // Sequences, block tables and scratch trees (engine/kv/paged_kv_table.h), sized to the KV
-  // pools that forward_ holds.
+  // pools that forward_ holds; null on a rank of a group.
   std::unique_ptr<PagedKvTable> table_;
 
   // CUDA graphs, keyed by everything their launches take by value (CudaGraphKey).
