@@ -107,14 +107,15 @@ class CudaBackend : public Backend {
   absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override;
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
   // The rows' top-k by kernels/cuda/topk.cu, so only [rows, k] ids and log-probabilities reach
-  // the host (the host path for a rank of a group).
+  // the host. (A group takes the host path over its Forward(): a rank holds a slice of each
+  // row.)
   absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
   // Items VerifiesOnDevice() accepts sample, accept and compute their logprobs on the device;
   // the rest (logits processors, processed logprobs of sampled rows) take the host path over
-  // this backend's Forward() rows (VerifySplit). A rank of a group serves SamplesOnDevice()
-  // items without logprobs only: CudaTensorParallelBackend splits the batch.
+  // this backend's Forward() rows (VerifySplit). A group runs its ranks' RunVerify() on the
+  // items without processors or logprobs and the host path on the rest.
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
   VerifyFeatures verify_features() const override {
     return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
@@ -184,7 +185,7 @@ class CudaBackend : public Backend {
               const CudaTuning& tuning);
   // OK when this backend keeps sequences (not a rank of a group).
   absl::Status CheckOwnsTable() const;
-  // Plans the forward pass of `items`, which table_ laid out in `layout`, into `step` and
+  // Plans the forward pass of `items`, which a table laid out in `layout`, into `step` and
   // `pack`; item_tokens: each item's token slots (for the bucket).
   void PlanForward(absl::Span<const ForwardItem> items, const StepLayout& layout,
                    const std::vector<int64_t>& item_tokens, CudaStep* step, StepPacker* pack);
