@@ -74,7 +74,7 @@ class CudaWeights {
   absl::Status UploadFp32(const TensorStore& st, const std::string& name, int64_t size,
                           float** out);
 
-  LoadProgress* progress_ = nullptr;  // only while Load() runs
+  LoadProgress* progress_ = nullptr;  // Load()'s, for the uploads it makes (may be null)
   std::vector<void*> allocations_;    // device, freed at destruction
   float* inv_freq_ = nullptr;
   __nv_bfloat16* embed_ = nullptr;
