@@ -134,8 +134,8 @@ class CudaForward {
   using bf16 = __nv_bfloat16;
 
   absl::Status AllocateKvPools();
-  absl::Status Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32,
-                    int64_t m, int64_t n, int64_t k, int k_splits = 1);
+  absl::Status Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32, int64_t m,
+                    int64_t n, int64_t k, int k_splits = 1);
   // The K split of the GEMM whose output reaches the residual stream at `site` (o_proj,
   // down_proj): residual_splits_ where Gemm::KSplitFits its depth, else 1 (and 1 for the
   // embedding, which has no GEMM).

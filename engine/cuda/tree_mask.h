@@ -18,8 +18,7 @@ namespace specd {
 // The deepest spine node among scratch node `index`'s ancestors (itself included), or -1 when
 // none is; depth[i] and parents[i] describe scratch node i (parents[i] < i, -1 at the committed
 // end).
-int32_t SpineEnd(absl::Span<const int32_t> parents, absl::Span<const int32_t> depth,
-                 int32_t index);
+int32_t SpineEnd(absl::Span<const int32_t> parents, absl::Span<const int32_t> depth, int32_t index);
 
 // One spine end for all the step's masked tokens of a sequence (those past their own spine end:
 // tree nodes), the lowest of theirs; nullopt when the step has none. The attention kernel forms
