@@ -487,7 +487,7 @@ void BM_Gemm(benchmark::State& state) {
   void* y = fp32_out ? static_cast<void*>(Alloc<float>(size_t(splits) * m * n))
                      : static_cast<void*>(Alloc<bf16>(size_t(m) * n));
   std::unique_ptr<cuda::Gemm> gemm;
-  // The CUDA backend's workspace and row classes (engine/cuda/cuda_backend.cc).
+  // The CUDA backend's workspace and row classes (engine/cuda/cuda_forward.cc).
   if (cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant ? 1024 : 0, /*plan_rows=*/16,
                          /*bucket_classes=*/true) != CUBLAS_STATUS_SUCCESS) {
     std::abort();
