@@ -21,7 +21,7 @@
 #include "absl/types/span.h"
 #include "benchmark/benchmark.h"
 #include "engine/cuda/cuda_tuning.h"
-#include "engine/tree_mask.h"
+#include "engine/cuda/tree_mask.h"
 #include "specd/kernels/cuda/gemm.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/sampling.h"
@@ -205,7 +205,7 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
       depth.push_back(parent < 0 ? 0 : depth[parent] + 1);
       // mask_begin is the pending token's end for every node, unless BENCH_ATTN_SPINE=1: then,
       // as the engine encoded a tree before it shared one spine end a sequence
-      // (engine/tree_mask.h), a node's leading ancestors that form the chain 0, 1, 2, ... from
+      // (engine/cuda/tree_mask.h), a node's leading ancestors that form the chain 0, 1, 2, ... from
       // the pending token are given by mask_begin instead of mask bits (the same keys), so that
       // mask_begin differs between the queries of a tile.
       const int32_t a = spine_masks ? SpineEnd(parents, depth, j) : -1;
@@ -487,7 +487,7 @@ void BM_Gemm(benchmark::State& state) {
   void* y = fp32_out ? static_cast<void*>(Alloc<float>(size_t(splits) * m * n))
                      : static_cast<void*>(Alloc<bf16>(size_t(m) * n));
   std::unique_ptr<cuda::Gemm> gemm;
-  // The CUDA backend's workspace and row classes (engine/cuda/cuda_backend.cc).
+  // The CUDA backend's workspace and row classes (engine/cuda/cuda_forward.cc).
   if (cuda::Gemm::Create(size_t{128} << 20, &gemm, invariant ? 1024 : 0, /*plan_rows=*/16,
                          /*bucket_classes=*/true) != CUBLAS_STATUS_SUCCESS) {
     std::abort();

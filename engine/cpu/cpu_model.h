@@ -26,9 +26,6 @@ namespace specd {
 
 class TpCommunicator;
 
-// Tokens per KV block of the CPU backends' paged pools.
-inline constexpr int64_t kKvBlockTokens = 16;
-
 // The checks of BackendOptions both CPU backends make: INVALID_ARGUMENT naming the field.
 absl::Status CheckCpuBackendOptions(const BackendOptions& options);
 // Threads for options.num_threads: the hardware's when 0.

@@ -28,9 +28,8 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
   absl::flat_hash_set<int> seen;
   for (int d : tp.devices) {
     if (d < 0 || d >= count) {
-      return absl::FailedPreconditionError(absl::StrCat("devices: cuda:", d,
-                                                        " is not available: this machine has ",
-                                                        count, " CUDA device(s)"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "devices: cuda:", d, " is not available: this machine has ", count, " CUDA device(s)"));
     }
     if (!seen.insert(d).second) {
       return absl::InvalidArgumentError(
@@ -86,46 +85,41 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
     return absl::OkStatus();
   });
   if (!loaded.ok()) return loaded;
-  // Every rank must run out of KV blocks at the same moment.
+  // One table for all ranks, as large as the smallest rank's pools.
   int64_t blocks = b->ranks_[0]->kv_blocks();
   for (const auto& rank : b->ranks_) blocks = std::min(blocks, rank->kv_blocks());
-  for (const auto& rank : b->ranks_) rank->LimitKvBlocks(blocks);
+  b->table_ = CudaBackend::MakeKvTable(b->ranks_[0]->config(), blocks);
   return backend;
 }
 
-absl::Status CudaTensorParallelBackend::OnEveryRank(
-    const std::function<absl::Status(CudaBackend&)>& fn) {
-  // Host bookkeeping only; every rank holds the same, so all succeed or all fail alike.
-  absl::Status first;
-  for (auto& rank : ranks_) {
-    absl::Status s = fn(*rank);
-    if (first.ok() && !s.ok()) first = s;
-  }
-  return first;
-}
-
-absl::Status CudaTensorParallelBackend::AddSequence(SeqId seq) {
-  return OnEveryRank([seq](CudaBackend& rank) { return rank.AddSequence(seq); });
-}
+absl::Status CudaTensorParallelBackend::AddSequence(SeqId seq) { return table_->AddSequence(seq); }
 
 absl::Status CudaTensorParallelBackend::RemoveSequence(SeqId seq) {
-  return OnEveryRank([seq](CudaBackend& rank) { return rank.RemoveSequence(seq); });
+  return table_->RemoveSequence(seq);
 }
 
 absl::Status CudaTensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
                                                 std::vector<float>* logits) {
   if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
+  logits->clear();
+  // PrepareForward validates the whole batch before changing anything, so a bad item leaves
+  // all sequences as they were.
+  StepLayout layout;
+  if (absl::Status s = table_->PrepareForward(items, &layout); !s.ok()) return s;
   int64_t rows = 0;
   for (const ForwardItem& it : items) rows += static_cast<int64_t>(it.logit_rows.size());
   logits->assign(static_cast<size_t>(rows) * config().vocab_size, 0.0f);
   absl::Status s =
-      workers_.Run([&](int r) { return ranks_[r]->ForwardColumns(items, logits->data()); });
+      workers_.Run([&](int r) { return ranks_[r]->ForwardColumns(items, layout, logits->data()); });
   if (!s.ok()) logits->clear();
   return s;
 }
 
 absl::Status CudaTensorParallelBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
-  return workers_.Run([&](int r) { return ranks_[r]->Commit(seq, path); });
+  std::vector<int64_t> src, dst;
+  if (absl::Status s = table_->PrepareCommit(seq, path, &src, &dst); !s.ok()) return s;
+  if (src.empty()) return absl::OkStatus();
+  return workers_.Run([&](int r) { return ranks_[r]->CopyKvSlots(src, dst); });
 }
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::Verify(
@@ -143,9 +137,25 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::Verify(
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::VerifyOnRanks(
     absl::Span<const VerifyItem> items) {
+  // A rank's Forward() fills only its columns, so the host path belongs to the group (Verify()
+  // above); a rank holds a slice of the vocabulary, so log-probabilities (a whole row's
+  // log-sum-exp and top-n) are the group's too.
+  for (size_t b = 0; b < items.size(); ++b) {
+    if (!CudaBackend::SamplesOnDevice(items[b]) || items[b].logprobs >= 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("verify item ", b,
+                       ": a tensor-parallel rank verifies on the device only (no logits "
+                       "processors or logprobs); the group serves the rest"));
+    }
+  }
+  CudaBackend::VerifyPlan plan;
+  if (absl::Status s = CudaBackend::PrepareVerify(*this, table_.get(), items, &plan); !s.ok()) {
+    return s;
+  }
+  if (items.empty()) return std::vector<VerifyOutcome>{};
   std::vector<absl::StatusOr<std::vector<VerifyOutcome>>> outcomes(ranks_.size());
   absl::Status s = workers_.Run([&](int r) {
-    outcomes[r] = ranks_[r]->Verify(items);
+    outcomes[r] = ranks_[r]->RunVerify(items, plan);
     return outcomes[r].status();
   });
   if (!s.ok()) return s;
@@ -156,10 +166,13 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::VerifyOnRa
       const VerifyOutcome& x = (*outcomes[0])[b];
       const VerifyOutcome& y = (*outcomes[r])[b];
       if (x.tokens != y.tokens || x.accepted_nodes != y.accepted_nodes) {
-        return absl::InternalError(absl::StrCat("tensor-parallel ranks 0 and ", r,
-                                                " disagree on verify item ", b));
+        return absl::InternalError(
+            absl::StrCat("tensor-parallel ranks 0 and ", r, " disagree on verify item ", b));
       }
     }
+  }
+  if (absl::Status c = CudaBackend::CommitVerify(table_.get(), items, *outcomes[0]); !c.ok()) {
+    return c;
   }
   return std::move(outcomes[0]);
 }

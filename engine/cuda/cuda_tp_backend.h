@@ -4,16 +4,17 @@
 // (engine/tp/tp_plan.h); the ranks all-reduce through the custom one-shot kernel over NVLink peer
 // memory (engine/cuda/custom_allreduce.h) and NCCL (engine/cuda/nccl_group.h).
 //
-// The ranks run SPMD: every call goes to every rank, each keeps identical sequence bookkeeping
-// and reaches identical sampling and acceptance decisions (all-reduce and candidate reduction
-// give every rank the same bits), so no rank waits on a coordinator inside a step and a verify
-// step still needs one host round trip. Results come from rank 0.
+// The sequence bookkeeping (block tables, scratch trees, validation) is the same for every rank,
+// so it lives once, here, in a PagedKvTable (engine/kv/paged_kv_table.h) sized to the smallest
+// rank's pools: each step is validated and laid out once and the layout handed to every rank.
+// The ranks run SPMD on it and reach identical sampling and acceptance decisions (all-reduce and
+// candidate reduction give every rank the same bits), so no rank waits on a coordinator inside
+// a step and a verify step still needs one host round trip. Results come from rank 0.
 //
 // Not thread-safe: one thread drives a backend.
 #ifndef SPECD_ENGINE_CUDA_CUDA_TP_BACKEND_H_
 #define SPECD_ENGINE_CUDA_CUDA_TP_BACKEND_H_
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/kv/paged_kv_table.h"
 #include "engine/tp/rank_workers.h"
 #include "engine/tp/tp_plan.h"
 
@@ -51,13 +53,13 @@ class CudaTensorParallelBackend : public Backend {
   }
   absl::Status AddSequence(SeqId seq) override;
   absl::Status RemoveSequence(SeqId seq) override;
-  bool HasSequence(SeqId seq) const override { return ranks_[0]->HasSequence(seq); }
+  bool HasSequence(SeqId seq) const override { return table_->HasSequence(seq); }
   absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override {
-    return ranks_[0]->CommittedLength(seq);
+    return table_->CommittedLength(seq);
   }
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
-  KvUsage Usage() const override { return ranks_[0]->Usage(); }
+  KvUsage Usage() const override { return table_->Usage(); }
   bool pads_rows() const override { return ranks_[0]->pads_rows(); }
   ExecutionCounts execution_counts() const override { return ranks_[0]->execution_counts(); }
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
@@ -69,8 +71,6 @@ class CudaTensorParallelBackend : public Backend {
   CudaTensorParallelBackend(TpPlan plan, int world);
   // Verify() of items that CudaBackend::VerifiesOnDevice(), on every rank in lockstep.
   absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnRanks(absl::Span<const VerifyItem> items);
-  // Calls fn on each rank in turn on this thread (host-only calls); the first error wins.
-  absl::Status OnEveryRank(const std::function<absl::Status(CudaBackend&)>& fn);
 
   TpPlan plan_;
   // Declaration order is destruction order reversed: the rank threads stop first, then the
@@ -80,6 +80,8 @@ class CudaTensorParallelBackend : public Backend {
   std::vector<CudaTpRank> rank_info_;
   std::vector<std::unique_ptr<CudaBackend>> ranks_;
   RankWorkers workers_;
+  // Every rank's sequences (CudaBackend::MakeKvTable).
+  std::unique_ptr<PagedKvTable> table_;
 };
 
 }  // namespace specd

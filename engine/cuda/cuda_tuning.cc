@@ -17,10 +17,10 @@ bool Is(absl::FunctionRef<const char*(const char*)> lookup, const char* name, co
 
 const std::vector<std::string>& CudaTuningVariables() {
   static const std::vector<std::string>* const names = new std::vector<std::string>{
-      "SPECD_CUDA_GRAPHS",    "SPECD_L2_DISCARD",   "SPECD_L2_DISCARD_MIN_TOKENS",
-      "SPECD_RESIDUAL_SPLITS", "SPECD_GEMM_CLASSES", "SPECD_GEMM_TIMING",
-      "SPECD_GEMM_RETILE",    "SPECD_GEMM_SUMMARY", "SPECD_SHARED_SPINE",
-      "SPECD_ATTN_CHUNKS_PER_CTA", "SPECD_PDL",     "SPECD_PDL_OFF",
+      "SPECD_CUDA_GRAPHS",         "SPECD_L2_DISCARD",   "SPECD_L2_DISCARD_MIN_TOKENS",
+      "SPECD_RESIDUAL_SPLITS",     "SPECD_GEMM_CLASSES", "SPECD_GEMM_TIMING",
+      "SPECD_GEMM_RETILE",         "SPECD_GEMM_SUMMARY", "SPECD_SHARED_SPINE",
+      "SPECD_ATTN_CHUNKS_PER_CTA", "SPECD_PDL",          "SPECD_PDL_OFF",
       "SPECD_SMEM_CARVEOUT"};
   return *names;
 }

@@ -91,7 +91,7 @@ class CustomAllReduceGroup {
   // One allocation per rank: num_sites signal areas, num_sites input buffers, then num_sites
   // mailboxes.
   std::vector<void*> base_;
-  int64_t signal_stride_ = 0;   // bytes between two sites' signal areas
+  int64_t signal_stride_ = 0;  // bytes between two sites' signal areas
   int64_t push_max_bytes_ = 0;
   int64_t mailbox_stride_ = 0;  // bytes between two sites' mailboxes
 };

@@ -14,6 +14,14 @@ PagedKvTable::PagedKvTable(int64_t block_tokens, int64_t capacity_tokens, int vo
   max_blocks_ = BlocksFor(capacity_tokens);
 }
 
+void PagedKvTable::AllocateUpFront() {
+  // Reverse order: blocks are handed out in increasing order.
+  for (int64_t b = max_blocks_ - 1; b >= allocated_blocks_; --b) {
+    free_blocks_.push_back(static_cast<int32_t>(b));
+  }
+  allocated_blocks_ = max_blocks_;
+}
+
 int64_t PagedKvTable::FreeBlocks() const {
   return static_cast<int64_t>(free_blocks_.size()) + (max_blocks_ - allocated_blocks_);
 }
@@ -134,6 +142,25 @@ absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items, S
             absl::StrCat("items[", b, "].tokens[", j, "]: position ", s.committed + depth,
                          " is beyond the context (max_position_embeddings ", max_positions_, ")"));
       }
+      if (mask_bits_ > 0) {
+        // The node's deepest ancestor on the spine (the chain 0, 1, 2, ... from the committed
+        // end): the mask covers the ancestors after it.
+        const int32_t index = static_cast<int32_t>(base + j);
+        const auto parent_of = [&](int32_t x) {
+          return x < base ? s.scratch_parents[x] : it.parents[x - base];
+        };
+        const auto depth_of = [&](int32_t x) {
+          return x < base ? s.scratch_depth[x] : new_depth[b][x - base];
+        };
+        int32_t a = index;
+        while (a >= 0 && depth_of(a) != a) a = parent_of(a);
+        if (index - a > mask_bits_) {
+          return absl::UnimplementedError(absl::StrCat(
+              "items[", b, "].parents[", j, "]: scratch node ", index, " lies ", index - a,
+              " nodes past the chain from the committed end; the cuda backend masks at most ",
+              mask_bits_));
+        }
+      }
     }
     for (int32_t r : it.logit_rows) {
       if (r < 0 || r >= n) {
@@ -162,11 +189,16 @@ absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items, S
   l.query_seq.resize(T);
   l.prefix_len.resize(T);
   l.key_offsets.assign(T + 1, 0);
+  if (mask_bits_ > 0) {
+    l.committed.resize(items.size());
+    l.scratch_parents.resize(items.size());
+  }
   int64_t t = 0;
   for (size_t b = 0; b < items.size(); ++b) {
     const ForwardItem& it = items[b];
     Sequence& s = *seq_of[b];
     const int64_t n = static_cast<int64_t>(it.tokens.size());
+    if (mask_bits_ > 0) l.committed[b] = s.committed;
     while (static_cast<int64_t>(s.blocks.size()) < BlocksFor(s.tokens() + n)) {
       s.blocks.push_back(AllocateBlock());
     }
@@ -193,6 +225,9 @@ absl::Status PagedKvTable::PrepareForward(absl::Span<const ForwardItem> items, S
       std::reverse(l.tree_keys.begin() + start, l.tree_keys.end());
       l.key_offsets[t + 1] = static_cast<int32_t>(l.tree_keys.size());
     }
+  }
+  if (mask_bits_ > 0) {
+    for (size_t b = 0; b < items.size(); ++b) l.scratch_parents[b] = seq_of[b]->scratch_parents;
   }
   l.block_tables.assign(items.size() * l.max_blocks_per_seq, 0);
   for (size_t b = 0; b < items.size(); ++b) {

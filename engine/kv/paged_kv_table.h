@@ -4,7 +4,9 @@
 // (tree_attention.h). It owns no K/V storage: the owners of the pools (one per tensor-parallel
 // rank, each with its own KV heads) size them to allocated_blocks() and apply the slot copies
 // that PrepareCommit() returns. CpuBackend and the tensor-parallel backends share it, so they
-// have one KV semantics and one set of error messages.
+// have one KV semantics and one set of error messages; so does CudaBackend (each tensor-parallel
+// CUDA rank), whose pools are sized up front (AllocateUpFront) and whose step planner encodes
+// the keys as a mask (SetMaskBits).
 #ifndef SPECD_ENGINE_KV_PAGED_KV_TABLE_H_
 #define SPECD_ENGINE_KV_PAGED_KV_TABLE_H_
 
@@ -18,6 +20,10 @@
 #include "engine/backend.h"
 
 namespace specd {
+
+// Tokens per KV block of every backend's paged pools (CPU, CUDA, their tensor-parallel ranks and
+// the EAGLE heads).
+inline constexpr int64_t kKvBlockTokens = 16;
 
 // Everything about one Forward() step that does not depend on the weights; T tokens over all
 // items, R requested logits rows.
@@ -37,13 +43,28 @@ struct StepLayout {
   std::vector<int32_t> block_tables;  // [num_seqs, max_blocks_per_seq]
   int64_t max_blocks_per_seq = 0;
   std::vector<int64_t> logit_tokens;  // [R] token index (into T) of each requested row
+  // Only from a table with SetMaskBits() (the CUDA step planner, which encodes the keys as a
+  // prefix and a bit mask: engine/cuda/tree_mask.h): per item, its sequence's committed length,
+  // and every scratch node's parent, this step's nodes included (the last ones).
+  std::vector<int64_t> committed;                     // [num_seqs]
+  std::vector<std::vector<int32_t>> scratch_parents;  // [num_seqs][scratch nodes]
 };
 
 class PagedKvTable {
  public:
   PagedKvTable(int64_t block_tokens, int64_t capacity_tokens, int vocab_size, int max_positions);
 
+  // Sizes the pools once, up front (owners whose pools cannot grow: GPU memory): every block of
+  // the capacity counts as allocated from now on, handed out lowest first as before. Call before
+  // any sequence exists.
+  void AllocateUpFront();
+  // For an attention mask of `mask_bits` bits past a node's spine end (engine/cuda/tree_mask.h):
+  // PrepareForward() refuses with UNIMPLEMENTED a node that lies further off the chain from the
+  // committed end, and fills StepLayout::committed and scratch_parents.
+  void SetMaskBits(int mask_bits) { mask_bits_ = mask_bits; }
+
   int64_t block_tokens() const { return block_tokens_; }
+  int64_t capacity_blocks() const { return max_blocks_; }
   // Blocks the pools must hold (physical blocks [0, allocated_blocks())); grows geometrically
   // as PrepareForward() needs blocks, never beyond the capacity.
   int64_t allocated_blocks() const { return allocated_blocks_; }
@@ -87,6 +108,7 @@ class PagedKvTable {
   const int max_positions_;
   int64_t max_blocks_ = 0;
   int64_t allocated_blocks_ = 0;
+  int mask_bits_ = 0;  // 0: no mask limit, no mask fields
   std::vector<int32_t> free_blocks_;
   absl::flat_hash_map<SeqId, Sequence> seqs_;
 };

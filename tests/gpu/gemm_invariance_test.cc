@@ -26,7 +26,7 @@ namespace {
 using gpu_test::bf16;
 
 // The cuBLASLt workspace the CUDA backend gives Gemm (engine/cuda/
-// cuda_backend.cc): which split-K algorithms qualify as a base depends on it,
+// cuda_forward.cc): which split-K algorithms qualify as a base depends on it,
 // so the tests use the same.
 constexpr size_t kBackendWorkspace = size_t{128} << 20;
 

@@ -356,7 +356,7 @@ std::vector<float> CpuProduct(const float* x, const float* w, const float* bias,
   return y;
 }
 
-// The CUDA backend's cuBLASLt workspace (engine/cuda/cuda_backend.cc).
+// The CUDA backend's cuBLASLt workspace (engine/cuda/cuda_forward.cc).
 constexpr size_t kBackendWorkspace = size_t{128} << 20;
 
 // gemm: shape {m, n, k, invariant_rows} (0: per-shape picks; 1024: one algorithm per row class,

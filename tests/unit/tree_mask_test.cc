@@ -1,7 +1,7 @@
-// engine/tree_mask.h: whichever spine end a token's mask is encoded from, it selects exactly the
+// engine/cuda/tree_mask.h: whichever spine end a token's mask is encoded from, it selects exactly the
 // token's keys (the committed prefix, then its ancestors, ascending); one shared spine end gives
 // a breadth-first draft tree's masked tokens one mask_begin, where their own ends alternate.
-#include "engine/tree_mask.h"
+#include "engine/cuda/tree_mask.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -5,8 +5,8 @@
 // whose depth equals their index, i.e. the chain 0, 1, 2, ... from the committed end), so every
 // spine node up to a is an ancestor too; which spine node serves as a is free within the mask's
 // reach, and any choice selects the same keys in the same (ascending) order.
-#ifndef SPECD_ENGINE_TREE_MASK_H_
-#define SPECD_ENGINE_TREE_MASK_H_
+#ifndef SPECD_ENGINE_CUDA_TREE_MASK_H_
+#define SPECD_ENGINE_CUDA_TREE_MASK_H_
 
 #include <cstdint>
 #include <optional>
@@ -18,8 +18,7 @@ namespace specd {
 // The deepest spine node among scratch node `index`'s ancestors (itself included), or -1 when
 // none is; depth[i] and parents[i] describe scratch node i (parents[i] < i, -1 at the committed
 // end).
-int32_t SpineEnd(absl::Span<const int32_t> parents, absl::Span<const int32_t> depth,
-                 int32_t index);
+int32_t SpineEnd(absl::Span<const int32_t> parents, absl::Span<const int32_t> depth, int32_t index);
 
 // One spine end for all the step's masked tokens of a sequence (those past their own spine end:
 // tree nodes), the lowest of theirs; nullopt when the step has none. The attention kernel forms
@@ -39,4 +38,4 @@ void SetTreeMaskBits(absl::Span<const int32_t> parents, int32_t index, int32_t a
 
 }  // namespace specd
 
-#endif  // SPECD_ENGINE_TREE_MASK_H_
+#endif  // SPECD_ENGINE_CUDA_TREE_MASK_H_

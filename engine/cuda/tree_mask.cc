@@ -1,4 +1,4 @@
-#include "engine/tree_mask.h"
+#include "engine/cuda/tree_mask.h"
 
 #include <algorithm>
 

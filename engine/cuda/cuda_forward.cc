@@ -1,0 +1,592 @@
+#include "engine/cuda/cuda_forward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/io/load_progress.h"
+#include "common/io/safetensors.h"
+#include "engine/cuda/cuda_status.h"
+#include "engine/cuda/custom_allreduce.h"
+#include "engine/cuda/nccl_group.h"
+#include "engine/kv/paged_kv_table.h"
+#include "specd/kernels/cuda/allreduce.h"
+#include "specd/kernels/cuda/embedding.h"
+#include "specd/kernels/cuda/kv_cache.h"
+#include "specd/kernels/cuda/rmsnorm.h"
+#include "specd/kernels/cuda/rope.h"
+#include "specd/kernels/cuda/sampling.h"
+#include "specd/kernels/cuda/swiglu.h"
+#include "specd/kernels/cuda/tree_accept.h"
+#include "specd/kernels/cuda/tree_attention.h"
+
+namespace specd {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The device memory the KV pools leave free for activations, cuBLASLt and the split-KV
+// workspace.
+constexpr size_t kReserveBytes = size_t{2} << 30;
+
+template <typename T>
+T* At(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
+}
+
+// All-reduce sites of a step (specd/kernels/cuda/allreduce.h): the embedding, then each layer's
+// attention and MLP. Consecutive all-reduces never share a site (..., attn, mlp, | embed, attn,
+// ...), which is what lets the one-shot kernel skip its end barrier; kCudaAllReduceSites in all,
+// whatever the depth.
+constexpr int kEmbedSite = 2;
+constexpr int kAttnSite = 0;
+constexpr int kMlpSite = 1;
+static_assert(kEmbedSite < kCudaAllReduceSites && kAttnSite < kCudaAllReduceSites &&
+              kMlpSite < kCudaAllReduceSites);
+
+}  // namespace
+
+CudaForward::CudaForward(const ModelConfig& config, int device, const BackendOptions& options,
+                         const CudaTpRank* tp, const CudaTuning& tuning)
+    : config_(config), device_(device), options_(options), tuning_(tuning) {
+  if (tp != nullptr && tp->plan->world_size > 1) {
+    tp_ = *tp;
+    world_ = tp->plan->world_size;
+    slice_ = tp->plan->ranks[tp->rank];
+  } else {
+    slice_ = FullModelSlice(config_);
+  }
+  heads_ = slice_.q_heads.size();
+  kv_heads_ = slice_.kv_heads.size();
+  ffn_ = slice_.ffn.size();
+  vocab_rows_ = slice_.vocab.size();
+  vocab_rows_max_ = vocab_rows_;
+  if (world_ > 1) {
+    for (const TpRankPlan& rp : tp_.plan->ranks) {
+      vocab_rows_max_ = std::max(vocab_rows_max_, rp.vocab.size());
+    }
+  }
+  kv_dim_ = kv_heads_ * config_.head_dim;
+  l2_discard_ = tuning_.l2_discard;
+  l2_discard_min_tokens_ = tuning_.l2_discard_min_tokens;
+  if (world_ == 1) residual_splits_ = tuning_.residual_splits;
+}
+
+CudaForward::~CudaForward() {
+  if (cudaSetDevice(device_) != cudaSuccess) return;
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  // The GEMM algorithms this process ended up with, per weight shape and row class (benchmark
+  // runs: which cuBLASLt kernel a step's time went to).
+  if (gemm_ != nullptr && tuning_.gemm_summary) {
+    std::fprintf(stderr, "GEMM picks, device %d:\n%s", device_, gemm_->Summary().c_str());
+  }
+  if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
+  gemm_.reset();
+  Buffers& b = buffers_;
+  for (Scratch* s : {&b.meta, &b.residual, &b.x, &b.split, &b.normed, &b.qkv, &b.attn, &b.gate_up,
+                     &b.act, &b.last, &b.logits, &b.attn_ws, &b.sample_ws, &b.verify, &b.topk,
+                     &b.cand_local, &b.cand_all, &b.gathered, &b.full_logits}) {
+    if (s->ptr != nullptr) cudaFree(s->ptr);
+  }
+  for (bf16* pool : {k_pool_, v_pool_}) {
+    if (pool != nullptr) cudaFree(pool);
+  }
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaForward::Init() {
+  SPECD_CUDA_RETURN_(cudaSetDevice(device_), absl::StrCat("selecting cuda:", device_));
+  SPECD_CUDA_RETURN_(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                     "creating a stream");
+  SPECD_CUDA_RETURN_(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_),
+                     "reading the multiprocessor count");
+  // 128 MiB of cuBLASLt workspace: split-K algorithms of the narrow, deep weights (down_proj)
+  // need room for up to cuda_gemm_invariant_rows rows of partial sums to qualify as the one
+  // row-invariant algorithm of their shape. Row classes that end at the graph buckets of a
+  // batch-1 verify step (the pending token and 2^j tree nodes); SPECD_GEMM_CLASSES=pow2 restores
+  // the plain doubling classes, SPECD_GEMM_TIMING=0 picks algorithms without timing them, the
+  // same in every process (A/B runs), and SPECD_GEMM_RETILE=0 keeps row classes to cuBLASLt's
+  // own candidates.
+  if (cublasStatus_t st =
+          cuda::Gemm::Create(size_t{128} << 20, &gemm_, options_.cuda_gemm_invariant_rows,
+                             /*plan_rows=*/16,
+                             /*bucket_classes=*/tuning_.gemm_bucket_classes,
+                             /*timed_picks=*/tuning_.gemm_timed_picks,
+                             /*retile=*/tuning_.gemm_retile);
+      st != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError(
+        absl::StrCat("cuda backend: cuBLASLt: ", cublasLtGetStatusString(st)));
+  }
+
+  absl::StatusOr<std::unique_ptr<TensorStore>> opened = TensorStore::OpenFolder(config_.dir);
+  if (!opened.ok()) return opened.status();
+  // One line per device: with tensor parallelism each rank places its own shards.
+  LoadProgress progress(absl::StrCat("cuda:", device_));
+  SPECD_RETURN_IF_ERROR_(weights_.Load(**opened, config_, slice_, &progress));
+  progress.Finish();
+  return AllocateKvPools();
+}
+
+absl::Status CudaForward::AllocateKvPools() {
+  const ModelConfig& c = config_;
+  // The requested capacity, or what the free memory allows.
+  size_t free_bytes = 0, total_bytes = 0;
+  SPECD_CUDA_RETURN_(cudaMemGetInfo(&free_bytes, &total_bytes), "reading free memory");
+  const size_t block_bytes = size_t{2} * c.num_layers * kKvBlockTokens * kv_dim_ * sizeof(bf16);
+  const int64_t fit = free_bytes > kReserveBytes
+                          ? static_cast<int64_t>((free_bytes - kReserveBytes) / block_bytes)
+                          : 0;
+  const int64_t wanted = CeilDiv(options_.kv_capacity_tokens, kKvBlockTokens);
+  num_blocks_ = std::min(wanted, fit);
+  if (num_blocks_ <= 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cuda:", device_, ": no device memory left for the KV cache after the weights (",
+        free_bytes >> 20, " MiB free)"));
+  }
+  if (num_blocks_ < wanted) {
+    std::fprintf(stderr,
+                 "specd cuda backend: KV capacity clamped to %lld tokens by device memory\n",
+                 static_cast<long long>(num_blocks_ * kKvBlockTokens));
+  }
+  layer_stride_ = num_blocks_ * kKvBlockTokens * kv_dim_;
+  const size_t pool_bytes = static_cast<size_t>(c.num_layers) * layer_stride_ * sizeof(bf16);
+  for (bf16** pool : {&k_pool_, &v_pool_}) {
+    void* p = nullptr;
+    SPECD_CUDA_RETURN_(cudaMalloc(&p, pool_bytes), "allocating the KV cache");
+    *pool = static_cast<bf16*>(p);
+    // Zeros, so that no slot ever holds NaN bit patterns (a masked key's value is multiplied by
+    // a zero probability, which would not cancel a NaN).
+    SPECD_CUDA_RETURN_(cudaMemset(p, 0, pool_bytes), "clearing the KV cache");
+  }
+  // The clears ran on the legacy default stream, which stream_ (non-blocking) does not wait for.
+  SPECD_CUDA_RETURN_(cudaDeviceSynchronize(), "initialising the device");
+  return absl::OkStatus();
+}
+
+StepPlanOptions CudaForward::PlanOptions() const {
+  StepPlanOptions o;
+  o.block_tokens = kKvBlockTokens;
+  o.hidden = config_.hidden_size;
+  o.head_dim = config_.head_dim;
+  o.heads = heads_;
+  o.kv_heads = kv_heads_;
+  o.kv_group = config_.num_heads / config_.num_kv_heads;
+  o.num_sms = num_sms_;
+  o.custom_allreduce_max_bytes = world_ > 1 && tp_.custom != nullptr ? tp_.custom->max_bytes() : -1;
+  o.shared_spine = tuning_.shared_spine;
+  o.attn_chunks_per_cta = tuning_.attn_chunks_per_cta;
+  return o;
+}
+
+absl::Status CudaForward::CopyKvSlots(absl::Span<const int64_t> src,
+                                      absl::Span<const int64_t> dst) {
+  if (src.empty()) return absl::OkStatus();
+  SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
+  StepPacker pack;
+  const size_t o_src = pack.Add(src.data(), src.size()), o_dst = pack.Add(dst.data(), dst.size());
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.verify, pack.bytes().size()));
+  SPECD_CUDA_RETURN_(cudaMemcpyAsync(buffers_.verify.ptr, pack.bytes().data(), pack.bytes().size(),
+                                     cudaMemcpyHostToDevice, stream_),
+                     "uploading commit slots");
+  cuda::KvCacheCopyParams p;
+  p.k_cache = k_pool_;
+  p.v_cache = v_pool_;
+  p.num_layers = config_.num_layers;
+  p.layer_stride = layer_stride_;
+  p.src_slots = At<int64_t>(buffers_.verify.ptr, o_src);
+  p.dst_slots = At<int64_t>(buffers_.verify.ptr, o_dst);
+  p.num_copies = static_cast<int64_t>(src.size());
+  p.kv_dim = kv_dim_;
+  SPECD_CUDA_RETURN_(cuda::KvCacheCopyCuda(p, stream_), "KV copy");
+  return absl::OkStatus();
+}
+
+bool CudaForward::DropDead(const CudaStep& step) const {
+  return l2_discard_ && step.T >= l2_discard_min_tokens_;
+}
+
+int CudaForward::SiteSplits(int site) const {
+  // The depth of the site's GEMM: o_proj reads the attention output, down_proj
+  // the MLP's activations; the embedding has no GEMM.
+  const int64_t k = site == kAttnSite ? heads_ * config_.head_dim : site == kMlpSite ? ffn_ : 0;
+  return k > 0 && residual_splits_ > 1 && cuda::Gemm::KSplitFits(k, residual_splits_)
+             ? residual_splits_
+             : 1;
+}
+
+absl::Status CudaForward::Ensure(Scratch* s, size_t bytes) {
+  if (s->bytes >= bytes) return absl::OkStatus();
+  if (s->ptr != nullptr) {
+    // Work queued on the stream may still read the old buffer.
+    SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "synchronizing");
+    cudaFree(s->ptr);
+    s->ptr = nullptr;
+    s->bytes = 0;
+  }
+  const size_t grown = std::max<size_t>(bytes + bytes / 4, 4096);
+  SPECD_CUDA_RETURN_(cudaMalloc(&s->ptr, grown), absl::StrCat("allocating ", grown, " bytes"));
+  s->bytes = grown;
+  ++buffer_generation_;
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::PrepareBuffers(const CudaStep& step, size_t meta_bytes) {
+  const ModelConfig& c = config_;
+  const int64_t T = step.T, R = std::max<int64_t>(step.R, 1);
+  const int64_t H = c.hidden_size, F = ffn_;
+  const int64_t QD = heads_ * c.head_dim, QKVD = QD + 2 * kv_dim_;
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.meta, meta_bytes));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.residual, T * H * sizeof(float)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.x, T * H * sizeof(bf16)));
+  if (residual_splits_ > 1) {
+    SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.split, residual_splits_ * T * H * sizeof(float)));
+  }
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.normed, T * H * sizeof(bf16)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.qkv, T * QKVD * sizeof(bf16)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.attn, T * QD * sizeof(bf16)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.gate_up, T * 2 * F * sizeof(bf16)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.act, T * F * sizeof(bf16)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.last, R * H * sizeof(bf16)));
+  // The all-gather of top-k / top-p rows sends vocab_rows_max_ columns a row.
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.logits, R * vocab_rows_max_ * sizeof(float)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.attn_ws, step.ws_floats * sizeof(float)));
+  SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.sample_ws, cuda::SampleWorkspaceBytes(R, c.vocab_size)));
+  if (world_ > 1 && step.verify) {
+    const size_t cand = sizeof(cuda::SampleCandidate);
+    SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.cand_local, R * cand));
+    SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.cand_all, world_ * R * cand));
+    if (step.gather_logits) {
+      SPECD_RETURN_IF_ERROR_(
+          Ensure(&buffers_.gathered, world_ * R * vocab_rows_max_ * sizeof(float)));
+      SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.full_logits, R * c.vocab_size * sizeof(float)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::UploadMeta(const StepPacker& pack) {
+  const std::vector<uint8_t>& bytes = pack.bytes();
+  if (host_stage_bytes_ < bytes.size()) {
+    if (host_stage_ != nullptr) {
+      // The previous step's copy finished: every step ends with a stream
+      // synchronisation.
+      cudaFreeHost(host_stage_);
+      host_stage_ = nullptr;
+      host_stage_bytes_ = 0;
+    }
+    const size_t grown = std::max<size_t>(bytes.size() + bytes.size() / 4, 1 << 16);
+    SPECD_CUDA_RETURN_(cudaMallocHost(&host_stage_, grown), "allocating pinned staging memory");
+    host_stage_bytes_ = grown;
+  }
+  std::memcpy(host_stage_, bytes.data(), bytes.size());
+  SPECD_CUDA_RETURN_(cudaMemcpyAsync(buffers_.meta.ptr, host_stage_, bytes.size(),
+                                     cudaMemcpyHostToDevice, stream_),
+                     "uploading step metadata");
+  return absl::OkStatus();
+}
+
+CudaForward::bf16* CudaForward::Partial(const CudaStep& step, int site) {
+  if (step.custom_allreduce) return tp_.custom->input(tp_.rank, site);
+  return static_cast<bf16*>(buffers_.x.ptr);
+}
+
+absl::Status CudaForward::ReduceNorm(const CudaStep& step, int site, bool init, const float* weight,
+                                     cuda::DeadRows dead0, cuda::DeadRows dead1) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size;
+  float* residual = static_cast<float*>(buffers_.residual.ptr);
+  bf16* normed = static_cast<bf16*>(buffers_.normed.ptr);
+  bf16* x = static_cast<bf16*>(buffers_.x.ptr);
+  if (world_ > 1 && step.custom_allreduce) {
+    cuda::AllReduceParams p = tp_.custom->Params(tp_.rank, site);
+    p.rows = step.T;
+    p.dim = H;
+    p.out = normed;
+    p.residual = residual;
+    p.residual_init = init;
+    p.norm_weight = weight;
+    p.eps = c.rms_norm_eps;
+    SPECD_CUDA_RETURN_(cuda::AllReduceCuda(p, stream_), "custom all-reduce");
+    return absl::OkStatus();
+  }
+  if (world_ > 1) {
+    SPECD_RETURN_IF_ERROR_(
+        tp_.nccl->AllReduceSum(tp_.rank, x, x, static_cast<size_t>(step.T * H), stream_));
+  }
+  cuda::RmsNormParams p;
+  if (const int k_splits = SiteSplits(site); k_splits > 1) {
+    p.partials = static_cast<const float*>(buffers_.split.ptr);
+    p.num_partials = k_splits;
+    p.discard_partials = DropDead(step);
+  } else {
+    p.x = x;
+  }
+  p.residual = residual;
+  p.residual_init = init;
+  p.weight = weight;
+  p.out = normed;
+  p.rows = step.T;
+  p.dim = H;
+  p.eps = c.rms_norm_eps;
+  if (DropDead(step)) {
+    p.dead[0] = dead0;
+    p.dead[1] = dead1;
+  }
+  SPECD_CUDA_RETURN_(cuda::RmsNormCuda(p, stream_), "RMSNorm");
+  return absl::OkStatus();
+}
+
+// Enqueues the step's kernels on stream_. Allocates nothing, synchronises
+// nothing and reads nothing back, so that it can be captured into a CUDA graph.
+absl::Status CudaForward::Enqueue(const CudaStep& step) {
+  const ModelConfig& c = config_;
+  const int64_t T = step.T, R = step.R;
+  const int64_t H = c.hidden_size, hd = c.head_dim;
+  // This rank's widths (the whole model's without tensor parallelism).
+  const int64_t QD = heads_ * hd, KVD = kv_dim_, QKVD = QD + 2 * KVD, F = ffn_;
+  void* meta = buffers_.meta.ptr;
+  bf16* normed = static_cast<bf16*>(buffers_.normed.ptr);
+  bf16* qkv = static_cast<bf16*>(buffers_.qkv.ptr);
+  bf16* attn = static_cast<bf16*>(buffers_.attn.ptr);
+  bf16* gate_up = static_cast<bf16*>(buffers_.gate_up.ptr);
+  bf16* act = static_cast<bf16*>(buffers_.act.ptr);
+  const int32_t* block_tables = At<int32_t>(meta, step.o_tables);
+
+  // Vocabulary-parallel embedding: a rank gathers the rows it holds and zeros
+  // for the others, so the all-reduce that starts the residual stream is exact.
+  cuda::EmbeddingParams emb;
+  emb.tokens = At<int32_t>(meta, step.o_tokens);
+  emb.table = weights_.embed();
+  emb.out = Partial(step, kEmbedSite);
+  emb.num_tokens = T;
+  emb.vocab_size = vocab_rows_;
+  emb.vocab_offset = slice_.vocab.begin;
+  emb.hidden = H;
+  SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(emb, stream_), "embedding");
+
+  // A sublayer's output (o_proj, down_proj): a K-split GEMM into buffers_.split whose
+  // slabs the site's norm adds, or bf16 into the site's partial (buffers_.x without
+  // tensor parallelism).
+  const auto sublayer_out = [&](const bf16* in, const bf16* weight, int64_t k, int site) {
+    const int k_splits = SiteSplits(site);
+    return k_splits > 1 ? Gemm(in, weight, nullptr, buffers_.split.ptr, true, T, H, k, k_splits)
+                        : Gemm(in, weight, nullptr, Partial(step, site), false, T, H, k);
+  };
+  // Buffers dead once the next GEMM has read them; the kernel after it drops
+  // them from L2 (l2_discard_).
+  const cuda::DeadRows act_rows{act, F * static_cast<int64_t>(sizeof(bf16))};
+  for (int l = 0; l < c.num_layers; ++l) {
+    const CudaLayerWeights& w = weights_.layer(l);
+    // Layer 0 starts the residual stream from the embedding; later layers add
+    // the previous MLP's output to it.
+    SPECD_RETURN_IF_ERROR_(ReduceNorm(step, l == 0 ? kEmbedSite : kMlpSite, l == 0, w.input_norm,
+                                      l == 0 ? cuda::DeadRows{} : act_rows));
+    SPECD_RETURN_IF_ERROR_(Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
+
+    cuda::RopeParams rope;
+    rope.q = qkv;
+    rope.q_stride = QKVD;
+    rope.num_q_heads = heads_;
+    rope.k = qkv + QD;
+    rope.k_stride = QKVD;
+    rope.num_k_heads = kv_heads_;
+    rope.positions = At<int32_t>(meta, step.o_positions);
+    rope.inv_freq = weights_.inv_freq();
+    rope.q_norm_weight = w.q_norm;
+    rope.k_norm_weight = w.k_norm;
+    rope.norm_eps = c.rms_norm_eps;
+    rope.num_tokens = T;
+    rope.head_dim = hd;
+    // The rotated keys and the values go straight to their KV-cache slots.
+    rope.v = qkv + QD + KVD;
+    rope.v_stride = QKVD;
+    rope.k_cache = k_pool_ + l * layer_stride_;
+    rope.v_cache = v_pool_ + l * layer_stride_;
+    rope.slots = At<int64_t>(meta, step.o_slots);
+    SPECD_CUDA_RETURN_(cuda::RopeCuda(rope, stream_), "RoPE and KV write");
+
+    cuda::TreeAttentionParams ap;
+    ap.q = qkv;
+    ap.q_stride = QKVD;
+    ap.out = attn;
+    ap.out_stride = QD;
+    ap.kv.k_cache = rope.k_cache;
+    ap.kv.v_cache = rope.v_cache;
+    ap.kv.block_tables = block_tables;
+    ap.kv.max_blocks_per_seq = step.max_blocks;
+    ap.kv.block_size = kKvBlockTokens;
+    ap.query_seq = At<int32_t>(meta, step.o_query_seq);
+    ap.kv_end = At<int32_t>(meta, step.o_kv_end);
+    // Chains only (decode, prefill): null masks select the kernel build
+    // without the tree-tail code (same bits).
+    ap.mask_begin = step.tree_masks ? At<int32_t>(meta, step.o_mask_begin) : nullptr;
+    ap.mask = step.tree_masks ? At<uint32_t>(meta, step.o_mask) : nullptr;
+    ap.tile_begin = At<int32_t>(meta, step.o_tile_begin);
+    ap.tile_end = At<int32_t>(meta, step.o_tile_end);
+    ap.kv_stable_end = At<int32_t>(meta, step.o_kv_stable);
+    ap.num_tiles = step.num_tiles;
+    ap.num_splits = step.num_splits;
+    ap.chunks_per_cta = step.chunks_per_cta;
+    ap.workspace = static_cast<float*>(buffers_.attn_ws.ptr);
+    ap.discard_workspace = DropDead(step);
+    ap.num_queries = T;
+    ap.num_heads = heads_;
+    ap.num_kv_heads = kv_heads_;
+    ap.q_head_offset = slice_.q_heads.begin;
+    ap.kv_head_offset = slice_.kv_heads.begin;
+    ap.kv_group = c.num_heads / c.num_kv_heads;
+    ap.head_dim = hd;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
+
+    SPECD_RETURN_IF_ERROR_(sublayer_out(attn, w.o_proj, QD, kAttnSite));
+    SPECD_RETURN_IF_ERROR_(ReduceNorm(step, kAttnSite, false, w.post_norm,
+                                      {qkv, QKVD * static_cast<int64_t>(sizeof(bf16))},
+                                      {attn, QD * static_cast<int64_t>(sizeof(bf16))}));
+    SPECD_RETURN_IF_ERROR_(Gemm(normed, w.gate_up, nullptr, gate_up, false, T, 2 * F, H));
+    cuda::SwiGluParams sw;
+    sw.gate_up = gate_up;
+    sw.out = act;
+    sw.rows = T;
+    sw.dim = F;
+    sw.discard_gate_up = DropDead(step);
+    if (sw.discard_gate_up) sw.dead = {normed, H * static_cast<int64_t>(sizeof(bf16))};
+    SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
+    SPECD_RETURN_IF_ERROR_(sublayer_out(act, w.down, F, kMlpSite));
+  }
+  // Final norm of every token (cheap next to the LM head), then the requested
+  // rows only.
+  SPECD_RETURN_IF_ERROR_(ReduceNorm(step, c.num_layers == 0 ? kEmbedSite : kMlpSite,
+                                    c.num_layers == 0, weights_.final_norm(),
+                                    c.num_layers == 0 ? cuda::DeadRows{} : act_rows));
+  if (R == 0) return absl::OkStatus();
+  cuda::EmbeddingParams gather;  // a row gather: the "table" is the normed activations
+  gather.tokens = At<int32_t>(meta, step.o_rows);
+  gather.table = normed;
+  gather.out = static_cast<bf16*>(buffers_.last.ptr);
+  gather.num_tokens = R;
+  gather.vocab_size = T;
+  gather.hidden = H;
+  SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_), "gathering logit rows");
+  SPECD_RETURN_IF_ERROR_(Gemm(static_cast<bf16*>(buffers_.last.ptr), weights_.lm_head(), nullptr,
+                              buffers_.logits.ptr, true, R, vocab_rows_, H));
+  if (!step.verify) return absl::OkStatus();
+
+  // Verify: sample every row, accept along each tree, compact the accepted KV.
+  int32_t* accepted = At<int32_t>(meta, step.o_out);
+  int32_t* out_tokens = accepted + step.batch;
+  int32_t* out_nodes = out_tokens + step.batch * step.out_stride;
+  int32_t* sampled = At<int32_t>(meta, step.o_sampled);
+  SPECD_RETURN_IF_ERROR_(SampleRows(step, sampled));
+
+  cuda::TreeAcceptParams tp;
+  tp.sampled = sampled;
+  tp.sample_offset = At<int32_t>(meta, step.o_sample_offset);
+  tp.tree_tokens = At<int32_t>(meta, step.o_tree_tokens);
+  tp.tree_parents = At<int32_t>(meta, step.o_tree_parents);
+  tp.node_offset = At<int32_t>(meta, step.o_node_offset);
+  tp.num_nodes = At<int32_t>(meta, step.o_num_nodes);
+  tp.out_tokens = out_tokens;
+  tp.out_nodes = out_nodes;
+  tp.out_accepted = accepted;
+  tp.out_stride = step.out_stride;
+  tp.num_seqs = step.batch;
+  SPECD_CUDA_RETURN_(cuda::TreeAcceptCuda(tp, stream_), "tree acceptance");
+
+  cuda::KvCacheCompactParams cp;
+  cp.kv.k_cache = k_pool_;
+  cp.kv.v_cache = v_pool_;
+  cp.num_layers = c.num_layers;
+  cp.layer_stride = layer_stride_;
+  cp.kv_dim = kv_dim_;
+  cp.kv.block_tables = block_tables;
+  cp.kv.max_blocks_per_seq = step.max_blocks;
+  cp.kv.block_size = kKvBlockTokens;
+  cp.seq_rows = At<int32_t>(meta, step.o_seq_rows);
+  cp.base_slot = At<int32_t>(meta, step.o_base_slot);
+  cp.nodes = out_nodes;
+  cp.num_nodes = accepted;
+  cp.node_stride = step.out_stride;
+  cp.num_seqs = step.batch;
+  SPECD_CUDA_RETURN_(cuda::KvCacheCompactCuda(cp, stream_), "KV compaction");
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::SampleRows(const CudaStep& step, int32_t* tokens) {
+  const int64_t R = step.R, vocab = config_.vocab_size;
+  cuda::SampleParams sp;
+  sp.logits = static_cast<const float*>(buffers_.logits.ptr);
+  sp.logits_stride = vocab_rows_;
+  sp.rows = At<cuda::SampleRowParams>(buffers_.meta.ptr, step.o_row_params);
+  sp.tokens = tokens;
+  sp.num_rows = R;
+  sp.vocab_size = vocab_rows_;
+  sp.workspace = buffers_.sample_ws.ptr;
+  if (world_ > 1 && !step.gather_logits) {
+    // Greedy and plain temperature: each rank reduces its shard to one
+    // candidate a row (Gumbel noise keyed by the global token id), and the
+    // candidates' reduction is the choice over the whole row.
+    sp.vocab_offset = slice_.vocab.begin;
+    sp.candidates = static_cast<cuda::SampleCandidate*>(buffers_.cand_local.ptr);
+    SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling candidates");
+    // The candidates travel as 32-bit words (NCCL moves bytes alike).
+    static_assert(sizeof(cuda::SampleCandidate) % sizeof(int32_t) == 0);
+    SPECD_RETURN_IF_ERROR_(tp_.nccl->AllGather(
+        tp_.rank, static_cast<const int32_t*>(buffers_.cand_local.ptr),
+        static_cast<int32_t*>(buffers_.cand_all.ptr),
+        static_cast<size_t>(R) * sizeof(cuda::SampleCandidate) / sizeof(int32_t), stream_));
+    cuda::ReduceCandidatesParams rp;
+    rp.candidates = static_cast<const cuda::SampleCandidate*>(buffers_.cand_all.ptr);
+    rp.world_size = world_;
+    rp.num_rows = R;
+    rp.tokens = tokens;
+    SPECD_CUDA_RETURN_(cuda::ReduceCandidatesCuda(rp, stream_), "reducing sampling candidates");
+    return absl::OkStatus();
+  }
+  if (world_ > 1) {
+    // Top-k / top-p need the whole row: gather every rank's [R, rows_r]
+    // logits (at a common stride) and lay them side by side.
+    const size_t stride = static_cast<size_t>(R) * vocab_rows_max_;
+    SPECD_RETURN_IF_ERROR_(
+        tp_.nccl->AllGather(tp_.rank, static_cast<const float*>(buffers_.logits.ptr),
+                            static_cast<float*>(buffers_.gathered.ptr), stride, stream_));
+    float* full = static_cast<float*>(buffers_.full_logits.ptr);
+    for (int r = 0; r < world_; ++r) {
+      const TpRange v = tp_.plan->ranks[r].vocab;
+      SPECD_CUDA_RETURN_(
+          cudaMemcpy2DAsync(full + v.begin, vocab * sizeof(float),
+                            static_cast<const float*>(buffers_.gathered.ptr) + r * stride,
+                            v.size() * sizeof(float), v.size() * sizeof(float), R,
+                            cudaMemcpyDeviceToDevice, stream_),
+          "placing gathered logits");
+    }
+    sp.logits = full;
+    sp.logits_stride = vocab;
+    sp.vocab_size = vocab;
+  }
+  SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32,
+                               int64_t m, int64_t n, int64_t k, int k_splits) {
+  cuda::GemmParams p;
+  p.k_splits = k_splits;
+  p.x = x;
+  p.w = w;
+  p.bias = bias;
+  p.y = y;
+  p.y_fp32 = y_fp32;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  if (cublasStatus_t st = gemm_->Run(p, stream_); st != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cuda backend: GEMM [", m, ", ", k, "] x [", n, ", ", k,
+                                            "]^T: ", cublasLtGetStatusString(st)));
+  }
+  return absl::OkStatus();
+}
+}  // namespace specd
