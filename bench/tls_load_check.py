@@ -219,10 +219,10 @@ def main():
                                 errors.append(str(e))
                         n += 1
             start = time.monotonic()
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.streams)]
-            for t in threads:
+            workers = [threading.Thread(target=worker, args=(i,)) for i in range(args.streams)]
+            for t in workers:
                 t.start()
-            for t in threads:
+            for t in workers:
                 t.join()
             wall = time.monotonic() - start
             # The requests running at `stop` end a little later; the slope window ends at the
