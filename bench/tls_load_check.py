@@ -11,10 +11,10 @@ every verdict: connections, TLS sessions, HTTP/2 and stream buffers, and the all
 middle and the last third, the rise is the median RSS of the third's last quarter minus that of
 its first quarter (medians, so that one noisy sample moves nothing); it counts when it is above
 0.1 % of the RSS per minute of the third. A service is "flat" when neither third rises, "one
-step" when exactly one does (a single allocation of a buffer or an arena, not growth; its size
-is in the table), and "grows" when both do: steady growth shows in every stretch of a run, a
-step in one. A leak that starts only in the last third reads as one step; a longer run tells
-them apart. The table also gives the least-squares slope over the two thirds with its standard
+rise" when exactly one does (a single allocation of a buffer or an arena, or a warm-up that
+ends after the first third: not growth; its size is in the table), and "grows" when both do:
+steady growth shows in every stretch of a run, a step in one. A leak that starts only in the
+last third reads as one rise; a longer run tells them apart. The table also gives the least-squares slope over the two thirds with its standard
 error. The script fails (exit 1) on any error or any growing service. `--json` writes the
 samples and the table, `--plot` a PNG of RSS and threads over time (matplotlib). Certificates
 are made with openssl in a temporary folder.
@@ -115,7 +115,7 @@ def memory_table(samples, threads, idle, load_start, load_end):
         limit = 0.001 * max(end, 1) * (middle[1] - middle[0]) / 60
         rises = [rise(series, *middle), rise(series, *last)]
         up = [r > limit for r in rises]
-        verdict = "grows" if all(up) else "one step" if any(up) else "flat"
+        verdict = "grows" if all(up) else "one rise" if any(up) else "flat"
         th = [(t, n) for t, n in threads[name] if warm_end <= t <= load_end]
         rows.append({"service": name, "idle_kib": idle[name],
                      "warmed_up_kib": after[0][1] if after else 0, "end_kib": end,
