@@ -6,15 +6,16 @@ through the Python SDK for `--seconds`, and reports completed requests, errors a
 
 Memory: the RSS (and thread count) of every service is sampled each `--sample-seconds` from
 before the load to its end. The load is cut in thirds. The first is the warm-up, left out of
-every verdict: connections, TLS sessions, HTTP/2 and stream buffers, and the allocator's arenas
-(a gRPC thread that starts later gets its own glibc malloc arena) all grow then, once. In the
-middle and the last third, the rise is the median RSS of the third's last quarter minus that of
-its first quarter (medians, so that one noisy sample moves nothing); it counts when it is above
-0.1 % of the RSS per minute of the third. A service is "flat" when neither third rises, "one
-rise" when exactly one does (a single allocation of a buffer or an arena, or a warm-up that
-ends after the first third: not growth; its size is in the table), and "grows" when both do:
-steady growth shows in every stretch of a run, a step in one. A leak that starts only in the
-last third reads as one rise; a longer run tells them apart. The table also gives the least-squares slope over the two thirds with its standard
+every verdict: connections, TLS sessions, HTTP/2 and stream buffers, and the threads the gRPC
+server starts under load (each with its stack, and in glibc possibly its own malloc arena) all
+grow then, once. In the middle and the last third, the rise is the median RSS of the third's
+last quarter minus that of its first quarter (medians, so that one noisy sample moves nothing);
+it counts when it is above 0.1 % of the RSS per minute of the third. A service is "flat" when
+neither third rises, "one rise" when exactly one does (a single allocation of a buffer or an
+arena, or a warm-up that ends after the first third: not growth; its size is in the table), and
+"grows" when both do: steady growth shows in every stretch of a run, a step in one. A leak that
+starts only in the last third reads as one rise; a longer run tells them apart. The table also
+gives the least-squares slope over the two thirds with its standard
 error. The script fails (exit 1) on any error or any growing service. `--json` writes the
 samples and the table, `--plot` a PNG of RSS and threads over time (matplotlib). Certificates
 are made with openssl in a temporary folder.
