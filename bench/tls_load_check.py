@@ -4,18 +4,25 @@ specd-router from the build on loopback (random-weight model, mutual TLS router 
 TLS + bearer token on the public port), runs `--streams` concurrent greedy Generate streams
 through the Python SDK for `--seconds`, and reports completed requests, errors and tokens/s.
 
-Memory: the RSS of every service is sampled each `--sample-seconds` from before the load to
-its end. Per service the table gives the idle RSS, the RSS at the start and end of the second
-half of the run, and the least-squares slope over that second half with its standard error
-(the first half holds the ramp-up: connections, TLS sessions, buffers). RSS grows when that
-slope is above two standard errors and above 0.1 % of the RSS per minute; the script fails
-(exit 1) on any error or any growing service. `--json` writes the
-samples and the table, `--plot` a PNG of RSS over time (matplotlib). Certificates are made with
-openssl in a temporary folder.
+Memory: the RSS (and thread count) of every service is sampled each `--sample-seconds` from
+before the load to its end. The load is cut in thirds. The first is the warm-up, left out of
+every verdict: connections, TLS sessions, HTTP/2 and stream buffers, and the threads the gRPC
+server starts under load (each with its stack, and in glibc possibly its own malloc arena) all
+grow then, once. In the middle and the last third, the rise is the median RSS of the third's
+last quarter minus that of its first quarter (medians, so that one noisy sample moves nothing);
+it counts when it is above 0.1 % of the RSS per minute of the third. A service is "flat" when
+neither third rises, "one rise" when exactly one does (a single allocation of a buffer or an
+arena, or a warm-up that ends after the first third: not growth; its size is in the table), and
+"grows" when both do: steady growth shows in every stretch of a run, a step in one. A leak that
+starts only in the last third reads as one rise; a longer run tells them apart. The table also
+gives the least-squares slope over the two thirds with its standard
+error. The script fails (exit 1) on any error or any growing service. `--json` writes the
+samples and the table, `--plot` a PNG of RSS and threads over time (matplotlib). Certificates
+are made with openssl in a temporary folder.
 
   SPECD_BIN_DIR=build/bin SPECD_RANDOM_MODEL=build/tests/specd_write_random_model \\
       PYTHONPATH=clients/python:tests/deploy python3 bench/tls_load_check.py --streams 256 \\
-      --seconds 60 --json bench/results/tls_load_256.json --plot bench/results/tls_load_256.png
+      --seconds 180 --json bench/results/tls_load_256.json --plot bench/results/tls_load_256.png
 """
 
 import argparse
@@ -53,12 +60,15 @@ def certificates(d):
         return f.read()
 
 
-def rss_kib(pid):
+def rss_kib_and_threads(pid):
+    rss, threads = 0, 0
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+                rss = int(line.split()[1])
+            elif line.startswith("Threads:"):
+                threads = int(line.split()[1])
+    return rss, threads
 
 
 def slope(points):
@@ -77,36 +87,66 @@ def slope(points):
     return b, math.sqrt(residual / sxx)
 
 
-def memory_table(samples, idle, load_start, load_end):
-    """Per service: idle, second-half start/end RSS (KiB), slope and verdict."""
-    half = load_start + (load_end - load_start) / 2
+def thirds(load_start, load_end):
+    """(start, end) of the warm-up, middle and last thirds of the load."""
+    third = (load_end - load_start) / 3
+    return [(load_start + i * third, load_start + (i + 1) * third) for i in range(3)]
+
+
+def rise(series, start, end):
+    """Median RSS (KiB) of the last quarter of [start, end] minus that of its first quarter."""
+    quarter = (end - start) / 4
+    first = [v for t, v in series if start <= t <= start + quarter]
+    last = [v for t, v in series if end - quarter <= t <= end]
+    if not first or not last:
+        return 0.0
+    return statistics.median(last) - statistics.median(first)
+
+
+def memory_table(samples, threads, idle, load_start, load_end):
+    """Per service: idle RSS, RSS at the end of the warm-up and at the end, the rise of the
+    middle and the last third, the slope over both, threads, and the verdict."""
+    (_, warm_end), middle, last = thirds(load_start, load_end)
     rows = []
     for name, series in samples.items():
-        second = [(t, v) for t, v in series if half <= t <= load_end]
-        b, se = slope(second)
-        last = second[-1][1] if second else 0
-        # Growing: a slope above its noise (two standard errors) and above 0.1 % of the RSS
-        # per minute. A falling RSS (freed buffers, the drain at the end) is not growth.
-        grows = b > 2 * se and b * 60 > 0.001 * max(last, 1)
+        after = [(t, v) for t, v in series if warm_end <= t <= load_end]
+        b, se = slope(after)
+        end = after[-1][1] if after else 0
+        # 0.1 % of the RSS per minute, over one third.
+        limit = 0.001 * max(end, 1) * (middle[1] - middle[0]) / 60
+        rises = [rise(series, *middle), rise(series, *last)]
+        up = [r > limit for r in rises]
+        verdict = "grows" if all(up) else "one rise" if any(up) else "flat"
+        th = [(t, n) for t, n in threads[name] if warm_end <= t <= load_end]
         rows.append({"service": name, "idle_kib": idle[name],
-                     "second_half_start_kib": second[0][1] if second else 0,
-                     "end_kib": last, "slope_kib_per_min": b * 60,
-                     "stderr_kib_per_min": se * 60, "samples": len(second), "grows": grows})
+                     "warmed_up_kib": after[0][1] if after else 0, "end_kib": end,
+                     "middle_rise_kib": rises[0], "last_rise_kib": rises[1],
+                     "rise_limit_kib": limit, "slope_kib_per_min": b * 60,
+                     "stderr_kib_per_min": se * 60, "samples": len(after),
+                     "threads_warmed_up": th[0][1] if th else 0,
+                     "threads_end": th[-1][1] if th else 0,
+                     "threads_max": max((n for _, n in threads[name]), default=0),
+                     "verdict": verdict, "grows": verdict == "grows"})
     return rows
 
 
-def plot(path, samples, load_start, load_end, title):
+def plot(path, samples, threads, load_start, load_end, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, tx) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
+                                 gridspec_kw={"height_ratios": [3, 1]})
     for name, series in samples.items():
         ax.plot([t for t, _ in series], [v / 1024 for _, v in series], label=name)
-    ax.axvspan(load_start + (load_end - load_start) / 2, load_end, color="0.9",
-               label="second half (slope)")
-    ax.axvline(load_start, color="0.5", linestyle=":")
-    ax.set_xlabel("seconds since the cluster started serving")
+        tx.plot([t for t, _ in threads[name]], [n for _, n in threads[name]], label=name)
+    for a in (ax, tx):
+        for (start, end), shade in zip(thirds(load_start, load_end), ("0.95", "0.88", "0.8")):
+            a.axvspan(start, end, color=shade)
+    ax.text(0.01, 0.02, "thirds of the load: warm-up (left out), middle, last",
+            transform=ax.transAxes, fontsize=8)
+    tx.set_xlabel("seconds since the cluster started serving")
     ax.set_ylabel("RSS (MiB)")
+    tx.set_ylabel("threads")
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
@@ -141,13 +181,16 @@ def main():
             pids = {n: c.procs[n].pid for n in ("specd-router", "specd-draft", "specd-verify")}
             t0 = time.monotonic()
             samples = {n: [] for n in pids}
+            threads = {n: [] for n in pids}
             sampling = threading.Event()
 
             def sample_rss():
                 while not sampling.is_set():
                     now = time.monotonic() - t0
                     for n, pid in pids.items():
-                        samples[n].append((now, rss_kib(pid)))
+                        rss, count = rss_kib_and_threads(pid)
+                        samples[n].append((now, rss))
+                        threads[n].append((now, count))
                     sampling.wait(args.sample_seconds)
             sampler = threading.Thread(target=sample_rss)
             sampler.start()
@@ -177,10 +220,10 @@ def main():
                                 errors.append(str(e))
                         n += 1
             start = time.monotonic()
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.streams)]
-            for t in threads:
+            workers = [threading.Thread(target=worker, args=(i,)) for i in range(args.streams)]
+            for t in workers:
                 t.start()
-            for t in threads:
+            for t in workers:
                 t.join()
             wall = time.monotonic() - start
             # The requests running at `stop` end a little later; the slope window ends at the
@@ -188,27 +231,31 @@ def main():
             load_end = time.monotonic() - t0
             sampling.set()
             sampler.join()
-        rows = memory_table(samples, idle, load_start, load_end)
+        rows = memory_table(samples, threads, idle, load_start, load_end)
         print(f"streams={args.streams} seconds={wall:.1f} requests={done[0]} "
               f"errors={len(errors)} tokens/s={tokens[0] / wall:.1f} "
-              f"median_request_s={statistics.median(latencies) if latencies else 0:.3f}")
-        print("| service | idle MiB | second half start MiB | end MiB | slope KiB/min "
-              "(second half) | ± std. error | samples | grows |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+              f"median_request_s={statistics.median(latencies) if latencies else 0:.3f} "
+              f"load_average={os.getloadavg()[0]:.1f}")
+        print("| service | idle MiB | warmed up MiB | end MiB | middle third rise KiB | "
+              "last third rise KiB | limit KiB | slope KiB/min | ± s.e. | threads "
+              "(warmed up → end) | verdict |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for r in rows:
             print(f"| {r['service']} | {r['idle_kib'] / 1024:.1f} | "
-                  f"{r['second_half_start_kib'] / 1024:.1f} | {r['end_kib'] / 1024:.1f} | "
-                  f"{r['slope_kib_per_min']:+.1f} | {r['stderr_kib_per_min']:.1f} | "
-                  f"{r['samples']} | {'YES' if r['grows'] else 'no'} |")
+                  f"{r['warmed_up_kib'] / 1024:.1f} | {r['end_kib'] / 1024:.1f} | "
+                  f"{r['middle_rise_kib']:+.0f} | {r['last_rise_kib']:+.0f} | "
+                  f"{r['rise_limit_kib']:.0f} | {r['slope_kib_per_min']:+.1f} | "
+                  f"{r['stderr_kib_per_min']:.1f} | {r['threads_warmed_up']} → "
+                  f"{r['threads_end']} | {r['verdict']} |")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"streams": args.streams, "seconds": wall, "requests": done[0],
                            "errors": len(errors), "tokens_per_s": tokens[0] / wall,
                            "load_start_s": load_start, "load_end_s": load_end,
                            "load_average": os.getloadavg(), "memory": rows,
-                           "rss_kib": samples}, f, indent=1)
+                           "rss_kib": samples, "threads": threads}, f, indent=1)
         if args.plot:
-            plot(args.plot, samples, load_start, load_end,
+            plot(args.plot, samples, threads, load_start, load_end,
                  f"RSS under {args.streams} TLS streams ({wall:.0f} s)")
         for e in errors[:5]:
             print("error:", e, file=sys.stderr)
