@@ -63,6 +63,8 @@ const char* ShapeReasonName(ShapeReason reason, bool none) {
       return "off";
     case ShapeReason::kDraftDown:
       return "draft_down";
+    case ShapeReason::kDraftBusy:
+      return "draft_busy";
     case ShapeReason::kNoDrafter:
       return "no_drafter";
     case ShapeReason::kNoBudget:

@@ -222,6 +222,7 @@ enum class ShapeReason {
   kExplicit,   // the request named its tree shape
   kOff,        // the request asked for no speculation
   kDraftDown,  // the drafter is unavailable
+  kDraftBusy,  // the drafter is still answering an earlier request (a late pre-draft)
   kNoDrafter,  // no drafter serves the sequence
   kNoBudget,   // no room left: the bonus token covers what remains
 };

@@ -381,6 +381,9 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     }
   }
   if (!pre_slots.empty()) {
+    if (options_.test_only_pre_draft_delay > absl::ZeroDuration()) {
+      absl::SleepFor(options_.test_only_pre_draft_delay);
+    }
     batch_size += pre_slots.size();
     const int64_t fed_before = model_drafter_->fed_tokens();
     RunPreDrafts(pre_slots, &responses);

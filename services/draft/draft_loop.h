@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "common/service/metrics.h"
 #include "common/service/step_loop.h"
 #include "common/service/step_stream.h"
@@ -63,6 +64,9 @@ struct DraftLoopOptions {
   // Tokens one sequence's history may reach; a step that would exceed it is INVALID_ARGUMENT.
   // The default is above the longest context of the families served (Qwen2.5-1M: 1010000).
   int64_t max_history_tokens = int64_t{1} << 20;
+  // Tests only: every step message with pre-drafts is answered this much later (a draft device
+  // slower than the verify step, to exercise the router's bound on waiting for one).
+  absl::Duration test_only_pre_draft_delay = absl::ZeroDuration();
 };
 
 class DraftLoop final

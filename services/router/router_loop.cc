@@ -188,8 +188,9 @@ void RouterLoop::RemoveDraft(const std::string& address) {
 void RouterLoop::RetireDrafts() {
   absl::MutexLock lock(&mu_);
   for (auto it = removed_drafts_.begin(); it != removed_drafts_.end();) {
-    const bool used = std::any_of(running_.begin(), running_.end(),
-                                  [&](const auto& s) { return s->draft == *it; });
+    const bool used =
+        (*it)->in_flight != nullptr || std::any_of(running_.begin(), running_.end(),
+                                                   [&](const auto& s) { return s->draft == *it; });
     if (used) {
       ++it;
     } else {
@@ -280,8 +281,10 @@ void RouterLoop::Run() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) break;
-      const bool releases = std::any_of(drafts_.begin(), drafts_.end(),
-                                        [](const auto& d) { return !d->releases.empty(); });
+      // Releases for a stream that a late pre-draft holds wait for its answer, which wakes us.
+      const bool releases = std::any_of(drafts_.begin(), drafts_.end(), [](const auto& d) {
+        return !d->releases.empty() && d->in_flight == nullptr;
+      });
       if (running_.empty() && verify_releases_.empty() && !releases) {
         // Idle: sleep until a request arrives, something is cancelled, or a service changes
         // state; the timeout bounds how long a cancelled queued request can linger.
@@ -298,6 +301,7 @@ void RouterLoop::Run() {
       // The old verify stream (and every sequence on it) is gone with it; the draft services
       // are told now, so that nothing is left to send and the loop can sleep.
       verify_releases_.clear();
+      PollLatePreDrafts();
       DraftStep();
       continue;
     }
@@ -305,6 +309,7 @@ void RouterLoop::Run() {
     Step();
   }
   FailEverything(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down"));
+  JoinLatePreDrafts();
   verify_->CloseGracefully();
   for (const auto& d : Drafts()) d->upstream->CloseGracefully();
 }
@@ -400,6 +405,7 @@ void RouterLoop::Step() {
     if (!ended.ok()) Fail(*seq, ended);
   }
   RemoveDone();
+  PollLatePreDrafts();
   RetireDrafts();
   const absl::Time start = absl::Now();
   Plan();
@@ -422,6 +428,7 @@ void RouterLoop::Plan() {
     Sequence& seq = *s;
     seq.tree = TokenTree();
     seq.draft_down = false;
+    seq.draft_busy = false;
     seq.no_drafter = false;
     seq.draft_report = seq.draft_accepted;
     seq.draft_replied = false;
@@ -432,18 +439,24 @@ void RouterLoop::Plan() {
     // also the router's own n-gram drafter.
     const bool service = seq.draft != nullptr && !seq.draft_failed;
     const bool draft_up = seq.draft != nullptr && seq.draft->up;
+    // Its draft service is still answering a late pre-draft: this step cannot draft there.
+    const bool busy = seq.draft != nullptr && seq.draft->in_flight != nullptr;
     if (seq.hit_ready) {
       p.fixed = true;  // the pre-drafted tree is ready
       p.fixed_shape = seq.hit_shape;
     } else if (mode == v1::SPECULATION_OFF) {
       p.fixed = true;  // none
-    } else if (mode == v1::SPECULATION_NGRAM ? !(service && draft_up) && local_ngram_ == nullptr
-                                             : !service) {
+    } else if (mode == v1::SPECULATION_NGRAM
+                   ? !(service && draft_up && !busy) && local_ngram_ == nullptr
+                   : !service) {
       p.fixed = true;
       seq.no_drafter = true;
     } else if (mode != v1::SPECULATION_NGRAM && !draft_up) {
       p.fixed = true;
       seq.draft_down = true;
+    } else if (mode != v1::SPECULATION_NGRAM && busy) {
+      p.fixed = true;
+      seq.draft_busy = true;
     } else if (seq.request.shape_explicit || !options_.adaptive) {
       p.fixed = true;
       p.fixed_shape =
@@ -458,6 +471,7 @@ void RouterLoop::Plan() {
     Sequence& seq = *running_[i];
     ShapeReason reason = decision.reasons[i];
     if (seq.draft_down) reason = ShapeReason::kDraftDown;
+    if (seq.draft_busy) reason = ShapeReason::kDraftBusy;
     if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
     if (seq.hit_ready) reason = seq.hit_reason;
     seq.core->Plan(decision.shapes[i], reason);
@@ -516,8 +530,8 @@ void RouterLoop::DraftStep() {
     if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
     if (shape.none()) continue;
     const v1::Speculation mode = seq.spec;
-    if (mode == v1::SPECULATION_NGRAM &&
-        (seq.draft == nullptr || !seq.draft->up || seq.draft_failed)) {
+    if (mode == v1::SPECULATION_NGRAM && (seq.draft == nullptr || !seq.draft->up ||
+                                          seq.draft_failed || seq.draft->in_flight != nullptr)) {
       // The router's own n-gram drafter: microseconds, no state to feed.
       const absl::Span<const int32_t> prompt = seq.core->prompt();
       const absl::Span<const int32_t> output = seq.core->output();
@@ -573,6 +587,7 @@ void RouterLoop::DraftStep() {
       // Drafted sequences only ever join a batch that is up; these wanted a draft.
       continue;
     }
+    if (d.in_flight != nullptr) continue;  // a late pre-draft holds the stream; nothing drafts
     if (b.request.steps_size() == 0 && d.releases.empty()) continue;
     b.request.set_step_id(next_step_);
     d.releases.MoveInto(&b.request);
@@ -700,47 +715,15 @@ void RouterLoop::VerifyStep() {
   request.set_step_id(next_step_++);
   verify_releases_.MoveInto(&request);
   v1::VerifyStepResponse response;
-  // The pre-drafts (one per draft service) go out with the verify step and are joined when
-  // verify answers; a draft stream carries one message at a time, and the next step's draft
-  // waits for this reply.
-  struct PreDraft {
-    Draft* draft;
-    uint64_t epoch;
-    v1::DraftStepRequest request;
-    v1::DraftStepResponse response;
-    absl::Status status;
-    double seconds = 0;
-  };
-  std::vector<PreDraft> pre;
-  if (options_.overlap != OverlapMode::kOff || options_.draft_ingest_tokens > 0) {
-    absl::flat_hash_map<const Draft*, bool> seen;
-    for (auto& s : running_) {
-      Draft* d = s->draft.get();
-      if (d == nullptr || !seen.emplace(d, true).second) continue;
-      v1::DraftStepRequest r = PreDraftRequest(request.step_id(), *d);
-      if (r.steps_size() > 0) pre.push_back({d, d->upstream->epoch(), std::move(r)});
-    }
-  }
-  std::vector<std::thread> pre_threads;
+  // The pre-drafts (one message per draft service) go out with the verify step.
+  const std::vector<std::shared_ptr<Draft>> pre = StartPreDrafts(request.step_id());
   const absl::Time start = absl::Now();
-  for (PreDraft& p : pre) {
-    pre_threads.emplace_back([&p, start] {
-      p.status = p.draft->upstream->RoundTrip(p.request, &p.response, p.epoch);
-      p.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    });
-  }
   const absl::Status status = verify_->RoundTrip(request, &response, epoch);
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const absl::Time verify_done = absl::Now();
+  const double seconds = absl::ToDoubleSeconds(verify_done - start);
   metrics_->CountWait("verify", seconds);
   metrics_->CountBusy("verify", seconds);
-  double pre_slowest = 0;
-  for (size_t i = 0; i < pre.size(); ++i) {
-    pre_threads[i].join();
-    pre_slowest = std::max(pre_slowest, pre[i].seconds);
-    metrics_->CountBusy("draft", pre[i].seconds);
-    TakePreDrafts(*pre[i].draft, pre[i].status, pre[i].response);
-  }
-  if (!pre.empty()) metrics_->CountWait("draft", std::max(0.0, pre_slowest - seconds));
+  FinishPreDrafts(pre, verify_done);
   if (request.steps_size() > 0) {
     metrics_->verify_latency.Observe(seconds);
     if (status.ok()) {
@@ -802,7 +785,8 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     metrics_->CountTargetOnlyStep(reason == ShapeReason::kOff ? TargetOnlyReason::kOff
                                   : reason == ShapeReason::kDraftDown
                                       ? TargetOnlyReason::kDraftUnavailable
-                                      : TargetOnlyReason::kNoDraft);
+                                  : reason == ShapeReason::kDraftBusy ? TargetOnlyReason::kDraftBusy
+                                                                      : TargetOnlyReason::kNoDraft);
   }
   if (result.has_taps()) AppendHiddenStates(result.taps(), &seq.taps);
   if (seq.draft_replied) {
@@ -819,23 +803,7 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     ++i;
     if (!seq.output->Push(t)) break;
   }
-  if (seq.pre_sent) {
-    seq.pre_sent = false;
-    const bool hit = !seq.pre_guess.empty() && outcome.tokens == seq.pre_guess;
-    metrics_->CountPreDraft(accepted, hit);
-    // A tree deeper than the remaining budget would run past the context: drafted anew.
-    if (hit && !seq.core->finished() && !seq.pre_tree.empty() &&
-        TreeMaxDepth(seq.pre_tree) <= seq.core->MaxUsefulDraftDepth()) {
-      seq.hit_ready = true;
-      seq.hit_tree = std::move(seq.pre_tree);
-      seq.hit_shape = seq.pre_shape;
-      seq.hit_reason = seq.pre_reason;
-    } else if (!hit) {
-      seq.missed = true;
-    }
-    seq.pre_tree = TokenTree();
-    seq.pre_guess.clear();
-  }
+  ResolvePreDraft(seq, outcome.tokens == seq.pre_guess, accepted);
   Emit(seq);
 }
 

@@ -193,6 +193,9 @@ class RouterLoop {
       clear();
     }
   };
+  // A pre-draft (or ingest) message in flight on a draft stream, answered on a helper thread
+  // (router_sequence.h).
+  struct PreDraftCall;
   // One draft service and the loop's stream to it.
   struct Draft {
     std::string address;
@@ -201,6 +204,9 @@ class RouterLoop {
     Releases releases;
     uint64_t epoch = 0;  // the stream epoch `releases` belong to
     bool up = false;     // upstream->up() as of this step's start
+    // The message sent beside verify, until its answer is taken; while it is here the stream
+    // carries nothing else (one message at a time), so this service drafts nothing.
+    std::unique_ptr<PreDraftCall> in_flight;
   };
 
   std::shared_ptr<Draft> MakeDraft(const std::string& address, const std::string& tls_name);
@@ -220,17 +226,33 @@ class RouterLoop {
   void Plan();
   void DraftStep();
   void VerifyStep();
-  // What `draft` does while verify runs, in one request (a draft stream carries one message at a
-  // time): its sequences that pre-draft this step (overlap), and those that are fed their backlog
-  // without a tree (draft_ingest_tokens); empty when none does either.
-  v1::DraftStepRequest PreDraftRequest(uint64_t step_id, const Draft& draft);
+  // router_overlap.cc. What `draft` does while verify runs, in one request (a draft stream
+  // carries one message at a time): its sequences that pre-draft this step (overlap), and those
+  // that are fed their backlog without a tree (draft_ingest_tokens); empty when none does either.
+  // `seconds`: what the cost model predicts drafting them after the outcome would take.
+  v1::DraftStepRequest PreDraftRequest(uint64_t step_id, const Draft& draft, double* seconds);
   // Adds this step's pre-drafts of `draft` (stream `epoch`) to `request`, unless overlap is auto
-  // and they would outlast verify.
-  void AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* request);
-  // Takes the replies of `draft` to that request: each pre-drafted sequence's guessed outcome
-  // and the tree below it, and which ingests the draft service took in.
-  void TakePreDrafts(const Draft& draft, const absl::Status& status,
-                     const v1::DraftStepResponse& response);
+  // and they would outlast verify; returns their predicted draft time as in PreDraftRequest.
+  double AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* request);
+  // Sends PreDraftRequest to each draft service with a free stream, from helper threads, as the
+  // verify step `step_id` goes out. Returns the draft services it sent to.
+  std::vector<std::shared_ptr<Draft>> StartPreDrafts(uint64_t step_id);
+  // Verify answered at `verify_done`: waits for each of those pre-drafts at most its predicted
+  // draft time past that (longer would lose to drafting after the outcome) and takes the answers
+  // that came. The others are late: their sequences are served as misses this step, and their
+  // answers are dropped when they come (PollLatePreDrafts).
+  void FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts, absl::Time verify_done);
+  // Takes the answers of late pre-drafts that have come, freeing their streams.
+  void PollLatePreDrafts();
+  // Blocks until every late pre-draft is answered (shutdown: the streams close after).
+  void JoinLatePreDrafts();
+  // Takes one answer: which ingests the draft service took in and, unless the call was late,
+  // each pre-drafted sequence's guessed outcome and the tree below it.
+  void TakePreDrafts(PreDraftCall& call);
+  // After `seq`'s verify outcome (its `accepted` drafts) is applied: whether its pre-draft hit
+  // (the next step verifies the pre-drafted tree without drafting) or missed (counted by how
+  // the next step serves it).
+  void ResolvePreDraft(Sequence& seq, bool hit, int accepted);
   void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);
   // Streams what the sequence has ready; on finish also sends the last chunk and ends the RPC.
   void Emit(Sequence& seq);
@@ -272,6 +294,8 @@ class RouterLoop {
   // Scheduler thread only.
   std::thread thread_;
   std::vector<std::unique_ptr<Sequence>> running_;
+  // Draft services whose in_flight pre-draft outlasted its wait.
+  std::vector<std::shared_ptr<Draft>> late_drafts_;
   Releases verify_releases_;
   uint64_t next_seq_ = 1;
   uint64_t next_step_ = 1;

@@ -1,9 +1,13 @@
 // RouterLoop's overlap (docs/architecture.md, the overlapped step): the pre-draft sent to each
 // draft service beside the verify step, and its answer. The rest of the loop is router_loop.cc.
 #include <algorithm>
+#include <memory>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "common/logging.h"
 #include "common/service/tree_proto.h"
 #include "common/token_tree.h"
@@ -12,8 +16,10 @@
 
 namespace specd {
 
-v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft) {
+v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft,
+                                                 double* seconds) {
   v1::DraftStepRequest request;
+  *seconds = 0;
   for (auto& s : running_) {
     if (s->draft.get() != &draft) continue;
     s->pre_sent = false;
@@ -21,7 +27,7 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& 
   }
   if (!draft.upstream->up()) return request;
   const uint64_t epoch = draft.upstream->epoch();
-  if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, draft, &request);
+  if (options_.overlap != OverlapMode::kOff) *seconds = AddPreDrafts(epoch, draft, &request);
   if (options_.draft_ingest_tokens > 0) {
     // Verify runs this step's rows meanwhile; an ingest that outlasted it would delay the next
     // step's draft, so they are taken in order while their catch-up fits in the verify step.
@@ -46,6 +52,7 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& 
       const double cost = token_s * static_cast<double>(fresh.size());
       if (cost > budget) break;
       budget -= cost;
+      *seconds += cost;
       v1::DraftSequenceStep* step = request.add_steps();
       step->set_seq_id(seq.id);
       step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
@@ -58,13 +65,17 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& 
       seq.draft_report = -2;
       seq.draft_epoch = epoch;
       seq.ingest_sent = true;
+      seq.pre_fed_to = seq.core->length();
+    }
+    if (request.steps_size() > 0 && *seconds == 0) {
+      *seconds = policy_.costs().DraftSeconds(1, 1, 1);  // ingests alone: the call's own cost
     }
   }
   if (request.steps_size() > 0) request.set_step_id(step_id | (uint64_t{1} << 63));
   return request;
 }
 
-void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* out) {
+double RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* out) {
   v1::DraftStepRequest request;
   int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
   for (auto& s : running_) {
@@ -90,49 +101,177 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepR
     step->set_pre_draft(true);
     step->set_target_samples(seq.request.sampling.temperature > 0);
     seq.pre_sent = true;
+    seq.pre_fed_to = seq.core->length();
     seq.pre_shape = shape;
     seq.pre_reason = seq.core->planned_reason();
     ++rows;
     levels = std::max(levels, shape.depth + 1);
     nodes += shape.max_nodes + shape.depth + 1;
   }
-  if (rows == 0) return;
+  if (rows == 0) return 0;
+  const double seconds = policy_.costs().DraftSeconds(rows, levels, nodes);
   if (options_.overlap == OverlapMode::kAuto &&
-      policy_.costs().DraftSeconds(rows, levels, nodes) >
-          policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens)) {
+      seconds > policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens)) {
     // The pre-draft would outlast verify: the step stays sequential.
     for (auto& s : running_) {
       if (s->draft.get() == &draft) s->pre_sent = false;
     }
-    return;
+    return 0;
   }
   *out = std::move(request);
+  return seconds;
 }
 
-void RouterLoop::TakePreDrafts(const Draft& draft, const absl::Status& status,
-                               const v1::DraftStepResponse& response) {
+std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint64_t step_id) {
+  std::vector<std::shared_ptr<Draft>> sent;
+  if (options_.overlap == OverlapMode::kOff && options_.draft_ingest_tokens <= 0) return sent;
+  absl::flat_hash_set<const Draft*> seen;
+  for (auto& s : running_) {
+    const std::shared_ptr<Draft>& d = s->draft;
+    // A draft service still answering a late pre-draft gets nothing more until it has.
+    if (d == nullptr || !seen.insert(d.get()).second || d->in_flight != nullptr) continue;
+    auto call = std::make_unique<PreDraftCall>();
+    call->request = PreDraftRequest(step_id, *d, &call->wait_seconds);
+    if (call->request.steps_size() == 0) continue;
+    call->draft = d.get();
+    call->epoch = d->upstream->epoch();
+    call->start = absl::Now();
+    PreDraftCall* c = call.get();
+    c->thread = std::thread([this, c] {
+      v1::DraftStepResponse response;
+      const absl::Status status = c->draft->upstream->RoundTrip(c->request, &response, c->epoch);
+      {
+        absl::MutexLock lock(&c->mu);
+        c->status = status;
+        c->response = std::move(response);
+        c->seconds = absl::ToDoubleSeconds(absl::Now() - c->start);
+        c->done = true;
+      }
+      Wake();  // a late answer frees the stream for the scheduler's next step
+    });
+    d->in_flight = std::move(call);
+    sent.push_back(d);
+  }
+  return sent;
+}
+
+void RouterLoop::FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts,
+                                 absl::Time verify_done) {
+  if (drafts.empty()) return;
+  absl::Time waited_until = verify_done;
+  for (const std::shared_ptr<Draft>& d : drafts) {
+    PreDraftCall& call = *d->in_flight;
+    bool done;
+    {
+      absl::MutexLock lock(&call.mu);
+      done = call.mu.AwaitWithDeadline(absl::Condition(&call.done),
+                                       verify_done + absl::Seconds(call.wait_seconds));
+    }
+    waited_until = std::max(waited_until, absl::Now());
+    if (done) {
+      call.thread.join();
+      metrics_->CountBusy("draft", call.seconds);
+      TakePreDrafts(call);
+      d->in_flight.reset();
+      continue;
+    }
+    // Serving these sequences as misses now beats waiting any longer; the stream stays busy
+    // until the answer comes, which is then taken only for what the service took in.
+    call.late = true;
+    for (auto& s : running_) {
+      if (s->draft != d || !s->pre_sent) continue;
+      s->pre_sent = false;
+      s->pre_late = true;
+    }
+    late_drafts_.push_back(d);
+  }
+  metrics_->CountWait("draft", absl::ToDoubleSeconds(waited_until - verify_done));
+}
+
+void RouterLoop::PollLatePreDrafts() {
+  for (auto it = late_drafts_.begin(); it != late_drafts_.end();) {
+    PreDraftCall& call = *(*it)->in_flight;
+    {
+      absl::MutexLock lock(&call.mu);
+      if (!call.done) {
+        ++it;
+        continue;
+      }
+    }
+    call.thread.join();
+    metrics_->CountBusy("draft", call.seconds);
+    TakePreDrafts(call);
+    (*it)->in_flight.reset();
+    it = late_drafts_.erase(it);
+  }
+}
+
+void RouterLoop::JoinLatePreDrafts() {
+  for (const std::shared_ptr<Draft>& d : late_drafts_) {
+    d->in_flight->thread.join();
+    d->in_flight.reset();
+  }
+  late_drafts_.clear();
+}
+
+void RouterLoop::ResolvePreDraft(Sequence& seq, bool hit, int accepted) {
+  if (seq.pre_late) {
+    seq.pre_late = false;
+    metrics_->CountPreDraft(accepted, "late");
+    seq.missed = true;
+    return;
+  }
+  if (!seq.pre_sent) return;
+  seq.pre_sent = false;
+  hit = hit && !seq.pre_guess.empty();
+  metrics_->CountPreDraft(accepted, hit ? "hit" : "miss");
+  // A tree deeper than the remaining budget would run past the context: drafted anew.
+  if (hit && !seq.core->finished() && !seq.pre_tree.empty() &&
+      TreeMaxDepth(seq.pre_tree) <= seq.core->MaxUsefulDraftDepth()) {
+    seq.hit_ready = true;
+    seq.hit_tree = std::move(seq.pre_tree);
+    seq.hit_shape = seq.pre_shape;
+    seq.hit_reason = seq.pre_reason;
+  } else if (!hit) {
+    seq.missed = true;
+  }
+  seq.pre_tree = TokenTree();
+  seq.pre_guess.clear();
+}
+
+void RouterLoop::TakePreDrafts(PreDraftCall& call) {
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
   for (auto& s : running_) {
-    if ((s->pre_sent || s->ingest_sent) && s->draft.get() == &draft) by_id[s->id] = s.get();
+    if (s->draft.get() == call.draft) by_id[s->id] = s.get();
   }
-  if (!status.ok()) {
+  absl::flat_hash_map<uint64_t, const v1::DraftSequenceStep*> sent;  // by the sequences named
+  for (const v1::DraftSequenceStep& step : call.request.steps()) sent[step.seq_id()] = &step;
+  auto sequence = [&](uint64_t id) -> Sequence* {
+    auto it = by_id.find(id);
+    return it == by_id.end() || !sent.contains(id) ? nullptr : it->second;
+  };
+  if (!call.status.ok()) {
     // The next step's draft sees the service down (or reconnected) and acts on it; an ingest
     // the service may or may not have taken in is sent again whole, on a new stream.
-    SPECD_LOG(WARNING) << "pre-draft: " << status.message();
-    for (auto& [id, seq] : by_id) {
-      seq->pre_sent = false;
-      if (seq->ingest_sent) seq->draft_epoch = 0;
+    SPECD_LOG(WARNING) << "pre-draft: " << call.status.message();
+    for (const auto& [id, step] : sent) {
+      Sequence* seq = sequence(id);
+      if (seq == nullptr) continue;
+      if (step->ingest_only()) seq->draft_epoch = 0;
       seq->ingest_sent = false;
+      seq->pre_sent = false;
     }
     return;
   }
-  for (const v1::DraftSequenceResult& result : response.results()) {
-    auto it = by_id.find(result.seq_id());
-    if (it == by_id.end()) continue;
-    Sequence& seq = *it->second;
-    if (seq.ingest_sent) {
+  for (const v1::DraftSequenceResult& result : call.response.results()) {
+    Sequence* found = sequence(result.seq_id());
+    if (found == nullptr) continue;
+    Sequence& seq = *found;
+    const bool failed = result.has_error() && result.error().code() != 0;
+    const v1::DraftSequenceStep& step = *sent[seq.id];
+    if (step.ingest_only()) {
       seq.ingest_sent = false;
-      if (result.has_error() && result.error().code() != 0) {
+      if (failed) {
         // As for a rejected draft: the service's state of it is unknown, so it is not drafted
         // again (target-only from here, the output unchanged).
         SPECD_LOG(WARNING) << "draft service rejected the ingest of sequence " << seq.id << ": "
@@ -140,19 +279,21 @@ void RouterLoop::TakePreDrafts(const Draft& draft, const absl::Status& status,
         seq.draft_failed = true;
         continue;
       }
-      metrics_->draft_ingest_tokens.Increment(
-          static_cast<double>(seq.core->DrafterPending().size()));
-      seq.core->MarkDrafterFed();
+      metrics_->draft_ingest_tokens.Increment(static_cast<double>(step.new_tokens_size()));
+      seq.core->MarkDrafterFedThrough(seq.pre_fed_to);
       continue;
     }
-    if (result.has_error() && result.error().code() != 0) {
+    if (failed) {
       // Not a reason to stop drafting the sequence: its next step drafts after the outcome.
       seq.pre_sent = false;
       continue;
     }
     // The service holds the new tokens it was sent (it takes those of a confirmed guess in, and
     // keeps any others for the next draft), so they are not sent again.
-    seq.core->MarkDrafterFed();
+    seq.core->MarkDrafterFedThrough(seq.pre_fed_to);
+    // A late answer's sequence was served as a miss; the service resolves its guess against
+    // the next draft's new tokens like any other.
+    if (call.late) continue;
     TokenTree tree = TreeFromProto(result.tree());
     if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size);
         !valid.ok() || TreeMaxDepth(tree) > seq.pre_shape.depth) {

@@ -8,8 +8,11 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/token_tree.h"
 #include "engine/spec/policy.h"
@@ -17,6 +20,7 @@
 #include "services/router/output_stream.h"
 #include "services/router/request.h"
 #include "services/router/router_loop.h"
+#include "specd/v1/draft.pb.h"
 #include "specd/v1/generation.pb.h"
 
 namespace specd {
@@ -75,11 +79,35 @@ struct RouterLoop::Sequence {
   ShapeReason hit_reason = ShapeReason::kPolicy;  // why the pre-drafted step had its shape
   bool missed = false;       // the last pre-draft missed: count how this step serves it
   bool ingest_sent = false;  // this step feeds the drafter without a tree (draft_ingest_tokens)
+  // This step's pre-draft outlasted its wait: its verify outcome is counted as late, a miss.
+  bool pre_late = false;
+  // The sequence's length when its pre-draft or ingest went out: its new_tokens feed the drafter
+  // that far, whenever the answer is taken.
+  int64_t pre_fed_to = 0;
 
   // This step.
   TokenTree tree;
   bool draft_down = false;  // wanted a draft the drafter could not give
+  bool draft_busy = false;  // its draft service's stream still carries a late pre-draft
   bool no_drafter = false;  // no drafter serves it (none configured, or it was rejected)
+};
+
+struct RouterLoop::PreDraftCall {
+  Draft* draft = nullptr;  // which owns it (Draft::in_flight)
+  uint64_t epoch = 0;      // of the stream it went out on
+  v1::DraftStepRequest request;
+  absl::Time start;
+  // How long past verify's answer the scheduler waits for it: the cost model's draft time of
+  // its pre-drafts (and ingests).
+  double wait_seconds = 0;
+  bool late = false;  // it outlasted that wait: its trees are dropped
+  std::thread thread;
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  // Written by the helper thread before it sets `done`.
+  absl::Status status;
+  v1::DraftStepResponse response;
+  double seconds = 0;  // the round trip
 };
 
 }  // namespace specd

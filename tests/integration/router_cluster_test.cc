@@ -870,6 +870,17 @@ TEST(RouterClusterTest, IngestOnlyStepsKeepOutputsIdentical) {
   std::printf("policy_off steps %.0f, ingested tokens %.0f\n", policy_off, ingested);
 }
 
+// specd_predraft_outcomes_total{result} summed over the accepted positions.
+double PreDraftOutcomes(int port, const char* result) {
+  double sum = 0;
+  for (const std::string pos : {"0", "1", "2", "3", "4", "5", "6", "7", "8+"}) {
+    const double v = Cluster::Metric(port, "specd_predraft_outcomes_total",
+                                     {{"position", pos}, {"result", result}});
+    sum += std::isnan(v) ? 0 : v;
+  }
+  return sum;
+}
+
 // Overlap: pre-drafts hit (the draft is the target's first layer, so its greedy path is often
 // the target's), greedy and seeded outputs stay those of target-only decoding, alone and
 // batched, and the metrics count hits, misses and how each miss was served.
@@ -908,14 +919,11 @@ void ExpectOverlapLossless(Cluster* c, int clients, bool expect_hits) {
     EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
   }
   const int port = c->router_metrics;
-  double hits = 0, misses = 0;
-  for (int pos = 0; pos < 8; ++pos) {
-    for (const char* result : {"hit", "miss"}) {
-      const double v = Cluster::Metric(port, "specd_predraft_outcomes_total",
-                                       {{"position", std::to_string(pos)}, {"result", result}});
-      (result[0] == 'h' ? hits : misses) += std::isnan(v) ? 0 : v;
-    }
-  }
+  const double hits = PreDraftOutcomes(port, "hit");
+  // A late pre-draft (one that outlasted the router's wait) is served as a miss.
+  const double misses = PreDraftOutcomes(port, "miss") + PreDraftOutcomes(port, "late");
+  std::printf("pre-drafts: %.0f hits, %.0f misses (%.0f late)\n", hits, misses,
+              PreDraftOutcomes(port, "late"));
   if (expect_hits) {
     EXPECT_GT(hits, 0);
     EXPECT_GT(misses, 0);
@@ -950,6 +958,48 @@ TEST(RouterClusterTest, OverlapAutoUnderTheGoodputPolicyKeepsOutputIdentical) {
   // Whether auto pre-drafts depends on measured costs, so hits are not required here.
   ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/false);
   ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/false);
+}
+
+// A draft service that answers every pre-draft long after verify (its test-only delay stands
+// for a draft device slower than the target's) must not hold the cluster up: the router waits
+// for a pre-draft at most the cost model's draft time past verify's answer, serves its sequences
+// as misses (plain steps while the late answer holds the draft stream) and drops the answer when
+// it comes. Waiting for it even once would take the delay; outputs stay target-only's.
+TEST(RouterClusterTest, OverlapNeverWaitsOutALatePreDraft) {
+  constexpr int kDelayMs = 2000;
+  ClusterOptions options;
+  options.router_args = {"--overlap=on", "--speculation_policy=fixed"};
+  options.draft_args = {absl::StrCat("--test_only_pre_draft_delay_ms=", kDelayMs)};
+  std::unique_ptr<Cluster> c = Cluster::Start(options);
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 48;
+  for (const std::string& prompt : Prompts(4)) {
+    SCOPED_TRACE(prompt);
+    v1::GenerateRequest sampled = Greedy(prompt, kTokens, v1::SPECULATION_OFF);
+    sampled.set_temperature(0.8f);
+    sampled.set_seed(5);
+    const Result off = c->Generate(Greedy(prompt, kTokens, v1::SPECULATION_OFF));
+    const Result seeded_off = c->Generate(sampled);
+    absl::Time start = absl::Now();
+    const Result on = c->Generate(Greedy(prompt, kTokens, v1::SPECULATION_DRAFT_MODEL));
+    const absl::Duration greedy_took = absl::Now() - start;
+    sampled.set_speculation(v1::SPECULATION_DRAFT_MODEL);
+    start = absl::Now();
+    const Result seeded = c->Generate(sampled);
+    const absl::Duration seeded_took = absl::Now() - start;
+    for (const Result* r : {&off, &seeded_off, &on, &seeded}) {
+      ASSERT_TRUE(r->status.ok()) << r->status.error_message();
+    }
+    EXPECT_EQ(on.tokens, off.tokens);
+    EXPECT_EQ(seeded.tokens, seeded_off.tokens);
+    EXPECT_LT(greedy_took, absl::Milliseconds(kDelayMs));
+    EXPECT_LT(seeded_took, absl::Milliseconds(kDelayMs));
+  }
+  const int port = c->router_metrics;
+  EXPECT_GT(PreDraftOutcomes(port, "late"), 0);
+  EXPECT_GT(Cluster::Metric(port, "specd_target_only_steps_total", {{"reason", "draft_busy"}}), 0);
+  EXPECT_LT(Cluster::Metric(port, "specd_router_wait_seconds_total", {{"service", "draft"}}),
+            kDelayMs / 1000.0);
 }
 
 // A verify service stopped gracefully (SIGTERM) is seen at once even by an idle router: its
