@@ -723,7 +723,7 @@ void RouterLoop::VerifyStep() {
   const double seconds = absl::ToDoubleSeconds(verify_done - start);
   metrics_->CountWait("verify", seconds);
   metrics_->CountBusy("verify", seconds);
-  FinishPreDrafts(pre, verify_done);
+  FinishPreDrafts(pre, verify_done - start, verify_done);
   if (request.steps_size() > 0) {
     metrics_->verify_latency.Observe(seconds);
     if (status.ok()) {

@@ -237,11 +237,16 @@ class RouterLoop {
   // Sends PreDraftRequest to each draft service with a free stream, from helper threads, as the
   // verify step `step_id` goes out. Returns the draft services it sent to.
   std::vector<std::shared_ptr<Draft>> StartPreDrafts(uint64_t step_id);
-  // Verify answered at `verify_done`: waits for each of those pre-drafts at most its predicted
-  // draft time past that (longer would lose to drafting after the outcome) and takes the answers
-  // that came. The others are late: their sequences are served as misses this step, and their
-  // answers are dropped when they come (PollLatePreDrafts).
-  void FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts, absl::Time verify_done);
+  // Verify answered at `verify_done` after `verify_time`: waits for each of those pre-drafts at
+  // most its predicted draft time plus that verify time past the answer, and takes the answers
+  // that came. Within the draft time the step is no slower than drafting after the outcome; the
+  // verify time on top is the scale of the step itself, so that scheduling noise (a tiny
+  // model's draft takes well under a millisecond) does not turn pre-drafts into plain steps;
+  // past both, the wait would cost the batch more than one more step. The others are late:
+  // their sequences are served as misses this step, and their answers are dropped when they
+  // come (PollLatePreDrafts).
+  void FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts,
+                       absl::Duration verify_time, absl::Time verify_done);
   // Takes the answers of late pre-drafts that have come, freeing their streams.
   void PollLatePreDrafts();
   // Blocks until every late pre-draft is answered (shutdown: the streams close after).

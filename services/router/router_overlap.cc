@@ -131,7 +131,7 @@ std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint6
     // A draft service still answering a late pre-draft gets nothing more until it has.
     if (d == nullptr || !seen.insert(d.get()).second || d->in_flight != nullptr) continue;
     auto call = std::make_unique<PreDraftCall>();
-    call->request = PreDraftRequest(step_id, *d, &call->wait_seconds);
+    call->request = PreDraftRequest(step_id, *d, &call->draft_seconds);
     if (call->request.steps_size() == 0) continue;
     call->draft = d.get();
     call->epoch = d->upstream->epoch();
@@ -156,7 +156,7 @@ std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint6
 }
 
 void RouterLoop::FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts,
-                                 absl::Time verify_done) {
+                                 absl::Duration verify_time, absl::Time verify_done) {
   if (drafts.empty()) return;
   absl::Time waited_until = verify_done;
   for (const std::shared_ptr<Draft>& d : drafts) {
@@ -164,8 +164,9 @@ void RouterLoop::FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& draf
     bool done;
     {
       absl::MutexLock lock(&call.mu);
-      done = call.mu.AwaitWithDeadline(absl::Condition(&call.done),
-                                       verify_done + absl::Seconds(call.wait_seconds));
+      done =
+          call.mu.AwaitWithDeadline(absl::Condition(&call.done),
+                                    verify_done + absl::Seconds(call.draft_seconds) + verify_time);
     }
     waited_until = std::max(waited_until, absl::Now());
     if (done) {

@@ -97,9 +97,8 @@ struct RouterLoop::PreDraftCall {
   uint64_t epoch = 0;      // of the stream it went out on
   v1::DraftStepRequest request;
   absl::Time start;
-  // How long past verify's answer the scheduler waits for it: the cost model's draft time of
-  // its pre-drafts (and ingests).
-  double wait_seconds = 0;
+  // The cost model's draft time of its pre-drafts (and ingests), which bounds the wait for it.
+  double draft_seconds = 0;
   bool late = false;  // it outlasted that wait: its trees are dropped
   std::thread thread;
   absl::Mutex mu;

@@ -202,6 +202,14 @@ class Cluster {
   std::unique_ptr<v1::Generation::Stub> stub;
 };
 
+// Sequence steps the router served without a tree because a late pre-draft held the draft
+// stream (overlap); 0 without overlap.
+double DraftBusySteps(int router_metrics) {
+  const double v =
+      Cluster::Metric(router_metrics, "specd_target_only_steps_total", {{"reason", "draft_busy"}});
+  return std::isnan(v) ? 0 : v;
+}
+
 v1::GenerateRequest Greedy(const std::string& prompt, int max_new_tokens,
                            v1::Speculation speculation) {
   v1::GenerateRequest r;
@@ -483,9 +491,10 @@ TEST(RouterClusterTest, StoppedDraftServiceDrainsWhileTheClusterKeepsServing) {
       });
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, reference.tokens);
-  // The running request kept its drafts: the draft service served it to the end.
+  // The running request kept its drafts: the draft service served it to the end (with overlap,
+  // but for steps where a late pre-draft held the draft stream).
   EXPECT_EQ(r.last.speculation().mode(), v1::SPECULATION_DRAFT_MODEL);
-  EXPECT_EQ(r.last.speculation().target_only_steps(), 0u);
+  EXPECT_LE(r.last.speculation().target_only_steps(), DraftBusySteps(c->router_metrics));
   EXPECT_GT(r.last.speculation().steps(), 0u);
   // The new one was refused by the draining draft service and ran target-only, unharmed.
   ASSERT_TRUE(during.status.ok()) << during.status.error_message();
@@ -769,6 +778,7 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
     r.set_seed(7);
     return r;
   };
+  int fixed_plain_steps = 0;
   for (int clients : {1, 3, 8}) {
     std::vector<std::thread> threads;
     std::atomic<size_t> next{0};
@@ -798,12 +808,15 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
       EXPECT_EQ(fixed[i].tokens, off[i].tokens);
       EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
       // An explicit shape is drafted every step: never a step without a tree but the last
-      // one, whose budget leaves nothing to draft.
-      EXPECT_LE(fixed[i].last.speculation().target_only_steps(), 1u);
+      // one, whose budget leaves nothing to draft, and (with overlap) those where a late
+      // pre-draft held the draft stream, counted below.
+      fixed_plain_steps +=
+          std::max(0, static_cast<int>(fixed[i].last.speculation().target_only_steps()) - 1);
       EXPECT_GT(fixed[i].last.speculation().steps(), 0u);
     }
   }
   const int port = c->router_metrics;
+  EXPECT_LE(fixed_plain_steps, DraftBusySteps(port));
   EXPECT_GT(
       Cluster::Metric(port, "specd_spec_steps_total", {{"tree_size", "0"}, {"reason", "off"}}), 0);
   double explicit_steps = 0, policy_steps = 0;
