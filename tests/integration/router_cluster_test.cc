@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "specd/v1/generation.grpc.pb.h"
+#include "tests/testutil/chi_square.h"
 #include "tests/testutil/random_checkpoint.h"
 #include "tests/testutil/service_process.h"
 
@@ -971,6 +972,65 @@ TEST(RouterClusterTest, OverlapAutoUnderTheGoodputPolicyKeepsOutputIdentical) {
   // Whether auto pre-drafts depends on measured costs, so hits are not required here.
   ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/false);
   ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/false);
+}
+
+// Sampling with overlap follows the target's distribution. Seeded equality
+// (OverlapKeepsGreedyAndSeededOutputIdentical) pairs runs that share seeds; here n requests
+// sampled target-only and n sampled with pre-drafts use unrelated seeds, and a two-sample
+// chi-square test at p = 0.001 compares the pair of tokens at positions 5 and 6 (past the first
+// steps, so pre-drafted trees produced many of them), over the pairs seen at least 10 times in
+// all (the rest pooled).
+TEST(RouterClusterTest, OverlapSamplingFollowsTheTargetDistribution) {
+  ClusterOptions options;
+  options.router_args = {"--overlap=on", "--speculation_policy=fixed"};
+  std::unique_ptr<Cluster> c = Cluster::Start(options);
+  ASSERT_NE(c, nullptr);
+  constexpr int kRequests = 1500, kTokens = 8, kClients = 8;
+  using Pair = std::pair<int32_t, int32_t>;
+  auto sample = [&](v1::Speculation speculation, uint64_t seed0) {
+    std::vector<Pair> pairs(kRequests);
+    std::vector<std::thread> threads;
+    std::atomic<int> next{0};
+    for (int t = 0; t < kClients; ++t) {
+      threads.emplace_back([&] {
+        for (int i; (i = next++) < kRequests;) {
+          v1::GenerateRequest r = Greedy("def fibonacci(n):", kTokens, speculation);
+          r.set_temperature(1.0f);
+          r.set_top_k(4);
+          r.set_seed(seed0 + i);
+          const Result result = c->Generate(r);
+          EXPECT_TRUE(result.status.ok()) << result.status.error_message();
+          if (result.tokens.size() == kTokens) pairs[i] = {result.tokens[5], result.tokens[6]};
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return pairs;
+  };
+  const std::vector<Pair> off = sample(v1::SPECULATION_OFF, 1);
+  const std::vector<Pair> on = sample(v1::SPECULATION_DRAFT_MODEL, 1000003);
+  std::map<Pair, std::pair<int, int>> counts;
+  for (const Pair& p : off) ++counts[p].first;
+  for (const Pair& p : on) ++counts[p].second;
+  std::vector<int> a(1, 0), b(1, 0);  // bin 0: the pool
+  for (const auto& [pair, n] : counts) {
+    const bool own_bin = n.first + n.second >= 10;
+    if (own_bin) {
+      a.push_back(n.first);
+      b.push_back(n.second);
+    } else {
+      a[0] += n.first;
+      b[0] += n.second;
+    }
+  }
+  const auto [chi2, df] = TwoSampleChiSquare(a, b);
+  ASSERT_GE(df, 8) << "too few bins for a meaningful test";
+  EXPECT_LT(chi2, ChiSquareCritical001(df)) << "overlap vs target-only, df " << df;
+  const int port = c->router_metrics;
+  EXPECT_GT(PreDraftOutcomes(port, "hit"), 0);
+  std::printf("chi2 %.1f df %d; pre-drafts %.0f hits, %.0f misses, %.0f late\n", chi2, df,
+              PreDraftOutcomes(port, "hit"), PreDraftOutcomes(port, "miss"),
+              PreDraftOutcomes(port, "late"));
 }
 
 // A draft service that answers every pre-draft long after verify (its test-only delay stands
