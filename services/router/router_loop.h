@@ -229,11 +229,12 @@ class RouterLoop {
   // router_overlap.cc. What `draft` does while verify runs, in one request (a draft stream
   // carries one message at a time): its sequences that pre-draft this step (overlap), and those
   // that are fed their backlog without a tree (draft_ingest_tokens); empty when none does either.
-  // `seconds`: what the cost model predicts drafting them after the outcome would take.
-  v1::DraftStepRequest PreDraftRequest(uint64_t step_id, const Draft& draft, double* seconds);
-  // Adds this step's pre-drafts of `draft` (stream `epoch`) to `request`, unless overlap is auto
-  // and they would outlast verify; returns their predicted draft time as in PreDraftRequest.
-  double AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* request);
+  // Fills `call`'s request, and its predicted draft time: what drafting them after the outcome
+  // would take.
+  void PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftCall* call);
+  // Adds this step's pre-drafts of `draft` (stream `epoch`) to `call`, unless overlap is auto
+  // and the policy's fan-out for them is 0 (they would outlast verify).
+  void AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call);
   // Sends PreDraftRequest to each draft service with a free stream, from helper threads, as the
   // verify step `step_id` goes out. Returns the draft services it sent to.
   std::vector<std::shared_ptr<Draft>> StartPreDrafts(uint64_t step_id);
@@ -301,6 +302,7 @@ class RouterLoop {
   std::vector<std::unique_ptr<Sequence>> running_;
   // Draft services whose in_flight pre-draft outlasted its wait.
   std::vector<std::shared_ptr<Draft>> late_drafts_;
+  int pre_draft_skips_ = 0;  // overlap auto: pre-drafts left out since the last one sent
   Releases verify_releases_;
   uint64_t next_seq_ = 1;
   uint64_t next_step_ = 1;

@@ -16,18 +16,17 @@
 
 namespace specd {
 
-v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft,
-                                                 double* seconds) {
-  v1::DraftStepRequest request;
-  *seconds = 0;
+void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftCall* call) {
+  v1::DraftStepRequest& request = call->request;
+  double* seconds = &call->draft_seconds;
   for (auto& s : running_) {
     if (s->draft.get() != &draft) continue;
     s->pre_sent = false;
     s->ingest_sent = false;
   }
-  if (!draft.upstream->up()) return request;
+  if (!draft.upstream->up()) return;
   const uint64_t epoch = draft.upstream->epoch();
-  if (options_.overlap != OverlapMode::kOff) *seconds = AddPreDrafts(epoch, draft, &request);
+  if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, draft, call);
   if (options_.draft_ingest_tokens > 0) {
     // Verify runs this step's rows meanwhile; an ingest that outlasted it would delay the next
     // step's draft, so they are taken in order while their catch-up fits in the verify step.
@@ -53,6 +52,7 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& 
       if (cost > budget) break;
       budget -= cost;
       *seconds += cost;
+      call->ingests = true;
       v1::DraftSequenceStep* step = request.add_steps();
       step->set_seq_id(seq.id);
       step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
@@ -72,10 +72,9 @@ v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& 
     }
   }
   if (request.steps_size() > 0) request.set_step_id(step_id | (uint64_t{1} << 63));
-  return request;
 }
 
-double RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* out) {
+void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call) {
   v1::DraftStepRequest request;
   int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
   for (auto& s : running_) {
@@ -108,18 +107,27 @@ double RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftSte
     levels = std::max(levels, shape.depth + 1);
     nodes += shape.max_nodes + shape.depth + 1;
   }
-  if (rows == 0) return 0;
-  const double seconds = policy_.costs().DraftSeconds(rows, levels, nodes);
+  if (rows == 0) return;
+  // The draft service returns one guess per sequence, so the fan-out is 0 or 1 for now. A
+  // pre-draft now and then despite a fan-out of 0 (as the policy probes a sequence it does not
+  // draft) measures it again: pre-drafts measured slow while the draft device was busy would
+  // otherwise never be sent again.
   if (options_.overlap == OverlapMode::kAuto &&
-      seconds > policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens)) {
+      policy_.PreDraftFanOut(rows, levels, nodes, static_cast<int>(running_.size()), verify_tokens,
+                             /*max_fan_out=*/1) == 0 &&
+      ++pre_draft_skips_ < std::max(policy_.options().probe_interval, 1)) {
     // The pre-draft would outlast verify: the step stays sequential.
     for (auto& s : running_) {
       if (s->draft.get() == &draft) s->pre_sent = false;
     }
-    return 0;
+    return;
   }
-  *out = std::move(request);
-  return seconds;
+  pre_draft_skips_ = 0;
+  call->request = std::move(request);
+  call->draft_seconds = policy_.costs().DraftSeconds(rows, levels, nodes);
+  call->rows = rows;
+  call->levels = levels;
+  call->nodes = nodes;
 }
 
 std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint64_t step_id) {
@@ -131,7 +139,7 @@ std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint6
     // A draft service still answering a late pre-draft gets nothing more until it has.
     if (d == nullptr || !seen.insert(d.get()).second || d->in_flight != nullptr) continue;
     auto call = std::make_unique<PreDraftCall>();
-    call->request = PreDraftRequest(step_id, *d, &call->draft_seconds);
+    PreDraftRequest(step_id, *d, call.get());
     if (call->request.steps_size() == 0) continue;
     call->draft = d.get();
     call->epoch = d->upstream->epoch();
@@ -241,6 +249,10 @@ void RouterLoop::ResolvePreDraft(Sequence& seq, bool hit, int accepted) {
 }
 
 void RouterLoop::TakePreDrafts(PreDraftCall& call) {
+  // What a pre-draft really costs (a late one included) decides whether auto sends the next.
+  if (call.status.ok() && call.rows > 0 && !call.ingests) {
+    policy_.costs().ObservePreDraft(call.rows, call.levels, call.nodes, call.seconds);
+  }
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
   for (auto& s : running_) {
     if (s->draft.get() == call.draft) by_id[s->id] = s.get();

@@ -99,6 +99,10 @@ struct RouterLoop::PreDraftCall {
   absl::Time start;
   // The cost model's draft time of its pre-drafts (and ingests), which bounds the wait for it.
   double draft_seconds = 0;
+  // Its pre-drafts' work as CostModel::DraftSeconds prices it (rows 0: none), and whether it
+  // carries ingests too.
+  int rows = 0, levels = 0, nodes = 0;
+  bool ingests = false;
   bool late = false;  // it outlasted that wait: its trees are dropped
   std::thread thread;
   absl::Mutex mu;
