@@ -1039,7 +1039,7 @@ TEST(RouterClusterTest, OverlapSamplingFollowsTheTargetDistribution) {
 // as misses (plain steps while the late answer holds the draft stream) and drops the answer when
 // it comes. Waiting for it even once would take the delay; outputs stay target-only's.
 TEST(RouterClusterTest, OverlapNeverWaitsOutALatePreDraft) {
-  constexpr int kDelayMs = 2000;
+  constexpr int kDelayMs = 4000;
   ClusterOptions options;
   options.router_args = {"--overlap=on", "--speculation_policy=fixed"};
   options.draft_args = {absl::StrCat("--test_only_pre_draft_delay_ms=", kDelayMs)};
