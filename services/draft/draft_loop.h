@@ -85,6 +85,7 @@ class DraftLoop final
   static constexpr int kNgram = 1;  // DRAFT_METHOD_NGRAM
   static constexpr int kEagle = 2;  // DRAFT_METHOD_EAGLE
   static constexpr int kDrafters = 3;
+  static constexpr uint32_t kMaxPreDraftFanOut = 8;  // DraftSequenceStep.fan_out
 
   struct Sequence {
     std::vector<int32_t> history;         // every token the router sent, in order

@@ -803,7 +803,7 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     ++i;
     if (!seq.output->Push(t)) break;
   }
-  ResolvePreDraft(seq, outcome.tokens == seq.pre_guess, accepted);
+  ResolvePreDraft(seq, outcome.tokens, accepted);
   Emit(seq);
 }
 

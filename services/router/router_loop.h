@@ -58,6 +58,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/text/tokenizer.h"
 #include "engine/draft/ngram_drafter.h"
 #include "engine/spec/policy.h"
@@ -113,6 +114,10 @@ struct RouterLoopOptions {
   bool adaptive = true;
   PolicyOptions policy;
   OverlapMode overlap = OverlapMode::kOff;
+  // Outcome guesses per pre-drafted sequence at most; the policy's fan-out picks how many
+  // (GoodputPolicy::PreDraftFanOut), at least one with kOn; with kOn and adaptive false, this
+  // many.
+  int overlap_max_fan_out = 1;
   // A sequence the policy is not drafting whose drafter has fallen this many tokens behind is
   // fed them (an ingest-only draft step, sent beside the verify step so that the router does
   // not wait for it), so that drafting it again needs no catch-up. 0: never (a sequence that
@@ -258,7 +263,7 @@ class RouterLoop {
   // After `seq`'s verify outcome (its `accepted` drafts) is applied: whether its pre-draft hit
   // (the next step verifies the pre-drafted tree without drafting) or missed (counted by how
   // the next step serves it).
-  void ResolvePreDraft(Sequence& seq, bool hit, int accepted);
+  void ResolvePreDraft(Sequence& seq, absl::Span<const int32_t> outcome_tokens, int accepted);
   void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);
   // Streams what the sequence has ready; on finish also sends the last chunk and ends the RPC.
   void Emit(Sequence& seq);

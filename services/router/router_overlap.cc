@@ -108,13 +108,16 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
     nodes += shape.max_nodes + shape.depth + 1;
   }
   if (rows == 0) return;
-  // The draft service returns one guess per sequence, so the fan-out is 0 or 1 for now. A
-  // pre-draft now and then despite a fan-out of 0 (as the policy probes a sequence it does not
-  // draft) measures it again: pre-drafts measured slow while the draft device was busy would
-  // otherwise never be sent again.
-  if (options_.overlap == OverlapMode::kAuto &&
-      policy_.PreDraftFanOut(rows, levels, nodes, static_cast<int>(running_.size()), verify_tokens,
-                             /*max_fan_out=*/1) == 0 &&
+  // How many outcome guesses each sequence gets: as many as the policy predicts fit in the
+  // verify step. With auto, none where even one would not, though one now and then (as the
+  // policy probes a sequence it does not draft) measures it again: pre-drafts measured slow
+  // while the draft device was busy would otherwise never be sent again. With on, at least one;
+  // and with on and no policy (fixed shapes), the most allowed.
+  int fan_out = options_.overlap == OverlapMode::kOn && !options_.adaptive
+                    ? options_.overlap_max_fan_out
+                    : policy_.PreDraftFanOut(rows, levels, nodes, static_cast<int>(running_.size()),
+                                             verify_tokens, options_.overlap_max_fan_out);
+  if (fan_out == 0 && options_.overlap == OverlapMode::kAuto &&
       ++pre_draft_skips_ < std::max(policy_.options().probe_interval, 1)) {
     // The pre-draft would outlast verify: the step stays sequential.
     for (auto& s : running_) {
@@ -123,11 +126,15 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
     return;
   }
   pre_draft_skips_ = 0;
+  fan_out = std::max(fan_out, 1);
+  if (fan_out > 1) {
+    for (v1::DraftSequenceStep& step : *request.mutable_steps()) step.set_fan_out(fan_out);
+  }
   call->request = std::move(request);
   call->draft_seconds = policy_.costs().DraftSeconds(rows, levels, nodes);
-  call->rows = rows;
+  call->rows = rows * fan_out;
   call->levels = levels;
-  call->nodes = nodes;
+  call->nodes = nodes * fan_out;
 }
 
 std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint64_t step_id) {
@@ -223,7 +230,9 @@ void RouterLoop::JoinLatePreDrafts() {
   late_drafts_.clear();
 }
 
-void RouterLoop::ResolvePreDraft(Sequence& seq, bool hit, int accepted) {
+void RouterLoop::ResolvePreDraft(Sequence& seq, absl::Span<const int32_t> outcome_tokens,
+                                 int accepted) {
+  bool hit = absl::MakeConstSpan(seq.pre_guess) == outcome_tokens;
   if (seq.pre_late) {
     seq.pre_late = false;
     metrics_->CountPreDraft(accepted, "late");
@@ -233,6 +242,16 @@ void RouterLoop::ResolvePreDraft(Sequence& seq, bool hit, int accepted) {
   if (!seq.pre_sent) return;
   seq.pre_sent = false;
   hit = hit && !seq.pre_guess.empty();
+  if (!hit) {
+    // A further guess (fan-out above one) that came true stands in for the first.
+    for (Sequence::Guess& guess : seq.pre_more) {
+      if (absl::MakeConstSpan(guess.tokens) != outcome_tokens) continue;
+      hit = true;
+      seq.pre_tree = std::move(guess.tree);
+      break;
+    }
+  }
+  seq.pre_more.clear();
   metrics_->CountPreDraft(accepted, hit ? "hit" : "miss");
   // A tree deeper than the remaining budget would run past the context: drafted anew.
   if (hit && !seq.core->finished() && !seq.pre_tree.empty() &&
@@ -318,6 +337,17 @@ void RouterLoop::TakePreDrafts(PreDraftCall& call) {
       seq.pre_guess.assign(result.guess_tokens().begin(), result.guess_tokens().end());
     }
     seq.pre_node = result.guess_node();
+    seq.pre_more.clear();
+    for (const v1::PreDraftGuess& guess : result.more_guesses()) {
+      if (seq.pre_more.size() + 1 >= static_cast<size_t>(step.fan_out())) break;
+      TokenTree more = TreeFromProto(guess.tree());
+      if (!ValidateTree(more, options_.limits.vocab_size).ok() || more.empty() ||
+          TreeMaxDepth(more) > seq.pre_shape.depth) {
+        SPECD_LOG(WARNING) << "draft service sent a bad pre-drafted tree for sequence " << seq.id;
+        continue;
+      }
+      seq.pre_more.push_back({{guess.tokens().begin(), guess.tokens().end()}, std::move(more)});
+    }
   }
 }
 

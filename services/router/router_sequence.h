@@ -70,6 +70,12 @@ struct RouterLoop::Sequence {
   std::vector<int32_t> pre_guess;
   int pre_node = -1;
   TokenTree pre_tree;
+  // With a fan-out above one: the further guesses, each with the tree below it.
+  struct Guess {
+    std::vector<int32_t> tokens;
+    TokenTree tree;
+  };
+  std::vector<Guess> pre_more;
   SpecShape pre_shape;
   ShapeReason pre_reason = ShapeReason::kPolicy;
   // A hit: the next step verifies hit_tree (shape hit_shape) without drafting.

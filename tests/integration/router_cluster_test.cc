@@ -964,6 +964,18 @@ TEST(RouterClusterTest, OverlapKeepsGreedyAndSeededOutputIdentical) {
   ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/true);
 }
 
+// Several outcome guesses per sequence (as many as the cost model fits in the verify step, up
+// to 3): the draft service grows a tree below each, and a hit on any is verified next.
+TEST(RouterClusterTest, OverlapWithSeveralGuessesKeepsGreedyAndSeededOutputIdentical) {
+  ClusterOptions options;
+  options.router_args = {"--overlap=on", "--overlap_max_fan_out=3",
+                         "--speculation_policy=fixed"};
+  std::unique_ptr<Cluster> c = Cluster::Start(options);
+  ASSERT_NE(c, nullptr);
+  ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/true);
+  ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/true);
+}
+
 TEST(RouterClusterTest, OverlapAutoUnderTheGoodputPolicyKeepsOutputIdentical) {
   ClusterOptions options;
   options.router_args = {"--overlap=auto"};
