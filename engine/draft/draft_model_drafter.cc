@@ -118,13 +118,19 @@ absl::StatusOr<int> DraftModelDrafter::ResolvePending(SeqId seq,
                                                       absl::Span<const int32_t> new_tokens,
                                                       bool exact) {
   SeqState& state = states_[seq];
-  if (!state.pending.has_value()) return 0;
-  Pending pending = std::move(*state.pending);
-  state.pending.reset();
+  if (state.pending.empty()) return 0;
+  std::vector<Pending> guesses = std::move(state.pending);
+  state.pending.clear();
+  auto hit = [&](const Pending& p) {
+    return (exact ? new_tokens.size() == p.tokens.size() : new_tokens.size() > p.tokens.size()) &&
+           std::equal(p.tokens.begin(), p.tokens.end(), new_tokens.begin());
+  };
+  auto it = std::find_if(guesses.begin(), guesses.end(), hit);
+  // No hit: the kept tree's outcome drops every guess's KV with the rest.
+  if (it == guesses.end()) return 0;
+  // A hit's commit keeps only its path: the other guesses' KV goes with the scratch region.
+  Pending pending = std::move(*it);
   const std::vector<int32_t>& guess = pending.tokens;
-  const bool hit = (exact ? new_tokens.size() == guess.size() : new_tokens.size() > guess.size()) &&
-                   std::equal(guess.begin(), guess.end(), new_tokens.begin());
-  if (!hit) return 0;  // the kept tree's outcome drops the guess's KV with the rest
   if (absl::Status s = model_->Commit(seq, pending.path); !s.ok()) {
     return absl::InternalError(absl::StrCat(
         "draft model commit of the guessed path failed for sequence ", seq, ": ", s.message()));
@@ -340,7 +346,9 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
     int32_t next_scratch = 0;
     bool need_bonus = false;  // the accepted node was never expanded: its top-1 is the bonus
   };
-  std::vector<Guess> guesses;
+  // Per sequence: the accepted node of each outcome to guess (-1: the root), most likely first.
+  std::vector<std::vector<int>> outcomes(requests.size());
+  int rounds = 0;
   for (size_t b = 0; b < requests.size(); ++b) {
     const DraftRequest& r = requests[b];
     absl::StatusOr<int> consumed = ResolvePending(r.seq, r.new_tokens, /*exact=*/true);
@@ -352,146 +360,184 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
       continue;
     }
     const KeptStep& kept = *state.kept;
-    // The most likely outcome by the draft's own probabilities.
-    int best = -2;
-    float best_score = 0;
+    // An outcome's log-probability by the draft: its path's, then its bonus token's.
+    auto score = [&](int i) {
+      return i < 0 ? kept.root_bonus_logprob
+                   : kept.tree.draft_logprobs[i] +
+                         (kept.bonus[i] >= 0 ? kept.bonus_logprob[i] : kept.top1_logprob);
+    };
+    std::vector<int> candidates;  // outcomes with a bonus token to guess
+    if (kept.root_bonus >= 0) candidates.push_back(-1);
+    for (int i = 0; i < kept.tree.size(); ++i) {
+      if (kept.bonus[i] != kNoBonus) candidates.push_back(i);
+    }
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [&](int a, int c) { return score(a) > score(c); });
+    std::vector<int>& chosen = outcomes[b];
     if (!r.target_samples) {
-      // Children are listed best first, and a best child pruned takes its siblings with it.
-      best = -1;
+      // The most likely outcome of a greedy target follows the draft's best child at every
+      // node: children are listed best first, and a best child pruned takes its siblings.
+      int best = -1;
       for (int i = 0; i < kept.tree.size(); ++i) {
         if (kept.tree.parents[i] == best) best = i;
       }
-    } else if (kept.root_bonus >= 0) {
-      best = -1;
-      best_score = kept.root_bonus_logprob;
+      chosen.push_back(best);
     }
-    for (int i = 0; r.target_samples && i < kept.tree.size(); ++i) {
-      if (kept.bonus[i] == kNoBonus) continue;
-      const float score = kept.tree.draft_logprobs[i] +
-                          (kept.bonus[i] >= 0 ? kept.bonus_logprob[i] : kept.top1_logprob);
-      if (best == -2 || score > best_score) {
-        best = i;
-        best_score = score;
+    for (int c : candidates) {
+      if (static_cast<int>(chosen.size()) >= std::max(r.fan_out, 1)) break;
+      if (std::find(chosen.begin(), chosen.end(), c) == chosen.end()) chosen.push_back(c);
+    }
+    rounds = std::max(rounds, static_cast<int>(chosen.size()));
+    results[b].more.resize(chosen.empty() ? 0 : chosen.size() - 1);
+  }
+  // Each round grows one guess of every sequence that has one more; a round's trees take the
+  // scratch after the previous round's.
+  for (int round = 0; round < rounds; ++round) {
+    auto slot_tokens = [&](size_t b) -> std::vector<int32_t>& {
+      return round == 0 ? results[b].guess_tokens : results[b].more[round - 1].tokens;
+    };
+    std::vector<Guess> guesses;
+    for (size_t b = 0; b < requests.size(); ++b) {
+      if (static_cast<int>(outcomes[b].size()) <= round) continue;
+      const KeptStep& kept = *states_[requests[b].seq].kept;
+      const int best = outcomes[b][round];
+      Guess g;
+      g.b = b;
+      std::vector<int32_t>& tokens = slot_tokens(b);
+      std::vector<int32_t> nodes;
+      for (int n = best; n >= 0; n = kept.tree.parents[n]) nodes.push_back(n);
+      std::reverse(nodes.begin(), nodes.end());
+      g.path.resize(kept.chain);
+      std::iota(g.path.begin(), g.path.end(), 0);
+      g.anchor = kept.chain - 1;
+      for (int n : nodes) {
+        tokens.push_back(kept.tree.tokens[n]);
+        if (kept.tree_scratch[n] >= 0 && g.chain.empty()) {
+          g.path.push_back(kept.tree_scratch[n]);
+          g.anchor = kept.tree_scratch[n];
+        } else {
+          g.chain.push_back(kept.tree.tokens[n]);
+        }
       }
-    }
-    if (best == -2) continue;
-    Guess g;
-    g.b = b;
-    std::vector<int32_t> nodes;
-    for (int n = best; n >= 0; n = kept.tree.parents[n]) nodes.push_back(n);
-    std::reverse(nodes.begin(), nodes.end());
-    g.path.resize(kept.chain);
-    std::iota(g.path.begin(), g.path.end(), 0);
-    g.anchor = kept.chain - 1;
-    for (int n : nodes) {
-      results[b].guess_tokens.push_back(kept.tree.tokens[n]);
-      if (kept.tree_scratch[n] >= 0 && g.chain.empty()) {
-        g.path.push_back(kept.tree_scratch[n]);
-        g.anchor = kept.tree_scratch[n];
+      const int32_t bonus = best < 0 ? kept.root_bonus : kept.bonus[best];
+      g.need_bonus = bonus < 0;
+      if (g.need_bonus && g.chain.empty()) {  // an expanded node always knows its bonus
+        tokens.clear();
+        continue;
+      }
+      if (!g.need_bonus) {
+        g.chain.push_back(bonus);
+        tokens.push_back(bonus);
+      }
+      g.next_scratch = kept.scratch_used;
+      if (round == 0) {
+        results[b].guess_node = best;
       } else {
-        g.chain.push_back(kept.tree.tokens[n]);
+        results[b].more[round - 1].node = best;
+      }
+      guesses.push_back(std::move(g));
+    }
+    if (guesses.empty()) continue;
+
+    // A failed forward leaves unknown nodes in the scratch region: keep only the kept chain
+    // (true tokens) and forget the kept tree and every guess, so the next call feeds the
+    // outcome afresh.
+    auto give_up = [&](const absl::Status& s) {
+      for (const Guess& g : guesses) {
+        const DraftRequest& r = requests[g.b];
+        SeqState& state = states_[r.seq];
+        std::vector<int32_t> chain(state.kept->chain);
+        std::iota(chain.begin(), chain.end(), 0);
+        if (!model_->Commit(r.seq, chain).ok()) model_->Commit(r.seq, {}).IgnoreError();
+        state.kept.reset();
+        state.carried.clear();
+        state.pending.clear();
+        results[g.b].tree = TokenTree();
+        results[g.b].guess_tokens.clear();
+        results[g.b].guess_node = -1;
+        results[g.b].more.clear();
+      }
+      SPECD_LOG(WARNING) << "pre-draft of " << guesses.size() << " sequences failed: " << s;
+      return results;
+    };
+    auto level_topk = [this](absl::Span<const ForwardItem> it, int k, TopKRows* out) {
+      return LevelTopK(it, k, out);
+    };
+
+    // Accepted nodes never expanded: feed the rest of their path to learn their top-1, the
+    // bonus.
+    std::vector<ForwardItem> items;
+    std::vector<size_t> asked;
+    for (size_t i = 0; i < guesses.size(); ++i) {
+      Guess& g = guesses[i];
+      if (!g.need_bonus) continue;
+      ForwardItem item;
+      item.seq = requests[g.b].seq;
+      item.tokens = g.chain;
+      for (size_t t = 0; t < g.chain.size(); ++t) {
+        item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
+      }
+      item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
+      items.push_back(std::move(item));
+      asked.push_back(i);
+    }
+    if (!items.empty()) {
+      TopKRows top;
+      absl::Status s = level_topk(items, 1, &top);
+      if (s.ok() && top.rows() != static_cast<int64_t>(items.size())) {
+        s = absl::InternalError("draft model returned the wrong number of top-k rows");
+      }
+      if (!s.ok()) return give_up(s);
+      for (size_t a = 0; a < asked.size(); ++a) {
+        Guess& g = guesses[asked[a]];
+        for (size_t t = 0; t < g.chain.size(); ++t) g.path.push_back(g.next_scratch++);
+        g.anchor = g.path.empty() ? -1 : g.path.back();
+        const int32_t bonus = top.ids[a * top.k];
+        slot_tokens(g.b).push_back(bonus);
+        g.chain = {bonus};
       }
     }
-    const int32_t bonus = best < 0 ? kept.root_bonus : kept.bonus[best];
-    g.need_bonus = bonus < 0;
-    if (g.need_bonus && g.chain.empty()) continue;  // an expanded node always knows its bonus
-    if (!g.need_bonus) {
-      g.chain.push_back(bonus);
-      results[b].guess_tokens.push_back(bonus);
-    }
-    g.next_scratch = kept.scratch_used;
-    results[b].guess_node = best;
-    guesses.push_back(std::move(g));
-  }
-  if (guesses.empty()) return results;
 
-  // A failed forward leaves unknown nodes in the scratch region: keep only the kept chain (true
-  // tokens) and forget the kept tree, so the next call feeds the outcome afresh.
-  auto give_up = [&](const absl::Status& s) {
-    for (const Guess& g : guesses) {
-      const DraftRequest& r = requests[g.b];
-      SeqState& state = states_[r.seq];
-      std::vector<int32_t> chain(state.kept->chain);
-      std::iota(chain.begin(), chain.end(), 0);
-      if (!model_->Commit(r.seq, chain).ok()) model_->Commit(r.seq, {}).IgnoreError();
-      state.kept.reset();
-      state.carried.clear();
-      results[g.b].guess_tokens.clear();
-      results[g.b].guess_node = -1;
+    // Below the guess: the same growth as Draft(), chained onto the guessed path.
+    std::vector<SeqWork> work(guesses.size());
+    items.assign(guesses.size(), ForwardItem());
+    for (size_t i = 0; i < guesses.size(); ++i) {
+      Guess& g = guesses[i];
+      SeqWork& w = work[i];
+      w.req = &requests[g.b];
+      ForwardItem& item = items[i];
+      item.seq = w.req->seq;
+      item.tokens = g.chain;
+      for (size_t t = 0; t < g.chain.size(); ++t) {
+        item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
+        g.path.push_back(g.next_scratch + static_cast<int32_t>(t));
+      }
+      item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
+      w.next_scratch = g.next_scratch + static_cast<int32_t>(g.chain.size());
+      w.chain_end = g.path.back();
     }
-    SPECD_LOG(WARNING) << "pre-draft of " << guesses.size() << " sequences failed: " << s;
-    return results;
-  };
-  auto level_topk = [this](absl::Span<const ForwardItem> it, int k, TopKRows* out) {
-    return LevelTopK(it, k, out);
-  };
-
-  // Accepted nodes never expanded: feed the rest of their path to learn their top-1, the bonus.
-  std::vector<ForwardItem> items;
-  std::vector<size_t> asked;
-  for (size_t i = 0; i < guesses.size(); ++i) {
-    Guess& g = guesses[i];
-    if (!g.need_bonus) continue;
-    ForwardItem item;
-    item.seq = requests[g.b].seq;
-    item.tokens = g.chain;
-    for (size_t t = 0; t < g.chain.size(); ++t) {
-      item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
-    }
-    item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
-    items.push_back(std::move(item));
-    asked.push_back(i);
-  }
-  if (!items.empty()) {
-    TopKRows top;
-    absl::Status s = level_topk(items, 1, &top);
-    if (s.ok() && top.rows() != static_cast<int64_t>(items.size())) {
-      s = absl::InternalError("draft model returned the wrong number of top-k rows");
-    }
-    if (!s.ok()) return give_up(s);
-    for (size_t a = 0; a < asked.size(); ++a) {
-      Guess& g = guesses[asked[a]];
-      for (size_t t = 0; t < g.chain.size(); ++t) g.path.push_back(g.next_scratch++);
-      g.anchor = g.path.empty() ? -1 : g.path.back();
-      const int32_t bonus = top.ids[a * top.k];
-      results[g.b].guess_tokens.push_back(bonus);
-      g.chain = {bonus};
+    if (absl::Status s = GrowTrees(work, items, level_topk); !s.ok()) return give_up(s);
+    for (size_t i = 0; i < guesses.size(); ++i) {
+      Guess& g = guesses[i];
+      SeqState& state = states_[requests[g.b].seq];
+      KeptStep next = MakeKept(SelectTree(work[i]), /*chain=*/0, /*scratch_used=*/0);
+      // The hit's commit drops the scratch region, this tree's expanded nodes with it.
+      std::fill(next.tree_scratch.begin(), next.tree_scratch.end(), -1);
+      (round == 0 ? results[g.b].tree : results[g.b].more[round - 1].tree) = next.tree;
+      // Later guesses on the kept tree append after this one's nodes.
+      state.kept->scratch_used = work[i].next_scratch;
+      Pending pending;
+      pending.tokens = slot_tokens(g.b);
+      pending.path = std::move(g.path);
+      pending.next = std::move(next);
+      state.pending.push_back(std::move(pending));
     }
   }
-
-  // Below the guess: the same growth as Draft(), chained onto the guessed path.
-  std::vector<SeqWork> work(guesses.size());
-  items.assign(guesses.size(), ForwardItem());
-  for (size_t i = 0; i < guesses.size(); ++i) {
-    Guess& g = guesses[i];
-    SeqWork& w = work[i];
-    w.req = &requests[g.b];
-    ForwardItem& item = items[i];
-    item.seq = w.req->seq;
-    item.tokens = g.chain;
-    for (size_t t = 0; t < g.chain.size(); ++t) {
-      item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
-      g.path.push_back(g.next_scratch + static_cast<int32_t>(t));
-    }
-    item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
-    w.next_scratch = g.next_scratch + static_cast<int32_t>(g.chain.size());
-    w.chain_end = g.path.back();
-  }
-  if (absl::Status s = GrowTrees(work, items, level_topk); !s.ok()) return give_up(s);
-  for (size_t i = 0; i < guesses.size(); ++i) {
-    Guess& g = guesses[i];
-    SeqState& state = states_[requests[g.b].seq];
-    KeptStep next = MakeKept(SelectTree(work[i]), /*chain=*/0, /*scratch_used=*/0);
-    // The hit's commit drops the scratch region, this tree's expanded nodes with it.
-    std::fill(next.tree_scratch.begin(), next.tree_scratch.end(), -1);
-    results[g.b].tree = next.tree;
-    // Later guesses on the kept tree append after this one's nodes.
-    state.kept->scratch_used = work[i].next_scratch;
-    Pending pending;
-    pending.tokens = results[g.b].guess_tokens;
-    pending.path = std::move(g.path);
-    pending.next = std::move(next);
-    state.pending = std::move(pending);
+  // Guesses a round could not make (an unexpanded outcome without a bonus) are left out.
+  for (PreDraftResult& result : results) {
+    result.more.erase(std::remove_if(result.more.begin(), result.more.end(),
+                                     [](const PreDraftGuess& g) { return g.tree.empty(); }),
+                      result.more.end());
   }
   return results;
 }

@@ -79,11 +79,20 @@ class DraftModelDrafter : public Drafter {
   // or an empty one gives no guess. Never commits a guess. Errors (INVALID_ARGUMENT, NOT_FOUND)
   // are about the requests and leave every sequence as it was; a failing forward leaves the
   // affected sequences without a guess (their kept tree's chain committed) rather than failing.
+  // With DraftRequest::fan_out > 1 the next most likely outcomes (by the draft's probabilities,
+  // scored as for a sampling target) are guessed too, each with its tree, grown one guess a
+  // round after the first; the next call confirms at most one of them and drops the others.
+  struct PreDraftGuess {
+    TokenTree tree;
+    std::vector<int32_t> tokens;
+    int32_t node = -1;
+  };
   struct PreDraftResult {
     TokenTree tree;                     // empty: no guess
     std::vector<int32_t> guess_tokens;  // the accepted path's tokens, then the bonus token
     int32_t guess_node = -1;            // the accepted node in the kept tree, -1 none
     int consumed = 0;                   // leading new_tokens taken in (the hit's), 0 or all
+    std::vector<PreDraftGuess> more;    // fan_out > 1: the further guesses, in order
   };
   absl::StatusOr<std::vector<PreDraftResult>> PreDraft(absl::Span<const DraftRequest> requests);
 
@@ -126,7 +135,7 @@ class DraftModelDrafter : public Drafter {
   };
   struct SeqState {
     std::optional<KeptStep> kept;
-    std::optional<Pending> pending;
+    std::vector<Pending> pending;  // one per guess of the last pre-draft
     // A prefix of the next new_tokens that is already committed (a failed Draft() after the
     // outcome was applied).
     std::vector<int32_t> carried;

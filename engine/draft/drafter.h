@@ -52,6 +52,8 @@ struct DraftRequest {
   // Pre-drafting (DraftModelDrafter::PreDraft) only: the target samples (temperature > 0)
   // rather than decoding greedily, which changes which outcome of the tree is most likely.
   bool target_samples = false;
+  // Pre-drafting only: how many outcomes to guess, each with its tree, most likely first.
+  int fan_out = 1;
   // EAGLE drafters: the target's taps of consecutive tokens of the sequence, row r being
   // absolute position taps_first_position + r: [rows, feature size] fp32, host. Rows a drafter
   // already has are skipped, so a resend is harmless. Other drafters ignore them.

@@ -63,6 +63,8 @@ const char* ShapeReasonName(ShapeReason reason, bool none) {
       return "off";
     case ShapeReason::kDraftDown:
       return "draft_down";
+    case ShapeReason::kDraftBusy:
+      return "draft_busy";
     case ShapeReason::kNoDrafter:
       return "no_drafter";
     case ShapeReason::kNoBudget:
@@ -317,6 +319,16 @@ double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch
     }
   }
   return options_->draft_fixed_s + levels * level + catch_up_s;
+}
+
+void CostModel::ObservePreDraft(int drafting, int levels, int nodes, double seconds) {
+  const double predicted = DraftSeconds(drafting, levels, nodes);
+  if (!options_->measure_costs || predicted <= 0 || seconds <= 0) return;
+  Update(seconds / predicted, pre_draft_n_ == 0, &pre_draft_ratio_, &pre_draft_n_);
+}
+
+double CostModel::PreDraftSeconds(int drafting, int levels, int nodes) const {
+  return pre_draft_ratio_ * DraftSeconds(drafting, levels, nodes);
 }
 
 double CostModel::DraftLevelSeconds() const {
@@ -731,6 +743,18 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   }
   out.predicted_goodput = Goodput(batch, out.shapes);
   return out;
+}
+
+int GoodputPolicy::PreDraftFanOut(int drafting, int levels, int nodes, int verify_rows,
+                                  int verify_tokens, int max_fan_out) const {
+  if (drafting <= 0 || levels <= 0) return 0;
+  const double verify = costs_.VerifySeconds(verify_rows, verify_tokens);
+  int fan_out = 0;
+  while (fan_out < max_fan_out && costs_.PreDraftSeconds(drafting * (fan_out + 1), levels,
+                                                         nodes * (fan_out + 1)) <= verify) {
+    ++fan_out;
+  }
+  return fan_out;
 }
 
 }  // namespace specd

@@ -170,6 +170,13 @@ class CostModel {
   // each one fed again would carry a longer backlog).
   void ObserveDraft(int drafting, int levels, int nodes, int fed_tokens, double seconds);
 
+  // Overlap (pre-drafting while verify runs): a pre-draft call for work that DraftSeconds
+  // prices as (drafting, levels, nodes) took `seconds`. A pre-draft costs more than that draft:
+  // the guess takes a forward of its own, and where the draft shares a device (or cores) with
+  // verify, the two slow each other. Its measured ratio to DraftSeconds scales PreDraftSeconds.
+  void ObservePreDraft(int drafting, int levels, int nodes, double seconds);
+  double PreDraftSeconds(int drafting, int levels, int nodes) const;
+
   // Current estimates for the gauges: verify time of one row scoring 1 and 5 tokens, and one
   // draft level of one sequence.
   double VerifyOneTokenSeconds() const { return VerifySeconds(1, 1); }
@@ -213,6 +220,8 @@ class CostModel {
   bool level_warm_[kTokenBuckets] = {};
   double level_ratio_[kTokenBuckets] = {};
   int level_n_[kTokenBuckets] = {};
+  double pre_draft_ratio_ = 1.0;  // measured pre-draft time / DraftSeconds of its work
+  int pre_draft_n_ = 0;
 };
 
 // Why a sequence's step has the shape it has (metrics label).
@@ -222,6 +231,7 @@ enum class ShapeReason {
   kExplicit,   // the request named its tree shape
   kOff,        // the request asked for no speculation
   kDraftDown,  // the drafter is unavailable
+  kDraftBusy,  // the drafter is still answering an earlier request (a late pre-draft)
   kNoDrafter,  // no drafter serves the sequence
   kNoBudget,   // no room left: the bonus token covers what remains
 };
@@ -258,6 +268,17 @@ class GoodputPolicy {
 
   // Predicted tokens/s of `batch` under `shapes` (the objective; also for tests).
   double Goodput(absl::Span<const PolicySequence> batch, absl::Span<const SpecShape> shapes) const;
+
+  // Overlap fan-out: how many outcome guesses per sequence to pre-draft beside a verify step of
+  // `verify_rows` rows scoring `verify_tokens` tokens, for `drafting` sequences whose next trees
+  // are `levels` deep and `nodes` nodes in all. A pre-draft that ends inside the verify step
+  // costs the step nothing and each further guess raises the chance of a hit, so: the most
+  // guesses, up to `max_fan_out`, whose pre-draft (drafting x F trees) is predicted to end
+  // inside the verify step. Where the draft has slack (one stream) that is several; at high
+  // batch the work grows as rows x F, so 1; and 0 where even one guess would outlast verify
+  // (the step is then the sequential one, never worse).
+  int PreDraftFanOut(int drafting, int levels, int nodes, int verify_rows, int verify_tokens,
+                     int max_fan_out) const;
 
   const PolicyOptions& options() const { return options_; }
   void set_padded_rows(bool padded) { options_.padded_rows = padded; }

@@ -7,6 +7,7 @@
 #ifndef SPECD_ENGINE_SPEC_SEQUENCE_STATE_H_
 #define SPECD_ENGINE_SPEC_SEQUENCE_STATE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -70,6 +71,11 @@ class SequenceState {
   // once they were handed over. A step without a draft leaves them for the next one.
   absl::Span<const int32_t> DrafterPending() const;
   void MarkDrafterFed() { drafter_fed_ = static_cast<int64_t>(tokens_.size()); }
+  // The same for a hand-over whose answer came after more tokens were appended: the first
+  // `tokens` of the sequence were fed.
+  void MarkDrafterFedThrough(int64_t tokens) { drafter_fed_ = std::max(drafter_fed_, tokens); }
+  // Prompt and output tokens so far.
+  int64_t length() const { return static_cast<int64_t>(tokens_.size()); }
 
   // Deepest draft whose tokens could all be kept: a step emits accepted drafts plus one bonus
   // token, so this is the remaining budget minus one (0: draft nothing this step).

@@ -381,6 +381,9 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     }
   }
   if (!pre_slots.empty()) {
+    if (options_.test_only_pre_draft_delay > absl::ZeroDuration()) {
+      absl::SleepFor(options_.test_only_pre_draft_delay);
+    }
     batch_size += pre_slots.size();
     const int64_t fed_before = model_drafter_->fed_tokens();
     RunPreDrafts(pre_slots, &responses);
@@ -460,6 +463,12 @@ void DraftLoop::RunPreDrafts(const std::vector<Slot>& group,
     result->mutable_guess_tokens()->Assign(results[k]->guess_tokens.begin(),
                                            results[k]->guess_tokens.end());
     result->set_guess_node(results[k]->guess_node);
+    for (const DraftModelDrafter::PreDraftGuess& guess : results[k]->more) {
+      v1::PreDraftGuess* out = result->add_more_guesses();
+      out->mutable_tokens()->Assign(guess.tokens.begin(), guess.tokens.end());
+      out->set_node(guess.node);
+      TreeToProto(guess.tree, out->mutable_tree());
+    }
   }
 }
 
@@ -511,13 +520,20 @@ absl::Status DraftLoop::AdmitPreDraft(StreamId stream, int index, const v1::Draf
   slot->request.seq = live;
   slot->request.new_tokens.assign(seq.history.begin() + seq.fed[kModel], seq.history.end());
   slot->request.target_samples = step.target_samples();
+  if (step.fan_out() > kMaxPreDraftFanOut) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".fan_out: at most ", kMaxPreDraftFanOut, ", got ", step.fan_out()));
+  }
+  slot->request.fan_out = std::max<int>(static_cast<int>(step.fan_out()), 1);
   // The guess adds up to a path and a bonus token before the next tree.
   const int64_t reach = static_cast<int64_t>(seq.history.size()) + 2 * params.depth + 2;
   if (reach > model_->config().max_position_embeddings) {
     *empty_tree = true;
     return absl::OkStatus();
   }
-  const int64_t need = params.depth + 1 + params.max_nodes;
+  // Each guess appends its path's unexpanded rest and its tree to the scratch region.
+  const int64_t need =
+      static_cast<int64_t>(slot->request.fan_out) * (params.depth + 1 + params.max_nodes);
   if (need > *kv_budget) {
     *empty_tree = true;  // no room to guess; the sequence is drafted after its outcome
     return absl::OkStatus();

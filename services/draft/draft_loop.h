@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "common/service/metrics.h"
 #include "common/service/step_loop.h"
 #include "common/service/step_stream.h"
@@ -63,6 +64,9 @@ struct DraftLoopOptions {
   // Tokens one sequence's history may reach; a step that would exceed it is INVALID_ARGUMENT.
   // The default is above the longest context of the families served (Qwen2.5-1M: 1010000).
   int64_t max_history_tokens = int64_t{1} << 20;
+  // Tests only: every step message with pre-drafts is answered this much later (a draft device
+  // slower than the verify step, to exercise the router's bound on waiting for one).
+  absl::Duration test_only_pre_draft_delay = absl::ZeroDuration();
 };
 
 class DraftLoop final
@@ -81,6 +85,7 @@ class DraftLoop final
   static constexpr int kNgram = 1;  // DRAFT_METHOD_NGRAM
   static constexpr int kEagle = 2;  // DRAFT_METHOD_EAGLE
   static constexpr int kDrafters = 3;
+  static constexpr uint32_t kMaxPreDraftFanOut = 8;  // DraftSequenceStep.fan_out
 
   struct Sequence {
     std::vector<int32_t> history;         // every token the router sent, in order

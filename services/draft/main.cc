@@ -51,6 +51,8 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require clients (the routers) to present a certificate it signed "
           "(mutual TLS)");
+ABSL_FLAG(int, test_only_pre_draft_delay_ms, 0,
+          "tests only: answer each step that pre-drafts this much later (a slow draft device)");
 ABSL_FLAG(bool, reflection, false,
           "serve gRPC server reflection (lists and describes the API to anyone who connects)");
 
@@ -88,6 +90,8 @@ int Main() {
   options.defaults.max_nodes = absl::GetFlag(FLAGS_tree_max_nodes);
   options.ngram.min_n = absl::GetFlag(FLAGS_ngram_min_n);
   options.ngram.max_n = absl::GetFlag(FLAGS_ngram_max_n);
+  options.test_only_pre_draft_delay =
+      absl::Milliseconds(absl::GetFlag(FLAGS_test_only_pre_draft_delay_ms));
   if (options.model_dir.empty() && options.eagle_head_dir.empty() && options.vocab_size < 1) {
     return FailStartup(absl::InvalidArgumentError(
         "--model, --eagle_head or --vocab_size: give a draft model folder, an EAGLE head, or "

@@ -75,6 +75,11 @@ ABSL_FLAG(std::string, overlap, "off",
           "the draft service for the next trees below each tree's most likely outcome; a hit "
           "skips the next step's draft), auto (only where the cost model predicts the pre-draft "
           "ends inside the verify step) or off (draft, then verify)");
+ABSL_FLAG(int, overlap_max_fan_out, 1,
+          "with --overlap: at most this many outcome guesses per sequence, each with its tree "
+          "(1 to 8); the goodput policy's cost model picks how many fit in the verify step (at "
+          "least one with --overlap=on; with --overlap=on and --speculation_policy=fixed, this "
+          "many)");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port of the /metrics + /health HTTP listener, e.g. a private interface; empty = "
           "the --address host and --metrics_port");
@@ -212,6 +217,10 @@ int Main() {
     loop_options.overlap = OverlapMode::kAuto;
   } else if (overlap != "off") {
     return Fail("--overlap: one of on, auto, off");
+  }
+  loop_options.overlap_max_fan_out = absl::GetFlag(FLAGS_overlap_max_fan_out);
+  if (loop_options.overlap_max_fan_out < 1 || loop_options.overlap_max_fan_out > 8) {
+    return Fail("--overlap_max_fan_out: 1 to 8");
   }
   loop_options.upstream_credentials = *upstream_credentials;
   for (auto [list, flag] : {std::pair{&pool_options.verify_addresses, "--verify_address"},

@@ -14,14 +14,11 @@
 #include "common/service/tree_proto.h"
 #include "common/token_tree.h"
 #include "engine/spec/sequence_state.h"
+#include "services/router/router_sequence.h"
 #include "services/verify/sampling_proto.h"
 
 namespace specd {
 namespace {
-
-int64_t ToUnixMillisOrZero(absl::Time t) {
-  return t == absl::InfiniteFuture() ? 0 : absl::ToUnixMillis(t);
-}
 
 // A client whose deadline passes cancels its stream, and the cancellation reaches the router
 // before the router's copy of the deadline does: the server-side deadline is the client's
@@ -52,62 +49,6 @@ class StreamDecoder : public TokenTextDecoder {
 };
 
 }  // namespace
-
-struct RouterLoop::Sequence {
-  uint64_t id = 0;
-  RouterRequest request;
-  std::shared_ptr<ResponseSink> sink;
-  std::shared_ptr<Draft> draft;  // the draft service it drafts through; null: none
-  // The speculation core: tokens, what each service still has to be fed, the depth budget,
-  // the tree shape of this step, acceptance and statistics.
-  std::optional<SequenceState> core;
-  std::unique_ptr<SequenceOutput> output;  // text, stop strings
-  // With request.logprobs >= 0: those of the tokens pushed into `output` and not streamed yet,
-  // in order. The output streams a prefix of what it was pushed, so chunk i's n token ids take
-  // the first n entries.
-  std::deque<TokenLogprobs> logprobs;
-  v1::Speculation mode = v1::SPECULATION_OFF;  // what it speculated with in the end
-  // What it drafts with: the request's mode, AUTO resolved when the sequence starts (EAGLE-3
-  // where the draft service has a head and the verify service exports taps, else the draft
-  // model).
-  v1::Speculation spec = v1::SPECULATION_OFF;
-  // EAGLE: the target's taps the verify service returned since the last draft step, to relay.
-  v1::HiddenStates taps;
-  absl::Time last_emit;
-  bool streamed_any = false;
-  bool done = false;
-
-  // The stream epoch of each service that holds this sequence (0: not held). After a draft
-  // reconnect the epoch differs and the whole history is fed again.
-  uint64_t verify_epoch = 0;
-  uint64_t draft_epoch = 0;
-  bool draft_failed = false;  // the draft service rejected this sequence: stop drafting it
-  // The draft service answered this step, and the deepest node of its tree that verify
-  // accepted (-1 none, -2 unknown), which the next draft step reports (accepted_node).
-  bool draft_replied = false;
-  int32_t draft_accepted = -2;
-  int32_t draft_report = -2;  // draft_accepted as of this step's plan, sent with its draft step
-
-  // Overlap. This step's pre-draft: the tokens it guessed verify emits, and the tree below them.
-  bool pre_sent = false;
-  std::vector<int32_t> pre_guess;
-  int pre_node = -1;
-  TokenTree pre_tree;
-  SpecShape pre_shape;
-  ShapeReason pre_reason = ShapeReason::kPolicy;
-  // A hit: the next step verifies hit_tree (shape hit_shape) without drafting.
-  bool hit_ready = false;
-  TokenTree hit_tree;
-  SpecShape hit_shape;
-  ShapeReason hit_reason = ShapeReason::kPolicy;  // why the pre-drafted step had its shape
-  bool missed = false;       // the last pre-draft missed: count how this step serves it
-  bool ingest_sent = false;  // this step feeds the drafter without a tree (draft_ingest_tokens)
-
-  // This step.
-  TokenTree tree;
-  bool draft_down = false;  // wanted a draft the drafter could not give
-  bool no_drafter = false;  // no drafter serves it (none configured, or it was rejected)
-};
 
 RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
                        RouterMetrics* metrics, std::function<void(bool)> on_serving)
@@ -247,8 +188,9 @@ void RouterLoop::RemoveDraft(const std::string& address) {
 void RouterLoop::RetireDrafts() {
   absl::MutexLock lock(&mu_);
   for (auto it = removed_drafts_.begin(); it != removed_drafts_.end();) {
-    const bool used = std::any_of(running_.begin(), running_.end(),
-                                  [&](const auto& s) { return s->draft == *it; });
+    const bool used =
+        (*it)->in_flight != nullptr || std::any_of(running_.begin(), running_.end(),
+                                                   [&](const auto& s) { return s->draft == *it; });
     if (used) {
       ++it;
     } else {
@@ -339,8 +281,10 @@ void RouterLoop::Run() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) break;
-      const bool releases = std::any_of(drafts_.begin(), drafts_.end(),
-                                        [](const auto& d) { return !d->releases.empty(); });
+      // Releases for a stream that a late pre-draft holds wait for its answer, which wakes us.
+      const bool releases = std::any_of(drafts_.begin(), drafts_.end(), [](const auto& d) {
+        return !d->releases.empty() && d->in_flight == nullptr;
+      });
       if (running_.empty() && verify_releases_.empty() && !releases) {
         // Idle: sleep until a request arrives, something is cancelled, or a service changes
         // state; the timeout bounds how long a cancelled queued request can linger.
@@ -357,6 +301,7 @@ void RouterLoop::Run() {
       // The old verify stream (and every sequence on it) is gone with it; the draft services
       // are told now, so that nothing is left to send and the loop can sleep.
       verify_releases_.clear();
+      PollLatePreDrafts();
       DraftStep();
       continue;
     }
@@ -364,6 +309,7 @@ void RouterLoop::Run() {
     Step();
   }
   FailEverything(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down"));
+  JoinLatePreDrafts();
   verify_->CloseGracefully();
   for (const auto& d : Drafts()) d->upstream->CloseGracefully();
 }
@@ -459,6 +405,7 @@ void RouterLoop::Step() {
     if (!ended.ok()) Fail(*seq, ended);
   }
   RemoveDone();
+  PollLatePreDrafts();
   RetireDrafts();
   const absl::Time start = absl::Now();
   Plan();
@@ -481,6 +428,7 @@ void RouterLoop::Plan() {
     Sequence& seq = *s;
     seq.tree = TokenTree();
     seq.draft_down = false;
+    seq.draft_busy = false;
     seq.no_drafter = false;
     seq.draft_report = seq.draft_accepted;
     seq.draft_replied = false;
@@ -491,18 +439,24 @@ void RouterLoop::Plan() {
     // also the router's own n-gram drafter.
     const bool service = seq.draft != nullptr && !seq.draft_failed;
     const bool draft_up = seq.draft != nullptr && seq.draft->up;
+    // Its draft service is still answering a late pre-draft: this step cannot draft there.
+    const bool busy = seq.draft != nullptr && seq.draft->in_flight != nullptr;
     if (seq.hit_ready) {
       p.fixed = true;  // the pre-drafted tree is ready
       p.fixed_shape = seq.hit_shape;
     } else if (mode == v1::SPECULATION_OFF) {
       p.fixed = true;  // none
-    } else if (mode == v1::SPECULATION_NGRAM ? !(service && draft_up) && local_ngram_ == nullptr
-                                             : !service) {
+    } else if (mode == v1::SPECULATION_NGRAM
+                   ? !(service && draft_up && !busy) && local_ngram_ == nullptr
+                   : !service) {
       p.fixed = true;
       seq.no_drafter = true;
     } else if (mode != v1::SPECULATION_NGRAM && !draft_up) {
       p.fixed = true;
       seq.draft_down = true;
+    } else if (mode != v1::SPECULATION_NGRAM && busy) {
+      p.fixed = true;
+      seq.draft_busy = true;
     } else if (seq.request.shape_explicit || !options_.adaptive) {
       p.fixed = true;
       p.fixed_shape =
@@ -517,6 +471,7 @@ void RouterLoop::Plan() {
     Sequence& seq = *running_[i];
     ShapeReason reason = decision.reasons[i];
     if (seq.draft_down) reason = ShapeReason::kDraftDown;
+    if (seq.draft_busy) reason = ShapeReason::kDraftBusy;
     if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
     if (seq.hit_ready) reason = seq.hit_reason;
     seq.core->Plan(decision.shapes[i], reason);
@@ -575,8 +530,8 @@ void RouterLoop::DraftStep() {
     if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
     if (shape.none()) continue;
     const v1::Speculation mode = seq.spec;
-    if (mode == v1::SPECULATION_NGRAM &&
-        (seq.draft == nullptr || !seq.draft->up || seq.draft_failed)) {
+    if (mode == v1::SPECULATION_NGRAM && (seq.draft == nullptr || !seq.draft->up ||
+                                          seq.draft_failed || seq.draft->in_flight != nullptr)) {
       // The router's own n-gram drafter: microseconds, no state to feed.
       const absl::Span<const int32_t> prompt = seq.core->prompt();
       const absl::Span<const int32_t> output = seq.core->output();
@@ -632,6 +587,7 @@ void RouterLoop::DraftStep() {
       // Drafted sequences only ever join a batch that is up; these wanted a draft.
       continue;
     }
+    if (d.in_flight != nullptr) continue;  // a late pre-draft holds the stream; nothing drafts
     if (b.request.steps_size() == 0 && d.releases.empty()) continue;
     b.request.set_step_id(next_step_);
     d.releases.MoveInto(&b.request);
@@ -759,47 +715,15 @@ void RouterLoop::VerifyStep() {
   request.set_step_id(next_step_++);
   verify_releases_.MoveInto(&request);
   v1::VerifyStepResponse response;
-  // The pre-drafts (one per draft service) go out with the verify step and are joined when
-  // verify answers; a draft stream carries one message at a time, and the next step's draft
-  // waits for this reply.
-  struct PreDraft {
-    Draft* draft;
-    uint64_t epoch;
-    v1::DraftStepRequest request;
-    v1::DraftStepResponse response;
-    absl::Status status;
-    double seconds = 0;
-  };
-  std::vector<PreDraft> pre;
-  if (options_.overlap != OverlapMode::kOff || options_.draft_ingest_tokens > 0) {
-    absl::flat_hash_map<const Draft*, bool> seen;
-    for (auto& s : running_) {
-      Draft* d = s->draft.get();
-      if (d == nullptr || !seen.emplace(d, true).second) continue;
-      v1::DraftStepRequest r = PreDraftRequest(request.step_id(), *d);
-      if (r.steps_size() > 0) pre.push_back({d, d->upstream->epoch(), std::move(r)});
-    }
-  }
-  std::vector<std::thread> pre_threads;
+  // The pre-drafts (one message per draft service) go out with the verify step.
+  const std::vector<std::shared_ptr<Draft>> pre = StartPreDrafts(request.step_id());
   const absl::Time start = absl::Now();
-  for (PreDraft& p : pre) {
-    pre_threads.emplace_back([&p, start] {
-      p.status = p.draft->upstream->RoundTrip(p.request, &p.response, p.epoch);
-      p.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    });
-  }
   const absl::Status status = verify_->RoundTrip(request, &response, epoch);
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const absl::Time verify_done = absl::Now();
+  const double seconds = absl::ToDoubleSeconds(verify_done - start);
   metrics_->CountWait("verify", seconds);
   metrics_->CountBusy("verify", seconds);
-  double pre_slowest = 0;
-  for (size_t i = 0; i < pre.size(); ++i) {
-    pre_threads[i].join();
-    pre_slowest = std::max(pre_slowest, pre[i].seconds);
-    metrics_->CountBusy("draft", pre[i].seconds);
-    TakePreDrafts(*pre[i].draft, pre[i].status, pre[i].response);
-  }
-  if (!pre.empty()) metrics_->CountWait("draft", std::max(0.0, pre_slowest - seconds));
+  FinishPreDrafts(pre, verify_done - start, verify_done);
   if (request.steps_size() > 0) {
     metrics_->verify_latency.Observe(seconds);
     if (status.ok()) {
@@ -861,7 +785,8 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     metrics_->CountTargetOnlyStep(reason == ShapeReason::kOff ? TargetOnlyReason::kOff
                                   : reason == ShapeReason::kDraftDown
                                       ? TargetOnlyReason::kDraftUnavailable
-                                      : TargetOnlyReason::kNoDraft);
+                                  : reason == ShapeReason::kDraftBusy ? TargetOnlyReason::kDraftBusy
+                                                                      : TargetOnlyReason::kNoDraft);
   }
   if (result.has_taps()) AppendHiddenStates(result.taps(), &seq.taps);
   if (seq.draft_replied) {
@@ -878,179 +803,8 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     ++i;
     if (!seq.output->Push(t)) break;
   }
-  if (seq.pre_sent) {
-    seq.pre_sent = false;
-    const bool hit = !seq.pre_guess.empty() && outcome.tokens == seq.pre_guess;
-    metrics_->CountPreDraft(accepted, hit);
-    // A tree deeper than the remaining budget would run past the context: drafted anew.
-    if (hit && !seq.core->finished() && !seq.pre_tree.empty() &&
-        TreeMaxDepth(seq.pre_tree) <= seq.core->MaxUsefulDraftDepth()) {
-      seq.hit_ready = true;
-      seq.hit_tree = std::move(seq.pre_tree);
-      seq.hit_shape = seq.pre_shape;
-      seq.hit_reason = seq.pre_reason;
-    } else if (!hit) {
-      seq.missed = true;
-    }
-    seq.pre_tree = TokenTree();
-    seq.pre_guess.clear();
-  }
+  ResolvePreDraft(seq, outcome.tokens, accepted);
   Emit(seq);
-}
-
-v1::DraftStepRequest RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft) {
-  v1::DraftStepRequest request;
-  for (auto& s : running_) {
-    if (s->draft.get() != &draft) continue;
-    s->pre_sent = false;
-    s->ingest_sent = false;
-  }
-  if (!draft.upstream->up()) return request;
-  const uint64_t epoch = draft.upstream->epoch();
-  if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, draft, &request);
-  if (options_.draft_ingest_tokens > 0) {
-    // Verify runs this step's rows meanwhile; an ingest that outlasted it would delay the next
-    // step's draft, so they are taken in order while their catch-up fits in the verify step.
-    int verify_tokens = 0;
-    for (auto& s : running_) verify_tokens += static_cast<int>(s->tree.size()) + 1;
-    // The call's own cost (a one-token draft call stands for its round trip) counts too: where
-    // verify is quicker than a draft round trip (a tiny target) nothing is ingested.
-    double budget =
-        policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens) -
-        policy_.costs().DraftSeconds(1, 1, 1);
-    const double token_s = policy_.costs().CatchUpTokenSeconds();
-    for (auto& s : running_) {
-      Sequence& seq = *s;
-      if (seq.draft.get() != &draft || !seq.tree.empty() || seq.pre_sent ||
-          seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.draft_down ||
-          seq.no_drafter || seq.core->finished()) {
-        continue;
-      }
-      if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
-      const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
-      if (static_cast<int>(fresh.size()) < options_.draft_ingest_tokens) continue;
-      const double cost = token_s * static_cast<double>(fresh.size());
-      if (cost > budget) break;
-      budget -= cost;
-      v1::DraftSequenceStep* step = request.add_steps();
-      step->set_seq_id(seq.id);
-      step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
-      step->set_method(v1::DRAFT_METHOD_MODEL);
-      step->set_ingest_only(true);
-      step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
-      if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
-        step->set_accepted_node(seq.draft_report);
-      }
-      seq.draft_report = -2;
-      seq.draft_epoch = epoch;
-      seq.ingest_sent = true;
-    }
-  }
-  if (request.steps_size() > 0) request.set_step_id(step_id | (uint64_t{1} << 63));
-  return request;
-}
-
-void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* out) {
-  v1::DraftStepRequest request;
-  int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
-  for (auto& s : running_) {
-    Sequence& seq = *s;
-    verify_tokens += static_cast<int>(seq.tree.size()) + 1;
-    if (seq.draft.get() != &draft) continue;
-    seq.pre_sent = false;
-    if (seq.tree.empty() || seq.mode != v1::SPECULATION_DRAFT_MODEL || !seq.draft_replied ||
-        seq.draft_failed || seq.draft_epoch != epoch) {
-      continue;
-    }
-    const SpecShape shape = seq.core->planned();
-    v1::DraftSequenceStep* step = request.add_steps();
-    step->set_seq_id(seq.id);
-    // Empty after this step's draft, or the tokens of the last guess when it hit.
-    const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
-    step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
-    step->set_method(v1::DRAFT_METHOD_MODEL);
-    step->set_depth(shape.depth);
-    step->set_top_k(shape.top_k);
-    step->set_max_nodes(shape.max_nodes);
-    step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
-    step->set_pre_draft(true);
-    step->set_target_samples(seq.request.sampling.temperature > 0);
-    seq.pre_sent = true;
-    seq.pre_shape = shape;
-    seq.pre_reason = seq.core->planned_reason();
-    ++rows;
-    levels = std::max(levels, shape.depth + 1);
-    nodes += shape.max_nodes + shape.depth + 1;
-  }
-  if (rows == 0) return;
-  if (options_.overlap == OverlapMode::kAuto &&
-      policy_.costs().DraftSeconds(rows, levels, nodes) >
-          policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens)) {
-    // The pre-draft would outlast verify: the step stays sequential.
-    for (auto& s : running_) {
-      if (s->draft.get() == &draft) s->pre_sent = false;
-    }
-    return;
-  }
-  *out = std::move(request);
-}
-
-void RouterLoop::TakePreDrafts(const Draft& draft, const absl::Status& status,
-                               const v1::DraftStepResponse& response) {
-  absl::flat_hash_map<uint64_t, Sequence*> by_id;
-  for (auto& s : running_) {
-    if ((s->pre_sent || s->ingest_sent) && s->draft.get() == &draft) by_id[s->id] = s.get();
-  }
-  if (!status.ok()) {
-    // The next step's draft sees the service down (or reconnected) and acts on it; an ingest
-    // the service may or may not have taken in is sent again whole, on a new stream.
-    SPECD_LOG(WARNING) << "pre-draft: " << status.message();
-    for (auto& [id, seq] : by_id) {
-      seq->pre_sent = false;
-      if (seq->ingest_sent) seq->draft_epoch = 0;
-      seq->ingest_sent = false;
-    }
-    return;
-  }
-  for (const v1::DraftSequenceResult& result : response.results()) {
-    auto it = by_id.find(result.seq_id());
-    if (it == by_id.end()) continue;
-    Sequence& seq = *it->second;
-    if (seq.ingest_sent) {
-      seq.ingest_sent = false;
-      if (result.has_error() && result.error().code() != 0) {
-        // As for a rejected draft: the service's state of it is unknown, so it is not drafted
-        // again (target-only from here, the output unchanged).
-        SPECD_LOG(WARNING) << "draft service rejected the ingest of sequence " << seq.id << ": "
-                           << result.error().message() << "; continuing it target-only";
-        seq.draft_failed = true;
-        continue;
-      }
-      metrics_->draft_ingest_tokens.Increment(
-          static_cast<double>(seq.core->DrafterPending().size()));
-      seq.core->MarkDrafterFed();
-      continue;
-    }
-    if (result.has_error() && result.error().code() != 0) {
-      // Not a reason to stop drafting the sequence: its next step drafts after the outcome.
-      seq.pre_sent = false;
-      continue;
-    }
-    // The service holds the new tokens it was sent (it takes those of a confirmed guess in, and
-    // keeps any others for the next draft), so they are not sent again.
-    seq.core->MarkDrafterFed();
-    TokenTree tree = TreeFromProto(result.tree());
-    if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size);
-        !valid.ok() || TreeMaxDepth(tree) > seq.pre_shape.depth) {
-      SPECD_LOG(WARNING) << "draft service sent a bad pre-drafted tree for sequence " << seq.id;
-      tree = TokenTree();
-    }
-    seq.pre_tree = std::move(tree);
-    if (!seq.pre_tree.empty()) {
-      seq.pre_guess.assign(result.guess_tokens().begin(), result.guess_tokens().end());
-    }
-    seq.pre_node = result.guess_node();
-  }
 }
 
 void RouterLoop::Emit(Sequence& seq) {

@@ -58,6 +58,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/text/tokenizer.h"
 #include "engine/draft/ngram_drafter.h"
 #include "engine/spec/policy.h"
@@ -113,6 +114,10 @@ struct RouterLoopOptions {
   bool adaptive = true;
   PolicyOptions policy;
   OverlapMode overlap = OverlapMode::kOff;
+  // Outcome guesses per pre-drafted sequence at most; the policy's fan-out picks how many
+  // (GoodputPolicy::PreDraftFanOut), at least one with kOn; with kOn and adaptive false, this
+  // many.
+  int overlap_max_fan_out = 1;
   // A sequence the policy is not drafting whose drafter has fallen this many tokens behind is
   // fed them (an ingest-only draft step, sent beside the verify step so that the router does
   // not wait for it), so that drafting it again needs no catch-up. 0: never (a sequence that
@@ -193,6 +198,9 @@ class RouterLoop {
       clear();
     }
   };
+  // A pre-draft (or ingest) message in flight on a draft stream, answered on a helper thread
+  // (router_sequence.h).
+  struct PreDraftCall;
   // One draft service and the loop's stream to it.
   struct Draft {
     std::string address;
@@ -201,6 +209,9 @@ class RouterLoop {
     Releases releases;
     uint64_t epoch = 0;  // the stream epoch `releases` belong to
     bool up = false;     // upstream->up() as of this step's start
+    // The message sent beside verify, until its answer is taken; while it is here the stream
+    // carries nothing else (one message at a time), so this service drafts nothing.
+    std::unique_ptr<PreDraftCall> in_flight;
   };
 
   std::shared_ptr<Draft> MakeDraft(const std::string& address, const std::string& tls_name);
@@ -220,17 +231,39 @@ class RouterLoop {
   void Plan();
   void DraftStep();
   void VerifyStep();
-  // What `draft` does while verify runs, in one request (a draft stream carries one message at a
-  // time): its sequences that pre-draft this step (overlap), and those that are fed their backlog
-  // without a tree (draft_ingest_tokens); empty when none does either.
-  v1::DraftStepRequest PreDraftRequest(uint64_t step_id, const Draft& draft);
-  // Adds this step's pre-drafts of `draft` (stream `epoch`) to `request`, unless overlap is auto
-  // and they would outlast verify.
-  void AddPreDrafts(uint64_t epoch, const Draft& draft, v1::DraftStepRequest* request);
-  // Takes the replies of `draft` to that request: each pre-drafted sequence's guessed outcome
-  // and the tree below it, and which ingests the draft service took in.
-  void TakePreDrafts(const Draft& draft, const absl::Status& status,
-                     const v1::DraftStepResponse& response);
+  // router_overlap.cc. What `draft` does while verify runs, in one request (a draft stream
+  // carries one message at a time): its sequences that pre-draft this step (overlap), and those
+  // that are fed their backlog without a tree (draft_ingest_tokens); empty when none does either.
+  // Fills `call`'s request, and its predicted draft time: what drafting them after the outcome
+  // would take.
+  void PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftCall* call);
+  // Adds this step's pre-drafts of `draft` (stream `epoch`) to `call`, unless overlap is auto
+  // and the policy's fan-out for them is 0 (they would outlast verify).
+  void AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call);
+  // Sends PreDraftRequest to each draft service with a free stream, from helper threads, as the
+  // verify step `step_id` goes out. Returns the draft services it sent to.
+  std::vector<std::shared_ptr<Draft>> StartPreDrafts(uint64_t step_id);
+  // Verify answered at `verify_done` after `verify_time`: waits for each of those pre-drafts at
+  // most its predicted draft time plus that verify time past the answer, and takes the answers
+  // that came. Within the draft time the step is no slower than drafting after the outcome; the
+  // verify time on top is the scale of the step itself, so that scheduling noise (a tiny
+  // model's draft takes well under a millisecond) does not turn pre-drafts into plain steps;
+  // past both, the wait would cost the batch more than one more step. The others are late:
+  // their sequences are served as misses this step, and their answers are dropped when they
+  // come (PollLatePreDrafts).
+  void FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts,
+                       absl::Duration verify_time, absl::Time verify_done);
+  // Takes the answers of late pre-drafts that have come, freeing their streams.
+  void PollLatePreDrafts();
+  // Blocks until every late pre-draft is answered (shutdown: the streams close after).
+  void JoinLatePreDrafts();
+  // Takes one answer: which ingests the draft service took in and, unless the call was late,
+  // each pre-drafted sequence's guessed outcome and the tree below it.
+  void TakePreDrafts(PreDraftCall& call);
+  // After `seq`'s verify outcome (its `accepted` drafts) is applied: whether its pre-draft hit
+  // (the next step verifies the pre-drafted tree without drafting) or missed (counted by how
+  // the next step serves it).
+  void ResolvePreDraft(Sequence& seq, absl::Span<const int32_t> outcome_tokens, int accepted);
   void ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult& result);
   // Streams what the sequence has ready; on finish also sends the last chunk and ends the RPC.
   void Emit(Sequence& seq);
@@ -272,6 +305,9 @@ class RouterLoop {
   // Scheduler thread only.
   std::thread thread_;
   std::vector<std::unique_ptr<Sequence>> running_;
+  // Draft services whose in_flight pre-draft outlasted its wait.
+  std::vector<std::shared_ptr<Draft>> late_drafts_;
+  int pre_draft_skips_ = 0;  // overlap auto: pre-drafts left out since the last one sent
   Releases verify_releases_;
   uint64_t next_seq_ = 1;
   uint64_t next_step_ = 1;

@@ -111,10 +111,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
                               "resource_exhausted", "error"}) {
     outcomes_.Add({{"outcome", outcome}});
   }
-  for (const char* reason : {"off", "draft_unavailable", "no_draft"}) {
+  for (const char* reason : {"off", "draft_unavailable", "draft_busy", "no_draft"}) {
     target_only_.Add({{"reason", reason}});
   }
-  for (const char* result : {"hit", "miss"}) predraft_.Add({{"position", "0"}, {"result", result}});
+  for (const char* result : {"hit", "miss", "late"}) {
+    predraft_.Add({{"position", "0"}, {"result", result}});
+  }
   for (const char* served : {"drafted_late", "plain_step"}) {
     predraft_misses_.Add({{"served", served}});
   }
@@ -127,9 +129,9 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
   }
 }
 
-void RouterMetrics::CountPreDraft(int accepted, bool hit) {
+void RouterMetrics::CountPreDraft(int accepted, const char* result) {
   const std::string position = accepted >= 8 ? "8+" : std::to_string(std::max(accepted, 0));
-  predraft_.Add({{"position", position}, {"result", hit ? "hit" : "miss"}}).Increment();
+  predraft_.Add({{"position", position}, {"result", result}}).Increment();
 }
 
 void RouterMetrics::CountPreDraftMiss(const char* served) {
@@ -188,6 +190,7 @@ void RouterMetrics::CountAcceptedPositions(int accepted) {
 void RouterMetrics::CountTargetOnlyStep(TargetOnlyReason reason) {
   const char* label = reason == TargetOnlyReason::kOff                ? "off"
                       : reason == TargetOnlyReason::kDraftUnavailable ? "draft_unavailable"
+                      : reason == TargetOnlyReason::kDraftBusy        ? "draft_busy"
                                                                       : "no_draft";
   target_only_.Add({{"reason", label}}).Increment();
 }

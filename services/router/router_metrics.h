@@ -16,7 +16,7 @@
 
 namespace specd {
 
-enum class TargetOnlyReason { kOff, kDraftUnavailable, kNoDraft };
+enum class TargetOnlyReason { kOff, kDraftUnavailable, kDraftBusy, kNoDraft };
 
 class RouterMetrics {
  public:
@@ -35,8 +35,9 @@ class RouterMetrics {
   // bucket it carried (engine/spec/policy.h TreeSizeBucket) and why it had that shape.
   void CountStep(const char* tree_size, const char* reason);
   // Overlap: specd_predraft_outcomes_total{position, result}: a pre-drafted sequence's verify
-  // outcome, by its accepted draft tokens (capped at "8+") and whether the guess hit.
-  void CountPreDraft(int accepted, bool hit);
+  // outcome, by its accepted draft tokens (capped at "8+") and `result`: "hit", "miss", or
+  // "late" (the pre-draft outlasted the router's wait; served as a miss).
+  void CountPreDraft(int accepted, const char* result);
   // specd_predraft_misses_total{served}: how a missed sequence's next step was served
   // ("drafted_late" or "plain_step").
   void CountPreDraftMiss(const char* served);

@@ -318,6 +318,56 @@ TEST_F(DraftServiceTest, PreDraftsGuessTheOutcomeAndRefuseBadStepsByField) {
   EXPECT_TRUE(stream.Close().ok());
 }
 
+// A pre_draft step with fan_out 3 returns up to two further guesses, each a different outcome
+// with the tree a fresh sequence with that history gets; a hit on a further guess is taken in
+// like one on the first; a fan_out above 8 is refused naming the field.
+TEST_F(DraftServiceTest, PreDraftsSeveralGuessesWithAFanOut) {
+  std::unique_ptr<ServiceProcess> p = StartDraft();
+  ASSERT_NE(p, nullptr);
+  DraftStream stream(p->channel());
+  const DraftParams params{3, 2, 6};
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  v1::DraftStepRequest first;
+  first.set_step_id(1);
+  AddStep(&first, 1, prompt, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&first, 2, prompt, v1::DRAFT_METHOD_MODEL, params);
+  const v1::DraftStepResponse drafted = stream.Step(first);
+  ASSERT_FALSE(drafted.results(0).has_error()) << drafted.results(0).error().message();
+
+  v1::DraftStepRequest pre;
+  pre.set_step_id(2);
+  AddStep(&pre, 1, {}, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
+  pre.mutable_steps(0)->set_fan_out(3);
+  AddStep(&pre, 2, {}, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
+  pre.mutable_steps(1)->set_fan_out(9);
+  const v1::DraftStepResponse guessed = stream.Step(pre);
+  const v1::DraftSequenceResult& g = guessed.results(0);
+  ASSERT_FALSE(g.has_error()) << g.error().message();
+  ASSERT_GE(g.more_guesses_size(), 1);
+  ASSERT_LE(g.more_guesses_size(), 2);
+  EXPECT_EQ(guessed.results(1).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(guessed.results(1).error().message(), HasSubstr("steps[1].fan_out"));
+  const v1::PreDraftGuess& second = g.more_guesses(0);
+  const std::vector<int32_t> guess(second.tokens().begin(), second.tokens().end());
+  EXPECT_NE(guess, std::vector<int32_t>(g.guess_tokens().begin(), g.guess_tokens().end()));
+  ASSERT_FALSE(second.tree().tokens().empty());
+
+  // The hit on the second guess, and a fresh sequence with its history: the same tree.
+  std::vector<int32_t> history = prompt;
+  history.insert(history.end(), guess.begin(), guess.end());
+  v1::DraftStepRequest hit;
+  hit.set_step_id(3);
+  AddStep(&hit, 5, history, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&hit, 1, guess, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
+  const v1::DraftStepResponse third = stream.Step(hit);
+  ASSERT_FALSE(third.results(0).has_error()) << third.results(0).error().message();
+  EXPECT_THAT(third.results(0).tree().tokens(), ElementsAreArray(second.tree().tokens()));
+  EXPECT_THAT(third.results(0).tree().parents(), ElementsAreArray(second.tree().parents()));
+  ASSERT_FALSE(third.results(1).has_error()) << third.results(1).error().message();
+  EXPECT_FALSE(third.results(1).guess_tokens().empty());  // the hit was taken in
+  EXPECT_TRUE(stream.Close().ok());
+}
+
 // Ingest-only steps feed a sequence without drafting it: a present, empty tree, and the next
 // draft of the sequence equals that of a fresh one sent its whole history, whether the ingest
 // created the sequence or followed a drafted step (with its outcome). Misuse is named.

@@ -386,119 +386,159 @@ TEST(DraftSavingsTest, RetryAfterAFailureSkipsWhatWasCommitted) {
 // hit verifies the pre-drafted tree next without drafting. Each tree verified equals the tree
 // a plain drafter (refeeding everything, full logits) grows from the true history, so a hit's
 // tree is exactly what drafting after the outcome would give; the output is target greedy.
-// The target decodes greedily here; target_samples only changes which outcome is guessed.
+// The target decodes greedily here; target_samples only changes which outcome is guessed. With
+// a fan-out of 3 every further guess's tree also equals drafting from scratch after that guess,
+// and a hit on one of them (its commit drops the others) keeps every later tree exact.
 TEST(PreDraftTest, HitTreesEqualDraftingAfterTheOutcome) {
   const DraftParams params{4, 3, 12};
   constexpr int kSteps = 10;
-  for (const bool target_samples : {false, true}) {
-    for (const Pair& pair : Pairs()) {
-      SCOPED_TRACE(pair.draft + " drafting for " + pair.target);
-      SCOPED_TRACE(testing::Message() << "target_samples " << target_samples);
-      Models models{Load(ModelDir(pair.draft)), Load(ModelDir(pair.target))};
-      ASSERT_TRUE(models.draft != nullptr && models.target != nullptr);
-      DraftModelDrafter drafter(models.draft.get());
-      DraftModelDrafter plain(models.draft.get(), {false, false});
-      const SeqId seq = models.next_seq++, oracle = models.next_seq++;
-      ASSERT_TRUE(drafter.AddSequence(seq).ok());
-      ASSERT_TRUE(plain.AddSequence(oracle).ok());
-      ASSERT_TRUE(models.target->AddSequence(seq).ok());
-      std::vector<int32_t> tokens = pair.prompt, pending = pair.prompt;
-      size_t drafted = 0, oracle_drafted = 0;
-      int32_t accepted_node = DraftRequest::kNoOutcome;
-      std::optional<TokenTree> hit_tree;
-      std::vector<int32_t> confirmed;  // the last guess's tokens, once verify emitted them
-      int hits = 0, misses = 0;
-      for (int step = 0; step < kSteps; ++step) {
-        SCOPED_TRACE(testing::Message() << "step " << step);
-        TokenTree tree;
-        if (hit_tree.has_value()) {
-          tree = *std::move(hit_tree);
-          hit_tree.reset();
-        } else {
-          DraftRequest r;
-          r.seq = seq;
-          r.new_tokens.assign(tokens.begin() + drafted, tokens.end());
-          r.params = params;
-          r.accepted_node = accepted_node;
-          absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft({r});
-          ASSERT_TRUE(trees.ok()) << trees.status();
-          tree = (*trees)[0];
-          drafted = tokens.size();
-          confirmed.clear();
-        }
-        DraftRequest o;
-        o.seq = oracle;
-        o.new_tokens.assign(tokens.begin() + oracle_drafted, tokens.end());
-        o.params = params;
-        absl::StatusOr<std::vector<TokenTree>> want = plain.Draft({o});
-        ASSERT_TRUE(want.ok()) << want.status();
-        oracle_drafted = tokens.size();
-        EXPECT_EQ(tree.tokens, (*want)[0].tokens);
-        EXPECT_EQ(tree.parents, (*want)[0].parents);
-        ASSERT_EQ(tree.draft_logprobs.size(), (*want)[0].draft_logprobs.size());
-        for (size_t i = 0; i < tree.draft_logprobs.size(); ++i) {
-          EXPECT_NEAR(tree.draft_logprobs[i], (*want)[0].draft_logprobs[i], 1e-4) << "node " << i;
-        }
+  int later_hits = 0, later_guesses = 0;  // fan-out 3: hits on, and count of, guesses 2 and 3
+  for (const int fan_out : {1, 3}) {
+    for (const bool target_samples : {false, true}) {
+      for (const Pair& pair : Pairs()) {
+        SCOPED_TRACE(pair.draft + " drafting for " + pair.target);
+        SCOPED_TRACE(testing::Message()
+                     << "target_samples " << target_samples << ", fan-out " << fan_out);
+        Models models{Load(ModelDir(pair.draft)), Load(ModelDir(pair.target))};
+        ASSERT_TRUE(models.draft != nullptr && models.target != nullptr);
+        DraftModelDrafter drafter(models.draft.get());
+        DraftModelDrafter plain(models.draft.get(), {false, false});
+        const SeqId seq = models.next_seq++, oracle = models.next_seq++;
+        ASSERT_TRUE(drafter.AddSequence(seq).ok());
+        ASSERT_TRUE(plain.AddSequence(oracle).ok());
+        ASSERT_TRUE(models.target->AddSequence(seq).ok());
+        std::vector<int32_t> tokens = pair.prompt, pending = pair.prompt;
+        size_t drafted = 0, oracle_drafted = 0;
+        int32_t accepted_node = DraftRequest::kNoOutcome;
+        std::optional<TokenTree> hit_tree;
+        std::vector<int32_t> confirmed;  // the last guess's tokens, once verify emitted them
+        int hits = 0, misses = 0;
+        for (int step = 0; step < kSteps; ++step) {
+          SCOPED_TRACE(testing::Message() << "step " << step);
+          TokenTree tree;
+          if (hit_tree.has_value()) {
+            tree = *std::move(hit_tree);
+            hit_tree.reset();
+          } else {
+            DraftRequest r;
+            r.seq = seq;
+            r.new_tokens.assign(tokens.begin() + drafted, tokens.end());
+            r.params = params;
+            r.accepted_node = accepted_node;
+            absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft({r});
+            ASSERT_TRUE(trees.ok()) << trees.status();
+            tree = (*trees)[0];
+            drafted = tokens.size();
+            confirmed.clear();
+          }
+          DraftRequest o;
+          o.seq = oracle;
+          o.new_tokens.assign(tokens.begin() + oracle_drafted, tokens.end());
+          o.params = params;
+          absl::StatusOr<std::vector<TokenTree>> want = plain.Draft({o});
+          ASSERT_TRUE(want.ok()) << want.status();
+          oracle_drafted = tokens.size();
+          EXPECT_EQ(tree.tokens, (*want)[0].tokens);
+          EXPECT_EQ(tree.parents, (*want)[0].parents);
+          ASSERT_EQ(tree.draft_logprobs.size(), (*want)[0].draft_logprobs.size());
+          for (size_t i = 0; i < tree.draft_logprobs.size(); ++i) {
+            EXPECT_NEAR(tree.draft_logprobs[i], (*want)[0].draft_logprobs[i], 1e-4) << "node " << i;
+          }
 
-        DraftRequest p;
-        p.seq = seq;
-        p.new_tokens = confirmed;
-        p.params = params;
-        p.target_samples = target_samples;
-        absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> pre = drafter.PreDraft({p});
-        ASSERT_TRUE(pre.ok()) << pre.status();
-        ASSERT_EQ((*pre)[0].consumed, static_cast<int>(confirmed.size()));
-        drafted += confirmed.size();
-        ASSERT_EQ(drafted, tokens.size());
+          DraftRequest p;
+          p.seq = seq;
+          p.new_tokens = confirmed;
+          p.params = params;
+          p.target_samples = target_samples;
+          p.fan_out = fan_out;
+          absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> pre =
+              drafter.PreDraft({p});
+          ASSERT_TRUE(pre.ok()) << pre.status();
+          ASSERT_EQ((*pre)[0].consumed, static_cast<int>(confirmed.size()));
+          ASSERT_LE((*pre)[0].more.size(), static_cast<size_t>(fan_out - 1));
+          later_guesses += static_cast<int>((*pre)[0].more.size());
+          for (const DraftModelDrafter::PreDraftGuess& guess : (*pre)[0].more) {
+            // Drafting from scratch after this guess: the history and the guessed tokens.
+            ASSERT_FALSE(guess.tree.empty());
+            EXPECT_NE(guess.tokens, (*pre)[0].guess_tokens);
+            const SeqId fresh = models.next_seq++;
+            ASSERT_TRUE(plain.AddSequence(fresh).ok());
+            DraftRequest f;
+            f.seq = fresh;
+            f.new_tokens = tokens;
+            f.new_tokens.insert(f.new_tokens.end(), guess.tokens.begin(), guess.tokens.end());
+            f.params = params;
+            absl::StatusOr<std::vector<TokenTree>> after = plain.Draft({f});
+            ASSERT_TRUE(after.ok()) << after.status();
+            EXPECT_EQ(guess.tree.tokens, (*after)[0].tokens);
+            EXPECT_EQ(guess.tree.parents, (*after)[0].parents);
+            EXPECT_TRUE(plain.Release(fresh).ok());
+          }
+          drafted += confirmed.size();
+          ASSERT_EQ(drafted, tokens.size());
 
-        VerifyItem item;
-        item.seq = seq;
-        item.pending = pending;
-        item.tree = tree;
-        absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
-        ASSERT_TRUE(v.ok()) << v.status();
-        const VerifyOutcome& out = (*v)[0];
-        tokens.insert(tokens.end(), out.tokens.begin(), out.tokens.end());
-        pending = {out.tokens.back()};
-        accepted_node = out.accepted_nodes.empty() ? -1 : out.accepted_nodes.back();
-        ASSERT_FALSE((*pre)[0].tree.empty());
-        if (out.tokens == (*pre)[0].guess_tokens) {
-          ++hits;
-          hit_tree = (*pre)[0].tree;
-          confirmed = out.tokens;
-        } else {
-          ++misses;
-          confirmed.clear();
+          VerifyItem item;
+          item.seq = seq;
+          item.pending = pending;
+          item.tree = tree;
+          absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
+          ASSERT_TRUE(v.ok()) << v.status();
+          const VerifyOutcome& out = (*v)[0];
+          tokens.insert(tokens.end(), out.tokens.begin(), out.tokens.end());
+          pending = {out.tokens.back()};
+          accepted_node = out.accepted_nodes.empty() ? -1 : out.accepted_nodes.back();
+          ASSERT_FALSE((*pre)[0].tree.empty());
+          const DraftModelDrafter::PreDraftGuess* later = nullptr;
+          for (const DraftModelDrafter::PreDraftGuess& guess : (*pre)[0].more) {
+            if (out.tokens == guess.tokens) later = &guess;
+          }
+          if (out.tokens == (*pre)[0].guess_tokens) {
+            ++hits;
+            hit_tree = (*pre)[0].tree;
+            confirmed = out.tokens;
+          } else if (later != nullptr) {
+            ++hits;
+            ++later_hits;
+            hit_tree = later->tree;
+            confirmed = out.tokens;
+          } else {
+            ++misses;
+            confirmed.clear();
+          }
         }
+        // Target-only greedy decoding of as many tokens.
+        const SeqId greedy_seq = models.next_seq++;
+        ASSERT_TRUE(models.target->AddSequence(greedy_seq).ok());
+        std::vector<int32_t> greedy_pending = pair.prompt, greedy;
+        const size_t produced = tokens.size() - pair.prompt.size();
+        while (greedy.size() < produced) {
+          VerifyItem item;
+          item.seq = greedy_seq;
+          item.pending = greedy_pending;
+          absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
+          ASSERT_TRUE(v.ok());
+          greedy.push_back((*v)[0].tokens[0]);
+          greedy_pending = {greedy.back()};
+        }
+        EXPECT_EQ(std::vector<int32_t>(tokens.begin() + pair.prompt.size(), tokens.end()), greedy);
+        if (pair.draft == pair.target && !target_samples) {
+          // Drafting for itself, the draft's most likely outcome is the target's.
+          EXPECT_EQ(misses, 0);
+        }
+        EXPECT_GT(hits + misses, 0);
+        std::cout << pair.draft << (target_samples ? " (sampling guess" : " (greedy guess")
+                  << ", fan-out " << fan_out << "): " << hits << " hits, " << misses << " misses\n";
+        EXPECT_TRUE(drafter.Release(seq).ok());
+        EXPECT_TRUE(plain.Release(oracle).ok());
+        EXPECT_TRUE(models.target->RemoveSequence(seq).ok());
+        EXPECT_TRUE(models.target->RemoveSequence(greedy_seq).ok());
       }
-      // Target-only greedy decoding of as many tokens.
-      const SeqId greedy_seq = models.next_seq++;
-      ASSERT_TRUE(models.target->AddSequence(greedy_seq).ok());
-      std::vector<int32_t> greedy_pending = pair.prompt, greedy;
-      const size_t produced = tokens.size() - pair.prompt.size();
-      while (greedy.size() < produced) {
-        VerifyItem item;
-        item.seq = greedy_seq;
-        item.pending = greedy_pending;
-        absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
-        ASSERT_TRUE(v.ok());
-        greedy.push_back((*v)[0].tokens[0]);
-        greedy_pending = {greedy.back()};
-      }
-      EXPECT_EQ(std::vector<int32_t>(tokens.begin() + pair.prompt.size(), tokens.end()), greedy);
-      if (pair.draft == pair.target && !target_samples) {
-        // Drafting for itself, the draft's most likely outcome is the target's.
-        EXPECT_EQ(misses, 0);
-      }
-      EXPECT_GT(hits + misses, 0);
-      std::cout << pair.draft << (target_samples ? " (sampling guess): " : " (greedy guess): ")
-                << hits << " hits, " << misses << " misses\n";
-      EXPECT_TRUE(drafter.Release(seq).ok());
-      EXPECT_TRUE(plain.Release(oracle).ok());
-      EXPECT_TRUE(models.target->RemoveSequence(seq).ok());
-      EXPECT_TRUE(models.target->RemoveSequence(greedy_seq).ok());
     }
   }
+  std::cout << "fan-out 3: " << later_guesses << " further guesses, " << later_hits
+            << " hits on them\n";
+  EXPECT_GT(later_guesses, 0);
+  EXPECT_GT(later_hits, 0);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // with tokens, short chains at large batch, a big tree at batch 1 with high acceptance, a
 // sequence whose drafts keep failing stops costing the others, explicit shapes are kept, and
 // hysteresis holds a decision against small changes but not against large ones.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -440,6 +441,55 @@ TEST(SpecPolicyTest, CatchUpIsChargedAndMeasured) {
   // A call that fed no more than a step's worth is a level sample, not a catch-up one.
   measured.costs().ObserveDraft(1, 2, 2, /*fed_tokens=*/3, 5e-3);
   EXPECT_NEAR(measured.costs().CatchUpTokenSeconds(), 1e-6, 1e-9);
+}
+
+// Overlap fan-out (pre-drafted outcome guesses per sequence): every guess the verify step has
+// room for at one stream, fewer as the batch grows (the pre-draft's work grows as rows x F),
+// and each answer is the largest F whose pre-draft the cost model predicts to end inside verify.
+TEST(SpecPolicyTest, PreDraftFanOutFillsTheVerifyStepAndShrinksWithTheBatch) {
+  PolicyOptions o = FlatThenLinear();
+  o.draft_level_per_token_s = 0.05e-3;  // a level's cost grows with its tokens
+  const GoodputPolicy policy(o);
+  constexpr int kMax = 8, kLevels = 5, kNodesPerTree = 9;
+  int previous = kMax;
+  int smallest = kMax;
+  for (int rows : {1, 2, 4, 8, 16, 32, 64, 128, 256}) {
+    SCOPED_TRACE(rows);
+    const int verify_tokens = rows * kNodesPerTree;
+    const int f =
+        policy.PreDraftFanOut(rows, kLevels, rows * kNodesPerTree, rows, verify_tokens, kMax);
+    const double verify = policy.costs().VerifySeconds(rows, verify_tokens);
+    auto pre = [&](int fan_out) {
+      return policy.costs().PreDraftSeconds(rows * fan_out, kLevels,
+                                            rows * kNodesPerTree * fan_out);
+    };
+    if (f > 0) EXPECT_LE(pre(f), verify);
+    if (f < kMax) EXPECT_GT(pre(f + 1), verify);
+    EXPECT_LE(f, previous);
+    if (rows == 1) EXPECT_GE(f, 2);
+    previous = f;
+    smallest = std::min(smallest, f);
+  }
+  EXPECT_LE(smallest, 1);
+}
+
+// A pre-draft measured slower than the verify step it runs beside gives a fan-out of 0 (the step
+// stays sequential), however cheap the cost model prices the drafting it stands for.
+TEST(SpecPolicyTest, PreDraftsMeasuredSlowerThanVerifyAreNotSent) {
+  PolicyOptions o;
+  o.unmeasured_draft_scale = 1.0;
+  GoodputPolicy policy(o);
+  const double verify = policy.costs().VerifySeconds(1, 5);
+  ASSERT_LT(policy.costs().DraftSeconds(1, 5, 9), verify);
+  EXPECT_GE(policy.PreDraftFanOut(1, 5, 9, 1, 5, 1), 1);
+  for (int i = 0; i < 20; ++i) policy.costs().ObservePreDraft(1, 5, 9, 3 * verify);
+  EXPECT_NEAR(policy.costs().PreDraftSeconds(1, 5, 9), 3 * verify, 0.1 * verify);
+  EXPECT_EQ(policy.PreDraftFanOut(1, 5, 9, 1, 5, 1), 0);
+  // Measured faster again, they are sent again.
+  for (int i = 0; i < 40; ++i) {
+    policy.costs().ObservePreDraft(1, 5, 9, 0.5 * policy.costs().DraftSeconds(1, 5, 9));
+  }
+  EXPECT_EQ(policy.PreDraftFanOut(1, 5, 9, 1, 5, 1), 1);
 }
 
 }  // namespace

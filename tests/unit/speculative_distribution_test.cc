@@ -16,6 +16,7 @@
 #include "engine/sampling.h"
 #include "engine/spec/generator.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/chi_square.h"
 #include "tests/testutil/speculation_models.h"
 
 namespace specd {
@@ -108,14 +109,6 @@ std::map<std::pair<int32_t, int32_t>, int> Sample(DrafterKind kind,
   return counts;
 }
 
-// Chi-square critical value at p = 0.001 (Wilson-Hilferty approximation, good to a few
-// percent for df >= 3).
-double ChiSquareCritical001(int df) {
-  const double z = 3.090232;  // standard normal quantile at 0.999
-  const double a = 2.0 / (9.0 * df);
-  return df * std::pow(1 - a + z * std::sqrt(a), 3);
-}
-
 // Bins: every outcome expected at least 5 times on its own, the rest pooled into one bin
 // (merged into the smallest bin if the pool is itself expected fewer than 5 times).
 struct Bins {
@@ -166,19 +159,6 @@ struct Bins {
   }
   int df() const { return static_cast<int>(expected.size()) - 1; }
 };
-
-// Two equal-sized samples from one distribution: sum (a - b)^2 / (a + b), chi-square with
-// (non-empty bins - 1) degrees of freedom.
-std::pair<double, int> TwoSample(const std::vector<int>& a, const std::vector<int>& b) {
-  double chi2 = 0;
-  int bins = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i] + b[i] == 0) continue;
-    ++bins;
-    chi2 += static_cast<double>(a[i] - b[i]) * (a[i] - b[i]) / (a[i] + b[i]);
-  }
-  return {chi2, bins - 1};
-}
 
 struct DistributionCase {
   std::string name;
@@ -256,7 +236,7 @@ TEST_P(DistributionTest, FirstTwoTokensFollowTheTarget) {
     const int64_t least = kind == DrafterKind::kEagle ? 10 : n / (exact_draft ? 2 : 8);
     EXPECT_GT(stats.accepted_tokens, least) << "accepted " << stats.accepted_tokens;
     EXPECT_LT(bins.Statistic(spec), critical) << "speculative sampling, df " << bins.df();
-    const auto [chi2, df] = TwoSample(plain, spec);
+    const auto [chi2, df] = TwoSampleChiSquare(plain, spec);
     EXPECT_LT(chi2, ChiSquareCritical001(df)) << "speculative vs target-only, df " << df;
   }
 }

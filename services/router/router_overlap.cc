@@ -1,0 +1,354 @@
+// RouterLoop's overlap (docs/architecture.md, the overlapped step): the pre-draft sent to each
+// draft service beside the verify step, and its answer. The rest of the loop is router_loop.cc.
+#include <algorithm>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "common/logging.h"
+#include "common/service/tree_proto.h"
+#include "common/token_tree.h"
+#include "services/router/router_loop.h"
+#include "services/router/router_sequence.h"
+
+namespace specd {
+
+void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftCall* call) {
+  v1::DraftStepRequest& request = call->request;
+  double* seconds = &call->draft_seconds;
+  for (auto& s : running_) {
+    if (s->draft.get() != &draft) continue;
+    s->pre_sent = false;
+    s->ingest_sent = false;
+  }
+  if (!draft.upstream->up()) return;
+  const uint64_t epoch = draft.upstream->epoch();
+  if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, draft, call);
+  if (options_.draft_ingest_tokens > 0) {
+    // Verify runs this step's rows meanwhile; an ingest that outlasted it would delay the next
+    // step's draft, so they are taken in order while their catch-up fits in the verify step.
+    int verify_tokens = 0;
+    for (auto& s : running_) verify_tokens += static_cast<int>(s->tree.size()) + 1;
+    // The call's own cost (a one-token draft call stands for its round trip) counts too: where
+    // verify is quicker than a draft round trip (a tiny target) nothing is ingested.
+    double budget =
+        policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens) -
+        policy_.costs().DraftSeconds(1, 1, 1);
+    const double token_s = policy_.costs().CatchUpTokenSeconds();
+    for (auto& s : running_) {
+      Sequence& seq = *s;
+      if (seq.draft.get() != &draft || !seq.tree.empty() || seq.pre_sent ||
+          seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.draft_down ||
+          seq.no_drafter || seq.core->finished()) {
+        continue;
+      }
+      if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
+      const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
+      if (static_cast<int>(fresh.size()) < options_.draft_ingest_tokens) continue;
+      const double cost = token_s * static_cast<double>(fresh.size());
+      if (cost > budget) break;
+      budget -= cost;
+      *seconds += cost;
+      call->ingests = true;
+      v1::DraftSequenceStep* step = request.add_steps();
+      step->set_seq_id(seq.id);
+      step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
+      step->set_method(v1::DRAFT_METHOD_MODEL);
+      step->set_ingest_only(true);
+      step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+      if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
+        step->set_accepted_node(seq.draft_report);
+      }
+      seq.draft_report = -2;
+      seq.draft_epoch = epoch;
+      seq.ingest_sent = true;
+      seq.pre_fed_to = seq.core->length();
+    }
+    if (request.steps_size() > 0 && *seconds == 0) {
+      *seconds = policy_.costs().DraftSeconds(1, 1, 1);  // ingests alone: the call's own cost
+    }
+  }
+  if (request.steps_size() > 0) request.set_step_id(step_id | (uint64_t{1} << 63));
+}
+
+void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call) {
+  v1::DraftStepRequest request;
+  int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
+  for (auto& s : running_) {
+    Sequence& seq = *s;
+    verify_tokens += static_cast<int>(seq.tree.size()) + 1;
+    if (seq.draft.get() != &draft) continue;
+    seq.pre_sent = false;
+    if (seq.tree.empty() || seq.mode != v1::SPECULATION_DRAFT_MODEL || !seq.draft_replied ||
+        seq.draft_failed || seq.draft_epoch != epoch) {
+      continue;
+    }
+    const SpecShape shape = seq.core->planned();
+    v1::DraftSequenceStep* step = request.add_steps();
+    step->set_seq_id(seq.id);
+    // Empty after this step's draft, or the tokens of the last guess when it hit.
+    const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
+    step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
+    step->set_method(v1::DRAFT_METHOD_MODEL);
+    step->set_depth(shape.depth);
+    step->set_top_k(shape.top_k);
+    step->set_max_nodes(shape.max_nodes);
+    step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+    step->set_pre_draft(true);
+    step->set_target_samples(seq.request.sampling.temperature > 0);
+    seq.pre_sent = true;
+    seq.pre_fed_to = seq.core->length();
+    seq.pre_shape = shape;
+    seq.pre_reason = seq.core->planned_reason();
+    ++rows;
+    levels = std::max(levels, shape.depth + 1);
+    nodes += shape.max_nodes + shape.depth + 1;
+  }
+  if (rows == 0) return;
+  // How many outcome guesses each sequence gets: as many as the policy predicts fit in the
+  // verify step. With auto, none where even one would not, though one now and then (as the
+  // policy probes a sequence it does not draft) measures it again: pre-drafts measured slow
+  // while the draft device was busy would otherwise never be sent again. With on, at least one;
+  // and with on and no policy (fixed shapes), the most allowed.
+  int fan_out = options_.overlap == OverlapMode::kOn && !options_.adaptive
+                    ? options_.overlap_max_fan_out
+                    : policy_.PreDraftFanOut(rows, levels, nodes, static_cast<int>(running_.size()),
+                                             verify_tokens, options_.overlap_max_fan_out);
+  if (fan_out == 0 && options_.overlap == OverlapMode::kAuto &&
+      ++pre_draft_skips_ < std::max(policy_.options().probe_interval, 1)) {
+    // The pre-draft would outlast verify: the step stays sequential.
+    for (auto& s : running_) {
+      if (s->draft.get() == &draft) s->pre_sent = false;
+    }
+    return;
+  }
+  pre_draft_skips_ = 0;
+  fan_out = std::max(fan_out, 1);
+  if (fan_out > 1) {
+    for (v1::DraftSequenceStep& step : *request.mutable_steps()) step.set_fan_out(fan_out);
+  }
+  call->request = std::move(request);
+  call->draft_seconds = policy_.costs().DraftSeconds(rows, levels, nodes);
+  call->rows = rows * fan_out;
+  call->levels = levels;
+  call->nodes = nodes * fan_out;
+}
+
+std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint64_t step_id) {
+  std::vector<std::shared_ptr<Draft>> sent;
+  if (options_.overlap == OverlapMode::kOff && options_.draft_ingest_tokens <= 0) return sent;
+  absl::flat_hash_set<const Draft*> seen;
+  for (auto& s : running_) {
+    const std::shared_ptr<Draft>& d = s->draft;
+    // A draft service still answering a late pre-draft gets nothing more until it has.
+    if (d == nullptr || !seen.insert(d.get()).second || d->in_flight != nullptr) continue;
+    auto call = std::make_unique<PreDraftCall>();
+    PreDraftRequest(step_id, *d, call.get());
+    if (call->request.steps_size() == 0) continue;
+    call->draft = d.get();
+    call->epoch = d->upstream->epoch();
+    call->start = absl::Now();
+    PreDraftCall* c = call.get();
+    c->thread = std::thread([this, c] {
+      v1::DraftStepResponse response;
+      const absl::Status status = c->draft->upstream->RoundTrip(c->request, &response, c->epoch);
+      {
+        absl::MutexLock lock(&c->mu);
+        c->status = status;
+        c->response = std::move(response);
+        c->seconds = absl::ToDoubleSeconds(absl::Now() - c->start);
+        c->done = true;
+      }
+      Wake();  // a late answer frees the stream for the scheduler's next step
+    });
+    d->in_flight = std::move(call);
+    sent.push_back(d);
+  }
+  return sent;
+}
+
+void RouterLoop::FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts,
+                                 absl::Duration verify_time, absl::Time verify_done) {
+  if (drafts.empty()) return;
+  absl::Time waited_until = verify_done;
+  for (const std::shared_ptr<Draft>& d : drafts) {
+    PreDraftCall& call = *d->in_flight;
+    bool done;
+    {
+      absl::MutexLock lock(&call.mu);
+      done =
+          call.mu.AwaitWithDeadline(absl::Condition(&call.done),
+                                    verify_done + absl::Seconds(call.draft_seconds) + verify_time);
+    }
+    waited_until = std::max(waited_until, absl::Now());
+    if (done) {
+      call.thread.join();
+      metrics_->CountBusy("draft", call.seconds);
+      TakePreDrafts(call);
+      d->in_flight.reset();
+      continue;
+    }
+    // Serving these sequences as misses now beats waiting any longer; the stream stays busy
+    // until the answer comes, which is then taken only for what the service took in.
+    call.late = true;
+    for (auto& s : running_) {
+      if (s->draft != d || !s->pre_sent) continue;
+      s->pre_sent = false;
+      s->pre_late = true;
+    }
+    late_drafts_.push_back(d);
+  }
+  metrics_->CountWait("draft", absl::ToDoubleSeconds(waited_until - verify_done));
+}
+
+void RouterLoop::PollLatePreDrafts() {
+  for (auto it = late_drafts_.begin(); it != late_drafts_.end();) {
+    PreDraftCall& call = *(*it)->in_flight;
+    {
+      absl::MutexLock lock(&call.mu);
+      if (!call.done) {
+        ++it;
+        continue;
+      }
+    }
+    call.thread.join();
+    metrics_->CountBusy("draft", call.seconds);
+    TakePreDrafts(call);
+    (*it)->in_flight.reset();
+    it = late_drafts_.erase(it);
+  }
+}
+
+void RouterLoop::JoinLatePreDrafts() {
+  for (const std::shared_ptr<Draft>& d : late_drafts_) {
+    d->in_flight->thread.join();
+    d->in_flight.reset();
+  }
+  late_drafts_.clear();
+}
+
+void RouterLoop::ResolvePreDraft(Sequence& seq, absl::Span<const int32_t> outcome_tokens,
+                                 int accepted) {
+  bool hit = absl::MakeConstSpan(seq.pre_guess) == outcome_tokens;
+  if (seq.pre_late) {
+    seq.pre_late = false;
+    metrics_->CountPreDraft(accepted, "late");
+    seq.missed = true;
+    return;
+  }
+  if (!seq.pre_sent) return;
+  seq.pre_sent = false;
+  hit = hit && !seq.pre_guess.empty();
+  if (!hit) {
+    // A further guess (fan-out above one) that came true stands in for the first.
+    for (Sequence::Guess& guess : seq.pre_more) {
+      if (absl::MakeConstSpan(guess.tokens) != outcome_tokens) continue;
+      hit = true;
+      seq.pre_tree = std::move(guess.tree);
+      break;
+    }
+  }
+  seq.pre_more.clear();
+  metrics_->CountPreDraft(accepted, hit ? "hit" : "miss");
+  // A tree deeper than the remaining budget would run past the context: drafted anew.
+  if (hit && !seq.core->finished() && !seq.pre_tree.empty() &&
+      TreeMaxDepth(seq.pre_tree) <= seq.core->MaxUsefulDraftDepth()) {
+    seq.hit_ready = true;
+    seq.hit_tree = std::move(seq.pre_tree);
+    seq.hit_shape = seq.pre_shape;
+    seq.hit_reason = seq.pre_reason;
+  } else if (!hit) {
+    seq.missed = true;
+  }
+  seq.pre_tree = TokenTree();
+  seq.pre_guess.clear();
+}
+
+void RouterLoop::TakePreDrafts(PreDraftCall& call) {
+  // What a pre-draft really costs (a late one included) decides whether auto sends the next.
+  if (call.status.ok() && call.rows > 0 && !call.ingests) {
+    policy_.costs().ObservePreDraft(call.rows, call.levels, call.nodes, call.seconds);
+  }
+  absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  for (auto& s : running_) {
+    if (s->draft.get() == call.draft) by_id[s->id] = s.get();
+  }
+  absl::flat_hash_map<uint64_t, const v1::DraftSequenceStep*> sent;  // by the sequences named
+  for (const v1::DraftSequenceStep& step : call.request.steps()) sent[step.seq_id()] = &step;
+  auto sequence = [&](uint64_t id) -> Sequence* {
+    auto it = by_id.find(id);
+    return it == by_id.end() || !sent.contains(id) ? nullptr : it->second;
+  };
+  if (!call.status.ok()) {
+    // The next step's draft sees the service down (or reconnected) and acts on it; an ingest
+    // the service may or may not have taken in is sent again whole, on a new stream.
+    SPECD_LOG(WARNING) << "pre-draft: " << call.status.message();
+    for (const auto& [id, step] : sent) {
+      Sequence* seq = sequence(id);
+      if (seq == nullptr) continue;
+      if (step->ingest_only()) seq->draft_epoch = 0;
+      seq->ingest_sent = false;
+      seq->pre_sent = false;
+    }
+    return;
+  }
+  for (const v1::DraftSequenceResult& result : call.response.results()) {
+    Sequence* found = sequence(result.seq_id());
+    if (found == nullptr) continue;
+    Sequence& seq = *found;
+    const bool failed = result.has_error() && result.error().code() != 0;
+    const v1::DraftSequenceStep& step = *sent[seq.id];
+    if (step.ingest_only()) {
+      seq.ingest_sent = false;
+      if (failed) {
+        // As for a rejected draft: the service's state of it is unknown, so it is not drafted
+        // again (target-only from here, the output unchanged).
+        SPECD_LOG(WARNING) << "draft service rejected the ingest of sequence " << seq.id << ": "
+                           << result.error().message() << "; continuing it target-only";
+        seq.draft_failed = true;
+        continue;
+      }
+      metrics_->draft_ingest_tokens.Increment(static_cast<double>(step.new_tokens_size()));
+      seq.core->MarkDrafterFedThrough(seq.pre_fed_to);
+      continue;
+    }
+    if (failed) {
+      // Not a reason to stop drafting the sequence: its next step drafts after the outcome.
+      seq.pre_sent = false;
+      continue;
+    }
+    // The service holds the new tokens it was sent (it takes those of a confirmed guess in, and
+    // keeps any others for the next draft), so they are not sent again.
+    seq.core->MarkDrafterFedThrough(seq.pre_fed_to);
+    // A late answer's sequence was served as a miss; the service resolves its guess against
+    // the next draft's new tokens like any other.
+    if (call.late) continue;
+    TokenTree tree = TreeFromProto(result.tree());
+    if (absl::Status valid = ValidateTree(tree, options_.limits.vocab_size);
+        !valid.ok() || TreeMaxDepth(tree) > seq.pre_shape.depth) {
+      SPECD_LOG(WARNING) << "draft service sent a bad pre-drafted tree for sequence " << seq.id;
+      tree = TokenTree();
+    }
+    seq.pre_tree = std::move(tree);
+    if (!seq.pre_tree.empty()) {
+      seq.pre_guess.assign(result.guess_tokens().begin(), result.guess_tokens().end());
+    }
+    seq.pre_node = result.guess_node();
+    seq.pre_more.clear();
+    for (const v1::PreDraftGuess& guess : result.more_guesses()) {
+      if (seq.pre_more.size() + 1 >= static_cast<size_t>(step.fan_out())) break;
+      TokenTree more = TreeFromProto(guess.tree());
+      if (!ValidateTree(more, options_.limits.vocab_size).ok() || more.empty() ||
+          TreeMaxDepth(more) > seq.pre_shape.depth) {
+        SPECD_LOG(WARNING) << "draft service sent a bad pre-drafted tree for sequence " << seq.id;
+        continue;
+      }
+      seq.pre_more.push_back({{guess.tokens().begin(), guess.tokens().end()}, std::move(more)});
+    }
+  }
+}
+
+}  // namespace specd
