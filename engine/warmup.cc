@@ -54,8 +54,6 @@ absl::StatusOr<WarmUpReport> WarmUpBackend(Backend& backend, const std::vector<i
     }
     report.rows.push_back(m);
   }
-  logits.clear();
-  logits.shrink_to_fit();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return report;
 }
