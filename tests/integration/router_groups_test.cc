@@ -30,6 +30,7 @@
 #include "services/router/group_pool.h"
 #include "services/router/router_metrics.h"
 #include "specd/v1/generation.grpc.pb.h"
+#include "tests/integration/router_cluster_fixture.h"
 #include "tests/testutil/random_checkpoint.h"
 #include "tests/testutil/service_process.h"
 #include "tests/testutil/test_pki.h"
@@ -38,6 +39,7 @@ namespace specd {
 namespace {
 
 namespace fs = std::filesystem;
+using router_cluster::EngineGreedy;
 
 struct Models {
   std::string dir, target, draft;
@@ -268,25 +270,6 @@ std::string PromptOf(int i) {
       "def fibonacci(n):",   "import numpy as np\n", "class Stack:\n    def", "for i in range(",
       "The quick brown fox", "SELECT * FROM",        "#include <stdio.h>",    "while True:\n"};
   return absl::StrCat(kSeeds[i % 8], " ", i);
-}
-
-// Target-only greedy decoding in this process, straight on the engine.
-std::vector<int32_t> EngineGreedy(Backend* target, const std::vector<int32_t>& prompt, int n,
-                                  SeqId seq) {
-  std::vector<int32_t> out;
-  EXPECT_TRUE(target->AddSequence(seq).ok());
-  VerifyItem item;
-  item.seq = seq;
-  item.pending = prompt;
-  for (int i = 0; i < n; ++i) {
-    absl::StatusOr<std::vector<VerifyOutcome>> o = target->Verify({item});
-    EXPECT_TRUE(o.ok()) << o.status();
-    if (!o.ok()) break;
-    out.push_back((*o)[0].tokens[0]);
-    item.pending = {(*o)[0].tokens[0]};
-  }
-  EXPECT_TRUE(target->RemoveSequence(seq).ok());
-  return out;
 }
 
 // Polls `value` until it equals `want` (10 s; the router names finished sequences to the
