@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 
 namespace specd {
@@ -53,22 +54,14 @@ const char* TreeSizeBucket(int nodes) {
 
 const char* ShapeReasonName(ShapeReason reason, bool none) {
   switch (reason) {
-    case ShapeReason::kPolicy:
-      return none ? "policy_off" : "policy";
-    case ShapeReason::kProbe:
-      return "probe";
-    case ShapeReason::kExplicit:
-      return "explicit";
-    case ShapeReason::kOff:
-      return "off";
-    case ShapeReason::kDraftDown:
-      return "draft_down";
-    case ShapeReason::kDraftBusy:
-      return "draft_busy";
-    case ShapeReason::kNoDrafter:
-      return "no_drafter";
-    case ShapeReason::kNoBudget:
-      return "no_budget";
+    case ShapeReason::kPolicy: return none ? "policy_off" : "policy";
+    case ShapeReason::kProbe: return "probe";
+    case ShapeReason::kExplicit: return "explicit";
+    case ShapeReason::kOff: return "off";
+    case ShapeReason::kDraftDown: return "draft_down";
+    case ShapeReason::kDraftBusy: return "draft_busy";
+    case ShapeReason::kNoDrafter: return "no_drafter";
+    case ShapeReason::kNoBudget: return "no_budget";
   }
   return "policy";
 }
@@ -160,6 +153,18 @@ double AcceptanceEstimate::ExpectedAccepted(const SpecShape& shape,
     expected += reach;
   }
   return expected;
+}
+
+void AcceptanceEstimate::ExpectedAcceptedChains(const PolicyOptions& options,
+                                                absl::Span<double> out) const {
+  // The same products and sums as ExpectedAccepted of each chain, so each value is bit for bit
+  // what it would return.
+  double reach = 1.0, expected = 0.0;
+  for (size_t d = 1; d <= out.size(); ++d) {
+    reach *= LevelRate(static_cast<int>(d), 1.0, options);
+    expected += reach;
+    out[d - 1] = expected;
+  }
 }
 
 // ---- CostModel ----
@@ -534,6 +539,11 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   std::vector<std::vector<SpecShape>> clamped(n);
   std::vector<std::vector<double>> gain(n);
   size_t free_count = 0;
+  int deepest_chain = 0;
+  for (const SpecShape& c : candidates) {
+    if (!c.none() && IsChain(c)) deepest_chain = std::max(deepest_chain, c.depth);
+  }
+  std::vector<double> chain_gain(deepest_chain);
   for (size_t i = 0; i < n; ++i) {
     const PolicySequence& s = batch[i];
     if (s.fixed) {
@@ -549,9 +559,19 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     }
     free[i] = 1;
     ++free_count;
+    clamped[i].reserve(candidates.size());
+    gain[i].reserve(candidates.size());
+    // Every chain candidate's expectation from one pass over the depths.
+    s.acceptance->ExpectedAcceptedChains(
+        acceptance_options,
+        absl::MakeSpan(chain_gain.data(), std::min(deepest_chain, s.max_depth)));
     for (const SpecShape& c : candidates) {
-      clamped[i].push_back(Clamp(c, s.max_depth));
-      gain[i].push_back(s.acceptance->ExpectedAccepted(clamped[i].back(), acceptance_options));
+      const SpecShape shape = Clamp(c, s.max_depth);
+      clamped[i].push_back(shape);
+      gain[i].push_back(!shape.none() && IsChain(shape) && Width(shape) <= 1.0 &&
+                                shape.depth <= std::min(deepest_chain, s.max_depth)
+                            ? chain_gain[shape.depth - 1]
+                            : s.acceptance->ExpectedAccepted(shape, acceptance_options));
     }
   }
 
@@ -575,12 +595,28 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       t.depth_count[std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1)] += sign;
     }
   };
+  // The search below prices thousands of candidate totals a step at 128 sequences, and the
+  // router pays for it on every step; most share their verify token count and draft call, so
+  // each cost is computed once per decision (the costs do not change during one).
+  absl::flat_hash_map<int64_t, double> verify_memo, draft_memo;
+  const double catch_up_token_s = costs_.CatchUpTokenSeconds();
   auto score = [&](const Totals& t) {
     const int step_tokens =
         VerifyStepTokens(options_.padded_rows, t.rows, t.tokens, t.longest_row());
-    const double time = costs_.VerifySeconds(t.rows, step_tokens) +
-                        costs_.DraftSeconds(t.drafting, t.levels(), t.draft_nodes, t.catch_up);
-    return PricedGoodput(t.emitted, time, t.tree_nodes, options_);
+    const int64_t verify_key = (static_cast<int64_t>(t.rows) << 32) | step_tokens;
+    auto v = verify_memo.try_emplace(verify_key, 0.0);
+    if (v.second) v.first->second = costs_.VerifySeconds(t.rows, step_tokens);
+    double draft = 0;
+    const int levels = t.levels();
+    if (t.drafting > 0 && levels > 0) {
+      // DraftSeconds is its call's cost plus catch-up tokens at a per-token price.
+      const int64_t draft_key = (static_cast<int64_t>(t.drafting) << 40) |
+                                (static_cast<int64_t>(levels) << 32) | t.draft_nodes;
+      auto d = draft_memo.try_emplace(draft_key, 0.0);
+      if (d.second) d.first->second = costs_.DraftSeconds(t.drafting, levels, t.draft_nodes);
+      draft = d.first->second + std::max(t.catch_up, 0.0) * catch_up_token_s;
+    }
+    return PricedGoodput(t.emitted, v.first->second + draft, t.tree_nodes, options_);
   };
   // choice[i]: index into candidates; -1 for sequences that are not free.
   auto totals_of = [&](const std::vector<int>& choice) {

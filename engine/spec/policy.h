@@ -135,6 +135,9 @@ class AcceptanceEstimate {
   void Observe(const SpecShape& shape, int accepted, const PolicyOptions& options);
   // Expected accepted draft tokens of `shape`.
   double ExpectedAccepted(const SpecShape& shape, const PolicyOptions& options) const;
+  // ExpectedAccepted of the chains of depth 1..out.size(), into out (the policy prices every
+  // chain candidate of every sequence each step).
+  void ExpectedAcceptedChains(const PolicyOptions& options, absl::Span<double> out) const;
   // Conditional acceptance at depth d (1-based) for a chain, from whichever samples exist.
   double ChainRate(int d, const PolicyOptions& options) const;
   // Verify outcomes observed (at depth 1).
