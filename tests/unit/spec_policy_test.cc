@@ -71,6 +71,25 @@ TEST(SpecPolicyTest, ExpectedAcceptedFollowsTheRates) {
   EXPECT_EQ(a.ExpectedAccepted(SpecShape(), o), 0.0);
 }
 
+TEST(SpecPolicyTest, ChainExpectationsInOnePassEqualEachChainsOwn) {
+  // Decide prices chains from ExpectedAcceptedChains; its decisions stay those of
+  // ExpectedAccepted only if every value is bit for bit the same.
+  PolicyOptions o;
+  for (double rate : {0.05, 0.5, 0.93}) {
+    const AcceptanceEstimate a = Acceptance(rate, o);
+    std::vector<double> chains(AcceptanceEstimate::kMaxDepth);
+    a.ExpectedAcceptedChains(o, absl::MakeSpan(chains));
+    for (int d = 1; d <= AcceptanceEstimate::kMaxDepth; ++d) {
+      EXPECT_EQ(chains[d - 1], a.ExpectedAccepted(SpecShape{d, 1, d}, o)) << rate << " " << d;
+    }
+  }
+  // Never sampled: the prior.
+  const AcceptanceEstimate fresh;
+  std::vector<double> chains(3);
+  fresh.ExpectedAcceptedChains(o, absl::MakeSpan(chains));
+  EXPECT_EQ(chains[2], fresh.ExpectedAccepted(SpecShape{3, 1, 3}, o));
+}
+
 TEST(SpecPolicyTest, PicksNoneWhenVerifyCostGrowsSteeplyWithTokens) {
   PolicyOptions o;
   GoodputPolicy policy(o);
