@@ -18,12 +18,14 @@
 //    accepted, then a bonus token), as bench/draft_step_bench.cc does on the CPU.
 //
 // --graphs both|on|off runs each table with CUDA graphs on and/or off; --tp N shards the model
-// over GPUs 0..N-1 (rank 0 ranks the gathered rows).
+// over GPUs 0..N-1 (rank 0 ranks the gathered rows). --device cpu runs the same tables on the
+// CPU backend (a check of the harness; the kernel column is then 0).
 //
 // Run (GPU host; a random 1B checkpoint from bench/tools/make_random_checkpoint.py or the draft
 // of `specd-make-synthetic-pair --shape llama-3.2-1b`):
 //   cuda_draft_step_bench --model /tmp/specd-llama-3.2-1b [--seqs 1,8,32] [--depth 4]
 //       [--top_k 4] [--max_nodes 16] [--context 512] [--runs 20] [--graphs both|on|off] [--tp N]
+//       [--device cuda:0|cpu]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -68,6 +70,7 @@ std::vector<int> Ints(const std::string& s) {
 
 struct Config {
   int depth = 4, top_k = 4, max_nodes = 16, context = 512, runs = 20;
+  bool gpu = true;  // the top-k kernel column is measured on CUDA device 0
 };
 
 // The top-k kernel alone over [rows, vocab] random fp32 logits: median device milliseconds.
@@ -187,7 +190,7 @@ bool LevelTable(Backend* b, SeqId first, int seqs, const Config& c, const char* 
     if (!RunLevels(b, first, seqs, c, false, timed ? &plain_ms : &unused, &rows)) return false;
   }
   for (int d = 0; d < c.depth; ++d) {
-    const double kernel = TopKKernelMs(rows[d], vocab, c.top_k);
+    const double kernel = c.gpu ? TopKKernelMs(rows[d], vocab, c.top_k) : 0.0;
     const double t = Median(topk_ms[d]), f = Median(plain_ms[d]);
     const double model = std::max(t - kernel, 1e-9);
     std::printf("| %s | %d | %d | %lld | %.3f | %.3f | %.3f | %.1f%% | %.2fx |\n", graphs, seqs, d,
@@ -258,7 +261,7 @@ bool StepTable(Backend* b, SeqId first, int seqs, const Config& c, const char* g
 }
 
 int Main(int argc, char** argv) {
-  std::string model, graphs_mode = "both";
+  std::string model, graphs_mode = "both", device = "cuda:0";
   std::vector<int> seqs = {1, 8, 32};
   int tp = 1;
   Config c;
@@ -280,6 +283,8 @@ int Main(int argc, char** argv) {
       c.runs = std::max(1, std::atoi(value.c_str()));
     } else if (flag == "--graphs") {
       graphs_mode = value;
+    } else if (flag == "--device") {
+      device = value;
     } else if (flag == "--tp") {
       tp = std::max(1, std::atoi(value.c_str()));
     } else {
@@ -291,12 +296,13 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: cuda_draft_step_bench --model DIR [--seqs 1,8,32] [--depth 4] "
                  "[--top_k 4] [--max_nodes 16] [--context 512] [--runs 20] "
-                 "[--graphs both|on|off] [--tp N]\n");
+                 "[--graphs both|on|off] [--tp N] [--device cuda:0|cpu]\n");
     return 2;
   }
   const int most = *std::max_element(seqs.begin(), seqs.end());
   BackendOptions opts;
-  opts.device = "cuda:0";
+  opts.device = device;
+  c.gpu = device != "cpu";
   opts.tensor_parallel = tp;
   // The level table's sequences and the step table's, which grow by 3 tokens a step.
   opts.kv_capacity_tokens =
@@ -317,11 +323,11 @@ int Main(int argc, char** argv) {
   if (graphs_mode != "off") modes.push_back(true);
   if (graphs_mode != "on") modes.push_back(false);
   cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
+  if (c.gpu) cudaGetDeviceProperties(&prop, 0);
   const ModelConfig& m = b.config();
   std::printf("# %s, %s, TP=%d: %d layers, hidden %lld, vocab %d; context %d, depth %d, top_k %d\n",
-              model.c_str(), prop.name, tp, m.num_layers, static_cast<long long>(m.hidden_size),
-              m.vocab_size, c.context, c.depth, c.top_k);
+              model.c_str(), c.gpu ? prop.name : "cpu", tp, m.num_layers,
+              static_cast<long long>(m.hidden_size), m.vocab_size, c.context, c.depth, c.top_k);
   std::printf(
       "\n## Per level (ms, medians of %d): Forward = full rows to the host, ForwardTopK = forward "
       "and top-k in one graph, kernel = the top-k alone\n\n",
