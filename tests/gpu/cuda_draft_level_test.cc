@@ -8,7 +8,8 @@
 //    the fp64 sums run in another order);
 //  - repeated draft levels replay graphs (execution_counts()) and launch nothing eagerly;
 //  - the tensor-parallel group (two GPUs, skipped on a smaller host) ranks the gathered rows on
-//    rank 0 with the same results as its own Forward() and a host top-k, graphs replayed too.
+//    rank 0 with the same results as its own Forward() and a host top-k, graphs replayed too,
+//    and the drafter's trees over it equal those of the host path, step after step.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +23,7 @@
 #include "absl/types/span.h"
 #include "engine/backend.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/draft/draft_model_drafter.h"
 #include "engine/topk.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/testutil/hf_fixtures.h"
@@ -230,6 +232,47 @@ TEST_F(CudaTpDraftLevelTest, RankZeroRanksTheGatheredRows) {
     std::vector<std::vector<float>> logits;
     RunLevels(model, k, nullptr, &logits);
     ExpectHostTopK(pass[3], logits, vocab, "tp 2");
+  }
+}
+
+// The drafter's trees over the group: from the ranks' device top-k (backend_topk) equal to
+// those from the group's full rows and a host top-k, on the same backend.
+TEST_F(CudaTpDraftLevelTest, DrafterTreesMatchTheHostPath) {
+  BackendOptions opts;
+  opts.device = "cuda:0";
+  opts.tensor_parallel = 2;
+  opts.kv_capacity_tokens = 8192;
+  absl::StatusOr<std::unique_ptr<Backend>> loaded = CreateBackend(DraftDir(), opts);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  DraftModelDrafter device(loaded->get(), {true, true}), host(loaded->get(), {false, true});
+  std::vector<DraftRequest> on_device, on_host;
+  for (int s = 0; s < 8; ++s) {
+    DraftRequest r;
+    r.seq = s + 1;
+    for (int i = 0; i < 5 + s; ++i) r.new_tokens.push_back(100 + 13 * i + s);
+    r.params = {4, 1 + s % 4, 4 + 3 * s};
+    on_device.push_back(r);
+    ASSERT_TRUE(device.AddSequence(r.seq).ok());
+    r.seq += 100;
+    on_host.push_back(r);
+    ASSERT_TRUE(host.AddSequence(r.seq).ok());
+  }
+  for (int step = 0; step < 3; ++step) {
+    absl::StatusOr<std::vector<TokenTree>> got = device.Draft(on_device);
+    absl::StatusOr<std::vector<TokenTree>> want = host.Draft(on_host);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (size_t i = 0; i < on_device.size(); ++i) {
+      EXPECT_EQ((*got)[i].tokens, (*want)[i].tokens) << "step " << step << " seq " << i;
+      EXPECT_EQ((*got)[i].parents, (*want)[i].parents) << "step " << step << " seq " << i;
+      // The next step: the first root child accepted, then a bonus token.
+      const int32_t node = (*want)[i].tokens.empty() ? -1 : 0;
+      std::vector<int32_t> next;
+      if (node == 0) next.push_back((*want)[i].tokens[0]);
+      next.push_back(200 + 17 * step + static_cast<int32_t>(i));
+      on_device[i].new_tokens = on_host[i].new_tokens = next;
+      on_device[i].accepted_node = on_host[i].accepted_node = node;
+    }
   }
 }
 
