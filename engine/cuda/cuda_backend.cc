@@ -254,65 +254,83 @@ absl::Status CudaBackend::ForwardLaidOut(absl::Span<const ForwardItem> items,
 
 absl::Status CudaBackend::ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) {
   SPECD_RETURN_IF_ERROR_(CheckForwardTopK(k, out));
-  // A rank of a group holds a slice of the vocabulary: the whole rows' top-k would need the
-  // slices' lists merged across ranks, so the group takes the host path.
   SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
-  StepLayout layout;
-  SPECD_RETURN_IF_ERROR_(table_->PrepareForward(items, &layout));
-  const int64_t vocab = config_.vocab_size;
-  out->k = static_cast<int>(std::min<int64_t>(k, vocab));
+  out->k = static_cast<int>(std::min<int64_t>(k, config_.vocab_size));
   out->ids.clear();
   out->logprobs.clear();
+  // PrepareForward validates the whole batch before changing anything.
+  StepLayout layout;
+  SPECD_RETURN_IF_ERROR_(table_->PrepareForward(items, &layout));
   if (items.empty()) return absl::OkStatus();
+  return ForwardTopKLaidOut(items, layout, out->k, out);
+}
+
+absl::Status CudaBackend::EnsureHostOut(size_t count) {
+  if (host_out_count_ >= count) return absl::OkStatus();
+  // Every step ends with a stream synchronisation, so no copy still targets the old buffer.
+  if (host_out_ != nullptr) cudaFreeHost(host_out_);
+  host_out_ = nullptr;
+  host_out_count_ = 0;
+  void* p = nullptr;
+  SPECD_CUDA_RETURN_(cudaMallocHost(&p, count * sizeof(int32_t)), "allocating pinned host memory");
+  host_out_ = static_cast<int32_t*>(p);
+  host_out_count_ = count;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ForwardTopKLaidOut(absl::Span<const ForwardItem> items,
+                                             const StepLayout& layout, int k, TopKRows* out) {
+  SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
+  std::vector<int64_t> item_tokens;
+  for (const ForwardItem& it : items) {
+    item_tokens.push_back(static_cast<int64_t>(std::max(it.tokens.size(), it.logit_rows.size())));
+  }
   CudaStep step;
-  SPECD_RETURN_IF_ERROR_(PrepareForward(items, layout, &step));
-  const cudaStream_t stream = forward_->stream();
-  CudaForward::Buffers& buf = forward_->buffers();
-  // The requested rows among the step's (padded steps interleave unused ones),
-  // uploaded with the step's metadata, before the forward is launched: the
-  // forward (a graph for bucketed steps) and the top-k then run back to back
-  // with no host synchronisation until the [n, k] results are read.
+  step.topk_k = k;
+  StepPacker pack;
+  PlanForward(items, layout, item_tokens, &step, &pack);
+  // The level's rows: the requested ones in order, then the step's others (padding, rows
+  // nobody asked for), so that the top-k's launch depends on the bucket and k alone and a
+  // repeated level replays one graph whatever its rows; the extra rows' results stay on the
+  // device. The list travels in the step's one metadata copy.
   std::vector<int32_t> rows;
+  rows.reserve(step.R);
+  std::vector<char> requested(step.R, 0);
   for (size_t b = 0; b < items.size(); ++b) {
-    for (size_t j = 0; j < items[b].logit_rows.size(); ++j)
-      rows.push_back(static_cast<int32_t>(step.item_row_begin[b] + j));
+    for (size_t j = 0; j < items[b].logit_rows.size(); ++j) {
+      const int64_t r = step.item_row_begin[b] + static_cast<int64_t>(j);
+      rows.push_back(static_cast<int32_t>(r));
+      requested[r] = 1;
+    }
   }
   const int64_t n = static_cast<int64_t>(rows.size());
-  // [n] row index, then [n, k] ids and [n, k] logprobs, copied back in one go.
-  const size_t index_bytes = (n * sizeof(int32_t) + 15) / 16 * 16;
-  const size_t result_bytes = n * out->k * (sizeof(int32_t) + sizeof(float));
-  SPECD_RETURN_IF_ERROR_(forward_->Ensure(&buf.topk, index_bytes + result_bytes));
-  char* base = static_cast<char*>(buf.topk.ptr);
-  if (n > 0) {
-    SPECD_CUDA_RETURN_(
-        cudaMemcpyAsync(base, rows.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
-        "uploading top-k rows");
+  for (int64_t r = 0; r < step.R; ++r) {
+    if (!requested[r]) rows.push_back(static_cast<int32_t>(r));
   }
+  step.topk_rows = static_cast<int64_t>(rows.size());
+  if (step.topk_rows == 0) step.topk_k = 0;
+  step.o_topk_rows = pack.Add(rows);
+  SPECD_RETURN_IF_ERROR_(forward_->PrepareBuffers(step, pack.bytes().size()));
+  SPECD_RETURN_IF_ERROR_(forward_->UploadMeta(pack));
+  // The forward and the top-k: one graph for a bucketed step.
   SPECD_RETURN_IF_ERROR_(Execute(step));
-  if (n == 0) {
+  const cudaStream_t stream = forward_->stream();
+  if (out == nullptr || n == 0) {
     SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream), "forward pass");
     return absl::OkStatus();
   }
-  cuda::TopKLogprobsParams p;
-  p.logits = static_cast<const float*>(buf.logits.ptr);
-  p.logits_stride = forward_->vocab_rows();
-  p.row_index = reinterpret_cast<const int32_t*>(base);
-  p.num_rows = n;
-  p.vocab_size = vocab;
-  p.k = out->k;
-  p.ids = reinterpret_cast<int32_t*>(base + index_bytes);
-  p.logprobs = reinterpret_cast<float*>(p.ids + n * out->k);
-  SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream), "top-k launch");
-  std::vector<char> host(result_bytes);
-  SPECD_CUDA_RETURN_(cudaMemcpyAsync(host.data(), base + index_bytes, result_bytes,
-                                     cudaMemcpyDeviceToHost, stream),
+  // One copy down: [topk_rows, k] ids then [topk_rows, k] log-probabilities, of which the
+  // first n rows of each are the requested ones.
+  const size_t words = 2 * static_cast<size_t>(step.topk_rows) * k;
+  SPECD_RETURN_IF_ERROR_(EnsureHostOut(words));
+  SPECD_CUDA_RETURN_(cudaMemcpyAsync(host_out_, forward_->buffers().topk.ptr,
+                                     words * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
                      "copying top-k rows");
   SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream), "forward pass");
-  out->ids.resize(n * out->k);
-  out->logprobs.resize(n * out->k);
-  std::memcpy(out->ids.data(), host.data(), out->ids.size() * sizeof(int32_t));
-  std::memcpy(out->logprobs.data(), host.data() + out->ids.size() * sizeof(int32_t),
-              out->logprobs.size() * sizeof(float));
+  const size_t n_words = static_cast<size_t>(n) * k;
+  out->ids.assign(host_out_, host_out_ + n_words);
+  const float* lps = reinterpret_cast<const float*>(host_out_ + words / 2);
+  out->logprobs.assign(lps, lps + n_words);
   return absl::OkStatus();
 }
 
@@ -485,16 +503,7 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
                                        cudaMemcpyDeviceToHost, stream),
                        "copying logprobs");
   }
-  if (host_out_count_ < out_count) {
-    if (host_out_ != nullptr) cudaFreeHost(host_out_);
-    host_out_ = nullptr;
-    host_out_count_ = 0;
-    void* p = nullptr;
-    SPECD_CUDA_RETURN_(cudaMallocHost(&p, out_count * sizeof(int32_t)),
-                       "allocating pinned outcome memory");
-    host_out_ = static_cast<int32_t*>(p);
-    host_out_count_ = out_count;
-  }
+  SPECD_RETURN_IF_ERROR_(EnsureHostOut(out_count));
   SPECD_CUDA_RETURN_(cudaMemcpyAsync(host_out_, At<int32_t>(buf.meta.ptr, step.o_out),
                                      out_count * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
                      "copying verify outcomes");

@@ -36,8 +36,8 @@
 // 257 tokens a sequence is padded to a bucket -- batch 1, 2, 4, ..., 64 times 1, 2, 3, 5, 9, ...,
 // 257 tokens a sequence (the pending token and a tree of up to 2^k nodes) -- and from its second
 // use on replays a graph captured for that bucket: one metadata copy up, one graph launch, one
-// copy of the logits or outcomes down. Padding rows write no KV (slot -1), read only, and are
-// never sampled into an outcome. Prefill-sized steps run eagerly.
+// copy of the logits, top-k rows or outcomes down. Padding rows write no KV (slot -1), read only,
+// and are never sampled into an outcome. Prefill-sized steps run eagerly.
 //
 // Tensor parallelism (engine/cuda/cuda_tp_backend.h). Given a CudaTpRank, the backend is one
 // rank of a group: it loads only its slice of the checkpoint (engine/tp/tp_plan.h: query heads,
@@ -106,9 +106,10 @@ class CudaBackend : public Backend {
   bool HasSequence(SeqId seq) const override;
   absl::StatusOr<int64_t> CommittedLength(SeqId seq) const override;
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
-  // The rows' top-k by kernels/cuda/topk.cu, so only [rows, k] ids and log-probabilities reach
-  // the host. (A group takes the host path over its Forward(): a rank holds a slice of each
-  // row.)
+  // The rows' top-k by kernels/cuda/topk.cu, launched after the LM head inside the step's CUDA
+  // graph (a bucketed step replays forward and top-k as one graph keyed by bucket and k), the
+  // level's metadata and row list in one copy up, [rows, k] ids and log-probabilities in one
+  // copy down, one synchronisation.
   absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
@@ -145,6 +146,11 @@ class CudaBackend : public Backend {
   // the caller sized (the other ranks write the other columns at the same time).
   absl::Status ForwardColumns(absl::Span<const ForwardItem> items, const StepLayout& layout,
                               float* logits);
+  // ForwardTopK() of a laid out step (PagedKvTable::PrepareForward of `items`), k already
+  // capped at the vocabulary. On a rank of a group every rank calls it: the ranks all-gather
+  // their logits and rank 0 ranks the whole rows and fills `out` (the others pass null).
+  absl::Status ForwardTopKLaidOut(absl::Span<const ForwardItem> items, const StepLayout& layout,
+                                  int k, TopKRows* out);
   // Copies K/V of physical slots src[i] to dst[i], in order (PagedKvTable::PrepareCommit's).
   absl::Status CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst);
   // A verify step of items that SamplesOnDevice() (and, on a rank, ask no logprobs), validated
@@ -205,6 +211,8 @@ class CudaBackend : public Backend {
   // ForwardToHost() of a laid out step, this rank's columns.
   absl::Status ForwardLaidOut(absl::Span<const ForwardItem> items, const StepLayout& layout,
                               float* logits);
+  // Grows host_out_ to at least `count` int32 words.
+  absl::Status EnsureHostOut(size_t count);
   // Verify() of items that VerifiesOnDevice(): PrepareVerify, RunVerify and CommitVerify on
   // this backend's table.
   absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnDevice(absl::Span<const VerifyItem> items);
@@ -222,7 +230,7 @@ class CudaBackend : public Backend {
   // CUDA graphs, keyed by everything their launches take by value (CudaGraphKey).
   bool graphs_enabled_ = false;
   CudaGraphCache graphs_;
-  // Pinned host memory: the verify outcomes on their way down.
+  // Pinned host memory: the verify outcomes or the top-k rows on their way down.
   int32_t* host_out_ = nullptr;
   size_t host_out_count_ = 0;
   // SetPhaseTiming: events around a verify step's device work (created on first use) and the

@@ -20,6 +20,7 @@
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/cuda/swiglu.h"
+#include "specd/kernels/cuda/topk.h"
 #include "specd/kernels/cuda/tree_accept.h"
 #include "specd/kernels/cuda/tree_attention.h"
 
@@ -258,11 +259,16 @@ absl::Status CudaForward::PrepareBuffers(const CudaStep& step, size_t meta_bytes
     const size_t cand = sizeof(cuda::SampleCandidate);
     SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.cand_local, R * cand));
     SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.cand_all, world_ * R * cand));
-    if (step.gather_logits) {
-      SPECD_RETURN_IF_ERROR_(
-          Ensure(&buffers_.gathered, world_ * R * vocab_rows_max_ * sizeof(float)));
-      SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.full_logits, R * c.vocab_size * sizeof(float)));
-    }
+  }
+  if (world_ > 1 && ((step.verify && step.gather_logits) || step.topk_k > 0)) {
+    SPECD_RETURN_IF_ERROR_(
+        Ensure(&buffers_.gathered, world_ * R * vocab_rows_max_ * sizeof(float)));
+    SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.full_logits, R * c.vocab_size * sizeof(float)));
+  }
+  if (step.topk_k > 0) {
+    SPECD_RETURN_IF_ERROR_(Ensure(
+        &buffers_.topk,
+        static_cast<size_t>(step.topk_rows) * step.topk_k * (sizeof(int32_t) + sizeof(float))));
   }
   return absl::OkStatus();
 }
@@ -473,6 +479,7 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
   SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_), "gathering logit rows");
   SPECD_RETURN_IF_ERROR_(Gemm(static_cast<bf16*>(buffers_.last.ptr), weights_.lm_head(), nullptr,
                               buffers_.logits.ptr, true, R, vocab_rows_, H));
+  if (step.topk_k > 0) return EnqueueTopK(step);
   if (!step.verify) return absl::OkStatus();
 
   // Verify: sample every row, accept along each tree, compact the accepted KV.
@@ -547,27 +554,57 @@ absl::Status CudaForward::SampleRows(const CudaStep& step, int32_t* tokens) {
     return absl::OkStatus();
   }
   if (world_ > 1) {
-    // Top-k / top-p need the whole row: gather every rank's [R, rows_r]
-    // logits (at a common stride) and lay them side by side.
-    const size_t stride = static_cast<size_t>(R) * vocab_rows_max_;
-    SPECD_RETURN_IF_ERROR_(
-        tp_.nccl->AllGather(tp_.rank, static_cast<const float*>(buffers_.logits.ptr),
-                            static_cast<float*>(buffers_.gathered.ptr), stride, stream_));
-    float* full = static_cast<float*>(buffers_.full_logits.ptr);
-    for (int r = 0; r < world_; ++r) {
-      const TpRange v = tp_.plan->ranks[r].vocab;
-      SPECD_CUDA_RETURN_(
-          cudaMemcpy2DAsync(full + v.begin, vocab * sizeof(float),
-                            static_cast<const float*>(buffers_.gathered.ptr) + r * stride,
-                            v.size() * sizeof(float), v.size() * sizeof(float), R,
-                            cudaMemcpyDeviceToDevice, stream_),
-          "placing gathered logits");
-    }
-    sp.logits = full;
+    // Top-k / top-p need the whole row.
+    SPECD_RETURN_IF_ERROR_(GatherLogits(step, /*place=*/true));
+    sp.logits = static_cast<const float*>(buffers_.full_logits.ptr);
     sp.logits_stride = vocab;
     sp.vocab_size = vocab;
   }
   SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::GatherLogits(const CudaStep& step, bool place) {
+  // Every rank's [R, rows_r] logits at a common stride, then side by side.
+  const int64_t R = step.R, vocab = config_.vocab_size;
+  const size_t stride = static_cast<size_t>(R) * vocab_rows_max_;
+  SPECD_RETURN_IF_ERROR_(
+      tp_.nccl->AllGather(tp_.rank, static_cast<const float*>(buffers_.logits.ptr),
+                          static_cast<float*>(buffers_.gathered.ptr), stride, stream_));
+  if (!place) return absl::OkStatus();
+  float* full = static_cast<float*>(buffers_.full_logits.ptr);
+  for (int r = 0; r < world_; ++r) {
+    const TpRange v = tp_.plan->ranks[r].vocab;
+    SPECD_CUDA_RETURN_(
+        cudaMemcpy2DAsync(full + v.begin, vocab * sizeof(float),
+                          static_cast<const float*>(buffers_.gathered.ptr) + r * stride,
+                          v.size() * sizeof(float), v.size() * sizeof(float), R,
+                          cudaMemcpyDeviceToDevice, stream_),
+        "placing gathered logits");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::EnqueueTopK(const CudaStep& step) {
+  const int64_t vocab = config_.vocab_size;
+  cuda::TopKLogprobsParams p;
+  p.logits = static_cast<const float*>(buffers_.logits.ptr);
+  p.logits_stride = vocab_rows_;
+  if (world_ > 1) {
+    // A rank holds a slice of each row: the whole rows meet on rank 0, which alone ranks them
+    // (the others only contribute to the collective).
+    SPECD_RETURN_IF_ERROR_(GatherLogits(step, /*place=*/tp_.rank == 0));
+    if (tp_.rank != 0) return absl::OkStatus();
+    p.logits = static_cast<const float*>(buffers_.full_logits.ptr);
+    p.logits_stride = vocab;
+  }
+  p.row_index = At<int32_t>(buffers_.meta.ptr, step.o_topk_rows);
+  p.num_rows = step.topk_rows;
+  p.vocab_size = vocab;
+  p.k = step.topk_k;
+  p.ids = static_cast<int32_t*>(buffers_.topk.ptr);
+  p.logprobs = reinterpret_cast<float*>(p.ids + step.topk_rows * step.topk_k);
+  SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream_), "top-k");
   return absl::OkStatus();
 }
 

@@ -81,8 +81,9 @@ class CudaForward {
     Scratch attn_ws;    // split-KV workspace
     Scratch sample_ws;  // split-vocabulary sampling workspace (SampleWorkspaceBytes)
     Scratch verify;     // Commit()'s slot lists
-    // ForwardTopK(): row index, ids, log-probabilities; Verify() logprobs: the same, then the
-    // sampled tokens' log-probabilities and ranks.
+    // ForwardTopK(): [step.topk_rows, k] int32 ids, then [step.topk_rows, k] fp32
+    // log-probabilities (EnqueueTopK); Verify() logprobs: the row index, ids,
+    // log-probabilities, then the sampled tokens' log-probabilities and ranks.
     Scratch topk;
     // Tensor parallel verify: this rank's candidates [R] and everyone's [world, R]
     // (cuda::SampleCandidate); or everyone's logits [world, R, vocab_rows_max()] fp32 and the
@@ -123,8 +124,9 @@ class CudaForward {
   absl::Status PrepareBuffers(const CudaStep& step, size_t meta_bytes);
   // Copies the packed metadata up through pinned memory (asynchronously, on stream()).
   absl::Status UploadMeta(const StepPacker& pack);
-  // Enqueues the model (and for a verify step sampling, acceptance and compaction) on stream();
-  // leaves [step.R, vocab_rows()] fp32 logits in buffers().logits. Allocates nothing,
+  // Enqueues the model (and for a verify step sampling, acceptance and compaction; for a
+  // top-k step, step.topk_k > 0, the rows' top-k into buffers().topk) on stream(); leaves
+  // [step.R, vocab_rows()] fp32 logits in buffers().logits. Allocates nothing,
   // synchronises nothing and reads nothing back, so that it can be captured into a CUDA graph.
   absl::Status Enqueue(const CudaStep& step);
   // Copies K/V of physical slots src[i] to dst[i], in order, in every layer (on stream()).
@@ -153,6 +155,12 @@ class CudaForward {
                           cuda::DeadRows dead0 = {}, cuda::DeadRows dead1 = {});
   // Turns the [R, local vocab] logits into sampled tokens (verify steps).
   absl::Status SampleRows(const CudaStep& step, int32_t* tokens);
+  // Tensor parallel: all-gathers every rank's [R, rows_r] logits into buffers_.gathered and,
+  // when `place`, lays them side by side as whole rows in buffers_.full_logits ([R, vocab]).
+  absl::Status GatherLogits(const CudaStep& step, bool place);
+  // The top-k of a ForwardTopK() step's rows (step.topk_k > 0) into buffers_.topk; under
+  // tensor parallelism on rank 0 only, over the gathered rows.
+  absl::Status EnqueueTopK(const CudaStep& step);
   // l2_discard_, for a step of step.T tokens.
   bool DropDead(const CudaStep& step) const;
 

@@ -317,7 +317,10 @@ std::vector<int64_t> CudaGraphKey(const CudaStep& step) {
           static_cast<int64_t>(step.o_seq_rows),
           static_cast<int64_t>(step.o_base_slot),
           static_cast<int64_t>(step.o_sampled),
-          static_cast<int64_t>(step.o_out)};
+          static_cast<int64_t>(step.o_out),
+          step.topk_k,
+          step.topk_rows,
+          static_cast<int64_t>(step.o_topk_rows)};
 }
 
 }  // namespace specd

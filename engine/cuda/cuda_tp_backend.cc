@@ -115,6 +115,25 @@ absl::Status CudaTensorParallelBackend::Forward(absl::Span<const ForwardItem> it
   return s;
 }
 
+absl::Status CudaTensorParallelBackend::ForwardTopK(absl::Span<const ForwardItem> items, int k,
+                                                    TopKRows* out) {
+  if (absl::Status s = CheckForwardTopK(k, out); !s.ok()) return s;
+  out->k = std::min(k, config().vocab_size);
+  out->ids.clear();
+  out->logprobs.clear();
+  StepLayout layout;
+  if (absl::Status s = table_->PrepareForward(items, &layout); !s.ok()) return s;
+  if (items.empty()) return absl::OkStatus();
+  absl::Status s = workers_.Run([&](int r) {
+    return ranks_[r]->ForwardTopKLaidOut(items, layout, out->k, r == 0 ? out : nullptr);
+  });
+  if (!s.ok()) {
+    out->ids.clear();
+    out->logprobs.clear();
+  }
+  return s;
+}
+
 absl::Status CudaTensorParallelBackend::Commit(SeqId seq, absl::Span<const int32_t> path) {
   std::vector<int64_t> src, dst;
   if (absl::Status s = table_->PrepareCommit(seq, path, &src, &dst); !s.ok()) return s;

@@ -58,6 +58,9 @@ class CudaTensorParallelBackend : public Backend {
     return table_->CommittedLength(seq);
   }
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
+  // The ranks all-gather their vocabulary slices on the device and rank 0 ranks the whole rows
+  // (CudaBackend::ForwardTopKLaidOut), so only [rows, k] reach the host.
+  absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_->Usage(); }
   bool pads_rows() const override { return ranks_[0]->pads_rows(); }

@@ -12,9 +12,9 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(Backend* target, Dr
                                                              GeneratorOptions options) {
   if (target == nullptr) return absl::InvalidArgumentError("target: null backend");
   if (drafter != nullptr && drafter->vocab_size() != target->config().vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "drafter: vocab_size ", drafter->vocab_size(), " differs from the target's ",
-        target->config().vocab_size));
+    return absl::InvalidArgumentError(absl::StrCat("drafter: vocab_size ", drafter->vocab_size(),
+                                                   " differs from the target's ",
+                                                   target->config().vocab_size));
   }
   return std::unique_ptr<Generator>(new Generator(target, drafter, std::move(options)));
 }
@@ -102,7 +102,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
   std::vector<size_t> active(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) active[i] = i;
   std::vector<DraftRequest> draft_requests;
-  std::vector<size_t> drafted;  // request index of each draft request
+  std::vector<size_t> drafted;                    // request index of each draft request
   std::vector<int> tree_of(requests.size(), -1);  // index into `trees` per request
   std::vector<VerifyItem> verify_items;
   std::vector<PolicySequence> plan_inputs;
@@ -113,6 +113,12 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
   std::vector<std::vector<float>> taps(requests.size());
   std::vector<int64_t> taps_first(requests.size(), 0);
   std::vector<int64_t> committed_before;
+  // Per request: the deepest node of its last verified tree that the target accepted (-1 none),
+  // reported with its next draft step so that a drafter keeping that step's KV commits the
+  // accepted path instead of feeding it again (DraftRequest::accepted_node, as the router
+  // reports it); kNoOutcome after a step without a tree from the drafter.
+  std::vector<int32_t> draft_outcome(requests.size(), DraftRequest::kNoOutcome);
+  std::vector<char> verified_draft;  // per active request: its tree came from the drafter
   while (!active.empty()) {
     // Plan: every sequence's shape for this step, from one decision over the whole batch.
     plan_inputs.clear();
@@ -135,9 +141,12 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
     for (size_t a = 0; a < active.size(); ++a) {
       const size_t i = active[a];
       states[i].Plan(plan.shapes[a], plan.reasons[a]);
+      const int32_t outcome = draft_outcome[i];
+      draft_outcome[i] = DraftRequest::kNoOutcome;
       if (plan.shapes[a].none()) continue;
       DraftRequest d;
       d.seq = ids[i];
+      d.accepted_node = outcome;
       const absl::Span<const int32_t> fresh = states[i].DrafterPending();
       d.new_tokens.assign(fresh.begin(), fresh.end());
       d.params = DraftParams{plan.shapes[a].depth, plan.shapes[a].top_k, plan.shapes[a].max_nodes};
@@ -170,6 +179,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
 
     verify_items.assign(active.size(), VerifyItem());
     committed_before.assign(active.size(), 0);
+    verified_draft.assign(active.size(), 0);
     for (size_t a = 0; a < active.size(); ++a) {
       const size_t i = active[a];
       VerifyItem& v = verify_items[a];
@@ -181,7 +191,10 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       const absl::Span<const int32_t> pending = states[i].TargetPending();
       v.pending.assign(pending.begin(), pending.end());
       v.sampling = sampling[i];
-      if (tree_of[i] >= 0) v.tree = std::move(trees[tree_of[i]]);
+      if (tree_of[i] >= 0) {
+        v.tree = std::move(trees[tree_of[i]]);
+        verified_draft[a] = 1;
+      }
       tree_of[i] = -1;
       v.logprobs = requests[i].logprobs;
       v.logprobs_mode = requests[i].logprobs_mode;
@@ -216,6 +229,9 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       const size_t i = active[a];
       const VerifyOutcome& outcome = (*outcomes)[a];
       const absl::Span<const int32_t> emitted = states[i].Apply(outcome, verify_items[a].tree);
+      if (verified_draft[a]) {
+        draft_outcome[i] = outcome.accepted_nodes.empty() ? -1 : outcome.accepted_nodes.back();
+      }
       if (!outcome.taps.empty()) {
         if (taps[i].empty()) taps_first[i] = committed_before[a];
         taps[i].insert(taps[i].end(), outcome.taps.begin(), outcome.taps.end());

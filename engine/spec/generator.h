@@ -3,7 +3,9 @@
 // Each step plans every active sequence's tree shape (the goodput policy for requests with
 // auto_shape, the request's own shape otherwise), drafts one tree for every sequence that
 // speculates in one Drafter::Draft() call, verifies all of them in one Backend::Verify() call,
-// and applies each outcome with SequenceState (stop logic, acceptance, statistics). Without a
+// and applies each outcome with SequenceState (stop logic, acceptance, statistics); the next
+// draft step reports each tree's accepted node to the drafter, as the router does, so a drafter
+// that keeps its KV commits the accepted path instead of feeding it again. Without a
 // drafter (or for a request with speculate = false) a step is Verify() with an empty tree: plain
 // target-only decoding through the same sampler, which is why speculative output equals
 // target-only output token for token (docs/architecture.md, lossless verification).

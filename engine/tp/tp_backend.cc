@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "engine/topk.h"
 
 namespace specd {
 
@@ -131,6 +132,33 @@ absl::Status TensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
   TpRankExecutor::Output out;
   out.logits = logits->data();
   return RunStep(layout, out);
+}
+
+absl::Status TensorParallelBackend::ForwardTopK(absl::Span<const ForwardItem> items, int k,
+                                                TopKRows* out) {
+  if (absl::Status s = CheckForwardTopK(k, out); !s.ok()) return s;
+  const int64_t vocab = config_.vocab_size;
+  out->k = static_cast<int>(std::min<int64_t>(k, vocab));
+  out->ids.clear();
+  out->logprobs.clear();
+  StepLayout layout;
+  if (absl::Status s = table_.PrepareForward(items, &layout); !s.ok()) return s;
+  if (items.empty()) return absl::OkStatus();
+  const int64_t rows = static_cast<int64_t>(layout.logit_tokens.size());
+  topk_logits_.assign(static_cast<size_t>(rows) * vocab, 0.0f);
+  TpRankExecutor::Output step;
+  step.logits = topk_logits_.data();
+  if (absl::Status s = RunStep(layout, step); !s.ok()) return s;
+  out->ids.resize(static_cast<size_t>(rows) * out->k);
+  out->logprobs.resize(out->ids.size());
+  const int world = plan_.world_size;
+  return RunOnRanks([&](int r) {
+    for (int64_t row = r; row < rows; row += world) {
+      RowTopKLogprobs(absl::Span<const float>(topk_logits_).subspan(row * vocab, vocab), out->k,
+                      out->ids.data() + row * out->k, out->logprobs.data() + row * out->k);
+    }
+    return absl::OkStatus();
+  });
 }
 
 absl::Status TensorParallelBackend::ForwardWithTaps(absl::Span<const ForwardItem> items,

@@ -25,8 +25,8 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/backend.h"
-#include "engine/model_config.h"
 #include "engine/kv/paged_kv_table.h"
+#include "engine/model_config.h"
 #include "engine/tp/rank_workers.h"
 #include "engine/tp/tp_plan.h"
 
@@ -134,6 +134,10 @@ class TensorParallelBackend : public Backend {
   absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
                                absl::Span<const int> tap_layers, std::vector<float>* logits,
                                std::vector<float>* taps) override;
+  // Forward() into a buffer the backend keeps, then each row's top-k (RowTopKLogprobs) on the
+  // rank threads, rows dealt out round robin: the same bits as Forward() and a host top-k,
+  // without the [rows, vocab] copy to the caller.
+  absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_.Usage(); }
   // When every item's sampling is VocabParallelSamplingSupported (greedy, or temperature
@@ -161,6 +165,7 @@ class TensorParallelBackend : public Backend {
   std::unique_ptr<TpCommGroup> comm_;
   PagedKvTable table_;
   int64_t reserved_blocks_ = 0;
+  std::vector<float> topk_logits_;  // ForwardTopK()'s [rows, vocab] logits, host
   // Declared last: its threads stop (in its destructor) before the executors they use go.
   RankWorkers workers_;
 };

@@ -349,6 +349,30 @@ TEST(CudaStepPlanTest, GraphKeysTellBucketsApartNotContents) {
   EXPECT_NE(plan_decode(3, 20, 5), plan_decode(5, 20, 5));
 }
 
+// A draft level's top-k runs inside the step's graph, so its k, its row count and where its row
+// list sits are part of the key: a graph captured without the top-k (or with another k) must not
+// replay a step that needs it.
+TEST(CudaStepPlanTest, GraphKeysTellTopKLaunchesApart) {
+  CudaStep plain;
+  plain.padded = true;
+  plain.batch = 4;
+  plain.per_seq = 5;
+  plain.T = plain.R = 20;
+  CudaStep top = plain;
+  top.topk_k = 4;
+  top.topk_rows = 20;
+  top.o_topk_rows = 512;
+  EXPECT_NE(CudaGraphKey(plain), CudaGraphKey(top));
+  for (auto change : {+[](CudaStep* s) { s->topk_k = 8; }, +[](CudaStep* s) { s->topk_rows = 16; },
+                      +[](CudaStep* s) { s->o_topk_rows = 528; }}) {
+    CudaStep other = top;
+    change(&other);
+    EXPECT_NE(CudaGraphKey(top), CudaGraphKey(other));
+  }
+  CudaStep same = top;
+  EXPECT_EQ(CudaGraphKey(top), CudaGraphKey(same));
+}
+
 }  // namespace
 }  // namespace specd
 

@@ -12,10 +12,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
+#include "engine/draft/draft_model_drafter.h"
 #include "engine/draft/ngram_drafter.h"
 #include "engine/spec/generator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/counting_backend.h"
 #include "tests/testutil/speculation_models.h"
 
 namespace specd {
@@ -169,6 +171,42 @@ TEST(SpeculativeTest, DraftEqualToTargetIsAccepted) {
     EXPECT_GE(s.accepted_tokens, max_possible * 95 / 100);
     ASSERT_EQ(s.accepted_per_position.size(), static_cast<size_t>(shape.depth));
     EXPECT_GE(s.accepted_per_position[0], s.draft_steps * 95 / 100);
+  }
+}
+
+// The Generator reports each verified tree's accepted node with the sequence's next draft step
+// (as the router does), so a drafter that keeps its KV commits the accepted path instead of
+// feeding it again: outputs equal target-only with and without the reuse, and the draft model
+// is fed fewer tokens with it. Every other request lets the goodput policy pick its shape
+// (steps without a tree in between: the drafter's resync fallback).
+TEST(SpeculativeTest, ReportedOutcomesLetTheDrafterKeepAcceptedKv) {
+  const std::vector<GenerationResult>& want = GreedyBaseline();
+  std::vector<GenerationRequest> requests = Requests({4, 2, 8}, SamplingParams(), 20);
+  for (size_t i = 1; i < requests.size(); i += 2) requests[i].auto_shape = true;
+  for (const std::string& dir : {M().target_dir, M().draft_dir}) {
+    SCOPED_TRACE(dir);
+    std::unique_ptr<Backend> draft = speculation_testing::Load(dir);
+    ASSERT_NE(draft, nullptr);
+    int64_t fed[2] = {0, 0}, accepted[2] = {0, 0};
+    for (int reuse : {0, 1}) {
+      CountingBackend counting(draft.get());
+      DraftModelDrafter drafter(&counting, {/*backend_topk=*/true, /*reuse_kv=*/reuse != 0});
+      absl::StatusOr<std::unique_ptr<Generator>> gen =
+          Generator::Create(M().target.get(), &drafter);
+      ASSERT_TRUE(gen.ok()) << gen.status();
+      absl::StatusOr<std::vector<GenerationResult>> got = (*gen)->Generate(requests);
+      ASSERT_TRUE(got.ok()) << got.status();
+      for (size_t i = 0; i < got->size(); ++i) {
+        EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "reuse " << reuse << " request " << i;
+      }
+      fed[reuse] = counting.tokens();
+      accepted[reuse] = Total(*got).accepted_tokens;
+      EXPECT_EQ(draft->Usage().used_tokens, 0) << "every sequence released";
+    }
+    ASSERT_GT(accepted[1], 0);
+    // Kept KV saves at least the accepted tokens that were expanded; leaves never expanded and
+    // bonus tokens are fed either way.
+    EXPECT_LT(fed[1], fed[0]) << "accepted " << accepted[1];
   }
 }
 

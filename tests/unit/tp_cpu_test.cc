@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/draft/draft_model_drafter.h"
@@ -38,14 +39,10 @@ enum class Family { kLlama, kQwen2, kQwen3, kLlama70Heads };
 
 const char* Name(Family f) {
   switch (f) {
-    case Family::kLlama:
-      return "llama_7q1kv";
-    case Family::kQwen2:
-      return "qwen2_6q3kv";
-    case Family::kQwen3:
-      return "qwen3_3q1kv";
-    case Family::kLlama70Heads:
-      return "llama_64q8kv";
+    case Family::kLlama: return "llama_7q1kv";
+    case Family::kQwen2: return "qwen2_6q3kv";
+    case Family::kQwen3: return "qwen3_3q1kv";
+    case Family::kLlama70Heads: return "llama_64q8kv";
   }
   return "?";
 }
@@ -129,14 +126,10 @@ struct Models {
   }
   const std::string& Dir(Family f) const {
     switch (f) {
-      case Family::kLlama:
-        return llama;
-      case Family::kQwen2:
-        return qwen2;
-      case Family::kQwen3:
-        return qwen3;
-      case Family::kLlama70Heads:
-        break;
+      case Family::kLlama: return llama;
+      case Family::kQwen2: return qwen2;
+      case Family::kQwen3: return qwen3;
+      case Family::kLlama70Heads: break;
     }
     return llama70;
   }
@@ -347,6 +340,48 @@ TEST(TpCpuTest, TreeNodesEqualSequentialDecodeBitForBit) {
   }
 }
 
+// ForwardTopK ranks the rows on the rank threads over the logits the ranks wrote together; it
+// must equal Forward() followed by the host top-k (Backend::ForwardTopK) bit for bit, for a
+// batch of a prefill chain, a tree and a row-less item, and k up to kMaxForwardTopK.
+TEST(TpCpuTest, ForwardTopKEqualsForwardAndHostTopK) {
+  for (int tp : {2, 7}) {
+    std::unique_ptr<Backend> be = Load(M().llama, tp);
+    ASSERT_TRUE(be);
+    for (SeqId s : {1, 2, 3}) ASSERT_TRUE(be->AddSequence(s).ok());
+    const std::vector<ForwardItem> items = {
+        ForwardItem{1, {10, 20, 30, 40, 50}, {-1, 0, 1, 2, 3}, {4, 0}},
+        ForwardItem{2, {7, 8, 9, 11, 12}, {-1, 0, 0, 2, 2}, {1, 2, 3, 4}},
+        ForwardItem{3, {5}, {-1}, {}}};
+    for (int k : {1, 4, kMaxForwardTopK}) {
+      TopKRows got, want;
+      ASSERT_TRUE(be->ForwardTopK(items, k, &got).ok());
+      for (SeqId s : {1, 2, 3}) ASSERT_TRUE(be->Commit(s, {}).ok());
+      ASSERT_TRUE(be->Backend::ForwardTopK(items, k, &want).ok());
+      for (SeqId s : {1, 2, 3}) ASSERT_TRUE(be->Commit(s, {}).ok());
+      EXPECT_EQ(got.k, k);
+      EXPECT_EQ(got.rows(), 6);
+      EXPECT_EQ(got.ids, want.ids) << "TP=" << tp << " k=" << k;
+      ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+      for (size_t i = 0; i < want.logprobs.size(); ++i) {
+        EXPECT_EQ(absl::bit_cast<uint32_t>(got.logprobs[i]),
+                  absl::bit_cast<uint32_t>(want.logprobs[i]))
+            << "TP=" << tp << " k=" << k << " entry " << i;
+      }
+    }
+    TopKRows out;
+    for (int k : {0, kMaxForwardTopK + 1}) {
+      const absl::Status s = be->ForwardTopK(items, k, &out);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("k"));
+    }
+    // A bad item leaves every sequence as it was.
+    std::vector<ForwardItem> bad = items;
+    bad[2].tokens = {100000};
+    EXPECT_EQ(be->ForwardTopK(bad, 2, &out).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(*static_cast<TensorParallelBackend*>(be.get())->ScratchLength(1), 0);
+  }
+}
+
 // Verify chooses tokens from per-rank vocabulary candidates (no gathered logits) for greedy
 // and unfiltered temperature sampling; its outcomes must equal the host acceptance on the
 // gathered logits of the same sharded model (Backend::Verify), and top-k/top-p fall back to it.
@@ -424,11 +459,11 @@ TEST(TpCpuTest, GreedyGenerationIsTokenIdenticalAtEveryRankCount) {
     Family family;
     std::string draft_dir;  // a standalone draft model of the same vocabulary
   };
-  // The qwen and 64/8 models draft for themselves (every draft token is the target's favourite, so the
-  // longest paths get accepted); the llama target has its related 1-layer draft.
-  for (const Pair& pair : {Pair{Family::kLlama, M().llama_draft}, Pair{Family::kQwen2, M().qwen2},
-                           Pair{Family::kQwen3, M().qwen3},
-                           Pair{Family::kLlama70Heads, M().llama70}}) {
+  // The qwen and 64/8 models draft for themselves (every draft token is the target's favourite, so
+  // the longest paths get accepted); the llama target has its related 1-layer draft.
+  for (const Pair& pair :
+       {Pair{Family::kLlama, M().llama_draft}, Pair{Family::kQwen2, M().qwen2},
+        Pair{Family::kQwen3, M().qwen3}, Pair{Family::kLlama70Heads, M().llama70}}) {
     std::unique_ptr<Backend> draft_model = Load(pair.draft_dir, 1);
     ASSERT_TRUE(draft_model);
     DraftModelDrafter drafter(draft_model.get());
