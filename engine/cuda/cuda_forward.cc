@@ -16,6 +16,7 @@
 #include "specd/kernels/cuda/allreduce.h"
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
+#include "specd/kernels/cuda/logits_processors.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/sampling.h"
@@ -86,9 +87,10 @@ CudaForward::~CudaForward() {
   if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
   gemm_.reset();
   Buffers& b = buffers_;
-  for (Scratch* s : {&b.meta, &b.residual, &b.x, &b.split, &b.normed, &b.qkv, &b.attn, &b.gate_up,
-                     &b.act, &b.last, &b.logits, &b.attn_ws, &b.sample_ws, &b.verify, &b.topk,
-                     &b.cand_local, &b.cand_all, &b.gathered, &b.full_logits}) {
+  for (Scratch* s : {&b.meta,       &b.residual, &b.x,         &b.split,       &b.normed,
+                     &b.qkv,        &b.attn,     &b.gate_up,   &b.act,         &b.last,
+                     &b.logits,     &b.attn_ws,  &b.sample_ws, &b.verify,      &b.topk,
+                     &b.cand_local, &b.cand_all, &b.gathered,  &b.full_logits, &b.processed}) {
     if (s->ptr != nullptr) cudaFree(s->ptr);
   }
   for (bf16* pool : {k_pool_, v_pool_}) {
@@ -263,6 +265,9 @@ absl::Status CudaForward::PrepareBuffers(const CudaStep& step, size_t meta_bytes
           Ensure(&buffers_.gathered, world_ * R * vocab_rows_max_ * sizeof(float)));
       SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.full_logits, R * c.vocab_size * sizeof(float)));
     }
+  }
+  if (step.verify && step.processors) {
+    SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.processed, R * c.vocab_size * sizeof(float)));
   }
   return absl::OkStatus();
 }
@@ -547,8 +552,8 @@ absl::Status CudaForward::SampleRows(const CudaStep& step, int32_t* tokens) {
     return absl::OkStatus();
   }
   if (world_ > 1) {
-    // Top-k / top-p need the whole row: gather every rank's [R, rows_r]
-    // logits (at a common stride) and lay them side by side.
+    // Top-k / top-p, the logits processors and logprobs need the whole row: gather every rank's [R,
+    // rows_r] logits (at a common stride) and lay them side by side.
     const size_t stride = static_cast<size_t>(R) * vocab_rows_max_;
     SPECD_RETURN_IF_ERROR_(
         tp_.nccl->AllGather(tp_.rank, static_cast<const float*>(buffers_.logits.ptr),
@@ -567,8 +572,37 @@ absl::Status CudaForward::SampleRows(const CudaStep& step, int32_t* tokens) {
     sp.logits_stride = vocab;
     sp.vocab_size = vocab;
   }
+  if (step.processors) {
+    cuda::LogitsProcessorsParams lp;
+    lp.in = sp.logits;
+    lp.in_stride = sp.logits_stride;
+    lp.out = static_cast<float*>(buffers_.processed.ptr);
+    lp.out_stride = vocab;
+    lp.num_rows = R;
+    lp.vocab_size = vocab;
+    lp.rows = At<cuda::LogitsProcessorRow>(buffers_.meta.ptr, step.o_proc_rows);
+    lp.seqs = At<cuda::LogitsProcessorSeq>(buffers_.meta.ptr, step.o_proc_seqs);
+    lp.data = At<int32_t>(buffers_.meta.ptr, step.o_proc_data);
+    SPECD_CUDA_RETURN_(cuda::LogitsProcessorsCuda(lp, stream_), "logits processors");
+    sp.logits = lp.out;
+    sp.logits_stride = vocab;
+  }
+  if (step.kept_lower) sp.kept_lower = At<uint64_t>(buffers_.meta.ptr, step.o_kept_lower);
   SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
   return absl::OkStatus();
+}
+
+const float* CudaForward::VerifyLogits(const CudaStep& step, bool processed, int64_t* stride) {
+  if (processed && step.processors) {
+    *stride = config_.vocab_size;
+    return static_cast<const float*>(buffers_.processed.ptr);
+  }
+  if (world_ > 1 && step.gather_logits) {
+    *stride = config_.vocab_size;
+    return static_cast<const float*>(buffers_.full_logits.ptr);
+  }
+  *stride = vocab_rows_;
+  return static_cast<const float*>(buffers_.logits.ptr);
 }
 
 absl::Status CudaForward::Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32,

@@ -317,7 +317,13 @@ std::vector<int64_t> CudaGraphKey(const CudaStep& step) {
           static_cast<int64_t>(step.o_seq_rows),
           static_cast<int64_t>(step.o_base_slot),
           static_cast<int64_t>(step.o_sampled),
-          static_cast<int64_t>(step.o_out)};
+          static_cast<int64_t>(step.o_out),
+          step.processors,
+          step.kept_lower,
+          static_cast<int64_t>(step.o_kept_lower),
+          static_cast<int64_t>(step.o_proc_rows),
+          static_cast<int64_t>(step.o_proc_seqs),
+          static_cast<int64_t>(step.o_proc_data)};
 }
 
 }  // namespace specd
