@@ -1,9 +1,9 @@
 // GPU kernel micro-benchmarks at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128,
 // hidden 4096, vocab 128256, KV block 16): decode and tree-verify attention over the paged
-// cache, RMSNorm with residual, sampling, and the cuBLASLt GEMMs of one decode step. Times are
-// CUDA-event times of back-to-back launches on one stream (launch overhead included, as in an
-// eager forward pass), reported per launch; with BENCH_COLD=1, one launch at a time from a cold
-// L2 (see ColdLaunches). Run: build/bench/cuda_kernels_bench
+// cache, RMSNorm with residual, the logits processors, sampling, and the cuBLASLt GEMMs of one
+// decode step. Times are CUDA-event times of back-to-back launches on one stream (launch overhead
+// included, as in an eager forward pass), reported per launch; with BENCH_COLD=1, one launch at a
+// time from a cold L2 (see ColdLaunches). Run: build/bench/cuda_kernels_bench
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,6 +23,7 @@
 #include "engine/cuda/cuda_tuning.h"
 #include "engine/cuda/tree_mask.h"
 #include "specd/kernels/cuda/gemm.h"
+#include "specd/kernels/cuda/logits_processors.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/cuda/tree_attention.h"
@@ -161,12 +162,12 @@ void PrintAttentionProfile(const std::string& name, int64_t ctas) {
       v[9].push_back(static_cast<double>(x[11]));
     }
     if (v[0].empty()) continue;
-    std::printf("#   %s %zu: start %s, duration %s, to PDL wait %s, plain %s, window %s "
-                "(group %s, tables %s, load %s, passes %s), window sub-chunks %s\n",
-                win ? "window CTAs" : "plain CTAs", v[0].size(), stats(v[0]).c_str(),
-                stats(v[1]).c_str(), stats(v[2]).c_str(), stats(v[3]).c_str(),
-                stats(v[4]).c_str(), stats(v[5]).c_str(), stats(v[6]).c_str(),
-                stats(v[7]).c_str(), stats(v[8]).c_str(), stats(v[9]).c_str());
+    std::printf(
+        "#   %s %zu: start %s, duration %s, to PDL wait %s, plain %s, window %s "
+        "(group %s, tables %s, load %s, passes %s), window sub-chunks %s\n",
+        win ? "window CTAs" : "plain CTAs", v[0].size(), stats(v[0]).c_str(), stats(v[1]).c_str(),
+        stats(v[2]).c_str(), stats(v[3]).c_str(), stats(v[4]).c_str(), stats(v[5]).c_str(),
+        stats(v[6]).c_str(), stats(v[7]).c_str(), stats(v[8]).c_str(), stats(v[9]).c_str());
   }
 }
 #endif
@@ -196,7 +197,7 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
     mask.insert(mask.end(), cuda::kTreeAttentionMaskWords, 0u);
     std::vector<int32_t> parents, depth;  // of the nodes; -1: the pending token
     for (int j = 0; j < nodes; ++j) {
-      const int parent = j == 0              ? -1
+      const int parent = j == 0            ? -1
                          : shape == kChain ? j - 1
                          : shape == kStar  ? 0
                          : shape == kQuad  ? (j < 4 ? -1 : j / 4 - 1)
@@ -232,7 +233,8 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   bf16* q = Alloc<bf16>(size_t(num_queries) * kHeads * kHeadDim, 0x3c);
   if (const char* e = std::getenv("BENCH_ATTN_RANDOM"); e != nullptr && e[0] == '1') {
     std::normal_distribution<float> normal;
-    for (auto [ptr, n] : {std::pair<bf16*, size_t>{k, slots * kv_dim}, {v, slots * kv_dim},
+    for (auto [ptr, n] : {std::pair<bf16*, size_t>{k, slots * kv_dim},
+                          {v, slots * kv_dim},
                           {q, size_t(num_queries) * kHeads * kHeadDim}}) {
       std::vector<bf16> h(n);
       for (bf16& x : h) x = __float2bfloat16(normal(rng));
@@ -302,8 +304,8 @@ void RunAttention(benchmark::State& state, int batch, int context, int nodes, bo
   for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q),
                     static_cast<void*>(out), static_cast<void*>(d_tables), static_cast<void*>(d_qs),
                     static_cast<void*>(d_end), static_cast<void*>(d_mb), static_cast<void*>(d_mask),
-                    static_cast<void*>(d_tb), static_cast<void*>(d_te), static_cast<void*>(d_stable),
-                    static_cast<void*>(ws)}) {
+                    static_cast<void*>(d_tb), static_cast<void*>(d_te),
+                    static_cast<void*>(d_stable), static_cast<void*>(ws)}) {
     cudaFree(ptr);
   }
 }
@@ -443,6 +445,78 @@ void BM_Sample(benchmark::State& state) {
 BENCHMARK(BM_Sample)
     ->ArgNames({"rows", "mode"})
     ->ArgsProduct({{1, 65, 257}, {0, 1, 2, 3}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+// The logits processors of one verify step (kernels/cuda/logits_processors.cu): `rows` rows of
+// one sequence, row j continuing a chain of j tree nodes, with logit_bias (16 ids), min_tokens
+// and the three penalties over a history of `history` distinct tokens (0: bias and min_tokens
+// only). Includes the copy of every row into the processed buffer.
+void BM_LogitsProcessors(benchmark::State& state) {
+  const int rows = static_cast<int>(state.range(0));
+  const int history = static_cast<int>(state.range(1));
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> logits(size_t(rows) * kVocab);
+  for (float& x : logits) x = normal(rng);
+  cuda::LogitsProcessorSeq seq;
+  if (history > 0) {
+    seq.repetition_penalty = 1.2f;
+    seq.presence_penalty = 0.5f;
+    seq.frequency_penalty = 0.3f;
+  }
+  seq.min_tokens = 4;
+  std::vector<int32_t> data;
+  seq.history_begin = 0;
+  seq.history_count = history;
+  for (int i = 0; i < history; ++i) {
+    // Sorted distinct ids spread over the vocabulary.
+    data.insert(data.end(), {static_cast<int32_t>(i * (kVocab / std::max(history, 1))),
+                             static_cast<int32_t>(rng() % 3), static_cast<int32_t>(rng() % 2)});
+  }
+  seq.bias_begin = static_cast<int32_t>(data.size());
+  seq.bias_count = 16;
+  for (int i = 0; i < 16; ++i) data.insert(data.end(), {i * 97, 0x40000000 /* 2.0f */});
+  seq.stop_begin = static_cast<int32_t>(data.size());
+  seq.stop_count = 2;
+  data.insert(data.end(), {128001, 128009});
+  std::vector<cuda::LogitsProcessorRow> row_params(rows);
+  const int path_begin = static_cast<int>(data.size());
+  for (int j = 0; j < rows; ++j) data.push_back(static_cast<int32_t>(rng() % kVocab));
+  for (int r = 0; r < rows; ++r) {
+    row_params[r].seq = 0;
+    row_params[r].path_begin = path_begin;
+    row_params[r].path_len = r;
+  }
+  float* d_in = Upload(logits);
+  float* d_out = Alloc<float>(logits.size());
+  cuda::LogitsProcessorSeq* d_seq = Upload(std::vector<cuda::LogitsProcessorSeq>{seq});
+  cuda::LogitsProcessorRow* d_rows = Upload(row_params);
+  int32_t* d_data = Upload(data);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cuda::LogitsProcessorsParams p;
+  p.in = d_in;
+  p.in_stride = kVocab;
+  p.out = d_out;
+  p.out_stride = kVocab;
+  p.num_rows = rows;
+  p.vocab_size = kVocab;
+  p.rows = d_rows;
+  p.seqs = d_seq;
+  p.data = d_data;
+  const double sec = TimeLaunches(
+      state, stream, [&] { Check(cuda::LogitsProcessorsCuda(p, stream), "logits processors"); });
+  state.counters["GBps"] = 2.0 * rows * kVocab * sizeof(float) / 1e9 / sec;
+  cudaStreamDestroy(stream);
+  for (void* ptr : {static_cast<void*>(d_in), static_cast<void*>(d_out), static_cast<void*>(d_seq),
+                    static_cast<void*>(d_rows), static_cast<void*>(d_data)}) {
+    cudaFree(ptr);
+  }
+}
+BENCHMARK(BM_LogitsProcessors)
+    ->ArgNames({"rows", "history"})
+    ->ArgsProduct({{1, 65, 257}, {0, 4096}})
     ->UseManualTime()
     ->MinTime(0.05);
 

@@ -241,43 +241,4 @@ absl::StatusOr<std::vector<VerifyOutcome>> Backend::Verify(absl::Span<const Veri
   return outcomes;
 }
 
-absl::StatusOr<std::vector<VerifyOutcome>> VerifySplit(
-    Backend& backend, absl::Span<const VerifyItem> items,
-    absl::FunctionRef<bool(const VerifyItem&)> on_device,
-    absl::FunctionRef<absl::StatusOr<std::vector<VerifyOutcome>>(absl::Span<const VerifyItem>)>
-        device) {
-  std::vector<size_t> device_index, host_index;
-  for (size_t b = 0; b < items.size(); ++b) {
-    (on_device(items[b]) ? device_index : host_index).push_back(b);
-  }
-  if (host_index.empty()) return device(items);
-  if (device_index.empty()) return backend.Backend::Verify(items);
-  for (size_t b : host_index) {
-    ForwardItem unused;
-    if (absl::StatusOr<int64_t> s = MakeVerifyForward(backend, items[b], b, &unused); !s.ok()) {
-      return s.status();
-    }
-  }
-  // Copies of the items of each path (a mixed batch only), in their order.
-  auto subset = [&](const std::vector<size_t>& index) {
-    std::vector<VerifyItem> out;
-    out.reserve(index.size());
-    for (size_t b : index) out.push_back(items[b]);
-    return out;
-  };
-  absl::StatusOr<std::vector<VerifyOutcome>> on_device_outcomes = device(subset(device_index));
-  if (!on_device_outcomes.ok()) return on_device_outcomes.status();
-  absl::StatusOr<std::vector<VerifyOutcome>> on_host_outcomes =
-      backend.Backend::Verify(subset(host_index));
-  if (!on_host_outcomes.ok()) return on_host_outcomes.status();
-  std::vector<VerifyOutcome> outcomes(items.size());
-  for (size_t i = 0; i < device_index.size(); ++i) {
-    outcomes[device_index[i]] = std::move((*on_device_outcomes)[i]);
-  }
-  for (size_t i = 0; i < host_index.size(); ++i) {
-    outcomes[host_index[i]] = std::move((*on_host_outcomes)[i]);
-  }
-  return outcomes;
-}
-
 }  // namespace specd

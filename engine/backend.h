@@ -194,18 +194,6 @@ VerifyOutcome AcceptTree(const TokenTree& tree, absl::Span<const float> rows, in
 VerifyOutcome WalkTree(const TokenTree& tree, int64_t first_position,
                        absl::FunctionRef<int32_t(int row, int64_t position)> sample);
 
-// Verify() of a backend whose own path serves only some items: `device` runs on the items
-// `on_device` accepts, the default host path (Backend::Verify(): Forward(), AcceptTreeOnHost(),
-// Commit()) on the rest, and the outcomes come back in item order. The host items are validated
-// before `device` runs (which validates its own before changing anything), so a bad item leaves
-// every sequence as it was. Items of the same batch on different paths cost one forward pass
-// each path.
-absl::StatusOr<std::vector<VerifyOutcome>> VerifySplit(
-    Backend& backend, absl::Span<const VerifyItem> items,
-    absl::FunctionRef<bool(const VerifyItem&)> on_device,
-    absl::FunctionRef<absl::StatusOr<std::vector<VerifyOutcome>>(absl::Span<const VerifyItem>)>
-        device);
-
 // The forward pass of one verify step: `item.pending` as a chain, the tree below its last
 // token, logits for the last pending token and every node. Validates the item (`index` names it
 // in errors: its tree, its sampling against the vocabulary, its logprobs count, a history when

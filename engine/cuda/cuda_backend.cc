@@ -11,6 +11,7 @@
 #include "engine/cuda/cuda_status.h"
 #include "engine/kv/paged_kv_table.h"
 #include "engine/sampling.h"
+#include "specd/kernels/cuda/logits_processors.h"
 #include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/cuda/topk.h"
 #include "specd/kernels/cuda/tree_attention.h"
@@ -22,6 +23,84 @@ template <typename T>
 T* At(void* base, size_t offset) {
   return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
 }
+
+// Packs the logits processors of a verify step's rows (specd/kernels/cuda/logits_processors.h):
+// one LogitsProcessorRow a logit row (rows of items without processors, and padding rows, copy
+// unchanged), one LogitsProcessorSeq a launched sequence, then the lists, last, since only their
+// length varies between steps of one bucket.
+void PackProcessors(absl::Span<const VerifyItem> items, CudaStep* step, StepPacker* pack) {
+  std::vector<cuda::LogitsProcessorRow> rows(step->R);
+  std::vector<cuda::LogitsProcessorSeq> seqs(step->batch);
+  std::vector<int32_t> data;
+  for (size_t b = 0; b < items.size(); ++b) {
+    const VerifyItem& item = items[b];
+    const SamplingParams& sp = item.sampling;
+    if (!sp.has_processors()) continue;
+    cuda::LogitsProcessorSeq& seq = seqs[b];
+    seq.repetition_penalty = sp.repetition_penalty;
+    seq.presence_penalty = sp.presence_penalty;
+    seq.frequency_penalty = sp.frequency_penalty;
+    seq.min_tokens = sp.min_tokens;
+    seq.output_length = item.history != nullptr ? item.history->output_length() : 0;
+    const bool penalties = sp.has_penalties() && item.history != nullptr;
+    if (penalties) {
+      std::vector<std::pair<int32_t, TokenHistory::Counts>> entries(item.history->tokens().begin(),
+                                                                    item.history->tokens().end());
+      std::sort(entries.begin(), entries.end(),
+                [](const auto& x, const auto& y) { return x.first < y.first; });
+      seq.history_begin = static_cast<int32_t>(data.size());
+      seq.history_count = static_cast<int32_t>(entries.size());
+      for (const auto& [id, counts] : entries) {
+        data.insert(data.end(), {id, counts.output, counts.in_prompt ? 1 : 0});
+      }
+    }
+    seq.bias_begin = static_cast<int32_t>(data.size());
+    seq.bias_count = static_cast<int32_t>(sp.logit_bias.size());
+    for (const auto& [id, bias] : sp.logit_bias) {
+      int32_t bits;
+      std::memcpy(&bits, &bias, sizeof(bits));
+      data.insert(data.end(), {id, bits});
+    }
+    seq.stop_begin = static_cast<int32_t>(data.size());
+    seq.stop_count = static_cast<int32_t>(sp.min_tokens_stop_ids.size());
+    data.insert(data.end(), sp.min_tokens_stop_ids.begin(), sp.min_tokens_stop_ids.end());
+    // Row 0 continues the history; row i + 1 continues tree node i, after its ancestors.
+    const TokenTree& tree = item.tree;
+    for (int j = 0; j <= tree.size(); ++j) {
+      cuda::LogitsProcessorRow& row = rows[step->item_row_begin[b] + j];
+      row.seq = static_cast<int32_t>(b);
+      row.path_begin = static_cast<int32_t>(data.size());
+      for (int node = j - 1; node >= 0; node = tree.parents[node]) {
+        ++row.path_len;
+        if (penalties) data.push_back(tree.tokens[node]);
+      }
+    }
+  }
+  step->processors = true;
+  step->o_proc_rows = pack->Add(rows);
+  step->o_proc_seqs = pack->Add(seqs);
+  step->o_proc_data = pack->Add(data);
+}
+
+// The rows of one kind of log-probabilities (raw or processed) in a verify step: every sampling
+// row of the items that ask for that kind (the walk's rows are known only after acceptance),
+// read by one launch after the step; only [rows, k + 1] ids and values come back.
+struct LogprobGroup {
+  std::vector<int32_t> rows;   // logit rows
+  std::vector<int64_t> first;  // per item: its first entry in `rows`, -1 if none
+  int k = 0;                   // the widest request's top-n
+  // In the topk buffer from `offset`: [rows] row index (16-byte padded), then [rows, k] ids,
+  // [rows, k] log-probabilities, [rows] token log-probabilities and [rows] ranks (the results,
+  // copied back into `host` in one go).
+  size_t offset = 0, index_bytes = 0, result_bytes = 0;
+  std::vector<char> host;
+
+  int64_t n() const { return static_cast<int64_t>(rows.size()); }
+  const int32_t* ids() const { return reinterpret_cast<const int32_t*>(host.data()); }
+  const float* logprobs() const { return reinterpret_cast<const float*>(ids() + n() * k); }
+  const float* token_logprobs() const { return logprobs() + n() * k; }
+  const int32_t* ranks() const { return reinterpret_cast<const int32_t*>(token_logprobs() + n()); }
+};
 
 }  // namespace
 
@@ -338,19 +417,9 @@ absl::Status CudaBackend::ForwardTopKLaidOut(absl::Span<const ForwardItem> items
 // Verify on the device: one metadata upload, one graph (or the same launches
 // eagerly), one copy of the outcomes back.
 
-bool CudaBackend::SamplesOnDevice(const VerifyItem& item) {
-  return !item.sampling.has_processors();
-}
-
-bool CudaBackend::LogprobsOnDevice(const VerifyItem& item) {
-  return item.logprobs < 0 || item.logprobs_mode == LogprobsMode::kRaw || item.sampling.greedy();
-}
-
 absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::Verify(absl::Span<const VerifyItem> items) {
   SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
-  return VerifySplit(
-      *this, items, VerifiesOnDevice,
-      [this](absl::Span<const VerifyItem> device_items) { return VerifyOnDevice(device_items); });
+  return VerifyOnDevice(items);
 }
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::VerifyOnDevice(
@@ -407,12 +476,20 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
   SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
   const cudaStream_t stream = forward_->stream();
   CudaForward::Buffers& buf = forward_->buffers();
-  const int64_t vocab_rows = forward_->vocab_rows();
 
   CudaStep step;
   step.verify = true;
+  // A group's ranks each hold a slice of a row: the processors, the filters and the
+  // log-probabilities need whole rows, so such steps gather them (on every rank, which then all
+  // sample alike; rank 0 alone computes the log-probabilities).
+  bool any_processors = false, any_processed_logprobs = false;
   for (const VerifyItem& it : items) {
-    if (world_ > 1 && !VocabParallelSamplingSupported(it.sampling)) step.gather_logits = true;
+    if (world_ > 1 && (!VocabParallelSamplingSupported(it.sampling) || it.logprobs >= 0)) {
+      step.gather_logits = true;
+    }
+    any_processors = any_processors || it.sampling.has_processors();
+    any_processed_logprobs = any_processed_logprobs ||
+                             (it.logprobs >= 0 && it.logprobs_mode == LogprobsMode::kProcessed);
   }
   std::vector<int64_t> item_tokens;
   for (const ForwardItem& f : forward) item_tokens.push_back(static_cast<int64_t>(f.tokens.size()));
@@ -438,37 +515,47 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
   }
   step.o_row_params = pack.Add(row_params);
   LayoutVerify(items, committed, &step, &pack);
+  if (any_processed_logprobs) {
+    step.kept_lower = true;
+    step.o_kept_lower = pack.Add(std::vector<uint64_t>(step.R));
+  }
+  if (any_processors) PackProcessors(items, &step, &pack);
   const size_t out_count = VerifyOutCount(step);
 
   SPECD_RETURN_IF_ERROR_(forward_->PrepareBuffers(step, pack.bytes().size()));
 
-  // Log-probabilities: every sampling row of the items that ask (the walk's
-  // rows are known only after acceptance), the top-n of the widest request,
-  // and each row's sampled token's log-probability and rank, by one launch
-  // after the step; only [rows, n] come back. The rows go up before the step
-  // is launched, so nothing waits on the host in between.
-  std::vector<int32_t> lp_rows;
-  std::vector<int64_t> lp_first(num_seqs, -1);  // item's first entry in lp_rows
-  int lp_k = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    if (items[b].logprobs < 0) continue;
-    lp_first[b] = static_cast<int64_t>(lp_rows.size());
-    for (int j = 0; j <= items[b].tree.size(); ++j)
-      lp_rows.push_back(static_cast<int32_t>(step.item_row_begin[b] + j));
-    lp_k = std::max(lp_k, items[b].logprobs);
+  // Log-probabilities: raw ones from the logits, processed ones from the rows that were sampled,
+  // on rank 0 of a group (its gathered rows are whole). The row lists go up before the step is
+  // launched, so nothing waits on the host in between.
+  LogprobGroup groups[2];  // raw, processed
+  size_t topk_bytes = 0;
+  const bool logprobs_here = forward_->rank() == 0;
+  for (int g = 0; g < 2; ++g) {
+    LogprobGroup& group = groups[g];
+    const LogprobsMode mode = g == 0 ? LogprobsMode::kRaw : LogprobsMode::kProcessed;
+    group.first.assign(num_seqs, -1);
+    for (int64_t b = 0; b < num_seqs && logprobs_here; ++b) {
+      if (items[b].logprobs < 0 || items[b].logprobs_mode != mode) continue;
+      group.first[b] = group.n();
+      for (int j = 0; j <= items[b].tree.size(); ++j) {
+        group.rows.push_back(static_cast<int32_t>(step.item_row_begin[b] + j));
+      }
+      group.k = std::max(group.k, items[b].logprobs);
+    }
+    group.k = std::min(group.k, vocab);
+    group.offset = topk_bytes;
+    group.index_bytes = (group.n() * sizeof(int32_t) + 15) / 16 * 16;
+    group.result_bytes = group.n() * (group.k + 1) * (sizeof(int32_t) + sizeof(float));
+    group.host.resize(group.result_bytes);
+    topk_bytes += group.index_bytes + (group.result_bytes + 15) / 16 * 16;
   }
-  lp_k = std::min(lp_k, vocab);
-  const int64_t lp_n = static_cast<int64_t>(lp_rows.size());
-  // [lp_n] row index, then [lp_n, lp_k] ids, [lp_n, lp_k] log-probabilities,
-  // [lp_n] token log-probabilities and [lp_n] ranks (copied back in one go).
-  const size_t lp_index_bytes = (lp_n * sizeof(int32_t) + 15) / 16 * 16;
-  const size_t lp_result_bytes = lp_n * (lp_k + 1) * (sizeof(int32_t) + sizeof(float));
-  std::vector<char> lp_host(lp_result_bytes);
-  if (lp_n > 0) {
-    SPECD_RETURN_IF_ERROR_(forward_->Ensure(&buf.topk, lp_index_bytes + lp_result_bytes));
-    SPECD_CUDA_RETURN_(cudaMemcpyAsync(buf.topk.ptr, lp_rows.data(), lp_n * sizeof(int32_t),
-                                       cudaMemcpyHostToDevice, stream),
-                       "uploading logprob rows");
+  if (topk_bytes > 0) SPECD_RETURN_IF_ERROR_(forward_->Ensure(&buf.topk, topk_bytes));
+  for (const LogprobGroup& group : groups) {
+    if (group.n() == 0) continue;
+    SPECD_CUDA_RETURN_(
+        cudaMemcpyAsync(static_cast<char*>(buf.topk.ptr) + group.offset, group.rows.data(),
+                        group.n() * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
+        "uploading logprob rows");
   }
   const bool timing = phase_timing_ && world_ == 1;
   if (timing) {
@@ -480,27 +567,33 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
   const auto t_upload = std::chrono::steady_clock::now();
   SPECD_RETURN_IF_ERROR_(forward_->UploadMeta(pack));
   SPECD_RETURN_IF_ERROR_(Execute(step));
-  if (lp_n > 0) {
-    char* base = static_cast<char*>(buf.topk.ptr);
+  for (int g = 0; g < 2; ++g) {
+    LogprobGroup& group = groups[g];
+    if (group.n() == 0) continue;
+    const int64_t n = group.n();
+    char* base = static_cast<char*>(buf.topk.ptr) + group.offset;
     cuda::TopKLogprobsParams p;
-    p.logits = static_cast<const float*>(buf.logits.ptr);
-    p.logits_stride = vocab_rows;
+    p.logits = forward_->VerifyLogits(step, /*processed=*/g == 1, &p.logits_stride);
     p.row_index = reinterpret_cast<const int32_t*>(base);
-    p.num_rows = lp_n;
+    p.num_rows = n;
     p.vocab_size = vocab;
-    p.k = lp_k;
-    p.ids = reinterpret_cast<int32_t*>(base + lp_index_bytes);
-    p.logprobs = reinterpret_cast<float*>(p.ids + lp_n * lp_k);
+    p.k = group.k;
+    p.ids = reinterpret_cast<int32_t*>(base + group.index_bytes);
+    p.logprobs = reinterpret_cast<float*>(p.ids + n * group.k);
     p.tokens = At<int32_t>(buf.meta.ptr, step.o_sampled);
-    p.token_logprobs = p.logprobs + lp_n * lp_k;
-    p.token_ranks = reinterpret_cast<int32_t*>(p.token_logprobs + lp_n);
-    if (lp_k == 0) {
+    p.token_logprobs = p.logprobs + n * group.k;
+    p.token_ranks = reinterpret_cast<int32_t*>(p.token_logprobs + n);
+    if (group.k == 0) {
       p.ids = nullptr;
       p.logprobs = nullptr;
     }
+    if (g == 1) {
+      p.sampling = At<cuda::SampleRowParams>(buf.meta.ptr, step.o_row_params);
+      p.kept_lower = At<uint64_t>(buf.meta.ptr, step.o_kept_lower);
+    }
     SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream), "logprobs launch");
-    SPECD_CUDA_RETURN_(cudaMemcpyAsync(lp_host.data(), base + lp_index_bytes, lp_result_bytes,
-                                       cudaMemcpyDeviceToHost, stream),
+    SPECD_CUDA_RETURN_(cudaMemcpyAsync(group.host.data(), base + group.index_bytes,
+                                       group.result_bytes, cudaMemcpyDeviceToHost, stream),
                        "copying logprobs");
   }
   SPECD_RETURN_IF_ERROR_(EnsureHostOut(out_count));
@@ -525,21 +618,21 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
     o.tokens.assign(toks, toks + n + 1);
     o.accepted_nodes.assign(nodes, nodes + n);
     o.accepted_draft = n;
-    if (lp_first[b] >= 0) {
+    for (const LogprobGroup& group : groups) {
+      if (group.first[b] < 0) continue;
       // Token j was drawn from the row of its parent on the accepted path.
-      const int32_t* ids = reinterpret_cast<const int32_t*>(lp_host.data());
-      const float* lps = reinterpret_cast<const float*>(ids + lp_n * lp_k);
-      const float* token_lps = lps + lp_n * lp_k;
-      const int32_t* ranks = reinterpret_cast<const int32_t*>(token_lps + lp_n);
+      const int k = group.k;
       for (int j = 0; j <= n; ++j) {
-        const int64_t e = lp_first[b] + (j == 0 ? 0 : o.accepted_nodes[j - 1] + 1);
+        const int64_t e = group.first[b] + (j == 0 ? 0 : o.accepted_nodes[j - 1] + 1);
         TokenLogprobs& t = o.logprobs.emplace_back();
-        t.logprob = token_lps[e];
-        t.rank = ranks[e];
-        for (int m = 0; m < std::min(items[b].logprobs, lp_k); ++m) {
-          // Probability 0 (a -inf logit) is never listed, as on the host.
-          if (std::isinf(lps[e * lp_k + m])) break;
-          t.top.push_back({ids[e * lp_k + m], lps[e * lp_k + m]});
+        t.logprob = group.token_logprobs()[e];
+        t.rank = group.ranks()[e];
+        for (int m = 0; m < std::min(items[b].logprobs, k); ++m) {
+          // Probability 0 (a -inf logit, or a token the filters dropped) is never listed, as
+          // on the host.
+          const float lp = group.logprobs()[e * k + m];
+          if (std::isinf(lp)) break;
+          t.top.push_back({group.ids()[e * k + m], lp});
         }
       }
     }

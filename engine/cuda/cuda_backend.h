@@ -18,13 +18,15 @@
 // the CPU backend's bookkeeping, so committed prefixes take logical slots [0, L) and scratch
 // nodes the slots after them.
 //
-// Verify() runs on the device end to end: one forward pass over every sequence's pending tokens
-// and tree, sampling of every tree row (Philox, the host sampler's semantics), tree acceptance
-// and compaction of the accepted KV, then a single copy of the outcomes to the host (and, for
-// items that ask for logprobs, of their rows' top-n, sampled-token log-probability and rank,
-// kernels/cuda/topk.cu). Items whose sampling the device sampler lacks (logits processors,
-// processed logprobs of sampled rows) take the host acceptance path over this backend's
-// Forward() rows instead (VerifySplit).
+// Verify() runs on the device end to end for every item: one forward pass over every sequence's
+// pending tokens and tree, the logits processors of every tree row (min_tokens, logit_bias and
+// the penalties, each node counting its own path after the committed history:
+// kernels/cuda/logits_processors.cu), sampling of every row (Philox, the host sampler's
+// semantics, min-p/top-k/top-p included), tree acceptance and compaction of the accepted KV,
+// then a single copy of the outcomes to the host (and, for items that ask for logprobs, of
+// their rows' top-n, sampled-token log-probability and rank, raw from the logits or processed
+// from the sampled rows over the sampler's kept set: kernels/cuda/topk.cu). No logit row
+// reaches the host.
 //
 // Attention masks. A scratch node sees the committed prefix, then the run of scratch nodes 0..a
 // that form a chain from the committed end (its deepest such ancestor a), then its other
@@ -113,22 +115,11 @@ class CudaBackend : public Backend {
   absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
-  // Items VerifiesOnDevice() accepts sample, accept and compute their logprobs on the device;
-  // the rest (logits processors, processed logprobs of sampled rows) take the host path over
-  // this backend's Forward() rows (VerifySplit). A group runs its ranks' RunVerify() on the
-  // items without processors or logprobs and the host path on the rest.
+  // Processes, samples, accepts and computes the logprobs of every item on the device (a group
+  // runs its ranks' RunVerify() in lockstep).
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
   VerifyFeatures verify_features() const override {
     return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
-  }
-  // Whether the device sampler serves `item`'s sampling (temperature, min_p, top-k, top-p): no
-  // logits processor.
-  static bool SamplesOnDevice(const VerifyItem& item);
-  // Whether the device computes `item`'s logprobs: none asked for, raw mode, or processed mode
-  // of a greedy row (log_softmax of the row itself when no processor edits it).
-  static bool LogprobsOnDevice(const VerifyItem& item);
-  static bool VerifiesOnDevice(const VerifyItem& item) {
-    return SamplesOnDevice(item) && LogprobsOnDevice(item);
   }
 
   // A rank of a tensor-parallel group (created with a CudaTpRank) keeps no sequences:
@@ -153,10 +144,10 @@ class CudaBackend : public Backend {
                                   int k, TopKRows* out);
   // Copies K/V of physical slots src[i] to dst[i], in order (PagedKvTable::PrepareCommit's).
   absl::Status CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst);
-  // A verify step of items that SamplesOnDevice() (and, on a rank, ask no logprobs), validated
-  // and laid out by a table: PrepareVerify (once for a group; `backend` answers
-  // CommittedLength), RunVerify (on every rank: sampling, acceptance and KV compaction on the
-  // device; the outcomes), CommitVerify (once: the accepted paths into the table).
+  // A verify step, validated and laid out by a table: PrepareVerify (once for a group; `backend`
+  // answers CommittedLength), RunVerify (on every rank: processors, sampling, acceptance and KV
+  // compaction on the device; the outcomes, with logprobs from rank 0 only), CommitVerify
+  // (once: the accepted paths into the table).
   struct VerifyPlan {
     std::vector<ForwardItem> forward;  // per item: the pending chain, then the tree
     std::vector<int64_t> committed;    // per item: the committed length before the step
@@ -213,8 +204,7 @@ class CudaBackend : public Backend {
                               float* logits);
   // Grows host_out_ to at least `count` int32 words.
   absl::Status EnsureHostOut(size_t count);
-  // Verify() of items that VerifiesOnDevice(): PrepareVerify, RunVerify and CommitVerify on
-  // this backend's table.
+  // Verify(): PrepareVerify, RunVerify and CommitVerify on this backend's table.
   absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnDevice(absl::Span<const VerifyItem> items);
 
   ModelConfig config_;

@@ -16,6 +16,7 @@
 #include "specd/kernels/cuda/allreduce.h"
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
+#include "specd/kernels/cuda/logits_processors.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/sampling.h"
@@ -87,9 +88,10 @@ CudaForward::~CudaForward() {
   if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
   gemm_.reset();
   Buffers& b = buffers_;
-  for (Scratch* s : {&b.meta, &b.residual, &b.x, &b.split, &b.normed, &b.qkv, &b.attn, &b.gate_up,
-                     &b.act, &b.last, &b.logits, &b.attn_ws, &b.sample_ws, &b.verify, &b.topk,
-                     &b.cand_local, &b.cand_all, &b.gathered, &b.full_logits}) {
+  for (Scratch* s : {&b.meta,       &b.residual, &b.x,         &b.split,       &b.normed,
+                     &b.qkv,        &b.attn,     &b.gate_up,   &b.act,         &b.last,
+                     &b.logits,     &b.attn_ws,  &b.sample_ws, &b.verify,      &b.topk,
+                     &b.cand_local, &b.cand_all, &b.gathered,  &b.full_logits, &b.processed}) {
     if (s->ptr != nullptr) cudaFree(s->ptr);
   }
   for (bf16* pool : {k_pool_, v_pool_}) {
@@ -269,6 +271,9 @@ absl::Status CudaForward::PrepareBuffers(const CudaStep& step, size_t meta_bytes
     SPECD_RETURN_IF_ERROR_(Ensure(
         &buffers_.topk,
         static_cast<size_t>(step.topk_rows) * step.topk_k * (sizeof(int32_t) + sizeof(float))));
+  }
+  if (step.verify && step.processors) {
+    SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.processed, R * c.vocab_size * sizeof(float)));
   }
   return absl::OkStatus();
 }
@@ -554,12 +559,28 @@ absl::Status CudaForward::SampleRows(const CudaStep& step, int32_t* tokens) {
     return absl::OkStatus();
   }
   if (world_ > 1) {
-    // Top-k / top-p need the whole row.
+    // Top-k / top-p, the logits processors and logprobs need the whole row.
     SPECD_RETURN_IF_ERROR_(GatherLogits(step, /*place=*/true));
     sp.logits = static_cast<const float*>(buffers_.full_logits.ptr);
     sp.logits_stride = vocab;
     sp.vocab_size = vocab;
   }
+  if (step.processors) {
+    cuda::LogitsProcessorsParams lp;
+    lp.in = sp.logits;
+    lp.in_stride = sp.logits_stride;
+    lp.out = static_cast<float*>(buffers_.processed.ptr);
+    lp.out_stride = vocab;
+    lp.num_rows = R;
+    lp.vocab_size = vocab;
+    lp.rows = At<cuda::LogitsProcessorRow>(buffers_.meta.ptr, step.o_proc_rows);
+    lp.seqs = At<cuda::LogitsProcessorSeq>(buffers_.meta.ptr, step.o_proc_seqs);
+    lp.data = At<int32_t>(buffers_.meta.ptr, step.o_proc_data);
+    SPECD_CUDA_RETURN_(cuda::LogitsProcessorsCuda(lp, stream_), "logits processors");
+    sp.logits = lp.out;
+    sp.logits_stride = vocab;
+  }
+  if (step.kept_lower) sp.kept_lower = At<uint64_t>(buffers_.meta.ptr, step.o_kept_lower);
   SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
   return absl::OkStatus();
 }
@@ -606,6 +627,19 @@ absl::Status CudaForward::EnqueueTopK(const CudaStep& step) {
   p.logprobs = reinterpret_cast<float*>(p.ids + step.topk_rows * step.topk_k);
   SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream_), "top-k");
   return absl::OkStatus();
+}
+
+const float* CudaForward::VerifyLogits(const CudaStep& step, bool processed, int64_t* stride) {
+  if (processed && step.processors) {
+    *stride = config_.vocab_size;
+    return static_cast<const float*>(buffers_.processed.ptr);
+  }
+  if (world_ > 1 && step.gather_logits) {
+    *stride = config_.vocab_size;
+    return static_cast<const float*>(buffers_.full_logits.ptr);
+  }
+  *stride = vocab_rows_;
+  return static_cast<const float*>(buffers_.logits.ptr);
 }
 
 absl::Status CudaForward::Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32,

@@ -89,6 +89,8 @@ class CudaForward {
     // (cuda::SampleCandidate); or everyone's logits [world, R, vocab_rows_max()] fp32 and the
     // whole rows [R, vocab] fp32.
     Scratch cand_local, cand_all, gathered, full_logits;
+    // Verify with logits processors: the processed rows [R, vocab] fp32 that are sampled.
+    Scratch processed;
   };
 
   // `tp`: this rank's group, or null for the whole model on one GPU.
@@ -106,6 +108,7 @@ class CudaForward {
   cuda::Gemm& gemm() { return *gemm_; }
   const TpRankPlan& slice() const { return slice_; }
   int world() const { return world_; }
+  int rank() const { return tp_.rank; }
   // This rank's vocabulary rows, and the largest rank's.
   int64_t vocab_rows() const { return vocab_rows_; }
   int64_t vocab_rows_max() const { return vocab_rows_max_; }
@@ -115,6 +118,10 @@ class CudaForward {
   StepPlanOptions PlanOptions() const;
 
   Buffers& buffers() { return buffers_; }
+  // Where a verify step left its whole rows, [step.R, *stride] fp32, device: the raw logits
+  // (this rank's buffer, or the gathered rows of a group when step.gather_logits), or, with
+  // `processed`, the rows that were sampled (after the logits processors when step.processors).
+  const float* VerifyLogits(const CudaStep& step, bool processed, int64_t* stride);
   // Grows `s` to at least `bytes` (synchronising the stream first when it reallocates).
   absl::Status Ensure(Scratch* s, size_t bytes);
   // Counts the buffers' reallocations (graphs point into them).

@@ -320,7 +320,13 @@ std::vector<int64_t> CudaGraphKey(const CudaStep& step) {
           static_cast<int64_t>(step.o_out),
           step.topk_k,
           step.topk_rows,
-          static_cast<int64_t>(step.o_topk_rows)};
+          static_cast<int64_t>(step.o_topk_rows),
+          step.processors,
+          step.kept_lower,
+          static_cast<int64_t>(step.o_kept_lower),
+          static_cast<int64_t>(step.o_proc_rows),
+          static_cast<int64_t>(step.o_proc_seqs),
+          static_cast<int64_t>(step.o_proc_data)};
 }
 
 }  // namespace specd

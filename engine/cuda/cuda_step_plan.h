@@ -86,12 +86,19 @@ struct CudaStep {
   // ones first) is launched right after the LM head, inside the step's graph; 0: none.
   int topk_k = 0;
   int64_t topk_rows = 0;
+  // Verify: the rows go through the logits processors before sampling (o_proc_*:
+  // cuda::LogitsProcessorRow [R], cuda::LogitsProcessorSeq [batch], then the lists, packed
+  // last so the other offsets do not depend on their length), and the sampler reports each
+  // row's kept set (o_kept_lower: [R] uint64) for processed log-probabilities.
+  bool processors = false;
+  bool kept_lower = false;
   std::vector<int64_t> item_row_begin;  // first logit row of each item
   size_t o_tokens = 0, o_positions = 0, o_query_seq = 0, o_kv_end = 0, o_mask_begin = 0, o_mask = 0,
          o_slots = 0, o_tables = 0, o_rows = 0, o_tile_begin = 0, o_tile_end = 0, o_kv_stable = 0;
   size_t o_row_params = 0, o_sample_offset = 0, o_node_offset = 0, o_num_nodes = 0,
          o_tree_tokens = 0, o_tree_parents = 0, o_seq_rows = 0, o_base_slot = 0, o_sampled = 0,
          o_out = 0, o_topk_rows = 0;
+  size_t o_kept_lower = 0, o_proc_rows = 0, o_proc_seqs = 0, o_proc_data = 0;
 };
 
 // Picks the step's bucket (step->padded, batch, per_seq) when the step of `item_tokens` token

@@ -143,30 +143,14 @@ absl::Status CudaTensorParallelBackend::Commit(SeqId seq, absl::Span<const int32
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::Verify(
     absl::Span<const VerifyItem> items) {
-  // Items with logits processors or logprobs take the host path over the group's
-  // Forward() (every rank's columns: a rank alone has a slice of each row); the ranks accept the
-  // rest on their devices.
-  return VerifySplit(
-      *this, items,
-      [](const VerifyItem& item) {
-        return CudaBackend::SamplesOnDevice(item) && item.logprobs < 0;
-      },
-      [this](absl::Span<const VerifyItem> device_items) { return VerifyOnRanks(device_items); });
+  return VerifyOnRanks(items);
 }
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::VerifyOnRanks(
     absl::Span<const VerifyItem> items) {
-  // A rank's Forward() fills only its columns, so the host path belongs to the group (Verify()
-  // above); a rank holds a slice of the vocabulary, so log-probabilities (a whole row's
-  // log-sum-exp and top-n) are the group's too.
-  for (size_t b = 0; b < items.size(); ++b) {
-    if (!CudaBackend::SamplesOnDevice(items[b]) || items[b].logprobs >= 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("verify item ", b,
-                       ": a tensor-parallel rank verifies on the device only (no logits "
-                       "processors or logprobs); the group serves the rest"));
-    }
-  }
+  // Steps with logits processors, filters or logprobs gather whole rows on every rank
+  // (CudaBackend::RunVerify), which then process and sample them alike; rank 0's outcomes carry
+  // the log-probabilities.
   CudaBackend::VerifyPlan plan;
   if (absl::Status s = CudaBackend::PrepareVerify(*this, table_.get(), items, &plan); !s.ok()) {
     return s;

@@ -72,7 +72,7 @@ class CudaTensorParallelBackend : public Backend {
 
  private:
   CudaTensorParallelBackend(TpPlan plan, int world);
-  // Verify() of items that CudaBackend::VerifiesOnDevice(), on every rank in lockstep.
+  // Verify() on every rank in lockstep (CudaBackend::RunVerify).
   absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnRanks(absl::Span<const VerifyItem> items);
 
   TpPlan plan_;

@@ -16,6 +16,20 @@ namespace internal {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// Monotone map of floats to uint32 (NaN lowest; -0 as +0, as the host's comparisons see them).
+__device__ __forceinline__ uint32_t OrderedBits(float x) {
+  if (x != x) return 0u;
+  if (x == 0.0f) x = 0.0f;
+  const uint32_t b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// engine/sampling.cc's sort order (logit descending, id ascending) as one descending 64-bit key.
+__device__ __forceinline__ uint64_t SortKey(float logit, int id) {
+  return (static_cast<uint64_t>(OrderedBits(logit)) << 32) |
+         (0xffffffffu - static_cast<uint32_t>(id));
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);

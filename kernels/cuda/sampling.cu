@@ -7,6 +7,7 @@ namespace cuda {
 namespace {
 
 using internal::kFullMask;
+using internal::SortKey;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -25,20 +26,6 @@ struct Smem {
   uint32_t cnt_total[kBuckets];
   double mass_total[kBuckets];
 };
-
-// Monotone map of floats to uint32 (NaN lowest; -0 as +0, as the host's comparisons see them).
-__device__ __forceinline__ uint32_t OrderedBits(float x) {
-  if (x != x) return 0u;
-  if (x == 0.0f) x = 0.0f;
-  const uint32_t b = __float_as_uint(x);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-// The host's sort order (logit descending, id ascending) as one descending 64-bit key.
-__device__ __forceinline__ uint64_t SortKey(float logit, int id) {
-  return (static_cast<uint64_t>(OrderedBits(logit)) << 32) |
-         (0xffffffffu - static_cast<uint32_t>(id));
-}
 
 __device__ __forceinline__ int KeyId(uint64_t key) {
   return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
@@ -293,6 +280,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool on
   const float* logits = p.logits + row * p.logits_stride;
   const SampleRowParams rp = p.rows[row];
   const int vocab = static_cast<int>(p.vocab_size);
+  // Rows that keep every token (greedy, unfiltered; the split kernel's) report threshold 0.
+  if (p.kept_lower != nullptr && threadIdx.x == 0) p.kept_lower[row] = 0;
   if (only_filtered && SplitTakes(p, rp, vocab)) return;  // uniform over the CTA
   if (p.candidates != nullptr && !CandidateAllowed(rp)) {
     if (threadIdx.x == 0) WriteEmptyCandidate(p, row);
@@ -344,6 +333,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleParams p, bool on
     lower = Descend<true>(logits, vocab, lower, 0, static_cast<double>(rp.top_p), max_logit, inv_t,
                           total, s);
   }
+
+  if (p.kept_lower != nullptr && threadIdx.x == 0) p.kept_lower[row] = lower;
 
   // Gumbel-max over the kept tokens inside the window: screen in fp32, then score the
   // near-best exactly as the host does.
@@ -635,6 +626,7 @@ cudaError_t SampleCuda(const SampleParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   if (p.candidates != nullptr && !IsAligned(p.candidates, 16)) return cudaErrorInvalidValue;
+  if (p.candidates != nullptr && p.kept_lower != nullptr) return cudaErrorInvalidValue;
   if (p.workspace != nullptr && !IsAligned(p.workspace, 16)) return cudaErrorInvalidValue;
   // The split grid's rows are its y dimension (at most 65535); beyond, one CTA per row.
   if (p.workspace == nullptr || p.num_rows > 65535) {

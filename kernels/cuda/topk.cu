@@ -36,6 +36,18 @@ __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParam
   const float* row = p.logits + in_row * p.logits_stride;
   const int vocab = static_cast<int>(p.vocab_size);
   const int t = threadIdx.x;
+  // Processed mode: the row scaled by 1 / temperature over the kept tokens only (the others
+  // have probability 0: listed never, counted in no rank and no sum).
+  const bool processed = p.sampling != nullptr;
+  const uint64_t lower = processed ? p.kept_lower[in_row] : 0;
+  double scale = 1.0;
+  if (processed && p.sampling[in_row].temperature > 0.0f) {
+    scale = 1.0 / static_cast<double>(p.sampling[in_row].temperature);
+  }
+  auto value = [&](int i) {
+    const float x = row[i];
+    return lower == 0 || internal::SortKey(x, i) >= lower ? OrderKey(x) : -INFINITY;
+  };
 
   float val[K];
   int32_t id[K];
@@ -46,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParam
   }
   // Ids arrive in increasing order per thread, so an equal key never displaces a kept one.
   for (int i = t; i < vocab; i += kThreads) {
-    const float x = OrderKey(row[i]);
+    const float x = value(i);
     if (!Better(x, i, val[K - 1], id[K - 1])) continue;
     bool placed = false;
 #pragma unroll
@@ -123,12 +135,12 @@ __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParam
   const double max_l = static_cast<double>(s_best_val[0]);
   const bool with_token = p.tokens != nullptr;
   const int32_t token = with_token ? p.tokens[in_row] : 0;
-  const float token_key = with_token ? OrderKey(row[token]) : 0.0f;
+  const float token_key = with_token ? value(token) : 0.0f;
   double sum = 0.0;
   int32_t higher = 0;
   for (int i = t; i < vocab; i += kThreads) {
-    const float x = OrderKey(row[i]);
-    sum += exp(static_cast<double>(x) - max_l);
+    const float x = value(i);
+    sum += exp((static_cast<double>(x) - max_l) * scale);
     higher += x > token_key ? 1 : 0;
   }
 #pragma unroll
@@ -145,15 +157,20 @@ __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParam
 #pragma unroll
   for (int w = 0; w < kThreads / 32; ++w) total += s_sum[w];
   const double log_z = max_l + log(total);
+  // Raw: x - log_z, as engine/topk.h; processed: engine/sampling.cc's scaled log_softmax.
+  auto logprob = [&](float x) {
+    return static_cast<float>(processed ? (static_cast<double>(x) - max_l) * scale - log(total)
+                                        : static_cast<double>(x) - log_z);
+  };
   if (t < p.k) {
     p.ids[out_row * p.k + t] = s_best_id[t];
-    p.logprobs[out_row * p.k + t] = static_cast<float>(static_cast<double>(s_best_val[t]) - log_z);
+    p.logprobs[out_row * p.k + t] = logprob(s_best_val[t]);
   }
   if (with_token && t == 0) {
     int32_t rank = 1;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) rank += s_higher[w];
-    p.token_logprobs[out_row] = static_cast<float>(static_cast<double>(token_key) - log_z);
+    p.token_logprobs[out_row] = logprob(token_key);
     p.token_ranks[out_row] = rank;
   }
 }
@@ -162,7 +179,8 @@ __global__ void __launch_bounds__(kThreads) TopKLogprobsKernel(TopKLogprobsParam
 
 cudaError_t TopKLogprobsCuda(const TopKLogprobsParams& p, cudaStream_t stream) {
   const bool with_token = p.tokens != nullptr;
-  if (with_token != (p.token_logprobs != nullptr) || with_token != (p.token_ranks != nullptr)) {
+  if (with_token != (p.token_logprobs != nullptr) || with_token != (p.token_ranks != nullptr) ||
+      (p.sampling != nullptr) != (p.kept_lower != nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (p.k < (with_token ? 0 : 1) || p.k > kMaxTopK || p.vocab_size < std::max(p.k, 1) ||

@@ -1,12 +1,11 @@
 // The CUDA backend's Verify() with the logits processors (logit_bias, the penalties,
-// min_tokens; on the host over the GPU's rows), min_p (on the device) and logprobs (raw and
-// processed; on the device for sampling without processors in raw mode and for greedy rows, on
-// the host otherwise), alone and in batches that mix items of both paths, held against three
-// oracles:
+// min_tokens: kernels/cuda/logits_processors.cu), min_p and logprobs (raw from the logits,
+// processed from the sampled rows over the sampler's kept set: kernels/cuda/topk.cu), all on the
+// device, alone and in batches that mix them with plain items, held against three oracles:
 //  - the host reference over the same GPU's logits: a twin sequence fed the same steps through
 //    Forward() and AcceptTreeOnHost() (engine/sampling.cc's ProcessLogits, SampleToken and
 //    ComputeLogprobs) must give the same tokens, accepted nodes and ranks, and logprobs within
-//    1e-4, whatever path (host or device) Verify() takes for the item;
+//    1e-4;
 //  - target-only decoding on the GPU (trees of no node): speculation with trees drafted from it
 //    must emit the same tokens and log-probabilities, greedy and seeded (lossless verification,
 //    penalties counting each node's own path);
@@ -100,20 +99,20 @@ std::vector<Batch> Batches() {
   using M = LogprobsMode;
   const SamplingParams min_p_only = with(seeded, [](SamplingParams& p) { p.min_p = 0.2f; });
   return {
-      // Logits processors: on the host, over the GPU's rows.
+      // Logits processors.
       {"logit_bias", {{"greedy", bias}}},
       {"penalties", {{"greedy", penalties}}},
       {"min_tokens", {{"greedy", min_tokens}}},
       {"seeded_processors", {{"seeded", seeded_all}}},
       // Sampling without processors (min_p too), with raw logprobs, or processed ones of greedy
-      // rows: on the device.
+      // rows.
       {"min_p", {{"seeded", min_p}}},
       {"min_p_only_logprobs_raw", {{"seeded", min_p_only, 3, M::kRaw}}},
       {"logprobs_raw_greedy", {{"plain", greedy, 5, M::kRaw}}},
       {"logprobs_raw_seeded_plain", {{"plain", seeded_plain, 20, M::kRaw}}},
       {"logprobs_processed_greedy_plain", {{"plain", greedy, 20, M::kProcessed}}},
       {"logprobs_token_only_plain", {{"plain", seeded, 0, M::kRaw}}},
-      // The rest: on the host, over the GPU's rows.
+      // Logprobs with processors, and processed ones of sampled rows.
       {"logprobs_raw_seeded", {{"penalties", seeded_all, 20, M::kRaw}}},
       {"logprobs_processed_greedy", {{"penalties", penalties, 4, M::kProcessed}}},
       {"logprobs_processed_seeded", {{"min_p", min_p, 7, M::kProcessed}}},

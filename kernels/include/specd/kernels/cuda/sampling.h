@@ -73,6 +73,12 @@ struct SampleParams {
   // parameters live on the device, so any other row gets token -1 and score -inf. score = logit
   // for greedy, logit / temperature + Gumbel noise otherwise, in fp64, as ShardCandidate.
   SampleCandidate* candidates = nullptr;  // [num_rows] device
+  // Optional, [num_rows] device: each row's kept set as a threshold on the 64-bit sort key
+  // (orderable fp32 logit bits << 32 | ~token id, kernels/cuda/device_utils.cuh SortKey): the
+  // tokens min-p, top-k and top-p keep are exactly those whose key >= kept_lower[row]; 0 when
+  // the row keeps every token (greedy, no filter). What processed log-probabilities of sampled
+  // rows are normalised over (TopKLogprobsParams::kept_lower). Not with `candidates`.
+  uint64_t* kept_lower = nullptr;
 };
 
 // Workspace bytes that SampleCuda's split path needs for these sizes.

@@ -12,10 +12,17 @@
 // Optionally, per row, the log-probability and rank of one given token (the sampled one: the
 // OpenAI API's logprobs, engine/sampling.h ComputeLogprobs in raw mode): rank = 1 + the tokens
 // with a strictly larger logit, counted in the same second pass; k may then be 0 (the token only).
+//
+// Processed mode (engine/sampling.h LogprobsMode::kProcessed of the rows a verify step samples,
+// after the logits processors): each row is scaled by 1 / its temperature (greedy rows: 1) and
+// normalised over the tokens its sampler kept (SampleParams::kept_lower); the others have
+// probability 0, so they are never listed (they would come last with -inf) and never counted
+// in a rank, as in engine/sampling.cc ComputeLogprobs.
 #ifndef SPECD_KERNELS_CUDA_TOPK_H_
 #define SPECD_KERNELS_CUDA_TOPK_H_
 
 #include "specd/kernels/cuda/common.h"
+#include "specd/kernels/cuda/sampling.h"
 
 namespace specd {
 namespace cuda {
@@ -42,6 +49,11 @@ struct TopKLogprobsParams {
   const int32_t* tokens = nullptr;  // [logits rows] int32, device: indexed like the logits rows
   float* token_logprobs = nullptr;  // [num_rows] fp32, device
   int32_t* token_ranks = nullptr;   // [num_rows] int32, device: 1 = the most likely
+  // Optional, both or neither: processed mode. Indexed like the logits rows: each row's
+  // sampling (its temperature scales the row) and its kept set's sort-key threshold, as
+  // SampleCuda wrote it for the same logits (0: every token).
+  const SampleRowParams* sampling = nullptr;  // [logits rows] device
+  const uint64_t* kept_lower = nullptr;       // [logits rows] device
 };
 
 cudaError_t TopKLogprobsCuda(const TopKLogprobsParams& p, cudaStream_t stream);
