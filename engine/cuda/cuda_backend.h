@@ -110,6 +110,17 @@ class CudaBackend : public Backend {
   // the host. (A group takes the host path over its Forward(): a rank holds a slice of each
   // row.)
   absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
+  // The fp32 residual stream the step's norms leave, copied on the device after the norm that
+  // completes it (CudaForward::Buffers::taps), then only the items' token rows to the host.
+  absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
+                               absl::Span<const int> tap_layers, std::vector<float>* logits,
+                               std::vector<float>* taps) override;
+  // The argument checks of ForwardWithTaps() (here and in the tensor-parallel group): `logits`
+  // not null, `taps` not null when layers are asked for, the layers distinct and in
+  // [0, num_layers] (INVALID_ARGUMENT naming tap_layers).
+  static absl::Status CheckForwardWithTaps(absl::Span<const int> tap_layers, int num_layers,
+                                           const std::vector<float>* logits,
+                                           const std::vector<float>* taps);
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
   // Items VerifiesOnDevice() accepts sample, accept and compute their logprobs on the device;
@@ -117,8 +128,11 @@ class CudaBackend : public Backend {
   // this backend's Forward() rows (VerifySplit). A group runs its ranks' RunVerify() on the
   // items without processors or logprobs and the host path on the rest.
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
+  // Taps: the device path copies the union of the items' tap layers on the device during the
+  // step and, after acceptance, only the committed rows (pending tokens, accepted nodes) to the
+  // host; the host path takes them from ForwardWithTaps().
   VerifyFeatures verify_features() const override {
-    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true};
   }
   // Whether the device sampler serves `item`'s sampling (temperature, min_p, top-k, top-p): no
   // logits processor.
@@ -143,14 +157,19 @@ class CudaBackend : public Backend {
   // Forward() of a laid out step (PagedKvTable::PrepareForward of `items`) for one rank: writes
   // this rank's vocabulary columns of `logits`, [rows of all items, vocab_size] fp32, host, which
   // the caller sized (the other ranks write the other columns at the same time).
+  // With tap_layers, also the taps of every item token ([sum of tokens, tap_layers.size() *
+  // hidden] fp32, host, which the caller sized) into `taps`; one rank of a group is enough (the
+  // residual stream is whole on every rank), the others pass none.
   absl::Status ForwardColumns(absl::Span<const ForwardItem> items, const StepLayout& layout,
-                              float* logits);
+                              float* logits, absl::Span<const int> tap_layers = {},
+                              float* taps = nullptr);
   // Copies K/V of physical slots src[i] to dst[i], in order (PagedKvTable::PrepareCommit's).
   absl::Status CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst);
   // A verify step of items that SamplesOnDevice() (and, on a rank, ask no logprobs), validated
   // and laid out by a table: PrepareVerify (once for a group; `backend` answers
   // CommittedLength), RunVerify (on every rank: sampling, acceptance and KV compaction on the
-  // device; the outcomes), CommitVerify (once: the accepted paths into the table).
+  // device; the outcomes, with the items' taps where export_taps: one rank of a group exports
+  // them), CommitVerify (once: the accepted paths into the table).
   struct VerifyPlan {
     std::vector<ForwardItem> forward;  // per item: the pending chain, then the tree
     std::vector<int64_t> committed;    // per item: the committed length before the step
@@ -159,7 +178,7 @@ class CudaBackend : public Backend {
   static absl::Status PrepareVerify(const Backend& backend, PagedKvTable* table,
                                     absl::Span<const VerifyItem> items, VerifyPlan* plan);
   absl::StatusOr<std::vector<VerifyOutcome>> RunVerify(
-      absl::Span<const VerifyItem> items, const VerifyPlan& plan,
+      absl::Span<const VerifyItem> items, const VerifyPlan& plan, bool export_taps = true,
       std::chrono::steady_clock::time_point t_enter = std::chrono::steady_clock::now());
   static absl::Status CommitVerify(PagedKvTable* table, absl::Span<const VerifyItem> items,
                                    const std::vector<VerifyOutcome>& outcomes);
@@ -204,7 +223,16 @@ class CudaBackend : public Backend {
   absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float* logits);
   // ForwardToHost() of a laid out step, this rank's columns.
   absl::Status ForwardLaidOut(absl::Span<const ForwardItem> items, const StepLayout& layout,
-                              float* logits);
+                              float* logits, absl::Span<const int> tap_layers = {},
+                              float* taps = nullptr);
+  // Fills the outcomes' taps of the items that ask for them from a run verify `step`'s taps
+  // (its tap_layers: the sorted union of the items'): the committed rows only.
+  absl::Status ExportTaps(absl::Span<const VerifyItem> items, const CudaStep& step,
+                          std::vector<VerifyOutcome>* outcomes);
+  // Copies token rows `rows` (ascending runs go in one copy each) of the last step's taps
+  // ([step T, width] fp32, device) to `host` ([rows.size(), width] fp32), then waits for the
+  // stream.
+  absl::Status CopyTapRows(absl::Span<const int64_t> rows, int64_t width, float* host);
   // Verify() of items that VerifiesOnDevice(): PrepareVerify, RunVerify and CommitVerify on
   // this backend's table.
   absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnDevice(absl::Span<const VerifyItem> items);

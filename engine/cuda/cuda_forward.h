@@ -88,6 +88,9 @@ class CudaForward {
     // (cuda::SampleCandidate); or everyone's logits [world, R, vocab_rows_max()] fp32 and the
     // whole rows [R, vocab] fp32.
     Scratch cand_local, cand_all, gathered, full_logits;
+    // [T, step.tap_layers.size() * hidden] fp32: copies of the residual stream entering each
+    // tap layer (CudaStep::tap_layers' order), for steps that ask for taps.
+    Scratch taps;
   };
 
   // `tp`: this rank's group, or null for the whole model on one GPU.
@@ -124,7 +127,8 @@ class CudaForward {
   // Copies the packed metadata up through pinned memory (asynchronously, on stream()).
   absl::Status UploadMeta(const StepPacker& pack);
   // Enqueues the model (and for a verify step sampling, acceptance and compaction) on stream();
-  // leaves [step.R, vocab_rows()] fp32 logits in buffers().logits. Allocates nothing,
+  // leaves [step.R, vocab_rows()] fp32 logits in buffers().logits, and the step's taps
+  // (CudaStep::tap_layers) in buffers().taps. Allocates nothing,
   // synchronises nothing and reads nothing back, so that it can be captured into a CUDA graph.
   absl::Status Enqueue(const CudaStep& step);
   // Copies K/V of physical slots src[i] to dst[i], in order, in every layer (on stream()).

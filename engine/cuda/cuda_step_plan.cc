@@ -89,6 +89,7 @@ void LayoutForward(absl::Span<const ForwardItem> items, absl::Span<const PlanIte
     }
   }
   step->item_row_begin.assign(row_base.begin(), row_base.begin() + num_items);
+  step->item_token_begin.assign(token_base.begin(), token_base.begin() + num_items);
 
   std::vector<int32_t> tokens(T, 0), positions(T, 0), query_seq(T, 0), kv_end(T, 1),
       mask_begin(T, 1), rows(step->R, 0);
@@ -282,42 +283,46 @@ size_t VerifyOutCount(const CudaStep& step) {
 }
 
 std::vector<int64_t> CudaGraphKey(const CudaStep& step) {
-  return {step.verify,
-          step.custom_allreduce,
-          step.tree_masks,
-          step.gather_logits,
-          step.batch,
-          step.per_seq,
-          step.T,
-          step.R,
-          step.max_blocks,
-          step.num_tiles,
-          step.num_splits,
-          step.chunks_per_cta,
-          step.ws_floats,
-          step.out_stride,
-          static_cast<int64_t>(step.o_tokens),
-          static_cast<int64_t>(step.o_positions),
-          static_cast<int64_t>(step.o_query_seq),
-          static_cast<int64_t>(step.o_kv_end),
-          static_cast<int64_t>(step.o_mask_begin),
-          static_cast<int64_t>(step.o_mask),
-          static_cast<int64_t>(step.o_slots),
-          static_cast<int64_t>(step.o_tables),
-          static_cast<int64_t>(step.o_rows),
-          static_cast<int64_t>(step.o_tile_begin),
-          static_cast<int64_t>(step.o_tile_end),
-          static_cast<int64_t>(step.o_kv_stable),
-          static_cast<int64_t>(step.o_row_params),
-          static_cast<int64_t>(step.o_sample_offset),
-          static_cast<int64_t>(step.o_node_offset),
-          static_cast<int64_t>(step.o_num_nodes),
-          static_cast<int64_t>(step.o_tree_tokens),
-          static_cast<int64_t>(step.o_tree_parents),
-          static_cast<int64_t>(step.o_seq_rows),
-          static_cast<int64_t>(step.o_base_slot),
-          static_cast<int64_t>(step.o_sampled),
-          static_cast<int64_t>(step.o_out)};
+  std::vector<int64_t> key = {step.verify,
+                              step.custom_allreduce,
+                              step.tree_masks,
+                              step.gather_logits,
+                              step.batch,
+                              step.per_seq,
+                              step.T,
+                              step.R,
+                              step.max_blocks,
+                              step.num_tiles,
+                              step.num_splits,
+                              step.chunks_per_cta,
+                              step.ws_floats,
+                              step.out_stride,
+                              static_cast<int64_t>(step.o_tokens),
+                              static_cast<int64_t>(step.o_positions),
+                              static_cast<int64_t>(step.o_query_seq),
+                              static_cast<int64_t>(step.o_kv_end),
+                              static_cast<int64_t>(step.o_mask_begin),
+                              static_cast<int64_t>(step.o_mask),
+                              static_cast<int64_t>(step.o_slots),
+                              static_cast<int64_t>(step.o_tables),
+                              static_cast<int64_t>(step.o_rows),
+                              static_cast<int64_t>(step.o_tile_begin),
+                              static_cast<int64_t>(step.o_tile_end),
+                              static_cast<int64_t>(step.o_kv_stable),
+                              static_cast<int64_t>(step.o_row_params),
+                              static_cast<int64_t>(step.o_sample_offset),
+                              static_cast<int64_t>(step.o_node_offset),
+                              static_cast<int64_t>(step.o_num_nodes),
+                              static_cast<int64_t>(step.o_tree_tokens),
+                              static_cast<int64_t>(step.o_tree_parents),
+                              static_cast<int64_t>(step.o_seq_rows),
+                              static_cast<int64_t>(step.o_base_slot),
+                              static_cast<int64_t>(step.o_sampled),
+                              static_cast<int64_t>(step.o_out)};
+  // The taps' copies are graph nodes too: their count and layers select the graph.
+  key.push_back(static_cast<int64_t>(step.tap_layers.size()));
+  key.insert(key.end(), step.tap_layers.begin(), step.tap_layers.end());
+  return key;
 }
 
 }  // namespace specd

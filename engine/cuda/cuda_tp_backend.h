@@ -58,13 +58,18 @@ class CudaTensorParallelBackend : public Backend {
     return table_->CommittedLength(seq);
   }
   absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) override;
+  // The residual stream is whole on every rank after the all-reduce, so rank 0 alone copies it
+  // (CudaBackend::ForwardWithTaps' copies) while every rank writes its logit columns.
+  absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
+                               absl::Span<const int> tap_layers, std::vector<float>* logits,
+                               std::vector<float>* taps) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_->Usage(); }
   bool pads_rows() const override { return ranks_[0]->pads_rows(); }
   ExecutionCounts execution_counts() const override { return ranks_[0]->execution_counts(); }
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
   VerifyFeatures verify_features() const override {
-    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true};
   }
 
  private:
