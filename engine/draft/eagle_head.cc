@@ -211,6 +211,19 @@ absl::StatusOr<EagleHeadWeights> LoadEagleHeadWeights(const EagleHeadConfig& c,
   return w;
 }
 
+absl::Status EagleHead::ForwardTopK(absl::Span<const EagleHeadItem> items, int k,
+                                    EagleHeadOutputs* out, TopKRows* top) {
+  if (out == nullptr || top == nullptr) return absl::InvalidArgumentError("out or top is null");
+  if (k < 1 || k > kMaxForwardTopK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k: ", k, " is not in [1, ", kMaxForwardTopK, "]"));
+  }
+  if (absl::Status s = Forward(items, out); !s.ok()) return s;
+  TopKRowsOnHost(out->logits, config().draft_vocab_size, k, top);
+  out->logits.clear();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& head_dir,
                                                           const std::string& target_dir,
                                                           const EagleHeadOptions& options) {

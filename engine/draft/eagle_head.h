@@ -125,6 +125,14 @@ class EagleHead {
   // One batched pass over all items (distinct sequences). The whole batch is checked first
   // (INVALID_ARGUMENT naming items[i] and the field): on error no sequence changes.
   virtual absl::Status Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) = 0;
+  // Forward() that returns, per requested row (same order), the min(k, draft_vocab_size) most
+  // likely draft ids (not target ids: draft_to_target() maps them) and their log-probabilities
+  // in `top` (engine/topk.h: order, ties, fp64 log-sum-exp) instead of the logits: out->logits
+  // stays empty, out->hidden is Forward()'s. So a device head copies [rows, k] instead of
+  // [rows, draft vocab] to the host. k in [1, kMaxForwardTopK], else INVALID_ARGUMENT naming k.
+  // The default runs Forward() and RowTopKLogprobs() on the host.
+  virtual absl::Status ForwardTopK(absl::Span<const EagleHeadItem> items, int k,
+                                   EagleHeadOutputs* out, TopKRows* top);
   // As Backend::Commit.
   virtual absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) = 0;
   virtual KvUsage Usage() const = 0;

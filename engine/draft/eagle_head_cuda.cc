@@ -13,6 +13,7 @@
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/swiglu.h"
+#include "specd/kernels/cuda/topk.h"
 #include "specd/kernels/cuda/tree_attention.h"
 
 namespace specd {
@@ -85,7 +86,7 @@ EagleHeadCuda::~EagleHeadCuda() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   gemm_.reset();
   for (Scratch* s : {&meta_, &features_, &residual_, &emb_, &normed_, &cat_, &qkv_out_, &attn_,
-                     &gate_up_out_, &act_, &last_, &logits_, &attn_ws_, &slots_}) {
+                     &gate_up_out_, &act_, &last_, &logits_, &attn_ws_, &slots_, &topk_}) {
     if (s->ptr != nullptr) cudaFree(s->ptr);
   }
   for (void* p : allocations_) cudaFree(p);
@@ -227,9 +228,29 @@ absl::Status EagleHeadCuda::Gemm(const bf16* x, const bf16* w, void* y, bool y_f
 }
 
 absl::Status EagleHeadCuda::Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) {
+  return Run(items, 0, out, nullptr);
+}
+
+absl::Status EagleHeadCuda::ForwardTopK(absl::Span<const EagleHeadItem> items, int k,
+                                        EagleHeadOutputs* out, TopKRows* top) {
+  if (top == nullptr) return absl::InvalidArgumentError("top is null");
+  if (k < 1 || k > kMaxForwardTopK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k: ", k, " is not in [1, ", kMaxForwardTopK, "]"));
+  }
+  return Run(items, k, out, top);
+}
+
+absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, EagleHeadOutputs* out,
+                                TopKRows* top) {
   if (out == nullptr) return absl::InvalidArgumentError("out is null");
   out->hidden.clear();
   out->logits.clear();
+  if (top != nullptr) {
+    top->k = static_cast<int>(std::min<int64_t>(k, config_.draft_vocab_size));
+    top->ids.clear();
+    top->logprobs.clear();
+  }
   const ModelConfig& hc = config_.head;
   const int64_t H = hc.hidden_size, Ft = config_.feature_size(), F = hc.intermediate_size;
   const int64_t hd = hc.head_dim, QD = int64_t{hc.num_heads} * hd;
@@ -446,7 +467,7 @@ absl::Status EagleHeadCuda::Forward(absl::Span<const EagleHeadItem> items, Eagle
   SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, final_norm_, normed, true, "final norm"));
 
   out->hidden.resize(R * H);
-  out->logits.resize(R * dv);
+  if (top == nullptr) out->logits.resize(R * dv);
   if (R > 0) {
     cuda::EmbeddingParams gather;  // a row gather: the "table" is the normed outputs
     gather.tokens = At<int32_t>(meta, step.o_rows);
@@ -458,9 +479,32 @@ absl::Status EagleHeadCuda::Forward(absl::Span<const EagleHeadItem> items, Eagle
     SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_), "gathering output rows");
     SPECD_RETURN_IF_ERROR_(
         Gemm(static_cast<bf16*>(last_.ptr), lm_head_, logits_.ptr, true, R, dv, H));
-    SPECD_CUDA_RETURN_(cudaMemcpyAsync(out->logits.data(), logits_.ptr, R * dv * sizeof(float),
-                                       cudaMemcpyDeviceToHost, stream_),
-                       "copying eagle head logits");
+    if (top == nullptr) {
+      SPECD_CUDA_RETURN_(cudaMemcpyAsync(out->logits.data(), logits_.ptr, R * dv * sizeof(float),
+                                         cudaMemcpyDeviceToHost, stream_),
+                         "copying eagle head logits");
+    } else {
+      // Only [R, k] ids and log-probabilities come back, rows in the step's order.
+      const int64_t kk = top->k;
+      SPECD_RETURN_IF_ERROR_(Ensure(&topk_, R * kk * (sizeof(int32_t) + sizeof(float))));
+      cuda::TopKLogprobsParams p;
+      p.logits = static_cast<const float*>(logits_.ptr);
+      p.logits_stride = dv;
+      p.num_rows = R;
+      p.vocab_size = dv;
+      p.k = static_cast<int>(kk);
+      p.ids = static_cast<int32_t*>(topk_.ptr);
+      p.logprobs = reinterpret_cast<float*>(p.ids + R * kk);
+      SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream_), "top-k launch");
+      top->ids.resize(R * kk);
+      top->logprobs.resize(R * kk);
+      SPECD_CUDA_RETURN_(cudaMemcpyAsync(top->ids.data(), p.ids, R * kk * sizeof(int32_t),
+                                         cudaMemcpyDeviceToHost, stream_),
+                         "copying eagle head top-k ids");
+      SPECD_CUDA_RETURN_(cudaMemcpyAsync(top->logprobs.data(), p.logprobs, R * kk * sizeof(float),
+                                         cudaMemcpyDeviceToHost, stream_),
+                         "copying eagle head top-k log-probabilities");
+    }
     // The layer outputs of the requested rows (the stream before the final norm).
     int64_t r = 0;
     for (size_t b = 0; b < items.size(); ++b) {
@@ -499,9 +543,9 @@ absl::Status EagleHeadCuda::Commit(SeqId seq, absl::Span<const int32_t> path) {
   p.src_slots = slots;
   p.dst_slots = slots + n;
   p.num_copies = n;
+  // No synchronisation: a copy from pageable memory has left `both` when cudaMemcpyAsync
+  // returns, and the next step runs after the copy kernel on the same stream.
   SPECD_CUDA_RETURN_(cuda::KvCacheCopyCuda(p, stream_), "KV copy");
-  // `both` goes out of scope here: the copy must have left it.
-  SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "committing eagle head KV");
   return absl::OkStatus();
 }
 

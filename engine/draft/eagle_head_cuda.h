@@ -58,6 +58,10 @@ class EagleHeadCuda : public EagleHead {
     return table_->CommittedLength(seq);
   }
   absl::Status Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) override;
+  // The rows' top-k by kernels/cuda/topk.cu, so only [rows, k] ids and log-probabilities (and
+  // the rows' layer outputs) reach the host.
+  absl::Status ForwardTopK(absl::Span<const EagleHeadItem> items, int k, EagleHeadOutputs* out,
+                           TopKRows* top) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_->Usage(); }
 
@@ -71,6 +75,10 @@ class EagleHeadCuda : public EagleHead {
 
   EagleHeadCuda(EagleHeadConfig config, int device, int context_length);
   absl::Status Init(const EagleHeadWeights& w, const EagleHeadOptions& options);
+  // Forward() (top == nullptr: the logits to out->logits) or ForwardTopK() (k in
+  // [1, kMaxForwardTopK]).
+  absl::Status Run(absl::Span<const EagleHeadItem> items, int k, EagleHeadOutputs* out,
+                   TopKRows* top);
   absl::Status Ensure(Scratch* s, size_t bytes);
   absl::Status Gemm(const bf16* x, const bf16* w, void* y, bool y_fp32, int64_t m, int64_t n,
                     int64_t k);
@@ -122,6 +130,7 @@ class EagleHeadCuda : public EagleHead {
   Scratch logits_;       // [R, draft vocab] fp32
   Scratch attn_ws_;      // split-KV workspace
   Scratch slots_;        // Commit()'s slot lists: [2, copies] int64
+  Scratch topk_;         // ForwardTopK(): [R, k] int32 ids, then [R, k] fp32 log-probabilities
   // Pinned host staging for the uploads (features, hidden inputs, metadata).
   void* host_stage_ = nullptr;
   size_t host_stage_bytes_ = 0;

@@ -96,6 +96,47 @@ TEST_F(CudaEagleHeadTest, EagleOneHeadsStayOnTheCpu) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
 }
 
+// The device top-k of the CUDA head's logits against a host top-k of the same head's logits:
+// log-probabilities to fp32 log-sum-exp accuracy, ids equal where neighbours are not tied.
+TEST_F(CudaEagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
+  // One head, two sequences: the same GEMM algorithms (row-invariant) for both calls.
+  std::unique_ptr<EagleHead> head = LoadHead("eagle3_head", "cuda:0");
+  ASSERT_NE(head, nullptr);
+  const int64_t fw = head->config().feature_size(), dv = head->config().draft_vocab_size;
+  constexpr int kK = 8;
+  std::vector<float> feats(6 * fw);
+  for (size_t i = 0; i < feats.size(); ++i) feats[i] = std::sin(0.37f * static_cast<float>(i));
+  EagleHeadItem item;
+  item.seq = 1;
+  item.tokens = {3, 9, 27, 81, 243, 7};
+  item.parents = {-1, 0, 1, 2, 3, 2};
+  item.inputs = feats;
+  item.output_rows = {5, 0, 3};
+  ASSERT_TRUE(head->AddSequence(1).ok());
+  ASSERT_TRUE(head->AddSequence(2).ok());
+  EagleHeadOutputs full, topped;
+  ASSERT_TRUE(head->Forward({item}, &full).ok());
+  TopKRows top;
+  item.seq = 2;
+  ASSERT_TRUE(head->ForwardTopK({item}, kK, &topped, &top).ok());
+  EXPECT_TRUE(topped.logits.empty());
+  EXPECT_EQ(topped.hidden, full.hidden);
+  ASSERT_EQ(top.k, kK);
+  ASSERT_EQ(top.rows(), 3);
+  for (int64_t r = 0; r < 3; ++r) {
+    std::vector<int32_t> ids(kK);
+    std::vector<float> lp(kK);
+    RowTopKLogprobs(absl::MakeConstSpan(full.logits).subspan(r * dv, dv), kK, ids.data(),
+                    lp.data());
+    for (int j = 0; j < kK; ++j) {
+      EXPECT_NEAR(top.logprobs[r * kK + j], lp[j], 1e-4) << "row " << r << " rank " << j;
+      const bool tied =
+          (j > 0 && lp[j - 1] - lp[j] < 1e-4) || (j + 1 < kK && lp[j] - lp[j + 1] < 1e-4);
+      if (!tied) EXPECT_EQ(top.ids[r * kK + j], ids[j]) << "row " << r << " rank " << j;
+    }
+  }
+}
+
 TEST_F(CudaEagleHeadTest, DrafterGrowsTheCpuHeadsTrees) {
   std::unique_ptr<EagleHead> cpu = LoadHead("eagle3_head", "cpu");
   std::unique_ptr<EagleHead> cuda = LoadHead("eagle3_head", "cuda:0");

@@ -9,6 +9,7 @@
 // with the reference's, which computed in float64.
 #include "engine/draft/eagle_head.h"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -190,6 +191,45 @@ TEST(EagleHeadTest, TheReferenceHeadLoads) {
   ASSERT_TRUE((*head)->Forward({item}, &out).ok());
   EXPECT_EQ(out.logits.size(), 2048u);
   EXPECT_EQ(out.hidden.size(), 320u);
+}
+
+TEST(EagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
+  std::unique_ptr<EagleHead> head = LoadHead("eagle3_head");
+  std::unique_ptr<EagleHead> twin = LoadHead("eagle3_head");
+  ASSERT_TRUE(head && twin);
+  const int64_t fw = head->config().feature_size(), dv = head->config().draft_vocab_size;
+  std::vector<float> feats(5 * fw);
+  for (size_t i = 0; i < feats.size(); ++i) feats[i] = std::sin(0.37f * static_cast<float>(i));
+  EagleHeadItem item;
+  item.seq = 1;
+  item.tokens = {3, 9, 27, 81, 243};
+  item.parents = {-1, 0, 1, 2, 3};
+  item.inputs = feats;
+  item.output_rows = {4, 1};
+  ASSERT_TRUE(head->AddSequence(1).ok());
+  ASSERT_TRUE(twin->AddSequence(1).ok());
+  EagleHeadOutputs full, topped;
+  ASSERT_TRUE(head->Forward({item}, &full).ok());
+  TopKRows top;
+  ASSERT_TRUE(twin->ForwardTopK({item}, 5, &topped, &top).ok());
+  EXPECT_TRUE(topped.logits.empty());
+  EXPECT_EQ(topped.hidden, full.hidden);
+  ASSERT_EQ(top.k, 5);
+  ASSERT_EQ(top.rows(), 2);
+  for (int64_t r = 0; r < 2; ++r) {
+    std::vector<int32_t> ids(5);
+    std::vector<float> lp(5);
+    RowTopKLogprobs(absl::MakeConstSpan(full.logits).subspan(r * dv, dv), 5, ids.data(),
+                    lp.data());
+    EXPECT_EQ(std::vector<int32_t>(top.ids.begin() + r * 5, top.ids.begin() + (r + 1) * 5), ids);
+    EXPECT_EQ(std::vector<float>(top.logprobs.begin() + r * 5, top.logprobs.begin() + (r + 1) * 5),
+              lp);
+  }
+  for (int k : {0, kMaxForwardTopK + 1}) {
+    const absl::Status s = twin->ForwardTopK({}, k, &topped, &top);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k;
+    EXPECT_THAT(s.message(), HasSubstr("k: ")) << k;
+  }
 }
 
 TEST(EagleHeadTest, OptionsAreChecked) {
