@@ -86,9 +86,10 @@ CudaForward::~CudaForward() {
   if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
   gemm_.reset();
   Buffers& b = buffers_;
-  for (Scratch* s : {&b.meta, &b.residual, &b.x, &b.split, &b.normed, &b.qkv, &b.attn, &b.gate_up,
-                     &b.act, &b.last, &b.logits, &b.attn_ws, &b.sample_ws, &b.verify, &b.topk,
-                     &b.cand_local, &b.cand_all, &b.gathered, &b.full_logits}) {
+  for (Scratch* s : {&b.meta,       &b.residual, &b.x,         &b.split,       &b.normed,
+                     &b.qkv,        &b.attn,     &b.gate_up,   &b.act,         &b.last,
+                     &b.logits,     &b.attn_ws,  &b.sample_ws, &b.verify,      &b.topk,
+                     &b.cand_local, &b.cand_all, &b.gathered,  &b.full_logits, &b.taps}) {
     if (s->ptr != nullptr) cudaFree(s->ptr);
   }
   for (bf16* pool : {k_pool_, v_pool_}) {
