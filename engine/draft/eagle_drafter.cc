@@ -62,7 +62,10 @@ absl::Status EagleDrafter::Release(SeqId seq) {
 bool EagleDrafter::HasSequence(SeqId seq) const { return head_->HasSequence(seq); }
 
 int64_t EagleDrafter::committed(SeqId seq) const {
-  return head_->CommittedLength(seq).value_or(-1);
+  auto it = states_.find(seq);
+  absl::StatusOr<int64_t> held = head_->CommittedLength(seq);
+  if (it == states_.end() || !held.ok()) return -1;
+  return it->second.base + *held;
 }
 
 absl::Status EagleDrafter::CheckRequest(const DraftRequest& r) const {
@@ -93,7 +96,7 @@ void EagleDrafter::Merge(const DraftRequest& r, SeqState& st) const {
 
   const int64_t f = feature_size_;
   const int64_t rows = static_cast<int64_t>(r.taps.size()) / f;
-  const int64_t c = head_->CommittedLength(r.seq).value_or(0);
+  const int64_t c = st.base + head_->CommittedLength(r.seq).value_or(0);
   // Rows the head already holds are skipped.
   const int64_t drop = std::max<int64_t>(0, c - r.taps_first_position);
   if (drop >= rows) return;
@@ -141,14 +144,21 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
     SeqState& st = states_[r.seq];
     absl::StatusOr<int64_t> committed = head_->CommittedLength(r.seq);
     if (!committed.ok()) return restore(committed.status());
-    const int64_t c = *committed;
+    if (*committed == 0 && !st.taps.empty() && st.taps_first > st.base) {
+      // The head holds nothing of the sequence and its taps begin mid-sequence (this service
+      // took the sequence over while it ran, after a restart): the head's positions start
+      // there. RoPE scores depend on differences of positions only, so the head drafts as from
+      // a context that begins at that pair.
+      st.base = st.taps_first;
+    }
+    const int64_t c = st.base + *committed;  // sequence position of the next pair
     const int64_t last = static_cast<int64_t>(st.tokens.size()) - 1;  // the tree's root token
     const int64_t rows = static_cast<int64_t>(st.taps.size()) / f;
     int64_t m = st.taps_first == c ? std::min(rows, last - c) : 0;
-    m = std::max<int64_t>(0, std::min<int64_t>(m, head_->context_length() - c));
+    m = std::max<int64_t>(0, std::min<int64_t>(m, head_->context_length() - *committed));
     Work& w = work[b];
     w.chain = static_cast<int>(m);
-    w.ready = m > 0 && c + m == last && last + r.params.depth <= head_->context_length();
+    w.ready = m > 0 && c + m == last && last - st.base + r.params.depth <= head_->context_length();
     if (m == 0) continue;
     EagleHeadItem item;
     item.seq = r.seq;

@@ -259,5 +259,49 @@ TEST(EagleClusterTest, KilledDraftServiceLosesNoRequest) {
   EXPECT_GT(again.last.speculation().accepted_tokens(), 0u);
 }
 
+// A draft service restarted while a sequence runs takes it back: the router feeds it the whole
+// history and the verify service's taps from then on, and the head starts from where they begin
+// (EagleDrafter's base). Verify steps with trees resume; the output stays target-only decoding's.
+TEST(EagleClusterTest, RunningSequencesDraftAgainAfterADraftServiceRestart) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 900;  // within the target's 1,024 positions
+  v1::GenerateRequest r = Request(Prompts()[2], kTokens, v1::SPECULATION_OFF);
+  const Result reference = c->Generate(r);
+  ASSERT_TRUE(reference.status.ok());
+  r.set_speculation(v1::SPECULATION_EAGLE3);
+  r.set_draft_depth(4);
+  r.set_draft_top_k(4);
+  r.set_draft_max_nodes(16);
+  bool killed = false, back = false;
+  double drafted_when_back = -1;
+  const Result got = c->Generate(r, [&](int chunk) {
+    if (chunk == 3 && !killed) {
+      killed = true;
+      ::kill(c->draft->pid(), SIGKILL);
+    } else if (chunk == 6 && killed && !back) {
+      back = true;
+      c->draft.reset();
+      absl::StatusOr<std::unique_ptr<ServiceProcess>> draft =
+          ServiceProcess::Start(c->draft_options);
+      ASSERT_TRUE(draft.ok()) << draft.status();
+      c->draft = *std::move(draft);
+      const absl::Time end = absl::Now() + absl::Seconds(20);
+      while (absl::Now() < end && c->Metric("specd_draft_available") != 1) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      drafted_when_back = c->Metric("specd_spec_decode_steps_total");
+    }
+  });
+  ASSERT_TRUE(killed && back);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, reference.tokens);
+  const double drafted = c->Metric("specd_spec_decode_steps_total");
+  std::printf("verify steps with a tree: %.0f by the restart, %.0f in all\n", drafted_when_back,
+              drafted);
+  EXPECT_GE(drafted_when_back, 0);
+  EXPECT_GT(drafted, drafted_when_back);
+}
+
 }  // namespace
 }  // namespace specd
