@@ -295,8 +295,11 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
   const int64_t T = step.T, R = step.R;
 
   // The inputs ride with the metadata: hidden inputs as fp32 rows of a [T, H] array (feature
-  // rows left zero, fc overwrites them), target features as bf16 rows packed item after item.
-  std::vector<float> x_in(T * H, 0.0f);
+  // rows left zero, fc overwrites them; none when every item brings features, as a prefill
+  // chain does), target features as bf16 rows packed item after item.
+  bool any_hidden = false;
+  for (const EagleHeadItem& it : items) any_hidden |= it.input == EagleInput::kHidden;
+  std::vector<float> x_in(any_hidden ? T * H : 0, 0.0f);
   std::vector<bf16> features;
   struct FcItem {
     int64_t token = 0, feature_row = 0, rows = 0;
@@ -350,9 +353,11 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
   bf16* qkv = static_cast<bf16*>(qkv_out_.ptr);
   bf16* attn = static_cast<bf16*>(attn_.ptr);
   // The H-wide inputs: hidden rows as given, feature rows fc(features) in fp32.
-  SPECD_CUDA_RETURN_(cudaMemcpyAsync(residual, At<float>(meta, o_x), T * H * sizeof(float),
-                                     cudaMemcpyDeviceToDevice, stream_),
-                     "placing hidden inputs");
+  if (any_hidden) {
+    SPECD_CUDA_RETURN_(cudaMemcpyAsync(residual, At<float>(meta, o_x), T * H * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, stream_),
+                       "placing hidden inputs");
+  }
   for (const FcItem& f : fc_items) {
     SPECD_RETURN_IF_ERROR_(Gemm(At<bf16>(meta, o_features) + f.feature_row * Ft, fc_,
                                 residual + f.token * H, /*y_fp32=*/true, f.rows, H, Ft));
