@@ -265,10 +265,78 @@ absl::Status CudaBackend::Forward(absl::Span<const ForwardItem> items, std::vect
   return s;
 }
 
-absl::Status CudaBackend::ForwardColumns(absl::Span<const ForwardItem> items,
-                                         const StepLayout& layout, float* logits) {
+absl::Status CudaBackend::CheckForwardWithTaps(absl::Span<const int> tap_layers, int num_layers,
+                                               const std::vector<float>* logits,
+                                               const std::vector<float>* taps) {
+  if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
+  if (!tap_layers.empty() && taps == nullptr) return absl::InvalidArgumentError("taps is null");
+  for (size_t i = 0; i < tap_layers.size(); ++i) {
+    const int layer = tap_layers[i];
+    if (layer < 0 || layer > num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tap_layers[", i, "]: ", layer, " is not in [0, ", num_layers, "]"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (tap_layers[j] == layer) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tap_layers[", i, "]: ", layer, " is listed twice"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ForwardWithTaps(absl::Span<const ForwardItem> items,
+                                          absl::Span<const int> tap_layers,
+                                          std::vector<float>* logits, std::vector<float>* taps) {
+  SPECD_RETURN_IF_ERROR_(CheckForwardWithTaps(tap_layers, config_.num_layers, logits, taps));
+  SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
+  logits->clear();
+  if (taps != nullptr) taps->clear();
+  // PrepareForward validates the whole batch before changing anything, so a bad item leaves
+  // all sequences as they were.
+  StepLayout layout;
+  SPECD_RETURN_IF_ERROR_(table_->PrepareForward(items, &layout));
+  int64_t rows = 0, tokens = 0;
+  for (const ForwardItem& it : items) {
+    rows += static_cast<int64_t>(it.logit_rows.size());
+    tokens += static_cast<int64_t>(it.tokens.size());
+  }
+  logits->resize(static_cast<size_t>(rows) * config_.vocab_size);
+  if (!tap_layers.empty()) {
+    taps->resize(static_cast<size_t>(tokens) * tap_layers.size() * config_.hidden_size);
+  }
   if (items.empty()) return absl::OkStatus();
-  return ForwardLaidOut(items, layout, logits);
+  absl::Status s = ForwardLaidOut(items, layout, logits->data(), tap_layers,
+                                  tap_layers.empty() ? nullptr : taps->data());
+  if (!s.ok()) {
+    logits->clear();
+    if (taps != nullptr) taps->clear();
+  }
+  return s;
+}
+
+absl::Status CudaBackend::ForwardColumns(absl::Span<const ForwardItem> items,
+                                         const StepLayout& layout, float* logits,
+                                         absl::Span<const int> tap_layers, float* taps) {
+  if (items.empty()) return absl::OkStatus();
+  return ForwardLaidOut(items, layout, logits, tap_layers, taps);
+}
+
+absl::Status CudaBackend::CopyTapRows(absl::Span<const int64_t> rows, int64_t width, float* host) {
+  const cudaStream_t stream = forward_->stream();
+  const float* taps = static_cast<const float*>(forward_->buffers().taps.ptr);
+  const size_t row_bytes = static_cast<size_t>(width) * sizeof(float);
+  for (size_t i = 0; i < rows.size();) {
+    size_t e = i + 1;
+    while (e < rows.size() && rows[e] == rows[e - 1] + 1) ++e;
+    SPECD_CUDA_RETURN_(cudaMemcpyAsync(host + i * width, taps + rows[i] * width,
+                                       (e - i) * row_bytes, cudaMemcpyDeviceToHost, stream),
+                       "copying taps");
+    i = e;
+  }
+  SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream), "copying taps");
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::PrepareForward(absl::Span<const ForwardItem> items,
@@ -296,8 +364,10 @@ absl::Status CudaBackend::ForwardToHost(absl::Span<const ForwardItem> items, flo
 }
 
 absl::Status CudaBackend::ForwardLaidOut(absl::Span<const ForwardItem> items,
-                                         const StepLayout& layout, float* logits) {
+                                         const StepLayout& layout, float* logits,
+                                         absl::Span<const int> tap_layers, float* taps) {
   CudaStep step;
+  if (taps != nullptr) step.tap_layers.assign(tap_layers.begin(), tap_layers.end());
   SPECD_RETURN_IF_ERROR_(PrepareForward(items, layout, &step));
   SPECD_RETURN_IF_ERROR_(Execute(step));
   const cudaStream_t stream = forward_->stream();
@@ -327,8 +397,19 @@ absl::Status CudaBackend::ForwardLaidOut(absl::Span<const ForwardItem> items,
     dst += n;
     b = e;
   }
-  SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream), "forward pass");
-  return absl::OkStatus();
+  if (step.tap_layers.empty()) {
+    SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream), "forward pass");
+    return absl::OkStatus();
+  }
+  // Every token's taps, items in order: each item's token rows are contiguous on the device.
+  std::vector<int64_t> tap_rows;
+  for (size_t b = 0; b < items.size(); ++b) {
+    for (size_t j = 0; j < items[b].tokens.size(); ++j) {
+      tap_rows.push_back(step.item_token_begin[b] + static_cast<int64_t>(j));
+    }
+  }
+  return CopyTapRows(tap_rows, static_cast<int64_t>(step.tap_layers.size()) * config_.hidden_size,
+                     taps);
 }
 
 absl::Status CudaBackend::ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) {
@@ -428,7 +509,8 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::VerifyOnDevice(
   VerifyPlan plan;
   SPECD_RETURN_IF_ERROR_(PrepareVerify(*this, table_.get(), items, &plan));
   if (items.empty()) return std::vector<VerifyOutcome>{};
-  absl::StatusOr<std::vector<VerifyOutcome>> outcomes = RunVerify(items, plan, t_enter);
+  absl::StatusOr<std::vector<VerifyOutcome>> outcomes =
+      RunVerify(items, plan, /*export_taps=*/true, t_enter);
   if (!outcomes.ok()) return outcomes.status();
   SPECD_RETURN_IF_ERROR_(CommitVerify(table_.get(), items, *outcomes));
   return outcomes;
@@ -454,6 +536,43 @@ absl::Status CudaBackend::PrepareVerify(const Backend& backend, PagedKvTable* ta
   return table->PrepareForward(plan->forward, &plan->layout);
 }
 
+absl::Status CudaBackend::ExportTaps(absl::Span<const VerifyItem> items, const CudaStep& step,
+                                     std::vector<VerifyOutcome>* outcomes) {
+  const std::vector<int>& all = step.tap_layers;
+  const int64_t H = config_.hidden_size, width = static_cast<int64_t>(all.size()) * H;
+  // The committed tokens' rows of every item that asks, in one pass of copies: its pending
+  // chain, then its accepted nodes (scratch index = token row offset in the item).
+  std::vector<int64_t> rows;
+  std::vector<size_t> first(items.size());
+  for (size_t b = 0; b < items.size(); ++b) {
+    first[b] = rows.size();
+    if (items[b].tap_layers.empty()) continue;
+    for (int32_t token :
+         AcceptedScratchPath(static_cast<int>(items[b].pending.size()), (*outcomes)[b])) {
+      rows.push_back(step.item_token_begin[b] + token);
+    }
+  }
+  std::vector<float> host(rows.size() * width);
+  SPECD_RETURN_IF_ERROR_(CopyTapRows(rows, width, host.data()));
+  for (size_t b = 0; b < items.size(); ++b) {
+    const std::vector<int>& want = items[b].tap_layers;
+    if (want.empty()) continue;
+    const size_t n = (b + 1 < items.size() ? first[b + 1] : rows.size()) - first[b];
+    std::vector<float>& out = (*outcomes)[b].taps;
+    out.resize(n * want.size() * H);
+    float* dst = out.data();
+    for (size_t j = 0; j < n; ++j) {
+      const float* src = host.data() + (first[b] + j) * width;
+      for (int layer : want) {
+        const int64_t u = std::lower_bound(all.begin(), all.end(), layer) - all.begin();
+        std::copy_n(src + u * H, H, dst);
+        dst += H;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::CommitVerify(PagedKvTable* table, absl::Span<const VerifyItem> items,
                                        const std::vector<VerifyOutcome>& outcomes) {
   for (size_t b = 0; b < items.size(); ++b) {
@@ -467,7 +586,7 @@ absl::Status CudaBackend::CommitVerify(PagedKvTable* table, absl::Span<const Ver
 }
 
 absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
-    absl::Span<const VerifyItem> items, const VerifyPlan& plan,
+    absl::Span<const VerifyItem> items, const VerifyPlan& plan, bool export_taps,
     std::chrono::steady_clock::time_point t_enter) {
   const int vocab = config_.vocab_size;
   const std::vector<ForwardItem>& forward = plan.forward;
@@ -490,7 +609,15 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
     any_processors = any_processors || it.sampling.has_processors();
     any_processed_logprobs = any_processed_logprobs ||
                              (it.logprobs >= 0 && it.logprobs_mode == LogprobsMode::kProcessed);
+    // Taps: one device copy of the union of the layers the items ask for (sorted), sliced per
+    // item once the accepted paths are known.
+    if (export_taps) {
+      step.tap_layers.insert(step.tap_layers.end(), it.tap_layers.begin(), it.tap_layers.end());
+    }
   }
+  std::sort(step.tap_layers.begin(), step.tap_layers.end());
+  step.tap_layers.erase(std::unique(step.tap_layers.begin(), step.tap_layers.end()),
+                        step.tap_layers.end());
   std::vector<int64_t> item_tokens;
   for (const ForwardItem& f : forward) item_tokens.push_back(static_cast<int64_t>(f.tokens.size()));
   StepPacker pack;
@@ -637,6 +764,7 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
       }
     }
   }
+  if (!step.tap_layers.empty()) SPECD_RETURN_IF_ERROR_(ExportTaps(items, step, &outcomes));
   if (timing) {
     const auto us = [](auto a, auto b) {
       return std::chrono::duration<double, std::micro>(b - a).count();

@@ -113,13 +113,27 @@ class CudaBackend : public Backend {
   // level's metadata and row list in one copy up, [rows, k] ids and log-probabilities in one
   // copy down, one synchronisation.
   absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
+  // The fp32 residual stream the step's norms leave, copied on the device after the norm that
+  // completes it (CudaForward::Buffers::taps), then only the items' token rows to the host.
+  absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
+                               absl::Span<const int> tap_layers, std::vector<float>* logits,
+                               std::vector<float>* taps) override;
+  // The argument checks of ForwardWithTaps() (here and in the tensor-parallel group): `logits`
+  // not null, `taps` not null when layers are asked for, the layers distinct and in
+  // [0, num_layers] (INVALID_ARGUMENT naming tap_layers).
+  static absl::Status CheckForwardWithTaps(absl::Span<const int> tap_layers, int num_layers,
+                                           const std::vector<float>* logits,
+                                           const std::vector<float>* taps);
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override;
   // Processes, samples, accepts and computes the logprobs of every item on the device (a group
   // runs its ranks' RunVerify() in lockstep).
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
+  // Taps: the device path copies the union of the items' tap layers on the device during the
+  // step and, after acceptance, only the committed rows (pending tokens, accepted nodes) to the
+  // host; the host path takes them from ForwardWithTaps().
   VerifyFeatures verify_features() const override {
-    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true};
   }
 
   // A rank of a tensor-parallel group (created with a CudaTpRank) keeps no sequences:
@@ -135,8 +149,12 @@ class CudaBackend : public Backend {
   // Forward() of a laid out step (PagedKvTable::PrepareForward of `items`) for one rank: writes
   // this rank's vocabulary columns of `logits`, [rows of all items, vocab_size] fp32, host, which
   // the caller sized (the other ranks write the other columns at the same time).
+  // With tap_layers, also the taps of every item token ([sum of tokens, tap_layers.size() *
+  // hidden] fp32, host, which the caller sized) into `taps`; one rank of a group is enough (the
+  // residual stream is whole on every rank), the others pass none.
   absl::Status ForwardColumns(absl::Span<const ForwardItem> items, const StepLayout& layout,
-                              float* logits);
+                              float* logits, absl::Span<const int> tap_layers = {},
+                              float* taps = nullptr);
   // ForwardTopK() of a laid out step (PagedKvTable::PrepareForward of `items`), k already
   // capped at the vocabulary. On a rank of a group every rank calls it: the ranks all-gather
   // their logits and rank 0 ranks the whole rows and fills `out` (the others pass null).
@@ -146,8 +164,9 @@ class CudaBackend : public Backend {
   absl::Status CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst);
   // A verify step, validated and laid out by a table: PrepareVerify (once for a group; `backend`
   // answers CommittedLength), RunVerify (on every rank: processors, sampling, acceptance and KV
-  // compaction on the device; the outcomes, with logprobs from rank 0 only), CommitVerify
-  // (once: the accepted paths into the table).
+  // compaction on the device; the outcomes, with logprobs from rank 0 only and the items' taps
+  // where export_taps: one rank of a group exports them), CommitVerify (once: the accepted paths
+  // into the table).
   struct VerifyPlan {
     std::vector<ForwardItem> forward;  // per item: the pending chain, then the tree
     std::vector<int64_t> committed;    // per item: the committed length before the step
@@ -156,7 +175,7 @@ class CudaBackend : public Backend {
   static absl::Status PrepareVerify(const Backend& backend, PagedKvTable* table,
                                     absl::Span<const VerifyItem> items, VerifyPlan* plan);
   absl::StatusOr<std::vector<VerifyOutcome>> RunVerify(
-      absl::Span<const VerifyItem> items, const VerifyPlan& plan,
+      absl::Span<const VerifyItem> items, const VerifyPlan& plan, bool export_taps = true,
       std::chrono::steady_clock::time_point t_enter = std::chrono::steady_clock::now());
   static absl::Status CommitVerify(PagedKvTable* table, absl::Span<const VerifyItem> items,
                                    const std::vector<VerifyOutcome>& outcomes);
@@ -201,9 +220,18 @@ class CudaBackend : public Backend {
   absl::Status ForwardToHost(absl::Span<const ForwardItem> items, float* logits);
   // ForwardToHost() of a laid out step, this rank's columns.
   absl::Status ForwardLaidOut(absl::Span<const ForwardItem> items, const StepLayout& layout,
-                              float* logits);
+                              float* logits, absl::Span<const int> tap_layers = {},
+                              float* taps = nullptr);
   // Grows host_out_ to at least `count` int32 words.
   absl::Status EnsureHostOut(size_t count);
+  // Fills the outcomes' taps of the items that ask for them from a run verify `step`'s taps
+  // (its tap_layers: the sorted union of the items'): the committed rows only.
+  absl::Status ExportTaps(absl::Span<const VerifyItem> items, const CudaStep& step,
+                          std::vector<VerifyOutcome>* outcomes);
+  // Copies token rows `rows` (ascending runs go in one copy each) of the last step's taps
+  // ([step T, width] fp32, device) to `host` ([rows.size(), width] fp32), then waits for the
+  // stream.
+  absl::Status CopyTapRows(absl::Span<const int64_t> rows, int64_t width, float* host);
   // Verify(): PrepareVerify, RunVerify and CommitVerify on this backend's table.
   absl::StatusOr<std::vector<VerifyOutcome>> VerifyOnDevice(absl::Span<const VerifyItem> items);
 

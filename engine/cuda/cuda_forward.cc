@@ -88,10 +88,10 @@ CudaForward::~CudaForward() {
   if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
   gemm_.reset();
   Buffers& b = buffers_;
-  for (Scratch* s : {&b.meta,       &b.residual, &b.x,         &b.split,       &b.normed,
-                     &b.qkv,        &b.attn,     &b.gate_up,   &b.act,         &b.last,
-                     &b.logits,     &b.attn_ws,  &b.sample_ws, &b.verify,      &b.topk,
-                     &b.cand_local, &b.cand_all, &b.gathered,  &b.full_logits, &b.processed}) {
+  for (Scratch* s : {&b.meta,        &b.residual,  &b.x,    &b.split,      &b.normed,   &b.qkv,
+                     &b.attn,        &b.gate_up,   &b.act,  &b.last,       &b.logits,   &b.attn_ws,
+                     &b.sample_ws,   &b.verify,    &b.topk, &b.cand_local, &b.cand_all, &b.gathered,
+                     &b.full_logits, &b.processed, &b.taps}) {
     if (s->ptr != nullptr) cudaFree(s->ptr);
   }
   for (bf16* pool : {k_pool_, v_pool_}) {
@@ -257,6 +257,10 @@ absl::Status CudaForward::PrepareBuffers(const CudaStep& step, size_t meta_bytes
   SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.logits, R * vocab_rows_max_ * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.attn_ws, step.ws_floats * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.sample_ws, cuda::SampleWorkspaceBytes(R, c.vocab_size)));
+  if (!step.tap_layers.empty()) {
+    SPECD_RETURN_IF_ERROR_(Ensure(
+        &buffers_.taps, T * static_cast<int64_t>(step.tap_layers.size()) * H * sizeof(float)));
+  }
   if (world_ > 1 && step.verify) {
     const size_t cand = sizeof(cuda::SampleCandidate);
     SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.cand_local, R * cand));
@@ -386,6 +390,21 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
     return k_splits > 1 ? Gemm(in, weight, nullptr, buffers_.split.ptr, true, T, H, k, k_splits)
                         : Gemm(in, weight, nullptr, Partial(step, site), false, T, H, k);
   };
+  // Copies the residual stream ([T, hidden] fp32, whole on every rank once the norm that
+  // all-reduced it ran) into the taps columns of every tap naming `layer`: device to device,
+  // so a captured graph replays them too.
+  const int64_t tap_width = static_cast<int64_t>(step.tap_layers.size()) * H;
+  const auto capture = [&](int layer) -> absl::Status {
+    for (size_t i = 0; i < step.tap_layers.size(); ++i) {
+      if (step.tap_layers[i] != layer) continue;
+      SPECD_CUDA_RETURN_(
+          cudaMemcpy2DAsync(static_cast<float*>(buffers_.taps.ptr) + i * H,
+                            tap_width * sizeof(float), buffers_.residual.ptr, H * sizeof(float),
+                            H * sizeof(float), T, cudaMemcpyDeviceToDevice, stream_),
+          "copying a residual-stream tap");
+    }
+    return absl::OkStatus();
+  };
   // Buffers dead once the next GEMM has read them; the kernel after it drops
   // them from L2 (l2_discard_).
   const cuda::DeadRows act_rows{act, F * static_cast<int64_t>(sizeof(bf16))};
@@ -395,6 +414,7 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
     // the previous MLP's output to it.
     SPECD_RETURN_IF_ERROR_(ReduceNorm(step, l == 0 ? kEmbedSite : kMlpSite, l == 0, w.input_norm,
                                       l == 0 ? cuda::DeadRows{} : act_rows));
+    SPECD_RETURN_IF_ERROR_(capture(l));  // the norm added the previous MLP: the stream entering l
     SPECD_RETURN_IF_ERROR_(Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
 
     cuda::RopeParams rope;
@@ -473,6 +493,7 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
   SPECD_RETURN_IF_ERROR_(ReduceNorm(step, c.num_layers == 0 ? kEmbedSite : kMlpSite,
                                     c.num_layers == 0, weights_.final_norm(),
                                     c.num_layers == 0 ? cuda::DeadRows{} : act_rows));
+  SPECD_RETURN_IF_ERROR_(capture(c.num_layers));  // the last layer's output, pre-norm
   if (R == 0) return absl::OkStatus();
   cuda::EmbeddingParams gather;  // a row gather: the "table" is the normed activations
   gather.tokens = At<int32_t>(meta, step.o_rows);

@@ -91,6 +91,9 @@ class CudaForward {
     Scratch cand_local, cand_all, gathered, full_logits;
     // Verify with logits processors: the processed rows [R, vocab] fp32 that are sampled.
     Scratch processed;
+    // [T, step.tap_layers.size() * hidden] fp32: copies of the residual stream entering each
+    // tap layer (CudaStep::tap_layers' order), for steps that ask for taps.
+    Scratch taps;
   };
 
   // `tp`: this rank's group, or null for the whole model on one GPU.
@@ -133,7 +136,8 @@ class CudaForward {
   absl::Status UploadMeta(const StepPacker& pack);
   // Enqueues the model (and for a verify step sampling, acceptance and compaction; for a
   // top-k step, step.topk_k > 0, the rows' top-k into buffers().topk) on stream(); leaves
-  // [step.R, vocab_rows()] fp32 logits in buffers().logits. Allocates nothing,
+  // [step.R, vocab_rows()] fp32 logits in buffers().logits, and the step's taps
+  // (CudaStep::tap_layers) in buffers().taps. Allocates nothing,
   // synchronises nothing and reads nothing back, so that it can be captured into a CUDA graph.
   absl::Status Enqueue(const CudaStep& step);
   // Copies K/V of physical slots src[i] to dst[i], in order, in every layer (on stream()).

@@ -92,7 +92,12 @@ struct CudaStep {
   // row's kept set (o_kept_lower: [R] uint64) for processed log-probabilities.
   bool processors = false;
   bool kept_lower = false;
-  std::vector<int64_t> item_row_begin;  // first logit row of each item
+  std::vector<int64_t> item_row_begin;    // first logit row of each item
+  std::vector<int64_t> item_token_begin;  // first token row of each item
+  // Residual-stream taps the step copies into CudaForward::Buffers::taps (Backend::
+  // ForwardWithTaps' layer ids, in the order the taps buffer's columns hold them); empty: none.
+  // Part of the graph key: a step with taps replays its own graph.
+  std::vector<int> tap_layers;
   size_t o_tokens = 0, o_positions = 0, o_query_seq = 0, o_kv_end = 0, o_mask_begin = 0, o_mask = 0,
          o_slots = 0, o_tables = 0, o_rows = 0, o_tile_begin = 0, o_tile_end = 0, o_kv_stable = 0;
   size_t o_row_params = 0, o_sample_offset = 0, o_node_offset = 0, o_num_nodes = 0,

@@ -100,8 +100,20 @@ absl::Status CudaTensorParallelBackend::RemoveSequence(SeqId seq) {
 
 absl::Status CudaTensorParallelBackend::Forward(absl::Span<const ForwardItem> items,
                                                 std::vector<float>* logits) {
-  if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
+  return ForwardWithTaps(items, {}, logits, nullptr);
+}
+
+absl::Status CudaTensorParallelBackend::ForwardWithTaps(absl::Span<const ForwardItem> items,
+                                                        absl::Span<const int> tap_layers,
+                                                        std::vector<float>* logits,
+                                                        std::vector<float>* taps) {
+  if (absl::Status s =
+          CudaBackend::CheckForwardWithTaps(tap_layers, config().num_layers, logits, taps);
+      !s.ok()) {
+    return s;
+  }
   logits->clear();
+  if (taps != nullptr) taps->clear();
   // PrepareForward validates the whole batch before changing anything, so a bad item leaves
   // all sequences as they were.
   StepLayout layout;
@@ -109,9 +121,21 @@ absl::Status CudaTensorParallelBackend::Forward(absl::Span<const ForwardItem> it
   int64_t rows = 0;
   for (const ForwardItem& it : items) rows += static_cast<int64_t>(it.logit_rows.size());
   logits->assign(static_cast<size_t>(rows) * config().vocab_size, 0.0f);
-  absl::Status s =
-      workers_.Run([&](int r) { return ranks_[r]->ForwardColumns(items, layout, logits->data()); });
-  if (!s.ok()) logits->clear();
+  float* tap_rows = nullptr;
+  if (!tap_layers.empty()) {
+    int64_t tokens = 0;
+    for (const ForwardItem& it : items) tokens += static_cast<int64_t>(it.tokens.size());
+    taps->resize(static_cast<size_t>(tokens) * tap_layers.size() * config().hidden_size);
+    tap_rows = taps->data();
+  }
+  absl::Status s = workers_.Run([&](int r) {
+    return r == 0 ? ranks_[r]->ForwardColumns(items, layout, logits->data(), tap_layers, tap_rows)
+                  : ranks_[r]->ForwardColumns(items, layout, logits->data());
+  });
+  if (!s.ok()) {
+    logits->clear();
+    if (taps != nullptr) taps->clear();
+  }
   return s;
 }
 
@@ -158,7 +182,8 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaTensorParallelBackend::VerifyOnRa
   if (items.empty()) return std::vector<VerifyOutcome>{};
   std::vector<absl::StatusOr<std::vector<VerifyOutcome>>> outcomes(ranks_.size());
   absl::Status s = workers_.Run([&](int r) {
-    outcomes[r] = ranks_[r]->RunVerify(items, plan);
+    // Rank 0 exports the taps: the residual stream is whole on every rank.
+    outcomes[r] = ranks_[r]->RunVerify(items, plan, /*export_taps=*/r == 0);
     return outcomes[r].status();
   });
   if (!s.ok()) return s;

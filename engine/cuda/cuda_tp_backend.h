@@ -61,13 +61,18 @@ class CudaTensorParallelBackend : public Backend {
   // The ranks all-gather their vocabulary slices on the device and rank 0 ranks the whole rows
   // (CudaBackend::ForwardTopKLaidOut), so only [rows, k] reach the host.
   absl::Status ForwardTopK(absl::Span<const ForwardItem> items, int k, TopKRows* out) override;
+  // The residual stream is whole on every rank after the all-reduce, so rank 0 alone copies it
+  // (CudaBackend::ForwardWithTaps' copies) while every rank writes its logit columns.
+  absl::Status ForwardWithTaps(absl::Span<const ForwardItem> items,
+                               absl::Span<const int> tap_layers, std::vector<float>* logits,
+                               std::vector<float>* taps) override;
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_->Usage(); }
   bool pads_rows() const override { return ranks_[0]->pads_rows(); }
   ExecutionCounts execution_counts() const override { return ranks_[0]->execution_counts(); }
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
   VerifyFeatures verify_features() const override {
-    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/false};
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true};
   }
 
  private:

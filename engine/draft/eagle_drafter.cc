@@ -26,13 +26,21 @@ struct Work {
   std::vector<std::vector<float>> node_hidden;  // per tree node once expanded: [H]
 };
 
-// Fills row `row` of `top` with the best `top.k` draft ids of `logits` ([draft vocab] fp32),
-// mapped to target ids.
-void DraftTopK(absl::Span<const float> logits, absl::Span<const int32_t> d2t, int64_t row,
-               TopKRows* top) {
-  int32_t* ids = &top->ids[row * top->k];
-  RowTopKLogprobs(logits, top->k, ids, &top->logprobs[row * top->k]);
-  for (int j = 0; j < top->k; ++j) ids[j] = d2t[ids[j]];
+// Runs `head` over `items` and fills `top` with every requested row's best min(k, draft vocab)
+// draft ids, mapped to target ids, and their log-probabilities: through the head's ForwardTopK
+// (a device head copies only [rows, k] to the host) when k fits it, else Forward() and a host
+// top-k of the logits.
+absl::Status HeadTopK(EagleHead& head, absl::Span<const EagleHeadItem> items, int k,
+                      EagleHeadOutputs* out, TopKRows* top) {
+  if (k <= kMaxForwardTopK) {
+    if (absl::Status s = head.ForwardTopK(items, k, out, top); !s.ok()) return s;
+  } else {
+    if (absl::Status s = head.Forward(items, out); !s.ok()) return s;
+    TopKRowsOnHost(out->logits, head.config().draft_vocab_size, k, top);
+  }
+  const absl::Span<const int32_t> d2t = head.draft_to_target();
+  for (int32_t& id : top->ids) id = d2t[id];
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -54,7 +62,10 @@ absl::Status EagleDrafter::Release(SeqId seq) {
 bool EagleDrafter::HasSequence(SeqId seq) const { return head_->HasSequence(seq); }
 
 int64_t EagleDrafter::committed(SeqId seq) const {
-  return head_->CommittedLength(seq).value_or(-1);
+  auto it = states_.find(seq);
+  absl::StatusOr<int64_t> held = head_->CommittedLength(seq);
+  if (it == states_.end() || !held.ok()) return -1;
+  return it->second.base + *held;
 }
 
 absl::Status EagleDrafter::CheckRequest(const DraftRequest& r) const {
@@ -85,7 +96,7 @@ void EagleDrafter::Merge(const DraftRequest& r, SeqState& st) const {
 
   const int64_t f = feature_size_;
   const int64_t rows = static_cast<int64_t>(r.taps.size()) / f;
-  const int64_t c = head_->CommittedLength(r.seq).value_or(0);
+  const int64_t c = st.base + head_->CommittedLength(r.seq).value_or(0);
   // Rows the head already holds are skipped.
   const int64_t drop = std::max<int64_t>(0, c - r.taps_first_position);
   if (drop >= rows) return;
@@ -110,8 +121,6 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
     return s;
   }
   const int64_t f = feature_size_, h = head_->config().head.hidden_size;
-  const int64_t dv = head_->config().draft_vocab_size;
-  const absl::Span<const int32_t> d2t = head_->draft_to_target();
 
   // Tokens and taps in; a failed chain puts every sequence back as it was.
   std::vector<SeqState> before;
@@ -135,14 +144,21 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
     SeqState& st = states_[r.seq];
     absl::StatusOr<int64_t> committed = head_->CommittedLength(r.seq);
     if (!committed.ok()) return restore(committed.status());
-    const int64_t c = *committed;
+    if (*committed == 0 && !st.taps.empty() && st.taps_first > st.base) {
+      // The head holds nothing of the sequence and its taps begin mid-sequence (this service
+      // took the sequence over while it ran, after a restart): the head's positions start
+      // there. RoPE scores depend on differences of positions only, so the head drafts as from
+      // a context that begins at that pair.
+      st.base = st.taps_first;
+    }
+    const int64_t c = st.base + *committed;  // sequence position of the next pair
     const int64_t last = static_cast<int64_t>(st.tokens.size()) - 1;  // the tree's root token
     const int64_t rows = static_cast<int64_t>(st.taps.size()) / f;
     int64_t m = st.taps_first == c ? std::min(rows, last - c) : 0;
-    m = std::max<int64_t>(0, std::min<int64_t>(m, head_->context_length() - c));
+    m = std::max<int64_t>(0, std::min<int64_t>(m, head_->context_length() - *committed));
     Work& w = work[b];
     w.chain = static_cast<int>(m);
-    w.ready = m > 0 && c + m == last && last + r.params.depth <= head_->context_length();
+    w.ready = m > 0 && c + m == last && last - st.base + r.params.depth <= head_->context_length();
     if (m == 0) continue;
     EagleHeadItem item;
     item.seq = r.seq;
@@ -155,9 +171,15 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
     items.push_back(std::move(item));
     item_work.push_back(b);
   }
+  // The roots' children come from the chains' last outputs: their top-k with the chain pass.
+  int k = 1;
+  for (size_t b = 0; b < requests.size(); ++b) {
+    if (work[b].ready) k = std::max(k, ChildCount(requests[b].params, 0));
+  }
   EagleHeadOutputs out;
+  TopKRows top;
   if (!items.empty()) {
-    if (absl::Status s = head_->Forward(items, &out); !s.ok()) return restore(s);
+    if (absl::Status s = HeadTopK(*head_, items, k, &out, &top); !s.ok()) return restore(s);
   }
   for (size_t i = 0; i < items.size(); ++i) {
     std::vector<int32_t> path(items[i].tokens.size());
@@ -191,16 +213,9 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
     for (size_t b : ready) head_->Commit(requests[b].seq, {}).IgnoreError();
     return s;
   };
-  TopKRows top;
-  int k = 1;
-  for (size_t b : ready) k = std::max(k, ChildCount(requests[b].params, 0));
-  top.k = static_cast<int>(std::min<int64_t>(k, dv));
-  top.ids.resize(ready.size() * top.k);
-  top.logprobs.resize(top.ids.size());
   for (size_t i = 0; i < ready.size(); ++i) {
     Work& w = work[ready[i]];
     w.tree.req = &requests[ready[i]];
-    DraftTopK(absl::MakeConstSpan(out.logits).subspan(i * dv, dv), d2t, i, &top);
     AddChildren(w.tree, -1, top, i);
   }
 
@@ -238,11 +253,10 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
       item_work.push_back(b);
     }
     if (items.empty()) break;
-    if (absl::Status s = head_->Forward(items, &out); !s.ok()) return drop_scratch(s);
+    if (absl::Status s = HeadTopK(*head_, items, k, &out, &top); !s.ok()) {
+      return drop_scratch(s);
+    }
     fed_tokens_ += static_cast<int64_t>(out.hidden.size() / h);
-    top.k = static_cast<int>(std::min<int64_t>(k, dv));
-    top.ids.resize(out.hidden.size() / h * top.k);
-    top.logprobs.resize(top.ids.size());
     row = 0;
     for (size_t b : item_work) {
       Work& w = work[b];
@@ -251,7 +265,6 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
         if (w.node_hidden.size() < t.nodes.size()) w.node_hidden.resize(t.nodes.size());
         w.node_hidden[node].assign(out.hidden.begin() + row * h,
                                    out.hidden.begin() + (row + 1) * h);
-        DraftTopK(absl::MakeConstSpan(out.logits).subspan(row * dv, dv), d2t, row, &top);
         AddChildren(t, node, top, row);
         ++row;
       }

@@ -44,7 +44,8 @@ class EagleDrafter : public Drafter {
 
   // Pairs fed through the head so far (chains and tree nodes).
   int64_t fed_tokens() const { return fed_tokens_; }
-  // Pairs of `seq` in the head's committed KV (for tests), -1 for an unknown sequence.
+  // The sequence position up to which the head's committed KV holds `seq`'s pairs (its base
+  // plus the pairs it holds; for tests), -1 for an unknown sequence.
   int64_t committed(SeqId seq) const;
 
  private:
@@ -55,6 +56,10 @@ class EagleDrafter : public Drafter {
     int64_t taps_first = 0;
     // new_tokens of a step that failed after its chain was committed; skipped when resent.
     std::vector<int32_t> carried;
+    // The sequence position of the head's position 0: 0, or where the taps began when they
+    // began mid-sequence (a draft service that took the sequence over while it ran, after a
+    // restart), the head then holding only the pairs from there on.
+    int64_t base = 0;
   };
 
   // Adds `r`'s tokens and taps to its sequence's state.

@@ -4,9 +4,14 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/draft/eagle_head_cpu.h"
+#ifdef SPECD_WITH_CUDA
+#include "engine/draft/eagle_head_cuda.h"
+#endif
 
 namespace specd {
 namespace {
@@ -206,13 +211,41 @@ absl::StatusOr<EagleHeadWeights> LoadEagleHeadWeights(const EagleHeadConfig& c,
   return w;
 }
 
+absl::Status EagleHead::ForwardTopK(absl::Span<const EagleHeadItem> items, int k,
+                                    EagleHeadOutputs* out, TopKRows* top) {
+  if (out == nullptr || top == nullptr) return absl::InvalidArgumentError("out or top is null");
+  if (k < 1 || k > kMaxForwardTopK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k: ", k, " is not in [1, ", kMaxForwardTopK, "]"));
+  }
+  if (absl::Status s = Forward(items, out); !s.ok()) return s;
+  TopKRowsOnHost(out->logits, config().draft_vocab_size, k, top);
+  out->logits.clear();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& head_dir,
                                                           const std::string& target_dir,
                                                           const EagleHeadOptions& options) {
-  if (options.device != "cpu") {
-    return absl::UnimplementedError(absl::StrCat(
-        "device: EAGLE heads run on the cpu only so far, got \"", options.device, "\""));
+  // cuda or cuda:N selects the CUDA head (EAGLE-3), cpu the fp32 one.
+  int cuda_device = -1;
+  if (options.device == "cuda") {
+    cuda_device = 0;
+  } else if (absl::StartsWith(options.device, "cuda:")) {
+    if (!absl::SimpleAtoi(options.device.substr(5), &cuda_device) || cuda_device < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device: \"", options.device, "\": expected cpu, cuda or cuda:N with N a GPU index"));
+    }
+  } else if (options.device != "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device: \"", options.device, "\": expected cpu, cuda or cuda:N"));
   }
+#ifndef SPECD_WITH_CUDA
+  if (cuda_device >= 0) {
+    return absl::UnimplementedError(
+        absl::StrCat("device: \"", options.device, "\": this build has no CUDA"));
+  }
+#endif
   absl::StatusOr<ModelConfig> target = LoadModelConfig(target_dir);
   if (!target.ok()) return target.status();
   absl::StatusOr<EagleHeadConfig> config = LoadEagleHeadConfig(head_dir, *target);
@@ -224,6 +257,12 @@ absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& he
   absl::StatusOr<EagleHeadWeights> weights =
       LoadEagleHeadWeights(*config, **head_store, **target_store, *target);
   if (!weights.ok()) return weights.status();
+#ifdef SPECD_WITH_CUDA
+  if (cuda_device >= 0) {
+    return EagleHeadCuda::Create(*std::move(config), *target, *std::move(weights), cuda_device,
+                                 options);
+  }
+#endif
   return EagleHeadCpu::Create(*std::move(config), *target, *std::move(weights), options);
 }
 

@@ -125,13 +125,23 @@ class EagleHead {
   // One batched pass over all items (distinct sequences). The whole batch is checked first
   // (INVALID_ARGUMENT naming items[i] and the field): on error no sequence changes.
   virtual absl::Status Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) = 0;
+  // Forward() that returns, per requested row (same order), the min(k, draft_vocab_size) most
+  // likely draft ids (not target ids: draft_to_target() maps them) and their log-probabilities
+  // in `top` (engine/topk.h: order, ties, fp64 log-sum-exp) instead of the logits: out->logits
+  // stays empty, out->hidden is Forward()'s. So a device head copies [rows, k] instead of
+  // [rows, draft vocab] to the host. k in [1, kMaxForwardTopK], else INVALID_ARGUMENT naming k.
+  // The default runs Forward() and RowTopKLogprobs() on the host.
+  virtual absl::Status ForwardTopK(absl::Span<const EagleHeadItem> items, int k,
+                                   EagleHeadOutputs* out, TopKRows* top);
   // As Backend::Commit.
   virtual absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) = 0;
   virtual KvUsage Usage() const = 0;
 };
 
 struct EagleHeadOptions {
-  std::string device = "cpu";  // only "cpu" so far
+  // "cpu" (fp32, EagleHeadCpu) or "cuda" / "cuda:N" (bf16 on GPU N, EAGLE-3 heads only:
+  // engine/draft/eagle_head_cuda.h; UNIMPLEMENTED in a build without CUDA).
+  std::string device = "cpu";
   int64_t kv_capacity_tokens = 1 << 20;  // pairs cached over all sequences
   // Longest sequence, in positions; 0: the target's max_position_embeddings.
   int context_length = 0;

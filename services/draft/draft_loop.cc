@@ -107,9 +107,12 @@ DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> m
     info_.set_eagle_head(ModelNameFromPath(options.eagle_head_dir));
     const std::vector<int>& taps = eagle_head_->config().taps;
     info_.mutable_eagle_tap_layers()->Assign(taps.begin(), taps.end());
-    // The CPU head computes in fp32: the taps come as the target's fp32 bits, what the
-    // oracle-checked head reads.
-    info_.set_eagle_tap_dtype(v1::TENSOR_DTYPE_FP32);
+    // The head's compute type. The CPU head computes in fp32: the taps come as the target's
+    // fp32 bits, what the oracle-checked head reads. The CUDA head rounds them to bf16 before
+    // fc anyway (round to nearest even, as the wire's conversion), so bf16 halves the bytes and
+    // loses nothing it reads.
+    info_.set_eagle_tap_dtype(options.backend.device == "cpu" ? v1::TENSOR_DTYPE_FP32
+                                                              : v1::TENSOR_DTYPE_BF16);
   }
   Start();
 }

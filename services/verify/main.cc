@@ -33,6 +33,9 @@ ABSL_FLAG(int64_t, custom_allreduce_max_bytes, -1,
           "cuda tensor parallel: all-reduces up to this many bytes use the custom one-shot "
           "kernel, larger ones NCCL (-1: every CUDA-graph step, 0: NCCL only)");
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_tap_bytes_per_reply, 0,
+          "EAGLE taps one reply carries over its sequences (0: half the message limit); a "
+          "sequence's rows past it follow in its next replies (docs/eagle.md)");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
 ABSL_FLAG(bool, warmup, true,
           "on a GPU, run one forward at each GEMM row class before serving, so that no request "
@@ -83,6 +86,12 @@ int Main() {
   options.backend.cuda_warmup = absl::GetFlag(FLAGS_warmup);
   options.backend.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.max_tap_bytes_per_reply = absl::GetFlag(FLAGS_max_tap_bytes_per_reply);
+  if (options.max_tap_bytes_per_reply < 0) {
+    return FailStartup(absl::InvalidArgumentError(
+        absl::StrCat("--max_tap_bytes_per_reply: must be >= 0, got ",
+                     options.max_tap_bytes_per_reply)));
+  }
   if (const std::string devices = absl::GetFlag(FLAGS_devices); !devices.empty()) {
     std::vector<std::string> list = absl::StrSplit(devices, ',', absl::SkipEmpty());
     if (static_cast<int>(list.size()) != options.backend.tensor_parallel) {

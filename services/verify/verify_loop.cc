@@ -58,6 +58,7 @@ VerifyLoop::~VerifyLoop() { Stop(); }
 
 void VerifyLoop::FreeModelState(int64_t seq) {
   histories_.erase(seq);
+  tap_backlog_.erase(seq);
   if (absl::Status s = backend_->RemoveSequence(seq); !s.ok()) {
     SPECD_LOG(WARNING) << "freeing sequence " << seq << ": " << s;
   }
@@ -65,7 +66,46 @@ void VerifyLoop::FreeModelState(int64_t seq) {
 
 void VerifyLoop::Forget(int64_t seq) {
   histories_.erase(seq);
+  tap_backlog_.erase(seq);
   (void)backend_->RemoveSequence(seq);
+}
+
+void VerifyLoop::SendTaps(int64_t seq, const std::vector<int>& layers, v1::TensorDtype dtype,
+                          const std::vector<float>& taps, int64_t first_position,
+                          int64_t* reply_bytes, v1::HiddenStates* out) {
+  const int64_t width = static_cast<int64_t>(layers.size()) * backend_->config().hidden_size;
+  const int64_t row_bytes = width * (dtype == v1::TENSOR_DTYPE_FP32 ? 4 : 2);
+  const int64_t budget = options_.max_tap_bytes_per_reply > 0 ? options_.max_tap_bytes_per_reply
+                                                                : kMaxMessageBytes / 2;
+  TapBacklog& held = tap_backlog_[seq];
+  const int64_t held_rows = static_cast<int64_t>(held.rows.size()) / width;
+  // Held rows continue only into rows of the same layers and type that follow them; otherwise
+  // they are dropped, and the drafter sees a gap (target-only steps, still lossless).
+  if (held.rows.empty() || held.layers != layers || held.dtype != dtype ||
+      held.first_position + held_rows != first_position) {
+    if (!held.rows.empty()) {
+      SPECD_LOG(WARNING) << "sequence " << seq << ": " << held_rows
+                         << " held tap rows dropped (their layers or positions no longer follow)";
+    }
+    held.rows.clear();
+    held.first_position = first_position;
+    held.layers = layers;
+    held.dtype = dtype;
+  }
+  held.rows.insert(held.rows.end(), taps.begin(), taps.end());
+  const int64_t rows = static_cast<int64_t>(held.rows.size()) / width;
+  const int64_t n = std::min(rows, std::max<int64_t>(0, (budget - *reply_bytes) / row_bytes));
+  if (n > 0) {
+    HiddenStatesToProto(absl::MakeConstSpan(held.rows).first(n * width), n, width, layers,
+                        held.first_position, dtype, out);
+    *reply_bytes += n * row_bytes;
+  }
+  if (n == rows) {
+    tap_backlog_.erase(seq);
+    return;
+  }
+  held.rows.erase(held.rows.begin(), held.rows.begin() + n * width);
+  held.first_position += n;
 }
 
 double VerifyLoop::KvCacheUsageRatio() {
@@ -318,21 +358,15 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
                                             outcome.accepted_nodes.end());
       for (const TokenLogprobs& lp : outcome.logprobs) LogprobsToProto(lp, result->add_logprobs());
       if (!items[k].tap_layers.empty()) {
-        const int64_t width =
-            static_cast<int64_t>(items[k].tap_layers.size()) * backend_->config().hidden_size;
-        const int64_t rows = static_cast<int64_t>(outcome.taps.size()) / width;
-        const int64_t bytes = rows * width * (slot.tap_dtype == v1::TENSOR_DTYPE_FP32 ? 4 : 2);
-        // Taps are not chunked: past half the message limit a sequence's taps stay home, so
-        // a batch of long prompts can never break the stream. Its drafter then sees a gap and
-        // proposes nothing (target-only steps, still lossless).
-        if (tap_bytes[slot.step] + bytes <= kMaxMessageBytes / 2) {
-          tap_bytes[slot.step] += bytes;
-          HiddenStatesToProto(outcome.taps, rows, width, items[k].tap_layers, committed_before[k],
-                              slot.tap_dtype, result->mutable_taps());
-        } else {
-          SPECD_LOG(WARNING) << "taps of " << rows << " tokens (" << bytes
-                             << " bytes) dropped: the reply is near the message limit";
-        }
+        // Chunked across replies: a reply carries taps up to its budget (half the message
+        // limit by default), so a batch of long prompts never breaks the stream; the rest go
+        // out, in order, with the sequence's next replies. Until they have all arrived the
+        // drafter proposes nothing for it (target-only steps, still lossless).
+        SendTaps(slot.seq, items[k].tap_layers, slot.tap_dtype, outcome.taps, committed_before[k],
+                 &tap_bytes[slot.step], result->mutable_taps());
+      } else {
+        // Nobody reads taps of this sequence now (its drafter is gone or not EAGLE's).
+        tap_backlog_.erase(slot.seq);
       }
       if (auto h = histories_.find(slot.seq); h != histories_.end()) {
         // The accepted drafts are committed; the bonus token comes back as the next pending.

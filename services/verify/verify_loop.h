@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
 #include "common/service/metrics.h"
 #include "common/service/step_loop.h"
@@ -26,6 +27,10 @@ struct VerifyLoopOptions {
   std::string model_dir;    // Hugging Face folder of the target model
   BackendOptions backend;   // device, tensor-parallel degree, KV capacity, threads
   int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
+  // Bytes of taps one reply carries over its sequences; 0: half the services' message limit
+  // (kMaxMessageBytes). A sequence's rows past it are held and sent, in order, ahead of its
+  // taps in its next replies.
+  int64_t max_tap_bytes_per_reply = 0;
 };
 
 class VerifyLoop final
@@ -64,6 +69,13 @@ class VerifyLoop final
 
   // Frees the model state and the history of a sequence the table no longer holds.
   void Forget(int64_t seq);
+  // Puts the taps of a sequence's step (`taps`: [rows, layers x hidden] fp32, committed rows
+  // from first_position on) behind the rows it still holds for it, and writes to `out` as many
+  // of them, oldest first, as `*reply_bytes` leaves room for under the reply's budget (adding
+  // them to it); the rest wait for its next reply.
+  void SendTaps(int64_t seq, const std::vector<int>& layers, v1::TensorDtype dtype,
+                const std::vector<float>& taps, int64_t first_position, int64_t* reply_bytes,
+                v1::HiddenStates* out);
 
   std::unique_ptr<Backend> backend_;
   VerifyLoopOptions options_;
@@ -71,6 +83,14 @@ class VerifyLoop final
   // prompt and output as the processors see them (VerifyItem::history points here; a node map,
   // so those pointers survive later insertions).
   absl::node_hash_map<int64_t, TokenHistory> histories_;
+  // Per model-side sequence id: taps rows no reply had room for yet (SendTaps).
+  struct TapBacklog {
+    std::vector<float> rows;  // [n, layers x hidden] fp32, host
+    int64_t first_position = 0;
+    std::vector<int> layers;
+    v1::TensorDtype dtype = v1::TENSOR_DTYPE_BF16;
+  };
+  absl::flat_hash_map<int64_t, TapBacklog> tap_backlog_;
   std::string capacity_summary_;  // fixed at load
 };
 

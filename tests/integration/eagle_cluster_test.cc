@@ -5,6 +5,7 @@
 // drafter grows trees from them; the output must be what target-only decoding gives.
 #include <signal.h>
 
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -28,7 +29,8 @@ struct Result {
 
 class Cluster {
  public:
-  static std::unique_ptr<Cluster> Start() {
+  // verify_flags: extra flags of specd-verify.
+  static std::unique_ptr<Cluster> Start(const std::vector<std::string>& verify_flags = {}) {
     const std::string models = (testutil::RepoRoot() / "models").string();
     const std::string target = models + "/pycoder-target";
     auto c = std::make_unique<Cluster>();
@@ -42,11 +44,12 @@ class Cluster {
          "--model=" + models + "/pycoder-draft", "--eagle_head=" + models + "/pycoder-eagle3",
          "--eagle_target=" + target, "--num_threads=1"},
         draft_address};
+    std::vector<std::string> verify_args = {"--address=" + verify_address,
+                                            absl::StrCat("--metrics_port=", PickFreePort()),
+                                            "--model=" + target, "--num_threads=1"};
+    verify_args.insert(verify_args.end(), verify_flags.begin(), verify_flags.end());
     const std::vector<ServiceProcessOptions> all = {
-        {SpecdBinary("specd-verify"),
-         {"--address=" + verify_address, absl::StrCat("--metrics_port=", PickFreePort()),
-          "--model=" + target, "--num_threads=1"},
-         verify_address},
+        {SpecdBinary("specd-verify"), verify_args, verify_address},
         c->draft_options,
         {SpecdBinary("specd-router"),
          {"--address=" + router_address, absl::StrCat("--metrics_port=", c->router_metrics),
@@ -176,6 +179,37 @@ TEST(EagleClusterTest, GreedyAndSeededOutputIsIdenticalWithAndWithoutEagle) {
                         v1::SPECULATION_NGRAM, v1::SPECULATION_EAGLE3}));
 }
 
+// A reply's taps budget of eight rows (three fp32 taps of the reference target's 320 values: 3,840
+// bytes a row): a long prompt's taps arrive a few rows a step, in order, ahead of the new ones;
+// the drafter proposes nothing until they have all arrived, then drafts from them. The output is
+// target-only decoding's either way.
+TEST(EagleClusterTest, TapsBeyondTheReplyBudgetFollowInLaterReplies) {
+  std::unique_ptr<Cluster> c = Cluster::Start({"--max_tap_bytes_per_reply=30720"});
+  ASSERT_NE(c, nullptr);
+  std::string prompt;
+  for (int i = 0; i < 6; ++i) prompt += Prompts()[i % Prompts().size()];
+  v1::GenerateRequest r = Request(prompt, 96, v1::SPECULATION_OFF);
+  const Result off = c->Generate(r);
+  r.set_speculation(v1::SPECULATION_EAGLE3);
+  r.set_draft_depth(4);
+  r.set_draft_top_k(4);
+  r.set_draft_max_nodes(16);
+  const Result eagle = c->Generate(r);
+  ASSERT_TRUE(off.status.ok()) << off.status.error_message();
+  ASSERT_TRUE(eagle.status.ok()) << eagle.status.error_message();
+  EXPECT_EQ(eagle.tokens, off.tokens);
+  const v1::SpeculationStats& stats = eagle.last.speculation();
+  std::printf("%u prompt tokens: %llu target-only steps, then %llu drafted steps accepting %llu\n",
+              eagle.last.usage().prompt_tokens(),
+              static_cast<unsigned long long>(stats.target_only_steps()),
+              static_cast<unsigned long long>(stats.steps()),
+              static_cast<unsigned long long>(stats.accepted_tokens()));
+  // Catching up on the prompt's taps: steps without a tree; then the head drafts.
+  EXPECT_GT(stats.target_only_steps(), 0u);
+  EXPECT_GT(stats.steps(), 0u);
+  EXPECT_GT(stats.accepted_tokens(), 0u);
+}
+
 TEST(EagleClusterTest, KilledDraftServiceLosesNoRequest) {
   std::unique_ptr<Cluster> c = Cluster::Start();
   ASSERT_NE(c, nullptr);
@@ -223,6 +257,50 @@ TEST(EagleClusterTest, KilledDraftServiceLosesNoRequest) {
             std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 64));
   EXPECT_EQ(again.last.speculation().mode(), v1::SPECULATION_EAGLE3);
   EXPECT_GT(again.last.speculation().accepted_tokens(), 0u);
+}
+
+// A draft service restarted while a sequence runs takes it back: the router feeds it the whole
+// history and the verify service's taps from then on, and the head starts from where they begin
+// (EagleDrafter's base). Verify steps with trees resume; the output stays target-only decoding's.
+TEST(EagleClusterTest, RunningSequencesDraftAgainAfterADraftServiceRestart) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 900;  // within the target's 1,024 positions
+  v1::GenerateRequest r = Request(Prompts()[2], kTokens, v1::SPECULATION_OFF);
+  const Result reference = c->Generate(r);
+  ASSERT_TRUE(reference.status.ok());
+  r.set_speculation(v1::SPECULATION_EAGLE3);
+  r.set_draft_depth(4);
+  r.set_draft_top_k(4);
+  r.set_draft_max_nodes(16);
+  bool killed = false, back = false;
+  double drafted_when_back = -1;
+  const Result got = c->Generate(r, [&](int chunk) {
+    if (chunk == 3 && !killed) {
+      killed = true;
+      ::kill(c->draft->pid(), SIGKILL);
+    } else if (chunk == 6 && killed && !back) {
+      back = true;
+      c->draft.reset();
+      absl::StatusOr<std::unique_ptr<ServiceProcess>> draft =
+          ServiceProcess::Start(c->draft_options);
+      ASSERT_TRUE(draft.ok()) << draft.status();
+      c->draft = *std::move(draft);
+      const absl::Time end = absl::Now() + absl::Seconds(20);
+      while (absl::Now() < end && c->Metric("specd_draft_available") != 1) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      drafted_when_back = c->Metric("specd_spec_decode_steps_total");
+    }
+  });
+  ASSERT_TRUE(killed && back);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, reference.tokens);
+  const double drafted = c->Metric("specd_spec_decode_steps_total");
+  std::printf("verify steps with a tree: %.0f by the restart, %.0f in all\n", drafted_when_back,
+              drafted);
+  EXPECT_GE(drafted_when_back, 0);
+  EXPECT_GT(drafted, drafted_when_back);
 }
 
 }  // namespace

@@ -44,9 +44,10 @@ expect trace --trees 16,64 -- '--trace 0 ' '--trace 16 ' '--trace 64 '
 expect profile -- 'ncu .*cuda_step_bench .*--profile 0$' 'ncu .*--profile 64$'
 expect kernel-profile -- 'ncu .*-k regex:TreeAttentionKernel .*cuda_step_bench' '--phases 1'
 expect tp --no-tests --70b -- 'cuda_allreduce_bench' 'shape llama-3.1-70b' '--tp 2 '
-expect cluster -- 'specd-verify --address 127\.0\.0\.1:[0-9]+ ' 'specd-draft ' \
+expect cluster -- 'specd-verify --address 127\.0\.0\.1:[0-9]+ ' \
+  'specd-draft .*--eagle_head models/pycoder-eagle3' \
   'specd-router .*--draft_address' 'specd-cli generate .*--speculation off' \
-  'specd-cli generate .*--speculation draft_model'
+  'specd-cli generate .*--speculation draft_model' 'specd-cli generate .*--speculation eagle3'
 expect baselines hf:8b -- 'bench/tools/baselines\.sh hf:8b$'
 expect bf16check -- 'tools/oracle/bf16_error\.py$'
 

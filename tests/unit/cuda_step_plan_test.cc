@@ -180,6 +180,7 @@ TEST_P(LayoutTest, MetadataFollowsTheKvModel) {
       r = t;
     }
     EXPECT_EQ(step.item_row_begin[b], r);
+    EXPECT_EQ(step.item_token_begin[b], t);
     EXPECT_EQ(kv_stable[b], s.committed);
     for (size_t k = 0; k < s.blocks.size(); ++k) {
       EXPECT_EQ(tables[b * step.max_blocks + k], s.blocks[k]);
@@ -321,7 +322,7 @@ TEST(CudaStepPlanTest, VerifyLayoutPacksTreesRowsAndOutputs) {
 TEST(CudaStepPlanTest, GraphKeysTellBucketsApartNotContents) {
   // Two decode steps of one bucket with different tokens and contexts share a key; a wider
   // batch does not.
-  auto plan_decode = [](int items, int64_t committed, int32_t token) {
+  auto plan_decode = [](int items, int64_t committed, int32_t token, std::vector<int> taps = {}) {
     std::vector<ForwardItem> batch(items);
     std::vector<Seq> seqs(items);
     std::vector<PlanItem> plan;
@@ -340,13 +341,21 @@ TEST(CudaStepPlanTest, GraphKeysTellBucketsApartNotContents) {
     }
     for (const Seq& s : seqs) plan.push_back(s.Plan());
     CudaStep step;
+    step.tap_layers = taps;
     EXPECT_TRUE(ChooseBuckets(tokens, &step));
     StepPacker pack;
     LayoutForward(batch, plan, Options(), &step, &pack);
+    // Padded: sequence b's token rows start at b * per_seq.
+    for (int b = 0; b < items; ++b) EXPECT_EQ(step.item_token_begin[b], b * step.per_seq);
     return CudaGraphKey(step);
   };
   EXPECT_EQ(plan_decode(3, 20, 5), plan_decode(4, 33, 9));
   EXPECT_NE(plan_decode(3, 20, 5), plan_decode(5, 20, 5));
+  // A step that copies residual-stream taps replays a graph of its own layers.
+  EXPECT_EQ(plan_decode(3, 20, 5, {1, 4}), plan_decode(4, 33, 9, {1, 4}));
+  EXPECT_NE(plan_decode(3, 20, 5), plan_decode(3, 20, 5, {1, 4}));
+  EXPECT_NE(plan_decode(3, 20, 5, {1, 4}), plan_decode(3, 20, 5, {4, 1}));
+  EXPECT_NE(plan_decode(3, 20, 5, {1, 4}), plan_decode(3, 20, 5, {1, 4, 6}));
 }
 
 // A draft level's top-k runs inside the step's graph, so its k, its row count and where its row

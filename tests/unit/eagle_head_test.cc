@@ -9,6 +9,7 @@
 // with the reference's, which computed in float64.
 #include "engine/draft/eagle_head.h"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -19,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testutil/eagle_replay.h"
 #include "tests/testutil/hf_fixtures.h"
 
 namespace specd {
@@ -29,6 +31,7 @@ using nlohmann::json;
 using ::testing::HasSubstr;
 using testutil::ReadJson;
 using testutil::RelError;
+using testutil::Replay;
 using testutil::RepoRoot;
 
 constexpr double kMaxRelError = 1e-4;
@@ -42,156 +45,6 @@ std::unique_ptr<EagleHead> LoadHead(const std::string& name, EagleHeadOptions op
   EXPECT_TRUE(head.ok()) << head.status();
   return head.ok() ? *std::move(head) : nullptr;
 }
-
-// A float tensor of the oracle file, with its shape.
-std::vector<float> Tensor(const TensorStore& store, const std::string& name,
-                          std::vector<int64_t>* shape = nullptr) {
-  absl::StatusOr<const TensorView*> v = store.Get(name);
-  EXPECT_TRUE(v.ok()) << v.status();
-  if (!v.ok()) return {};
-  std::vector<float> out((*v)->numel());
-  EXPECT_TRUE(store.ReadF32(name, (*v)->shape, out.data()).ok());
-  if (shape != nullptr) *shape = (*v)->shape;
-  return out;
-}
-
-std::vector<double> Row(const std::vector<float>& t, int64_t width, int64_t row) {
-  return std::vector<double>(t.begin() + row * width, t.begin() + (row + 1) * width);
-}
-
-// Replays one scenario of oracle.json on `head`. With `twin`, every feed and commit also runs for
-// a second sequence (id + 100) in the same call, with the same nodes listed first; its outputs
-// must equal the first sequence's bit for bit.
-class Replay {
- public:
-  Replay(EagleHead* head, const TensorStore* oracle, const json& scenario, bool twin)
-      : head_(head), oracle_(oracle), scenario_(scenario), twin_(twin) {
-    features_ = Tensor(*oracle, scenario["features"].get<std::string>(), &feature_shape_);
-  }
-
-  void Run() {
-    const json& calls = scenario_["calls"];
-    outputs_.resize(calls.size());
-    for (size_t c = 0; c < calls.size(); ++c) {
-      SCOPED_TRACE(absl::StrCat("call ", c));
-      const json& call = calls[c];
-      const SeqId seq = call["seq"].get<SeqId>();
-      for (SeqId s : Seqs(seq)) {
-        if (!head_->HasSequence(s)) ASSERT_TRUE(head_->AddSequence(s).ok());
-      }
-      if (call["op"] == "commit") {
-        const auto path = call["path"].get<std::vector<int32_t>>();
-        for (SeqId s : Seqs(seq)) ASSERT_TRUE(head_->Commit(s, path).ok());
-        continue;
-      }
-      Feed(c, call);
-      if (HasFailure()) return;
-    }
-  }
-
- private:
-  std::vector<SeqId> Seqs(SeqId seq) const {
-    return twin_ ? std::vector<SeqId>{seq + 100, seq} : std::vector<SeqId>{seq};
-  }
-  static bool HasFailure() { return ::testing::Test::HasFailure(); }
-
-  void Feed(size_t c, const json& call) {
-    const int64_t H = head_->config().head.hidden_size;
-    const int64_t dv = head_->config().draft_vocab_size;
-    const int vocab = head_->config().vocab_size;
-    const json& in = call["input"];
-    EagleHeadItem item;
-    item.seq = call["seq"].get<SeqId>();
-    std::vector<float> inputs;
-    if (call.contains("tokens")) {
-      item.tokens = call["tokens"].get<std::vector<int32_t>>();
-      item.parents = call["parents"].get<std::vector<int32_t>>();
-    } else {  // the long chain: tokens (p * 37 + 11) % vocab
-      const int n = call["length"].get<int>();
-      for (int p = 0; p < n; ++p) {
-        item.tokens.push_back((p * 37 + 11) % vocab);
-        item.parents.push_back(p - 1);
-      }
-    }
-    const int64_t n = static_cast<int64_t>(item.tokens.size());
-    const std::string kind = in["kind"].get<std::string>();
-    const int64_t fw = feature_shape_[1];
-    if (kind == "target" || kind == "periodic") {
-      item.input = EagleInput::kTargetFeatures;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t r = kind == "target" ? in["rows"][j].get<int64_t>()
-                                           : j % in["period"].get<int64_t>();
-        inputs.insert(inputs.end(), features_.begin() + r * fw, features_.begin() + (r + 1) * fw);
-      }
-    } else {
-      ASSERT_EQ(kind, "hidden");
-      item.input = EagleInput::kHidden;
-      for (const json& from : in["from"]) {
-        const std::vector<float>& h = outputs_[from[0].get<size_t>()].hidden;
-        const int64_t r = from[1].get<int64_t>();
-        inputs.insert(inputs.end(), h.begin() + r * H, h.begin() + (r + 1) * H);
-      }
-    }
-    item.inputs = inputs;
-    for (int64_t j = 0; j < n; ++j) item.output_rows.push_back(static_cast<int32_t>(j));
-    std::vector<EagleHeadItem> batch;
-    if (twin_) {
-      batch.push_back(item);
-      batch.back().seq += 100;
-    }
-    batch.push_back(item);
-    EagleHeadOutputs out;
-    ASSERT_TRUE(head_->Forward(batch, &out).ok());
-    ASSERT_EQ(out.hidden.size(), batch.size() * n * H);
-    ASSERT_EQ(out.logits.size(), batch.size() * n * dv);
-    EagleHeadOutputs& mine = outputs_[c];
-    const size_t skip = twin_ ? 1 : 0;
-    mine.hidden.assign(out.hidden.begin() + skip * n * H, out.hidden.end());
-    mine.logits.assign(out.logits.begin() + skip * n * dv, out.logits.end());
-    if (twin_) {
-      EXPECT_TRUE(std::equal(mine.hidden.begin(), mine.hidden.end(), out.hidden.begin()));
-      EXPECT_TRUE(std::equal(mine.logits.begin(), mine.logits.end(), out.logits.begin()));
-    }
-    if (call.contains("draft_ids")) {
-      const auto drafts = call["draft_ids"].get<std::vector<int32_t>>();
-      for (int64_t j = 0; j < n; ++j) {
-        EXPECT_EQ(head_->draft_to_target()[drafts[j]], item.tokens[j]) << "node " << j;
-      }
-    }
-
-    const std::string key = call["out"].get<std::string>();
-    const std::vector<float> want_h = Tensor(*oracle_, key + "/hidden");
-    const std::vector<float> want_l = Tensor(*oracle_, key + "/logits");
-    std::vector<int64_t> rows;
-    if (call.contains("checked_rows")) {
-      rows = call["checked_rows"].get<std::vector<int64_t>>();
-    } else {
-      for (int64_t j = 0; j < n; ++j) rows.push_back(j);
-    }
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const int64_t r = rows[i];
-      const absl::Span<const float> got_h(&mine.hidden[r * H], H);
-      const absl::Span<const float> got_l(&mine.logits[r * dv], dv);
-      EXPECT_LE(RelError(got_h, Row(want_h, H, i)), kMaxRelError) << key << " hidden row " << r;
-      EXPECT_LE(RelError(got_l, Row(want_l, dv, i)), kMaxRelError) << key << " logits row " << r;
-      worst_ = std::max({worst_, RelError(got_l, Row(want_l, dv, i)),
-                         RelError(got_h, Row(want_h, H, i))});
-    }
-  }
-
- public:
-  double worst() const { return worst_; }
-
- private:
-  EagleHead* head_;
-  const TensorStore* oracle_;
-  const json& scenario_;
-  const bool twin_;
-  std::vector<float> features_;
-  std::vector<int64_t> feature_shape_;
-  std::vector<EagleHeadOutputs> outputs_;
-  double worst_ = 0;
-};
 
 class EagleOracleTest : public ::testing::TestWithParam<std::string> {
  protected:
@@ -213,14 +66,14 @@ class EagleOracleTest : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(EagleOracleTest, EveryStepMatchesTheReference) {
-  Replay replay(head_.get(), oracle_.get(), scenario_, /*twin=*/false);
+  Replay replay(head_.get(), oracle_.get(), scenario_, /*twin=*/false, kMaxRelError);
   replay.Run();
   std::printf("%s: worst relative error %.3g\n", GetParam().c_str(), replay.worst());
 }
 
 // Two sequences in every call give each the bits it gets alone (and the reference's values).
 TEST_P(EagleOracleTest, BatchedSequencesMatchTheReference) {
-  Replay replay(head_.get(), oracle_.get(), scenario_, /*twin=*/true);
+  Replay replay(head_.get(), oracle_.get(), scenario_, /*twin=*/true, kMaxRelError);
   replay.Run();
 }
 
@@ -340,12 +193,60 @@ TEST(EagleHeadTest, TheReferenceHeadLoads) {
   EXPECT_EQ(out.hidden.size(), 320u);
 }
 
+TEST(EagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
+  std::unique_ptr<EagleHead> head = LoadHead("eagle3_head");
+  std::unique_ptr<EagleHead> twin = LoadHead("eagle3_head");
+  ASSERT_TRUE(head && twin);
+  const int64_t fw = head->config().feature_size(), dv = head->config().draft_vocab_size;
+  std::vector<float> feats(5 * fw);
+  for (size_t i = 0; i < feats.size(); ++i) feats[i] = std::sin(0.37f * static_cast<float>(i));
+  EagleHeadItem item;
+  item.seq = 1;
+  item.tokens = {3, 9, 27, 81, 243};
+  item.parents = {-1, 0, 1, 2, 3};
+  item.inputs = feats;
+  item.output_rows = {4, 1};
+  ASSERT_TRUE(head->AddSequence(1).ok());
+  ASSERT_TRUE(twin->AddSequence(1).ok());
+  EagleHeadOutputs full, topped;
+  ASSERT_TRUE(head->Forward({item}, &full).ok());
+  TopKRows top;
+  ASSERT_TRUE(twin->ForwardTopK({item}, 5, &topped, &top).ok());
+  EXPECT_TRUE(topped.logits.empty());
+  EXPECT_EQ(topped.hidden, full.hidden);
+  ASSERT_EQ(top.k, 5);
+  ASSERT_EQ(top.rows(), 2);
+  for (int64_t r = 0; r < 2; ++r) {
+    std::vector<int32_t> ids(5);
+    std::vector<float> lp(5);
+    RowTopKLogprobs(absl::MakeConstSpan(full.logits).subspan(r * dv, dv), 5, ids.data(),
+                    lp.data());
+    EXPECT_EQ(std::vector<int32_t>(top.ids.begin() + r * 5, top.ids.begin() + (r + 1) * 5), ids);
+    EXPECT_EQ(std::vector<float>(top.logprobs.begin() + r * 5, top.logprobs.begin() + (r + 1) * 5),
+              lp);
+  }
+  for (int k : {0, kMaxForwardTopK + 1}) {
+    const absl::Status s = twin->ForwardTopK({}, k, &topped, &top);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k;
+    EXPECT_THAT(s.message(), HasSubstr("k: ")) << k;
+  }
+}
+
 TEST(EagleHeadTest, OptionsAreChecked) {
   const std::string head = (FixtureDir() / "eagle3_head").string();
   const std::string target = (FixtureDir() / "target").string();
   EagleHeadOptions options;
+  for (const char* device : {"tpu:0", "cuda:x", "cuda:-1"}) {
+    options.device = device;
+    const absl::Status s = CreateEagleHead(head, target, options).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << device << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr("device")) << device;
+  }
+  // The CUDA head is EAGLE-3's (in a build without CUDA, no cuda device at all).
   options.device = "cuda:0";
-  EXPECT_EQ(CreateEagleHead(head, target, options).status().code(),
+  EXPECT_EQ(CreateEagleHead((FixtureDir() / "eagle1_head").string(), target, options)
+                .status()
+                .code(),
             absl::StatusCode::kUnimplemented);
   options = {};
   options.kv_capacity_tokens = 0;

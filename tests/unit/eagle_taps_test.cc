@@ -267,11 +267,15 @@ TEST_F(EagleDrafterTest, DraftsFromTheTargetTapsOnceTheyCoverTheSequence) {
 TEST_F(EagleDrafterTest, AGapInTheTapsGivesEmptyTreesAndBadTapsAreRefused) {
   ASSERT_TRUE(drafter_->AddSequence(1).ok());
   const std::vector<int32_t> prompt(ids_.begin(), ids_.begin() + 13);
-  // Taps from position 2: positions 0 and 1 are missing, the head cannot start.
-  absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft({Request(1, prompt, 2, 12)});
+  absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft({Request(1, prompt, 0, 12)});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_FALSE((*t)[0].empty());
+  EXPECT_EQ(drafter_->committed(1), 12);
+  // Row 12 never arrives: the head cannot continue from its pairs.
+  t = drafter_->Draft({Request(1, {ids_[13], ids_[14]}, 13, 14)});
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_TRUE((*t)[0].empty());
-  EXPECT_EQ(drafter_->committed(1), 0);
+  EXPECT_EQ(drafter_->committed(1), 12);
 
   DraftRequest bad = Request(1, {ids_[13]}, 0, 1);
   bad.taps.pop_back();
@@ -279,6 +283,45 @@ TEST_F(EagleDrafterTest, AGapInTheTapsGivesEmptyTreesAndBadTapsAreRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("taps"));
   EXPECT_FALSE(drafter_->Draft({bad}).ok());
+}
+
+// A draft service that takes a running sequence over (it was restarted): the whole history, and
+// taps only from where the verify service started sending them again. The head starts there.
+TEST_F(EagleDrafterTest, TakesARunningSequenceOverFromWhereItsTapsBegin) {
+  ASSERT_TRUE(drafter_->AddSequence(1).ok());
+  const std::vector<int32_t> history(ids_.begin(), ids_.begin() + 15);
+  absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft({Request(1, history, 12, 15)});
+  ASSERT_TRUE(t.ok()) << t.status();
+  // The pairs (taps 12, token 13) and (taps 13, token 14), at the head's positions 0 and 1.
+  EXPECT_EQ(drafter_->committed(1), 14);
+  EXPECT_EQ(head_->CommittedLength(1).value_or(-1), 2);
+  const TokenTree& tree = (*t)[0];
+  ASSERT_FALSE(tree.empty());
+  // The first level is the head's top 3 after just those two pairs.
+  ASSERT_TRUE(reference_->AddSequence(1).ok());
+  EagleHeadItem chain;
+  chain.seq = 1;
+  chain.tokens = {ids_[13], ids_[14]};
+  chain.parents = {-1, 0};
+  chain.inputs = absl::MakeConstSpan(taps_).subspan(12 * 3 * kHidden, 2 * 3 * kHidden);
+  chain.output_rows = {1};
+  EagleHeadOutputs out;
+  ASSERT_TRUE(reference_->Forward({chain}, &out).ok());
+  std::vector<int32_t> top(3);
+  std::vector<float> lp(3);
+  RowTopKLogprobs(out.logits, 3, top.data(), lp.data());
+  std::vector<int32_t> level1;
+  for (int i = 0; i < tree.size(); ++i) {
+    if (tree.parents[i] == -1) level1.push_back(tree.tokens[i]);
+  }
+  ASSERT_EQ(level1.size(), 3u);
+  for (int j = 0; j < 3; ++j) EXPECT_EQ(level1[j], head_->draft_to_target()[top[j]]);
+  // It goes on from there: the bonus token with the row already sent.
+  t = drafter_->Draft({Request(1, {ids_[15]}, 14, 15)});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_FALSE((*t)[0].empty());
+  EXPECT_EQ(drafter_->committed(1), 15);
+  EXPECT_EQ(head_->CommittedLength(1).value_or(-1), 3);
 }
 
 }  // namespace

@@ -3,11 +3,12 @@
 
 # cluster [--draft-device cpu|cuda:N] [--verify-devices LIST] [--streams "1 8 32"]
 #   The whole cluster on real models: specd-verify (models/pycoder-target; on GPU 0, or tensor
-#   parallel over LIST, e.g. 0,1), specd-draft (models/pycoder-draft on cuda:0) and specd-router
-#   on free loopback ports, then the 16 prompts of bench/prompts/code_prompts.json greedily
-#   through specd-cli, 64 new tokens each, one request at a time, with speculation off and with
-#   the draft model. Lossless speculation means the same token ids in both modes: each prompt
-#   whose ids differ prints a MISMATCH line and the command fails. Prints acceptance rate, mean
+#   parallel over LIST, e.g. 0,1), specd-draft (models/pycoder-draft and the EAGLE-3 head
+#   models/pycoder-eagle3 on cuda:0) and specd-router on free loopback ports, then the 16 prompts
+#   of bench/prompts/code_prompts.json greedily through specd-cli, 64 new tokens each, one
+#   request at a time, with speculation off, with the draft model and with the EAGLE-3 head (the
+#   verify service's taps relayed to it). Lossless speculation means the same token ids in every
+#   mode: each prompt whose ids differ prints a MISMATCH line and the command fails. Prints acceptance rate, mean
 #   accepted length and median tokens/s of each mode (wall-clock figures of one run over
 #   loopback gRPC, not a benchmark). --streams then runs N specd-cli streams at once for each
 #   count N and mode and prints completion tokens over the round's wall time. Everything it
@@ -33,8 +34,8 @@ cmd_cluster() (
     done
   fi
   local prompts_json=bench/prompts/code_prompts.json report=$repo/tools/gpu/lib/cluster_report.py
-  for f in models/pycoder-target/config.json models/pycoder-draft/config.json "$prompts_json" \
-      scripts/lib/cluster.sh; do
+  for f in models/pycoder-target/config.json models/pycoder-draft/config.json \
+      models/pycoder-eagle3/config.json "$prompts_json" scripts/lib/cluster.sh; do
     [ -f "$f" ] || { echo "cluster: no $f (run from the repository root)" >&2; exit 2; }
   done
   . scripts/lib/cluster.sh
@@ -61,7 +62,8 @@ cmd_cluster() (
     >"$work/verify.log" 2>&1 &
   pids+=($!)
   x "$BIN/specd-draft" --address "$draft" --metrics_port 0 --device "$draft_device" \
-    --model models/pycoder-draft --kv_capacity_tokens 65536 >"$work/draft.log" 2>&1 &
+    --model models/pycoder-draft --eagle_head models/pycoder-eagle3 \
+    --eagle_target models/pycoder-target --kv_capacity_tokens 65536 >"$work/draft.log" 2>&1 &
   pids+=($!)
   x "$BIN/specd-router" --address "$router" --metrics_port 0 --model models/pycoder-target \
     --verify_address "$verify" --draft_address "$draft" >"$work/router.log" 2>&1 &
@@ -75,7 +77,7 @@ cmd_cluster() (
   fi
 
   python3 "$report" prompts "$prompts_json" >"$work/prompts.txt" || exit 2
-  for mode in off draft_model; do
+  for mode in off draft_model eagle3; do
     while read -r id ids; do
       if ! x timeout 60 "$BIN/specd-cli" generate --server "$router" --prompt-ids "$ids" \
           --max-new-tokens 64 --temperature 0 --ignore-eos --speculation "$mode" --json \
@@ -96,7 +98,7 @@ cmd_cluster() (
   echo "| speculation | streams | completion tokens | wall s | tokens/s |"
   echo "|---|---:|---:|---:|---:|"
   for n in $streams; do
-    for mode in off draft_model; do
+    for mode in off draft_model eagle3; do
       rm -f "$work"/stream.*.jsonl
       t0=$(date +%s.%N)
       spids=()

@@ -2,8 +2,9 @@
 
   cluster_report.py prompts PROMPTS_JSON          one line per prompt: "id comma,separated,ids"
   cluster_report.py compare WORK PROMPTS_TXT      token ids with speculation off against
-                                                  draft_model, and each mode's acceptance and
-                                                  speed; exit status 1 on any mismatch
+                                                  draft_model and eagle3, and each mode's
+                                                  acceptance and speed; exit status 1 on any
+                                                  mismatch
   cluster_report.py round WORK N MODE T0 T1       one throughput row: N streams' completion
                                                   tokens over the round's wall time
 WORK holds specd-cli --json outputs: MODE.ID.jsonl for compare, stream.I.jsonl for round.
@@ -21,7 +22,7 @@ def prompts(path):
 
 def compare(work, prompts_txt):
     ids = [line.split()[0] for line in open(prompts_txt)]
-    modes = ("off", "draft_model")
+    modes = ("off", "draft_model", "eagle3")
     tokens, summary = {}, {}
     for mode in modes:
         for pid in ids:
@@ -29,15 +30,18 @@ def compare(work, prompts_txt):
             # Streamed chunks carry token_ids; the last line is the summary.
             tokens[mode, pid] = [t for l in lines[:-1] for t in l.get("token_ids", [])]
             summary[mode, pid] = lines[-1]
-    mismatches = 0
+    bad = set()
     for pid in ids:
-        a, b = tokens["off", pid], tokens["draft_model", pid]
-        if a != b:
-            mismatches += 1
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            print(f"MISMATCH prompt {pid}: {len(a)} tokens off vs {len(b)} draft_model, first "
-                  f"difference at token {first}: off {a[first:first + 4]} draft_model "
-                  f"{b[first:first + 4]}")
+        for mode in modes[1:]:
+            a, b = tokens["off", pid], tokens[mode, pid]
+            if a != b:
+                bad.add(pid)
+                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                             min(len(a), len(b)))
+                print(f"MISMATCH prompt {pid}: {len(a)} tokens off vs {len(b)} {mode}, first "
+                      f"difference at token {first}: off {a[first:first + 4]} {mode} "
+                      f"{b[first:first + 4]}")
+    mismatches = len(bad)
     print(f"{'speculation':<12} {'tokens':>7} {'acceptance':>11} {'mean accepted length':>21} "
           f"{'median tokens/s':>16}")
     for mode in modes:
@@ -51,7 +55,7 @@ def compare(work, prompts_txt):
         tps = statistics.median(r["tokens_per_second"] for r in rows)
         print(f"{mode:<12} {n:>7} {acc:>11} {mal:>21} {tps:>16.1f}")
     print(f"{len(ids) - mismatches} of {len(ids)} prompts: identical token ids with "
-          f"speculation off and draft_model (greedy, 64 new tokens)")
+          f"speculation off, draft_model and eagle3 (greedy, 64 new tokens)")
     return 1 if mismatches else 0
 
 

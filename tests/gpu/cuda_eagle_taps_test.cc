@@ -1,0 +1,240 @@
+// Residual-stream taps (Backend::ForwardWithTaps, VerifyItem::tap_layers) of the CUDA backend
+// and of the tensor-parallel CUDA backend at TP=2, against the fp32 CPU backend on the same
+// random bf16 checkpoint, within bf16 tolerance:
+//  - ForwardWithTaps of a prefill chain and of a tree, two sequences a step, layers asked for out
+//    of order (and the last layer's output, id num_layers);
+//  - Verify() steps (prefill through Verify, then trees holding the backend's own greedy path
+//    beside wrong siblings, repeated so that the tree bucket's CUDA graph is captured and
+//    replayed): each sequence's taps are the rows of exactly the tokens the step committed (the
+//    pending tokens, then the accepted nodes), compared with the CPU's taps of a plain chain of
+//    those tokens; sequences in one batch ask for different layers or none; one sequence has a
+//    logits processor and so takes the host acceptance path (VerifySplit) over the device
+//    ForwardWithTaps.
+// TP=2 is skipped on a host with fewer than two GPUs.
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/backend.h"
+#include "engine/sampling.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/testutil/hf_fixtures.h"
+#include "tests/testutil/random_checkpoint.h"
+
+namespace specd {
+namespace {
+
+using gpu_test::RandomTokens;
+using gpu_test::RowsClose;
+
+constexpr int kLayers = 4;
+constexpr int kHidden = 128;
+constexpr int kVocab = 320;
+// The residual stream of a bf16 forward against the fp32 one, per tap row.
+constexpr double kTapTol = 2e-2;
+
+RandomCheckpointSpec Spec() {
+  RandomCheckpointSpec s;
+  s.vocab_size = kVocab;
+  s.hidden_size = kHidden;
+  s.intermediate_size = 352;
+  s.num_layers = kLayers;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 32;
+  s.dtype = DType::kBF16;
+  s.init_std = 0.15f;
+  return s;
+}
+
+class CudaEagleTapsTest : public gpu_test::GpuTest, public ::testing::WithParamInterface<int> {
+ protected:
+  void SetUp() override {
+    gpu_test::GpuTest::SetUp();
+    if (IsSkipped()) return;
+    int n = 0;
+    cudaGetDeviceCount(&n);
+    if (GetParam() > n) GTEST_SKIP() << "TP=" << GetParam() << " needs that many GPUs; " << n;
+    dir_ = MakeTempDir("cuda_eagle_taps_");
+    ASSERT_TRUE(WriteRandomCheckpoint(dir_, Spec()).ok());
+    cpu_ = Load("cpu", 1);
+    cuda_ = Load("cuda:0", GetParam());
+    ASSERT_TRUE(cpu_ && cuda_);
+  }
+
+  std::unique_ptr<Backend> Load(const std::string& device, int tp) {
+    BackendOptions opts;
+    opts.device = device;
+    opts.tensor_parallel = tp;
+    opts.kv_capacity_tokens = 1 << 14;
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(dir_, opts);
+    EXPECT_TRUE(b.ok()) << device << " tp " << tp << ": " << b.status();
+    return b.ok() ? std::move(*b) : nullptr;
+  }
+
+  // The CPU's taps of `tokens` appended to `seq` as a chain and committed: the reference for
+  // whatever rows the CUDA backend returned for the same committed tokens.
+  std::vector<float> CpuChainTaps(SeqId seq, const std::vector<int32_t>& tokens,
+                                  const std::vector<int>& layers) {
+    std::vector<float> logits, taps;
+    absl::Status s =
+        cpu_->ForwardWithTaps({testutil::Chain(seq, tokens, {})}, layers, &logits, &taps);
+    EXPECT_TRUE(s.ok()) << s;
+    std::vector<int32_t> path(tokens.size());
+    for (size_t i = 0; i < path.size(); ++i) path[i] = static_cast<int32_t>(i);
+    EXPECT_TRUE(cpu_->Commit(seq, path).ok());
+    return taps;
+  }
+
+  std::string dir_;
+  std::unique_ptr<Backend> cpu_, cuda_;
+};
+
+TEST_P(CudaEagleTapsTest, ForwardWithTapsMatchesCpu) {
+  ASSERT_TRUE(cuda_->verify_features().taps);
+  std::mt19937_64 rng(11);
+  const std::vector<int32_t> a = RandomTokens(37, kVocab, rng), b = RandomTokens(9, kVocab, rng);
+  const std::vector<int> layers = {kLayers, 0, 2};  // not sorted; kLayers: pre-final-norm
+  const int64_t width = static_cast<int64_t>(layers.size()) * kHidden;
+  std::vector<Backend*> both = {cpu_.get(), cuda_.get()};
+  std::vector<std::vector<float>> logits(2), taps(2);
+  for (Backend* be : both) {
+    ASSERT_TRUE(be->AddSequence(1).ok());
+    ASSERT_TRUE(be->AddSequence(2).ok());
+  }
+  const auto step = [&](const std::vector<ForwardItem>& items, const char* what) {
+    int64_t tokens = 0;
+    for (const ForwardItem& it : items) tokens += static_cast<int64_t>(it.tokens.size());
+    for (int i = 0; i < 2; ++i) {
+      absl::Status s = both[i]->ForwardWithTaps(items, layers, &logits[i], &taps[i]);
+      ASSERT_TRUE(s.ok()) << what << ": " << s;
+      ASSERT_EQ(static_cast<int64_t>(taps[i].size()), tokens * width) << what;
+    }
+    // Per tap row (one layer of one token): a tap is a hidden-size vector.
+    const ::testing::AssertionResult close = RowsClose(taps[1], taps[0], kHidden, kTapTol);
+    EXPECT_TRUE(close) << what;
+    std::printf("TP=%d %s taps vs CPU: %s\n", GetParam(), what, close.message());
+    EXPECT_TRUE(RowsClose(logits[1], logits[0], kVocab, kTapTol)) << what << " logits";
+  };
+  step({testutil::Chain(1, a, {36}), testutil::Chain(2, b, {0, 8})}, "prefill of two sequences");
+  for (Backend* be : both) {
+    std::vector<int32_t> pa(a.size()), pb(b.size());
+    for (size_t i = 0; i < pa.size(); ++i) pa[i] = static_cast<int32_t>(i);
+    for (size_t i = 0; i < pb.size(); ++i) pb[i] = static_cast<int32_t>(i);
+    ASSERT_TRUE(be->Commit(1, pa).ok());
+    ASSERT_TRUE(be->Commit(2, pb).ok());
+  }
+  ForwardItem tree;
+  tree.seq = 1;
+  tree.tokens = RandomTokens(6, kVocab, rng);
+  tree.parents = {-1, 0, 0, 1, -1, 4};
+  tree.logit_rows = {0, 3, 5};
+  step({testutil::Chain(2, {b[0]}, {0}), tree}, "decode and tree");
+  for (Backend* be : both) {
+    ASSERT_TRUE(be->Commit(1, {}).ok());
+    ASSERT_TRUE(be->Commit(2, {0}).ok());
+  }
+  // Arguments are checked before anything runs.
+  std::vector<float> lg, tp;
+  const std::vector<ForwardItem> one = {testutil::Chain(1, {a[0]}, {0})};
+  absl::Status s = cuda_->ForwardWithTaps(one, {1, 1}, &lg, &tp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("tap_layers"), std::string::npos) << s;
+  s = cuda_->ForwardWithTaps(one, {kLayers + 1}, &lg, &tp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = cuda_->ForwardWithTaps(one, {1}, &lg, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(*cuda_->CommittedLength(1), static_cast<int64_t>(a.size()));
+}
+
+TEST_P(CudaEagleTapsTest, VerifyTapsAreTheCommittedTokensRows) {
+  std::mt19937_64 rng(5);
+  // Sequence 1 asks for three layers, 2 for one, 3 for none; 4 has a repetition penalty (the
+  // host acceptance path) and asks for two.
+  const std::vector<std::vector<int>> want = {{1, 2, kLayers}, {2}, {}, {kLayers, 1}};
+  const int n = static_cast<int>(want.size());
+  std::vector<std::vector<int32_t>> prompt(n), pending(n);
+  std::vector<TokenHistory> history(n);
+  for (int i = 0; i < n; ++i) {
+    prompt[i] = RandomTokens(12 + 5 * i, kVocab, rng);
+    pending[i] = prompt[i];
+    history[i].AddPrompt(prompt[i]);
+    ASSERT_TRUE(cuda_->AddSequence(i + 1).ok());
+    ASSERT_TRUE(cpu_->AddSequence(i + 1).ok());
+  }
+  // Greedy continuations decoded alone by the same backend without taps (sequences 101..): the
+  // trees below hold them, so the steps accept several nodes.
+  std::vector<std::vector<int32_t>> greedy(n);
+  for (int i = 0; i < n; ++i) greedy[i] = testutil::Greedy(*cuda_, 101 + i, prompt[i], 24);
+  std::vector<int> done(n, 0);  // greedy tokens committed so far
+  int accepted = 0;
+  const Backend::ExecutionCounts before = cuda_->execution_counts();
+  for (int step = 0; step < 5; ++step) {
+    std::vector<VerifyItem> items(n);
+    for (int i = 0; i < n; ++i) {
+      VerifyItem& it = items[i];
+      it.seq = i + 1;
+      it.pending = pending[i];
+      it.tap_layers = want[i];
+      if (i == 3) {
+        it.sampling.repetition_penalty = 1.05f;
+        it.history = &history[i];
+      }
+      if (step > 0) {
+        // Pending is the bonus greedy[done - 1]; the tree: the next three greedy tokens as a
+        // chain with a wrong sibling at each depth (the same shape every step, so one graph
+        // bucket).
+        const int d = done[i];
+        const auto g = [&](int j) { return greedy[i][std::min(d + j, 23)]; };
+        it.tree.tokens = {g(0), (g(0) + 1) % kVocab, g(1), (g(1) + 1) % kVocab, g(2)};
+        it.tree.parents = {-1, -1, 0, 0, 2};
+      }
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> out = cuda_->Verify(items);
+    ASSERT_TRUE(out.ok()) << "step " << step << ": " << out.status();
+    for (int i = 0; i < n; ++i) {
+      SCOPED_TRACE(::testing::Message() << "step " << step << " sequence " << i + 1);
+      const VerifyOutcome& o = (*out)[i];
+      // The committed tokens: the pending ones, then the accepted nodes' tokens.
+      std::vector<int32_t> committed = pending[i];
+      for (int32_t node : o.accepted_nodes) committed.push_back(items[i].tree.tokens[node]);
+      const std::vector<float> ref = CpuChainTaps(i + 1, committed, want[i]);
+      if (want[i].empty()) {
+        EXPECT_TRUE(o.taps.empty());
+      } else {
+        ASSERT_EQ(o.taps.size(), committed.size() * want[i].size() * kHidden);
+        const ::testing::AssertionResult close = RowsClose(o.taps, ref, kHidden, kTapTol);
+        EXPECT_TRUE(close);
+        if (step < 2)
+          std::printf("TP=%d step %d seq %d: %s\n", GetParam(), step, i + 1, close.message());
+      }
+      accepted += o.accepted_draft;
+      if (step > 0) done[i] += o.accepted_draft;
+      done[i] += 1;  // the bonus
+      history[i].AddOutput(o.tokens);
+      pending[i] = {o.tokens.back()};
+    }
+  }
+  // The trees held the backend's own greedy path: most steps accept some of it.
+  EXPECT_GT(accepted, 0);
+  // Four tree steps of one bucket: the padded device batch (sequences 1-3) was captured on its
+  // second use and replayed after, with its taps' copies.
+  const Backend::ExecutionCounts after = cuda_->execution_counts();
+  std::printf("TP=%d graphs: %lld captured, %lld replays, %lld eager steps\n", GetParam(),
+              static_cast<long long>(after.graph_captures - before.graph_captures),
+              static_cast<long long>(after.graph_replays - before.graph_replays),
+              static_cast<long long>(after.eager_steps - before.eager_steps));
+  EXPECT_GT(after.graph_replays, before.graph_replays);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tp, CudaEagleTapsTest, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "tp" + std::to_string(info.param);
+                         });
+
+}  // namespace
+}  // namespace specd
