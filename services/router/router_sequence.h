@@ -74,6 +74,7 @@ struct RouterLoop::Sequence {
   struct Guess {
     std::vector<int32_t> tokens;
     TokenTree tree;
+    int rank = 1;  // its place in the draft service's order (0: pre_guess, the most likely)
   };
   std::vector<Guess> pre_more;
   SpecShape pre_shape;
