@@ -88,7 +88,13 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
       continue;
     }
     chosen.push_back(&seq);
-    shapes.push_back(seq.core->planned());
+    SpecShape planned = seq.core->planned();
+    if (seq.on_hit) {
+      const SpecShape again =
+          GoodputPolicy::CutToDepth(seq.pre_uncut, seq.core->MaxUsefulDraftDepth());
+      if (again.depth > planned.depth) planned = again;
+    }
+    shapes.push_back(planned);
   }
   if (chosen.empty()) return;
   // How many outcome guesses each sequence gets and how deep the trees below them go: the
@@ -110,6 +116,7 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
   }
   pre_draft_skips_ = 0;
   plan.fan_out = std::max(plan.fan_out, 1);
+  const std::vector<SpecShape> uncut = shapes;
   if (plan.depth > 0) {
     for (SpecShape& shape : shapes) shape = GoodputPolicy::CutToDepth(shape, plan.depth);
   }
@@ -133,6 +140,7 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
     seq.pre_sent = true;
     seq.pre_fed_to = seq.core->length();
     seq.pre_shape = shape;
+    seq.pre_uncut = uncut[i];
     seq.pre_reason = seq.core->planned_reason();
   }
   const GoodputPolicy::PreDraftWork one = GoodputPolicy::PreDraftWorkOf(shapes, 1);
