@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/token_tree.h"
@@ -180,8 +180,8 @@ absl::Status CheckVerifySupport(const VerifyFeatures& features, const SamplingPa
 // sampling, history and logprobs). `rows` holds the logits of the last pending token followed by
 // those of every tree node: [1 + tree.size(), vocab]. `first_position` is the absolute position of
 // the token sampled from rows[0]. Only the rows the walk reaches are processed and sampled.
-VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows,
-                               int vocab_size, int64_t first_position);
+VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows, int vocab_size,
+                               int64_t first_position);
 
 // AcceptTreeOnHost() of a tree and sampling parameters without processors or logprobs.
 VerifyOutcome AcceptTree(const TokenTree& tree, absl::Span<const float> rows, int vocab_size,
@@ -211,10 +211,15 @@ absl::Status CheckForwardTopK(int k, const TopKRows* out);
 // Fills `out` with the top-k of every row of `logits` ([rows, vocab] fp32, host).
 void TopKRowsOnHost(absl::Span<const float> logits, int64_t vocab, int k, TopKRows* out);
 
+// The default of BackendOptions::cuda_gemm_invariant_rows: the largest GEMM row class the
+// CUDA backend keeps row-invariant and its warm-up decides (engine/warmup.h), and so the most
+// rows a forward should carry (the draft model's catch-up is fed in pieces of at most this).
+inline constexpr int64_t kDefaultGemmInvariantRows = 1024;
+
 struct BackendOptions {
-  std::string device = "cpu";       // "cpu" or "cuda:N"
+  std::string device = "cpu";            // "cpu" or "cuda:N"
   int64_t kv_capacity_tokens = 1 << 20;  // total cached tokens over all sequences
-  int num_threads = 0;              // cpu: 0 = all cores
+  int num_threads = 0;                   // cpu: 0 = all cores
   // Ranks the model is sharded over (engine/tp/tp_plan.h), any value >= 1. On "cpu", > 1 selects
   // the simulated tensor-parallel backend (engine/tp/tp_cpu_backend.h), one thread per rank.
   int tensor_parallel = 1;
@@ -233,7 +238,7 @@ struct BackendOptions {
   // target-only greedy bit for bit). 0 lets cuBLASLt pick per shape. The CUDA backend's tuning
   // and A/B switches (SPECD_GEMM_TIMING, SPECD_PDL, ...) are not options: they are read once
   // from the environment when a backend is created (engine/cuda/cuda_tuning.h, docs/tuning.md).
-  int64_t cuda_gemm_invariant_rows = 1024;
+  int64_t cuda_gemm_invariant_rows = kDefaultGemmInvariantRows;
   // cuda: before CreateBackend returns, run one forward at each GEMM row class
   // (engine/warmup.h), so that no request -- and no measurement of the speculation policy --
   // pays for a class's algorithm decision. Off by default for tests and benchmarks; the
@@ -243,7 +248,7 @@ struct BackendOptions {
 
 // Loads the model folder `dir` onto the device named in `options`.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& dir,
-                                                      const BackendOptions& options);
+                                                       const BackendOptions& options);
 
 }  // namespace specd
 

@@ -127,7 +127,8 @@ class CudaForward {
   const float* VerifyLogits(const CudaStep& step, bool processed, int64_t* stride);
   // Grows `s` to at least `bytes` (synchronising the stream first when it reallocates).
   absl::Status Ensure(Scratch* s, size_t bytes);
-  // Counts the buffers' reallocations (graphs point into them).
+  // Counts the reallocations of the buffers that graphs point into (not verify and topk, which
+  // only launches outside Enqueue() use).
   uint64_t buffer_generation() const { return buffer_generation_; }
 
   // Sizes the buffers for `step` with `meta_bytes` of metadata.
@@ -147,6 +148,9 @@ class CudaForward {
   using bf16 = __nv_bfloat16;
 
   absl::Status AllocateKvPools();
+  // Sizes the step buffers for ReservedStepShape() and the top-k buffer for its rows at
+  // kMaxForwardTopK, so that graphs captured later are not dropped by their growth.
+  absl::Status ReserveStepBuffers();
   absl::Status Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y, bool y_fp32, int64_t m,
                     int64_t n, int64_t k, int k_splits = 1);
   // The K split of the GEMM whose output reaches the residual stream at `site` (o_proj,

@@ -34,6 +34,21 @@ bool ChooseBuckets(const std::vector<int64_t>& item_tokens, CudaStep* step) {
   return true;
 }
 
+ReservedStep ReservedStepShape(int64_t invariant_rows, int64_t head_dim, bool tensor_parallel) {
+  ReservedStep reserved;
+  CudaStep& step = reserved.step;
+  const int64_t rows = invariant_rows > 0 ? invariant_rows : kDefaultGemmInvariantRows;
+  step.verify = true;
+  step.batch = 1;
+  step.T = rows;
+  step.R = rows;
+  step.gather_logits = tensor_parallel;
+  step.ws_floats =
+      cuda::TreeAttentionUsesMmaKernel(head_dim) ? cuda::kTreeAttentionMaxWorkspaceFloats : 0;
+  reserved.meta_bytes = static_cast<size_t>(rows) * 256 + (size_t{1} << 20);
+  return reserved;
+}
+
 void PlanItemsFromLayout(const StepLayout& layout, PlanItems* out) {
   const int64_t num_seqs = layout.num_seqs;
   out->depth.assign(num_seqs, {});

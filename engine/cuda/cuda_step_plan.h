@@ -110,6 +110,23 @@ struct CudaStep {
 // slots a sequence fits one; false: run unpadded. The caller asks only when graphs are on.
 bool ChooseBuckets(const std::vector<int64_t>& item_tokens, CudaStep* step);
 
+// What the buffers that captured graphs read are sized for when a backend starts
+// (CudaForward::Init, before the KV pools take the rest of the memory), so that no step within
+// it reallocates one under the graphs, which would drop every captured graph:
+//  - `invariant_rows` token rows and as many logit rows (kDefaultGemmInvariantRows when < 1):
+//    every forward the warm-up runs and the draft model's drafter sends
+//    (DraftModelDrafterOptions::max_forward_rows), as a verify step (with the gathered logits of
+//    a tensor-parallel one);
+//  - the split-KV workspace the planner allows a step (cuda::kTreeAttentionMaxWorkspaceFloats),
+//    for head sizes that split;
+//  - `meta_bytes`: 256 bytes a token row and 1 MiB of block tables (64 sequences of 4096 blocks).
+// Larger steps (a long prefill, graph buckets past `invariant_rows` tokens) still grow them.
+struct ReservedStep {
+  CudaStep step;
+  size_t meta_bytes = 0;
+};
+ReservedStep ReservedStepShape(int64_t invariant_rows, int64_t head_dim, bool tensor_parallel);
+
 // One item of a validated batch as the planner reads it, after its nodes were appended to the
 // sequence's scratch region and its blocks allocated.
 struct PlanItem {

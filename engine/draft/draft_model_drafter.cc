@@ -9,6 +9,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "engine/chunked_forward.h"
 #include "engine/draft/tree_builder.h"
 
 namespace specd {
@@ -195,10 +196,11 @@ DraftModelDrafter::KeptStep DraftModelDrafter::MakeKept(SelectedTree selected, i
 absl::Status DraftModelDrafter::LevelTopK(absl::Span<const ForwardItem> items, int k,
                                           TopKRows* out) {
   k = std::max(k, 1);
+  const int64_t max_rows = options_.max_forward_rows;
   if (options_.backend_topk && k <= kMaxForwardTopK) {
-    if (absl::Status s = model_->ForwardTopK(items, k, out); !s.ok()) return s;
+    if (absl::Status s = ChunkedForwardTopK(*model_, items, k, max_rows, out); !s.ok()) return s;
   } else {
-    if (absl::Status s = model_->Forward(items, &logits_); !s.ok()) return s;
+    if (absl::Status s = ChunkedForward(*model_, items, max_rows, &logits_); !s.ok()) return s;
     TopKRowsOnHost(logits_, vocab_size_, k, out);
   }
   for (const ForwardItem& it : items) fed_tokens_ += static_cast<int64_t>(it.tokens.size());
@@ -301,7 +303,8 @@ absl::Status DraftModelDrafter::Ingest(absl::Span<const DraftRequest> requests) 
     fed.push_back(b);
   }
   if (!items.empty()) {
-    if (absl::Status s = model_->Forward(items, &logits_); !s.ok()) {
+    if (absl::Status s = ChunkedForward(*model_, items, options_.max_forward_rows, &logits_);
+        !s.ok()) {
       // The outcomes stay applied (ApplyOutcome noted what they committed as carried), so the
       // same requests can be retried; this call's scratch goes.
       for (const ForwardItem& item : items) model_->Commit(item.seq, {}).IgnoreError();

@@ -22,6 +22,12 @@ struct DraftModelDrafterOptions {
   // Keep a step's scratch KV until the next step and commit the accepted path from it
   // (DraftRequest::accepted_node) instead of feeding those tokens again. Same trees either way.
   bool reuse_kv = true;
+  // The most tokens one forward of the draft model carries: a longer catch-up (the new tokens
+  // of several sequences, a prompt) or tree level is fed as consecutive forwards of at most this
+  // many (engine/chunked_forward.h), so no forward leaves the GEMM row classes the CUDA warm-up
+  // decided. Set it to the backend's cuda_gemm_invariant_rows. < 1: no limit. Same trees
+  // either way.
+  int64_t max_forward_rows = kDefaultGemmInvariantRows;
 };
 
 // EAGLE-2 style dynamic tree over a standalone draft model (any checkpoint with the target's

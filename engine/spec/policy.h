@@ -283,6 +283,34 @@ class GoodputPolicy {
   int PreDraftFanOut(int drafting, int levels, int nodes, int verify_rows, int verify_tokens,
                      int max_fan_out) const;
 
+  // Overlap fan-out and depth together. `shapes`: the planned shape of each sequence to
+  // pre-draft (its tree below each guess); the verify step beside it has `verify_rows` rows
+  // scoring `verify_tokens` tokens. A hit's tree is the next step's, so its depth is worth more
+  // than a further guess: the deepest cap D (each shape cut to D as the depth budget cuts it)
+  // whose one-guess pre-draft is predicted to end inside the verify step, then, only when
+  // nothing was cut, as many guesses as fit (PreDraftFanOut). {0, 0} when not even depth 1
+  // fits (the step stays sequential).
+  struct PreDraftPlan {
+    int fan_out = 0;  // guesses per sequence
+    int depth = 0;    // the cap on every pre-drafted tree's depth
+  };
+  PreDraftPlan PlanPreDraft(absl::Span<const SpecShape> shapes, int verify_rows, int verify_tokens,
+                            int max_fan_out) const;
+  // `shape` cut to `max_depth` as a sequence's depth budget cuts it: chains shorten, trees keep
+  // their width and lose their deepest levels.
+  static SpecShape CutToDepth(const SpecShape& shape, int max_depth) {
+    return Clamp(shape, max_depth);
+  }
+  // What a pre-draft of `shapes` (each its own sequence) at `fan_out` guesses asks of the
+  // draft, in PreDraftSeconds' terms: sequence-trees, levels (the guess's own forward and the
+  // deepest tree's), nodes (each tree's nodes plus its guessed path's).
+  struct PreDraftWork {
+    int drafting = 0;
+    int levels = 0;
+    int nodes = 0;
+  };
+  static PreDraftWork PreDraftWorkOf(absl::Span<const SpecShape> shapes, int fan_out);
+
   const PolicyOptions& options() const { return options_; }
   void set_padded_rows(bool padded) { options_.padded_rows = padded; }
   CostModel& costs() { return costs_; }

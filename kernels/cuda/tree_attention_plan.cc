@@ -10,7 +10,7 @@ namespace {
 
 // The split workspace is capped (it grows with queries times chunks); past that, one CTA per
 // tile walks all chunks, which gives the same bits.
-constexpr int64_t kMaxWorkspaceFloats = int64_t{64} << 20;
+constexpr int64_t kMaxWorkspaceFloats = kTreeAttentionMaxWorkspaceFloats;
 
 // The planner's model of a launch's time: waves of `ctas` over the resident slots (two CTAs per
 // multiprocessor) times each CTA's work, its chunks plus about half a chunk of setup.

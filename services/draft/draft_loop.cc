@@ -43,7 +43,12 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
                                                      model->config().vocab_size));
     }
     vocab_size = model->config().vocab_size;
-    model_drafter = std::make_unique<DraftModelDrafter>(model.get());
+    DraftModelDrafterOptions drafter_options;
+    // No draft forward beyond the row classes the warm-up decided.
+    if (options.backend.cuda_gemm_invariant_rows > 0) {
+      drafter_options.max_forward_rows = options.backend.cuda_gemm_invariant_rows;
+    }
+    model_drafter = std::make_unique<DraftModelDrafter>(model.get(), drafter_options);
   }
   std::unique_ptr<EagleHead> eagle_head;
   if (!options.eagle_head_dir.empty()) {
@@ -178,9 +183,7 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
       }
       slot->drafter = kModel;
       break;
-    case v1::DRAFT_METHOD_NGRAM:
-      slot->drafter = kNgram;
-      break;
+    case v1::DRAFT_METHOD_NGRAM: slot->drafter = kNgram; break;
     case v1::DRAFT_METHOD_EAGLE:
       if (eagle_drafter_ == nullptr) {
         return absl::FailedPreconditionError(

@@ -516,6 +516,7 @@ void RouterLoop::DraftStep() {
   for (auto& s : running_) {
     Sequence& seq = *s;
     const SpecShape shape = seq.core->planned();
+    seq.on_hit = seq.hit_ready;
     if (seq.hit_ready) {
       seq.hit_ready = false;
       seq.tree = std::move(seq.hit_tree);

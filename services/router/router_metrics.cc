@@ -100,6 +100,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
                                  "the guessed outcome hit.")),
       predraft_misses_(AddCounterFamily(r, "specd_predraft_misses_total",
                                         "Missed pre-drafts by how the next step served them.")),
+      predraft_guesses_(AddCounterFamily(r, "specd_predraft_guesses_total",
+                                         "Outcome guesses of pre-drafted sequence steps, by their "
+                                         "rank in the draft's order (0: the most likely).")),
+      predraft_guess_hits_(AddCounterFamily(r, "specd_predraft_guess_hits_total",
+                                            "Outcome guesses that came true, by their rank in the "
+                                            "draft's order (0: the most likely).")),
       wait_(AddCounterFamily(r, "specd_router_wait_seconds_total",
                              "Time the router's scheduler blocked waiting on each service.")),
       busy_(AddCounterFamily(r, "specd_service_busy_seconds_total",
@@ -116,6 +122,11 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
   }
   for (const char* result : {"hit", "miss", "late"}) {
     predraft_.Add({{"position", "0"}, {"result", result}});
+  }
+  // Ranks up to the router's largest fan-out (--overlap_max_fan_out).
+  for (int rank = 0; rank < 8; ++rank) {
+    predraft_guesses_.Add({{"guess", std::to_string(rank)}});
+    predraft_guess_hits_.Add({{"guess", std::to_string(rank)}});
   }
   for (const char* served : {"drafted_late", "plain_step"}) {
     predraft_misses_.Add({{"served", served}});
@@ -134,6 +145,12 @@ void RouterMetrics::CountPreDraft(int accepted, const char* result) {
   predraft_.Add({{"position", position}, {"result", result}}).Increment();
 }
 
+void RouterMetrics::CountPreDraftGuess(int rank, bool hit) {
+  const std::string guess = std::to_string(std::max(rank, 0));
+  predraft_guesses_.Add({{"guess", guess}}).Increment();
+  if (hit) predraft_guess_hits_.Add({{"guess", guess}}).Increment();
+}
+
 void RouterMetrics::CountPreDraftMiss(const char* served) {
   predraft_misses_.Add({{"served", served}}).Increment();
 }
@@ -149,23 +166,12 @@ void RouterMetrics::CountBusy(const char* service, double seconds) {
 void RouterMetrics::CountOutcome(grpc::StatusCode code) {
   const char* outcome = "error";
   switch (code) {
-    case grpc::StatusCode::OK:
-      outcome = "ok";
-      break;
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      outcome = "invalid_argument";
-      break;
-    case grpc::StatusCode::CANCELLED:
-      outcome = "cancelled";
-      break;
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      outcome = "deadline_exceeded";
-      break;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      outcome = "resource_exhausted";
-      break;
-    default:
-      break;
+    case grpc::StatusCode::OK: outcome = "ok"; break;
+    case grpc::StatusCode::INVALID_ARGUMENT: outcome = "invalid_argument"; break;
+    case grpc::StatusCode::CANCELLED: outcome = "cancelled"; break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED: outcome = "deadline_exceeded"; break;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: outcome = "resource_exhausted"; break;
+    default: break;
   }
   outcomes_.Add({{"outcome", outcome}}).Increment();
 }

@@ -38,6 +38,11 @@ class RouterMetrics {
   // outcome, by its accepted draft tokens (capped at "8+") and `result`: "hit", "miss", or
   // "late" (the pre-draft outlasted the router's wait; served as a miss).
   void CountPreDraft(int accepted, const char* result);
+  // specd_predraft_guesses_total{guess} and, when `hit`, specd_predraft_guess_hits_total{guess}:
+  // one outcome guess of a pre-drafted sequence whose verify outcome is known, by its rank in the
+  // draft service's order (0 the most likely, up to the fan-out - 1). Per-rank hit rates say
+  // whether a further guess earns the draft work it costs.
+  void CountPreDraftGuess(int rank, bool hit);
   // specd_predraft_misses_total{served}: how a missed sequence's next step was served
   // ("drafted_late" or "plain_step").
   void CountPreDraftMiss(const char* served);
@@ -85,6 +90,8 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& steps_;
   prometheus::Family<prometheus::Counter>& predraft_;
   prometheus::Family<prometheus::Counter>& predraft_misses_;
+  prometheus::Family<prometheus::Counter>& predraft_guesses_;
+  prometheus::Family<prometheus::Counter>& predraft_guess_hits_;
   prometheus::Family<prometheus::Counter>& wait_;
   prometheus::Family<prometheus::Counter>& busy_;
   prometheus::Family<prometheus::Counter>& finished_;

@@ -75,8 +75,9 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
 }
 
 void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call) {
-  v1::DraftStepRequest request;
-  int rows = 0, levels = 0, nodes = 0, verify_tokens = 0;
+  int verify_tokens = 0;
+  std::vector<Sequence*> chosen;
+  std::vector<SpecShape> shapes;
   for (auto& s : running_) {
     Sequence& seq = *s;
     verify_tokens += static_cast<int>(seq.tree.size()) + 1;
@@ -86,7 +87,43 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
         seq.draft_failed || seq.draft_epoch != epoch) {
       continue;
     }
-    const SpecShape shape = seq.core->planned();
+    chosen.push_back(&seq);
+    SpecShape planned = seq.core->planned();
+    if (seq.on_hit) {
+      const SpecShape again =
+          GoodputPolicy::CutToDepth(seq.pre_uncut, seq.core->MaxUsefulDraftDepth());
+      if (again.depth > planned.depth) planned = again;
+    }
+    shapes.push_back(planned);
+  }
+  if (chosen.empty()) return;
+  // How many outcome guesses each sequence gets and how deep the trees below them go: the
+  // deepest, then the most, the policy predicts fit in the verify step. With auto, none where
+  // not even one shallow guess would fit, though one now and then (as the policy probes a
+  // sequence it does not draft) measures it again at full depth: pre-drafts measured slow while
+  // the draft device was busy would otherwise never be sent again. With on, at least one; and
+  // with on and no policy (fixed shapes), the most allowed at the planned depth.
+  GoodputPolicy::PreDraftPlan plan;
+  if (options_.overlap == OverlapMode::kOn && !options_.adaptive) {
+    plan.fan_out = options_.overlap_max_fan_out;
+  } else {
+    plan = policy_.PlanPreDraft(shapes, static_cast<int>(running_.size()), verify_tokens,
+                                options_.overlap_max_fan_out);
+  }
+  if (plan.fan_out == 0 && options_.overlap == OverlapMode::kAuto &&
+      ++pre_draft_skips_ < std::max(policy_.options().probe_interval, 1)) {
+    return;  // the pre-draft would outlast verify: the step stays sequential
+  }
+  pre_draft_skips_ = 0;
+  plan.fan_out = std::max(plan.fan_out, 1);
+  const std::vector<SpecShape> uncut = shapes;
+  if (plan.depth > 0) {
+    for (SpecShape& shape : shapes) shape = GoodputPolicy::CutToDepth(shape, plan.depth);
+  }
+  v1::DraftStepRequest request;
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    Sequence& seq = *chosen[i];
+    const SpecShape& shape = shapes[i];
     v1::DraftSequenceStep* step = request.add_steps();
     step->set_seq_id(seq.id);
     // Empty after this step's draft, or the tokens of the last guess when it hit.
@@ -99,42 +136,19 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
     step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
     step->set_pre_draft(true);
     step->set_target_samples(seq.request.sampling.temperature > 0);
+    if (plan.fan_out > 1) step->set_fan_out(plan.fan_out);
     seq.pre_sent = true;
     seq.pre_fed_to = seq.core->length();
     seq.pre_shape = shape;
+    seq.pre_uncut = uncut[i];
     seq.pre_reason = seq.core->planned_reason();
-    ++rows;
-    levels = std::max(levels, shape.depth + 1);
-    nodes += shape.max_nodes + shape.depth + 1;
   }
-  if (rows == 0) return;
-  // How many outcome guesses each sequence gets: as many as the policy predicts fit in the
-  // verify step. With auto, none where even one would not, though one now and then (as the
-  // policy probes a sequence it does not draft) measures it again: pre-drafts measured slow
-  // while the draft device was busy would otherwise never be sent again. With on, at least one;
-  // and with on and no policy (fixed shapes), the most allowed.
-  int fan_out = options_.overlap == OverlapMode::kOn && !options_.adaptive
-                    ? options_.overlap_max_fan_out
-                    : policy_.PreDraftFanOut(rows, levels, nodes, static_cast<int>(running_.size()),
-                                             verify_tokens, options_.overlap_max_fan_out);
-  if (fan_out == 0 && options_.overlap == OverlapMode::kAuto &&
-      ++pre_draft_skips_ < std::max(policy_.options().probe_interval, 1)) {
-    // The pre-draft would outlast verify: the step stays sequential.
-    for (auto& s : running_) {
-      if (s->draft.get() == &draft) s->pre_sent = false;
-    }
-    return;
-  }
-  pre_draft_skips_ = 0;
-  fan_out = std::max(fan_out, 1);
-  if (fan_out > 1) {
-    for (v1::DraftSequenceStep& step : *request.mutable_steps()) step.set_fan_out(fan_out);
-  }
+  const GoodputPolicy::PreDraftWork one = GoodputPolicy::PreDraftWorkOf(shapes, 1);
   call->request = std::move(request);
-  call->draft_seconds = policy_.costs().DraftSeconds(rows, levels, nodes);
-  call->rows = rows * fan_out;
-  call->levels = levels;
-  call->nodes = nodes * fan_out;
+  call->draft_seconds = policy_.costs().DraftSeconds(one.drafting, one.levels, one.nodes);
+  call->rows = one.drafting * plan.fan_out;
+  call->levels = one.levels;
+  call->nodes = one.nodes * plan.fan_out;
 }
 
 std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint64_t step_id) {
@@ -242,14 +256,14 @@ void RouterLoop::ResolvePreDraft(Sequence& seq, absl::Span<const int32_t> outcom
   if (!seq.pre_sent) return;
   seq.pre_sent = false;
   hit = hit && !seq.pre_guess.empty();
-  if (!hit) {
-    // A further guess (fan-out above one) that came true stands in for the first.
-    for (Sequence::Guess& guess : seq.pre_more) {
-      if (absl::MakeConstSpan(guess.tokens) != outcome_tokens) continue;
-      hit = true;
-      seq.pre_tree = std::move(guess.tree);
-      break;
-    }
+  if (!seq.pre_guess.empty()) metrics_->CountPreDraftGuess(0, hit);
+  // A further guess (fan-out above one) that came true stands in for the first.
+  for (Sequence::Guess& guess : seq.pre_more) {
+    const bool this_one = !hit && absl::MakeConstSpan(guess.tokens) == outcome_tokens;
+    metrics_->CountPreDraftGuess(guess.rank, this_one);
+    if (!this_one) continue;
+    hit = true;
+    seq.pre_tree = std::move(guess.tree);
   }
   seq.pre_more.clear();
   metrics_->CountPreDraft(accepted, hit ? "hit" : "miss");
@@ -338,15 +352,18 @@ void RouterLoop::TakePreDrafts(PreDraftCall& call) {
     }
     seq.pre_node = result.guess_node();
     seq.pre_more.clear();
+    int rank = 0;
     for (const v1::PreDraftGuess& guess : result.more_guesses()) {
-      if (seq.pre_more.size() + 1 >= static_cast<size_t>(step.fan_out())) break;
+      ++rank;
+      if (rank >= static_cast<int>(step.fan_out())) break;
       TokenTree more = TreeFromProto(guess.tree());
       if (!ValidateTree(more, options_.limits.vocab_size).ok() || more.empty() ||
           TreeMaxDepth(more) > seq.pre_shape.depth) {
         SPECD_LOG(WARNING) << "draft service sent a bad pre-drafted tree for sequence " << seq.id;
         continue;
       }
-      seq.pre_more.push_back({{guess.tokens().begin(), guess.tokens().end()}, std::move(more)});
+      seq.pre_more.push_back(
+          {{guess.tokens().begin(), guess.tokens().end()}, std::move(more), rank});
     }
   }
 }

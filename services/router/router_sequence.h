@@ -74,9 +74,15 @@ struct RouterLoop::Sequence {
   struct Guess {
     std::vector<int32_t> tokens;
     TokenTree tree;
+    int rank = 1;  // its place in the draft service's order (0: pre_guess, the most likely)
   };
   std::vector<Guess> pre_more;
   SpecShape pre_shape;
+  // The planned shape pre_shape was cut from (GoodputPolicy::PlanPreDraft's depth). A step that
+  // verifies a hit runs the cut shape, but its own pre-draft plans from this one again, so a cut
+  // lasts only while the verify step has no room for more.
+  SpecShape pre_uncut;
+  bool on_hit = false;  // this step verifies a pre-drafted tree
   ShapeReason pre_reason = ShapeReason::kPolicy;
   // A hit: the next step verifies hit_tree (shape hit_shape) without drafting.
   bool hit_ready = false;

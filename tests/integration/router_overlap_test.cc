@@ -94,6 +94,18 @@ void ExpectOverlapLossless(Cluster* c, int clients, bool expect_hits) {
     EXPECT_GT(late + plain, 0);
     EXPECT_LE(late + plain, misses);
   }
+  // Every hit is exactly one guess's, by its rank; a rank hits at most as often as it is guessed.
+  double rank_hits = 0;
+  for (int rank = 0; rank < 8; ++rank) {
+    const std::map<std::string, std::string> label = {{"guess", std::to_string(rank)}};
+    const double guessed = Cluster::Metric(port, "specd_predraft_guesses_total", label);
+    const double hit = Cluster::Metric(port, "specd_predraft_guess_hits_total", label);
+    EXPECT_LE(hit, guessed) << "guess " << rank;
+    rank_hits += hit;
+  }
+  EXPECT_EQ(rank_hits, hits);
+  EXPECT_LE(Cluster::Metric(port, "specd_predraft_guesses_total", {{"guess", "0"}}),
+            hits + PreDraftOutcomes(port, "miss"));
   EXPECT_GT(Cluster::Metric(port, "specd_router_step_seconds_total"), 0);
   EXPECT_GT(Cluster::Metric(port, "specd_service_busy_seconds_total", {{"service", "verify"}}), 0);
   EXPECT_GT(Cluster::Metric(port, "specd_router_wait_seconds_total", {{"service", "draft"}}), 0);
@@ -118,6 +130,9 @@ TEST(RouterClusterTest, OverlapWithSeveralGuessesKeepsGreedyAndSeededOutputIdent
   ASSERT_NE(c, nullptr);
   ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/true);
   ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/true);
+  // The further guesses were sent and counted by their rank.
+  EXPECT_GT(Cluster::Metric(c->router_metrics, "specd_predraft_guesses_total", {{"guess", "1"}}),
+            0);
 }
 
 TEST(RouterClusterTest, OverlapAutoUnderTheGoodputPolicyKeepsOutputIdentical) {

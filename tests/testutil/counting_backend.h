@@ -4,6 +4,7 @@
 #ifndef SPECD_TESTS_TESTUTIL_COUNTING_BACKEND_H_
 #define SPECD_TESTS_TESTUTIL_COUNTING_BACKEND_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -37,18 +38,23 @@ class CountingBackend : public Backend {
   }
   KvUsage Usage() const override { return model_->Usage(); }
 
-  int64_t calls() const { return calls_; }    // Forward and ForwardTopK calls
-  int64_t tokens() const { return tokens_; }  // tokens those calls fed
+  int64_t calls() const { return calls_; }        // Forward and ForwardTopK calls
+  int64_t tokens() const { return tokens_; }      // tokens those calls fed
+  int64_t max_rows() const { return max_rows_; }  // the most tokens one call fed
 
  private:
   void Count(absl::Span<const ForwardItem> items) {
     ++calls_;
-    for (const ForwardItem& it : items) tokens_ += static_cast<int64_t>(it.tokens.size());
+    int64_t rows = 0;
+    for (const ForwardItem& it : items) rows += static_cast<int64_t>(it.tokens.size());
+    tokens_ += rows;
+    max_rows_ = std::max(max_rows_, rows);
   }
 
   Backend* model_;
   int64_t calls_ = 0;
   int64_t tokens_ = 0;
+  int64_t max_rows_ = 0;
 };
 
 }  // namespace specd

@@ -485,5 +485,61 @@ TEST(CudaStepPlanTest, TableRefusesNodesBeyondTheMaskAndChangesNothing) {
   EXPECT_EQ(*table.ScratchLength(1), 257);
 }
 
+// The buffers sized at start (ReservedStepShape) hold what the forwards the drafter and the
+// warm-up send lay out to, long contexts included: up to the reserved rows in one chain or
+// several, and a padded decode step of the widest graph bucket.
+TEST(CudaStepPlanTest, ReservedStepCoversTheWarmedForwards) {
+  const ReservedStep reserved = ReservedStepShape(1024, /*head_dim=*/64, false);
+  EXPECT_EQ(reserved.step.T, 1024);
+  EXPECT_EQ(reserved.step.R, 1024);
+  EXPECT_TRUE(reserved.step.verify);
+  EXPECT_EQ(reserved.step.ws_floats, cuda::kTreeAttentionMaxWorkspaceFloats);
+  EXPECT_EQ(ReservedStepShape(0, 64, false).step.T, kDefaultGemmInvariantRows);
+  EXPECT_EQ(ReservedStepShape(-1, 64, true).step.R, kDefaultGemmInvariantRows);
+  EXPECT_TRUE(ReservedStepShape(512, 64, true).step.gather_logits);
+  EXPECT_EQ(ReservedStepShape(512, 80, false).step.ws_floats, 0) << "80 never splits";
+  struct Case {
+    int seqs;
+    int tokens;  // a chain each, every row's logits asked
+    int64_t committed;
+    bool padded;
+  };
+  for (const Case& c : std::vector<Case>{{1, 1024, 0, false},
+                                         {1, 1024, 3000, false},
+                                         {4, 256, 4000, false},
+                                         {16, 64, 20000, false},
+                                         {kGraphMaxBatch, 1, 60000, true},
+                                         {kGraphMaxBatch, 9, 8000, true}}) {
+    SCOPED_TRACE(testing::Message() << c.seqs << " x " << c.tokens << " after " << c.committed);
+    std::vector<Seq> seqs(c.seqs);
+    std::vector<ForwardItem> items(c.seqs);
+    int32_t next_block = 0;
+    std::vector<PlanItem> plan;
+    for (int b = 0; b < c.seqs; ++b) {
+      seqs[b].committed = c.committed;
+      while (static_cast<int64_t>(seqs[b].blocks.size()) * kBlock < c.committed) {
+        seqs[b].blocks.push_back(next_block++);
+      }
+      for (int j = 0; j < c.tokens; ++j) {
+        items[b].tokens.push_back(j);
+        items[b].parents.push_back(j - 1);
+        items[b].logit_rows.push_back(j);
+      }
+      seqs[b].Append(items[b], &next_block);
+    }
+    for (const Seq& s : seqs) plan.push_back(s.Plan());
+    CudaStep step;
+    if (c.padded) {
+      ASSERT_TRUE(ChooseBuckets(std::vector<int64_t>(c.seqs, c.tokens), &step));
+    }
+    StepPacker pack;
+    LayoutForward(items, plan, Options(), &step, &pack);
+    EXPECT_LE(step.T, reserved.step.T);
+    EXPECT_LE(step.R, reserved.step.R);
+    EXPECT_LE(step.ws_floats, reserved.step.ws_floats);
+    EXPECT_LE(pack.bytes().size(), reserved.meta_bytes);
+  }
+}
+
 }  // namespace
 }  // namespace specd

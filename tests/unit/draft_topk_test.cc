@@ -163,8 +163,9 @@ enum class Outcome {
 struct SpecRun {
   std::vector<TokenTree> trees;
   std::vector<int32_t> output;
-  int64_t fed = 0;   // tokens the drafter fed its model
-  int accepted = 0;  // draft tokens the target accepted
+  int64_t fed = 0;       // tokens the drafter fed its model
+  int accepted = 0;      // draft tokens the target accepted
+  int64_t max_rows = 0;  // the most tokens one draft forward carried
 };
 
 // Greedy speculative decoding of `prompt` for `steps` steps: the drafter proposes, the target's
@@ -234,6 +235,7 @@ SpecRun Speculate(Models& models, const std::vector<int32_t>& prompt,
     }
   }
   run.fed = counter.tokens();
+  run.max_rows = counter.max_rows();
   EXPECT_TRUE(drafter.Release(seq).ok());
   EXPECT_TRUE(target->RemoveSequence(seq).ok());
   return run;
@@ -294,11 +296,16 @@ TEST(DraftSavingsTest, SameTreesAndOutputsOnTheReferencePairAndFixtures) {
               : plain;
       std::vector<DraftModelDrafterOptions> configs = {{true, true}};
       if (outcome == Outcome::kReported) configs = {{true, false}, {false, true}, {true, true}};
+      // The prompt's catch-up and the levels fed 3 tokens a forward: the same trees and output.
+      configs.push_back({true, true, /*max_forward_rows=*/3});
+      if (outcome == Outcome::kReported) configs.push_back({false, false, 3});
       for (DraftModelDrafterOptions options : configs) {
-        SCOPED_TRACE(testing::Message() << "backend_topk " << options.backend_topk << " reuse_kv "
-                                        << options.reuse_kv);
+        SCOPED_TRACE(testing::Message()
+                     << "backend_topk " << options.backend_topk << " reuse_kv " << options.reuse_kv
+                     << " max_forward_rows " << options.max_forward_rows);
         const SpecRun got = Speculate(models, pair.prompt, options, outcome, kSteps, params);
         ExpectSameTrees(got, plain_here);
+        EXPECT_LE(got.max_rows, options.max_forward_rows);
         // Every accepted first-level node was expanded (max_nodes leaves room), so any
         // acceptance saves feeding.
         if (options.reuse_kv && outcome == Outcome::kReported && plain.accepted > 0) {

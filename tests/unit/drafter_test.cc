@@ -2,9 +2,6 @@
 // draft model's own top-k (checked against Backend::Forward directly), cumulative log-probs,
 // the max_nodes cut, KV continuity across steps, batching, errors, and n-gram lookup against
 // hand-computed continuations.
-#include "engine/draft/draft_model_drafter.h"
-#include "engine/draft/ngram_drafter.h"
-
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -13,8 +10,11 @@
 #include <random>
 #include <set>
 
+#include "engine/draft/draft_model_drafter.h"
+#include "engine/draft/ngram_drafter.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/counting_backend.h"
 #include "tests/testutil/random_checkpoint.h"
 
 namespace specd {
@@ -117,10 +117,10 @@ TEST_F(DraftModelTest, ChildrenAreTheDraftModelsTopK) {
     int depth, top_k, max_nodes;
   };
   SeqId seq = 1;
-  for (const Shape& s : std::vector<Shape>{{3, 3, 256}, {4, 2, 10}, {1, 5, 256}, {5, 4, 31},
-                                           {2, 8, 64}}) {
-    SCOPED_TRACE(testing::Message() << "depth " << s.depth << " top_k " << s.top_k
-                                    << " max_nodes " << s.max_nodes);
+  for (const Shape& s :
+       std::vector<Shape>{{3, 3, 256}, {4, 2, 10}, {1, 5, 256}, {5, 4, 31}, {2, 8, 64}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "depth " << s.depth << " top_k " << s.top_k << " max_nodes " << s.max_nodes);
     ASSERT_TRUE(drafter_->AddSequence(seq).ok());
     const DraftParams p{s.depth, s.top_k, s.max_nodes};
     const TokenTree tree = DraftOne(seq, prompt, p);
@@ -176,9 +176,8 @@ TEST_F(DraftModelTest, ExpandsTheBestNodesOfEachLevel) {
   for (int level = 1; level < depth; ++level) {
     EXPECT_EQ(by_level[level].size(), static_cast<size_t>(k * k));
     std::vector<int> prev = by_level[level - 1];
-    std::sort(prev.begin(), prev.end(), [&](int a, int b) {
-      return tree.draft_logprobs[a] > tree.draft_logprobs[b];
-    });
+    std::sort(prev.begin(), prev.end(),
+              [&](int a, int b) { return tree.draft_logprobs[a] > tree.draft_logprobs[b]; });
     for (size_t r = 0; r < prev.size(); ++r) {
       EXPECT_EQ(children[prev[r]].size(), r < static_cast<size_t>(k) ? size_t{k} : size_t{0})
           << "level " << level - 1 << " rank " << r;
@@ -317,6 +316,129 @@ TEST_F(DraftModelTest, BatchEqualsOneByOne) {
   }
 }
 
+// What a scripted mix of batched Draft(), PreDraft() and Ingest() calls returned, and what it
+// cost the draft model.
+struct ScriptRun {
+  std::vector<TokenTree> trees;  // every tree returned, pre-drafted ones included, in order
+  std::vector<std::vector<int32_t>> guesses;
+  int64_t fed = 0;
+  int64_t max_rows = 0;  // the most tokens one forward carried
+};
+
+// Three sequences whose catch-ups (40, 7 and 25 tokens) share the first forward, then steps
+// with reported outcomes, a pre-draft with two guesses, a hit and a miss, an ingest-only step
+// and a step after it.
+ScriptRun RunChunkScript(const std::string& dir, DraftModelDrafterOptions options) {
+  ScriptRun run;
+  absl::StatusOr<std::unique_ptr<Backend>> model = CreateBackend(dir, BackendOptions());
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return run;
+  CountingBackend counter(model->get());
+  DraftModelDrafter drafter(&counter, options);
+  std::mt19937 rng(29);
+  const DraftParams p{3, 3, 12};
+  std::vector<DraftRequest> batch;
+  for (int len : {40, 7, 25}) {
+    DraftRequest& r = batch.emplace_back();
+    r.seq = static_cast<SeqId>(batch.size());
+    for (int j = 0; j < len; ++j) r.new_tokens.push_back(static_cast<int32_t>(rng() % 300));
+    r.params = p;
+    EXPECT_TRUE(drafter.AddSequence(r.seq).ok());
+  }
+  auto draft = [&](const std::vector<DraftRequest>& requests) {
+    absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft(requests);
+    EXPECT_TRUE(trees.ok()) << trees.status();
+    if (trees.ok()) run.trees.insert(run.trees.end(), trees->begin(), trees->end());
+    return trees.ok() ? *trees : std::vector<TokenTree>(requests.size());
+  };
+  // The outcome "first node accepted, then a bonus token", or only a bonus for an empty tree.
+  auto outcome = [&](SeqId seq, const TokenTree& tree) {
+    DraftRequest r;
+    r.seq = seq;
+    r.params = p;
+    r.accepted_node = tree.empty() ? -1 : 0;
+    if (!tree.empty()) r.new_tokens.push_back(tree.tokens[0]);
+    r.new_tokens.push_back(static_cast<int32_t>(rng() % 300));
+    return r;
+  };
+  std::vector<TokenTree> trees = draft(batch);
+  for (int step = 0; step < 2; ++step) {
+    std::vector<DraftRequest> next;
+    for (size_t b = 0; b < batch.size(); ++b) next.push_back(outcome(batch[b].seq, trees[b]));
+    trees = draft(next);
+  }
+  // Pre-draft every sequence's outcome; sequence 1 hits its first guess, 2 misses, 3 is
+  // ingested without a tree.
+  std::vector<DraftRequest> pre;
+  for (const DraftRequest& r : batch) {
+    DraftRequest q;
+    q.seq = r.seq;
+    q.params = p;
+    q.fan_out = 2;
+    pre.push_back(q);
+  }
+  absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> guessed = drafter.PreDraft(pre);
+  EXPECT_TRUE(guessed.ok()) << guessed.status();
+  if (!guessed.ok()) return run;
+  for (const DraftModelDrafter::PreDraftResult& g : *guessed) {
+    run.trees.push_back(g.tree);
+    run.guesses.push_back(g.guess_tokens);
+    for (const DraftModelDrafter::PreDraftGuess& more : g.more) {
+      run.trees.push_back(more.tree);
+      run.guesses.push_back(more.tokens);
+    }
+  }
+  std::vector<DraftRequest> next;
+  DraftRequest hit = outcome(1, trees[0]);
+  if (!(*guessed)[0].guess_tokens.empty()) {
+    hit.new_tokens = (*guessed)[0].guess_tokens;
+    hit.new_tokens.push_back(5);
+    hit.accepted_node = -1;  // of the pre-drafted tree: only the bonus token after the guess
+  }
+  next.push_back(hit);
+  next.push_back(outcome(2, trees[1]));
+  EXPECT_TRUE(drafter.Ingest({outcome(3, trees[2])}).ok());
+  trees = draft(next);
+  DraftRequest resumed;
+  resumed.seq = 3;
+  resumed.params = p;
+  for (int j = 0; j < 9; ++j) resumed.new_tokens.push_back(static_cast<int32_t>(rng() % 300));
+  next = {outcome(1, trees[0]), outcome(2, trees[1]), resumed};
+  draft(next);
+  run.fed = counter.tokens();
+  run.max_rows = counter.max_rows();
+  return run;
+}
+
+// A catch-up or level longer than max_forward_rows is fed as several forwards of at most that
+// many tokens, and every tree, guess and fed count is the one a single forward gives.
+TEST_F(DraftModelTest, ChunkedForwardsGiveTheSameTrees) {
+  DraftModelDrafterOptions unlimited;
+  unlimited.max_forward_rows = 0;
+  const ScriptRun want = RunChunkScript(*dir_, unlimited);
+  ASSERT_GE(want.trees.size(), 14u);
+  EXPECT_GE(want.max_rows, 72) << "the first forward should carry every catch-up";
+  for (bool backend_topk : {true, false}) {
+    for (int64_t max_rows : {kDefaultGemmInvariantRows, int64_t{16}, int64_t{3}, int64_t{1}}) {
+      SCOPED_TRACE(testing::Message()
+                   << "max_forward_rows " << max_rows << " backend_topk " << backend_topk);
+      DraftModelDrafterOptions options;
+      options.backend_topk = backend_topk;
+      options.max_forward_rows = max_rows;
+      const ScriptRun got = RunChunkScript(*dir_, options);
+      ASSERT_EQ(got.trees.size(), want.trees.size());
+      for (size_t i = 0; i < want.trees.size(); ++i) {
+        EXPECT_EQ(got.trees[i].tokens, want.trees[i].tokens) << "tree " << i;
+        EXPECT_EQ(got.trees[i].parents, want.trees[i].parents) << "tree " << i;
+        EXPECT_EQ(got.trees[i].draft_logprobs, want.trees[i].draft_logprobs) << "tree " << i;
+      }
+      EXPECT_EQ(got.guesses, want.guesses);
+      EXPECT_EQ(got.fed, want.fed);
+      EXPECT_LE(got.max_rows, max_rows);
+    }
+  }
+}
+
 TEST_F(DraftModelTest, BadRequestsFailWithoutChangingState) {
   ASSERT_TRUE(drafter_->AddSequence(1).ok());
   EXPECT_EQ(drafter_->AddSequence(1).code(), absl::StatusCode::kAlreadyExists);
@@ -325,8 +447,7 @@ TEST_F(DraftModelTest, BadRequestsFailWithoutChangingState) {
   EXPECT_THAT(drafter_->Draft({{1, {}, p}}).status().message(), HasSubstr("new_tokens"));
   EXPECT_THAT(drafter_->Draft({{1, {1, 300}, p}}).status().message(), HasSubstr("new_tokens[1]"));
   EXPECT_THAT(drafter_->Draft({{1, {1}, {2, 0, 4}}}).status().message(), HasSubstr("top_k"));
-  EXPECT_THAT(drafter_->Draft({{1, {1}, p}, {1, {2}, p}}).status().message(),
-              HasSubstr("twice"));
+  EXPECT_THAT(drafter_->Draft({{1, {1}, p}, {1, {2}, p}}).status().message(), HasSubstr("twice"));
   // A good request next to a bad one fails the batch and leaves the good one untouched.
   ASSERT_TRUE(drafter_->AddSequence(2).ok());
   EXPECT_FALSE(drafter_->Draft({{2, {5, 6}, p}, {1, {}, p}}).ok());
@@ -351,8 +472,7 @@ std::unique_ptr<NgramDrafter> MakeNgram(int min_n = 1, int max_n = 3) {
 TEST(NgramDrafterTest, OptionsValidation) {
   EXPECT_THAT(NgramDrafter::Create(300, {0, 3, 64}).status().message(), HasSubstr("min_n"));
   EXPECT_THAT(NgramDrafter::Create(300, {3, 2, 64}).status().message(), HasSubstr("max_n"));
-  EXPECT_THAT(NgramDrafter::Create(300, {1, 3, 0}).status().message(),
-              HasSubstr("max_matches"));
+  EXPECT_THAT(NgramDrafter::Create(300, {1, 3, 0}).status().message(), HasSubstr("max_matches"));
 }
 
 // History 1 2 3 4 1 2 3 5 1 2 3: the suffix 1 2 3 occurred twice before; the most recent was
@@ -404,8 +524,7 @@ TEST(NgramDrafterTest, DraftAppendsHistoryAcrossSteps) {
   ASSERT_TRUE(d->AddSequence(1).ok());
   ASSERT_TRUE(d->AddSequence(2).ok());
   const DraftParams p{4, 2, 8};
-  absl::StatusOr<std::vector<TokenTree>> trees =
-      d->Draft({{1, {1, 2, 3, 4}, p}, {2, {6, 6}, p}});
+  absl::StatusOr<std::vector<TokenTree>> trees = d->Draft({{1, {1, 2, 3, 4}, p}, {2, {6, 6}, p}});
   ASSERT_TRUE(trees.ok());
   EXPECT_TRUE((*trees)[0].empty());
   EXPECT_THAT((*trees)[1].tokens, ElementsAre(6));

@@ -511,5 +511,106 @@ TEST(SpecPolicyTest, PreDraftsMeasuredSlowerThanVerifyAreNotSent) {
   EXPECT_EQ(policy.PreDraftFanOut(1, 5, 9, 1, 5, 1), 1);
 }
 
+// Overlap depth and fan-out together: the deepest cap whose one-guess pre-draft fits inside the
+// verify step, each tree cut to it as the depth budget cuts it; further guesses only at the
+// planned depth; nothing when not even depth 1 fits.
+TEST(SpecPolicyTest, PlanPreDraftPicksTheDeepestTreeThatFitsThenTheMostGuesses) {
+  PolicyOptions o = FlatThenLinear();
+  const SpecShape chain6{6, 1, 6};
+  auto fits = [](const GoodputPolicy& policy, const std::vector<SpecShape>& shapes, int depth,
+                 int fan_out, int rows, int tokens) {
+    std::vector<SpecShape> cut;
+    for (const SpecShape& s : shapes) cut.push_back(GoodputPolicy::CutToDepth(s, depth));
+    const GoodputPolicy::PreDraftWork w = GoodputPolicy::PreDraftWorkOf(cut, fan_out);
+    return policy.costs().PreDraftSeconds(w.drafting, w.levels, w.nodes) <=
+           policy.costs().VerifySeconds(rows, tokens);
+  };
+  {
+    // A verify step of 2.85 ms beside draft levels of 0.5 ms: a chain of 6 (7 levels with the
+    // guess's) does not fit, one of 4 does.
+    o.verify_fixed_s = 2.5e-3;
+    const GoodputPolicy policy(o);
+    const GoodputPolicy::PreDraftPlan plan = policy.PlanPreDraft({chain6}, 1, 7, 4);
+    EXPECT_EQ(plan.depth, 4);
+    EXPECT_EQ(plan.fan_out, 1);
+    EXPECT_TRUE(fits(policy, {chain6}, 4, 1, 1, 7));
+    EXPECT_FALSE(fits(policy, {chain6}, 5, 1, 1, 7));
+  }
+  {
+    // A long verify step: the whole chain, and as many guesses as PreDraftFanOut gives it.
+    o.verify_fixed_s = 20e-3;
+    const GoodputPolicy policy(o);
+    const GoodputPolicy::PreDraftPlan plan = policy.PlanPreDraft({chain6}, 1, 7, 8);
+    EXPECT_EQ(plan.depth, 6);
+    EXPECT_GE(plan.fan_out, 2);
+    const GoodputPolicy::PreDraftWork w = GoodputPolicy::PreDraftWorkOf({chain6}, 1);
+    EXPECT_EQ(plan.fan_out, policy.PreDraftFanOut(w.drafting, w.levels, w.nodes, 1, 7, 8));
+    EXPECT_EQ(policy.PlanPreDraft({chain6}, 1, 7, 1).fan_out, 1);
+    EXPECT_EQ(policy.PlanPreDraft({chain6}, 1, 7, 0).fan_out, 0);
+  }
+  {
+    // Shorter than one draft level plus the call: nothing.
+    o.verify_fixed_s = 0.5e-3;
+    const GoodputPolicy policy(o);
+    const GoodputPolicy::PreDraftPlan plan = policy.PlanPreDraft({chain6}, 1, 7, 4);
+    EXPECT_EQ(plan.depth, 0);
+    EXPECT_EQ(plan.fan_out, 0);
+    EXPECT_TRUE(policy.PlanPreDraft({}, 1, 1, 4).depth == 0);
+  }
+}
+
+// Trees keep their width when cut; as the batch grows (a level's tokens grow with it) the plan
+// goes from several guesses at full depth to one, then to shallower trees, then to none, and
+// every answer is the deepest that fits.
+TEST(SpecPolicyTest, PlanPreDraftShrinksDepthWithTheBatch) {
+  const SpecShape tree{5, 4, 16};
+  EXPECT_EQ(GoodputPolicy::CutToDepth(tree, 2), (SpecShape{2, 4, 16}));
+  EXPECT_EQ(GoodputPolicy::CutToDepth(tree, 1), (SpecShape{1, 4, 4}));
+  EXPECT_EQ(GoodputPolicy::CutToDepth(SpecShape{6, 1, 6}, 3), (SpecShape{3, 1, 3}));
+  EXPECT_EQ(GoodputPolicy::CutToDepth(tree, 9), tree);
+  PolicyOptions o = FlatThenLinear();
+  // The draft's levels grow with the batch faster than the verify step does.
+  o.verify_per_token_s = 0.005e-3;
+  o.draft_level_per_token_s = 0.02e-3;
+  const GoodputPolicy policy(o);
+  GoodputPolicy::PreDraftPlan previous{8, 5};
+  bool cut = false, none = false;
+  for (int rows : {1, 2, 4, 8, 16, 32, 64, 128, 256}) {
+    SCOPED_TRACE(rows);
+    const std::vector<SpecShape> shapes(rows, tree);
+    const int tokens = rows * 17;
+    const GoodputPolicy::PreDraftPlan plan = policy.PlanPreDraft(shapes, rows, tokens, 8);
+    const double verify = policy.costs().VerifySeconds(rows, tokens);
+    auto pre = [&](int depth, int fan_out) {
+      std::vector<SpecShape> c;
+      for (const SpecShape& s : shapes) c.push_back(GoodputPolicy::CutToDepth(s, depth));
+      const GoodputPolicy::PreDraftWork w = GoodputPolicy::PreDraftWorkOf(c, fan_out);
+      return policy.costs().PreDraftSeconds(w.drafting, w.levels, w.nodes);
+    };
+    EXPECT_LE(plan.depth, previous.depth);
+    if (plan.depth == previous.depth) EXPECT_LE(plan.fan_out, previous.fan_out);
+    if (plan.depth > 0) {
+      EXPECT_LE(pre(plan.depth, plan.fan_out), verify);
+      EXPECT_GE(plan.fan_out, 1);
+    } else {
+      EXPECT_EQ(plan.fan_out, 0);
+      EXPECT_GT(pre(1, 1), verify);
+      none = true;
+    }
+    if (plan.depth < 5) EXPECT_GT(pre(plan.depth + 1, 1), verify);
+    if (plan.depth > 0 && plan.depth < 5) {
+      EXPECT_EQ(plan.fan_out, 1);
+      cut = true;
+    }
+    if (rows == 1) {
+      EXPECT_EQ(plan.depth, 5);
+      EXPECT_GE(plan.fan_out, 2);
+    }
+    previous = plan;
+  }
+  EXPECT_TRUE(cut) << "no batch size had a shallower pre-draft";
+  EXPECT_TRUE(none) << "no batch size was left sequential";
+}
+
 }  // namespace
 }  // namespace specd

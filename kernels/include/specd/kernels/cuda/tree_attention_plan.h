@@ -58,6 +58,10 @@ TreeAttentionPlan PlanTreeAttention(const int32_t* query_seq, const int32_t* kv_
 // Chunks of a query with `max_kv_end` keys: the num_splits that splits them all.
 int TreeAttentionChunks(int32_t max_kv_end);
 
+// The most workspace floats PlanTreeAttention lets a split take (for a head size of 128; others
+// take proportionally fewer): it keeps the query count unsplit past it.
+inline constexpr int64_t kTreeAttentionMaxWorkspaceFloats = int64_t{64} << 20;
+
 // Workspace floats that TreeAttentionCuda needs for `num_splits` (0 when it is 1, and for head
 // sizes of the generic kernel, which never splits).
 int64_t TreeAttentionWorkspaceFloats(int num_splits, int64_t num_queries, int64_t num_heads,
