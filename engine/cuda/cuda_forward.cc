@@ -139,11 +139,9 @@ absl::Status CudaForward::ReserveStepBuffers() {
       ReservedStepShape(options_.cuda_gemm_invariant_rows, config_.head_dim, world_ > 1);
   const CudaStep& step = reserved.step;
   SPECD_RETURN_IF_ERROR_(PrepareBuffers(step, reserved.meta_bytes));
-  // CudaBackend::ForwardTopK's layout: [R] row index (16-byte aligned), [R, k] ids and
-  // log-probabilities.
-  const size_t index_bytes = (step.R * sizeof(int32_t) + 15) / 16 * 16;
-  return Ensure(&buffers_.topk,
-                index_bytes + step.R * kMaxForwardTopK * (sizeof(int32_t) + sizeof(float)));
+  // EnqueueTopK's layout (its row list travels in the step's metadata): [R, k] ids, then
+  // [R, k] log-probabilities, at the largest k.
+  return Ensure(&buffers_.topk, step.R * kMaxForwardTopK * (sizeof(int32_t) + sizeof(float)));
 }
 
 absl::Status CudaForward::AllocateKvPools() {
@@ -245,9 +243,9 @@ absl::Status CudaForward::Ensure(Scratch* s, size_t bytes) {
   const size_t grown = std::max<size_t>(bytes + bytes / 4, 4096);
   SPECD_CUDA_RETURN_(cudaMalloc(&s->ptr, grown), absl::StrCat("allocating ", grown, " bytes"));
   s->bytes = grown;
-  // Commit()'s slot lists and the top-k rows are read by launches outside the captured step:
-  // growing them leaves every graph valid.
-  if (s != &buffers_.verify && s != &buffers_.topk) ++buffer_generation_;
+  // Commit()'s slot lists are read by launches outside the captured step: growing them leaves
+  // every graph valid. (The top-k rows are written inside it, by the graph of a draft level.)
+  if (s != &buffers_.verify) ++buffer_generation_;
   return absl::OkStatus();
 }
 
