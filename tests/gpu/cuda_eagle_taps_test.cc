@@ -34,8 +34,10 @@ using gpu_test::RowsClose;
 constexpr int kLayers = 4;
 constexpr int kHidden = 128;
 constexpr int kVocab = 320;
-// The residual stream of a bf16 forward against the fp32 one, per tap row.
-constexpr double kTapTol = 2e-2;
+// The residual stream of a bf16 forward against the fp32 one, per tap row: bf16 rounding
+// compounded over four layers of weights at init_std 0.15 reaches a few percent (the logits of
+// the same forward as much), while a wrong row, layer or position is off by order one.
+constexpr double kTapTol = 5e-2;
 
 RandomCheckpointSpec Spec() {
   RandomCheckpointSpec s;

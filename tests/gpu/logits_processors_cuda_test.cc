@@ -286,7 +286,8 @@ TEST_F(LogitsProcessorsCudaTest, ProcessedLogprobsEqualComputeLogprobs) {
 
 TEST_F(LogitsProcessorsCudaTest, RefusesBadParams) {
   DeviceBuffer<float> in(64), out(64);
-  DeviceBuffer<cuda::LogitsProcessorRow> rows(2);
+  // Rows without processors (seq -1): a zeroed row would name sequence 0 of a null list.
+  DeviceBuffer<cuda::LogitsProcessorRow> rows(std::vector<cuda::LogitsProcessorRow>(2));
   cuda::LogitsProcessorsParams p;
   p.in = in.get();
   p.in_stride = 32;
