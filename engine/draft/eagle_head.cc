@@ -1,6 +1,9 @@
 #include "engine/draft/eagle_head.h"
 
+#include <chrono>
 #include <cstring>
+#include <limits>
+#include <numeric>
 #include <set>
 #include <utility>
 
@@ -34,8 +37,8 @@ class HeadReader {
                     std::vector<float>* out) {
     if (!store_.Has(name)) {
       return absl::InvalidArgumentError(absl::StrCat(where_, ": missing tensor ", name,
-                                                     ", expected shape ", Shape(shape), " (",
-                                                     kind_, " head)"));
+                                                     ", expected shape ", Shape(shape), " (", kind_,
+                                                     " head)"));
     }
     used_.insert(name);
     int64_t n = 1;
@@ -50,8 +53,7 @@ class HeadReader {
     if (!v.ok()) return v.status();
     used_.insert(name);
     const TensorView& t = **v;
-    if (t.shape != std::vector<int64_t>{n} ||
-        (t.dtype != DType::kI64 && t.dtype != DType::kI32)) {
+    if (t.shape != std::vector<int64_t>{n} || (t.dtype != DType::kI64 && t.dtype != DType::kI32)) {
       return absl::InvalidArgumentError(absl::StrCat(t.file, ": tensor ", name, " is ",
                                                      DTypeName(t.dtype), " ", Shape(t.shape),
                                                      ", expected I64 [", n, "]"));
@@ -115,9 +117,9 @@ absl::Status ReadVocabMap(HeadReader& r, const EagleHeadConfig& c, std::vector<i
   if (r.Has("d2t")) {
     SPECD_RETURN_IF_ERROR_(r.ReadInts("d2t", dv, &d2t));
   } else if (dv != v) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        c.dir, ": missing tensor d2t, expected I64 [", dv, "] (draft_vocab_size ", dv, " < vocab ",
-        v, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(c.dir, ": missing tensor d2t, expected I64 [",
+                                                   dv, "] (draft_vocab_size ", dv, " < vocab ", v,
+                                                   ")"));
   }
   out->resize(dv);
   std::vector<uint8_t> seen(v, 0);
@@ -141,8 +143,8 @@ absl::Status ReadVocabMap(HeadReader& r, const EagleHeadConfig& c, std::vector<i
     for (int64_t t = 0; t < v; ++t) {
       if ((t2d[t] != 0) != (seen[t] != 0)) {
         return absl::InvalidArgumentError(
-            absl::StrCat(c.dir, ": t2d[", t, "] is ", t2d[t] != 0 ? "true" : "false",
-                         " but d2t ", seen[t] ? "maps" : "does not map", " a draft id to ", t));
+            absl::StrCat(c.dir, ": t2d[", t, "] is ", t2d[t] != 0 ? "true" : "false", " but d2t ",
+                         seen[t] ? "maps" : "does not map", " a draft id to ", t));
       }
     }
   }
@@ -224,9 +226,54 @@ absl::Status EagleHead::ForwardTopK(absl::Span<const EagleHeadItem> items, int k
   return absl::OkStatus();
 }
 
+absl::StatusOr<WarmUpReport> WarmUpEagleHead(EagleHead& head, const std::vector<int64_t>& rows) {
+  const auto start = std::chrono::steady_clock::now();
+  const EagleHeadConfig& config = head.config();
+  const KvUsage usage = head.Usage();
+  const int64_t limit =
+      std::min<int64_t>(head.context_length(), usage.capacity_tokens - usage.used_tokens);
+  const SeqId seq = std::numeric_limits<SeqId>::max();
+  WarmUpReport report;
+  EagleHeadOutputs out;
+  std::vector<float> features;
+  for (int64_t m : rows) {
+    if (m < 1 || m > limit) continue;
+    EagleHeadItem item;
+    item.seq = seq;
+    // The values do not matter, only the shapes: tokens spread over the vocabulary, small
+    // features.
+    item.tokens.resize(m);
+    for (int64_t i = 0; i < m; ++i) {
+      item.tokens[i] = static_cast<int32_t>((i * 7919 + 13) % config.vocab_size);
+    }
+    item.parents.resize(m);
+    std::iota(item.parents.begin(), item.parents.end(), -1);
+    item.input = EagleInput::kTargetFeatures;
+    features.assign(static_cast<size_t>(m) * config.feature_size(), 0.01f);
+    item.inputs = features;
+    item.output_rows.resize(m);
+    std::iota(item.output_rows.begin(), item.output_rows.end(), 0);
+    if (absl::Status s = head.AddSequence(seq); !s.ok()) {
+      return absl::InternalError(absl::StrCat("head warm-up at ", m, " rows: ", s.message()));
+    }
+    absl::Status s = head.Forward({item}, &out);
+    absl::Status removed = head.RemoveSequence(seq);
+    if (!s.ok()) {
+      return absl::InternalError(
+          absl::StrCat("head warm-up forward at ", m, " rows: ", s.message()));
+    }
+    if (!removed.ok()) {
+      return absl::InternalError(absl::StrCat("head warm-up at ", m, " rows: ", removed.message()));
+    }
+    report.rows.push_back(m);
+  }
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
+}
+
 absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& head_dir,
-                                                          const std::string& target_dir,
-                                                          const EagleHeadOptions& options) {
+                                                           const std::string& target_dir,
+                                                           const EagleHeadOptions& options) {
   // cuda or cuda:N selects the CUDA head (EAGLE-3), cpu the fp32 one.
   int cuda_device = -1;
   if (options.device == "cuda") {
@@ -237,8 +284,8 @@ absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& he
           "device: \"", options.device, "\": expected cpu, cuda or cuda:N with N a GPU index"));
     }
   } else if (options.device != "cpu") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "device: \"", options.device, "\": expected cpu, cuda or cuda:N"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: \"", options.device, "\": expected cpu, cuda or cuda:N"));
   }
 #ifndef SPECD_WITH_CUDA
   if (cuda_device >= 0) {

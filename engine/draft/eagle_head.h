@@ -38,6 +38,7 @@
 #include "engine/backend.h"
 #include "engine/draft/eagle_head_config.h"
 #include "engine/model_config.h"
+#include "engine/warmup.h"
 
 namespace specd {
 
@@ -75,17 +76,17 @@ struct EagleHeadWeights {
   std::vector<float> fc;       // EAGLE-3 [H, 3 Ht]; EAGLE-1/2 [H, 2H]
   std::vector<float> fc_bias;  // [H] (EAGLE-1/2 with a bias), else empty
   struct Layer {
-    std::vector<float> input_norm;   // [H]; empty for EAGLE-1/2's first layer
-    std::vector<float> hidden_norm;  // [H] EAGLE-3, else empty
-    std::vector<float> post_norm;    // [H]
-    std::vector<float> q_proj;       // [Q, in]; in = 2H (EAGLE-3) or H
-    std::vector<float> k_proj, v_proj;  // [KV, in]
-    std::vector<float> o_proj;          // [H, Q]
+    std::vector<float> input_norm;          // [H]; empty for EAGLE-1/2's first layer
+    std::vector<float> hidden_norm;         // [H] EAGLE-3, else empty
+    std::vector<float> post_norm;           // [H]
+    std::vector<float> q_proj;              // [Q, in]; in = 2H (EAGLE-3) or H
+    std::vector<float> k_proj, v_proj;      // [KV, in]
+    std::vector<float> o_proj;              // [H, Q]
     std::vector<float> gate_proj, up_proj;  // [F, H]
     std::vector<float> down_proj;           // [H, F]
   };
   std::vector<Layer> layers;
-  std::vector<float> norm;     // [H] EAGLE-3's final norm, else empty
+  std::vector<float> norm;  // [H] EAGLE-3's final norm, else empty
   // EAGLE-3 [draft vocab, H]; EAGLE-1/2 the target's LM head [vocab, H].
   std::vector<float> lm_head;
   std::vector<int32_t> draft_to_target;  // [draft vocab]: target id of each draft id
@@ -150,8 +151,16 @@ struct EagleHeadOptions {
 
 // Loads the head in `head_dir` for the target model in `target_dir`.
 absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& head_dir,
-                                                          const std::string& target_dir,
-                                                          const EagleHeadOptions& options);
+                                                           const std::string& target_dir,
+                                                           const EagleHeadOptions& options);
+
+// WarmUpBackend for a head (engine/warmup.h says why): for each row count m in `rows`, one
+// Forward of a fresh sequence holding a chain of m target-feature pairs with every row's output
+// asked for, so the head's GEMMs -- fc, the layer and the LM head -- run at m rows; then the
+// sequence is removed. Row counts above the head's context or its free KV capacity are left out
+// (and not reported). The head must hold no sequence with the largest SeqId, which a fresh head
+// does not. Leaves the head's sequences and KV usage as they were.
+absl::StatusOr<WarmUpReport> WarmUpEagleHead(EagleHead& head, const std::vector<int64_t>& rows);
 
 }  // namespace specd
 

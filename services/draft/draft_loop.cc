@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -68,6 +69,17 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
                                        head.status().message()));
     }
     eagle_head = *std::move(head);
+    // A CUDA head decides its GEMM algorithms per row class lazily, as the CUDA backend does:
+    // decided on the first draft calls, they would make the policy price EAGLE drafting at many
+    // times its cost and stop drafting.
+    if (options.backend.cuda_warmup && absl::StartsWith(options.backend.device, "cuda")) {
+      absl::StatusOr<WarmUpReport> warm = WarmUpEagleHead(
+          *eagle_head, GemmClassWarmUpRows(options.backend.cuda_gemm_invariant_rows));
+      if (!warm.ok()) return warm.status();
+      SPECD_LOG(INFO) << "EAGLE head warm-up: " << warm->rows.size() << " row counts up to "
+                      << (warm->rows.empty() ? 0 : warm->rows.back()) << " in " << warm->seconds
+                      << " s";
+    }
     const int head_vocab = eagle_head->config().vocab_size;
     if (vocab_size != 0 && vocab_size != head_vocab) {
       return absl::InvalidArgumentError(

@@ -1,12 +1,12 @@
 // specd's CPU EAGLE head forward against the PyTorch reference (tools/oracle/eagle3_reference.py).
 // tests/fixtures/eagle3 (tools/oracle/make_eagle_fixtures.py) holds a tiny target, a random
 // EAGLE-3 head (draft vocabulary 64 of 256; also read with norm_before_residual) and a random
-// two-layer EAGLE-1/2 head in their published layouts, and for each head a script of Forward/Commit calls with the reference's
-// outputs: a prefill chain from the target's features, three tree levels fed with the head's own
-// outputs, a commit, a second chain and one more level; and a 2100-pair chain with two levels
-// beyond the head's 2048-position RoPE table. The replay feeds each level the outputs specd
-// computed itself, as the drafter will, and compares every output (logits and hidden states)
-// with the reference's, which computed in float64.
+// two-layer EAGLE-1/2 head in their published layouts, and for each head a script of Forward/Commit
+// calls with the reference's outputs: a prefill chain from the target's features, three tree levels
+// fed with the head's own outputs, a commit, a second chain and one more level; and a 2100-pair
+// chain with two levels beyond the head's 2048-position RoPE table. The replay feeds each level the
+// outputs specd computed itself, as the drafter will, and compares every output (logits and hidden
+// states) with the reference's, which computed in float64.
 #include "engine/draft/eagle_head.h"
 
 #include <cmath>
@@ -40,8 +40,8 @@ fs::path FixtureDir() { return RepoRoot() / "tests" / "fixtures" / "eagle3"; }
 
 std::unique_ptr<EagleHead> LoadHead(const std::string& name, EagleHeadOptions options = {}) {
   options.num_threads = 1;
-  absl::StatusOr<std::unique_ptr<EagleHead>> head = CreateEagleHead(
-      (FixtureDir() / name).string(), (FixtureDir() / "target").string(), options);
+  absl::StatusOr<std::unique_ptr<EagleHead>> head =
+      CreateEagleHead((FixtureDir() / name).string(), (FixtureDir() / "target").string(), options);
   EXPECT_TRUE(head.ok()) << head.status();
   return head.ok() ? *std::move(head) : nullptr;
 }
@@ -84,7 +84,7 @@ TEST(EagleHeadTest, ServesTheTargetsContextNotTheHeadsTable) {
   std::unique_ptr<EagleHead> head = LoadHead("eagle3_head");
   ASSERT_NE(head, nullptr);
   EXPECT_EQ(head->config().head.max_position_embeddings, 2048);  // as its config.json states
-  EXPECT_EQ(head->context_length(), 4096);                        // the target's
+  EXPECT_EQ(head->context_length(), 4096);                       // the target's
 }
 
 TEST(EagleHeadTest, RefusesPositionsBeyondTheContext) {
@@ -219,8 +219,7 @@ TEST(EagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
   for (int64_t r = 0; r < 2; ++r) {
     std::vector<int32_t> ids(5);
     std::vector<float> lp(5);
-    RowTopKLogprobs(absl::MakeConstSpan(full.logits).subspan(r * dv, dv), 5, ids.data(),
-                    lp.data());
+    RowTopKLogprobs(absl::MakeConstSpan(full.logits).subspan(r * dv, dv), 5, ids.data(), lp.data());
     EXPECT_EQ(std::vector<int32_t>(top.ids.begin() + r * 5, top.ids.begin() + (r + 1) * 5), ids);
     EXPECT_EQ(std::vector<float>(top.logprobs.begin() + r * 5, top.logprobs.begin() + (r + 1) * 5),
               lp);
@@ -230,6 +229,42 @@ TEST(EagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k;
     EXPECT_THAT(s.message(), HasSubstr("k: ")) << k;
   }
+}
+
+TEST(EagleHeadTest, WarmUpRunsEachRowCountAndLeavesTheHeadAsItWas) {
+  EagleHeadOptions small;
+  small.kv_capacity_tokens = 40;
+  std::unique_ptr<EagleHead> cold = LoadHead("eagle3_head");
+  std::unique_ptr<EagleHead> warm = LoadHead("eagle3_head", small);
+  ASSERT_TRUE(cold && warm);
+  ASSERT_TRUE(warm->AddSequence(5).ok());
+  const KvUsage before = warm->Usage();
+  // 64 and 1024 exceed the free capacity (40) and are left out.
+  absl::StatusOr<WarmUpReport> report = WarmUpEagleHead(*warm, {1, 2, 17, 33, 64, 1024});
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->rows, (std::vector<int64_t>{1, 2, 17, 33}));
+  EXPECT_GE(report->seconds, 0);
+  const KvUsage after = warm->Usage();
+  EXPECT_EQ(after.sequences, before.sequences);
+  EXPECT_EQ(after.used_tokens, before.used_tokens);
+  EXPECT_TRUE(warm->HasSequence(5));
+  // Outputs unchanged by the warm-up.
+  const int64_t fw = cold->config().feature_size();
+  std::vector<float> feats(3 * fw);
+  for (size_t i = 0; i < feats.size(); ++i) feats[i] = std::cos(0.11f * static_cast<float>(i));
+  EagleHeadItem item;
+  item.seq = 9;
+  item.tokens = {4, 8, 15};
+  item.parents = {-1, 0, 1};
+  item.inputs = feats;
+  item.output_rows = {0, 1, 2};
+  EagleHeadOutputs a, b;
+  ASSERT_TRUE(cold->AddSequence(9).ok());
+  ASSERT_TRUE(warm->AddSequence(9).ok());
+  ASSERT_TRUE(cold->Forward({item}, &a).ok());
+  ASSERT_TRUE(warm->Forward({item}, &b).ok());
+  EXPECT_EQ(a.logits, b.logits);
+  EXPECT_EQ(a.hidden, b.hidden);
 }
 
 TEST(EagleHeadTest, OptionsAreChecked) {
@@ -244,10 +279,9 @@ TEST(EagleHeadTest, OptionsAreChecked) {
   }
   // The CUDA head is EAGLE-3's (in a build without CUDA, no cuda device at all).
   options.device = "cuda:0";
-  EXPECT_EQ(CreateEagleHead((FixtureDir() / "eagle1_head").string(), target, options)
-                .status()
-                .code(),
-            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(
+      CreateEagleHead((FixtureDir() / "eagle1_head").string(), target, options).status().code(),
+      absl::StatusCode::kUnimplemented);
   options = {};
   options.kv_capacity_tokens = 0;
   absl::Status s = CreateEagleHead(head, target, options).status();
