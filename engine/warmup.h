@@ -12,10 +12,14 @@
 #ifndef SPECD_ENGINE_WARMUP_H_
 #define SPECD_ENGINE_WARMUP_H_
 
+#include <chrono>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 
 namespace specd {
@@ -37,6 +41,38 @@ struct WarmUpReport {
 // sequence with the id used, the largest SeqId, which a fresh backend does not.
 // Leaves the backend's sequences and KV usage as they were.
 absl::StatusOr<WarmUpReport> WarmUpBackend(Backend& backend, const std::vector<int64_t>& rows);
+
+// What WarmUpBackend and WarmUpEagleHead (engine/draft/eagle_head.h) share.
+// The throw-away sequence a warm-up forward runs on.
+inline constexpr SeqId kWarmUpSeq = std::numeric_limits<SeqId>::max();
+// A warm-up chain of m tokens: ids spread over the vocabulary (only the shapes matter).
+std::vector<int32_t> WarmUpTokens(int64_t m, int vocab_size);
+// For each m of `rows` within [1, limit]: adds kWarmUpSeq to `model` (a Backend or an
+// EagleHead), runs `forward(m)` (one forward of m rows on it) and removes it again; the row
+// counts run and the time they took.
+template <typename Model, typename Forward>
+absl::StatusOr<WarmUpReport> WarmUpRows(Model& model, const std::vector<int64_t>& rows,
+                                        int64_t limit, Forward forward) {
+  const auto start = std::chrono::steady_clock::now();
+  WarmUpReport report;
+  for (int64_t m : rows) {
+    if (m < 1 || m > limit) continue;
+    if (absl::Status s = model.AddSequence(kWarmUpSeq); !s.ok()) {
+      return absl::InternalError(absl::StrCat("warm-up at ", m, " rows: ", s.message()));
+    }
+    absl::Status s = forward(m);
+    absl::Status removed = model.RemoveSequence(kWarmUpSeq);
+    if (!s.ok()) {
+      return absl::InternalError(absl::StrCat("warm-up forward at ", m, " rows: ", s.message()));
+    }
+    if (!removed.ok()) {
+      return absl::InternalError(absl::StrCat("warm-up at ", m, " rows: ", removed.message()));
+    }
+    report.rows.push_back(m);
+  }
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
+}
 
 }  // namespace specd
 

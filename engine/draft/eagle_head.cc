@@ -1,8 +1,6 @@
 #include "engine/draft/eagle_head.h"
 
-#include <chrono>
 #include <cstring>
-#include <limits>
 #include <numeric>
 #include <set>
 #include <utility>
@@ -227,25 +225,16 @@ absl::Status EagleHead::ForwardTopK(absl::Span<const EagleHeadItem> items, int k
 }
 
 absl::StatusOr<WarmUpReport> WarmUpEagleHead(EagleHead& head, const std::vector<int64_t>& rows) {
-  const auto start = std::chrono::steady_clock::now();
   const EagleHeadConfig& config = head.config();
   const KvUsage usage = head.Usage();
   const int64_t limit =
       std::min<int64_t>(head.context_length(), usage.capacity_tokens - usage.used_tokens);
-  const SeqId seq = std::numeric_limits<SeqId>::max();
-  WarmUpReport report;
   EagleHeadOutputs out;
   std::vector<float> features;
-  for (int64_t m : rows) {
-    if (m < 1 || m > limit) continue;
+  return WarmUpRows(head, rows, limit, [&](int64_t m) {
     EagleHeadItem item;
-    item.seq = seq;
-    // The values do not matter, only the shapes: tokens spread over the vocabulary, small
-    // features.
-    item.tokens.resize(m);
-    for (int64_t i = 0; i < m; ++i) {
-      item.tokens[i] = static_cast<int32_t>((i * 7919 + 13) % config.vocab_size);
-    }
+    item.seq = kWarmUpSeq;
+    item.tokens = WarmUpTokens(m, config.vocab_size);
     item.parents.resize(m);
     std::iota(item.parents.begin(), item.parents.end(), -1);
     item.input = EagleInput::kTargetFeatures;
@@ -253,22 +242,8 @@ absl::StatusOr<WarmUpReport> WarmUpEagleHead(EagleHead& head, const std::vector<
     item.inputs = features;
     item.output_rows.resize(m);
     std::iota(item.output_rows.begin(), item.output_rows.end(), 0);
-    if (absl::Status s = head.AddSequence(seq); !s.ok()) {
-      return absl::InternalError(absl::StrCat("head warm-up at ", m, " rows: ", s.message()));
-    }
-    absl::Status s = head.Forward({item}, &out);
-    absl::Status removed = head.RemoveSequence(seq);
-    if (!s.ok()) {
-      return absl::InternalError(
-          absl::StrCat("head warm-up forward at ", m, " rows: ", s.message()));
-    }
-    if (!removed.ok()) {
-      return absl::InternalError(absl::StrCat("head warm-up at ", m, " rows: ", removed.message()));
-    }
-    report.rows.push_back(m);
-  }
-  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return report;
+    return head.Forward({item}, &out);
+  });
 }
 
 absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& head_dir,
