@@ -114,6 +114,9 @@ if [ "$PIN" = 1 ] && { [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null; 
   PIN=0
 fi
 NEXT_CORE=0
+# The cores this script may use (taskset or a cgroup may have narrowed them), in order: pinning
+# counts through these, so that a benchmark started under `taskset -c 4-7` pins to 4, 5, ...
+mapfile -t ALLOWED_CORES < <("$PYTHON" -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
 # pin CMD...: sets PINNED to CMD, pinned to the next --threads-per-service cores with --cpu.
 PINNED=()
 pin() {
@@ -121,7 +124,7 @@ pin() {
   [ "$PIN" = 1 ] || return 0
   local cores=() i
   for ((i = 0; i < THREADS; i++)); do
-    cores+=($(((NEXT_CORE + i) % $(nproc))))
+    cores+=("${ALLOWED_CORES[$(((NEXT_CORE + i) % ${#ALLOWED_CORES[@]}))]}")
   done
   NEXT_CORE=$((NEXT_CORE + THREADS))
   PINNED=(taskset -c "$(IFS=,; echo "${cores[*]}")" "$@" --num_threads "$THREADS")
