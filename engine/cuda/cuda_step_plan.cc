@@ -37,7 +37,10 @@ bool ChooseBuckets(const std::vector<int64_t>& item_tokens, CudaStep* step) {
 ReservedStep ReservedStepShape(int64_t invariant_rows, int64_t head_dim, bool tensor_parallel) {
   ReservedStep reserved;
   CudaStep& step = reserved.step;
-  const int64_t rows = invariant_rows > 0 ? invariant_rows : kDefaultGemmInvariantRows;
+  // At least a padded step of the widest batch bucket with 8-node trees, so that the policy's
+  // usual trees at full batch replay graphs instead of growing the buffers (which drops them).
+  const int64_t rows = std::max<int64_t>(
+      invariant_rows > 0 ? invariant_rows : kDefaultGemmInvariantRows, kGraphMaxBatch * 9);
   step.verify = true;
   step.batch = 1;
   step.T = rows;
@@ -45,7 +48,8 @@ ReservedStep ReservedStepShape(int64_t invariant_rows, int64_t head_dim, bool te
   step.gather_logits = tensor_parallel;
   step.ws_floats =
       cuda::TreeAttentionUsesMmaKernel(head_dim) ? cuda::kTreeAttentionMaxWorkspaceFloats : 0;
-  reserved.meta_bytes = static_cast<size_t>(rows) * 256 + (size_t{1} << 20);
+  reserved.meta_bytes = static_cast<size_t>(rows) * 256 + (size_t{1} << 20) +
+                        static_cast<size_t>(kGraphMaxBatch) * 4096 * sizeof(int32_t);
   return reserved;
 }
 

@@ -27,8 +27,10 @@
 namespace specd {
 
 // CUDA-graph buckets: at most this many sequences, tree nodes a sequence (after the pending
-// token) and token rows a step.
-inline constexpr int64_t kGraphMaxBatch = 64;
+// token) and token rows a step. The batch limit is the router's largest batch (--max_batch
+// 128): a batch past the limit runs eagerly, whose launch jitter makes the steps the goodput
+// policy times noisier exactly where speculation and plain decoding are closest.
+inline constexpr int64_t kGraphMaxBatch = 128;
 inline constexpr int64_t kGraphMaxTreeTokens = 256;
 inline constexpr int64_t kGraphMaxTokens = 4096;
 
@@ -113,13 +115,14 @@ bool ChooseBuckets(const std::vector<int64_t>& item_tokens, CudaStep* step);
 // What the buffers that captured graphs read are sized for when a backend starts
 // (CudaForward::Init, before the KV pools take the rest of the memory), so that no step within
 // it reallocates one under the graphs, which would drop every captured graph:
-//  - `invariant_rows` token rows and as many logit rows (kDefaultGemmInvariantRows when < 1):
-//    every forward the warm-up runs and the draft model's drafter sends
-//    (DraftModelDrafterOptions::max_forward_rows), as a verify step (with the gathered logits of
-//    a tensor-parallel one);
+//  - `invariant_rows` token rows and as many logit rows (kDefaultGemmInvariantRows when < 1), and
+//    at least a padded step of kGraphMaxBatch sequences of 9 token slots: every forward the
+//    warm-up runs and the draft model's drafter sends (DraftModelDrafterOptions::
+//    max_forward_rows), as a verify step (with the gathered logits of a tensor-parallel one);
 //  - the split-KV workspace the planner allows a step (cuda::kTreeAttentionMaxWorkspaceFloats),
 //    for head sizes that split;
-//  - `meta_bytes`: 256 bytes a token row and 1 MiB of block tables (64 sequences of 4096 blocks).
+//  - `meta_bytes`: 256 bytes a token row, 1 MiB, and the block tables of kGraphMaxBatch
+//    sequences of 4096 blocks (64 Ki tokens each).
 // Larger steps (a long prefill, graph buckets past `invariant_rows` tokens) still grow them.
 struct ReservedStep {
   CudaStep step;

@@ -490,12 +490,16 @@ TEST(CudaStepPlanTest, TableRefusesNodesBeyondTheMaskAndChangesNothing) {
 // several, and a padded decode step of the widest graph bucket.
 TEST(CudaStepPlanTest, ReservedStepCoversTheWarmedForwards) {
   const ReservedStep reserved = ReservedStepShape(1024, /*head_dim=*/64, false);
-  EXPECT_EQ(reserved.step.T, 1024);
-  EXPECT_EQ(reserved.step.R, 1024);
+  const int64_t widest_padded = kGraphMaxBatch * 9;  // the widest batch bucket, 8-node trees
+  EXPECT_EQ(reserved.step.T, std::max<int64_t>(1024, widest_padded));
+  EXPECT_EQ(reserved.step.R, std::max<int64_t>(1024, widest_padded));
   EXPECT_TRUE(reserved.step.verify);
   EXPECT_EQ(reserved.step.ws_floats, cuda::kTreeAttentionMaxWorkspaceFloats);
-  EXPECT_EQ(ReservedStepShape(0, 64, false).step.T, kDefaultGemmInvariantRows);
-  EXPECT_EQ(ReservedStepShape(-1, 64, true).step.R, kDefaultGemmInvariantRows);
+  EXPECT_EQ(ReservedStepShape(0, 64, false).step.T,
+            std::max(kDefaultGemmInvariantRows, widest_padded));
+  EXPECT_EQ(ReservedStepShape(-1, 64, true).step.R,
+            std::max(kDefaultGemmInvariantRows, widest_padded));
+  EXPECT_EQ(ReservedStepShape(4096, 64, true).step.R, 4096) << "more invariant rows, more rows";
   EXPECT_TRUE(ReservedStepShape(512, 64, true).step.gather_logits);
   EXPECT_EQ(ReservedStepShape(512, 80, false).step.ws_floats, 0) << "80 never splits";
   struct Case {
@@ -509,6 +513,7 @@ TEST(CudaStepPlanTest, ReservedStepCoversTheWarmedForwards) {
                                          {4, 256, 4000, false},
                                          {16, 64, 20000, false},
                                          {kGraphMaxBatch, 1, 60000, true},
+                                         {kGraphMaxBatch, 5, 20000, true},
                                          {kGraphMaxBatch, 9, 8000, true}}) {
     SCOPED_TRACE(testing::Message() << c.seqs << " x " << c.tokens << " after " << c.committed);
     std::vector<Seq> seqs(c.seqs);
