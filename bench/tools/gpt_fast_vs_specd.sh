@@ -23,7 +23,7 @@
 #    decode, and specd's auto against gpt-fast's best k.
 #
 # Settings (environment): SHAPE llama-3.1-8b, PAIR_DIR /tmp/gfspec-pair, KS 3,5,
-# NEW_TOKENS 128, NUM_PROMPTS 8, DEVICE cuda:0, GF_TIMEOUT_S 200, GF_ARGS (more flags for
+# NEW_TOKENS 128, NUM_PROMPTS 8, DEVICE cuda:0, GF_TIMEOUT_S 240, GF_ARGS (more flags for
 # gpt_fast_spec_bench.py, e.g. --no-coordinate-descent for shorter compiles), SPECD_ARGS,
 # GPT_FAST_DIR .carry-gptfast/gpt-fast, PYTHON python3 (one with torch). Writes, in OUT
 # (default /tmp/gfspec), gf-CASE.{log,json}, specd.{log,json} and side_by_side.txt. Exit
@@ -97,7 +97,7 @@ for c in "${cases[@]}"; do
   if [ "$c" = plain ]; then cargs=(--ks "")
   else cargs=(--draft "$draft" --ks "${c#k}" --no-plain); fi
   # shellcheck disable=SC2086  # GF_ARGS is a list of flags
-  TORCHINDUCTOR_COMPILE_THREADS=$threads timeout "${GF_TIMEOUT_S:-200}" "$py" \
+  TORCHINDUCTOR_COMPILE_THREADS=$threads timeout "${GF_TIMEOUT_S:-240}" "$py" \
     bench/tools/gpt_fast_spec_bench.py --target "$target" "${cargs[@]}" \
     --gpt-fast-dir "$gf_dir" --device "$device" --num-prompts "$nprompts" \
     --max-new-tokens "$new" --json "$out/gf-$c.json" --gate-dir "$gate" \
