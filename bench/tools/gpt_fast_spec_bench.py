@@ -38,7 +38,10 @@ Run (per case: plain = generate without a draft, kN = generate with the draft an
   - Greedy-equivalent sampling: temperature 0, which gpt-fast's logits_to_probs clamps to 1e-5,
     and top_k 1, so the sampled token is the argmax (a tie of bf16 logits is split at random)
     and speculative_decode's acceptance test (q/p against a uniform draw) accepts a draft token
-    exactly when it is the target's argmax. gpt-fast has no greedy path of its own.
+    exactly when it is the target's argmax. gpt-fast has no greedy path of its own. In bf16 its
+    output with the draft can part from its plain output where two logits nearly tie (its
+    verify forward of k + 1 tokens rounds differently from a one-token decode); tau is what its
+    own run accepted. In fp32 (--dtype fp32) the two agree on the test's pair.
   - The caches of both models are set up once for the longest prompt + --max-new-tokens +
     max(k) + 1 positions (generate's own setup_caches then keeps them), so every prompt and
     every k of a process use the same static shapes.
