@@ -15,7 +15,7 @@
 #    time one at a time (--gate-dir), each killed after $GF_TIMEOUT_S. GPU memory: one target
 #    per case (16 GB at 8B) plus the draft for the k cases.
 # 3. specd right after, on the same prompts: bench/serve_cluster.sh at concurrency 1, off and
-#    auto (--check-lossless), $NUM_PROMPTS requests per mode, $NEW_TOKENS new tokens, greedy,
+#    auto or $SPECD_MODES (--check-lossless), $NUM_PROMPTS requests per mode, $NEW_TOKENS new tokens, greedy,
 #    --ignore-eos, draft and verify on $DEVICE unless $SPECD_ARGS says otherwise (e.g.
 #    SPECD_ARGS='--draft-device cuda:1 --router-flags --overlap=on' on two GPUs).
 # 4. Both side by side: tokens/s (all tokens / all time, as serve_bench counts it at one
@@ -23,9 +23,11 @@
 #    decode, and specd's auto against gpt-fast's best k.
 #
 # Settings (environment): SHAPE llama-3.1-8b, PAIR_DIR /tmp/gfspec-pair, KS 3,5,
-# NEW_TOKENS 128, NUM_PROMPTS 8, DEVICE cuda:0, GF_TIMEOUT_S 240, GF_ARGS (more flags for
-# gpt_fast_spec_bench.py, e.g. --no-coordinate-descent for shorter compiles), SPECD_ARGS,
-# GPT_FAST_DIR .carry-gptfast/gpt-fast, PYTHON python3 (one with torch). Writes, in OUT
+# NEW_TOKENS 128, NUM_PROMPTS 8, DEVICE cuda:0, SPECD_MODES off,auto (serve_bench modes, e.g.
+# off,auto,chain5=draft_model:depth=5,top_k=1,nodes=5 for specd's own chain at gpt-fast's k),
+# GF_TIMEOUT_S 240, GF_ARGS (more flags for gpt_fast_spec_bench.py, e.g.
+# --no-coordinate-descent for shorter compiles), SPECD_ARGS, GPT_FAST_DIR
+# .carry-gptfast/gpt-fast, PYTHON python3 (one with torch). Writes, in OUT
 # (default /tmp/gfspec), gf-CASE.{log,json}, specd.{log,json} and side_by_side.txt. Exit
 # status 1 if a part failed.
 set -uo pipefail
@@ -115,10 +117,10 @@ for c in "${cases[@]}"; do
 done
 
 # specd right after, same prompts, one stream.
-stamp "specd: bench/serve_cluster.sh, concurrency 1, off and auto"
+stamp "specd: bench/serve_cluster.sh, concurrency 1, ${SPECD_MODES:-off,auto}"
 # shellcheck disable=SC2086  # SPECD_ARGS is a list of flags
 bench/serve_cluster.sh --bin "$bin" --device "$device" --target-model "$target" \
-  --draft-model "$draft" --concurrency 1 --speculation off,auto --ignore-eos --rounds 2 \
+  --draft-model "$draft" --concurrency 1 --speculation "${SPECD_MODES:-off,auto}" --ignore-eos --rounds 2 \
   --warmup 1 --check-lossless --quiet --max-new-tokens "$new" --num-prompts "$nprompts" \
   --num-requests "$nprompts" --json "$out/specd.json" ${SPECD_ARGS:-} > "$out/specd.log" 2>&1 ||
   { rc=1; echo "specd failed; end of its log:"; tail -n 20 "$out/specd.log"; }
@@ -158,7 +160,7 @@ try:
 except Exception:
     lossless = None
 off = (sp.get("off") or {}).get("output_tokens_per_s")
-for m in ("off", "auto"):
+for m in sp or ("off", "auto"):
     s = sp.get(m)
     if not s:
         rows.append((f"specd {m}", "-", "-", "-", "-", "no result"))
