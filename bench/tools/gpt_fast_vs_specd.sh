@@ -14,9 +14,9 @@
 #    k of $KS, side by side: they compile together ($(nproc)/cases inductor threads each) and
 #    time one at a time (--gate-dir), each killed after $GF_TIMEOUT_S. GPU memory: one target
 #    per case (16 GB at 8B) plus the draft for the k cases.
-# 3. specd right after, on the same prompts: bench/serve_cluster.sh at concurrency 1, off and
-#    auto or $SPECD_MODES (--check-lossless), $NUM_PROMPTS requests per mode, $NEW_TOKENS new tokens, greedy,
-#    --ignore-eos, draft and verify on $DEVICE unless $SPECD_ARGS says otherwise (e.g.
+# 3. specd right after, on the same prompts: bench/serve_cluster.sh at concurrency 1,
+#    $SPECD_MODES (--check-lossless), $NUM_PROMPTS requests per mode, $NEW_TOKENS new tokens,
+#    greedy, --ignore-eos, draft and verify on $DEVICE unless $SPECD_ARGS says otherwise (e.g.
 #    SPECD_ARGS='--draft-device cuda:1 --router-flags --overlap=on' on two GPUs).
 # 4. Both side by side: tokens/s (all tokens / all time, as serve_bench counts it at one
 #    stream; gpt-fast's median over prompts beside it), tau, each one's ratio to its own plain
@@ -120,9 +120,10 @@ done
 stamp "specd: bench/serve_cluster.sh, concurrency 1, ${SPECD_MODES:-off,auto}"
 # shellcheck disable=SC2086  # SPECD_ARGS is a list of flags
 bench/serve_cluster.sh --bin "$bin" --device "$device" --target-model "$target" \
-  --draft-model "$draft" --concurrency 1 --speculation "${SPECD_MODES:-off,auto}" --ignore-eos --rounds 2 \
-  --warmup 1 --check-lossless --quiet --max-new-tokens "$new" --num-prompts "$nprompts" \
-  --num-requests "$nprompts" --json "$out/specd.json" ${SPECD_ARGS:-} > "$out/specd.log" 2>&1 ||
+  --draft-model "$draft" --concurrency 1 --speculation "${SPECD_MODES:-off,auto}" \
+  --ignore-eos --rounds 2 --warmup 1 --check-lossless --quiet --max-new-tokens "$new" \
+  --num-prompts "$nprompts" --num-requests "$nprompts" --json "$out/specd.json" \
+  ${SPECD_ARGS:-} > "$out/specd.log" 2>&1 ||
   { rc=1; echo "specd failed; end of its log:"; tail -n 20 "$out/specd.log"; }
 stamp "specd done"
 
