@@ -35,6 +35,9 @@ Run (per case: plain = generate without a draft, kN = generate with the draft an
     Each case is compiled afresh (torch._dynamo.reset()); if the compiled run fails it is
     retried without cudagraph trees (gpt-fast's own setting for speculation under TP), then
     eagerly, and the table says which ran.
+  - Each compiled call gets a copy of its token ids and a cudagraph-trees step mark
+    (fresh_tokens; --as-is: none), since the old generate.py feeds a view of one replay's
+    output into the next.
   - Greedy-equivalent sampling: temperature 0, which gpt-fast's logits_to_probs clamps to 1e-5,
     and top_k 1, so the sampled token is the argmax (a tie of bf16 logits is split at random)
     and speculative_decode's acceptance test (q/p against a uniform draw) accepts a draft token
@@ -417,6 +420,20 @@ def run_generate(gen, model, draft, prompt, args, k):
                         top_k=args.top_k)
 
 
+def fresh_tokens(compiled):
+    """generate_spec.py's decode_n_tokens feeds a view of the last call's output (the sampled
+    id, cudagraph-managed memory) back as the next call's input; newer gpt-fast clones it
+    (cur_token = next_token.clone()). This clones the ids (one element) before each call and
+    marks a new cudagraph-trees step, as gpt_fast_bench.py does, so that no replay reads memory
+    a replay overwrote. Every output gpt-fast keeps is cloned or consumed before its next call.
+    --as-is runs without it."""
+    def call(model, x, input_pos, **kwargs):
+        x = x.clone()
+        gfb.mark_step()
+        return compiled(model, x, input_pos, **kwargs)
+    return call
+
+
 def run_case(name, k, gen, originals, model, draft, prompts, args, device, gate):
     """One case: compile (unless --no-compile), warm up, time every prompt. Returns its row."""
     import torch
@@ -433,11 +450,12 @@ def run_case(name, k, gen, originals, model, draft, prompts, args, device, gate)
         if trees is not None:
             gfb.set_cudagraph_trees(trees)
             # As generate.py's main() with --compile (and --draft_checkpoint_path).
+            wrap = (lambda f: f) if args.as_is else fresh_tokens
             if spec:
-                gen.model_forward = torch.compile(originals["model_forward"],
-                                                  mode="reduce-overhead", fullgraph=True)
-            gen.decode_one_token = torch.compile(originals["decode_one_token"],
-                                                 mode="reduce-overhead", fullgraph=True)
+                gen.model_forward = wrap(torch.compile(originals["model_forward"],
+                                                       mode="reduce-overhead", fullgraph=True))
+            gen.decode_one_token = wrap(torch.compile(originals["decode_one_token"],
+                                                      mode="reduce-overhead", fullgraph=True))
         try:
             t = time.time()
             run_generate(gen, model, draft if spec else None, prompts[0], args, max(k, 1))
@@ -535,6 +553,9 @@ def main():
     ap.add_argument("--gate-dir", default="")
     ap.add_argument("--gate-count", type=int, default=1)
     ap.add_argument("--gate-timeout-s", type=float, default=900)
+    ap.add_argument("--as-is", action="store_true",
+                    help="compiled step functions called exactly as generate.py calls them "
+                    "(see fresh_tokens)")
     ap.add_argument("--skip-rope-permute", action="store_true",
                     help="a wrong conversion (q/k rows left in rotate-half order), for the "
                     "negative control of tests/tools/test_gpt_fast_spec.py")
