@@ -11,11 +11,19 @@
 #                   https://github.com/pytorch-labs/gpt-fast, or a clone's .git)
 #   DEST            default .carry-gptfast/gpt-fast (relative to the repository root)
 #   REV             default HEAD (the mirror's main)
+#   SPEC_REV        (environment) default 091515a: the revision of generate_spec.py
 #
 # Writes DEST/{model,generate,tp,quantize,tokenizer}.py, DEST/LICENSE and DEST/COMMIT (the
-# commit hash and date, printed by the benchmark). tokenizer.py needs sentencepiece and
-# tiktoken, which the GPU host lacks: gpt_fast_bench.py puts a stub in its place when the
-# import fails (no tokenizer is used; the weights are random).
+# commit hash and date, printed by the benchmark), and DEST/generate_spec.py with
+# DEST/COMMIT_SPEC: generate.py as of SPEC_REV (default 091515a, 2024-06-25), the last revision
+# whose speculative decoding runs. gpt-fast's next commit (61c193d, "Add support for batched
+# generation") gave sample() and seq a batch dimension but left speculative_decode and
+# generate()'s speculative branch as they were, so with a draft model they fail at any batch
+# (a 1-D cur_token concatenated with 2-D draft tokens; seq[a:b] = tokens on a (batch, T) seq;
+# gpt-fast issues 209, 213, 214). bench/tools/gpt_fast_spec_bench.py runs generate_spec.py with
+# the current model.py (whose only change since is Llama 3.1's RoPE scaling). tokenizer.py
+# needs sentencepiece and tiktoken, which the GPU host lacks: gpt_fast_bench.py puts a stub in
+# its place when the import fails (no tokenizer is used; the weights are random).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 mirror=${1:-}
@@ -33,6 +41,9 @@ for f in model.py generate.py tp.py quantize.py tokenizer.py LICENSE; do
   g show "$commit:$f" > "$dest/$f"
 done
 echo "$commit $(g show -s --format='%cs %s' "$commit")" > "$dest/COMMIT"
+spec_commit=$(g rev-parse --verify "${SPEC_REV:-091515a}^{commit}")
+g show "$spec_commit:generate.py" > "$dest/generate_spec.py"
+echo "$spec_commit $(g show -s --format='%cs %s' "$spec_commit")" > "$dest/COMMIT_SPEC"
 if git -C "$root" ls-files --error-unmatch "$dest" > /dev/null 2>&1; then
   echo "warning: $dest is tracked by git; it must not be committed" >&2
 fi
@@ -40,4 +51,5 @@ if ! git -C "$root" check-ignore -q "$dest/model.py"; then
   echo "warning: $dest is not ignored by git; add /.carry-*/ to .gitignore before committing" >&2
 fi
 echo "gpt-fast $(cat "$dest/COMMIT")"
+echo "gpt-fast generate_spec.py $(cat "$dest/COMMIT_SPEC")"
 echo "-> $dest ($(du -sk "$(dirname "$dest")" | cut -f1) KiB)"
