@@ -29,7 +29,7 @@ keep='tests/(.*_cuda_test|cuda_.*_test|gemm_invariance_test)$|bench/cuda_|bench/
 out=$here/.device-x
 staging=$here/.device-p
 dry=0
-usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=${2:?--build needs a folder}; shift ;;
