@@ -521,7 +521,8 @@ BENCHMARK(BM_LogitsProcessors)
     ->MinTime(0.05);
 
 // One GEMM of a Llama-3.1-8B layer, [m, k] x [n, k]^T: QKV (n 6144), O (4096), gate+up (28672),
-// down (n 4096, k 14336), and the LM head (n 128256, fp32 out). `invariant` 1 configures
+// down (n 4096, k 14336), and the LM head (n 128256, fp32 out); and an EAGLE-3 head's fc
+// (n 4096, k 12288). `invariant` 1 configures
 // cuda::Gemm as the CUDA backend does (row-invariant up to 1024 rows: one algorithm per row
 // class, each checked bit-identical to the base), 0 lets cuBLASLt pick per shape. Weights are
 // random (the row-class self-check compares bits, which constant data would make meaningless),
@@ -620,6 +621,10 @@ BENCHMARK(BM_Gemm)
           for (int64_t m : {1, 65}) b->Args({m, shape[0], shape[1], 1, 2});
         }
       }
+      // An EAGLE-3 head's fc at the 8B shape, [rows, 3H] -> H, at the rows of a verify step's
+      // committed tokens and of a 2048-token prompt (docs/eagle.md: fc in the verify service).
+      for (int64_t m : {1, 5, 16, 64}) b->Args({m, kHidden, 3 * kHidden, 1, 1});
+      b->Args({2048, kHidden, 3 * kHidden, 0, 1});
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)

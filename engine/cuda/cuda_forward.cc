@@ -18,26 +18,17 @@
 #include "specd/kernels/cuda/kv_cache.h"
 #include "specd/kernels/cuda/logits_processors.h"
 #include "specd/kernels/cuda/rmsnorm.h"
-#include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/sampling.h"
 #include "specd/kernels/cuda/swiglu.h"
 #include "specd/kernels/cuda/topk.h"
 #include "specd/kernels/cuda/tree_accept.h"
-#include "specd/kernels/cuda/tree_attention.h"
 
 namespace specd {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The device memory the KV pools leave free for activations, cuBLASLt and the split-KV
 // workspace.
 constexpr size_t kReserveBytes = size_t{2} << 30;
-
-template <typename T>
-T* At(void* base, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
-}
 
 // All-reduce sites of a step (specd/kernels/cuda/allreduce.h): the embedding, then each layer's
 // attention and MLP. Consecutive all-reduces never share a site (..., attn, mlp, | embed, attn,
@@ -85,7 +76,6 @@ CudaForward::~CudaForward() {
   if (gemm_ != nullptr && tuning_.gemm_summary) {
     std::fprintf(stderr, "GEMM picks, device %d:\n%s", device_, gemm_->Summary().c_str());
   }
-  if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
   gemm_.reset();
   Buffers& b = buffers_;
   for (Scratch* s : {&b.meta,        &b.residual,  &b.x,    &b.split,      &b.normed,   &b.qkv,
@@ -145,38 +135,20 @@ absl::Status CudaForward::ReserveStepBuffers() {
 }
 
 absl::Status CudaForward::AllocateKvPools() {
-  const ModelConfig& c = config_;
   // The requested capacity, or what the free memory allows.
-  size_t free_bytes = 0, total_bytes = 0;
-  SPECD_CUDA_RETURN_(cudaMemGetInfo(&free_bytes, &total_bytes), "reading free memory");
-  const size_t block_bytes = size_t{2} * c.num_layers * kKvBlockTokens * kv_dim_ * sizeof(bf16);
-  const int64_t fit = free_bytes > kReserveBytes
-                          ? static_cast<int64_t>((free_bytes - kReserveBytes) / block_bytes)
-                          : 0;
-  const int64_t wanted = CeilDiv(options_.kv_capacity_tokens, kKvBlockTokens);
-  num_blocks_ = std::min(wanted, fit);
-  if (num_blocks_ <= 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cuda:", device_, ": no device memory left for the KV cache after the weights (",
-        free_bytes >> 20, " MiB free)"));
-  }
-  if (num_blocks_ < wanted) {
+  absl::StatusOr<KvPools> pools =
+      specd::AllocateKvPools(config_.num_layers, kv_dim_, options_.kv_capacity_tokens,
+                             kReserveBytes, device_, "the KV cache after the weights");
+  if (!pools.ok()) return pools.status();
+  k_pool_ = pools->k;
+  v_pool_ = pools->v;
+  num_blocks_ = pools->num_blocks;
+  layer_stride_ = pools->layer_stride;
+  if (num_blocks_ * kKvBlockTokens < options_.kv_capacity_tokens) {
     std::fprintf(stderr,
                  "specd cuda backend: KV capacity clamped to %lld tokens by device memory\n",
                  static_cast<long long>(num_blocks_ * kKvBlockTokens));
   }
-  layer_stride_ = num_blocks_ * kKvBlockTokens * kv_dim_;
-  const size_t pool_bytes = static_cast<size_t>(c.num_layers) * layer_stride_ * sizeof(bf16);
-  for (bf16** pool : {&k_pool_, &v_pool_}) {
-    void* p = nullptr;
-    SPECD_CUDA_RETURN_(cudaMalloc(&p, pool_bytes), "allocating the KV cache");
-    *pool = static_cast<bf16*>(p);
-    // Zeros, so that no slot ever holds NaN bit patterns (a masked key's value is multiplied by
-    // a zero probability, which would not cancel a NaN).
-    SPECD_CUDA_RETURN_(cudaMemset(p, 0, pool_bytes), "clearing the KV cache");
-  }
-  // The clears ran on the legacy default stream, which stream_ (non-blocking) does not wait for.
-  SPECD_CUDA_RETURN_(cudaDeviceSynchronize(), "initialising the device");
   return absl::OkStatus();
 }
 
@@ -210,8 +182,8 @@ absl::Status CudaForward::CopyKvSlots(absl::Span<const int64_t> src,
   p.v_cache = v_pool_;
   p.num_layers = config_.num_layers;
   p.layer_stride = layer_stride_;
-  p.src_slots = At<int64_t>(buffers_.verify.ptr, o_src);
-  p.dst_slots = At<int64_t>(buffers_.verify.ptr, o_dst);
+  p.src_slots = MetaAt<int64_t>(buffers_.verify.ptr, o_src);
+  p.dst_slots = MetaAt<int64_t>(buffers_.verify.ptr, o_dst);
   p.num_copies = static_cast<int64_t>(src.size());
   p.kv_dim = kv_dim_;
   SPECD_CUDA_RETURN_(cuda::KvCacheCopyCuda(p, stream_), "KV copy");
@@ -232,20 +204,11 @@ int CudaForward::SiteSplits(int site) const {
 }
 
 absl::Status CudaForward::Ensure(Scratch* s, size_t bytes) {
-  if (s->bytes >= bytes) return absl::OkStatus();
-  if (s->ptr != nullptr) {
-    // Work queued on the stream may still read the old buffer.
-    SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "synchronizing");
-    cudaFree(s->ptr);
-    s->ptr = nullptr;
-    s->bytes = 0;
-  }
-  const size_t grown = std::max<size_t>(bytes + bytes / 4, 4096);
-  SPECD_CUDA_RETURN_(cudaMalloc(&s->ptr, grown), absl::StrCat("allocating ", grown, " bytes"));
-  s->bytes = grown;
+  bool grown = false;
+  SPECD_RETURN_IF_ERROR_(EnsureDeviceScratch(s, bytes, stream_, &grown));
   // Commit()'s slot lists are read by launches outside the captured step: growing them leaves
   // every graph valid. (The top-k rows are written inside it, by the graph of a draft level.)
-  if (s != &buffers_.verify) ++buffer_generation_;
+  if (grown && s != &buffers_.verify) ++buffer_generation_;
   return absl::OkStatus();
 }
 
@@ -296,24 +259,8 @@ absl::Status CudaForward::PrepareBuffers(const CudaStep& step, size_t meta_bytes
 }
 
 absl::Status CudaForward::UploadMeta(const StepPacker& pack) {
-  const std::vector<uint8_t>& bytes = pack.bytes();
-  if (host_stage_bytes_ < bytes.size()) {
-    if (host_stage_ != nullptr) {
-      // The previous step's copy finished: every step ends with a stream
-      // synchronisation.
-      cudaFreeHost(host_stage_);
-      host_stage_ = nullptr;
-      host_stage_bytes_ = 0;
-    }
-    const size_t grown = std::max<size_t>(bytes.size() + bytes.size() / 4, 1 << 16);
-    SPECD_CUDA_RETURN_(cudaMallocHost(&host_stage_, grown), "allocating pinned staging memory");
-    host_stage_bytes_ = grown;
-  }
-  std::memcpy(host_stage_, bytes.data(), bytes.size());
-  SPECD_CUDA_RETURN_(cudaMemcpyAsync(buffers_.meta.ptr, host_stage_, bytes.size(),
-                                     cudaMemcpyHostToDevice, stream_),
-                     "uploading step metadata");
-  return absl::OkStatus();
+  // Every step ends with a stream synchronisation (PinnedUploader's condition).
+  return uploader_.Upload(pack.bytes(), buffers_.meta.ptr, stream_);
 }
 
 CudaForward::bf16* CudaForward::Partial(const CudaStep& step, int site) {
@@ -381,12 +328,12 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
   bf16* attn = static_cast<bf16*>(buffers_.attn.ptr);
   bf16* gate_up = static_cast<bf16*>(buffers_.gate_up.ptr);
   bf16* act = static_cast<bf16*>(buffers_.act.ptr);
-  const int32_t* block_tables = At<int32_t>(meta, step.o_tables);
+  const int32_t* block_tables = MetaAt<int32_t>(meta, step.o_tables);
 
   // Vocabulary-parallel embedding: a rank gathers the rows it holds and zeros
   // for the others, so the all-reduce that starts the residual stream is exact.
   cuda::EmbeddingParams emb;
-  emb.tokens = At<int32_t>(meta, step.o_tokens);
+  emb.tokens = MetaAt<int32_t>(meta, step.o_tokens);
   emb.table = weights_.embed();
   emb.out = Partial(step, kEmbedSite);
   emb.num_tokens = T;
@@ -430,61 +377,22 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
     SPECD_RETURN_IF_ERROR_(capture(l));  // the norm added the previous MLP: the stream entering l
     SPECD_RETURN_IF_ERROR_(Gemm(normed, w.qkv, w.qkv_bias, qkv, false, T, QKVD, H));
 
-    cuda::RopeParams rope;
-    rope.q = qkv;
-    rope.q_stride = QKVD;
-    rope.num_q_heads = heads_;
-    rope.k = qkv + QD;
-    rope.k_stride = QKVD;
-    rope.num_k_heads = kv_heads_;
-    rope.positions = At<int32_t>(meta, step.o_positions);
-    rope.inv_freq = weights_.inv_freq();
-    rope.q_norm_weight = w.q_norm;
-    rope.k_norm_weight = w.k_norm;
-    rope.norm_eps = c.rms_norm_eps;
-    rope.num_tokens = T;
-    rope.head_dim = hd;
-    // The rotated keys and the values go straight to their KV-cache slots.
-    rope.v = qkv + QD + KVD;
-    rope.v_stride = QKVD;
-    rope.k_cache = k_pool_ + l * layer_stride_;
-    rope.v_cache = v_pool_ + l * layer_stride_;
-    rope.slots = At<int64_t>(meta, step.o_slots);
-    SPECD_CUDA_RETURN_(cuda::RopeCuda(rope, stream_), "RoPE and KV write");
-
-    cuda::TreeAttentionParams ap;
-    ap.q = qkv;
-    ap.q_stride = QKVD;
-    ap.out = attn;
-    ap.out_stride = QD;
-    ap.kv.k_cache = rope.k_cache;
-    ap.kv.v_cache = rope.v_cache;
-    ap.kv.block_tables = block_tables;
-    ap.kv.max_blocks_per_seq = step.max_blocks;
-    ap.kv.block_size = kKvBlockTokens;
-    ap.query_seq = At<int32_t>(meta, step.o_query_seq);
-    ap.kv_end = At<int32_t>(meta, step.o_kv_end);
-    // Chains only (decode, prefill): null masks select the kernel build
-    // without the tree-tail code (same bits).
-    ap.mask_begin = step.tree_masks ? At<int32_t>(meta, step.o_mask_begin) : nullptr;
-    ap.mask = step.tree_masks ? At<uint32_t>(meta, step.o_mask) : nullptr;
-    ap.tile_begin = At<int32_t>(meta, step.o_tile_begin);
-    ap.tile_end = At<int32_t>(meta, step.o_tile_end);
-    ap.kv_stable_end = At<int32_t>(meta, step.o_kv_stable);
-    ap.num_tiles = step.num_tiles;
-    ap.num_splits = step.num_splits;
-    ap.chunks_per_cta = step.chunks_per_cta;
-    ap.workspace = static_cast<float*>(buffers_.attn_ws.ptr);
-    ap.discard_workspace = DropDead(step);
-    ap.num_queries = T;
-    ap.num_heads = heads_;
-    ap.num_kv_heads = kv_heads_;
-    ap.q_head_offset = slice_.q_heads.begin;
-    ap.kv_head_offset = slice_.kv_heads.begin;
-    ap.kv_group = c.num_heads / c.num_kv_heads;
-    ap.head_dim = hd;
-    ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
+    AttentionLaunch a;
+    a.heads = heads_;
+    a.kv_heads = kv_heads_;
+    a.kv_group = c.num_heads / c.num_kv_heads;
+    a.head_dim = hd;
+    a.q_head_offset = slice_.q_heads.begin;
+    a.kv_head_offset = slice_.kv_heads.begin;
+    a.inv_freq = weights_.inv_freq();
+    a.q_norm = w.q_norm;
+    a.k_norm = w.k_norm;
+    a.norm_eps = c.rms_norm_eps;
+    a.k_cache = k_pool_ + l * layer_stride_;
+    a.v_cache = v_pool_ + l * layer_stride_;
+    a.workspace = static_cast<float*>(buffers_.attn_ws.ptr);
+    a.discard_workspace = DropDead(step);
+    SPECD_RETURN_IF_ERROR_(EnqueueStepAttention(step, meta, qkv, attn, a, stream_));
 
     SPECD_RETURN_IF_ERROR_(sublayer_out(attn, w.o_proj, QD, kAttnSite));
     SPECD_RETURN_IF_ERROR_(ReduceNorm(step, kAttnSite, false, w.post_norm,
@@ -508,33 +416,27 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
                                     c.num_layers == 0 ? cuda::DeadRows{} : act_rows));
   SPECD_RETURN_IF_ERROR_(capture(c.num_layers));  // the last layer's output, pre-norm
   if (R == 0) return absl::OkStatus();
-  cuda::EmbeddingParams gather;  // a row gather: the "table" is the normed activations
-  gather.tokens = At<int32_t>(meta, step.o_rows);
-  gather.table = normed;
-  gather.out = static_cast<bf16*>(buffers_.last.ptr);
-  gather.num_tokens = R;
-  gather.vocab_size = T;
-  gather.hidden = H;
-  SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_), "gathering logit rows");
+  SPECD_RETURN_IF_ERROR_(
+      EnqueueGatherRows(step, meta, normed, H, static_cast<bf16*>(buffers_.last.ptr), stream_));
   SPECD_RETURN_IF_ERROR_(Gemm(static_cast<bf16*>(buffers_.last.ptr), weights_.lm_head(), nullptr,
                               buffers_.logits.ptr, true, R, vocab_rows_, H));
   if (step.topk_k > 0) return EnqueueTopK(step);
   if (!step.verify) return absl::OkStatus();
 
   // Verify: sample every row, accept along each tree, compact the accepted KV.
-  int32_t* accepted = At<int32_t>(meta, step.o_out);
+  int32_t* accepted = MetaAt<int32_t>(meta, step.o_out);
   int32_t* out_tokens = accepted + step.batch;
   int32_t* out_nodes = out_tokens + step.batch * step.out_stride;
-  int32_t* sampled = At<int32_t>(meta, step.o_sampled);
+  int32_t* sampled = MetaAt<int32_t>(meta, step.o_sampled);
   SPECD_RETURN_IF_ERROR_(SampleRows(step, sampled));
 
   cuda::TreeAcceptParams tp;
   tp.sampled = sampled;
-  tp.sample_offset = At<int32_t>(meta, step.o_sample_offset);
-  tp.tree_tokens = At<int32_t>(meta, step.o_tree_tokens);
-  tp.tree_parents = At<int32_t>(meta, step.o_tree_parents);
-  tp.node_offset = At<int32_t>(meta, step.o_node_offset);
-  tp.num_nodes = At<int32_t>(meta, step.o_num_nodes);
+  tp.sample_offset = MetaAt<int32_t>(meta, step.o_sample_offset);
+  tp.tree_tokens = MetaAt<int32_t>(meta, step.o_tree_tokens);
+  tp.tree_parents = MetaAt<int32_t>(meta, step.o_tree_parents);
+  tp.node_offset = MetaAt<int32_t>(meta, step.o_node_offset);
+  tp.num_nodes = MetaAt<int32_t>(meta, step.o_num_nodes);
   tp.out_tokens = out_tokens;
   tp.out_nodes = out_nodes;
   tp.out_accepted = accepted;
@@ -551,8 +453,8 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
   cp.kv.block_tables = block_tables;
   cp.kv.max_blocks_per_seq = step.max_blocks;
   cp.kv.block_size = kKvBlockTokens;
-  cp.seq_rows = At<int32_t>(meta, step.o_seq_rows);
-  cp.base_slot = At<int32_t>(meta, step.o_base_slot);
+  cp.seq_rows = MetaAt<int32_t>(meta, step.o_seq_rows);
+  cp.base_slot = MetaAt<int32_t>(meta, step.o_base_slot);
   cp.nodes = out_nodes;
   cp.num_nodes = accepted;
   cp.node_stride = step.out_stride;
@@ -566,7 +468,7 @@ absl::Status CudaForward::SampleRows(const CudaStep& step, int32_t* tokens) {
   cuda::SampleParams sp;
   sp.logits = static_cast<const float*>(buffers_.logits.ptr);
   sp.logits_stride = vocab_rows_;
-  sp.rows = At<cuda::SampleRowParams>(buffers_.meta.ptr, step.o_row_params);
+  sp.rows = MetaAt<cuda::SampleRowParams>(buffers_.meta.ptr, step.o_row_params);
   sp.tokens = tokens;
   sp.num_rows = R;
   sp.vocab_size = vocab_rows_;
@@ -607,14 +509,14 @@ absl::Status CudaForward::SampleRows(const CudaStep& step, int32_t* tokens) {
     lp.out_stride = vocab;
     lp.num_rows = R;
     lp.vocab_size = vocab;
-    lp.rows = At<cuda::LogitsProcessorRow>(buffers_.meta.ptr, step.o_proc_rows);
-    lp.seqs = At<cuda::LogitsProcessorSeq>(buffers_.meta.ptr, step.o_proc_seqs);
-    lp.data = At<int32_t>(buffers_.meta.ptr, step.o_proc_data);
+    lp.rows = MetaAt<cuda::LogitsProcessorRow>(buffers_.meta.ptr, step.o_proc_rows);
+    lp.seqs = MetaAt<cuda::LogitsProcessorSeq>(buffers_.meta.ptr, step.o_proc_seqs);
+    lp.data = MetaAt<int32_t>(buffers_.meta.ptr, step.o_proc_data);
     SPECD_CUDA_RETURN_(cuda::LogitsProcessorsCuda(lp, stream_), "logits processors");
     sp.logits = lp.out;
     sp.logits_stride = vocab;
   }
-  if (step.kept_lower) sp.kept_lower = At<uint64_t>(buffers_.meta.ptr, step.o_kept_lower);
+  if (step.kept_lower) sp.kept_lower = MetaAt<uint64_t>(buffers_.meta.ptr, step.o_kept_lower);
   SPECD_CUDA_RETURN_(cuda::SampleCuda(sp, stream_), "sampling");
   return absl::OkStatus();
 }
@@ -653,7 +555,7 @@ absl::Status CudaForward::EnqueueTopK(const CudaStep& step) {
     p.logits = static_cast<const float*>(buffers_.full_logits.ptr);
     p.logits_stride = vocab;
   }
-  p.row_index = At<int32_t>(buffers_.meta.ptr, step.o_topk_rows);
+  p.row_index = MetaAt<int32_t>(buffers_.meta.ptr, step.o_topk_rows);
   p.num_rows = step.topk_rows;
   p.vocab_size = vocab;
   p.k = step.topk_k;
@@ -688,10 +590,6 @@ absl::Status CudaForward::Gemm(const bf16* x, const bf16* w, const bf16* bias, v
   p.m = m;
   p.n = n;
   p.k = k;
-  if (cublasStatus_t st = gemm_->Run(p, stream_); st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(absl::StrCat("cuda backend: GEMM [", m, ", ", k, "] x [", n, ", ", k,
-                                            "]^T: ", cublasLtGetStatusString(st)));
-  }
-  return absl::OkStatus();
+  return RunGemm(*gemm_, p, stream_, "cuda backend");
 }
 }  // namespace specd

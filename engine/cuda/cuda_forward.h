@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "engine/backend.h"
+#include "engine/cuda/cuda_step_launch.h"
 #include "engine/cuda/cuda_step_plan.h"
 #include "engine/cuda/cuda_tuning.h"
 #include "engine/cuda/cuda_weights.h"
@@ -58,11 +59,7 @@ inline constexpr int kCudaAllReduceSites = 3;
 
 class CudaForward {
  public:
-  // A device allocation that grows on demand (contents not preserved).
-  struct Scratch {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-  };
+  using Scratch = DeviceScratch;
   // Per-step device buffers. T: the step's token rows, R: its logit rows.
   struct Buffers {
     Scratch meta;      // the step's metadata (StepPacker), uploaded in one copy
@@ -219,9 +216,7 @@ class CudaForward {
 
   Buffers buffers_;
   uint64_t buffer_generation_ = 0;
-  // Pinned host memory: the step's metadata on its way up.
-  void* host_stage_ = nullptr;
-  size_t host_stage_bytes_ = 0;
+  PinnedUploader uploader_;  // the step's metadata on its way up
 };
 
 }  // namespace specd

@@ -249,7 +249,7 @@ absl::StatusOr<WarmUpReport> WarmUpEagleHead(EagleHead& head, const std::vector<
 absl::StatusOr<std::unique_ptr<EagleHead>> CreateEagleHead(const std::string& head_dir,
                                                            const std::string& target_dir,
                                                            const EagleHeadOptions& options) {
-  // cuda or cuda:N selects the CUDA head (EAGLE-3), cpu the fp32 one.
+  // cuda or cuda:N selects the CUDA head (bf16), cpu the fp32 one.
   int cuda_device = -1;
   if (options.device == "cuda") {
     cuda_device = 0;

@@ -140,8 +140,8 @@ class EagleHead {
 };
 
 struct EagleHeadOptions {
-  // "cpu" (fp32, EagleHeadCpu) or "cuda" / "cuda:N" (bf16 on GPU N, EAGLE-3 heads only:
-  // engine/draft/eagle_head_cuda.h; UNIMPLEMENTED in a build without CUDA).
+  // "cpu" (fp32, EagleHeadCpu) or "cuda" / "cuda:N" (bf16 on GPU N, EAGLE-3 and EAGLE-1/2
+  // heads: engine/draft/eagle_head_cuda.h; UNIMPLEMENTED in a build without CUDA).
   std::string device = "cpu";
   int64_t kv_capacity_tokens = 1 << 20;  // pairs cached over all sequences
   // Longest sequence, in positions; 0: the target's max_position_embeddings.

@@ -11,7 +11,6 @@
 #include "specd/kernels/cuda/embedding.h"
 #include "specd/kernels/cuda/kv_cache.h"
 #include "specd/kernels/cuda/rmsnorm.h"
-#include "specd/kernels/cuda/rope.h"
 #include "specd/kernels/cuda/swiglu.h"
 #include "specd/kernels/cuda/topk.h"
 #include "specd/kernels/cuda/tree_attention.h"
@@ -26,11 +25,6 @@ constexpr size_t kReserveBytes = size_t{2} << 30;
 // do not depend on how many other nodes share its step.
 constexpr int64_t kInvariantRows = 1024;
 
-template <typename T>
-T* At(void* base, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<EagleHeadCuda>> EagleHeadCuda::Create(
@@ -44,10 +38,6 @@ absl::StatusOr<std::unique_ptr<EagleHeadCuda>> EagleHeadCuda::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("context_length: must be >= 0, got ", options.context_length));
   }
-  if (config.kind != EagleKind::kEagle3) {
-    return absl::UnimplementedError(
-        "device: EAGLE-1/2 heads run on the cpu only; the CUDA head is EAGLE-3's");
-  }
   const ModelConfig& h = config.head;
   if (!cuda::TreeAttentionHeadDimSupported(h.head_dim)) {
     return absl::UnimplementedError(absl::StrCat("cuda eagle head: head_dim ", h.head_dim,
@@ -60,9 +50,26 @@ absl::StatusOr<std::unique_ptr<EagleHeadCuda>> EagleHeadCuda::Create(
                                                  " query heads over ", h.num_kv_heads,
                                                  " KV heads is not supported"));
   }
-  if (weights.layers.size() != 1) {
+  // What LoadEagleHeadWeights gives; the forward below relies on it.
+  if (config.kind == EagleKind::kEagle3 && weights.layers.size() != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda eagle head: an EAGLE-3 head has one decoder layer, got ", weights.layers.size()));
+  }
+  if (config.kind != EagleKind::kEagle3) {
+    if (weights.layers.empty() || config.feature_size() != h.hidden_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda eagle head: an EAGLE-1/2 head needs a decoder layer and features of its hidden "
+          "size, got ",
+          weights.layers.size(), " layers and ", config.feature_size(), " floats"));
+    }
+    for (size_t l = 0; l < weights.layers.size(); ++l) {
+      if (weights.layers[l].input_norm.empty() != (l == 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cuda eagle head: layers.", l,
+                         ".input_layernorm: an EAGLE-1/2 head's first layer has "
+                         "none and every later layer has one"));
+      }
+    }
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
@@ -79,25 +86,27 @@ absl::StatusOr<std::unique_ptr<EagleHeadCuda>> EagleHeadCuda::Create(
 }
 
 EagleHeadCuda::EagleHeadCuda(EagleHeadConfig config, int device, int context_length)
-    : config_(std::move(config)), device_(device), context_length_(context_length) {}
+    : config_(std::move(config)),
+      eagle3_(config_.kind == EagleKind::kEagle3),
+      device_(device),
+      context_length_(context_length) {}
 
 EagleHeadCuda::~EagleHeadCuda() {
   if (cudaSetDevice(device_) != cudaSuccess) return;
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   gemm_.reset();
-  for (Scratch* s : {&meta_, &features_, &residual_, &emb_, &normed_, &cat_, &qkv_out_, &attn_,
-                     &gate_up_out_, &act_, &last_, &logits_, &attn_ws_, &slots_, &topk_}) {
-    if (s->ptr != nullptr) cudaFree(s->ptr);
+  for (DeviceScratch* s : {&meta_, &residual_, &emb_, &normed_, &cat_, &qkv_out_, &attn_,
+                           &gate_up_out_, &act_, &last_, &logits_, &attn_ws_, &slots_, &topk_}) {
+    FreeDeviceScratch(s);
   }
   for (void* p : allocations_) cudaFree(p);
-  if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
 absl::StatusOr<float*> EagleHeadCuda::UploadF32(const std::vector<float>& host) {
+  if (host.empty()) return nullptr;
   void* p = nullptr;
-  SPECD_CUDA_RETURN_(cudaMalloc(&p, std::max<size_t>(host.size(), 1) * sizeof(float)),
-                     "allocating eagle head weights");
+  SPECD_CUDA_RETURN_(cudaMalloc(&p, host.size() * sizeof(float)), "allocating eagle head weights");
   allocations_.push_back(p);
   SPECD_CUDA_RETURN_(
       cudaMemcpy(p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
@@ -106,11 +115,11 @@ absl::StatusOr<float*> EagleHeadCuda::UploadF32(const std::vector<float>& host) 
 }
 
 absl::StatusOr<EagleHeadCuda::bf16*> EagleHeadCuda::UploadBf16(const std::vector<float>& host) {
+  if (host.empty()) return nullptr;
   std::vector<bf16> converted(host.size());
   for (size_t i = 0; i < host.size(); ++i) converted[i] = __float2bfloat16(host[i]);
   void* p = nullptr;
-  SPECD_CUDA_RETURN_(cudaMalloc(&p, std::max<size_t>(host.size(), 1) * sizeof(bf16)),
-                     "allocating eagle head weights");
+  SPECD_CUDA_RETURN_(cudaMalloc(&p, host.size() * sizeof(bf16)), "allocating eagle head weights");
   allocations_.push_back(p);
   SPECD_CUDA_RETURN_(
       cudaMemcpy(p, converted.data(), host.size() * sizeof(bf16), cudaMemcpyHostToDevice),
@@ -129,7 +138,6 @@ absl::Status EagleHeadCuda::Init(const EagleHeadWeights& w, const EagleHeadOptio
     return absl::InternalError(
         absl::StrCat("cuda eagle head: cuBLASLt: ", cublasLtGetStatusString(st)));
   }
-  const EagleHeadWeights::Layer& l = w.layers[0];
   const auto bf16_of = [&](const std::vector<float>& v, bf16** out) -> absl::Status {
     absl::StatusOr<bf16*> p = UploadBf16(v);
     if (!p.ok()) return p.status();
@@ -149,82 +157,56 @@ absl::Status EagleHeadCuda::Init(const EagleHeadWeights& w, const EagleHeadOptio
   };
   SPECD_RETURN_IF_ERROR_(bf16_of(w.embed, &embed_));
   SPECD_RETURN_IF_ERROR_(bf16_of(w.fc, &fc_));
-  SPECD_RETURN_IF_ERROR_(f32_of(l.input_norm, &input_norm_));
-  SPECD_RETURN_IF_ERROR_(f32_of(l.hidden_norm, &hidden_norm_));
-  SPECD_RETURN_IF_ERROR_(f32_of(l.post_norm, &post_norm_));
+  SPECD_RETURN_IF_ERROR_(f32_of(w.fc_bias, &fc_bias_));
+  layers_.resize(w.layers.size());
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const EagleHeadWeights::Layer& l = w.layers[i];
+    Layer& d = layers_[i];
+    SPECD_RETURN_IF_ERROR_(f32_of(l.input_norm, &d.input_norm));
+    SPECD_RETURN_IF_ERROR_(f32_of(l.hidden_norm, &d.hidden_norm));
+    SPECD_RETURN_IF_ERROR_(f32_of(l.post_norm, &d.post_norm));
+    SPECD_RETURN_IF_ERROR_(bf16_of(stacked({&l.q_proj, &l.k_proj, &l.v_proj}), &d.qkv));
+    SPECD_RETURN_IF_ERROR_(bf16_of(l.o_proj, &d.o_proj));
+    SPECD_RETURN_IF_ERROR_(bf16_of(stacked({&l.gate_proj, &l.up_proj}), &d.gate_up));
+    SPECD_RETURN_IF_ERROR_(bf16_of(l.down_proj, &d.down));
+  }
   SPECD_RETURN_IF_ERROR_(f32_of(w.norm, &final_norm_));
-  SPECD_RETURN_IF_ERROR_(bf16_of(stacked({&l.q_proj, &l.k_proj, &l.v_proj}), &qkv_));
-  SPECD_RETURN_IF_ERROR_(bf16_of(l.o_proj, &o_proj_));
-  SPECD_RETURN_IF_ERROR_(bf16_of(stacked({&l.gate_proj, &l.up_proj}), &gate_up_));
-  SPECD_RETURN_IF_ERROR_(bf16_of(l.down_proj, &down_));
   SPECD_RETURN_IF_ERROR_(bf16_of(w.lm_head, &lm_head_));
   SPECD_RETURN_IF_ERROR_(f32_of(RopeInvFreq(config_.head), &inv_freq_));
 
   // KV pools: the requested capacity, or what the free memory allows.
   const ModelConfig& h = config_.head;
-  const int64_t kv_dim = int64_t{h.num_kv_heads} * h.head_dim;
-  size_t free_bytes = 0, total_bytes = 0;
-  SPECD_CUDA_RETURN_(cudaMemGetInfo(&free_bytes, &total_bytes), "reading free memory");
-  const size_t block_bytes = size_t{2} * kKvBlockTokens * kv_dim * sizeof(bf16);
-  const int64_t fit = free_bytes > kReserveBytes
-                          ? static_cast<int64_t>((free_bytes - kReserveBytes) / block_bytes)
-                          : 0;
-  num_blocks_ =
-      std::min<int64_t>((options.kv_capacity_tokens + kKvBlockTokens - 1) / kKvBlockTokens, fit);
-  if (num_blocks_ <= 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cuda:", device_, ": no device memory left for the eagle head's KV cache (",
-                     free_bytes >> 20, " MiB free)"));
-  }
-  const size_t pool_bytes = static_cast<size_t>(num_blocks_) * kKvBlockTokens * kv_dim * 2;
-  for (bf16** pool : {&k_pool_, &v_pool_}) {
-    void* p = nullptr;
-    SPECD_CUDA_RETURN_(cudaMalloc(&p, pool_bytes), "allocating the eagle head's KV cache");
-    allocations_.push_back(p);
-    // Zeros, so that no slot holds NaN bit patterns (a masked key's value is multiplied by a
-    // zero probability, which would not cancel a NaN).
-    SPECD_CUDA_RETURN_(cudaMemset(p, 0, pool_bytes), "clearing the eagle head's KV cache");
-    *pool = static_cast<bf16*>(p);
-  }
-  SPECD_CUDA_RETURN_(cudaDeviceSynchronize(), "initialising the eagle head");
-  table_ = std::make_unique<PagedKvTable>(kKvBlockTokens, num_blocks_ * kKvBlockTokens,
+  absl::StatusOr<KvPools> pools = AllocateKvPools(
+      static_cast<int>(layers_.size()), int64_t{h.num_kv_heads} * h.head_dim,
+      options.kv_capacity_tokens, kReserveBytes, device_, "the eagle head's KV cache");
+  if (!pools.ok()) return pools.status();
+  kv_ = *pools;
+  allocations_.push_back(kv_.k);
+  allocations_.push_back(kv_.v);
+  table_ = std::make_unique<PagedKvTable>(kKvBlockTokens, kv_.num_blocks * kKvBlockTokens,
                                           config_.vocab_size, context_length_);
   table_->AllocateUpFront();
   table_->SetMaskBits(cuda::kTreeAttentionMaskBits);
   return absl::OkStatus();
 }
 
-absl::Status EagleHeadCuda::Ensure(Scratch* s, size_t bytes) {
-  if (s->bytes >= bytes) return absl::OkStatus();
-  if (s->ptr != nullptr) {
-    // Work queued on the stream may still read the old buffer.
-    SPECD_CUDA_RETURN_(cudaStreamSynchronize(stream_), "synchronizing");
-    cudaFree(s->ptr);
-    s->ptr = nullptr;
-    s->bytes = 0;
-  }
-  const size_t grown = std::max<size_t>(bytes + bytes / 4, 4096);
-  SPECD_CUDA_RETURN_(cudaMalloc(&s->ptr, grown), absl::StrCat("allocating ", grown, " bytes"));
-  s->bytes = grown;
-  return absl::OkStatus();
+absl::Status EagleHeadCuda::Ensure(DeviceScratch* s, size_t bytes) {
+  return EnsureDeviceScratch(s, bytes, stream_);
 }
 
-absl::Status EagleHeadCuda::Gemm(const bf16* x, const bf16* w, void* y, bool y_fp32, int64_t m,
-                                 int64_t n, int64_t k) {
+absl::Status EagleHeadCuda::Gemm(const bf16* x, const bf16* w, const bf16* bias, void* y,
+                                 bool y_fp32, int64_t m, int64_t n, int64_t k) {
   if (m == 0) return absl::OkStatus();
   cuda::GemmParams p;
   p.x = x;
   p.w = w;
+  p.bias = bias;
   p.y = y;
   p.y_fp32 = y_fp32;
   p.m = m;
   p.n = n;
   p.k = k;
-  if (cublasStatus_t st = gemm_->Run(p, stream_); st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(absl::StrCat("cuda eagle head: GEMM [", m, ", ", k, "] x [", n, ", ",
-                                            k, "]^T: ", cublasLtGetStatusString(st)));
-  }
-  return absl::OkStatus();
+  return RunGemm(*gemm_, p, stream_, "cuda eagle head");
 }
 
 absl::Status EagleHeadCuda::Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) {
@@ -294,13 +276,14 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
   LayoutForward(forward, plan.items, po, &step, &pack);
   const int64_t T = step.T, R = step.R;
 
-  // The inputs ride with the metadata: hidden inputs as fp32 rows of a [T, H] array (feature
-  // rows left zero, fc overwrites them; none when every item brings features, as a prefill
-  // chain does), target features as bf16 rows packed item after item.
+  // The inputs ride with the metadata. EAGLE-3: hidden inputs as fp32 rows of a [T, H] array
+  // (feature rows left zero, fc overwrites them; none when every item brings features, as a
+  // prefill chain does), target features as bf16 rows packed item after item. EAGLE-1/2: every
+  // node's input as a bf16 row of a [T, H] array (fc reads it in bf16 whatever its kind).
   bool any_hidden = false;
   for (const EagleHeadItem& it : items) any_hidden |= it.input == EagleInput::kHidden;
-  std::vector<float> x_in(any_hidden ? T * H : 0, 0.0f);
-  std::vector<bf16> features;
+  std::vector<float> x_in(eagle3_ && any_hidden ? T * H : 0, 0.0f);
+  std::vector<bf16> features(eagle3_ ? 0 : T * H);
   struct FcItem {
     int64_t token = 0, feature_row = 0, rows = 0;
   };
@@ -308,7 +291,9 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
   for (size_t b = 0; b < items.size(); ++b) {
     const EagleHeadItem& it = items[b];
     const int64_t n = static_cast<int64_t>(it.tokens.size()), t0 = step.item_token_begin[b];
-    if (it.input == EagleInput::kTargetFeatures) {
+    if (!eagle3_) {
+      for (int64_t i = 0; i < n * H; ++i) features[t0 * H + i] = __float2bfloat16(it.inputs[i]);
+    } else if (it.input == EagleInput::kTargetFeatures) {
       fc_items.push_back({t0, static_cast<int64_t>(features.size()) / Ft, n});
       for (float v : it.inputs) features.push_back(__float2bfloat16(v));
     } else {
@@ -331,20 +316,9 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
   SPECD_RETURN_IF_ERROR_(Ensure(&last_, std::max<int64_t>(R, 1) * H * sizeof(bf16)));
   SPECD_RETURN_IF_ERROR_(Ensure(&logits_, std::max<int64_t>(R, 1) * dv * sizeof(float)));
   SPECD_RETURN_IF_ERROR_(Ensure(&attn_ws_, step.ws_floats * sizeof(float)));
-  if (host_stage_bytes_ < bytes.size()) {
-    // The previous step's upload finished: every step ends with a stream synchronisation.
-    if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
-    host_stage_ = nullptr;
-    host_stage_bytes_ = 0;
-    const size_t grown = std::max<size_t>(bytes.size() + bytes.size() / 4, 1 << 16);
-    SPECD_CUDA_RETURN_(cudaMallocHost(&host_stage_, grown), "allocating pinned staging memory");
-    host_stage_bytes_ = grown;
-  }
-  std::memcpy(host_stage_, bytes.data(), bytes.size());
   void* meta = meta_.ptr;
-  SPECD_CUDA_RETURN_(
-      cudaMemcpyAsync(meta, host_stage_, bytes.size(), cudaMemcpyHostToDevice, stream_),
-      "uploading the eagle head's step");
+  // Every step ends with a stream synchronisation (PinnedUploader's condition).
+  SPECD_RETURN_IF_ERROR_(uploader_.Upload(bytes, meta, stream_));
 
   float* residual = static_cast<float*>(residual_.ptr);
   bf16* emb = static_cast<bf16*>(emb_.ptr);
@@ -352,26 +326,6 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
   bf16* cat = static_cast<bf16*>(cat_.ptr);
   bf16* qkv = static_cast<bf16*>(qkv_out_.ptr);
   bf16* attn = static_cast<bf16*>(attn_.ptr);
-  // The H-wide inputs: hidden rows as given, feature rows fc(features) in fp32.
-  if (any_hidden) {
-    SPECD_CUDA_RETURN_(cudaMemcpyAsync(residual, At<float>(meta, o_x), T * H * sizeof(float),
-                                       cudaMemcpyDeviceToDevice, stream_),
-                       "placing hidden inputs");
-  }
-  for (const FcItem& f : fc_items) {
-    SPECD_RETURN_IF_ERROR_(Gemm(At<bf16>(meta, o_features) + f.feature_row * Ft, fc_,
-                                residual + f.token * H, /*y_fp32=*/true, f.rows, H, Ft));
-  }
-
-  // input_layernorm(embedding) | hidden_norm(input): the attention's 2H-wide input.
-  cuda::EmbeddingParams ep;
-  ep.tokens = At<int32_t>(meta, step.o_tokens);
-  ep.table = embed_;
-  ep.out = emb;
-  ep.num_tokens = T;
-  ep.vocab_size = config_.vocab_size;
-  ep.hidden = H;
-  SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(ep, stream_), "embedding");
   const auto norm = [&](const bf16* x, const float* x32, bool residual_init, const float* weight,
                         bf16* y, bool add_to_stream, const char* what) -> absl::Status {
     cuda::RmsNormParams p;
@@ -391,99 +345,117 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
     SPECD_CUDA_RETURN_(cuda::RmsNormCuda(p, stream_), what);
     return absl::OkStatus();
   };
-  const auto to_cat = [&](int half) -> absl::Status {
-    SPECD_CUDA_RETURN_(
-        cudaMemcpy2DAsync(cat + half * H, 2 * H * sizeof(bf16), normed, H * sizeof(bf16),
-                          H * sizeof(bf16), T, cudaMemcpyDeviceToDevice, stream_),
-        "assembling the attention input");
+  // Adds x (when given) and `bias` to the stream and rounds the sum to bf16 into `y`.
+  const auto add = [&](const bf16* x, const float* bias, bf16* y) -> absl::Status {
+    cuda::ResidualAddParams p;
+    p.x = x;
+    p.residual = residual;
+    p.bias = bias;
+    p.out = y;
+    p.rows = T;
+    p.dim = H;
+    SPECD_CUDA_RETURN_(cuda::ResidualAddCuda(p, stream_), "residual add");
     return absl::OkStatus();
   };
-  SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, input_norm_, normed, false, "input norm"));
-  SPECD_RETURN_IF_ERROR_(to_cat(0));
-  SPECD_RETURN_IF_ERROR_(
-      norm(nullptr, residual, false, hidden_norm_, normed, false, "hidden norm"));
-  SPECD_RETURN_IF_ERROR_(to_cat(1));
-  if (config_.norm_before_residual) {
-    // The stream starts from hidden_norm(input) (its bf16 rounding) instead of the input.
+  // `half` of a [T, 2H] row-pair buffer from [T, H] rows.
+  const auto to_cat = [&](int half, const bf16* rows) -> absl::Status {
+    SPECD_CUDA_RETURN_(
+        cudaMemcpy2DAsync(cat + half * H, 2 * H * sizeof(bf16), rows, H * sizeof(bf16),
+                          H * sizeof(bf16), T, cudaMemcpyDeviceToDevice, stream_),
+        "assembling a layer input");
+    return absl::OkStatus();
+  };
+
+  cuda::EmbeddingParams ep;
+  ep.tokens = MetaAt<int32_t>(meta, step.o_tokens);
+  ep.table = embed_;
+  ep.out = emb;
+  ep.num_tokens = T;
+  ep.vocab_size = config_.vocab_size;
+  ep.hidden = H;
+  SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(ep, stream_), "embedding");
+  if (eagle3_) {
+    // The H-wide inputs: hidden rows as given, feature rows fc(features) in fp32. Then
+    // input_layernorm(embedding) | hidden_norm(input): the attention's 2H-wide input.
+    if (any_hidden) {
+      SPECD_CUDA_RETURN_(cudaMemcpyAsync(residual, MetaAt<float>(meta, o_x), T * H * sizeof(float),
+                                         cudaMemcpyDeviceToDevice, stream_),
+                         "placing hidden inputs");
+    }
+    for (const FcItem& f : fc_items) {
+      SPECD_RETURN_IF_ERROR_(Gemm(MetaAt<bf16>(meta, o_features) + f.feature_row * Ft, fc_, nullptr,
+                                  residual + f.token * H, /*y_fp32=*/true, f.rows, H, Ft));
+    }
+    const Layer& l0 = layers_[0];
+    SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, l0.input_norm, normed, false, "input norm"));
+    SPECD_RETURN_IF_ERROR_(to_cat(0, normed));
     SPECD_RETURN_IF_ERROR_(
-        norm(normed, nullptr, true, hidden_norm_, emb, true, "starting the residual stream"));
+        norm(nullptr, residual, false, l0.hidden_norm, normed, false, "hidden norm"));
+    SPECD_RETURN_IF_ERROR_(to_cat(1, normed));
+    if (config_.norm_before_residual) {
+      // The stream starts from hidden_norm(input) (its bf16 rounding) instead of the input.
+      SPECD_RETURN_IF_ERROR_(
+          norm(normed, nullptr, true, l0.hidden_norm, emb, true, "starting the residual stream"));
+    }
+  } else {
+    // fc(embedding | input) + bias starts the stream in fp32; its bf16 rounding is the first
+    // layer's input.
+    SPECD_RETURN_IF_ERROR_(to_cat(0, emb));
+    SPECD_RETURN_IF_ERROR_(to_cat(1, MetaAt<bf16>(meta, o_features)));
+    SPECD_RETURN_IF_ERROR_(Gemm(cat, fc_, nullptr, residual, /*y_fp32=*/true, T, H, 2 * H));
+    SPECD_RETURN_IF_ERROR_(add(nullptr, fc_bias_, emb));
   }
 
-  SPECD_RETURN_IF_ERROR_(Gemm(cat, qkv_, qkv, false, T, QKVD, 2 * H));
-  cuda::RopeParams rope;
-  rope.q = qkv;
-  rope.q_stride = QKVD;
-  rope.num_q_heads = hc.num_heads;
-  rope.k = qkv + QD;
-  rope.k_stride = QKVD;
-  rope.num_k_heads = hc.num_kv_heads;
-  rope.positions = At<int32_t>(meta, step.o_positions);
-  rope.inv_freq = inv_freq_;
-  rope.num_tokens = T;
-  rope.head_dim = hd;
-  rope.v = qkv + QD + KVD;
-  rope.v_stride = QKVD;
-  rope.k_cache = k_pool_;
-  rope.v_cache = v_pool_;
-  rope.slots = At<int64_t>(meta, step.o_slots);
-  SPECD_CUDA_RETURN_(cuda::RopeCuda(rope, stream_), "RoPE and KV write");
-
-  cuda::TreeAttentionParams ap;
-  ap.q = qkv;
-  ap.q_stride = QKVD;
-  ap.out = attn;
-  ap.out_stride = QD;
-  ap.kv.k_cache = k_pool_;
-  ap.kv.v_cache = v_pool_;
-  ap.kv.block_tables = At<int32_t>(meta, step.o_tables);
-  ap.kv.max_blocks_per_seq = step.max_blocks;
-  ap.kv.block_size = kKvBlockTokens;
-  ap.query_seq = At<int32_t>(meta, step.o_query_seq);
-  ap.kv_end = At<int32_t>(meta, step.o_kv_end);
-  ap.mask_begin = step.tree_masks ? At<int32_t>(meta, step.o_mask_begin) : nullptr;
-  ap.mask = step.tree_masks ? At<uint32_t>(meta, step.o_mask) : nullptr;
-  ap.tile_begin = At<int32_t>(meta, step.o_tile_begin);
-  ap.tile_end = At<int32_t>(meta, step.o_tile_end);
-  ap.kv_stable_end = At<int32_t>(meta, step.o_kv_stable);
-  ap.num_tiles = step.num_tiles;
-  ap.num_splits = step.num_splits;
-  ap.chunks_per_cta = step.chunks_per_cta;
-  ap.workspace = static_cast<float*>(attn_ws_.ptr);
-  ap.num_queries = T;
-  ap.num_heads = hc.num_heads;
-  ap.num_kv_heads = hc.num_kv_heads;
-  ap.kv_group = hc.num_heads / hc.num_kv_heads;
-  ap.head_dim = hd;
-  ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  SPECD_CUDA_RETURN_(cuda::TreeAttentionCuda(ap, stream_), "attention");
-
-  // Stream += o_proj(attention); MLP of its norm; stream += MLP, and the final norm of it.
-  SPECD_RETURN_IF_ERROR_(Gemm(attn, o_proj_, emb, false, T, H, QD));
-  SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, post_norm_, normed, true, "post norm"));
-  SPECD_RETURN_IF_ERROR_(
-      Gemm(normed, gate_up_, static_cast<bf16*>(gate_up_out_.ptr), false, T, 2 * F, H));
-  cuda::SwiGluParams sw;
-  sw.gate_up = static_cast<const bf16*>(gate_up_out_.ptr);
-  sw.out = static_cast<bf16*>(act_.ptr);
-  sw.rows = T;
-  sw.dim = F;
-  SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
-  SPECD_RETURN_IF_ERROR_(Gemm(static_cast<const bf16*>(act_.ptr), down_, emb, false, T, H, F));
-  SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, final_norm_, normed, true, "final norm"));
+  // The layers. `emb` ends each holding its MLP output, which the next layer's input norm (or,
+  // after the last, the final norm or the residual add) adds to the stream.
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& w = layers_[l];
+    const bf16* in = cat;  // EAGLE-3: the 2H-wide pair
+    if (!eagle3_ && w.input_norm != nullptr) {
+      SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, w.input_norm, normed, true, "input norm"));
+      in = normed;
+    } else if (!eagle3_) {
+      in = emb;  // the first layer reads fc's output as it is
+    }
+    SPECD_RETURN_IF_ERROR_(Gemm(in, w.qkv, nullptr, qkv, false, T, QKVD, eagle3_ ? 2 * H : H));
+    AttentionLaunch a;
+    a.heads = hc.num_heads;
+    a.kv_heads = hc.num_kv_heads;
+    a.kv_group = hc.num_heads / hc.num_kv_heads;
+    a.head_dim = hd;
+    a.inv_freq = inv_freq_;
+    a.k_cache = kv_.k + static_cast<int64_t>(l) * kv_.layer_stride;
+    a.v_cache = kv_.v + static_cast<int64_t>(l) * kv_.layer_stride;
+    a.workspace = static_cast<float*>(attn_ws_.ptr);
+    SPECD_RETURN_IF_ERROR_(EnqueueStepAttention(step, meta, qkv, attn, a, stream_));
+    // Stream += o_proj(attention); MLP of its norm.
+    SPECD_RETURN_IF_ERROR_(Gemm(attn, w.o_proj, nullptr, emb, false, T, H, QD));
+    SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, w.post_norm, normed, true, "post norm"));
+    SPECD_RETURN_IF_ERROR_(
+        Gemm(normed, w.gate_up, nullptr, static_cast<bf16*>(gate_up_out_.ptr), false, T, 2 * F, H));
+    cuda::SwiGluParams sw;
+    sw.gate_up = static_cast<const bf16*>(gate_up_out_.ptr);
+    sw.out = static_cast<bf16*>(act_.ptr);
+    sw.rows = T;
+    sw.dim = F;
+    SPECD_CUDA_RETURN_(cuda::SwiGluCuda(sw, stream_), "SwiGLU");
+    SPECD_RETURN_IF_ERROR_(
+        Gemm(static_cast<const bf16*>(act_.ptr), w.down, nullptr, emb, false, T, H, F));
+  }
+  // Stream += MLP: the layer output. The LM head reads its norm (EAGLE-3) or itself (EAGLE-1/2).
+  if (eagle3_) {
+    SPECD_RETURN_IF_ERROR_(norm(emb, nullptr, false, final_norm_, normed, true, "final norm"));
+  } else {
+    SPECD_RETURN_IF_ERROR_(add(emb, nullptr, normed));
+  }
 
   out->hidden.resize(R * H);
   if (top == nullptr) out->logits.resize(R * dv);
   if (R > 0) {
-    cuda::EmbeddingParams gather;  // a row gather: the "table" is the normed outputs
-    gather.tokens = At<int32_t>(meta, step.o_rows);
-    gather.table = normed;
-    gather.out = static_cast<bf16*>(last_.ptr);
-    gather.num_tokens = R;
-    gather.vocab_size = T;
-    gather.hidden = H;
-    SPECD_CUDA_RETURN_(cuda::EmbeddingCuda(gather, stream_), "gathering output rows");
     SPECD_RETURN_IF_ERROR_(
-        Gemm(static_cast<bf16*>(last_.ptr), lm_head_, logits_.ptr, true, R, dv, H));
+        EnqueueGatherRows(step, meta, normed, H, static_cast<bf16*>(last_.ptr), stream_));
+    SPECD_RETURN_IF_ERROR_(
+        Gemm(static_cast<bf16*>(last_.ptr), lm_head_, nullptr, logits_.ptr, true, R, dv, H));
     if (top == nullptr) {
       SPECD_CUDA_RETURN_(cudaMemcpyAsync(out->logits.data(), logits_.ptr, R * dv * sizeof(float),
                                          cudaMemcpyDeviceToHost, stream_),
@@ -540,11 +512,11 @@ absl::Status EagleHeadCuda::Commit(SeqId seq, absl::Span<const int32_t> path) {
                                      cudaMemcpyHostToDevice, stream_),
                      "uploading KV slot copies");
   cuda::KvCacheCopyParams p;
-  p.k_cache = k_pool_;
-  p.v_cache = v_pool_;
-  p.num_layers = 1;
+  p.k_cache = kv_.k;
+  p.v_cache = kv_.v;
+  p.num_layers = static_cast<int>(layers_.size());
   p.kv_dim = int64_t{config_.head.num_kv_heads} * config_.head.head_dim;
-  p.layer_stride = num_blocks_ * kKvBlockTokens * p.kv_dim;
+  p.layer_stride = kv_.layer_stride;
   p.src_slots = slots;
   p.dst_slots = slots + n;
   p.num_copies = n;

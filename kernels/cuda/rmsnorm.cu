@@ -1,18 +1,19 @@
-#include "specd/kernels/cuda/rmsnorm.h"
+#include <algorithm>
 
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/rmsnorm_row.cuh"
+#include "specd/kernels/cuda/rmsnorm.h"
 
 namespace specd {
 namespace cuda {
 namespace {
 
 using internal::Bf16x8ToFloat;
-using internal::LoadFloat8;
 using internal::BlockSum;
+using internal::LoadFloat8;
 using internal::RmsNormRow8;
-using internal::RowResidual;
 using internal::RmsNormThreads;
+using internal::RowResidual;
 
 // A row of any size or alignment, one element a thread at a time; load(i) is the input's
 // element i as fp32.
@@ -63,8 +64,8 @@ __global__ void RmsNormKernel(RmsNormParams p) {
           for (int j = 0; j < 8; ++j) h[j] += t[j];
         }
       };
-      RmsNormRow8<RowResidual::kIfGiven>(p.dim, load, res, p.residual_init, p.weight, p.eps,
-                                         out, scratch);
+      RmsNormRow8<RowResidual::kIfGiven>(p.dim, load, res, p.residual_init, p.weight, p.eps, out,
+                                         scratch);
     } else {
       const auto load = [parts, slab, n](int64_t i) {
         float h = parts[i];
@@ -87,17 +88,45 @@ __global__ void RmsNormKernel(RmsNormParams p) {
       const auto load = [x](int64_t i, float* h) {
         Bf16x8ToFloat(*reinterpret_cast<const uint4*>(x + i), h);
       };
-      RmsNormRow8<RowResidual::kIfGiven>(p.dim, load, res, p.residual_init, p.weight, p.eps,
-                                         out, scratch);
+      RmsNormRow8<RowResidual::kIfGiven>(p.dim, load, res, p.residual_init, p.weight, p.eps, out,
+                                         scratch);
     } else {
-      RmsNormRow1(p, [x](int64_t i) { return __bfloat162float(x[i]); }, res, out, scratch);
+      RmsNormRow1(
+          p, [x](int64_t i) { return __bfloat162float(x[i]); }, res, out, scratch);
     }
   }
   // Their readers are earlier grids, complete since PdlWait.
   for (const DeadRows& d : p.dead) internal::DiscardRow(d.ptr, d.row_bytes, r);
 }
 
+// Grid-stride over elements; the same fp32 sum as RmsNormKernel's residual update.
+__global__ void ResidualAddKernel(ResidualAddParams p) {
+  internal::PdlWait();
+  internal::PdlTrigger();
+  const int64_t n = p.rows * p.dim;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride) {
+    float h = p.residual_init && p.x != nullptr ? 0.0f : p.residual[i];
+    if (p.x != nullptr) h += __bfloat162float(p.x[i]);
+    if (p.bias != nullptr) h += p.bias[i % p.dim];
+    p.residual[i] = h;
+    if (p.out != nullptr) p.out[i] = __float2bfloat16(h);
+  }
+}
+
 }  // namespace
+
+cudaError_t ResidualAddCuda(const ResidualAddParams& p, cudaStream_t stream) {
+  if (p.rows < 0 || p.dim <= 0) return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  if (p.residual == nullptr) return cudaErrorInvalidValue;
+  const int threads = 256;
+  const int64_t n = p.rows * p.dim;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 1 << 16));
+  return LaunchPdl("rmsnorm", ResidualAddKernel, dim3(blocks), dim3(threads), 0, stream, p);
+}
 
 cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream) {
   if (p.rows < 0 || p.dim <= 0 || !(p.eps >= 0.0f)) return cudaErrorInvalidValue;
@@ -118,8 +147,8 @@ cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream) {
   }
   const auto kernel = parts ? (vec ? RmsNormKernel<8, true> : RmsNormKernel<1, true>)
                             : (vec ? RmsNormKernel<8, false> : RmsNormKernel<1, false>);
-  return LaunchPdl("rmsnorm", kernel, dim3(static_cast<unsigned>(p.rows)), dim3(threads), 0,
-                   stream, p);
+  return LaunchPdl("rmsnorm", kernel, dim3(static_cast<unsigned>(p.rows)), dim3(threads), 0, stream,
+                   p);
 }
 
 }  // namespace cuda

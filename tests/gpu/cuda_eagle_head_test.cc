@@ -1,16 +1,19 @@
-// The CUDA EAGLE-3 head (engine/draft/eagle_head_cuda.h) against the PyTorch reference
+// The CUDA EAGLE head (engine/draft/eagle_head_cuda.h) against the PyTorch reference
 // (tests/fixtures/eagle3, tools/oracle/make_eagle_fixtures.py) and against the fp32 CPU head:
 //  - every output (logits and layer outputs) of the oracle's scenarios (a prefill chain from the
-//    target's taps, tree levels fed with the head's own outputs, commits; the EAGLE-3 head, the
-//    norm_before_residual variant, and a 2100-pair chain beyond the head's RoPE table) within
-//    2e-2 of the reference, alone and with a twin sequence in every call;
-//  - the EAGLE drafter on the CUDA head against the same drafter on the CPU head: the first tree
+//    target's features, tree levels fed with the head's own outputs, commits; the EAGLE-3 head,
+//    the norm_before_residual variant, the two-layer EAGLE-1/2 head with fc's bias and the
+//    target's LM head, and a 2100-pair chain beyond the head's RoPE table) within 2e-2 of the
+//    reference, alone and with a twin sequence in every call;
+//  - the EAGLE drafter on the CUDA head against the same drafter on the CPU head, for the EAGLE-3
+//    and the EAGLE-1/2 head (fed the target's final normed hidden states): the first tree
 //    level (the root's top 3 over the draft vocabulary) is the same where the CPU's top-4
 //    log-probabilities are further apart than bf16 error, and the trees' log-probabilities agree
 //    to bf16 accuracy. Deeper levels rank siblings by cumulative log-probability, where a bf16
 //    near-tie may legitimately pick another node; the test reports whether the trees are
 //    identical rather than requiring it.
-//  - an EAGLE-1/2 head on a CUDA device is UNIMPLEMENTED (the CPU head serves those).
+//  - the device top-k against a host top-k of the same logits, for the EAGLE-3 head's draft
+//    vocabulary and the EAGLE-1/2 head's (the target's whole vocabulary).
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -83,24 +86,16 @@ TEST_P(CudaEagleOracleTest, BatchedSequencesMatchTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Scenarios, CudaEagleOracleTest,
-                         ::testing::Values("eagle3", "eagle3_nbr", "long"));
+                         ::testing::Values("eagle3", "eagle3_nbr", "eagle1", "long"));
 
-class CudaEagleHeadTest : public gpu_test::GpuTest {};
-
-TEST_F(CudaEagleHeadTest, EagleOneHeadsStayOnTheCpu) {
-  EagleHeadOptions options;
-  options.device = "cuda:0";
-  const absl::Status s = CreateEagleHead((EagleFixtureDir() / "eagle1_head").string(),
-                                         (EagleFixtureDir() / "target").string(), options)
-                             .status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
-}
+class CudaEagleTopKTest : public gpu_test::GpuTest,
+                          public ::testing::WithParamInterface<std::string> {};
 
 // The device top-k of the CUDA head's logits against a host top-k of the same head's logits:
 // log-probabilities to fp32 log-sum-exp accuracy, ids equal where neighbours are not tied.
-TEST_F(CudaEagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
+TEST_P(CudaEagleTopKTest, ForwardTopKIsTheTopKOfForwardsLogits) {
   // One head, two sequences: the same GEMM algorithms (row-invariant) for both calls.
-  std::unique_ptr<EagleHead> head = LoadHead("eagle3_head", "cuda:0");
+  std::unique_ptr<EagleHead> head = LoadHead(GetParam(), "cuda:0");
   ASSERT_NE(head, nullptr);
   const int64_t fw = head->config().feature_size(), dv = head->config().draft_vocab_size;
   constexpr int kK = 8;
@@ -137,10 +132,15 @@ TEST_F(CudaEagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
   }
 }
 
-TEST_F(CudaEagleHeadTest, DrafterGrowsTheCpuHeadsTrees) {
-  std::unique_ptr<EagleHead> cpu = LoadHead("eagle3_head", "cpu");
-  std::unique_ptr<EagleHead> cuda = LoadHead("eagle3_head", "cuda:0");
-  std::unique_ptr<EagleHead> reference = LoadHead("eagle3_head", "cpu");
+INSTANTIATE_TEST_SUITE_P(Heads, CudaEagleTopKTest, ::testing::Values("eagle3_head", "eagle1_head"));
+
+class CudaEagleDrafterTest : public gpu_test::GpuTest,
+                             public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(CudaEagleDrafterTest, DrafterGrowsTheCpuHeadsTrees) {
+  std::unique_ptr<EagleHead> cpu = LoadHead(GetParam(), "cpu");
+  std::unique_ptr<EagleHead> cuda = LoadHead(GetParam(), "cuda:0");
+  std::unique_ptr<EagleHead> reference = LoadHead(GetParam(), "cpu");
   ASSERT_TRUE(cpu && cuda && reference);
   const json oracle = ReadJson(EagleFixtureDir() / "oracle.json");
   const std::vector<int32_t> ids = oracle["ids"].get<std::vector<int32_t>>();
@@ -148,7 +148,10 @@ TEST_F(CudaEagleHeadTest, DrafterGrowsTheCpuHeadsTrees) {
       TensorStore::OpenFolder(EagleFixtureDir().string());
   ASSERT_TRUE(store.ok()) << store.status();
   const int64_t fw = cpu->config().feature_size();
-  const std::vector<float> taps = testutil::Tensor(**store, "taps");
+  // The target's features as the head reads them: three taps (EAGLE-3), or the final normed
+  // hidden state (EAGLE-1/2).
+  const std::vector<float> taps =
+      testutil::Tensor(**store, cpu->config().kind == EagleKind::kEagle3 ? "taps" : "final_hidden");
   ASSERT_EQ(static_cast<int64_t>(taps.size()), 16 * fw);
 
   EagleDrafter on_cpu(cpu.get()), on_cuda(cuda.get());
@@ -245,6 +248,9 @@ TEST_F(CudaEagleHeadTest, DrafterGrowsTheCpuHeadsTrees) {
   std::printf("trees identical to the CPU head's in %d of %zu drafting steps\n", identical,
               steps.size() - 1);
 }
+
+INSTANTIATE_TEST_SUITE_P(Heads, CudaEagleDrafterTest,
+                         ::testing::Values("eagle3_head", "eagle1_head"));
 
 }  // namespace
 }  // namespace specd

@@ -229,5 +229,46 @@ TEST_F(ElementwiseCudaTest, BadParamsAreRejected) {
   EXPECT_EQ(cuda::RopeCuda(r, stream_), cudaErrorInvalidValue);
 }
 
+// ResidualAddCuda: the stream starts from the bf16 rows exactly (residual_init), then adds
+// rows and a per-column bias in fp32, and `out` is the updated stream rounded to bf16; without x
+// only the bias is added; bad params are refused.
+TEST_F(ElementwiseCudaTest, ResidualAddUpdatesTheStreamAndRoundsIt) {
+  const int64_t rows = 5, dim = 37;
+  std::mt19937_64 rng(3);
+  const std::vector<float> x = RoundBf16(RandomNormal(rows * dim, rng));
+  const std::vector<float> y = RoundBf16(RandomNormal(rows * dim, rng));
+  const std::vector<float> bias = RandomNormal(dim, rng);
+  DeviceBuffer<bf16> d_x(ToBf16(x)), d_y(ToBf16(y)), d_out(rows * dim);
+  DeviceBuffer<float> d_res(RandomNormal(rows * dim, rng));  // overwritten by residual_init
+  DeviceBuffer<float> d_bias(bias);
+  cuda::ResidualAddParams p;
+  p.x = d_x.get();
+  p.residual = d_res.get();
+  p.residual_init = true;
+  p.rows = rows;
+  p.dim = dim;
+  SPECD_CUDA_OK(cuda::ResidualAddCuda(p, stream_));
+  SPECD_CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_EQ(d_res.Download(), x);
+  p.x = d_y.get();
+  p.residual_init = false;
+  p.bias = d_bias.get();
+  p.out = d_out.get();
+  SPECD_CUDA_OK(cuda::ResidualAddCuda(p, stream_));
+  SPECD_CUDA_OK(cudaStreamSynchronize(stream_));
+  const std::vector<float> res = d_res.Download(), out = ToFloat(d_out.Download());
+  for (int64_t i = 0; i < rows * dim; ++i) {
+    ASSERT_EQ(res[i], (x[i] + y[i]) + bias[i % dim]) << i;
+    ASSERT_EQ(out[i], RoundBf16({res[i]})[0]) << i;
+  }
+  p.x = nullptr;  // the bias alone
+  SPECD_CUDA_OK(cuda::ResidualAddCuda(p, stream_));
+  SPECD_CUDA_OK(cudaStreamSynchronize(stream_));
+  const std::vector<float> again = d_res.Download();
+  for (int64_t i = 0; i < rows * dim; ++i) ASSERT_EQ(again[i], res[i] + bias[i % dim]) << i;
+  p.residual = nullptr;
+  EXPECT_EQ(cuda::ResidualAddCuda(p, stream_), cudaErrorInvalidValue);
+}
+
 }  // namespace
 }  // namespace specd

@@ -7,7 +7,8 @@ python3-torch:
 * the trainer's unrolled training-time-test forward against the reference's tree forward (what
   specd serves), and its simulated chain speculation against a plain step-by-step one;
 * the pure-Python BPE against the `tokenizers` library's own encodings;
-* convert_eagle_bin.py on a .bin written by torch.save.
+* convert_eagle_bin.py on a .bin written by torch.save;
+* the CUDA head's bf16 roundings, emulated (eagle_bf16_emulate.py), inside the GPU test's bound.
 
   /usr/bin/python3 -m pytest -q tests/tools/test_eagle_oracle.py
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools", "oracle"))
 sys.path.insert(0, os.path.join(ROOT, "tools", "eagle3"))
 import bpe_tokenizer  # noqa: E402
 import convert_eagle_bin  # noqa: E402
+import eagle_bf16_emulate  # noqa: E402
 import eagle3_reference as ref  # noqa: E402
 import make_eagle_fixtures  # noqa: E402
 import safetensors_io  # noqa: E402
@@ -232,3 +234,15 @@ def test_committed_head_predicts_the_reference_target():
             hit += int((pred[sel] == ids[2:][sel]).sum())
             count += ids[2:][sel].numel()
     assert hit / count >= 0.5, hit / count
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_nbr", "eagle1"])
+def test_emulated_bf16_head_within_the_cuda_bound(name):
+    # tests/gpu/cuda_eagle_head_test.cc's bound (kCudaTol); the emulation stays away from both
+    # ends: a rounding left out would show as an error near 0, a broken emulation as one near 1.
+    with open(os.path.join(EAGLE, "oracle.json")) as f:
+        scenario = json.load(f)["scenarios"][name]
+    target = ref.LlamaTarget(os.path.join(EAGLE, "target"))
+    oracle = safetensors_io.load_folder(EAGLE)
+    worst = eagle_bf16_emulate.worst_error(scenario, oracle, target, round_fc_out=False)
+    assert 1e-3 < worst < 2e-2

@@ -277,11 +277,16 @@ TEST(EagleHeadTest, OptionsAreChecked) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << device << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr("device")) << device;
   }
-  // The CUDA head is EAGLE-3's (in a build without CUDA, no cuda device at all).
+#ifndef SPECD_WITH_CUDA
+  // A build without CUDA has no cuda device at all (the CUDA head, EAGLE-3 and EAGLE-1/2 alike,
+  // is tests/gpu/cuda_eagle_head_test.cc's).
   options.device = "cuda:0";
-  EXPECT_EQ(
-      CreateEagleHead((FixtureDir() / "eagle1_head").string(), target, options).status().code(),
-      absl::StatusCode::kUnimplemented);
+  for (const char* name : {"eagle3_head", "eagle1_head"}) {
+    EXPECT_EQ(CreateEagleHead((FixtureDir() / name).string(), target, options).status().code(),
+              absl::StatusCode::kUnimplemented)
+        << name;
+  }
+#endif
   options = {};
   options.kv_capacity_tokens = 0;
   absl::Status s = CreateEagleHead(head, target, options).status();

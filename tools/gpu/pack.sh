@@ -5,8 +5,9 @@
 #   tools/gpu/pack.sh [--build DIR] [--keep REGEX] [--all] [--out DIR] [--dry-run]
 #
 # 1. Copies the ELF executables under the build folder (CMakeFiles excluded) whose path relative
-#    to it matches KEEP -- by default the tests/gpu binaries, the CUDA benchmarks, a previous
-#    build's benchmarks under bench-prev/ and the services and CLI -- into STAGING/bin, keeping
+#    to it matches KEEP -- by default the tests/gpu binaries, the CUDA benchmarks, the EAGLE taps'
+#    wire benchmark (taps_transfer_bench: the GPU host's idle cores), a previous build's
+#    benchmarks under bench-prev/ and the services and CLI -- into STAGING/bin, keeping
 #    those relative paths (build/bin/specd-router lands in bin/bin/specd-router), and strips them.
 #    --all keeps every executable.
 # 2. Copies the shared libraries they load that the GPU host lacks (gRPC, protobuf, Abseil,
@@ -24,11 +25,11 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=build
-keep='tests/(.*_cuda_test|cuda_.*_test|gemm_invariance_test)$|bench/cuda_|bench-prev/|bin/specd-'
+keep='tests/(.*_cuda_test|cuda_.*_test|gemm_invariance_test)$|bench/cuda_|bench/taps_transfer_bench$|bench-prev/|bin/specd-'
 out=$here/.device-x
 staging=$here/.device-p
 dry=0
-usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=${2:?--build needs a folder}; shift ;;

@@ -40,6 +40,23 @@ struct RmsNormParams {
 
 cudaError_t RmsNormCuda(const RmsNormParams& p, cudaStream_t stream);
 
+// The residual update of RmsNormCuda without the norm, for models whose next GEMM reads the
+// stream itself (an EAGLE-1/2 head: its first layer reads fc's output, bias added, with no input
+// norm, and its LM head reads the last layer's output unnormalised): residual = x + residual (x
+// alone when residual_init), plus bias per column when given, in fp32; and out = the updated
+// stream rounded to bf16.
+struct ResidualAddParams {
+  const bf16* x = nullptr;      // [rows, dim] bf16, device, or null (nothing to add)
+  float* residual = nullptr;    // [rows, dim] fp32, device, updated in place
+  bool residual_init = false;   // with x: the stream becomes x (without x: unused)
+  const float* bias = nullptr;  // [dim] fp32, device, or null
+  bf16* out = nullptr;          // [rows, dim] bf16, device, or null (only the stream is wanted)
+  int64_t rows = 0;
+  int64_t dim = 0;
+};
+
+cudaError_t ResidualAddCuda(const ResidualAddParams& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace specd
 
