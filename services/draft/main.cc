@@ -40,6 +40,9 @@ ABSL_FLAG(int, tree_top_k, 4, "children per expanded node when a step leaves it 
 ABSL_FLAG(int, tree_max_nodes, 16, "tree size when a step leaves it 0 (<= 256)");
 ABSL_FLAG(int, ngram_min_n, 1, "n-gram drafter: shortest suffix matched");
 ABSL_FLAG(int, ngram_max_n, 3, "n-gram drafter: longest suffix matched");
+ABSL_FLAG(int, gather_window_us, 2000,
+          "longest wait for other routers' steps once one router's step is queued, so that they "
+          "draft as one batch (at most the recent step time; 0 = never wait)");
 ABSL_FLAG(int, startup_delay_ms, 0,
           "wait this long before loading the model (to exercise readiness probes in tests)");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
@@ -90,6 +93,7 @@ int Main() {
   options.defaults.max_nodes = absl::GetFlag(FLAGS_tree_max_nodes);
   options.ngram.min_n = absl::GetFlag(FLAGS_ngram_min_n);
   options.ngram.max_n = absl::GetFlag(FLAGS_ngram_max_n);
+  options.max_gather = absl::Microseconds(absl::GetFlag(FLAGS_gather_window_us));
   options.test_only_pre_draft_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_test_only_pre_draft_delay_ms));
   if (options.model_dir.empty() && options.eagle_head_dir.empty() && options.vocab_size < 1) {
@@ -100,6 +104,9 @@ int Main() {
   if (!options.eagle_head_dir.empty() && options.eagle_target_dir.empty()) {
     return FailStartup(absl::InvalidArgumentError(
         "--eagle_target: needed with --eagle_head (the head reads the target's embedding)"));
+  }
+  if (options.max_gather < absl::ZeroDuration()) {
+    return FailStartup(absl::InvalidArgumentError("--gather_window_us: must be at least 0"));
   }
   if (options.backend.kv_capacity_tokens < 1) {
     return FailStartup(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
