@@ -32,8 +32,9 @@ ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda:N where a CUDA backend is bu
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "draft KV cache capacity in tokens");
 ABSL_FLAG(bool, warmup, true,
-          "on a GPU, run one forward at each GEMM row class before serving, so that no request "
-          "pays for choosing a class's algorithm (takes a few seconds at startup)");
+          "on a GPU, run one forward at each GEMM row class and the default tree's draft levels "
+          "at each batch bucket before serving, so that no request pays for choosing a class's "
+          "algorithm or capturing a level's graph (takes a few seconds at startup)");
 ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
 ABSL_FLAG(int, tree_depth, 4, "tree depth when a step leaves it 0");
 ABSL_FLAG(int, tree_top_k, 4, "children per expanded node when a step leaves it 0");
