@@ -130,7 +130,9 @@ class EagleHeadCuda : public EagleHead {
   Scratch logits_;       // [R, draft vocab] fp32
   Scratch attn_ws_;      // split-KV workspace
   Scratch slots_;        // Commit()'s slot lists: [2, copies] int64
-  Scratch topk_;         // ForwardTopK(): [R, k] int32 ids, then [R, k] fp32 log-probabilities
+  // ForwardTopK(): [R, k] int32 ids, then [R, k] fp32 log-probabilities, then (16-byte
+  // aligned) the top-k kernel's workspace (cuda::TopKWorkspaceBytes)
+  Scratch topk_;
   // Pinned host staging for the uploads (features, hidden inputs, metadata).
   void* host_stage_ = nullptr;
   size_t host_stage_bytes_ = 0;
