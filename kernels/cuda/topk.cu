@@ -159,8 +159,8 @@ __device__ void CtaTopK(const RowReader& value, int begin, int end, int merged, 
 }
 
 // Over tokens [begin, end): the fp64 sum of exp((x - max_l) * scale) and the count of tokens
-// ranked strictly above `token_key`, reduced over the CTA (valid on thread 0). Ends with a
-// __syncthreads() pair, so s_sum / s_higher may be reused after it.
+// ranked strictly above `token_key`, reduced over the CTA (the same on every thread). Every
+// thread of the CTA calls it, once a kernel.
 template <int kThreads>
 __device__ void CtaSumAndRank(const RowReader& value, int begin, int end, double max_l,
                               float token_key, double* sum_out, int32_t* higher_out) {
@@ -266,8 +266,10 @@ __global__ void __launch_bounds__(kThreads) TopKChunkKernel(TopKLogprobsParams p
   const int64_t in_row = p.row_index != nullptr ? p.row_index[out_row] : out_row;
   const RowReader value(p, in_row);
   const int vocab = static_cast<int>(p.vocab_size);
-  const int begin = min(vocab, chunk * w.chunk_size);
-  const int end = min(vocab, begin + w.chunk_size);
+  // Empty past the vocabulary (forced splits of more chunks than tokens).
+  const int64_t first = int64_t{chunk} * w.chunk_size;
+  const int begin = static_cast<int>(first < vocab ? first : vocab);
+  const int end = static_cast<int>(first + w.chunk_size < vocab ? first + w.chunk_size : vocab);
   CtaTopK<K, kThreads>(value, begin, end, w.len, s_best_val, s_best_id);
   const double max_c = static_cast<double>(s_best_val[0]);
   const float token_key = p.tokens != nullptr ? value(p.tokens[in_row]) : 0.0f;
