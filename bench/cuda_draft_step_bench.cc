@@ -73,8 +73,10 @@ struct Config {
   bool gpu = true;  // the top-k kernel column is measured on CUDA device 0
 };
 
-// The top-k kernel alone over [rows, vocab] random fp32 logits: median device milliseconds.
-double TopKKernelMs(int64_t rows, int64_t vocab, int k) {
+// The top-k kernel alone over [rows, vocab] random fp32 logits: median device milliseconds; with
+// `split`, the engine's path (the vocabulary split over CTAs, cuda::TopKChunks), else one CTA a
+// row.
+double TopKKernelMs(int64_t rows, int64_t vocab, int k, bool split) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 3.0f);
   std::vector<float> host(rows * vocab);
@@ -86,7 +88,12 @@ double TopKKernelMs(int64_t rows, int64_t vocab, int k) {
   cudaMalloc(&ids, rows * k * sizeof(int32_t));
   cudaMalloc(&lps, rows * k * sizeof(float));
   cudaMemcpy(logits, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
+  const int64_t ws_bytes = cuda::TopKWorkspaceBytes(rows, vocab, k);
+  void* ws = nullptr;
+  if (split && ws_bytes > 0) cudaMalloc(&ws, ws_bytes);
   cuda::TopKLogprobsParams p;
+  p.workspace = ws;
+  p.workspace_bytes = ws_bytes;
   p.logits = logits;
   p.logits_stride = vocab;
   p.num_rows = rows;
@@ -112,6 +119,7 @@ double TopKKernelMs(int64_t rows, int64_t vocab, int k) {
   cudaFree(logits);
   cudaFree(ids);
   cudaFree(lps);
+  if (ws != nullptr) cudaFree(ws);
   return Median(ms);
 }
 
@@ -190,11 +198,13 @@ bool LevelTable(Backend* b, SeqId first, int seqs, const Config& c, const char* 
     if (!RunLevels(b, first, seqs, c, false, timed ? &plain_ms : &unused, &rows)) return false;
   }
   for (int d = 0; d < c.depth; ++d) {
-    const double kernel = c.gpu ? TopKKernelMs(rows[d], vocab, c.top_k) : 0.0;
+    const double kernel = c.gpu ? TopKKernelMs(rows[d], vocab, c.top_k, true) : 0.0;
+    const double one_cta = c.gpu ? TopKKernelMs(rows[d], vocab, c.top_k, false) : 0.0;
     const double t = Median(topk_ms[d]), f = Median(plain_ms[d]);
     const double model = std::max(t - kernel, 1e-9);
-    std::printf("| %s | %d | %d | %lld | %.3f | %.3f | %.3f | %.1f%% | %.2fx |\n", graphs, seqs, d,
-                static_cast<long long>(rows[d]), f, t, kernel, 100.0 * kernel / model, f / t);
+    std::printf("| %s | %d | %d | %lld | %.3f | %.3f | %.3f | %.3f | %.1f%% | %.2fx |\n", graphs,
+                seqs, d, static_cast<long long>(rows[d]), f, t, kernel, one_cta,
+                100.0 * kernel / model, f / t);
   }
   return true;
 }
@@ -330,11 +340,12 @@ int Main(int argc, char** argv) {
               static_cast<long long>(m.hidden_size), m.vocab_size, c.context, c.depth, c.top_k);
   std::printf(
       "\n## Per level (ms, medians of %d): Forward = full rows to the host, ForwardTopK = forward "
-      "and top-k in one graph, kernel = the top-k alone\n\n",
+      "and top-k in one graph, kernel = the top-k alone (split: the engine's; one CTA: a CTA a "
+      "row, before)\n\n",
       c.runs);
   std::printf(
-      "| graphs | seqs | level | rows | Forward | ForwardTopK | top-k kernel | topk %% of "
-      "model | Forward / ForwardTopK |\n|---|---|---|---|---|---|---|---|---|\n");
+      "| graphs | seqs | level | rows | Forward | ForwardTopK | top-k kernel split | one CTA | "
+      "topk %% of model | Forward / ForwardTopK |\n|---|---|---|---|---|---|---|---|---|---|\n");
   SeqId next = 1;
   for (bool on : modes) {
     set_graphs(on);

@@ -1,9 +1,10 @@
 // GPU kernel micro-benchmarks at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128,
 // hidden 4096, vocab 128256, KV block 16): decode and tree-verify attention over the paged
-// cache, RMSNorm with residual, the logits processors, sampling, and the cuBLASLt GEMMs of one
-// decode step. Times are CUDA-event times of back-to-back launches on one stream (launch overhead
-// included, as in an eager forward pass), reported per launch; with BENCH_COLD=1, one launch at a
-// time from a cold L2 (see ColdLaunches). Run: build/bench/cuda_kernels_bench
+// cache, RMSNorm with residual, the logits processors, sampling, the cuBLASLt GEMMs of one
+// decode step, and the draft level's top-k. Times are CUDA-event times of back-to-back launches
+// on one stream (launch overhead included, as in an eager forward pass), reported per launch;
+// with BENCH_COLD=1, one launch at a time from a cold L2 (see ColdLaunches). Run:
+// build/bench/cuda_kernels_bench
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "specd/kernels/cuda/logits_processors.h"
 #include "specd/kernels/cuda/rmsnorm.h"
 #include "specd/kernels/cuda/sampling.h"
+#include "specd/kernels/cuda/topk.h"
 #include "specd/kernels/cuda/tree_attention.h"
 
 namespace specd {
@@ -445,6 +447,50 @@ void BM_Sample(benchmark::State& state) {
 BENCHMARK(BM_Sample)
     ->ArgNames({"rows", "mode"})
     ->ArgsProduct({{1, 65, 257}, {0, 1, 2, 3}})
+    ->UseManualTime()
+    ->MinTime(0.05);
+
+// The draft level's top-k log-probabilities (kernels/cuda/topk.cu) over `rows` rows of the
+// vocabulary, k = `k`: split 0 is one CTA a row (no workspace), split 1 the vocabulary split
+// over TopKChunks CTAs a row and merged (the engine's draft path). Side by side per shape.
+void BM_TopK(benchmark::State& state) {
+  const int rows = static_cast<int>(state.range(0));
+  const int k = static_cast<int>(state.range(1));
+  const bool split = state.range(2) != 0;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(size_t(rows) * kVocab);
+  for (float& x : logits) x = normal(rng);
+  float* d_logits = Upload(logits);
+  int32_t* d_ids = Alloc<int32_t>(size_t(rows) * k);
+  float* d_lps = Alloc<float>(size_t(rows) * k);
+  const int64_t ws_bytes = cuda::TopKWorkspaceBytes(rows, kVocab, k);
+  void* ws = Alloc<uint8_t>(static_cast<size_t>(ws_bytes));
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cuda::TopKLogprobsParams p;
+  p.logits = d_logits;
+  p.logits_stride = kVocab;
+  p.num_rows = rows;
+  p.vocab_size = kVocab;
+  p.k = k;
+  p.ids = d_ids;
+  p.logprobs = d_lps;
+  if (split) {
+    p.workspace = ws;
+    p.workspace_bytes = ws_bytes;
+  }
+  TimeLaunches(state, stream, [&] { Check(cuda::TopKLogprobsCuda(p, stream), "top-k"); });
+  state.counters["chunks"] = split ? cuda::TopKChunks(rows, kVocab) : 1;
+  cudaStreamDestroy(stream);
+  cudaFree(ws);
+  cudaFree(d_logits);
+  cudaFree(d_ids);
+  cudaFree(d_lps);
+}
+BENCHMARK(BM_TopK)
+    ->ArgNames({"rows", "k", "split"})
+    ->ArgsProduct({{1, 4, 32, 128, 512}, {4, 16}, {0, 1}})
     ->UseManualTime()
     ->MinTime(0.05);
 

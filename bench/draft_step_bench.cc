@@ -10,7 +10,9 @@
 // BM_HostTopK_*: one [vocab] row's top-k on the host, the full-sort selection the drafter used
 // before (an id array partially sorted) against the one-pass RowTopKLogprobs.
 //
-// Run: build/bench/draft_step_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only
+// Run (the modes interleaved, so that a loaded machine's drift falls on all of them alike):
+//   build/bench/draft_step_bench --benchmark_filter=BM_DraftStep --benchmark_repetitions=7
+//       --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -42,10 +44,12 @@ std::vector<int32_t> Prompt(int s) {
   return p;
 }
 
-// state.range(0): sequences; state.range(1): 1 = backend top-k and kept KV, 0 = plain.
+// state.range(0): sequences; state.range(1): 1 = backend top-k and kept KV, 0 = plain; 2 =
+// backend top-k only, 3 = kept KV only (which of the two a difference comes from).
 void BM_DraftStep(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
-  const bool saving = state.range(1) != 0;
+  const int64_t mode = state.range(1);
+  const bool topk = mode == 1 || mode == 2, kept = mode == 1 || mode == 3;
   const std::string dir = (testutil::RepoRoot() / "models" / "pycoder-draft").string();
   // One thread: the step's CPU time is then its cost, whatever else the machine runs.
   BackendOptions options;
@@ -56,7 +60,7 @@ void BM_DraftStep(benchmark::State& state) {
     return;
   }
   CountingBackend model(loaded->get());
-  DraftModelDrafter drafter(&model, {saving, saving});
+  DraftModelDrafter drafter(&model, {topk, kept});
   const DraftParams params{4, 4, 16};
   std::vector<DraftRequest> requests(batch);
   std::vector<int64_t> length(batch);
@@ -113,8 +117,8 @@ void BM_DraftStep(benchmark::State& state) {
   state.counters["fed"] /= static_cast<double>(std::max<int64_t>(steps, 1));
 }
 BENCHMARK(BM_DraftStep)
-    ->ArgNames({"seqs", "saving"})
-    ->ArgsProduct({{1, 8, 32}, {0, 1}})
+    ->ArgNames({"seqs", "mode"})
+    ->ArgsProduct({{1, 8, 32}, {0, 1, 2, 3}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 

@@ -42,6 +42,30 @@ struct WarmUpReport {
 // Leaves the backend's sequences and KV usage as they were.
 absl::StatusOr<WarmUpReport> WarmUpBackend(Backend& backend, const std::vector<int64_t>& rows);
 
+// The draft levels of a draft service's model (engine/draft/draft_model_drafter.h), before it
+// serves: a CUDA backend captures a level's graph per (batch bucket, tokens a sequence, k) on
+// the bucket's second use, and grows its step buffers (dropping every graph captured so far)
+// the first time a larger level comes; left to serving, both land on the first draft steps.
+struct DraftLevelWarmUp {
+  std::vector<int64_t> batches;  // sequences a level, e.g. DraftLevelWarmUpBatches()
+  int depth = 4;                 // levels a tree: a chain token, then depth - 1 of children
+  int top_k = 4;                 // children a node (also the top-k asked for), <= kMaxForwardTopK
+  int passes = 2;                // each tree this many times (a graph is captured on pass 2)
+};
+
+// 1, 2, 4, ... below `max_batch`, then `max_batch` (the CUDA backend's graph batch buckets are
+// powers of two). Empty when `max_batch` < 1.
+std::vector<int64_t> DraftLevelWarmUpBatches(int64_t max_batch);
+
+// For each batch b of `shape.batches` (skipped when its trees do not fit the free KV, which
+// the backend reports as RESOURCE_EXHAUSTED, or the model's positions): adds b throw-away sequences
+// (kWarmUpSeq, kWarmUpSeq - 1, ...), then `passes` times grows one tree a sequence as the drafter
+// does, one ForwardTopK a level (level 0: one token, no context; each later level top_k children of
+// the level before's first node, every row's top-k asked for) and drops its scratch (Commit of an
+// empty path); then removes them. report.rows: the batches run. Leaves the backend's sequences and
+// KV usage as they were.
+absl::StatusOr<WarmUpReport> WarmUpDraftLevels(Backend& backend, const DraftLevelWarmUp& shape);
+
 // What WarmUpBackend and WarmUpEagleHead (engine/draft/eagle_head.h) share.
 // The throw-away sequence a warm-up forward runs on.
 inline constexpr SeqId kWarmUpSeq = std::numeric_limits<SeqId>::max();

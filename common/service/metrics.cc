@@ -99,6 +99,9 @@ ModelServiceMetrics::ModelServiceMetrics(prometheus::Registry& registry)
                                    "Sequences in one batched step.", BatchSizeBuckets())),
       step_tokens(AddCounter(registry, "specd_step_tokens_total",
                              "Tokens fed through the model (prefill + tree nodes).")),
+      merged_steps(AddCounter(registry, "specd_step_merged_streams_total",
+                              "Batched steps that served more than one Step stream (the steps "
+                              "of several routers run as one).")),
       freed_finished(FreedFamily(registry).Add({{"reason", "finished"}})),
       freed_cancelled(FreedFamily(registry).Add({{"reason", "cancelled"}})),
       graph_captures(AddCounter(registry, "specd_cuda_graph_captures_total",

@@ -76,6 +76,7 @@ struct ModelServiceMetrics {
   prometheus::Histogram& step_seconds;      // specd_step_seconds
   prometheus::Histogram& step_batch_size;   // specd_step_batch_size
   prometheus::Counter& step_tokens;         // specd_step_tokens_total
+  prometheus::Counter& merged_steps;        // specd_step_merged_streams_total
   prometheus::Counter& freed_finished;      // specd_sequences_freed_total{reason="finished"}
   prometheus::Counter& freed_cancelled;     // specd_sequences_freed_total{reason="cancelled"}
   prometheus::Counter& graph_captures;      // specd_cuda_graph_captures_total

@@ -74,6 +74,13 @@ class StepLoop : public ModelLoop {
   virtual void FreeModelState(int64_t seq) = 0;
   // Fraction of the KV cache in use (0 where there is none).
   virtual double KvCacheUsageRatio() = 0;
+  // How long Pop may wait for other streams' steps once one is queued (StepQueue::Pop's
+  // `gather`); zero (the default): never.
+  virtual absl::Duration GatherWindow() { return absl::ZeroDuration(); }
+
+  // The recent cost of a batch's RunSteps: an exponential average of the last few (zero before
+  // the first).
+  absl::Duration step_cost() const { return step_cost_; }
 
   // Frees `seq` and counts it in specd_sequences_freed_total.
   void Free(int64_t seq, bool finished) {
@@ -96,8 +103,8 @@ class StepLoop : public ModelLoop {
     const uint64_t seq_id = request.steps(i).seq_id();
     for (int j = 0; j < i; ++j) {
       if (request.steps(j).seq_id() == seq_id) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "steps[", i, "].seq_id: ", seq_id, " appears more than once in this step"));
+        return absl::InvalidArgumentError(absl::StrCat("steps[", i, "].seq_id: ", seq_id,
+                                                       " appears more than once in this step"));
       }
     }
     return absl::OkStatus();
@@ -107,8 +114,8 @@ class StepLoop : public ModelLoop {
   // (a new one). Errors: the id was freed by the service (its tombstone), or the step's
   // deadline has passed (then a live sequence is freed and tombstoned). `where` names the step.
   absl::StatusOr<std::optional<int64_t>> FindLive(StreamId stream, uint64_t seq_id,
-                                                   int64_t deadline_unix_ms,
-                                                   const std::string& where) {
+                                                  int64_t deadline_unix_ms,
+                                                  const std::string& where) {
     std::optional<int64_t> live = table_.Find(stream, seq_id);
     if (!live.has_value()) {
       if (absl::Status freed = table_.Tombstone(stream, seq_id); !freed.ok()) return freed;
@@ -123,8 +130,8 @@ class StepLoop : public ModelLoop {
           absl::StrCat(where, ".deadline_unix_ms: ", deadline_unix_ms, " has passed"));
     }
     if (!live.has_value() && draining_.load()) {
-      return absl::UnavailableError(absl::StrCat(
-          where, ".seq_id: ", seq_id, " is new, and the service is shutting down"));
+      return absl::UnavailableError(
+          absl::StrCat(where, ".seq_id: ", seq_id, " is new, and the service is shutting down"));
     }
     return live;
   }
@@ -147,7 +154,7 @@ class StepLoop : public ModelLoop {
 
   void Run() {
     for (;;) {
-      typename Queue::Batch batch = queue_->Pop(kIdleTick);
+      typename Queue::Batch batch = queue_->Pop(kIdleTick, GatherWindow());
       ProcessBatch(batch);
       if (batch.closed) break;
     }
@@ -167,7 +174,12 @@ class StepLoop : public ModelLoop {
       UpdateGauges();
       return;
     }
+    const absl::Time start = absl::Now();
     std::vector<Response> responses = RunSteps(batch);
+    const absl::Duration took = absl::Now() - start;
+    step_cost_ = step_cost_ == absl::ZeroDuration() ? took : (step_cost_ * 3 + took) / 4;
+    // Pop takes one step a stream: more than one step is several streams (routers) batched.
+    if (batch.steps.size() > 1) metrics_->merged_steps.Increment();
     UpdateGauges();
     for (size_t b = 0; b < batch.steps.size(); ++b) {
       batch.steps[b].reply(std::move(responses[b]));
@@ -182,6 +194,7 @@ class StepLoop : public ModelLoop {
     metrics_->kv_cache_usage_ratio.Set(kv);
   }
 
+  absl::Duration step_cost_ = absl::ZeroDuration();  // loop thread only
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> live_sequences_{0};
   std::atomic<double> kv_usage_{0.0};

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -73,6 +74,7 @@ class StepQueue {
       absl::MutexLock lock(&mu_);
       if (!closed_) {
         steps_.push_back(Step{stream, std::move(request), std::move(reply)});
+        last_submit_[stream] = absl::Now();
         return;
       }
     }
@@ -83,15 +85,41 @@ class StepQueue {
   void EndStream(StreamId stream) {
     absl::MutexLock lock(&mu_);
     ended_.push_back(stream);
+    last_submit_.erase(stream);
   }
 
-  // Waits up to `timeout` for work; returns what is there (possibly nothing).
-  Batch Pop(absl::Duration timeout) {
+  // Waits up to `timeout` for work; returns what is there (possibly nothing). With `gather` > 0,
+  // once a step is queued it waits up to `gather` more while a stream active within
+  // kActiveWithin has no step queued, so that the steps of several routers that step at about
+  // the same rate run as one batch instead of one after the other (each then waiting a whole
+  // step for the other's); it never waits when the queued streams are all the active ones
+  // (one router alone).
+  Batch Pop(absl::Duration timeout, absl::Duration gather = absl::ZeroDuration()) {
     absl::MutexLock lock(&mu_);
     auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
       return !steps_.empty() || !ended_.empty() || closed_;
     };
     mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    if (gather > absl::ZeroDuration() && !steps_.empty() && !closed_) {
+      const absl::Time now = absl::Now();
+      std::vector<StreamId> active;
+      for (const auto& [stream, at] : last_submit_) {
+        if (now - at <= kActiveWithin) active.push_back(stream);
+      }
+      auto all_queued = [this, &active]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        if (closed_) return true;
+        for (StreamId s : active) {
+          bool queued = false;
+          for (const Step& step : steps_) queued = queued || step.stream == s;
+          if (!queued) return false;
+        }
+        return true;
+      };
+      if (!all_queued()) {
+        ++gathers_;
+        mu_.AwaitWithTimeout(absl::Condition(&all_queued), gather);
+      }
+    }
     Batch batch;
     std::vector<StreamId> taken;
     for (auto it = steps_.begin(); it != steps_.end();) {
@@ -128,12 +156,25 @@ class StepQueue {
     closed_ = true;
   }
 
+  // Pops that waited for another stream's step (a gather window was opened).
+  int64_t gathers() {
+    absl::MutexLock lock(&mu_);
+    return gathers_;
+  }
+
+  // A stream whose last step came longer ago than this is not waited for: a router that went
+  // idle costs the others a gather window a step for at most this long.
+  static constexpr absl::Duration kActiveWithin = absl::Milliseconds(250);
+
  private:
   absl::Mutex mu_;
   std::deque<Step> steps_ ABSL_GUARDED_BY(mu_);
   std::vector<StreamId> ended_ ABSL_GUARDED_BY(mu_);
   StreamId next_stream_ ABSL_GUARDED_BY(mu_) = 1;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  // When each open stream last submitted a step (Pop's gather window).
+  absl::flat_hash_map<StreamId, absl::Time> last_submit_ ABSL_GUARDED_BY(mu_);
+  int64_t gathers_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // One per Step RPC; deletes itself once gRPC is done with it and no reply is being delivered.

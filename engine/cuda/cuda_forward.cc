@@ -129,9 +129,17 @@ absl::Status CudaForward::ReserveStepBuffers() {
       ReservedStepShape(options_.cuda_gemm_invariant_rows, config_.head_dim, world_ > 1);
   const CudaStep& step = reserved.step;
   SPECD_RETURN_IF_ERROR_(PrepareBuffers(step, reserved.meta_bytes));
-  // EnqueueTopK's layout (its row list travels in the step's metadata): [R, k] ids, then
-  // [R, k] log-probabilities, at the largest k.
-  return Ensure(&buffers_.topk, step.R * kMaxForwardTopK * (sizeof(int32_t) + sizeof(float)));
+  // EnqueueTopK's layout at the largest k (its row list travels in the step's metadata).
+  return Ensure(&buffers_.topk, TopKBufferBytes(step.R, kMaxForwardTopK));
+}
+
+size_t CudaForward::TopKBufferBytes(int64_t rows, int k) const {
+  return TopKWorkspaceOffset(rows, k) +
+         static_cast<size_t>(cuda::TopKWorkspaceBytes(rows, config_.vocab_size, k));
+}
+
+size_t CudaForward::TopKWorkspaceOffset(int64_t rows, int k) {
+  return (static_cast<size_t>(rows) * k * (sizeof(int32_t) + sizeof(float)) + 15) / 16 * 16;
 }
 
 absl::Status CudaForward::AllocateKvPools() {
@@ -248,9 +256,7 @@ absl::Status CudaForward::PrepareBuffers(const CudaStep& step, size_t meta_bytes
     SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.full_logits, R * c.vocab_size * sizeof(float)));
   }
   if (step.topk_k > 0) {
-    SPECD_RETURN_IF_ERROR_(Ensure(
-        &buffers_.topk,
-        static_cast<size_t>(step.topk_rows) * step.topk_k * (sizeof(int32_t) + sizeof(float))));
+    SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.topk, TopKBufferBytes(step.topk_rows, step.topk_k)));
   }
   if (step.verify && step.processors) {
     SPECD_RETURN_IF_ERROR_(Ensure(&buffers_.processed, R * c.vocab_size * sizeof(float)));
@@ -561,6 +567,12 @@ absl::Status CudaForward::EnqueueTopK(const CudaStep& step) {
   p.k = step.topk_k;
   p.ids = static_cast<int32_t*>(buffers_.topk.ptr);
   p.logprobs = reinterpret_cast<float*>(p.ids + step.topk_rows * step.topk_k);
+  // The split path's scratch follows the results (a draft level ranks few rows of a large
+  // vocabulary: one CTA a row would leave most SMs idle). Its launch shape depends on the
+  // bucket's rows only, so the level's graph keeps it.
+  const size_t offset = TopKWorkspaceOffset(step.topk_rows, step.topk_k);
+  p.workspace = static_cast<char*>(buffers_.topk.ptr) + offset;
+  p.workspace_bytes = static_cast<int64_t>(buffers_.topk.bytes - offset);
   SPECD_CUDA_RETURN_(cuda::TopKLogprobsCuda(p, stream_), "top-k");
   return absl::OkStatus();
 }

@@ -79,7 +79,8 @@ class CudaForward {
     Scratch sample_ws;  // split-vocabulary sampling workspace (SampleWorkspaceBytes)
     Scratch verify;     // Commit()'s slot lists
     // ForwardTopK(): [step.topk_rows, k] int32 ids, then [step.topk_rows, k] fp32
-    // log-probabilities (EnqueueTopK); Verify() logprobs: the row index, ids,
+    // log-probabilities, then from TopKWorkspaceOffset() the top-k kernel's split-path scratch
+    // (EnqueueTopK); Verify() logprobs: the row index, ids,
     // log-probabilities, then the sampled tokens' log-probabilities and ranks.
     Scratch topk;
     // Tensor parallel verify: this rank's candidates [R] and everyone's [world, R]
@@ -173,6 +174,10 @@ class CudaForward {
   // The top-k of a ForwardTopK() step's rows (step.topk_k > 0) into buffers_.topk; under
   // tensor parallelism on rank 0 only, over the gathered rows.
   absl::Status EnqueueTopK(const CudaStep& step);
+  // buffers_.topk for a top-k step of `rows` rows at k: the results, then the kernel's
+  // workspace at TopKWorkspaceOffset() (cuda::TopKWorkspaceBytes covers smaller rows and k).
+  size_t TopKBufferBytes(int64_t rows, int k) const;
+  static size_t TopKWorkspaceOffset(int64_t rows, int k);
   // l2_discard_, for a step of step.T tokens.
   bool DropDead(const CudaStep& step) const;
 

@@ -463,8 +463,14 @@ absl::Status EagleHeadCuda::Run(absl::Span<const EagleHeadItem> items, int k, Ea
     } else {
       // Only [R, k] ids and log-probabilities come back, rows in the step's order.
       const int64_t kk = top->k;
-      SPECD_RETURN_IF_ERROR_(Ensure(&topk_, R * kk * (sizeof(int32_t) + sizeof(float))));
+      // Then the top-k kernel's split-path scratch (a level's few rows over the target's
+      // vocabulary: one CTA a row would leave most SMs idle), 16-byte aligned.
+      const size_t ws_offset = (R * kk * (sizeof(int32_t) + sizeof(float)) + 15) / 16 * 16;
+      const int64_t ws_bytes = cuda::TopKWorkspaceBytes(R, dv, static_cast<int>(kk));
+      SPECD_RETURN_IF_ERROR_(Ensure(&topk_, ws_offset + static_cast<size_t>(ws_bytes)));
       cuda::TopKLogprobsParams p;
+      p.workspace = static_cast<char*>(topk_.ptr) + ws_offset;
+      p.workspace_bytes = ws_bytes;
       p.logits = static_cast<const float*>(logits_.ptr);
       p.logits_stride = dv;
       p.num_rows = R;

@@ -135,7 +135,9 @@ class EagleHeadCuda : public EagleHead {
   DeviceScratch logits_;       // [R, V] fp32
   DeviceScratch attn_ws_;      // split-KV workspace
   DeviceScratch slots_;        // Commit()'s slot lists: [2, copies] int64
-  DeviceScratch topk_;       // ForwardTopK(): [R, k] int32 ids, then [R, k] fp32 log-probabilities
+  // ForwardTopK(): [R, k] int32 ids, then [R, k] fp32 log-probabilities, then (16-byte
+  // aligned) the top-k kernel's workspace (cuda::TopKWorkspaceBytes)
+  DeviceScratch topk_;
   PinnedUploader uploader_;  // a step's metadata and inputs on their way up
 };
 

@@ -13,6 +13,8 @@
 #include "common/service/hidden_states_proto.h"
 #include "common/service/model_service_main.h"
 #include "common/service/tree_proto.h"
+#include "engine/topk.h"
+#include "engine/warmup.h"
 
 namespace specd {
 
@@ -44,6 +46,20 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
                                                      model->config().vocab_size));
     }
     vocab_size = model->config().vocab_size;
+    // The draft levels' graphs and buffers, which the backend's warm-up (GEMM row classes)
+    // leaves to the first draft steps: the default tree at every batch bucket up to the CUDA
+    // backend's largest graph batch (64).
+    if (options.backend.cuda_warmup && absl::StartsWith(options.backend.device, "cuda")) {
+      DraftLevelWarmUp levels;
+      levels.batches = DraftLevelWarmUpBatches(std::min(options.max_sequences, 64));
+      levels.depth = options.defaults.depth;
+      levels.top_k = std::min(options.defaults.top_k, kMaxForwardTopK);
+      absl::StatusOr<WarmUpReport> warm = WarmUpDraftLevels(*model, levels);
+      if (!warm.ok()) return warm.status();
+      SPECD_LOG(INFO) << "draft level warm-up: " << warm->rows.size() << " batch sizes up to "
+                      << (warm->rows.empty() ? 0 : warm->rows.back()) << " in " << warm->seconds
+                      << " s";
+    }
     DraftModelDrafterOptions drafter_options;
     // No draft forward beyond the row classes the warm-up decided.
     if (options.backend.cuda_gemm_invariant_rows > 0) {

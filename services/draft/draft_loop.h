@@ -25,6 +25,7 @@
 #ifndef SPECD_SERVICES_DRAFT_DRAFT_LOOP_H_
 #define SPECD_SERVICES_DRAFT_DRAFT_LOOP_H_
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <string>
@@ -64,6 +65,10 @@ struct DraftLoopOptions {
   // Tokens one sequence's history may reach; a step that would exceed it is INVALID_ARGUMENT.
   // The default is above the longest context of the families served (Qwen2.5-1M: 1010000).
   int64_t max_history_tokens = int64_t{1} << 20;
+  // Once one stream's step is queued, how long the loop may wait for the steps of the other
+  // active streams (other routers) so that they draft in one batch: at most the recent step
+  // time, never when one stream alone is active (StepQueue::Pop). Zero: never wait.
+  absl::Duration max_gather = absl::Milliseconds(2);
   // Tests only: every step message with pre-drafts is answered this much later (a draft device
   // slower than the verify step, to exercise the router's bound on waiting for one).
   absl::Duration test_only_pre_draft_delay = absl::ZeroDuration();
@@ -113,6 +118,9 @@ class DraftLoop final
   void FreeModelState(int64_t seq) override;
   double KvCacheUsageRatio() override;
   std::string CapacitySummary() const override { return capacity_summary_; }
+  // The recent step time, up to options_.max_gather: waiting for another router's step costs
+  // it no more than running it a whole step later would.
+  absl::Duration GatherWindow() override { return std::min(options_.max_gather, step_cost()); }
   absl::Status Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
                      int64_t* kv_budget, Slot* slot, bool* empty_tree);
   // A pre_draft step: the sequence must be live and drafted by the model; never creates one.

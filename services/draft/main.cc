@@ -32,14 +32,18 @@ ABSL_FLAG(std::string, device, "cpu", "cpu, or cuda:N where a CUDA backend is bu
 ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "draft KV cache capacity in tokens");
 ABSL_FLAG(bool, warmup, true,
-          "on a GPU, run one forward at each GEMM row class before serving, so that no request "
-          "pays for choosing a class's algorithm (takes a few seconds at startup)");
+          "on a GPU, run one forward at each GEMM row class and the default tree's draft levels "
+          "at each batch bucket before serving, so that no request pays for choosing a class's "
+          "algorithm or capturing a level's graph (takes a few seconds at startup)");
 ABSL_FLAG(int, num_threads, 0, "cpu: worker threads (0 = all cores)");
 ABSL_FLAG(int, tree_depth, 4, "tree depth when a step leaves it 0");
 ABSL_FLAG(int, tree_top_k, 4, "children per expanded node when a step leaves it 0");
 ABSL_FLAG(int, tree_max_nodes, 16, "tree size when a step leaves it 0 (<= 256)");
 ABSL_FLAG(int, ngram_min_n, 1, "n-gram drafter: shortest suffix matched");
 ABSL_FLAG(int, ngram_max_n, 3, "n-gram drafter: longest suffix matched");
+ABSL_FLAG(int, gather_window_us, 2000,
+          "longest wait for other routers' steps once one router's step is queued, so that they "
+          "draft as one batch (at most the recent step time; 0 = never wait)");
 ABSL_FLAG(int, startup_delay_ms, 0,
           "wait this long before loading the model (to exercise readiness probes in tests)");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
@@ -90,6 +94,7 @@ int Main() {
   options.defaults.max_nodes = absl::GetFlag(FLAGS_tree_max_nodes);
   options.ngram.min_n = absl::GetFlag(FLAGS_ngram_min_n);
   options.ngram.max_n = absl::GetFlag(FLAGS_ngram_max_n);
+  options.max_gather = absl::Microseconds(absl::GetFlag(FLAGS_gather_window_us));
   options.test_only_pre_draft_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_test_only_pre_draft_delay_ms));
   if (options.model_dir.empty() && options.eagle_head_dir.empty() && options.vocab_size < 1) {
@@ -100,6 +105,9 @@ int Main() {
   if (!options.eagle_head_dir.empty() && options.eagle_target_dir.empty()) {
     return FailStartup(absl::InvalidArgumentError(
         "--eagle_target: needed with --eagle_head (the head reads the target's embedding)"));
+  }
+  if (options.max_gather < absl::ZeroDuration()) {
+    return FailStartup(absl::InvalidArgumentError("--gather_window_us: must be at least 0"));
   }
   if (options.backend.kv_capacity_tokens < 1) {
     return FailStartup(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));

@@ -37,6 +37,9 @@ ABSL_FLAG(int64_t, max_tap_bytes_per_reply, 0,
           "EAGLE taps one reply carries over its sequences (0: half the message limit); a "
           "sequence's rows past it follow in its next replies (docs/eagle.md)");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
+ABSL_FLAG(int, gather_window_us, 2000,
+          "longest wait for other routers' steps once one router's step is queued, so that they "
+          "verify as one batch (at most the recent step time; 0 = never wait)");
 ABSL_FLAG(bool, warmup, true,
           "on a GPU, run one forward at each GEMM row class before serving, so that no request "
           "pays for choosing a class's algorithm (takes a few seconds at startup)");
@@ -86,11 +89,11 @@ int Main() {
   options.backend.cuda_warmup = absl::GetFlag(FLAGS_warmup);
   options.backend.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.max_gather = absl::Microseconds(absl::GetFlag(FLAGS_gather_window_us));
   options.max_tap_bytes_per_reply = absl::GetFlag(FLAGS_max_tap_bytes_per_reply);
   if (options.max_tap_bytes_per_reply < 0) {
-    return FailStartup(absl::InvalidArgumentError(
-        absl::StrCat("--max_tap_bytes_per_reply: must be >= 0, got ",
-                     options.max_tap_bytes_per_reply)));
+    return FailStartup(absl::InvalidArgumentError(absl::StrCat(
+        "--max_tap_bytes_per_reply: must be >= 0, got ", options.max_tap_bytes_per_reply)));
   }
   if (const std::string devices = absl::GetFlag(FLAGS_devices); !devices.empty()) {
     std::vector<std::string> list = absl::StrSplit(devices, ',', absl::SkipEmpty());
@@ -116,10 +119,12 @@ int Main() {
       options.backend.device = absl::StrCat("cuda:", options.backend.devices[0]);
     }
   }
-  options.backend.cuda_custom_allreduce_max_bytes =
-      absl::GetFlag(FLAGS_custom_allreduce_max_bytes);
+  options.backend.cuda_custom_allreduce_max_bytes = absl::GetFlag(FLAGS_custom_allreduce_max_bytes);
   if (options.backend.kv_capacity_tokens < 1) {
     return FailStartup(absl::InvalidArgumentError("--kv_capacity_tokens: must be at least 1"));
+  }
+  if (options.max_gather < absl::ZeroDuration()) {
+    return FailStartup(absl::InvalidArgumentError("--gather_window_us: must be at least 0"));
   }
 
   VerifyStepQueue queue;

@@ -7,6 +7,7 @@
 #ifndef SPECD_SERVICES_VERIFY_VERIFY_LOOP_H_
 #define SPECD_SERVICES_VERIFY_VERIFY_LOOP_H_
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +32,10 @@ struct VerifyLoopOptions {
   // (kMaxMessageBytes). A sequence's rows past it are held and sent, in order, ahead of its
   // taps in its next replies.
   int64_t max_tap_bytes_per_reply = 0;
+  // Once one stream's step is queued, how long the loop may wait for the steps of the other
+  // active streams (other routers) so that they verify in one batch: at most the recent step
+  // time, never when one stream alone is active (StepQueue::Pop). Zero: never wait.
+  absl::Duration max_gather = absl::Milliseconds(2);
 };
 
 class VerifyLoop final
@@ -47,12 +52,15 @@ class VerifyLoop final
   std::string CapacitySummary() const override { return capacity_summary_; }
 
  private:
+  // The recent step time, up to options_.max_gather: the verify steps of routers that step
+  // together come back together, so their next draft steps meet in the draft service's window.
+  absl::Duration GatherWindow() override { return std::min(options_.max_gather, step_cost()); }
   // One sequence of one step on its way through a batch.
   struct Slot {
-    size_t step = 0;       // index into the batch's steps
-    int result = 0;        // index into that step's response results
-    int64_t seq = 0;       // model-side id
-    bool created = false;  // AddSequence ran in this batch
+    size_t step = 0;                                    // index into the batch's steps
+    int result = 0;                                     // index into that step's response results
+    int64_t seq = 0;                                    // model-side id
+    bool created = false;                               // AddSequence ran in this batch
     v1::TensorDtype tap_dtype = v1::TENSOR_DTYPE_BF16;  // of the taps it asked for, if any
   };
 

@@ -1,6 +1,7 @@
 // The CUDA backend's warm-up (BackendOptions::cuda_warmup, engine/warmup.h): once it has run,
 // prefills and decode and verify steps of any row count up to the invariant rows decide no
 // further GEMM row class, i.e. no request pays for an algorithm decision; without it they do.
+// The draft levels' warm-up captures the level graphs a draft service's first steps would.
 #include <memory>
 #include <random>
 #include <string>
@@ -100,6 +101,34 @@ TEST_F(CudaWarmUpTest, NoClassIsDecidedWhileServingAfterWarmUp) {
   const int before = cold_cuda->gemm_classes_decided();
   Serve(*cold);
   EXPECT_GT(cold_cuda->gemm_classes_decided(), before);
+}
+
+// The draft levels' warm-up (engine/warmup.h WarmUpDraftLevels) captures the level graphs of
+// every batch it runs: the same trees afterwards replay them, capturing nothing, and no buffer
+// growth drops them (a drop would show as captures again).
+TEST_F(CudaWarmUpTest, DraftLevelGraphsAreCapturedBeforeServing) {
+  std::unique_ptr<Backend> b = Load(/*warmup=*/true);
+  ASSERT_NE(b, nullptr);
+  auto* cuda = dynamic_cast<CudaBackend*>(b.get());
+  ASSERT_NE(cuda, nullptr);
+  const int64_t before = cuda->graphs_captured();
+  DraftLevelWarmUp shape;
+  shape.batches = DraftLevelWarmUpBatches(64);
+  absl::StatusOr<WarmUpReport> report = WarmUpDraftLevels(*b, shape);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->rows, shape.batches);
+  const int64_t captured = cuda->graphs_captured();
+  // At least a level-0 graph and a children-level graph per batch bucket.
+  EXPECT_GE(captured - before, 2 * static_cast<int64_t>(shape.batches.size()));
+  const Backend::ExecutionCounts counts = b->execution_counts();
+  shape.passes = 1;
+  ASSERT_TRUE(WarmUpDraftLevels(*b, shape).ok());
+  EXPECT_EQ(cuda->graphs_captured(), captured);
+  EXPECT_EQ(b->execution_counts().eager_steps, counts.eager_steps);
+  EXPECT_EQ(b->execution_counts().graph_replays,
+            counts.graph_replays + shape.depth * static_cast<int64_t>(shape.batches.size()));
+  EXPECT_EQ(b->Usage().sequences, 0);
+  EXPECT_EQ(b->Usage().used_tokens, 0);
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
-// kernels/cuda/topk.cu against engine/topk.h RowTopKLogprobs on the same fp32 rows: ids exactly,
-// log-probabilities to fp32 rounding (only the order of the fp64 sum differs); and the CUDA
+// kernels/cuda/topk.cu (one CTA a row, and the vocabulary split over CTAs) against engine/topk.h
+// RowTopKLogprobs on the same fp32 rows: ids exactly, log-probabilities to fp32 rounding (only
+// the order of the fp64 sum differs); and the CUDA
 // backend's ForwardTopK against its own Forward() logits, and the drafter's trees with and
 // without it, on the reference draft model.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -97,6 +100,199 @@ TEST_F(TopKCudaTest, EqualsTheHostForEveryKWithTies) {
   }
 }
 
+// Runs TopKLogprobsCuda on `p` with `chunks` (0: TopKChunks' pick, with a workspace; 1: one
+// CTA a row, without one), allocating the split path's workspace.
+cudaError_t RunTopK(cuda::TopKLogprobsParams p, int chunks, cudaStream_t stream) {
+  const int64_t bytes = cuda::TopKWorkspaceBytes(p.num_rows, p.vocab_size, p.k, chunks);
+  DeviceBuffer<double> ws(static_cast<size_t>(std::max<int64_t>(bytes, 8) + 7) / 8);
+  if (chunks != 1) {
+    p.workspace = ws.get();
+    p.workspace_bytes = bytes;
+  }
+  p.chunks = chunks;
+  const cudaError_t e = cuda::TopKLogprobsCuda(p, stream);
+  cudaStreamSynchronize(stream);  // before the workspace goes
+  return e;
+}
+
+// The split path (each row's vocabulary over several CTAs, then a merge) against the host on
+// rows with ties, NaN and -inf: vocabularies from 1 token (more chunks than tokens: empty
+// chunks) to 200000, k 1..16 and 32, 1..128 rows, forced splits and TopKChunks' own; ids
+// exactly, log-probabilities to fp32 rounding, and ids equal to the one-CTA path's.
+TEST_F(TopKCudaTest, SplitEqualsTheHostAndTheOneCtaPath) {
+  std::mt19937_64 rng(25);
+  struct Case {
+    int vocab, rows;
+    std::vector<int> ks, chunks;
+  };
+  const std::vector<Case> cases = {
+      {1, 3, {1}, {2, 64, 0}},
+      {2, 5, {1, 2}, {2, 3, 0}},
+      {17, 4, {1, 2, 3, 5, 8, 13, 16, 17}, {2, 5, 64}},
+      {255, 37, {1, 4, 9, 16, 32}, {3, 17, 64, 0}},
+      {1000, 1, {1, 2, 7, 16}, {2, 64}},
+      {8192, 128, {1, 4, 16}, {0, 8}},
+      {128256, 4, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 32}, {1, 0, 64}},
+      {128256, 32, {4, 16}, {0}},
+      {128256, 128, {4}, {0}},
+      {200000, 7, {1, 16}, {0, 33}},
+  };
+  for (const Case& c : cases) {
+    const int64_t stride = c.vocab + 1;
+    const std::vector<float> dense = MakeRows(c.rows, c.vocab, rng);
+    std::vector<float> strided(static_cast<size_t>(c.rows * stride), 1e30f);
+    std::vector<int32_t> index(c.rows);
+    for (int r = 0; r < c.rows; ++r) {
+      index[r] = c.rows - 1 - r;
+      std::copy(dense.begin() + static_cast<size_t>(r) * c.vocab,
+                dense.begin() + static_cast<size_t>(r + 1) * c.vocab,
+                strided.begin() + static_cast<size_t>(index[r]) * stride);
+    }
+    DeviceBuffer<float> d_logits(strided);
+    DeviceBuffer<int32_t> d_index(index);
+    for (int k : c.ks) {
+      std::vector<int32_t> want_ids(static_cast<size_t>(c.rows) * k);
+      std::vector<float> want_lps(static_cast<size_t>(c.rows) * k);
+      for (int r = 0; r < c.rows; ++r) {
+        RowTopKLogprobs(
+            absl::Span<const float>(dense).subspan(static_cast<size_t>(r) * c.vocab, c.vocab), k,
+            &want_ids[static_cast<size_t>(r) * k], &want_lps[static_cast<size_t>(r) * k]);
+      }
+      std::vector<int32_t> one_cta_ids;
+      for (int chunks : c.chunks) {
+        SCOPED_TRACE(testing::Message() << "vocab " << c.vocab << " rows " << c.rows << " k " << k
+                                        << " chunks " << chunks);
+        DeviceBuffer<int32_t> d_ids(static_cast<size_t>(c.rows * k));
+        DeviceBuffer<float> d_lps(static_cast<size_t>(c.rows * k));
+        cuda::TopKLogprobsParams p;
+        p.logits = d_logits.get();
+        p.logits_stride = stride;
+        p.row_index = d_index.get();
+        p.num_rows = c.rows;
+        p.vocab_size = c.vocab;
+        p.k = k;
+        p.ids = d_ids.get();
+        p.logprobs = d_lps.get();
+        ASSERT_EQ(RunTopK(p, chunks, stream_), cudaSuccess);
+        const std::vector<int32_t> ids = d_ids.Download();
+        const std::vector<float> lps = d_lps.Download();
+        if (chunks == 1) one_cta_ids = ids;
+        if (!one_cta_ids.empty()) EXPECT_EQ(ids, one_cta_ids);
+        for (size_t j = 0; j < ids.size(); ++j) {
+          ASSERT_EQ(ids[j], want_ids[j]) << "row " << j / k << " rank " << j % k;
+          const float got = lps[j], want = want_lps[j];
+          if (got == want) continue;
+          ASSERT_LE(std::fabs(got - want),
+                    2.0f * std::numeric_limits<float>::epsilon() * std::max(1.0f, std::fabs(want)))
+              << "row " << j / k << " rank " << j % k << ": " << got << " vs " << want;
+        }
+      }
+    }
+  }
+}
+
+// TopKChunks fills the GPU for few rows and stops splitting for many; the workspace it sizes
+// for a row count covers every smaller one (a buffer reserved once serves every bucket).
+TEST(TopKChunksTest, SplitsFewRowsAndBoundsTheWorkspace) {
+  EXPECT_EQ(cuda::TopKChunks(4, 128256), cuda::kMaxTopKChunks);
+  EXPECT_GT(cuda::TopKChunks(128, 128256), 1);
+  EXPECT_EQ(cuda::TopKChunks(4096, 128256), 1);
+  EXPECT_EQ(cuda::TopKChunks(4, 512), 1);  // a chunk is at least 1024 tokens
+  EXPECT_EQ(cuda::TopKWorkspaceBytes(4, 512, 16), 0);
+  for (int64_t vocab : {int64_t{2048}, int64_t{32000}, int64_t{128256}}) {
+    const int64_t bound = cuda::TopKWorkspaceBytes(2048, vocab, 16);
+    for (int64_t rows = 1; rows <= 2048; ++rows) {
+      const int chunks = cuda::TopKChunks(rows, vocab);
+      ASSERT_LE(cuda::TopKWorkspaceBytes(rows, vocab, 16, chunks), bound) << rows;
+      ASSERT_LE(cuda::TopKWorkspaceBytes(rows, vocab, 3, chunks), bound) << rows;
+      ASSERT_LE(cuda::TopKWorkspaceBytes(rows, vocab, 16, chunks),
+                cuda::TopKWorkspaceBytes(rows, vocab, 16))
+          << rows;
+    }
+  }
+}
+
+// Processed mode (temperature-scaled rows normalised over a kept set) with the sampled token's
+// log-probability and rank: the split path equals the one-CTA path (ids and ranks exactly,
+// log-probabilities to fp32 rounding).
+TEST_F(TopKCudaTest, SplitEqualsOneCtaInProcessedMode) {
+  std::mt19937_64 rng(52);
+  const int rows = 6, vocab = 50000;
+  const std::vector<float> logits = MakeRows(rows, vocab, rng);
+  std::vector<cuda::SampleRowParams> sampling(rows);
+  std::vector<uint64_t> lower(rows, 0);
+  std::vector<int32_t> tokens(rows);
+  // The host's sort key (kernels/cuda/device_utils.cuh SortKey), for the kept sets' thresholds.
+  auto sort_key = [](float x, int id) {
+    if (x != x) return static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(id));
+    if (x == 0.0f) x = 0.0f;
+    uint32_t b;
+    std::memcpy(&b, &x, sizeof(b));
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return (static_cast<uint64_t>(b) << 32) | (0xffffffffu - static_cast<uint32_t>(id));
+  };
+  for (int r = 0; r < rows; ++r) {
+    const float* row = &logits[static_cast<size_t>(r) * vocab];
+    sampling[r].temperature = r % 2 == 0 ? 0.7f : 0.0f;
+    std::vector<uint64_t> keys(vocab);
+    for (int i = 0; i < vocab; ++i) keys[i] = sort_key(row[i], i);
+    std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());
+    if (r % 3 != 0) lower[r] = keys[r == 1 ? 40 : 3000];  // kept: the best 41 or 3001
+    tokens[r] =
+        static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r * 5] & 0xffffffffu));
+  }
+  DeviceBuffer<float> d_logits(logits);
+  DeviceBuffer<cuda::SampleRowParams> d_sampling(sampling);
+  DeviceBuffer<uint64_t> d_lower(lower);
+  DeviceBuffer<int32_t> d_tokens(tokens);
+  for (int k : {1, 16, 32}) {
+    std::vector<int32_t> ref_ids, ref_ranks;
+    std::vector<float> ref_lps, ref_token_lps;
+    for (int chunks : {1, 0, 7}) {
+      SCOPED_TRACE(testing::Message() << "k " << k << " chunks " << chunks);
+      DeviceBuffer<int32_t> d_ids(static_cast<size_t>(rows * k)), d_ranks(rows);
+      DeviceBuffer<float> d_lps(static_cast<size_t>(rows * k)), d_token_lps(rows);
+      cuda::TopKLogprobsParams p;
+      p.logits = d_logits.get();
+      p.logits_stride = vocab;
+      p.num_rows = rows;
+      p.vocab_size = vocab;
+      p.k = k;
+      p.ids = d_ids.get();
+      p.logprobs = d_lps.get();
+      p.tokens = d_tokens.get();
+      p.token_logprobs = d_token_lps.get();
+      p.token_ranks = d_ranks.get();
+      p.sampling = d_sampling.get();
+      p.kept_lower = d_lower.get();
+      ASSERT_EQ(RunTopK(p, chunks, stream_), cudaSuccess);
+      const std::vector<int32_t> ids = d_ids.Download(), ranks = d_ranks.Download();
+      const std::vector<float> lps = d_lps.Download(), token_lps = d_token_lps.Download();
+      if (chunks == 1) {
+        ref_ids = ids;
+        ref_ranks = ranks;
+        ref_lps = lps;
+        ref_token_lps = token_lps;
+        continue;
+      }
+      EXPECT_EQ(ids, ref_ids);
+      EXPECT_EQ(ranks, ref_ranks);
+      auto close = [](float got, float want) {
+        return got == want || std::fabs(got - want) <= 4.0f *
+                                                           std::numeric_limits<float>::epsilon() *
+                                                           std::max(1.0f, std::fabs(want));
+      };
+      for (size_t j = 0; j < lps.size(); ++j) {
+        EXPECT_TRUE(close(lps[j], ref_lps[j])) << j << ": " << lps[j] << " vs " << ref_lps[j];
+      }
+      for (int r = 0; r < rows; ++r) {
+        EXPECT_TRUE(close(token_lps[r], ref_token_lps[r]))
+            << r << ": " << token_lps[r] << " vs " << ref_token_lps[r];
+      }
+    }
+  }
+}
+
 // The sampled token's log-probability and rank (the OpenAI API's logprobs, raw mode) against
 // engine/sampling.h ComputeLogprobs on the same fp32 rows, with and without top lists (k = 0: the
 // token only; up to 20 alternatives as the API allows, and kMaxTopK): ranks exactly (ties share
@@ -150,27 +346,30 @@ TEST_F(TopKCudaTest, TokenLogprobAndRankEqualComputeLogprobs) {
       p.tokens = d_tokens.get();
       p.token_logprobs = d_token_lps.get();
       p.token_ranks = d_ranks.get();
-      ASSERT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaSuccess);
-      Sync();
-      const std::vector<int32_t> ids = d_ids.Download(), ranks = d_ranks.Download();
-      const std::vector<float> lps = d_lps.Download(), token_lps = d_token_lps.Download();
-      auto close = [](float got, float want) {
-        return got == want || std::fabs(got - want) <= 4.0f *
-                                                           std::numeric_limits<float>::epsilon() *
-                                                           std::max(1.0f, std::fabs(want));
-      };
-      for (int r = 0; r < rows; ++r) {
-        const absl::Span<const float> row =
-            absl::Span<const float>(dense).subspan(static_cast<size_t>(r) * vocab, vocab);
-        const int32_t token = tokens[index[r]];
-        const TokenLogprobs want = ComputeLogprobs(row, row, SamplingParams(), LogprobsMode::kRaw,
-                                                   token, std::min(k, kMaxLogprobs));
-        EXPECT_EQ(ranks[r], want.rank) << "row " << r << " token " << token;
-        EXPECT_TRUE(close(token_lps[r], want.logprob))
-            << "row " << r << ": " << token_lps[r] << " vs " << want.logprob;
-        for (size_t j = 0; j < want.top.size(); ++j) {
-          EXPECT_EQ(ids[r * k + j], want.top[j].token) << "row " << r << " rank " << j;
-          EXPECT_TRUE(close(lps[r * k + j], want.top[j].logprob)) << "row " << r << " rank " << j;
+      // Both paths: one CTA a row, and the vocabulary split over 5 CTAs a row.
+      for (int chunks : {1, 5}) {
+        if (chunks > vocab) continue;
+        ASSERT_EQ(RunTopK(p, chunks, stream_), cudaSuccess);
+        const std::vector<int32_t> ids = d_ids.Download(), ranks = d_ranks.Download();
+        const std::vector<float> lps = d_lps.Download(), token_lps = d_token_lps.Download();
+        auto close = [](float got, float want) {
+          return got == want || std::fabs(got - want) <= 4.0f *
+                                                             std::numeric_limits<float>::epsilon() *
+                                                             std::max(1.0f, std::fabs(want));
+        };
+        for (int r = 0; r < rows; ++r) {
+          const absl::Span<const float> row =
+              absl::Span<const float>(dense).subspan(static_cast<size_t>(r) * vocab, vocab);
+          const int32_t token = tokens[index[r]];
+          const TokenLogprobs want = ComputeLogprobs(row, row, SamplingParams(), LogprobsMode::kRaw,
+                                                     token, std::min(k, kMaxLogprobs));
+          EXPECT_EQ(ranks[r], want.rank) << "row " << r << " token " << token;
+          EXPECT_TRUE(close(token_lps[r], want.logprob))
+              << "row " << r << ": " << token_lps[r] << " vs " << want.logprob;
+          for (size_t j = 0; j < want.top.size(); ++j) {
+            EXPECT_EQ(ids[r * k + j], want.top[j].token) << "row " << r << " rank " << j;
+            EXPECT_TRUE(close(lps[r * k + j], want.top[j].logprob)) << "row " << r << " rank " << j;
+          }
         }
       }
     }
@@ -208,6 +407,20 @@ TEST_F(TopKCudaTest, RefusesBadParams) {
   p.k = 0;
   EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaSuccess);
   p.k = cuda::kMaxTopK + 1;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+  // A forced split needs a workspace of TopKWorkspaceBytes; chunks stay in [0, kMaxTopKChunks].
+  p.k = 4;
+  p.chunks = 2;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+  DeviceBuffer<double> ws(1024);
+  p.workspace = ws.get();
+  p.workspace_bytes = cuda::TopKWorkspaceBytes(1, 16, 4, 2) - 1;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+  p.workspace_bytes += 1;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaSuccess);
+  p.chunks = cuda::kMaxTopKChunks + 1;
+  EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
+  p.chunks = -1;
   EXPECT_EQ(cuda::TopKLogprobsCuda(p, stream_), cudaErrorInvalidValue);
   Sync();
 }

@@ -1,5 +1,7 @@
-// StepQueue: at most one step per stream per batch, in order; ended streams; closing.
+// StepQueue: at most one step per stream per batch, in order; ended streams; closing; the
+// gather window that batches several streams' steps.
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/service/step_stream.h"
@@ -90,6 +92,63 @@ TEST(StepQueue, CloseAndFailAnswersEverythingQueued) {
   EXPECT_EQ(codes, (std::vector<absl::StatusCode>{absl::StatusCode::kUnavailable,
                                                   absl::StatusCode::kUnavailable}));
   EXPECT_TRUE(q.Pop(absl::ZeroDuration()).closed);
+}
+
+// The gather window: with a step queued, Pop waits for the steps of the other streams that
+// stepped recently (two routers batched as one), up to the window; it does not wait when the
+// queued streams are all the active ones, nor for a stream that stopped stepping or ended.
+TEST(StepQueue, GatherWaitsForOtherActiveStreamsOnly) {
+  Queue q;
+  const StreamId a = q.NewStream();
+  const StreamId b = q.NewStream();
+  std::vector<Queue::Step> done;
+  auto reply = [](absl::StatusOr<v1::VerifyStepResponse>) {};
+  auto pop = [&](absl::Duration gather) {
+    Queue::Batch batch = q.Pop(absl::ZeroDuration(), gather);
+    for (Queue::Step& step : batch.steps) step.reply(v1::VerifyStepResponse());
+    return batch;
+  };
+  // One stream alone: no wait, however long the window.
+  q.Submit(a, Request(1), reply);
+  absl::Time start = absl::Now();
+  EXPECT_EQ(pop(absl::Seconds(30)).steps.size(), 1u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(q.gathers(), 0);
+
+  // Both active: a's next step waits for b's, which comes from another thread meanwhile.
+  q.Submit(b, Request(10), reply);
+  EXPECT_EQ(pop(absl::ZeroDuration()).steps.size(), 1u);
+  q.Submit(a, Request(2), reply);
+  std::thread late([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    q.Submit(b, Request(11), reply);
+  });
+  Queue::Batch merged = pop(absl::Seconds(30));
+  late.join();
+  ASSERT_EQ(merged.steps.size(), 2u);
+  EXPECT_EQ(merged.steps[0].request.step_id(), 2u);
+  EXPECT_EQ(merged.steps[1].request.step_id(), 11u);
+  EXPECT_EQ(q.gathers(), 1);
+
+  // b silent: a waits the window, then runs alone.
+  q.Submit(a, Request(3), reply);
+  start = absl::Now();
+  EXPECT_EQ(pop(absl::Milliseconds(50)).steps.size(), 1u);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
+  EXPECT_EQ(q.gathers(), 2);
+
+  // b silent for longer than kActiveWithin, or ended: a no longer waits for it.
+  absl::SleepFor(Queue::kActiveWithin + absl::Milliseconds(50));
+  q.Submit(a, Request(4), reply);
+  EXPECT_EQ(pop(absl::Seconds(30)).steps.size(), 1u);
+  q.Submit(b, Request(12), reply);
+  EXPECT_EQ(pop(absl::ZeroDuration()).steps.size(), 1u);
+  q.EndStream(b);
+  q.Submit(a, Request(5), reply);
+  start = absl::Now();
+  EXPECT_EQ(pop(absl::Seconds(30)).steps.size(), 1u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(q.gathers(), 2);
 }
 
 }  // namespace

@@ -703,7 +703,7 @@ TEST_F(VerifyServiceTest, MetricsFollowTheContract) {
     EXPECT_THAT(text, HasSubstr(absl::StrCat("# TYPE ", name, " ", type))) << name;
     ++rows;
   }
-  EXPECT_EQ(rows, 9);
+  EXPECT_EQ(rows, 10);
   EXPECT_EQ(Metric("specd_sequences_freed_total", {{"reason", "finished"}}), 0);
   // The CPU backend has no graphs and launches no kernels.
   EXPECT_EQ(Metric("specd_cuda_graph_captures_total"), 0);

@@ -1,6 +1,6 @@
 // WarmUpBackend on the CPU backend: the row counts that reach every GEMM row class, one
 // forward each at those shapes, and a backend left as it was (no sequence, no KV, the same
-// outputs afterwards).
+// outputs afterwards); WarmUpDraftLevels likewise at the draft levels' shapes.
 #include "engine/warmup.h"
 
 #include <filesystem>
@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testutil/counting_backend.h"
@@ -96,6 +97,41 @@ TEST_F(WarmUpBackendTest, LeavesOutputsUnchanged) {
   ASSERT_NE(warm, nullptr);
   ASSERT_TRUE(WarmUpBackend(*warm, GemmClassWarmUpRows(64)).ok());
   EXPECT_EQ(PromptLogits(*cold), PromptLogits(*warm));
+}
+
+TEST(DraftLevelWarmUpBatchesTest, PowersOfTwoThenTheLargest) {
+  EXPECT_THAT(DraftLevelWarmUpBatches(64), ElementsAre(1, 2, 4, 8, 16, 32, 64));
+  EXPECT_THAT(DraftLevelWarmUpBatches(20), ElementsAre(1, 2, 4, 8, 16, 20));
+  EXPECT_THAT(DraftLevelWarmUpBatches(1), ElementsAre(1));
+  EXPECT_THAT(DraftLevelWarmUpBatches(0), IsEmpty());
+}
+
+// The drafter's level shapes: per batch, `passes` trees of `depth` ForwardTopK calls (one chain
+// token a sequence, then top_k children a sequence); batches whose trees do not fit the free KV
+// are left out; the backend keeps no sequence and no KV, and its outputs are unchanged.
+TEST_F(WarmUpBackendTest, DraftLevelsRunTheDrafterShapesAndLeaveNothing) {
+  std::unique_ptr<Backend> model = Load(100);
+  ASSERT_NE(model, nullptr);
+  std::unique_ptr<Backend> cold = Load(100);
+  ASSERT_NE(cold, nullptr);
+  CountingBackend counted(model.get());
+  DraftLevelWarmUp shape;
+  // A tree is 1 + 3 * 4 = 13 tokens, a 16-token KV block a sequence: 8 of them do not fit 100.
+  shape.batches = {1, 2, 4, 8};
+  absl::StatusOr<WarmUpReport> report = WarmUpDraftLevels(counted, shape);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_THAT(report->rows, ElementsAre(1, 2, 4));
+  // Passes x levels x the batches run, every token's row asked for; then the batch of 8's
+  // first level, refused for want of KV.
+  EXPECT_EQ(counted.calls(), 2 * 4 * 3 + 1);
+  EXPECT_EQ(counted.tokens(), 2 * 13 * (1 + 2 + 4) + 8);
+  const KvUsage usage = model->Usage();
+  EXPECT_EQ(usage.sequences, 0);
+  EXPECT_EQ(usage.used_tokens, 0);
+  EXPECT_EQ(PromptLogits(*cold), PromptLogits(*model));
+
+  shape.top_k = kMaxForwardTopK + 1;
+  EXPECT_EQ(WarmUpDraftLevels(*model, shape).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -9,6 +9,13 @@
 // times (each lane owns blockDim / 32 lists and offers its best head; a warp arg-max picks the
 // winner, whose list advances), then the CTA sums exp(logit - max) in fp64 over a second pass.
 //
+// Split path (a workspace given and TopKChunks() > 1): one CTA a row leaves most of a large GPU
+// idle when a draft level ranks a few rows of a large vocabulary (4 rows of 128256 tokens: 4 of
+// 132 SMs), so each row's vocabulary is cut into chunks, each ranked by its own CTA as above
+// (its best k, its maximum and its fp64 sum of exp(logit - chunk maximum)); a second kernel, one
+// warp a row, merges the chunks' sorted lists the same way and rescales their sums to the row's
+// maximum. Same ids, same order; the sums differ from the one-CTA path by fp64 rounding only.
+//
 // Optionally, per row, the log-probability and rank of one given token (the sampled one: the
 // OpenAI API's logprobs, engine/sampling.h ComputeLogprobs in raw mode): rank = 1 + the tokens
 // with a strictly larger logit, counted in the same second pass; k may then be 0 (the token only).
@@ -54,7 +61,28 @@ struct TopKLogprobsParams {
   // SampleCuda wrote it for the same logits (0: every token).
   const SampleRowParams* sampling = nullptr;  // [logits rows] device
   const uint64_t* kept_lower = nullptr;       // [logits rows] device
+  // Optional: [workspace_bytes] bytes, device, 16-byte aligned, for the split path; at least
+  // TopKWorkspaceBytes(num_rows, vocab_size, k, chunks). Null: one CTA a row. It is written
+  // and read within the call's launches only, so one buffer serves every launch of a stream.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  // Chunks a row: 0 picks TopKChunks(num_rows, vocab_size) (1 without a workspace); 1 forces
+  // one CTA a row; 2 .. kMaxTopKChunks forces that split (tests: small vocabularies split too).
+  int chunks = 0;
 };
+
+// Most chunks a row of the split path (the merging warp owns kMaxTopKChunks / 32 lists a lane).
+inline constexpr int kMaxTopKChunks = 64;
+
+// The split TopKLogprobsCuda picks: about 1024 CTAs over all rows (a few per SM of an H200),
+// chunks of at least 1024 tokens, at most kMaxTopKChunks; 1 (no split) when that leaves one.
+// Depends on the sizes only, so a captured launch keeps its shape.
+int TopKChunks(int64_t num_rows, int64_t vocab_size);
+
+// Workspace bytes of the split path for these sizes with `chunks` (0: TopKChunks()); 0 when the
+// row is not split. With chunks = 0 the result also covers every smaller num_rows and k, so a
+// buffer reserved for a step's largest shape serves all of its buckets.
+int64_t TopKWorkspaceBytes(int64_t num_rows, int64_t vocab_size, int k, int chunks = 0);
 
 cudaError_t TopKLogprobsCuda(const TopKLogprobsParams& p, cudaStream_t stream);
 
