@@ -463,30 +463,18 @@ std::string HttpParamName(const std::string& field, Endpoint endpoint) {
 
 const char* CodeName(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kCancelled:
-      return "cancelled";
-    case absl::StatusCode::kInvalidArgument:
-      return "invalid_argument";
-    case absl::StatusCode::kDeadlineExceeded:
-      return "deadline_exceeded";
-    case absl::StatusCode::kNotFound:
-      return "not_found";
-    case absl::StatusCode::kPermissionDenied:
-      return "permission_denied";
-    case absl::StatusCode::kResourceExhausted:
-      return "resource_exhausted";
-    case absl::StatusCode::kFailedPrecondition:
-      return "failed_precondition";
-    case absl::StatusCode::kOutOfRange:
-      return "out_of_range";
-    case absl::StatusCode::kUnimplemented:
-      return "unimplemented";
-    case absl::StatusCode::kUnavailable:
-      return "unavailable";
-    case absl::StatusCode::kUnauthenticated:
-      return "unauthenticated";
-    default:
-      return "internal";
+    case absl::StatusCode::kCancelled: return "cancelled";
+    case absl::StatusCode::kInvalidArgument: return "invalid_argument";
+    case absl::StatusCode::kDeadlineExceeded: return "deadline_exceeded";
+    case absl::StatusCode::kNotFound: return "not_found";
+    case absl::StatusCode::kPermissionDenied: return "permission_denied";
+    case absl::StatusCode::kResourceExhausted: return "resource_exhausted";
+    case absl::StatusCode::kFailedPrecondition: return "failed_precondition";
+    case absl::StatusCode::kOutOfRange: return "out_of_range";
+    case absl::StatusCode::kUnimplemented: return "unimplemented";
+    case absl::StatusCode::kUnavailable: return "unavailable";
+    case absl::StatusCode::kUnauthenticated: return "unauthenticated";
+    default: return "internal";
   }
 }
 
@@ -588,6 +576,19 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
   if (const json* so = Field(body, "stream_options"); so != nullptr) {
     if (!out.stream) return Invalid("stream_options", "only allowed when stream is true");
     if (!so->is_object()) return Invalid("stream_options", "must be an object");
+    // Each key is honoured or refused, as the top-level fields are: vLLM's
+    // continuous_usage_stats (usage in every chunk) is accepted only at its neutral false.
+    for (const auto& [key, value] : so->items()) {
+      if (key == "include_usage") continue;
+      const std::string name = "stream_options." + key;
+      if (key == "continuous_usage_stats") {
+        if (value.is_null() || (value.is_boolean() && !value.get<bool>())) continue;
+        return Invalid(name,
+                       "specd does not honour it: usage comes only in the last chunk "
+                       "(include_usage); give false or leave it out");
+      }
+      return Invalid(name, "unknown field; specd honours only stream_options.include_usage");
+    }
     const auto usage = so->find("include_usage");
     if (usage != so->end() && !usage->is_null()) {
       if (!usage->is_boolean()) {
@@ -666,10 +667,8 @@ json ErrorJson(const ApiError& error) {
 const char* OpenAiFinishReason(v1::FinishReason reason) {
   switch (reason) {
     case v1::FINISH_REASON_LENGTH:
-    case v1::FINISH_REASON_CONTEXT:
-      return "length";
-    default:
-      return "stop";
+    case v1::FINISH_REASON_CONTEXT: return "length";
+    default: return "stop";
   }
 }
 

@@ -69,10 +69,9 @@ TEST(HttpProtocolTest, CompletionFieldsMapToGenerateRequest) {
 }
 
 TEST(HttpProtocolTest, SpecdSpeculationNamesEagle3) {
-  absl::StatusOr<ParsedRequest> r =
-      ParseRequest(Endpoint::kCompletions,
-                   R"({"model": "target", "prompt": "x", "specd": {"speculation": "eagle3"}})",
-                   Options());
+  absl::StatusOr<ParsedRequest> r = ParseRequest(
+      Endpoint::kCompletions,
+      R"({"model": "target", "prompt": "x", "specd": {"speculation": "eagle3"}})", Options());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->generate.speculation(), v1::SPECULATION_EAGLE3);
 }
@@ -201,6 +200,30 @@ TEST(HttpProtocolTest, StreamOptions) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
+
+  // Nothing in stream_options is dropped silently: vLLM's continuous_usage_stats only at its
+  // neutral false, any other key a 400 naming it.
+  absl::StatusOr<ParsedRequest> neutral =
+      ParseRequest(Endpoint::kChatCompletions,
+                   R"({"messages": [{"role": "user", "content": "a"}], "stream": true,
+          "stream_options": {"include_usage": false, "continuous_usage_stats": false}})",
+                   Options());
+  ASSERT_TRUE(neutral.ok()) << neutral.status();
+  EXPECT_FALSE(neutral->include_usage);
+  const struct {
+    const char* options;
+    const char* param;
+  } cases[] = {{R"({"continuous_usage_stats": true})", "stream_options.continuous_usage_stats"},
+               {R"({"include_usage": true, "include_obfuscation": false})",
+                "stream_options.include_obfuscation"}};
+  for (const auto& c : cases) {
+    const std::string tail = std::string(R"("stream": true, "stream_options": )") + c.options + "}";
+    EXPECT_EQ(ErrorFor(Endpoint::kCompletions, R"({"prompt": "x", )" + tail).param, c.param);
+    EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                       R"({"messages": [{"role": "user", "content": "a"}], )" + tail)
+                  .param,
+              c.param);
+  }
 }
 
 TEST(HttpProtocolTest, ChatRequest) {
