@@ -191,6 +191,7 @@ absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
     absl::Span<const VerifyItem> items) {
   for (const VerifyItem& it : items) {
     if (!VocabParallelSamplingSupported(it.sampling) || !it.tap_layers.empty()) {
+      ++gathered_verify_calls_;
       return Backend::Verify(items);
     }
   }

@@ -162,6 +162,9 @@ class TensorParallelBackend : public Backend {
   VerifyFeatures verify_features() const override { return {true, true, true}; }
 
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const { return table_.ScratchLength(seq); }
+  // Verify() calls served from gathered logits (Backend::Verify) rather than from per-rank
+  // candidates and statistics: what tests check to know which path a batch took.
+  int64_t gathered_verify_calls() const { return gathered_verify_calls_; }
 
  private:
   TensorParallelBackend(ModelConfig config, TpPlan plan,
@@ -179,6 +182,7 @@ class TensorParallelBackend : public Backend {
   std::unique_ptr<TpCommGroup> comm_;
   PagedKvTable table_;
   int64_t reserved_blocks_ = 0;
+  int64_t gathered_verify_calls_ = 0;
   std::vector<float> topk_logits_;  // ForwardTopK()'s [rows, vocab] logits, host
   // Declared last: its threads stop (in its destructor) before the executors they use go.
   RankWorkers workers_;

@@ -425,6 +425,8 @@ TEST(TpCpuTest, VerifyFromVocabCandidatesEqualsAcceptanceOnGatheredLogits) {
       }
     }
     EXPECT_EQ(a->Usage().used_tokens, b->Usage().used_tokens);
+    // The top-k item sends every batch of the loop to the gathered logits.
+    EXPECT_EQ(static_cast<TensorParallelBackend*>(a.get())->gathered_verify_calls(), 6);
   }
 }
 
@@ -550,6 +552,8 @@ TEST(TpCpuTest, VerifyLogprobsFromRankStatisticsEqualSingleRank) {
       // Both greedy items accept their 2-token chains at every step.
       EXPECT_GE(deep, 2 * 2 * 5) << Name(family) << " TP=" << tp;
       EXPECT_GE(compared, 2 * (4 * 5 + deep)) << Name(family) << " TP=" << tp;
+      // Every batch took the per-rank path (none gathered its logits).
+      EXPECT_EQ(static_cast<TensorParallelBackend*>(ranks.get())->gathered_verify_calls(), 0);
     }
   }
 }
