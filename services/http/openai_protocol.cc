@@ -171,49 +171,16 @@ absl::Status ParseSpecdExtension(const json& body, v1::GenerateRequest* out) {
   return absl::OkStatus();
 }
 
-// The request fields each endpoint knows. Anything else is a 400 naming it: a field silently
-// dropped would return something other than what was asked for (docs/http.md lists them all).
+// RequestFields() as sets, built once.
 bool KnownField(Endpoint endpoint, const std::string& key) {
-  static const absl::flat_hash_set<std::string> kCommon = {"model",
-                                                           "max_tokens",
-                                                           "temperature",
-                                                           "top_p",
-                                                           "top_k",
-                                                           "min_p",
-                                                           "n",
-                                                           "stream",
-                                                           "stream_options",
-                                                           "stop",
-                                                           "stop_token_ids",
-                                                           "seed",
-                                                           "presence_penalty",
-                                                           "frequency_penalty",
-                                                           "repetition_penalty",
-                                                           "logit_bias",
-                                                           "min_tokens",
-                                                           "ignore_eos",
-                                                           "logprobs",
-                                                           "echo",
-                                                           "speculation",
-                                                           "specd",
-                                                           "user",
-                                                           "best_of"};
-  static const absl::flat_hash_set<std::string> kCompletions = {"prompt", "suffix"};
-  static const absl::flat_hash_set<std::string> kChat = {"messages",
-                                                         "max_completion_tokens",
-                                                         "top_logprobs",
-                                                         "tools",
-                                                         "tool_choice",
-                                                         "response_format",
-                                                         "add_special_tokens",
-                                                         "add_generation_prompt",
-                                                         "continue_final_message",
-                                                         "chat_template_kwargs",
-                                                         "chat_template",
-                                                         "documents",
-                                                         "parallel_tool_calls"};
-  if (kCommon.contains(key)) return true;
-  return endpoint == Endpoint::kCompletions ? kCompletions.contains(key) : kChat.contains(key);
+  using Set = absl::flat_hash_set<std::string>;
+  auto make = [](Endpoint e) {
+    const std::vector<std::string> fields = RequestFields(e);
+    return new Set(fields.begin(), fields.end());
+  };
+  static const Set* const completions = make(Endpoint::kCompletions);
+  static const Set* const chat = make(Endpoint::kChatCompletions);
+  return (endpoint == Endpoint::kCompletions ? completions : chat)->contains(key);
 }
 
 constexpr absl::string_view kLaterWave =
@@ -417,6 +384,45 @@ absl::Status ParseMaxTokens(Endpoint endpoint, const json& body, const ProtocolO
 }
 
 }  // namespace
+
+// The request fields each endpoint knows. Anything else is a 400 naming it: a field silently
+// dropped would return something other than what was asked for (docs/http.md lists them all).
+std::vector<std::string> RequestFields(Endpoint endpoint) {
+  std::vector<std::string> fields = {"model",
+                                     "max_tokens",
+                                     "temperature",
+                                     "top_p",
+                                     "top_k",
+                                     "min_p",
+                                     "n",
+                                     "stream",
+                                     "stream_options",
+                                     "stop",
+                                     "stop_token_ids",
+                                     "seed",
+                                     "presence_penalty",
+                                     "frequency_penalty",
+                                     "repetition_penalty",
+                                     "logit_bias",
+                                     "min_tokens",
+                                     "ignore_eos",
+                                     "logprobs",
+                                     "echo",
+                                     "speculation",
+                                     "specd",
+                                     "user",
+                                     "best_of"};
+  if (endpoint == Endpoint::kCompletions) {
+    fields.insert(fields.end(), {"prompt", "suffix"});
+  } else {
+    fields.insert(
+        fields.end(),
+        {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+         "response_format", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+         "chat_template_kwargs", "chat_template", "documents", "parallel_tool_calls"});
+  }
+  return fields;
+}
 
 absl::Status CheckModel(const json& body, const ProtocolOptions& options) {
   const json* model = Field(body, "model");

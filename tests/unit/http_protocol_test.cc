@@ -1,5 +1,8 @@
 // The OpenAI <-> specd.v1.Generation translation of specd-http: request parsing and its
 // errors, error mapping, response and chunk shapes. Chat templates: http_chat_test.cc.
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -223,6 +226,31 @@ TEST(HttpProtocolTest, StreamOptions) {
                        R"({"messages": [{"role": "user", "content": "a"}], )" + tail)
                   .param,
               c.param);
+  }
+}
+
+// docs/http.md's tables of request parameters name every field either endpoint reads (in
+// backquotes, or its keys as `field.key`, on a table row), so no field the edge accepts goes
+// undocumented. Tests run from the repository root.
+TEST(HttpProtocolTest, DocsListEveryRequestField) {
+  std::ifstream in("docs/http.md");
+  ASSERT_TRUE(in.good()) << "docs/http.md from " << std::filesystem::current_path();
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string rows;
+  std::istringstream lines(text.str());
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("| `", 0) == 0) rows += line + "\n";
+  }
+  for (Endpoint endpoint : {Endpoint::kCompletions, Endpoint::kChatCompletions}) {
+    const std::vector<std::string> fields = RequestFields(endpoint);
+    EXPECT_GE(fields.size(), 25u);
+    for (const std::string& field : fields) {
+      // A nested field's keys count (`stream_options.include_usage`).
+      EXPECT_TRUE(rows.find("`" + field + "`") != std::string::npos ||
+                  rows.find("`" + field + ".") != std::string::npos)
+          << field << " has no row in docs/http.md's parameter tables";
+    }
   }
 }
 
