@@ -190,8 +190,8 @@ absl::Status TensorParallelBackend::ForwardWithTaps(absl::Span<const ForwardItem
 absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
     absl::Span<const VerifyItem> items) {
   for (const VerifyItem& it : items) {
-    if (!VocabParallelSamplingSupported(it.sampling) || it.logprobs >= 0 ||
-        !it.tap_layers.empty()) {
+    if (!VocabParallelSamplingSupported(it.sampling) || !it.tap_layers.empty()) {
+      ++gathered_verify_calls_;
       return Backend::Verify(items);
     }
   }
@@ -231,18 +231,44 @@ absl::StatusOr<std::vector<VerifyOutcome>> TensorParallelBackend::Verify(
   out.candidates = candidates.data();
   if (absl::Status s = RunStep(layout, out); !s.ok()) return s;
 
+  // The walk records each emitted row that asks for log-probabilities; their statistics come
+  // from the ranks' shards in one more pass, before the commits touch the KV caches.
+  std::vector<TpRankExecutor::LogprobQuery> queries;
+  std::vector<size_t> query_item;
   size_t row = 0;
   for (size_t b = 0; b < items.size(); ++b) {
-    VerifyOutcome& o = outcomes[b];
-    o = WalkTree(items[b].tree, first_position[b], [&](int node_row, int64_t) {
+    const VerifyItem& it = items[b];
+    const double scale = it.logprobs >= 0 ? LogprobScale(it.sampling, it.logprobs_mode) : 1.0;
+    outcomes[b] = WalkTree(it.tree, first_position[b], [&](int node_row, int64_t) {
       const size_t r = row + static_cast<size_t>(node_row);
-      return ReduceCandidates(
-                 absl::Span<const VocabCandidate>(candidates).subspan(r * world, world))
-          .token;
+      const VocabCandidate best =
+          ReduceCandidates(absl::Span<const VocabCandidate>(candidates).subspan(r * world, world));
+      if (it.logprobs >= 0) {
+        queries.push_back({static_cast<int64_t>(r), scale, best.logit, it.logprobs});
+        query_item.push_back(b);
+      }
+      return best.token;
     });
     row += forward[b].logit_rows.size();
+  }
+  if (!queries.empty()) {
+    std::vector<ShardLogprobStats> stats(queries.size() * world);  // [rank, query]
+    absl::Status s = RunOnRanks([&](int r) {
+      executors_[r]->ShardLogprobs(queries, absl::Span<ShardLogprobStats>(stats).subspan(
+                                                r * queries.size(), queries.size()));
+      return absl::OkStatus();
+    });
+    if (!s.ok()) return s;
+    std::vector<ShardLogprobStats> shards(world);
+    for (size_t q = 0; q < queries.size(); ++q) {
+      for (int r = 0; r < world; ++r) shards[r] = std::move(stats[r * queries.size() + q]);
+      outcomes[query_item[q]].logprobs.push_back(MergeShardLogprobStats(
+          shards, queries[q].scale, queries[q].emitted_logit, queries[q].top_n));
+    }
+  }
+  for (size_t b = 0; b < items.size(); ++b) {
     const std::vector<int32_t> path =
-        AcceptedScratchPath(static_cast<int>(items[b].pending.size()), o);
+        AcceptedScratchPath(static_cast<int>(items[b].pending.size()), outcomes[b]);
     if (absl::Status s = Commit(items[b].seq, path); !s.ok()) return s;
   }
   return outcomes;

@@ -110,6 +110,18 @@ class TpRankExecutor {
                                const Output& out) = 0;
   // Copies KV slot src[i] to dst[i] in order, in every layer.
   virtual void CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst) = 0;
+  // One emitted row of the last Forward() that asks for log-probabilities.
+  struct LogprobQuery {
+    int64_t row = 0;             // in [0, R) of the last Forward()'s layout
+    double scale = 1.0;          // LogprobScale()
+    float emitted_logit = 0.0f;  // the raw logit of the row's emitted token
+    int top_n = 0;               // [0, kMaxLogprobs]
+  };
+  // out[q] = ComputeShardLogprobStats() of this rank's vocabulary columns of row queries[q] of
+  // the last Forward()'s logits, computed where that shard lives so that only O(top_n) numbers
+  // per row leave the rank. `out` has queries.size() entries.
+  virtual void ShardLogprobs(absl::Span<const LogprobQuery> queries,
+                             absl::Span<ShardLogprobStats> out) = 0;
 };
 
 class TensorParallelBackend : public Backend {
@@ -141,13 +153,18 @@ class TensorParallelBackend : public Backend {
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_.Usage(); }
   // When every item's sampling is VocabParallelSamplingSupported (greedy, or temperature
-  // without filters or processors) and no item asks for logprobs, tokens are chosen from
-  // per-rank candidates without gathering the logits, as a GPU group does; otherwise
-  // Backend::Verify on gathered logits. Same outcomes.
+  // without filters or processors) and none asks for taps, tokens are chosen from per-rank
+  // candidates without gathering the logits, as a GPU group does, and log-probabilities are
+  // merged from per-rank statistics (log-sum-exp and top-n per vocabulary slice, computed on
+  // the rank threads); otherwise Backend::Verify on gathered logits. Same tokens; the same
+  // log-probabilities up to double rounding of the merged sum.
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
   VerifyFeatures verify_features() const override { return {true, true, true}; }
 
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const { return table_.ScratchLength(seq); }
+  // Verify() calls served from gathered logits (Backend::Verify) rather than from per-rank
+  // candidates and statistics: what tests check to know which path a batch took.
+  int64_t gathered_verify_calls() const { return gathered_verify_calls_; }
 
  private:
   TensorParallelBackend(ModelConfig config, TpPlan plan,
@@ -165,6 +182,7 @@ class TensorParallelBackend : public Backend {
   std::unique_ptr<TpCommGroup> comm_;
   PagedKvTable table_;
   int64_t reserved_blocks_ = 0;
+  int64_t gathered_verify_calls_ = 0;
   std::vector<float> topk_logits_;  // ForwardTopK()'s [rows, vocab] logits, host
   // Declared last: its threads stop (in its destructor) before the executors they use go.
   RankWorkers workers_;

@@ -38,6 +38,18 @@ class CpuRankExecutor : public TpRankExecutor {
   void CopyKvSlots(absl::Span<const int64_t> src, absl::Span<const int64_t> dst) override {
     model_.CopyKvSlots(src, dst);
   }
+  void ShardLogprobs(absl::Span<const LogprobQuery> queries,
+                     absl::Span<ShardLogprobStats> out) override {
+    const int64_t v = rp_.vocab.size();
+    for (size_t q = 0; q < queries.size(); ++q) {
+      const LogprobQuery& query = queries[q];
+      const absl::Span<const float> row =
+          v == 0 ? absl::Span<const float>()
+                 : absl::Span<const float>(shard_).subspan(query.row * v, v);
+      out[q] =
+          ComputeShardLogprobStats(row, rp_.vocab, query.scale, query.emitted_logit, query.top_n);
+    }
+  }
 
  private:
   const ModelConfig c_;
@@ -46,6 +58,9 @@ class CpuRankExecutor : public TpRankExecutor {
   const int threads_;
   std::unique_ptr<ThreadPool> pool_;
   CpuModel model_;
+  // The last Forward()'s logits of this rank's vocabulary columns, [R, vocab slice] fp32, host:
+  // kept for ShardLogprobs().
+  std::vector<float> shard_;
 };
 
 absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
@@ -60,11 +75,11 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
   if (out.candidates != nullptr) {
     for (int64_t r = 0; r < R; ++r) out.candidates[r * comm->world_size() + comm->rank()] = {};
   }
+  shard_.assign(R * V, 0.0f);
   if (V == 0 || R == 0) return absl::OkStatus();
-  std::vector<float> shard(R * V);
-  model_.Logits(l, residual, sub, shard.data());
+  model_.Logits(l, residual, sub, shard_.data());
   for (int64_t r = 0; r < R; ++r) {
-    const float* row = &shard[r * V];
+    const float* row = &shard_[r * V];
     if (out.logits != nullptr) {
       std::memcpy(out.logits + r * c_.vocab_size + rp_.vocab.begin, row, sizeof(float) * V);
     }

@@ -95,6 +95,7 @@ VocabCandidate ShardCandidate(absl::Span<const float> shard, TpRange vocab,
     if (best.token < 0 || score > best.score) {
       best.score = score;
       best.token = id;
+      best.logit = shard[i];
     }
   }
   return best;
@@ -109,6 +110,69 @@ VocabCandidate ReduceCandidates(absl::Span<const VocabCandidate> candidates) {
     }
   }
   return best;
+}
+
+double LogprobScale(const SamplingParams& params, LogprobsMode mode) {
+  if (mode == LogprobsMode::kRaw || params.greedy()) return 1.0;
+  return 1.0 / params.temperature;
+}
+
+namespace {
+
+// Highest logit first, lowest id first on ties: ComputeLogprobs' order of the top list.
+bool Before(const ShardLogprobStats::Entry& a, const ShardLogprobStats::Entry& b) {
+  return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
+}
+
+}  // namespace
+
+ShardLogprobStats ComputeShardLogprobStats(absl::Span<const float> shard, TpRange vocab,
+                                           double scale, float emitted_logit, int top_n) {
+  ShardLogprobStats out;
+  const int64_t v = std::min<int64_t>(vocab.size(), static_cast<int64_t>(shard.size()));
+  if (v <= 0) return out;
+  double max_l = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < v; ++i) {
+    max_l = std::max<double>(max_l, shard[i]);
+    out.above += shard[i] > emitted_logit;
+  }
+  out.max_logit = max_l;
+  for (int64_t i = 0; i < v; ++i) out.sum_exp += std::exp((shard[i] - max_l) * scale);
+  const int64_t k = std::min<int64_t>(std::max(top_n, 0), v);
+  if (k == 0) return out;
+  std::vector<ShardLogprobStats::Entry> all(v);
+  for (int64_t i = 0; i < v; ++i) all[i] = {static_cast<int32_t>(vocab.begin + i), shard[i]};
+  std::partial_sort(all.begin(), all.begin() + k, all.end(), Before);
+  out.top.assign(all.begin(), all.begin() + k);
+  return out;
+}
+
+TokenLogprobs MergeShardLogprobStats(absl::Span<const ShardLogprobStats> shards, double scale,
+                                     float emitted_logit, int n) {
+  double max_l = -std::numeric_limits<double>::infinity();
+  for (const ShardLogprobStats& s : shards) max_l = std::max(max_l, s.max_logit);
+  double total = 0.0;
+  int64_t above = 0;
+  std::vector<ShardLogprobStats::Entry> top;
+  for (const ShardLogprobStats& s : shards) {
+    above += s.above;
+    top.insert(top.end(), s.top.begin(), s.top.end());
+    if (s.sum_exp > 0.0) total += s.sum_exp * std::exp((s.max_logit - max_l) * scale);
+  }
+  const double log_total = std::log(total);
+  auto logprob = [&](float logit) { return (logit - max_l) * scale - log_total; };
+  TokenLogprobs out;
+  out.logprob = static_cast<float>(logprob(emitted_logit));
+  out.rank = static_cast<int32_t>(above + 1);
+  if (n <= 0) return out;
+  const size_t k = std::min<size_t>(static_cast<size_t>(n), top.size());
+  std::partial_sort(top.begin(), top.begin() + k, top.end(), Before);
+  for (size_t i = 0; i < k; ++i) {
+    const double lp = logprob(top[i].logit);
+    if (std::isinf(lp)) break;  // probability 0, as ComputeLogprobs
+    out.top.push_back({top[i].token, static_cast<float>(lp)});
+  }
+  return out;
 }
 
 }  // namespace specd

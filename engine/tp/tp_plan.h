@@ -22,6 +22,7 @@
 #define SPECD_ENGINE_TP_TP_PLAN_H_
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -87,6 +88,7 @@ absl::StatusOr<TpPlan> MakeTpPlan(const ModelConfig& config, int world_size,
 struct VocabCandidate {
   double score = 0.0;  // logit (greedy) or logit / temperature + Gumbel noise
   int32_t token = -1;  // global token id; -1 for an empty shard
+  float logit = 0.0f;  // the token's raw logit: what the log-probabilities below need of it
 };
 
 bool VocabParallelSamplingSupported(const SamplingParams& params);
@@ -99,6 +101,41 @@ VocabCandidate ShardCandidate(absl::Span<const float> shard, TpRange vocab,
 // The best candidate: highest score, lowest token id on ties (as SampleToken), skipping empty
 // shards. Independent of the order of `candidates`.
 VocabCandidate ReduceCandidates(absl::Span<const VocabCandidate> candidates);
+
+// Vocabulary-parallel log-probabilities (VerifyItem::logprobs) for the sampling that
+// VocabParallelSamplingSupported() allows, where every token is kept: log_softmax(logits *
+// scale) needs only each shard's maximum and sum of exponentials (a log-sum-exp merge), and the
+// top n of the row are among the shards' own top n. So each rank reduces its shard to O(n)
+// numbers and nothing of size vocab leaves it, as a GPU group would do it.
+
+// The scale log_softmax applies to the raw logits (ComputeLogprobs): 1 / temperature for
+// processed log-probabilities of temperature sampling, 1 otherwise. Requires
+// VocabParallelSamplingSupported(params).
+double LogprobScale(const SamplingParams& params, LogprobsMode mode);
+
+struct ShardLogprobStats {
+  double max_logit = -std::numeric_limits<double>::infinity();  // -inf for an empty shard
+  double sum_exp = 0.0;  // sum of exp((logit - max_logit) * scale) over the shard
+  int64_t above = 0;     // the shard's tokens whose logit is strictly above the emitted one's
+  // The shard's `top_n` highest logits, highest first, lowest id first on ties.
+  struct Entry {
+    int32_t token = 0;
+    float logit = 0.0f;
+  };
+  std::vector<Entry> top;
+};
+
+// `shard` is [vocab.size()] fp32, host: logits of tokens [vocab.begin, vocab.end) of one row;
+// `emitted_logit` is the raw logit of the row's emitted token (VocabCandidate::logit of the
+// reduced candidate); top_n in [0, kMaxLogprobs].
+ShardLogprobStats ComputeShardLogprobStats(absl::Span<const float> shard, TpRange vocab,
+                                           double scale, float emitted_logit, int top_n);
+
+// ComputeLogprobs() of the whole row from its shards' statistics (any order): equal to it up to
+// the double rounding of the merged sum (well below fp32 resolution), with the rank counted on
+// the raw logits, which order tokens as their log-probabilities do.
+TokenLogprobs MergeShardLogprobStats(absl::Span<const ShardLogprobStats> shards, double scale,
+                                     float emitted_logit, int n);
 
 }  // namespace specd
 

@@ -171,49 +171,16 @@ absl::Status ParseSpecdExtension(const json& body, v1::GenerateRequest* out) {
   return absl::OkStatus();
 }
 
-// The request fields each endpoint knows. Anything else is a 400 naming it: a field silently
-// dropped would return something other than what was asked for (docs/http.md lists them all).
+// RequestFields() as sets, built once.
 bool KnownField(Endpoint endpoint, const std::string& key) {
-  static const absl::flat_hash_set<std::string> kCommon = {"model",
-                                                           "max_tokens",
-                                                           "temperature",
-                                                           "top_p",
-                                                           "top_k",
-                                                           "min_p",
-                                                           "n",
-                                                           "stream",
-                                                           "stream_options",
-                                                           "stop",
-                                                           "stop_token_ids",
-                                                           "seed",
-                                                           "presence_penalty",
-                                                           "frequency_penalty",
-                                                           "repetition_penalty",
-                                                           "logit_bias",
-                                                           "min_tokens",
-                                                           "ignore_eos",
-                                                           "logprobs",
-                                                           "echo",
-                                                           "speculation",
-                                                           "specd",
-                                                           "user",
-                                                           "best_of"};
-  static const absl::flat_hash_set<std::string> kCompletions = {"prompt", "suffix"};
-  static const absl::flat_hash_set<std::string> kChat = {"messages",
-                                                         "max_completion_tokens",
-                                                         "top_logprobs",
-                                                         "tools",
-                                                         "tool_choice",
-                                                         "response_format",
-                                                         "add_special_tokens",
-                                                         "add_generation_prompt",
-                                                         "continue_final_message",
-                                                         "chat_template_kwargs",
-                                                         "chat_template",
-                                                         "documents",
-                                                         "parallel_tool_calls"};
-  if (kCommon.contains(key)) return true;
-  return endpoint == Endpoint::kCompletions ? kCompletions.contains(key) : kChat.contains(key);
+  using Set = absl::flat_hash_set<std::string>;
+  auto make = [](Endpoint e) {
+    const std::vector<std::string> fields = RequestFields(e);
+    return new Set(fields.begin(), fields.end());
+  };
+  static const Set* const completions = make(Endpoint::kCompletions);
+  static const Set* const chat = make(Endpoint::kChatCompletions);
+  return (endpoint == Endpoint::kCompletions ? completions : chat)->contains(key);
 }
 
 constexpr absl::string_view kLaterWave =
@@ -418,6 +385,45 @@ absl::Status ParseMaxTokens(Endpoint endpoint, const json& body, const ProtocolO
 
 }  // namespace
 
+// The request fields each endpoint knows. Anything else is a 400 naming it: a field silently
+// dropped would return something other than what was asked for (docs/http.md lists them all).
+std::vector<std::string> RequestFields(Endpoint endpoint) {
+  std::vector<std::string> fields = {"model",
+                                     "max_tokens",
+                                     "temperature",
+                                     "top_p",
+                                     "top_k",
+                                     "min_p",
+                                     "n",
+                                     "stream",
+                                     "stream_options",
+                                     "stop",
+                                     "stop_token_ids",
+                                     "seed",
+                                     "presence_penalty",
+                                     "frequency_penalty",
+                                     "repetition_penalty",
+                                     "logit_bias",
+                                     "min_tokens",
+                                     "ignore_eos",
+                                     "logprobs",
+                                     "echo",
+                                     "speculation",
+                                     "specd",
+                                     "user",
+                                     "best_of"};
+  if (endpoint == Endpoint::kCompletions) {
+    fields.insert(fields.end(), {"prompt", "suffix"});
+  } else {
+    fields.insert(
+        fields.end(),
+        {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+         "response_format", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+         "chat_template_kwargs", "chat_template", "documents", "parallel_tool_calls"});
+  }
+  return fields;
+}
+
 absl::Status CheckModel(const json& body, const ProtocolOptions& options) {
   const json* model = Field(body, "model");
   if (model == nullptr) return absl::OkStatus();
@@ -463,30 +469,18 @@ std::string HttpParamName(const std::string& field, Endpoint endpoint) {
 
 const char* CodeName(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kCancelled:
-      return "cancelled";
-    case absl::StatusCode::kInvalidArgument:
-      return "invalid_argument";
-    case absl::StatusCode::kDeadlineExceeded:
-      return "deadline_exceeded";
-    case absl::StatusCode::kNotFound:
-      return "not_found";
-    case absl::StatusCode::kPermissionDenied:
-      return "permission_denied";
-    case absl::StatusCode::kResourceExhausted:
-      return "resource_exhausted";
-    case absl::StatusCode::kFailedPrecondition:
-      return "failed_precondition";
-    case absl::StatusCode::kOutOfRange:
-      return "out_of_range";
-    case absl::StatusCode::kUnimplemented:
-      return "unimplemented";
-    case absl::StatusCode::kUnavailable:
-      return "unavailable";
-    case absl::StatusCode::kUnauthenticated:
-      return "unauthenticated";
-    default:
-      return "internal";
+    case absl::StatusCode::kCancelled: return "cancelled";
+    case absl::StatusCode::kInvalidArgument: return "invalid_argument";
+    case absl::StatusCode::kDeadlineExceeded: return "deadline_exceeded";
+    case absl::StatusCode::kNotFound: return "not_found";
+    case absl::StatusCode::kPermissionDenied: return "permission_denied";
+    case absl::StatusCode::kResourceExhausted: return "resource_exhausted";
+    case absl::StatusCode::kFailedPrecondition: return "failed_precondition";
+    case absl::StatusCode::kOutOfRange: return "out_of_range";
+    case absl::StatusCode::kUnimplemented: return "unimplemented";
+    case absl::StatusCode::kUnavailable: return "unavailable";
+    case absl::StatusCode::kUnauthenticated: return "unauthenticated";
+    default: return "internal";
   }
 }
 
@@ -588,6 +582,19 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
   if (const json* so = Field(body, "stream_options"); so != nullptr) {
     if (!out.stream) return Invalid("stream_options", "only allowed when stream is true");
     if (!so->is_object()) return Invalid("stream_options", "must be an object");
+    // Each key is honoured or refused, as the top-level fields are: vLLM's
+    // continuous_usage_stats (usage in every chunk) is accepted only at its neutral false.
+    for (const auto& [key, value] : so->items()) {
+      if (key == "include_usage") continue;
+      const std::string name = "stream_options." + key;
+      if (key == "continuous_usage_stats") {
+        if (value.is_null() || (value.is_boolean() && !value.get<bool>())) continue;
+        return Invalid(name,
+                       "specd does not honour it: usage comes only in the last chunk "
+                       "(include_usage); give false or leave it out");
+      }
+      return Invalid(name, "unknown field; specd honours only stream_options.include_usage");
+    }
     const auto usage = so->find("include_usage");
     if (usage != so->end() && !usage->is_null()) {
       if (!usage->is_boolean()) {
@@ -666,10 +673,8 @@ json ErrorJson(const ApiError& error) {
 const char* OpenAiFinishReason(v1::FinishReason reason) {
   switch (reason) {
     case v1::FINISH_REASON_LENGTH:
-    case v1::FINISH_REASON_CONTEXT:
-      return "length";
-    default:
-      return "stop";
+    case v1::FINISH_REASON_CONTEXT: return "length";
+    default: return "stop";
   }
 }
 

@@ -52,6 +52,11 @@ struct ParsedRequest {
   uint32_t n = 1;  // samples (choices); generate.n() carries it to the router
 };
 
+// The top-level request fields ParseRequest() reads for `endpoint`: each is honoured, or
+// refused unless it has its neutral value (docs/http.md lists every one and which). Any other
+// field, and any guided_* field, is a 400 naming it.
+std::vector<std::string> RequestFields(Endpoint endpoint);
+
 // Parses and checks a POST body. Checks the OpenAI-level rules (types, n, logprobs and other
 // unsupported options, model name, messages); the numeric ranges of sampling parameters are
 // left to the router, which owns them, and come back as INVALID_ARGUMENT naming the field.
@@ -94,7 +99,7 @@ struct Completion {
   std::string text;
   std::vector<int32_t> token_ids;
   std::vector<v1::TokenLogprob> logprobs;  // one per token id when the request asked
-  v1::GenerateResponse last;  // the chunk with finish_reason, usage and speculation
+  v1::GenerateResponse last;               // the chunk with finish_reason, usage and speculation
 };
 
 // Identity of one response, shared by all its chunks.

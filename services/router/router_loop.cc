@@ -698,6 +698,11 @@ void RouterLoop::VerifyStep() {
     if (seq.verify_epoch != 0 && seq.verify_epoch != epoch) seq.core->ResetTarget();
     const absl::Span<const int32_t> pending = seq.core->TargetPending();
     step->mutable_pending()->Assign(pending.begin(), pending.end());
+    // A feed from the start (the first step, or a resync) tells the verifier where the prompt
+    // ends, so that the penalties and min_tokens count a resynced output as output.
+    if (static_cast<int64_t>(pending.size()) == seq.core->length()) {
+      step->set_prompt_length(static_cast<uint32_t>(seq.core->prompt().size()));
+    }
     tokens += static_cast<int>(pending.size() + seq.tree.size());
     longest = std::max(longest, static_cast<int>(pending.size() + seq.tree.size()));
     if (!seq.tree.empty()) TreeToProto(seq.tree, step->mutable_tree());

@@ -76,7 +76,7 @@ void VerifyLoop::SendTaps(int64_t seq, const std::vector<int>& layers, v1::Tenso
   const int64_t width = static_cast<int64_t>(layers.size()) * backend_->config().hidden_size;
   const int64_t row_bytes = width * (dtype == v1::TENSOR_DTYPE_FP32 ? 4 : 2);
   const int64_t budget = options_.max_tap_bytes_per_reply > 0 ? options_.max_tap_bytes_per_reply
-                                                                : kMaxMessageBytes / 2;
+                                                              : kMaxMessageBytes / 2;
   TapBacklog& held = tap_backlog_[seq];
   const int64_t held_rows = static_cast<int64_t>(held.rows.size()) / width;
   // Held rows continue only into rows of the same layers and type that follow them; otherwise
@@ -135,25 +135,21 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   if (absl::Status s = ValidateTree(item->tree, config.vocab_size); !s.ok()) {
     return Prefixed(s, where + ".");
   }
-  if (absl::Status s = SamplingFromProto(step.sampling(), config.eos_token_ids,
-                                         config.vocab_size, &item->sampling);
+  if (absl::Status s = SamplingFromProto(step.sampling(), config.eos_token_ids, config.vocab_size,
+                                         &item->sampling);
       !s.ok()) {
     return Prefixed(s, where + ".sampling.");
   }
   if (step.has_logprobs()) {
     if (step.logprobs() > static_cast<uint32_t>(kMaxLogprobs)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".logprobs: ", step.logprobs(),
-                                                     " must be at most ", kMaxLogprobs));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".logprobs: ", step.logprobs(), " must be at most ", kMaxLogprobs));
     }
     item->logprobs = static_cast<int>(step.logprobs());
   }
   switch (step.logprobs_mode()) {
-    case v1::LOGPROBS_MODE_RAW:
-      item->logprobs_mode = LogprobsMode::kRaw;
-      break;
-    case v1::LOGPROBS_MODE_PROCESSED:
-      item->logprobs_mode = LogprobsMode::kProcessed;
-      break;
+    case v1::LOGPROBS_MODE_RAW: item->logprobs_mode = LogprobsMode::kRaw; break;
+    case v1::LOGPROBS_MODE_PROCESSED: item->logprobs_mode = LogprobsMode::kProcessed; break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(where, ".logprobs_mode: unknown value ", step.logprobs_mode()));
@@ -197,9 +193,23 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
   }
   const bool needs_history = item->sampling.needs_history();
   if (needs_history && live.has_value() && !histories_.contains(*live)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ".sampling: penalties and min_tokens must be set from a sequence's first step "
-               "(this one started without them, so its history was not kept)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where,
+                     ".sampling: penalties and min_tokens must be set from a sequence's first step "
+                     "(this one started without them, so its history was not kept)"));
+  }
+  // Checked before the sequence is created, so a refused first step leaves nothing behind.
+  if (step.has_prompt_length()) {
+    if (live.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".prompt_length: only a sequence's first step may set it (this one is live)"));
+    }
+    if (step.prompt_length() < 1 ||
+        step.prompt_length() > static_cast<uint32_t>(step.pending_size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".prompt_length: ", step.prompt_length(), " must be in [1, ",
+                       step.pending_size(), "] (the pending size)"));
+    }
   }
   int64_t committed = 0;
   if (live.has_value()) {
@@ -248,9 +258,13 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
     history = &h->second;
   }
   if (history != nullptr) {
-    // The history covers the pending tokens too: the prompt at the first step, output after.
+    // The history covers the pending tokens too: the prompt at the first step (the output
+    // after prompt_length, when a resync feeds it again), output after.
     if (slot->created) {
-      history->AddPrompt(item->pending);
+      const size_t prompt = step.has_prompt_length() ? step.prompt_length() : item->pending.size();
+      const absl::Span<const int32_t> pending(item->pending);
+      history->AddPrompt(pending.first(prompt));
+      if (prompt < pending.size()) history->AddOutput(pending.subspan(prompt));
     } else {
       history->AddOutput(item->pending);
     }

@@ -372,6 +372,14 @@ TEST(RouterClusterTest, RouterMetricsAgreeWithCliStats) {
   const double draft0 = Cluster::Metric(port, "specd_spec_decode_draft_tokens_total");
   const double acc0 = Cluster::Metric(port, "specd_spec_decode_accepted_tokens_total");
   const double gen0 = Cluster::Metric(port, "specd_generation_tokens_total");
+  auto value_or_zero = [&](const std::string& name) {
+    const double v = Cluster::Metric(port, name);
+    return std::isnan(v) ? 0.0 : v;
+  };
+  const double prompt_n0 = value_or_zero("specd_request_prompt_tokens_count");
+  const double prompt_sum0 = value_or_zero("specd_request_prompt_tokens_sum");
+  const double gen_n0 = value_or_zero("specd_request_generation_tokens_count");
+  const double gen_sum0 = value_or_zero("specd_request_generation_tokens_sum");
   int code = 0;
   const std::vector<std::string> lines =
       RunCli(absl::StrCat("generate --server ", c->router_address,
@@ -398,6 +406,13 @@ TEST(RouterClusterTest, RouterMetricsAgreeWithCliStats) {
   EXPECT_EQ(Cluster::Metric(port, "specd_spec_decode_accepted_tokens_total") - acc0,
             spec["accepted_tokens"].get<double>());
   EXPECT_EQ(Cluster::Metric(port, "specd_generation_tokens_total") - gen0, 40);
+  // The length histograms saw the request once: its prompt, and its 40 generated tokens
+  // (observed as the sequence finishes, which may trail its last chunk).
+  EXPECT_TRUE(c->WaitForMetric(port, "specd_request_generation_tokens_count", {}, gen_n0 + 1));
+  EXPECT_EQ(Cluster::Metric(port, "specd_request_generation_tokens_sum") - gen_sum0, 40);
+  EXPECT_EQ(Cluster::Metric(port, "specd_request_prompt_tokens_count") - prompt_n0, 1);
+  EXPECT_EQ(Cluster::Metric(port, "specd_request_prompt_tokens_sum") - prompt_sum0,
+            last["usage"]["prompt_tokens"].get<double>());
   const double steps = spec["steps"], accepted = spec["accepted_tokens"],
                drafted = spec["draft_tokens"];
   EXPECT_DOUBLE_EQ(spec["acceptance_rate"].get<double>(), accepted / drafted);

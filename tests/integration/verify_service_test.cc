@@ -41,8 +41,7 @@ using HealthResponse = grpc::health::v1::HealthCheckResponse;
 
 constexpr int kVocab = 320;
 
-using VerifyStream =
-    StepStreamClient<v1::Verifier, v1::VerifyStepRequest, v1::VerifyStepResponse>;
+using VerifyStream = StepStreamClient<v1::Verifier, v1::VerifyStepRequest, v1::VerifyStepResponse>;
 
 // `stop_token_ids` go with min_tokens (the service adds its model's EOS ids itself).
 v1::VerifySequenceStep* AddStep(v1::VerifyStepRequest* request, uint64_t seq,
@@ -172,8 +171,7 @@ TEST_F(VerifyServiceTest, GetInfoDescribesTheModel) {
 class VerifyServiceTpTest : public VerifyServiceTest, public ::testing::WithParamInterface<int> {};
 
 TEST_P(VerifyServiceTpTest, BatchedStepsMatchInProcessVerify) {
-  std::unique_ptr<ServiceProcess> p =
-      StartVerify({absl::StrCat("--tensor_parallel=", GetParam())});
+  std::unique_ptr<ServiceProcess> p = StartVerify({absl::StrCat("--tensor_parallel=", GetParam())});
   ASSERT_NE(p, nullptr);
   {
     auto stub = v1::Verifier::NewStub(p->channel());
@@ -409,7 +407,8 @@ TEST_F(VerifyServiceTest, SamplingFieldsAreValidatedNamingTheField) {
   add(4, [](v1::VerifySequenceStep* s) {
     (*s->mutable_sampling()->mutable_logit_bias())[kVocab + 1] = 1.0f;
   });
-  add(5, [](v1::VerifySequenceStep* s) { (*s->mutable_sampling()->mutable_logit_bias())[5] = 150; });
+  add(5,
+      [](v1::VerifySequenceStep* s) { (*s->mutable_sampling()->mutable_logit_bias())[5] = 150; });
   add(6, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_repetition_penalty(0.0f); });
   add(7, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_presence_penalty(2.5f); });
   add(8, [](v1::VerifySequenceStep* s) { s->mutable_sampling()->set_frequency_penalty(-2.5f); });
@@ -427,8 +426,8 @@ TEST_F(VerifyServiceTest, SamplingFieldsAreValidatedNamingTheField) {
   ASSERT_EQ(response.results_size(), 12);
   auto expect_error = [&](int i, const std::string& text) {
     const v1::VerifySequenceResult& r = response.results(i);
-    EXPECT_EQ(r.error().code(), grpc::StatusCode::INVALID_ARGUMENT) << i << ": "
-                                                                     << r.error().message();
+    EXPECT_EQ(r.error().code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << i << ": " << r.error().message();
     EXPECT_THAT(r.error().message(), HasSubstr(text)) << i;
     EXPECT_EQ(r.tokens_size(), 0) << i;
   };
@@ -478,6 +477,79 @@ TEST_F(VerifyServiceTest, SamplingFieldsAreValidatedNamingTheField) {
               HasSubstr("steps[0].sampling: penalties and min_tokens must be set from a "
                         "sequence's first step"));
   EXPECT_FALSE(second.results(1).has_error()) << second.results(1).error().message();
+  EXPECT_TRUE(stream.Close().ok());
+}
+
+// The service keeps each sequence's history, so a step carries only its new tokens. When a
+// router resyncs a sequence onto a replaced verify service it feeds the whole history at once
+// with prompt_length: the new sequence then counts the resent output as output (penalties,
+// min_tokens) and continues exactly as the original, while the same feed without it (all
+// prompt) does not. prompt_length on a live sequence or outside [1, pending] is refused.
+TEST_F(VerifyServiceTest, ResyncedHistoryCountsItsOutputAsOutput) {
+  std::unique_ptr<ServiceProcess> p = StartVerify();
+  ASSERT_NE(p, nullptr);
+  SamplingParams penalties;
+  penalties.frequency_penalty = 2.0f;
+  penalties.presence_penalty = 2.0f;
+  penalties.min_tokens = 7;
+  const std::vector<int32_t> prompt = {5, 6, 7, 5, 6};
+  std::vector<int32_t> history = prompt;
+  VerifyStream stream(p->channel());
+  auto add = [&](v1::VerifyStepRequest* request, uint64_t id, const std::vector<int32_t>& pending) {
+    v1::VerifySequenceStep* step = AddStep(request, id, pending, {}, penalties);
+    step->set_logprobs(5);
+    step->set_logprobs_mode(v1::LOGPROBS_MODE_PROCESSED);
+    return step;
+  };
+  std::vector<int32_t> pending = prompt;
+  for (int step = 0; step < 4; ++step) {  // the original sequence, target-only steps
+    v1::VerifyStepRequest request;
+    request.set_step_id(step);
+    add(&request, 31, pending);
+    const v1::VerifyStepResponse response = stream.Step(request);
+    ASSERT_FALSE(response.results(0).has_error()) << response.results(0).error().message();
+    pending = Tokens(response.results(0));
+    history.insert(history.end(), pending.begin(), pending.end());
+  }
+  v1::VerifyStepRequest request;
+  request.set_step_id(10);
+  add(&request, 31, pending);
+  add(&request, 32, history)->set_prompt_length(prompt.size());  // resynced right
+  add(&request, 33, history);                                    // everything as prompt
+  add(&request, 34, history)->set_prompt_length(0);
+  add(&request, 35, history)->set_prompt_length(history.size() + 1);
+  const v1::VerifyStepResponse response = stream.Step(request);
+  ASSERT_EQ(response.results_size(), 5);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_FALSE(response.results(i).has_error()) << response.results(i).error().message();
+    ASSERT_EQ(response.results(i).logprobs_size(), 1);
+  }
+  const v1::VerifySequenceResult& original = response.results(0);
+  const v1::VerifySequenceResult& resynced = response.results(1);
+  const v1::VerifySequenceResult& as_prompt = response.results(2);
+  EXPECT_EQ(Tokens(resynced), Tokens(original));
+  EXPECT_NEAR(resynced.logprobs(0).logprob(), original.logprobs(0).logprob(), 1e-5);
+  EXPECT_THAT(resynced.logprobs(0).top_tokens(),
+              ElementsAreArray(original.logprobs(0).top_tokens()));
+  // Counted as prompt, the four output tokens lose their penalties and eos its min_tokens
+  // mask: a different processed distribution.
+  EXPECT_GT(std::abs(as_prompt.logprobs(0).logprob() - original.logprobs(0).logprob()) +
+                (Tokens(as_prompt) != Tokens(original) ? 1.0 : 0.0),
+            1e-3);
+  for (int i : {3, 4}) {
+    EXPECT_EQ(response.results(i).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(response.results(i).error().message(),
+                HasSubstr(absl::StrCat("steps[", i, "].prompt_length: ")));
+  }
+  EXPECT_EQ(Metric("specd_sequences"), 3);  // the refused first steps created nothing
+
+  v1::VerifyStepRequest later;
+  later.set_step_id(11);
+  add(&later, 32, Tokens(resynced))->set_prompt_length(1);
+  const v1::VerifyStepResponse refused = stream.Step(later);
+  EXPECT_EQ(refused.results(0).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.results(0).error().message(),
+              HasSubstr("steps[0].prompt_length: only a sequence's first step"));
   EXPECT_TRUE(stream.Close().ok());
 }
 

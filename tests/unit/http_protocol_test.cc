@@ -1,5 +1,8 @@
 // The OpenAI <-> specd.v1.Generation translation of specd-http: request parsing and its
 // errors, error mapping, response and chunk shapes. Chat templates: http_chat_test.cc.
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -69,10 +72,9 @@ TEST(HttpProtocolTest, CompletionFieldsMapToGenerateRequest) {
 }
 
 TEST(HttpProtocolTest, SpecdSpeculationNamesEagle3) {
-  absl::StatusOr<ParsedRequest> r =
-      ParseRequest(Endpoint::kCompletions,
-                   R"({"model": "target", "prompt": "x", "specd": {"speculation": "eagle3"}})",
-                   Options());
+  absl::StatusOr<ParsedRequest> r = ParseRequest(
+      Endpoint::kCompletions,
+      R"({"model": "target", "prompt": "x", "specd": {"speculation": "eagle3"}})", Options());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->generate.speculation(), v1::SPECULATION_EAGLE3);
 }
@@ -201,6 +203,55 @@ TEST(HttpProtocolTest, StreamOptions) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
+
+  // Nothing in stream_options is dropped silently: vLLM's continuous_usage_stats only at its
+  // neutral false, any other key a 400 naming it.
+  absl::StatusOr<ParsedRequest> neutral =
+      ParseRequest(Endpoint::kChatCompletions,
+                   R"({"messages": [{"role": "user", "content": "a"}], "stream": true,
+          "stream_options": {"include_usage": false, "continuous_usage_stats": false}})",
+                   Options());
+  ASSERT_TRUE(neutral.ok()) << neutral.status();
+  EXPECT_FALSE(neutral->include_usage);
+  const struct {
+    const char* options;
+    const char* param;
+  } cases[] = {{R"({"continuous_usage_stats": true})", "stream_options.continuous_usage_stats"},
+               {R"({"include_usage": true, "include_obfuscation": false})",
+                "stream_options.include_obfuscation"}};
+  for (const auto& c : cases) {
+    const std::string tail = std::string(R"("stream": true, "stream_options": )") + c.options + "}";
+    EXPECT_EQ(ErrorFor(Endpoint::kCompletions, R"({"prompt": "x", )" + tail).param, c.param);
+    EXPECT_EQ(ErrorFor(Endpoint::kChatCompletions,
+                       R"({"messages": [{"role": "user", "content": "a"}], )" + tail)
+                  .param,
+              c.param);
+  }
+}
+
+// docs/http.md's tables of request parameters name every field either endpoint reads (in
+// backquotes, or its keys as `field.key`, on a table row), so no field the edge accepts goes
+// undocumented. Tests run from the repository root.
+TEST(HttpProtocolTest, DocsListEveryRequestField) {
+  std::ifstream in("docs/http.md");
+  ASSERT_TRUE(in.good()) << "docs/http.md from " << std::filesystem::current_path();
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string rows;
+  std::istringstream lines(text.str());
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("| `", 0) == 0) rows += line + "\n";
+  }
+  for (Endpoint endpoint : {Endpoint::kCompletions, Endpoint::kChatCompletions}) {
+    const std::vector<std::string> fields = RequestFields(endpoint);
+    EXPECT_GE(fields.size(), 25u);
+    for (const std::string& field : fields) {
+      // A nested field's keys count (`stream_options.include_usage`).
+      EXPECT_TRUE(rows.find("`" + field + "`") != std::string::npos ||
+                  rows.find("`" + field + ".") != std::string::npos)
+          << field << " has no row in docs/http.md's parameter tables";
+    }
+  }
 }
 
 TEST(HttpProtocolTest, ChatRequest) {

@@ -425,6 +425,136 @@ TEST(TpCpuTest, VerifyFromVocabCandidatesEqualsAcceptanceOnGatheredLogits) {
       }
     }
     EXPECT_EQ(a->Usage().used_tokens, b->Usage().used_tokens);
+    // The top-k item sends every batch of the loop to the gathered logits.
+    EXPECT_EQ(static_cast<TensorParallelBackend*>(a.get())->gathered_verify_calls(), 6);
+  }
+}
+
+// Log-probabilities in the vocabulary-parallel path come from per-rank statistics (log-sum-exp
+// and top-n of each rank's vocabulary slice, merged): the same emitted tokens, ranks and top ids
+// as TP = 1 (CpuBackend) and as the host's ComputeLogprobs on this N's gathered logits
+// (Backend::Verify), raw and processed, greedy and sampled, for emitted rows at several depths
+// of accepted chains. The values are within 1e-6 of the gathered ones (the merge's only error
+// is double rounding) and within 1e-4 of TP = 1's (the bound against transformers):
+// those logits differ by fp32 rounding of the row-parallel sums (ExpectClose above, up to
+// 1e-5 of the row's largest logit), which reaches 3e-5 in a logprob on these models.
+TEST(TpCpuTest, VerifyLogprobsFromRankStatisticsEqualSingleRank) {
+  for (Family family : {Family::kQwen2, Family::kLlama70Heads}) {
+    for (int tp : {2, 7}) {
+      std::unique_ptr<Backend> ranks = Load(M().Dir(family), tp);
+      std::unique_ptr<Backend> gathered = Load(M().Dir(family), tp);
+      std::unique_ptr<Backend> single = Load(M().Dir(family), 1);
+      ASSERT_TRUE(ranks && gathered && single);
+      const int vocab = single->config().vocab_size;
+      struct Case {
+        float temperature;
+        LogprobsMode mode;
+        int logprobs;
+      };
+      const std::vector<Case> cases = {{0.0f, LogprobsMode::kRaw, 5},
+                                       {0.0f, LogprobsMode::kProcessed, kMaxLogprobs},
+                                       {0.8f, LogprobsMode::kProcessed, 3},
+                                       {1.5f, LogprobsMode::kRaw, 0},
+                                       {1.0f, LogprobsMode::kRaw, -1}};
+      std::vector<VerifyItem> items(cases.size());
+      std::vector<std::vector<int32_t>> history(cases.size());
+      // Greedy continuations of a history, decoded one by one on a TP = 1 model of its own.
+      std::unique_ptr<Backend> oracle = Load(M().Dir(family), 1);
+      ASSERT_TRUE(oracle);
+      SeqId oracle_id = 100;
+      auto greedy = [&](const std::vector<int32_t>& prefix, int n) {
+        const SeqId id = oracle_id++;
+        EXPECT_TRUE(oracle->AddSequence(id).ok());
+        std::vector<int32_t> out;
+        VerifyItem item{id, prefix, {}, {}};
+        for (int i = 0; i < n; ++i) {
+          absl::StatusOr<std::vector<VerifyOutcome>> o = oracle->Verify({item});
+          EXPECT_TRUE(o.ok()) << o.status();
+          if (!o.ok()) break;
+          out.push_back((*o)[0].tokens[0]);
+          item.pending = {out.back()};
+        }
+        EXPECT_TRUE(oracle->RemoveSequence(id).ok());
+        return out;
+      };
+      for (size_t i = 0; i < items.size(); ++i) {
+        for (Backend* be : {ranks.get(), gathered.get(), single.get()}) {
+          ASSERT_TRUE(be->AddSequence(i).ok());
+        }
+        items[i].seq = i;
+        items[i].pending = {static_cast<int32_t>(10 + i), 20, 30};
+        items[i].sampling.temperature = cases[i].temperature;
+        items[i].sampling.seed = 7 + i;
+        items[i].logprobs = cases[i].logprobs;
+        items[i].logprobs_mode = cases[i].mode;
+        history[i] = items[i].pending;
+      }
+      int compared = 0, deep = 0;
+      for (int step = 0; step < 5; ++step) {
+        for (size_t i = 0; i < items.size(); ++i) {
+          // Greedy items get their true continuation as a chain of 2 with a wrong sibling at
+          // each level, so rows below the root emit; the sampled ones a fixed small tree.
+          TokenTree& t = items[i].tree;
+          if (items[i].sampling.greedy()) {
+            const std::vector<int32_t> next = greedy(history[i], 2);
+            ASSERT_EQ(next.size(), 2u);
+            t.tokens = {(next[0] + 1) % vocab, next[0], (next[1] + 1) % vocab, next[1]};
+            t.parents = {-1, -1, 1, 1};
+          } else {
+            t.tokens = {static_cast<int32_t>((step * 31 + i * 7) % vocab), 5, 6, 7};
+            t.parents = {-1, -1, 0, 0};
+          }
+        }
+        absl::StatusOr<std::vector<VerifyOutcome>> got = ranks->Verify(items);
+        absl::StatusOr<std::vector<VerifyOutcome>> host = gathered->Backend::Verify(items);
+        absl::StatusOr<std::vector<VerifyOutcome>> one = single->Verify(items);
+        ASSERT_TRUE(got.ok()) << got.status();
+        ASSERT_TRUE(host.ok()) << host.status();
+        ASSERT_TRUE(one.ok()) << one.status();
+        for (size_t i = 0; i < items.size(); ++i) {
+          const std::string what =
+              absl::StrCat(Name(family), " TP=", tp, " step ", step, " item ", i);
+          const VerifyOutcome& g = (*got)[i];
+          ASSERT_EQ(g.tokens, (*one)[i].tokens) << what;
+          ASSERT_EQ(g.tokens, (*host)[i].tokens) << what;
+          if (items[i].logprobs < 0) {
+            EXPECT_TRUE(g.logprobs.empty()) << what;
+            continue;
+          }
+          ASSERT_EQ(g.logprobs.size(), g.tokens.size()) << what;
+          for (const std::vector<VerifyOutcome>* want : {&*one, &*host}) {
+            ASSERT_EQ((*want)[i].logprobs.size(), g.tokens.size()) << what;
+            for (size_t t = 0; t < g.tokens.size(); ++t) {
+              const TokenLogprobs& a = g.logprobs[t];
+              const TokenLogprobs& b = (*want)[i].logprobs[t];
+              const std::string at =
+                  absl::StrCat(what, " token ", t, want == &*one ? " vs TP=1" : " vs gathered");
+              const double tolerance = want == &*one ? 1e-4 : 1e-6;
+              EXPECT_NEAR(a.logprob, b.logprob, tolerance) << at;
+              EXPECT_EQ(a.rank, b.rank) << at;
+              ASSERT_EQ(a.top.size(), b.top.size()) << at;
+              EXPECT_EQ(a.top.size(), static_cast<size_t>(items[i].logprobs)) << at;
+              for (size_t k = 0; k < a.top.size(); ++k) {
+                EXPECT_EQ(a.top[k].token, b.top[k].token) << at << " top " << k;
+                EXPECT_NEAR(a.top[k].logprob, b.top[k].logprob, tolerance) << at << " top " << k;
+              }
+              ++compared;
+            }
+          }
+          deep += g.accepted_draft;
+        }
+        for (size_t i = 0; i < items.size(); ++i) {
+          const std::vector<int32_t>& emitted = (*got)[i].tokens;
+          history[i].insert(history[i].end(), emitted.begin(), emitted.end());
+          items[i].pending = {emitted.back()};
+        }
+      }
+      // Both greedy items accept their 2-token chains at every step.
+      EXPECT_GE(deep, 2 * 2 * 5) << Name(family) << " TP=" << tp;
+      EXPECT_GE(compared, 2 * (4 * 5 + deep)) << Name(family) << " TP=" << tp;
+      // Every batch took the per-rank path (none gathered its logits).
+      EXPECT_EQ(static_cast<TensorParallelBackend*>(ranks.get())->gathered_verify_calls(), 0);
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -206,6 +207,62 @@ TEST(TpPlanTest, VocabParallelCandidatesReproduceSampleToken) {
   top_p.temperature = 1.0f;
   top_p.top_p = 0.9f;
   EXPECT_FALSE(VocabParallelSamplingSupported(top_p));
+}
+
+// Log-probabilities merged from shard statistics equal ComputeLogprobs() of the whole row, raw
+// and processed, greedy and tempered, for 1-9 shards (empty ones at N > vocab / 2 included),
+// n up to kMaxLogprobs (more than a shard holds), ties across shards (lowest id first) and a
+// row with -inf logits (probability 0, never listed). Shards given in any order.
+TEST(TpPlanTest, ShardLogprobStatsMergeToComputeLogprobs) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  int checked = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const int vocab = trial % 4 == 0 ? 13 : 211;
+    std::vector<float> logits(vocab);
+    for (float& x : logits) x = normal(rng);
+    if (trial % 3 == 0) {
+      logits[trial % vocab] = logits[(trial * 7 + 5) % vocab] = 9.5f;  // tied best
+      logits[(trial + 3) % vocab] = logits[(trial * 5 + 8) % vocab] = 1.25f;
+    }
+    if (trial % 5 == 0) {
+      for (int i = 0; i < vocab; i += 3) logits[i] = -std::numeric_limits<float>::infinity();
+    }
+    std::vector<SamplingParams> params(3);
+    params[1].temperature = 0.7f;
+    params[2].temperature = 1.9f;
+    for (const SamplingParams& p : params) {
+      for (LogprobsMode mode : {LogprobsMode::kRaw, LogprobsMode::kProcessed}) {
+        int32_t token = (trial * 13 + 1) % vocab;
+        if (std::isinf(logits[token])) token = (token + 1) % vocab;  // emitted: never masked
+        for (int n : {0, 1, 7, kMaxLogprobs}) {
+          const TokenLogprobs want = ComputeLogprobs(logits, logits, p, mode, token, n);
+          const double scale = LogprobScale(p, mode);
+          for (int world = 1; world <= 9; ++world) {
+            const std::string what = absl::StrCat("trial ", trial, " t ", p.temperature, " mode ",
+                                                  static_cast<int>(mode), " n ", n, " N ", world);
+            std::vector<ShardLogprobStats> shards;
+            for (const TpRange& r : SplitEvenly(vocab, world, vocab < 20 ? 4 : 1)) {
+              shards.push_back(ComputeShardLogprobStats(
+                  absl::Span<const float>(logits).subspan(r.begin, r.size()), r, scale,
+                  logits[token], n));
+            }
+            std::reverse(shards.begin(), shards.end());
+            const TokenLogprobs got = MergeShardLogprobStats(shards, scale, logits[token], n);
+            EXPECT_NEAR(got.logprob, want.logprob, 1e-6) << what;
+            EXPECT_EQ(got.rank, want.rank) << what;
+            ASSERT_EQ(got.top.size(), want.top.size()) << what;
+            for (size_t k = 0; k < want.top.size(); ++k) {
+              EXPECT_EQ(got.top[k].token, want.top[k].token) << what << " top " << k;
+              EXPECT_NEAR(got.top[k].logprob, want.top[k].logprob, 1e-6) << what << " top " << k;
+            }
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 40 * 3 * 2 * 4 * 9);
 }
 
 // A rank's slice of query heads (with the KV heads it holds) attends exactly as those heads do
