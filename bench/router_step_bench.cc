@@ -95,6 +95,10 @@ struct Router {
   std::string draft_wire, draft_reply_wire, verify_wire, verify_reply_wire;
   absl::flat_hash_map<uint64_t, Seq*> by_id;
   int64_t drafted_steps = 0, steps = 0;
+  // FNV-1a over every decision's shapes and reasons: the same in two builds means the policy
+  // decided the same, step for step (the bench is deterministic).
+  uint32_t digest = 2166136261u;
+  void Fold(uint32_t x) { digest = (digest ^ x) * 16777619u; }
 
   Router(Mode m, int n, const Tokenizer* t)
       : mode(m), acceptance(m == kAutoChains ? 0.9 : 0.02), tokenizer(t), policy(Options()) {
@@ -163,6 +167,12 @@ __attribute__((noinline)) void RouterPartPlan(Router& r) {
     inputs.push_back(p);
   }
   const PolicyDecision decision = r.policy.Decide(inputs);
+  for (size_t i = 0; i < decision.shapes.size(); ++i) {
+    const SpecShape& shape = decision.shapes[i];
+    r.Fold(static_cast<uint32_t>(shape.depth) << 24 | static_cast<uint32_t>(shape.top_k) << 16 |
+           static_cast<uint32_t>(shape.max_nodes) << 8 |
+           static_cast<uint32_t>(decision.reasons[i]));
+  }
   for (size_t i = 0; i < r.running.size(); ++i) {
     r.running[i].core->Plan(decision.shapes[i], decision.reasons[i]);
   }
@@ -378,10 +388,13 @@ void BM_RouterStep(benchmark::State& state) {
   Router r(static_cast<Mode>(state.range(1)), n, ReferenceTokenizer());
   // Past the first decisions and probes: the state a long run is in.
   for (int i = 0; i < 300; ++i) Step<false>(r);
+  const uint32_t warm_up_digest = r.digest;
   r.drafted_steps = 0;
   r.steps = 0;
   for (auto _ : state) Step<true>(r);
   state.counters["seqs"] = n;
+  // The decisions of the warm-up steps (below 2^32: exact in the counter's double).
+  state.counters["digest"] = warm_up_digest;
   state.counters["drafted_share"] =
       r.steps > 0 ? static_cast<double>(r.drafted_steps) / (static_cast<double>(r.steps) * n) : 0;
 }
