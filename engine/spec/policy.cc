@@ -1,9 +1,11 @@
 #include "engine/spec/policy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -106,6 +108,7 @@ void AcceptanceEstimate::Observe(const SpecShape& shape, int accepted,
   double* rate = chain ? chain_ : tree_;
   int* n = chain ? chain_n_ : tree_n_;
   const int last = std::min({accepted + 1, shape.depth, kMaxDepth});
+  cache_.policy = 0;  // the expectations change with the rates
   for (int d = 1; d <= last; ++d) {
     const double x = d <= accepted ? 1.0 : 0.0;
     double& r = rate[d - 1];
@@ -170,9 +173,9 @@ void AcceptanceEstimate::ExpectedAcceptedChains(const PolicyOptions& options,
 // ---- CostModel ----
 
 int CostModel::Bucket(int n, int buckets) {
-  int b = 0;
-  for (int limit = 1; n > limit && b < buckets - 1; limit *= 2) ++b;
-  return b;
+  // ceil(log2(n)) for n > 1, capped: the doublings of 1 that stay below n.
+  if (n <= 1) return 0;
+  return std::min(32 - __builtin_clz(static_cast<uint32_t>(n - 1)), buckets - 1);
 }
 
 double CostModel::VerifyPrior(int rows, int tokens) const {
@@ -318,7 +321,7 @@ double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch
                                        options_->flat_tokens, cost_at, prior_at);
       level = along > 0 ? along : level * LevelRatio(tb);
     }
-    if (std::all_of(std::begin(level_n_), std::end(level_n_), [](int n) { return n == 0; })) {
+    if (!level_measured_) {
       return options_->unmeasured_draft_scale * (options_->draft_fixed_s + levels * level) +
              catch_up_s;
     }
@@ -403,12 +406,16 @@ void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens
   }
   level_tokens_[tb] += (per_level - level_tokens_[tb]) / (level_n_[tb] + 1);
   Update(ratio, first_of_all, &level_ratio_[tb], &level_n_[tb]);
+  level_measured_ = level_measured_ || level_n_[tb] > 0;
 }
 
 // ---- GoodputPolicy ----
 
 GoodputPolicy::GoodputPolicy(PolicyOptions options)
-    : options_(std::move(options)), costs_(&options_) {}
+    : options_(std::move(options)), costs_(&options_) {
+  static std::atomic<uint64_t> next_id{1};
+  id_ = next_id.fetch_add(1, std::memory_order_relaxed);
+}
 
 SpecShape GoodputPolicy::Clamp(const SpecShape& shape, int max_depth) {
   if (shape.none() || max_depth <= 0) return SpecShape();
@@ -454,22 +461,32 @@ struct Totals {
   double catch_up = 0;  // their catch-up tokens, as charged to this step (CatchUp)
   double emitted = 0;
   int row_buckets[kRowTokenBuckets] = {};  // rows by RowTokenBucket(pending + nodes)
+  int depth_count[AcceptanceEstimate::kMaxDepth + 2] = {};  // drafted trees by depth
+  // Bit b set while row_buckets[b] (depth_count[b]) is not zero: the search reads the longest
+  // row and the deepest tree on every score, so they are kept, not scanned for.
+  uint32_t row_mask = 0;
+  uint32_t depth_mask = 0;
 
-  int longest_row() const {
-    for (int b = kRowTokenBuckets - 1; b > 0; --b) {
-      if (row_buckets[b] > 0) return RowTokenBucketSize(b);
-    }
-    return 1;
+  void AddRows(int bucket, int delta) {
+    row_buckets[bucket] += delta;
+    row_mask = row_buckets[bucket] > 0 ? row_mask | (1u << bucket) : row_mask & ~(1u << bucket);
   }
-  int depth_count[AcceptanceEstimate::kMaxDepth + 2] = {};
-
+  void AddDepth(int depth, int delta) {
+    depth_count[depth] += delta;
+    depth_mask = depth_count[depth] > 0 ? depth_mask | (1u << depth) : depth_mask & ~(1u << depth);
+  }
+  // The longest row's token bucket size (1 when every row is one token or there are none).
+  int longest_row() const {
+    const uint32_t above_one = row_mask & ~1u;
+    return above_one == 0 ? 1 : RowTokenBucketSize(31 - __builtin_clz(above_one));
+  }
+  // The deepest drafted tree (0: none).
   int levels() const {
-    for (int d = AcceptanceEstimate::kMaxDepth + 1; d > 0; --d) {
-      if (depth_count[d] > 0) return d;
-    }
-    return 0;
+    const uint32_t above_zero = depth_mask & ~1u;
+    return above_zero == 0 ? 0 : 31 - __builtin_clz(above_zero);
   }
 };
+static_assert(kRowTokenBuckets <= 32 && AcceptanceEstimate::kMaxDepth + 2 <= 32);
 
 }  // namespace
 
@@ -535,15 +552,25 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   std::vector<char> free(n, 0);
   std::vector<SpecShape> candidates = {SpecShape()};
   candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
-  // Expected accepted length of each candidate per free sequence, computed once.
-  std::vector<std::vector<SpecShape>> clamped(n);
-  std::vector<std::vector<double>> gain(n);
+  const size_t nc = candidates.size();
+  // Each candidate as clamped to each free sequence, and its expected accepted length, computed
+  // once: row i of an n x candidates table (one allocation each, not one per sequence).
+  std::vector<SpecShape> clamped_table(n * nc);
+  std::vector<double> gain_table(n * nc);
+  auto clamped = [&](size_t i) { return clamped_table.data() + i * nc; };
+  auto gain = [&](size_t i) { return gain_table.data() + i * nc; };
   size_t free_count = 0;
   int deepest_chain = 0;
   for (const SpecShape& c : candidates) {
     if (!c.none() && IsChain(c)) deepest_chain = std::max(deepest_chain, c.depth);
   }
+  int deepest_candidate = 0;
+  for (const SpecShape& c : candidates) deepest_candidate = std::max(deepest_candidate, c.depth);
   std::vector<double> chain_gain(deepest_chain);
+  // The candidates clamped to each depth budget (up to the deepest candidate), as needed.
+  std::vector<SpecShape> clamped_by_depth((deepest_candidate + 1) * nc);
+  std::vector<char> clamped_done(deepest_candidate + 1, 0);
+  std::vector<char> unclamped(n, 0);  // the sequence's budget clamps no candidate
   for (size_t i = 0; i < n; ++i) {
     const PolicySequence& s = batch[i];
     if (s.fixed) {
@@ -559,20 +586,40 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     }
     free[i] = 1;
     ++free_count;
-    clamped[i].reserve(candidates.size());
-    gain[i].reserve(candidates.size());
+    // Budgets at or past the deepest candidate clamp nothing: they share their clamped shapes
+    // and expectations.
+    const int depth_key = std::min(s.max_depth, deepest_candidate);
+    if (!clamped_done[depth_key]) {
+      for (size_t c = 0; c < nc; ++c) {
+        clamped_by_depth[depth_key * nc + c] = Clamp(candidates[c], s.max_depth);
+      }
+      clamped_done[depth_key] = 1;
+    }
+    std::copy_n(clamped_by_depth.begin() + depth_key * nc, nc, clamped(i));
+    unclamped[i] = depth_key == deepest_candidate;
+    // The expectations change only with the estimate (Observe clears them) and the prior, so a
+    // sequence not drafted since the last decision keeps them.
+    AcceptanceEstimate::CandidateCache& cache = s.acceptance->candidate_cache();
+    if (cache.policy == id_ && cache.prior == acceptance_options.acceptance_prior &&
+        cache.depth == depth_key && cache.gains.size() == nc) {
+      std::copy(cache.gains.begin(), cache.gains.end(), gain(i));
+      continue;
+    }
     // Every chain candidate's expectation from one pass over the depths.
     s.acceptance->ExpectedAcceptedChains(
         acceptance_options,
         absl::MakeSpan(chain_gain.data(), std::min(deepest_chain, s.max_depth)));
-    for (const SpecShape& c : candidates) {
-      const SpecShape shape = Clamp(c, s.max_depth);
-      clamped[i].push_back(shape);
-      gain[i].push_back(!shape.none() && IsChain(shape) && Width(shape) <= 1.0 &&
-                                shape.depth <= std::min(deepest_chain, s.max_depth)
-                            ? chain_gain[shape.depth - 1]
-                            : s.acceptance->ExpectedAccepted(shape, acceptance_options));
+    for (size_t c = 0; c < nc; ++c) {
+      const SpecShape& shape = clamped(i)[c];
+      gain(i)[c] = !shape.none() && IsChain(shape) && Width(shape) <= 1.0 &&
+                           shape.depth <= std::min(deepest_chain, s.max_depth)
+                       ? chain_gain[shape.depth - 1]
+                       : s.acceptance->ExpectedAccepted(shape, acceptance_options);
     }
+    cache.policy = id_;
+    cache.prior = acceptance_options.acceptance_prior;
+    cache.depth = depth_key;
+    cache.gains.assign(gain(i), gain(i) + nc);
   }
 
   // A row's shape moves it between token buckets: from its pending tokens alone to pending
@@ -585,38 +632,60 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     t.tree_nodes += sign * s.nodes();
     t.emitted += sign * g;
     if (s.nodes() > 0) {
-      t.row_buckets[row_bucket(batch[i].pending)] -= sign;
-      t.row_buckets[row_bucket(batch[i].pending + s.nodes())] += sign;
+      t.AddRows(row_bucket(batch[i].pending), -sign);
+      t.AddRows(row_bucket(batch[i].pending + s.nodes()), sign);
     }
     if (!s.none() && batch[i].model_draft) {
       t.drafting += sign;
       t.draft_nodes += sign * s.nodes();
       t.catch_up += sign * CatchUp(batch[i], s, g, options_);
-      t.depth_count[std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1)] += sign;
+      t.AddDepth(std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1), sign);
     }
   };
   // The search below prices thousands of candidate totals a step at 128 sequences, and the
   // router pays for it on every step; most share their verify token count and draft call, so
   // each cost is computed once per decision (the costs do not change during one).
-  absl::flat_hash_map<int64_t, double> verify_memo, draft_memo;
+  // Every assignment has one row per sequence, so a verify cost is a function of the step's
+  // tokens alone: looked up by them (negative: not computed yet).
+  absl::flat_hash_map<int64_t, double> draft_memo;
+  std::vector<double> verify_memo;
   const double catch_up_token_s = costs_.CatchUpTokenSeconds();
-  auto score = [&](const Totals& t) {
+  auto verify_seconds = [&](int rows, int step_tokens) {
+    if (static_cast<size_t>(step_tokens) >= verify_memo.size()) {
+      verify_memo.resize(std::max<size_t>(step_tokens + 1, 2 * verify_memo.size()), -1.0);
+    }
+    double& v = verify_memo[step_tokens];
+    if (v < 0) v = costs_.VerifySeconds(rows, step_tokens);
+    return v;
+  };
+  // A step's predicted seconds; without its catch-ups (`with_catch_up` false) a lower bound of
+  // them, the same sums with a term no smaller than zero left out.
+  // `memo`: look the draft call up (or add it); the starting points' sweeps below price each
+  // draft call once (every step of a sweep drafts one more sequence), where a memo only costs.
+  auto seconds_of = [&](const Totals& t, bool with_catch_up, bool memo = true) {
     const int step_tokens =
         VerifyStepTokens(options_.padded_rows, t.rows, t.tokens, t.longest_row());
-    const int64_t verify_key = (static_cast<int64_t>(t.rows) << 32) | step_tokens;
-    auto v = verify_memo.try_emplace(verify_key, 0.0);
-    if (v.second) v.first->second = costs_.VerifySeconds(t.rows, step_tokens);
+    const double verify = verify_seconds(t.rows, step_tokens);
     double draft = 0;
     const int levels = t.levels();
     if (t.drafting > 0 && levels > 0) {
       // DraftSeconds is its call's cost plus catch-up tokens at a per-token price.
-      const int64_t draft_key = (static_cast<int64_t>(t.drafting) << 40) |
-                                (static_cast<int64_t>(levels) << 32) | t.draft_nodes;
-      auto d = draft_memo.try_emplace(draft_key, 0.0);
-      if (d.second) d.first->second = costs_.DraftSeconds(t.drafting, levels, t.draft_nodes);
-      draft = d.first->second + std::max(t.catch_up, 0.0) * catch_up_token_s;
+      double call;
+      if (memo) {
+        const int64_t draft_key = (static_cast<int64_t>(t.drafting) << 40) |
+                                  (static_cast<int64_t>(levels) << 32) | t.draft_nodes;
+        auto d = draft_memo.try_emplace(draft_key, 0.0);
+        if (d.second) d.first->second = costs_.DraftSeconds(t.drafting, levels, t.draft_nodes);
+        call = d.first->second;
+      } else {
+        call = costs_.DraftSeconds(t.drafting, levels, t.draft_nodes);
+      }
+      draft = with_catch_up ? call + std::max(t.catch_up, 0.0) * catch_up_token_s : call;
     }
-    return PricedGoodput(t.emitted, v.first->second + draft, t.tree_nodes, options_);
+    return verify + draft;
+  };
+  auto score = [&](const Totals& t, bool memo = true) {
+    return PricedGoodput(t.emitted, seconds_of(t, true, memo), t.tree_nodes, options_);
   };
   // choice[i]: index into candidates; -1 for sequences that are not free.
   auto totals_of = [&](const std::vector<int>& choice) {
@@ -624,10 +693,10 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     for (size_t i = 0; i < n; ++i) {
       ++t.rows;
       t.tokens += batch[i].pending;
-      ++t.row_buckets[row_bucket(batch[i].pending)];
+      t.AddRows(row_bucket(batch[i].pending), 1);
       t.emitted += 1.0;
       if (free[i]) {
-        add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
+        add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], +1);
       } else if (!out.shapes[i].none()) {
         const double g = batch[i].acceptance != nullptr ? batch[i].acceptance->ExpectedAccepted(
                                                               out.shapes[i], acceptance_options)
@@ -645,7 +714,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     previous[i] = 0;
     const SpecShape prev = Clamp(batch[i].previous, batch[i].max_depth);
     for (size_t c = 0; c < candidates.size(); ++c) {
-      if (clamped[i][c] == prev) {
+      if (clamped(i)[c] == prev) {
         previous[i] = static_cast<int>(c);
         break;
       }
@@ -671,14 +740,17 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       for (size_t i = 0; i < n; ++i) {
         if (free[i]) order.push_back(i);
       }
-      std::stable_sort(order.begin(), order.end(),
-                       [&](size_t x, size_t y) { return gain[x][c] > gain[y][c]; });
+      // By gain, ties in batch order (a stable sort's order, without its buffer).
+      std::sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+        const double gx = gain(x)[c], gy = gain(y)[c];
+        return gx > gy || (gx == gy && x < y);
+      });
       Totals t = base;
       size_t best_k = 0;
       double best_k_score = score(t);
       for (size_t k = 0; k < order.size(); ++k) {
-        add(t, order[k], clamped[order[k]][c], gain[order[k]][c], +1);
-        const double s = score(t);
+        add(t, order[k], clamped(order[k])[c], gain(order[k])[c], +1);
+        const double s = score(t, /*memo=*/false);
         if (s > best_k_score) {
           best_k_score = s;
           best_k = k + 1;
@@ -694,6 +766,20 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   }
   // Then single-sequence moves; a sequence leaves its previous shape only for a gain worth
   // its share of the hysteresis margin.
+  //
+  // Most tries lose, most of all where the step stays without drafts, and each costs two
+  // updates of the totals and a score. So a try from "none" is first bounded: with the totals'
+  // counts as they are, a shape on a row of given pending tokens (drafted by the model or not)
+  // gives the step a time no shorter than its time without catch-ups, computed once per shape
+  // and row kind until a move changes the counts; the sequence's gain over that time bounds the
+  // try's score from above (the same sums in the same order, with a term >= 0 left out of the
+  // time: IEEE rounding keeps the order). A try that cannot beat the best so far is skipped,
+  // but its rounding of the totals' sums (add, then subtract) is kept, so that every later score
+  // and so every decision is bit for bit what the full tries give.
+  absl::flat_hash_map<std::tuple<int, int, int, int, bool>, double> seconds_floor;
+  // The same for the common rows (one pending token, no candidate clamped), by candidate and
+  // drafter kind (negative: not computed).
+  std::vector<double> seconds_floor_common(2 * nc, -1.0);
   Totals t = totals_of(choice);
   double current = score(t);
   for (int pass = 0; pass < 2 && free_count > 0; ++pass) {
@@ -701,14 +787,42 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     for (size_t i = 0; i < n; ++i) {
       if (!free[i]) continue;
       const int from = choice[i];
-      add(t, i, clamped[i][from], gain[i][from], -1);
+      add(t, i, clamped(i)[from], gain(i)[from], -1);
       int best = from;
       double best_s = current;
       for (size_t c = 0; c < candidates.size(); ++c) {
         if (static_cast<int>(c) == from) continue;
-        add(t, i, clamped[i][c], gain[i][c], +1);
+        const SpecShape& shape = clamped(i)[c];
+        const double g = gain(i)[c];
+        if (from == 0 && !shape.none()) {
+          double* floor;
+          if (unclamped[i] && batch[i].pending == 1) {
+            floor = &seconds_floor_common[2 * c + (batch[i].model_draft ? 1 : 0)];
+          } else {
+            floor = &seconds_floor
+                         .try_emplace(std::make_tuple(shape.depth, shape.top_k, shape.max_nodes,
+                                                      batch[i].pending, batch[i].model_draft),
+                                      -1.0)
+                         .first->second;
+          }
+          if (*floor < 0) {
+            Totals with = t;
+            add(with, i, shape, g, +1);
+            *floor = seconds_of(with, false);
+          }
+          const double emitted = t.emitted + g;
+          if (PricedGoodput(emitted, *floor, t.tree_nodes + shape.nodes(), options_) <= best_s) {
+            t.emitted = emitted - g;
+            if (batch[i].model_draft) {
+              const double catch_up = CatchUp(batch[i], shape, g, options_);
+              t.catch_up = (t.catch_up + catch_up) - catch_up;
+            }
+            continue;
+          }
+        }
+        add(t, i, shape, g, +1);
         const double s = score(t);
-        add(t, i, clamped[i][c], gain[i][c], -1);
+        add(t, i, shape, g, -1);
         const double margin =
             from == previous[i] ? options_.hysteresis / static_cast<double>(free_count) : 0.0;
         if (s > best_s * (1.0 + margin) + 1e-12 && s > best_s) {
@@ -716,11 +830,13 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
           best_s = s;
         }
       }
-      add(t, i, clamped[i][best], gain[i][best], +1);
+      add(t, i, clamped(i)[best], gain(i)[best], +1);
       if (best != from) {
         choice[i] = best;
         current = best_s;
         moved = true;
+        seconds_floor.clear();  // the counts changed
+        std::fill(seconds_floor_common.begin(), seconds_floor_common.end(), -1.0);
       }
     }
     if (!moved) break;
@@ -729,7 +845,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   int probes = 0;
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
-    out.shapes[i] = clamped[i][choice[i]];
+    out.shapes[i] = clamped(i)[choice[i]];
     if (out.shapes[i].none() && options_.probe_interval > 0 &&
         (batch[i].steps_without_draft >= options_.probe_interval || batch[i].never_drafted) &&
         probes < options_.max_probes_per_step) {
@@ -743,7 +859,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       // a burst of new sequences does not stall one step with all their catch-ups.
       const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
       constexpr double kOptimistic = 0.9 + 0.81;
-      add(t, i, clamped[i][choice[i]], gain[i][choice[i]], -1);
+      add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
       const double s = score(t);
       if (s > current) {
@@ -753,7 +869,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
         ++probes;
       } else {
         add(t, i, probe, kOptimistic, -1);
-        add(t, i, clamped[i][choice[i]], gain[i][choice[i]], +1);
+        add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], +1);
       }
     }
   }

@@ -143,6 +143,19 @@ class AcceptanceEstimate {
   // Verify outcomes observed (at depth 1).
   int samples() const { return chain_n_[0] + tree_n_[0]; }
 
+  // GoodputPolicy::Decide's expectations of its candidates for this estimate, and what they
+  // were computed with (the policy, its acceptance prior, the depth budget as far as it cuts a
+  // candidate); Observe clears them. A sequence left without drafts keeps its estimate for many
+  // steps, and recomputing them (a pow per tree level) was a third of a decision. Decide's
+  // scratch space: one decision at a time may read a given estimate.
+  struct CandidateCache {
+    uint64_t policy = 0;  // 0: none
+    double prior = 0;
+    int depth = 0;
+    std::vector<double> gains;  // one per candidate, "none" first
+  };
+  CandidateCache& candidate_cache() const { return cache_; }
+
  private:
   double LevelRate(int d, double width, const PolicyOptions& options) const;
 
@@ -150,6 +163,7 @@ class AcceptanceEstimate {
   double tree_[kMaxDepth] = {};
   int chain_n_[kMaxDepth] = {};
   int tree_n_[kMaxDepth] = {};
+  mutable CandidateCache cache_;
 };
 
 // Verify and draft step times: measured buckets on top of priors.
@@ -223,6 +237,7 @@ class CostModel {
   bool level_warm_[kTokenBuckets] = {};
   double level_ratio_[kTokenBuckets] = {};
   int level_n_[kTokenBuckets] = {};
+  bool level_measured_ = false;   // any level_n_ above 0
   double pre_draft_ratio_ = 1.0;  // measured pre-draft time / DraftSeconds of its work
   int pre_draft_n_ = 0;
 };
@@ -325,6 +340,9 @@ class GoodputPolicy {
 
   PolicyOptions options_;
   CostModel costs_;
+  // Tells this policy's AcceptanceEstimate::CandidateCache entries from another's (its
+  // candidates and options differ).
+  uint64_t id_ = 0;
   // Conditional acceptance pooled over the sequences with samples (negative: none yet).
   double pooled_rate_ = -1.0;
 };

@@ -117,8 +117,10 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
                               "resource_exhausted", "error"}) {
     outcomes_.Add({{"outcome", outcome}});
   }
+  // In TargetOnlyReason's order.
+  int target_only = 0;
   for (const char* reason : {"off", "draft_unavailable", "draft_busy", "no_draft"}) {
-    target_only_.Add({{"reason", reason}});
+    target_only_children_[target_only++] = &target_only_.Add({{"reason", reason}});
   }
   for (const char* result : {"hit", "miss", "late"}) {
     predraft_.Add({{"position", "0"}, {"result", result}});
@@ -177,7 +179,14 @@ void RouterMetrics::CountOutcome(grpc::StatusCode code) {
 }
 
 void RouterMetrics::CountStep(const char* tree_size, const char* reason) {
-  steps_.Add({{"tree_size", tree_size}, {"reason", reason}}).Increment();
+  prometheus::Counter* counter;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = step_children_.try_emplace(std::make_pair(tree_size, reason), nullptr);
+    if (inserted) it->second = &steps_.Add({{"tree_size", tree_size}, {"reason", reason}});
+    counter = it->second;
+  }
+  counter->Increment();
 }
 
 void RouterMetrics::CountFinish(const char* finish_reason) {
@@ -194,11 +203,8 @@ void RouterMetrics::CountAcceptedPositions(int accepted) {
 }
 
 void RouterMetrics::CountTargetOnlyStep(TargetOnlyReason reason) {
-  const char* label = reason == TargetOnlyReason::kOff                ? "off"
-                      : reason == TargetOnlyReason::kDraftUnavailable ? "draft_unavailable"
-                      : reason == TargetOnlyReason::kDraftBusy        ? "draft_busy"
-                                                                      : "no_draft";
-  target_only_.Add({{"reason", label}}).Increment();
+  static_assert(static_cast<int>(TargetOnlyReason::kNoDraft) == 3);
+  target_only_children_[static_cast<int>(reason)]->Increment();
 }
 
 }  // namespace specd

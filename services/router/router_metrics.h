@@ -3,8 +3,10 @@
 #ifndef SPECD_SERVICES_ROUTER_ROUTER_METRICS_H_
 #define SPECD_SERVICES_ROUTER_ROUTER_METRICS_H_
 
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "common/service/metrics.h"
 #include "grpcpp/support/status.h"
@@ -32,7 +34,10 @@ class RouterMetrics {
   void CountAcceptedPositions(int accepted);
   void CountTargetOnlyStep(TargetOnlyReason reason);
   // specd_spec_steps_total{tree_size, reason}: one sequence's verify step, by the tree size
-  // bucket it carried (engine/spec/policy.h TreeSizeBucket) and why it had that shape.
+  // bucket it carried (engine/spec/policy.h TreeSizeBucket) and why it had that shape. Both
+  // must be static strings (as TreeSizeBucket and ShapeReasonName return): each pair's child
+  // is looked up once and kept by the strings' addresses, since the router counts every
+  // sequence of every step and a family lookup builds and hashes a label map.
   void CountStep(const char* tree_size, const char* reason);
   // Overlap: specd_predraft_outcomes_total{position, result}: a pre-drafted sequence's verify
   // outcome, by its accepted draft tokens (capped at "8+") and `result`: "hit", "miss", or
@@ -98,6 +103,11 @@ class RouterMetrics {
   absl::Mutex mu_;
   // Children of accepted_per_pos_ by position, created on first use.
   std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);
+  // Children of steps_ by the addresses of their (static) labels, created on first use.
+  absl::flat_hash_map<std::pair<const char*, const char*>, prometheus::Counter*> step_children_
+      ABSL_GUARDED_BY(mu_);
+  // Children of target_only_ by TargetOnlyReason.
+  prometheus::Counter* target_only_children_[4] = {};
 };
 
 }  // namespace specd

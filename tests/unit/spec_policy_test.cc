@@ -614,3 +614,54 @@ TEST(SpecPolicyTest, PlanPreDraftShrinksDepthWithTheBatch) {
 
 }  // namespace
 }  // namespace specd
+
+namespace specd {
+namespace {
+
+// Decide keeps each estimate's candidate expectations between decisions (a sequence not drafted
+// keeps them for many steps); they must follow the estimate, the prior and the policy.
+TEST(SpecPolicyTest, KeptExpectationsFollowTheEstimateThePriorAndThePolicy) {
+  PolicyOptions o = FlatThenLinear();
+  o.verify_per_token_s = 0.5e-3;  // a tree pays only with good acceptance
+  o.acceptance_prior = 0.1;
+  GoodputPolicy policy(o);
+  // No sample yet: the constant prior, too low for a tree.
+  AcceptanceEstimate a;
+  std::vector<PolicySequence> batch = Batch(1, &a);
+  const PolicyDecision unknown = policy.Decide(batch);
+  EXPECT_EQ(policy.Decide(batch).predicted_goodput, unknown.predicted_goodput);
+  // Three chains accepted whole (fewer samples than the four that put an estimate into the
+  // pooled prior, so the prior stays as it was): the next decision must see the estimate rise.
+  for (int s = 0; s < 3; ++s) a.Observe(SpecShape{8, 1, 8}, 8, o);
+  const PolicyDecision risen = policy.Decide(batch);
+  EXPECT_GT(risen.shapes[0].nodes(), unknown.shapes[0].nodes())
+      << ShapeString(risen.shapes[0]) << " after " << ShapeString(unknown.shapes[0]);
+  // The same estimate built afresh, decided by a fresh policy: bit for bit the same decision.
+  AcceptanceEstimate fresh;
+  for (int s = 0; s < 3; ++s) fresh.Observe(SpecShape{8, 1, 8}, 8, o);
+  GoodputPolicy other(o);
+  const PolicyDecision fresh_d = other.Decide(Batch(1, &fresh));
+  EXPECT_EQ(fresh_d.shapes[0], risen.shapes[0]) << ShapeString(fresh_d.shapes[0]);
+  EXPECT_EQ(fresh_d.predicted_goodput, risen.predicted_goodput);
+  // A pooled prior (a second sequence with samples) changes the expectations of the first.
+  const AcceptanceEstimate good = Acceptance(0.95, o);
+  std::vector<PolicySequence> two = Batch(2, &a);
+  two[1].acceptance = &good;
+  const PolicyDecision pooled = policy.Decide(two);
+  std::vector<PolicySequence> two_fresh = Batch(2, &fresh);
+  two_fresh[1].acceptance = &good;
+  GoodputPolicy third(o);
+  const PolicyDecision pooled_fresh = third.Decide(two_fresh);
+  EXPECT_EQ(pooled.shapes[0], pooled_fresh.shapes[0]) << ShapeString(pooled.shapes[0]);
+  EXPECT_EQ(pooled.predicted_goodput, pooled_fresh.predicted_goodput);
+  // A policy with other candidates never takes the first one's expectations.
+  PolicyOptions chains_only = o;
+  chains_only.candidates = {{2, 1, 2}};
+  GoodputPolicy narrow(chains_only);
+  for (const SpecShape& s : narrow.Decide(Batch(1, &good)).shapes) {
+    EXPECT_EQ(s, (SpecShape{2, 1, 2})) << ShapeString(s);
+  }
+}
+
+}  // namespace
+}  // namespace specd
