@@ -240,6 +240,7 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
                   (o.draft_fixed_s + 3 * (o.draft_level_fixed_s + 4 * o.draft_level_per_token_s)),
               1e-12);
   o.unmeasured_draft_scale = 1.0;
+  o.padded_rows = true;  // a CUDA backend's graphs
   CostModel costs(&o);
   const double prior = costs.VerifySeconds(8, 40);
   // A bucket's first call (a CUDA graph capture, GEMM timing) is not a sample.
@@ -258,6 +259,24 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   // Calls that prefilled prompts say nothing about a level's cost.
   for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, /*fed_tokens=*/4 * 300, 50 * level);
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
+}
+
+// An unpadded backend (a CPU) has no graphs to capture, and every token a forward scores costs
+// about as much as the first: a bucket's first call is a sample, and a bucket never run is not
+// guessed as cheap as the measured one below it.
+TEST(SpecPolicyTest, UnpaddedVerifyCostsGrowFromTheFirstMeasuredBucket) {
+  PolicyOptions o;
+  ASSERT_FALSE(o.padded_rows);
+  CostModel costs(&o);
+  const double prior = costs.VerifySeconds(8, 40);
+  costs.ObserveVerify(8, 40, 3 * prior);
+  EXPECT_NEAR(costs.VerifySeconds(8, 40), 3 * prior, 1e-12);
+  // Beyond it, by the prior's slope scaled by the measured ratio: dearer, not flat.
+  const double slope = 3 * (CostModel(&o).VerifySeconds(8, 70) - prior) / 30;
+  EXPECT_NEAR(costs.VerifySeconds(8, 70), 3 * prior + 30 * slope, 0.01 * prior);
+  // A padded backend's guess stays flat there.
+  o.padded_rows = true;
+  EXPECT_NEAR(costs.VerifySeconds(8, 70), 3 * prior, 1e-12);
 }
 
 TEST(SpecPolicyTest, UnmeasuredBucketsFollowTheMeasuredCurveNotThePriorsShape) {
