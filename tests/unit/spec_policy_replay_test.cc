@@ -91,8 +91,8 @@ class CpuDevice : public Device {
   }
   double Draft(int levels, int nodes, int catch_up) const override {
     const double per_level = static_cast<double>(nodes) / std::max(levels, 1);
-    return 1e-3 * (0.5 + levels * (level_ms_ + level_token_ms_ * per_level) +
-                   catch_up_ms_ * catch_up);
+    return 1e-3 *
+           (0.5 + levels * (level_ms_ + level_token_ms_ * per_level) + catch_up_ms_ * catch_up);
   }
   bool padded() const override { return false; }
 
