@@ -460,6 +460,17 @@ double CatchUp(const PolicySequence& seq, const SpecShape& s, double gain,
   return tokens * std::max(options.catch_up_share, 1.0 / steps_left);
 }
 
+// The part of a probe's catch-up that CatchUp() spreads over later steps. A probe goes to a
+// sequence the policy is not drafting: whether it will draft on, and so share its catch-up with
+// later steps, is what the probe is to find out, and where drafting does not pay (a CPU beyond
+// a stream or two) it will not, and the whole catch-up, a prompt fed to the drafter, lands on
+// the one step that carries the probe, every probe_interval steps. So a probe is judged with
+// all of it.
+double ProbeUnsharedCatchUp(const PolicySequence& seq, const SpecShape& probe, double gain,
+                            const PolicyOptions& options) {
+  return std::max(0.0, CatchUpTokens(seq, probe) - CatchUp(seq, probe, gain, options));
+}
+
 // Tokens a step emits per second, its predicted time priced speculation_margin dearer when it
 // carries any tree (`tree_nodes` > 0).
 double PricedGoodput(double emitted, double seconds, int tree_nodes, const PolicyOptions& options) {
@@ -767,8 +778,12 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       constexpr double kOptimistic = 0.9 + 0.81;
       add(t, i, clamped[i][choice[i]], gain[i][choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
+      const double unshared = ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
+      t.catch_up += unshared;
       const double s = score(t);
+      t.catch_up -= unshared;
       if (s > current) {
+        t.catch_up += unshared;
         out.shapes[i] = probe;
         out.reasons[i] = ShapeReason::kProbe;
         current = s;
