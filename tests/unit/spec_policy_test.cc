@@ -438,6 +438,29 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   EXPECT_EQ(probes, 3);
 }
 
+// A probe carries its sequence's whole catch-up in its own step: where drafting does not pay,
+// the sequence drafts no further and no later step shares it. So a probe that pays with the
+// drafter up to date is not sent when the drafter must first be fed a whole prompt.
+TEST(SpecPolicyTest, AProbeIsJudgedWithItsWholeCatchUp) {
+  PolicyOptions o;
+  o.probe_interval = 8;
+  o.measure_costs = false;
+  o.verify_fixed_s = 2e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.5e-3;
+  GoodputPolicy policy(o);
+  const AcceptanceEstimate a = Acceptance(0.3, o);
+  std::vector<PolicySequence> batch = Batch(1, &a);
+  batch[0].steps_without_draft = 8;
+  batch[0].draft_backlog = 3;
+  EXPECT_EQ(policy.Decide(batch).reasons[0], ShapeReason::kProbe);
+  // 150 tokens at 20 us: 3 ms, more than the step itself. Spread over the ~24 steps the
+  // sequence would draft, it would look like 0.1 ms and the probe would be sent.
+  batch[0].draft_backlog = 150;
+  const PolicyDecision d = policy.Decide(batch);
+  EXPECT_TRUE(d.shapes[0].none()) << ShapeString(d.shapes[0]);
+}
+
 // A sequence the drafter has fallen behind on pays a share of its catch-up when it drafts
 // again: where the catch-up is dear the policy leaves it off, where cheap it drafts, and the
 // catch-up cost is learnt from the calls that carried one.
