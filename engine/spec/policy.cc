@@ -266,13 +266,35 @@ double CostModel::AlongTokens(int tb, double tokens, const int* n, const double*
   }
   const double x_lo2 = lo2 >= 0 ? mean_tokens[lo2] : 0.0;
   if (lo2 < 0 || x_lo <= x_lo2) {
-    const double knee = std::max(2.0 * x_lo, flat_tokens);
+    // flat_tokens 0: no flat stretch (the prior's slope from the measured bucket on).
+    const double knee = flat_tokens > 0 ? std::max(2.0 * x_lo, flat_tokens) : x_lo;
     if (tokens <= knee) return c_lo;
     return c_lo + std::max(0.0, prior_at(lo, tokens) - prior_at(lo, knee));
   }
   const double slope = std::max(0.0, (c_lo - cost_at(lo2)) / (x_lo - x_lo2));
   return c_lo + slope * std::max(0.0, tokens - x_lo);
 }
+
+namespace {
+
+// How far along the token axis a verify bucket never run is guessed to cost what the measured
+// one below it does (AlongTokens). The flat guess is an accelerator's: a padded (CUDA) backend
+// scores a few dozen tokens in about the time of one. An unpadded backend is a CPU's, where a
+// forward is compute-bound from the first token and every token scored costs about as much as
+// the first: guessed flat, a chain for every sequence of a 16-row batch looks free, and the
+// step that corrects it costs several times a plain one, twice (a bucket's first call is not a
+// sample). There the guess grows by the prior's slope from the measured bucket on.
+double VerifyFlatTokens(const PolicyOptions& options) {
+  return options.padded_rows ? options.flat_tokens : 0.0;
+}
+
+// Whether a verify bucket's first call is a warm-up rather than a sample: on a padded (CUDA)
+// backend it captures the bucket's graph. An unpadded backend has nothing to warm up, and its
+// first call is as good a sample as any; thrown away, a bucket that does not pay is run twice
+// before the policy can tell.
+bool FirstCallIsWarmUp(const PolicyOptions& options) { return options.padded_rows; }
+
+}  // namespace
 
 double CostModel::VerifySeconds(int rows, int tokens) const {
   rows = std::max(rows, 1);
@@ -291,7 +313,7 @@ double CostModel::VerifySeconds(int rows, int tokens) const {
     return VerifyPrior(rows, static_cast<int>(std::lround(x))) * verify_ratio_[rb][t];
   };
   const double along = AlongTokens(tb, tokens, verify_n_[rb], verify_tokens_[rb], kTokenBuckets,
-                                   options_->flat_tokens, cost_at, prior_at);
+                                   VerifyFlatTokens(*options_), cost_at, prior_at);
   if (along > 0) return along;
   return prior * VerifyRatio(rb, tb);
 }
@@ -365,7 +387,7 @@ void CostModel::ObserveVerify(int rows, int tokens, double seconds) {
   if (rows <= 0 || !(seconds > 0)) return;
   tokens = std::max(tokens, rows);
   const int rb = Bucket(rows, kRowBuckets), tb = Bucket(tokens, kTokenBuckets);
-  if (!std::exchange(verify_warm_[rb][tb], true)) return;
+  if (!std::exchange(verify_warm_[rb][tb], true) && FirstCallIsWarmUp(*options_)) return;
   const double ratio = seconds / VerifyPrior(rows, tokens);
   bool first_of_all = true;
   for (int r = 0; r < kRowBuckets && first_of_all; ++r) {
@@ -443,6 +465,17 @@ double CatchUp(const PolicySequence& seq, const SpecShape& s, double gain,
   if (tokens == 0) return 0.0;
   const double steps_left = std::max(1.0, (seq.max_depth + 1) / (1.0 + std::max(gain, 0.0)));
   return tokens * std::max(options.catch_up_share, 1.0 / steps_left);
+}
+
+// The part of a probe's catch-up that CatchUp() spreads over later steps. A probe goes to a
+// sequence the policy is not drafting: whether it will draft on, and so share its catch-up with
+// later steps, is what the probe is to find out, and where drafting does not pay (a CPU beyond
+// a stream or two) it will not, and the whole catch-up, a prompt fed to the drafter, lands on
+// the one step that carries the probe, every probe_interval steps. So a probe is judged with
+// all of it.
+double ProbeUnsharedCatchUp(const PolicySequence& seq, const SpecShape& probe, double gain,
+                            const PolicyOptions& options) {
+  return std::max(0.0, CatchUpTokens(seq, probe) - CatchUp(seq, probe, gain, options));
 }
 
 // Tokens a step emits per second, its predicted time priced speculation_margin dearer when it
@@ -861,8 +894,12 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       constexpr double kOptimistic = 0.9 + 0.81;
       add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
+      const double unshared = ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
+      t.catch_up += unshared;
       const double s = score(t);
+      t.catch_up -= unshared;
       if (s > current) {
+        t.catch_up += unshared;
         out.shapes[i] = probe;
         out.reasons[i] = ShapeReason::kProbe;
         current = s;

@@ -110,7 +110,9 @@ struct PolicyOptions {
   // Up to this many tokens a step, a verify bucket beyond the one measured bucket of its batch
   // size is guessed to cost what that one does (a forward of a few dozen tokens reads the same
   // weights as one of a single token: on an accelerator it costs about the same). Past it, and
-  // past twice the measured bucket's tokens, the guess grows by the prior's slope.
+  // past twice the measured bucket's tokens, the guess grows by the prior's slope. Padded
+  // backends only: on an unpadded one (a CPU) every token costs, and the guess grows by the
+  // prior's slope from the measured bucket on.
   double flat_tokens = 64;
   // A step's catch-ups may cost at most this many times a decode step's verify (the first one
   // is always let through).
@@ -232,7 +234,8 @@ class CostModel {
   int catch_up_n_ = 0;
   // Whether a bucket's first call was seen. That call is not a sample: on a GPU it captures the
   // bucket's CUDA graph and times its GEMM algorithms, many times a step's cost, and a bucket
-  // judged that dear would never be chosen again to correct it.
+  // judged that dear would never be chosen again to correct it. Padded backends only (an
+  // unpadded one has nothing to warm up).
   bool verify_warm_[kRowBuckets][kTokenBuckets] = {};
   bool level_warm_[kTokenBuckets] = {};
   double level_ratio_[kTokenBuckets] = {};

@@ -240,6 +240,7 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
                   (o.draft_fixed_s + 3 * (o.draft_level_fixed_s + 4 * o.draft_level_per_token_s)),
               1e-12);
   o.unmeasured_draft_scale = 1.0;
+  o.padded_rows = true;  // a CUDA backend's graphs
   CostModel costs(&o);
   const double prior = costs.VerifySeconds(8, 40);
   // A bucket's first call (a CUDA graph capture, GEMM timing) is not a sample.
@@ -258,6 +259,24 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   // Calls that prefilled prompts say nothing about a level's cost.
   for (int i = 0; i < 30; ++i) costs.ObserveDraft(4, 3, 12, /*fed_tokens=*/4 * 300, 50 * level);
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
+}
+
+// An unpadded backend (a CPU) has no graphs to capture, and every token a forward scores costs
+// about as much as the first: a bucket's first call is a sample, and a bucket never run is not
+// guessed as cheap as the measured one below it.
+TEST(SpecPolicyTest, UnpaddedVerifyCostsGrowFromTheFirstMeasuredBucket) {
+  PolicyOptions o;
+  ASSERT_FALSE(o.padded_rows);
+  CostModel costs(&o);
+  const double prior = costs.VerifySeconds(8, 40);
+  costs.ObserveVerify(8, 40, 3 * prior);
+  EXPECT_NEAR(costs.VerifySeconds(8, 40), 3 * prior, 1e-12);
+  // Beyond it, by the prior's slope scaled by the measured ratio: dearer, not flat.
+  const double slope = 3 * (CostModel(&o).VerifySeconds(8, 70) - prior) / 30;
+  EXPECT_NEAR(costs.VerifySeconds(8, 70), 3 * prior + 30 * slope, 0.01 * prior);
+  // A padded backend's guess stays flat there.
+  o.padded_rows = true;
+  EXPECT_NEAR(costs.VerifySeconds(8, 70), 3 * prior, 1e-12);
 }
 
 TEST(SpecPolicyTest, UnmeasuredBucketsFollowTheMeasuredCurveNotThePriorsShape) {
@@ -417,6 +436,29 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   int probes = 0;
   for (ShapeReason r : burst.reasons) probes += r == ShapeReason::kProbe;
   EXPECT_EQ(probes, 3);
+}
+
+// A probe carries its sequence's whole catch-up in its own step: where drafting does not pay,
+// the sequence drafts no further and no later step shares it. So a probe that pays with the
+// drafter up to date is not sent when the drafter must first be fed a whole prompt.
+TEST(SpecPolicyTest, AProbeIsJudgedWithItsWholeCatchUp) {
+  PolicyOptions o;
+  o.probe_interval = 8;
+  o.measure_costs = false;
+  o.verify_fixed_s = 2e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.5e-3;
+  GoodputPolicy policy(o);
+  const AcceptanceEstimate a = Acceptance(0.3, o);
+  std::vector<PolicySequence> batch = Batch(1, &a);
+  batch[0].steps_without_draft = 8;
+  batch[0].draft_backlog = 3;
+  EXPECT_EQ(policy.Decide(batch).reasons[0], ShapeReason::kProbe);
+  // 150 tokens at 20 us: 3 ms, more than the step itself. Spread over the ~24 steps the
+  // sequence would draft, it would look like 0.1 ms and the probe would be sent.
+  batch[0].draft_backlog = 150;
+  const PolicyDecision d = policy.Decide(batch);
+  EXPECT_TRUE(d.shapes[0].none()) << ShapeString(d.shapes[0]);
 }
 
 // A sequence the drafter has fallen behind on pays a share of its catch-up when it drafts
