@@ -389,13 +389,20 @@ TEST(SpecPolicyTest, PaddedRowsArePricedAtTheLongestRow) {
   EXPECT_GT(d.predicted_goodput, policy.Goodput(batch, mixed.shapes));
 }
 
-TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
+// Fixed costs (no measuring) under which a chain pays at acceptance 0.9 and not at 0.3: 2 ms a
+// verify step plus 0.5 ms a token, a probe every 8 steps without drafts.
+PolicyOptions ProbeOptions() {
   PolicyOptions o;
   o.probe_interval = 8;
   o.measure_costs = false;
   o.verify_fixed_s = 2e-3;
   o.verify_per_row_s = 0;
   o.verify_per_token_s = 0.5e-3;
+  return o;
+}
+
+TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
+  const PolicyOptions o = ProbeOptions();
   GoodputPolicy policy(o);
   // At acceptance 0.3 a chain does not pay here; at 0.9 it would.
   const AcceptanceEstimate a = Acceptance(0.3, o);
@@ -442,12 +449,7 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
 // the sequence drafts no further and no later step shares it. So a probe that pays with the
 // drafter up to date is not sent when the drafter must first be fed a whole prompt.
 TEST(SpecPolicyTest, AProbeIsJudgedWithItsWholeCatchUp) {
-  PolicyOptions o;
-  o.probe_interval = 8;
-  o.measure_costs = false;
-  o.verify_fixed_s = 2e-3;
-  o.verify_per_row_s = 0;
-  o.verify_per_token_s = 0.5e-3;
+  const PolicyOptions o = ProbeOptions();
   GoodputPolicy policy(o);
   const AcceptanceEstimate a = Acceptance(0.3, o);
   std::vector<PolicySequence> batch = Batch(1, &a);
