@@ -60,7 +60,7 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
                       << (warm->rows.empty() ? 0 : warm->rows.back()) << " in " << warm->seconds
                       << " s";
     }
-    DraftModelDrafterOptions drafter_options;
+    DraftModelDrafterOptions drafter_options = options.drafter;
     // No draft forward beyond the row classes the warm-up decided.
     if (options.backend.cuda_gemm_invariant_rows > 0) {
       drafter_options.max_forward_rows = options.backend.cuda_gemm_invariant_rows;

@@ -61,6 +61,9 @@ struct DraftLoopOptions {
   std::string eagle_target_dir;
   // Tree shape for fields a step leaves 0.
   DraftParams defaults;
+  // The draft-model drafter's switches (device top-k, kept KV; the same trees either way).
+  // max_forward_rows is set from backend.cuda_gemm_invariant_rows when that is > 0.
+  DraftModelDrafterOptions drafter;
   int max_sequences = 256;  // live sequences over all streams; more get RESOURCE_EXHAUSTED
   // Tokens one sequence's history may reach; a step that would exceed it is INVALID_ARGUMENT.
   // The default is above the longest context of the families served (Qwen2.5-1M: 1010000).

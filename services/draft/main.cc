@@ -41,6 +41,13 @@ ABSL_FLAG(int, tree_top_k, 4, "children per expanded node when a step leaves it 
 ABSL_FLAG(int, tree_max_nodes, 16, "tree size when a step leaves it 0 (<= 256)");
 ABSL_FLAG(int, ngram_min_n, 1, "n-gram drafter: shortest suffix matched");
 ABSL_FLAG(int, ngram_max_n, 3, "n-gram drafter: longest suffix matched");
+ABSL_FLAG(bool, draft_backend_topk, true,
+          "take each tree level's children from the backend's top-k (on the device for CUDA) "
+          "instead of copying full logit rows to the host; the same trees either way (an A/B "
+          "switch for benchmarks)");
+ABSL_FLAG(bool, draft_reuse_kv, true,
+          "keep a step's draft KV and commit the accepted path from it instead of feeding the "
+          "accepted tokens again; the same trees either way (an A/B switch for benchmarks)");
 ABSL_FLAG(int, gather_window_us, 2000,
           "longest wait for other routers' steps once one router's step is queued, so that they "
           "draft as one batch (at most the recent step time; 0 = never wait)");
@@ -95,6 +102,8 @@ int Main() {
   options.ngram.min_n = absl::GetFlag(FLAGS_ngram_min_n);
   options.ngram.max_n = absl::GetFlag(FLAGS_ngram_max_n);
   options.max_gather = absl::Microseconds(absl::GetFlag(FLAGS_gather_window_us));
+  options.drafter.backend_topk = absl::GetFlag(FLAGS_draft_backend_topk);
+  options.drafter.reuse_kv = absl::GetFlag(FLAGS_draft_reuse_kv);
   options.test_only_pre_draft_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_test_only_pre_draft_delay_ms));
   if (options.model_dir.empty() && options.eagle_head_dir.empty() && options.vocab_size < 1) {
