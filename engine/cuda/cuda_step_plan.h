@@ -27,9 +27,9 @@
 namespace specd {
 
 // CUDA-graph buckets: at most this many sequences, tree nodes a sequence (after the pending
-// token) and token rows a step. The batch limit is the router's largest batch (--max_batch
-// 128): a batch past the limit runs eagerly, whose launch jitter makes the steps the goodput
-// policy times noisier exactly where speculation and plain decoding are closest.
+// token) and token rows a step. The batch limit covers a router's --max_batch up to 128 (32
+// by default): a batch past the limit runs eagerly, whose launch jitter makes the steps the
+// goodput policy times noisier exactly where speculation and plain decoding are closest.
 inline constexpr int64_t kGraphMaxBatch = 128;
 inline constexpr int64_t kGraphMaxTreeTokens = 256;
 inline constexpr int64_t kGraphMaxTokens = 4096;
