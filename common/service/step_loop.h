@@ -6,6 +6,7 @@
 #ifndef SPECD_COMMON_SERVICE_STEP_LOOP_H_
 #define SPECD_COMMON_SERVICE_STEP_LOOP_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <optional>
@@ -58,8 +59,10 @@ class StepLoop : public ModelLoop {
   }
 
  protected:
-  // `queue` and `metrics` must outlive the loop.
-  StepLoop(Queue* queue, ModelServiceMetrics* metrics) : queue_(queue), metrics_(metrics) {}
+  // `queue` and `metrics` must outlive the loop. `max_gather` bounds GatherWindow(); zero:
+  // never wait for other streams.
+  StepLoop(Queue* queue, ModelServiceMetrics* metrics, absl::Duration max_gather)
+      : queue_(queue), metrics_(metrics), max_gather_(max_gather) {}
 
   // Starts the thread; call last in the subclass's constructor, once info_ is filled.
   void Start() {
@@ -75,12 +78,11 @@ class StepLoop : public ModelLoop {
   // Fraction of the KV cache in use (0 where there is none).
   virtual double KvCacheUsageRatio() = 0;
   // How long Pop may wait for other streams' steps once one is queued (StepQueue::Pop's
-  // `gather`); zero (the default): never.
-  virtual absl::Duration GatherWindow() { return absl::ZeroDuration(); }
-
-  // The recent cost of a batch's RunSteps: an exponential average of the last few (zero before
-  // the first).
-  absl::Duration step_cost() const { return step_cost_; }
+  // `gather`): the recent step time, up to `max_gather`. Waiting for another router's step then
+  // costs it no more than running it a whole step later would, and the verify steps of routers
+  // that step together come back together, so their next draft steps meet in the draft
+  // service's window.
+  absl::Duration GatherWindow() const { return std::min(max_gather_, step_cost_); }
 
   // Frees `seq` and counts it in specd_sequences_freed_total.
   void Free(int64_t seq, bool finished) {
@@ -194,7 +196,10 @@ class StepLoop : public ModelLoop {
     metrics_->kv_cache_usage_ratio.Set(kv);
   }
 
-  absl::Duration step_cost_ = absl::ZeroDuration();  // loop thread only
+  const absl::Duration max_gather_;
+  // The recent cost of a batch's RunSteps: an exponential average of the last few (zero before
+  // the first). Loop thread only.
+  absl::Duration step_cost_ = absl::ZeroDuration();
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> live_sequences_{0};
   std::atomic<double> kv_usage_{0.0};

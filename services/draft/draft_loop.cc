@@ -121,7 +121,7 @@ DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> m
                      std::unique_ptr<DraftModelDrafter> model_drafter,
                      std::unique_ptr<NgramDrafter> ngram, std::unique_ptr<EagleHead> eagle_head,
                      DraftStepQueue* queue, ModelServiceMetrics* metrics)
-    : StepLoop(queue, metrics),
+    : StepLoop(queue, metrics, options.max_gather),
       options_(options),
       model_(std::move(model)),
       model_drafter_(std::move(model_drafter)),

@@ -121,9 +121,6 @@ class DraftLoop final
   void FreeModelState(int64_t seq) override;
   double KvCacheUsageRatio() override;
   std::string CapacitySummary() const override { return capacity_summary_; }
-  // The recent step time, up to options_.max_gather: waiting for another router's step costs
-  // it no more than running it a whole step later would.
-  absl::Duration GatherWindow() override { return std::min(options_.max_gather, step_cost()); }
   absl::Status Admit(StreamId stream, int index, const v1::DraftSequenceStep& step,
                      int64_t* kv_budget, Slot* slot, bool* empty_tree);
   // A pre_draft step: the sequence must be live and drafted by the model; never creates one.

@@ -34,7 +34,9 @@ absl::StatusOr<std::unique_ptr<VerifyLoop>> VerifyLoop::Create(const VerifyLoopO
 
 VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
                        const VerifyLoopOptions& options, ModelServiceMetrics* metrics)
-    : StepLoop(queue, metrics), backend_(std::move(backend)), options_(options) {
+    : StepLoop(queue, metrics, options.max_gather),
+      backend_(std::move(backend)),
+      options_(options) {
   const ModelConfig& config = backend_->config();
   info_.set_model(ModelNameFromPath(options.model_dir));
   info_.set_vocab_size(config.vocab_size);

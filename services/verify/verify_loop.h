@@ -52,9 +52,6 @@ class VerifyLoop final
   std::string CapacitySummary() const override { return capacity_summary_; }
 
  private:
-  // The recent step time, up to options_.max_gather: the verify steps of routers that step
-  // together come back together, so their next draft steps meet in the draft service's window.
-  absl::Duration GatherWindow() override { return std::min(options_.max_gather, step_cost()); }
   // One sequence of one step on its way through a batch.
   struct Slot {
     size_t step = 0;                                    // index into the batch's steps
