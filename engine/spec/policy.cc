@@ -843,13 +843,12 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
             add(with, i, shape, g, +1);
             *floor = seconds_of(with, false);
           }
-          const double emitted = t.emitted + g;
-          if (PricedGoodput(emitted, *floor, t.tree_nodes + shape.nodes(), options_) <= best_s) {
-            t.emitted = emitted - g;
-            if (batch[i].model_draft) {
-              const double catch_up = CatchUp(batch[i], shape, g, options_);
-              t.catch_up = (t.catch_up + catch_up) - catch_up;
-            }
+          if (PricedGoodput(t.emitted + g, *floor, t.tree_nodes + shape.nodes(), options_) <=
+              best_s) {
+            // The try's add and subtract without its score: the totals' sums keep the rounding
+            // the full try gives them.
+            add(t, i, shape, g, +1);
+            add(t, i, shape, g, -1);
             continue;
           }
         }
