@@ -86,12 +86,13 @@ def load_corpus(tokenizer_path, max_train_chars, max_val_files):
     t = time.time()
     train = stream(train_docs)
     val = stream(val_docs[:max_val_files])
+    seconds = time.time() - t
     log(f"tokenized {len(train_docs)} train files ({train.numel()} tokens) and "
         f"{min(len(val_docs), max_val_files)} held-out files ({val.numel()} tokens) in "
-        f"{time.time() - t:.0f} s")
+        f"{seconds:.0f} s")
     return train, val, {"train_files": len(train_docs), "train_tokens": train.numel(),
                         "heldout_files": min(len(val_docs), max_val_files),
-                        "heldout_tokens": val.numel()}
+                        "heldout_tokens": val.numel(), "tokenize_seconds": round(seconds, 1)}
 
 
 @torch.no_grad()
@@ -118,8 +119,63 @@ def generate(target, prompts, new_tokens, temperatures, gen):
 
 
 def windows(stream, n, length, gen):
+    """n windows of `length` tokens at random offsets of stream, on its device: [n, length].
+    `gen` is a CPU generator, so the offsets are the same on any device."""
     starts = torch.randint(0, stream.numel() - length - 1, (n,), generator=gen)
-    return torch.stack([stream[s:s + length] for s in starts.tolist()])
+    starts = starts.to(stream.device)
+    return stream[starts.unsqueeze(1) + torch.arange(length, device=stream.device)]
+
+
+class GeneratedPool:
+    """The target's own continuations of training prompts, generated `size` rows at a time and
+    handed out a few rows per step. A generation call is gen_len sequential target passes; on a
+    GPU they cost about the same for 128 rows as for 1024 (launch-bound), so one large call
+    serves several steps."""
+
+    def __init__(self, target, train, size, prompt_len, gen_len, greedy_share, gen, sample_gen,
+                 sync):
+        self.target, self.train, self.size = target, train, size
+        self.prompt_len, self.gen_len, self.greedy_share = prompt_len, gen_len, greedy_share
+        self.gen, self.sample_gen, self.sync = gen, sample_gen, sync
+        self.rows, self.next, self.calls, self.seconds = None, 0, 0, 0.0
+
+    def refill(self):
+        # Waiting for the device around a call makes `seconds` the generation's own time; calls
+        # are a few seconds apart, so the waits cost little.
+        self.sync()
+        t = time.time()
+        prompts = windows(self.train, self.size, self.prompt_len, self.gen)
+        temps = [0.0 if random.random() < self.greedy_share else 0.8 for _ in range(self.size)]
+        self.rows = generate(self.target, prompts, self.gen_len, temps, self.sample_gen)
+        self.next = 0
+        self.calls += 1
+        self.sync()
+        self.seconds += time.time() - t
+
+    def take(self, n):
+        """n generated rows [n, prompt_len + gen_len], refilling as needed."""
+        parts = []
+        while n > 0:
+            if self.rows is None or self.next >= self.rows.shape[0]:
+                self.refill()
+            k = min(n, self.rows.shape[0] - self.next)
+            parts.append(self.rows[self.next:self.next + k])
+            self.next += k
+            n -= k
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+@torch.no_grad()
+def target_pass(target, seqs, taps, draft_ids, t2d):
+    """One target pass over seqs [B, L]: the taps [B, L, 3 Ht] and, per position k (the
+    distribution of token k + 1), the target's distribution over the draft vocabulary
+    [B, L, Vd] fp32, its argmax over the whole vocabulary [B, L] and whether that argmax is in the
+    draft vocabulary [B, L] bool. Computed once here rather than once per unrolled step."""
+    tlogits, states, _ = target.forward(seqs, taps=taps)
+    feats = torch.cat([states[t] for t in taps], dim=-1)
+    want = tlogits.argmax(-1)
+    p = torch.softmax(tlogits[..., draft_ids].float(), dim=-1)
+    return feats, p, want, t2d[want]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,8 +193,8 @@ def ttt_forward(head, feats, tokens, depth):
     device = tokens.device
     hidden = head.fc(feats[:, :t])
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    k0 = v0 = None
-    diag_k, diag_v = [], []
+    kv0 = []  # step 0's keys and values, repeated over the query groups, in the work dtype
+    diag_k, diag_v = [], []  # each later step's, likewise
     outs = []
     pad = torch.zeros(b, depth, dtype=tokens.dtype, device=device)
     padded = torch.cat((tokens, pad), dim=1)
@@ -147,27 +203,26 @@ def ttt_forward(head, feats, tokens, depth):
         positions = (torch.arange(t, device=device) + i).unsqueeze(0).expand(b, t)
 
         def attend(q, k, v, i=i):
-            nonlocal k0, v0
             group = q.shape[2] // k.shape[2]
-            if i == 0:
-                k0, v0 = k, v
-            else:
-                diag_k.append(k)
-                diag_v.append(v)
             work = torch.float32 if q.dtype != torch.float64 else torch.float64
+            kr = k.repeat_interleave(group, dim=2).to(work)
+            vr = v.repeat_interleave(group, dim=2).to(work)
+            if i == 0:
+                kv0.extend((kr, vr))
+            else:
+                diag_k.append(kr)
+                diag_v.append(vr)
+            k0, v0 = kv0
             qf = q.to(work)
-            kr = k0.repeat_interleave(group, dim=2).to(work)
-            vr = v0.repeat_interleave(group, dim=2).to(work)
             scale = 1.0 / math.sqrt(q.shape[-1])
-            s0 = torch.einsum("bthd,bshd->bhts", qf, kr) * scale
+            s0 = torch.einsum("bthd,bshd->bhts", qf, k0) * scale
             s0 = s0.masked_fill(~causal, float("-inf"))
-            ds = [(qf * dk.repeat_interleave(group, dim=2).to(work)).sum(-1).transpose(1, 2)
-                  .unsqueeze(-1) * scale for dk in diag_k]  # [B, h, T, 1] each
+            ds = [(qf * dk).sum(-1).transpose(1, 2).unsqueeze(-1) * scale
+                  for dk in diag_k]  # [B, h, T, 1] each
             p = torch.softmax(torch.cat([s0] + ds, dim=-1), dim=-1)
-            o = torch.einsum("bhts,bshd->bthd", p[..., :t], vr)
+            o = torch.einsum("bhts,bshd->bthd", p[..., :t], v0)
             for s, dv in enumerate(diag_v):
-                o = o + p[..., t + s].transpose(1, 2).unsqueeze(-1) * \
-                    dv.repeat_interleave(group, dim=2).to(work)
+                o = o + p[..., t + s].transpose(1, 2).unsqueeze(-1) * dv
             return o.to(q.dtype).reshape(b, t, -1)
 
         out = head(tok, hidden, positions, attend, fused=True)
@@ -176,30 +231,29 @@ def ttt_forward(head, feats, tokens, depth):
     return outs
 
 
-def ttt_loss(head, outs, tokens, tlogits, draft_ids, decay):
+def ttt_loss(head, outs, p, want, in_draft, decay, with_stats=False):
     """Soft cross-entropy of each step against the target's distribution over the draft
     vocabulary (positions whose target argmax is outside it are skipped, as in EAGLE-3), weighted
-    decay^i. tlogits: [B, L, V] target logits (row k: the distribution of token k + 1)."""
-    b, length = tokens.shape
-    t = length - 1
+    decay^i. p, want, in_draft: target_pass's, [B, L, Vd], [B, L], [B, L] (row k: token k + 1).
+    Returns (loss, [depth, 2] tensor of each step's loss and top-1 accuracy, or None): the stats
+    stay on the device, so steps that log nothing never wait for the GPU."""
+    t = p.shape[1] - 1
     total = 0.0
     stats = []
     for i, out in enumerate(outs):
         n = t - i  # queries with a token and a target
-        z = tlogits[:, 1 + i:1 + i + n].float()
-        in_draft = head.t2d[z.argmax(-1)]
-        p = torch.softmax(z[..., draft_ids], dim=-1)
         logits = head.logits(out[:, :n]).float()
         logq = torch.log_softmax(logits, dim=-1)
-        ce = -(p * logq).sum(-1)
-        mask = in_draft.float()
+        ce = -(p[:, 1 + i:1 + i + n] * logq).sum(-1)
+        mask = in_draft[:, 1 + i:1 + i + n].float()
         count = mask.sum().clamp(min=1.0)
         loss = (ce * mask).sum() / count
         total = total + (decay ** i) * loss
-        with torch.no_grad():
-            hit = (head.to_target(logits.argmax(-1)) == z.argmax(-1)).float()
-            stats.append((float(loss), float((hit * mask).sum() / count)))
-    return total, stats
+        if with_stats:
+            with torch.no_grad():
+                hit = (head.to_target(logits.argmax(-1)) == want[:, 1 + i:1 + i + n]).float()
+                stats.append(torch.stack((loss.detach(), (hit * mask).sum() / count)))
+    return total, (torch.stack(stats) if with_stats else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,6 +494,62 @@ def save_head(head, out_dir, summary):
         f.write("\n")
 
 
+def grow_draft_vocab(head, target, counts, size):
+    """A copy of `head` whose draft vocabulary adds the most frequent training tokens it lacks, up
+    to `size`: every trained weight kept, the new LM head rows from the target's LM head (as a
+    fresh head's rows start)."""
+    old_ids = (torch.arange(head.cfg.draft_vocab_size) + head.d2t.cpu()).tolist()
+    have = set(old_ids)
+    extra = [i for i in torch.argsort(counts, descending=True, stable=True).tolist()
+             if i not in have][:size - len(old_ids)]
+    ids = sorted(old_ids + extra)
+    cfg = head_config(target, head.cfg.taps, size)
+    grown = ref.Eagle3Head(cfg, target.embed.float()).to(head.fc.weight.device)
+    grown.set_draft_vocab(ids)
+    state = {k: v for k, v in head.state_dict().items()
+             if k not in ("lm_head.weight", "d2t", "t2d")}
+    grown.load_state_dict(state, strict=False)
+    old_row = {tid: r for r, tid in enumerate(old_ids)}
+    with torch.no_grad():
+        for r, tid in enumerate(ids):
+            src = (head.lm_head.weight[old_row[tid]] if tid in old_row
+                   else target.lm_head[tid].float())
+            grown.lm_head.weight[r].copy_(src)
+    return grown
+
+
+def vocab_coverage(counts, seqs, prompt_len, sizes=(1024, 2048, 3072, 4096, 8192)):
+    """Share of the training tokens and of the held-out greedy continuations inside the `size`
+    most frequent training tokens: the ceiling a draft vocabulary of that size puts on a head's
+    top-1 agreement."""
+    order = torch.argsort(counts, descending=True, stable=True)
+    cont = torch.cat([s[prompt_len + 1:] for s in seqs])
+    out = {}
+    for n in sizes:
+        if n > counts.numel():
+            continue
+        inside = torch.zeros(counts.numel(), dtype=torch.bool)
+        inside[order[:n]] = True
+        out[str(n)] = {"train": round(float(counts[order[:n]].sum() / counts.sum()), 4),
+                       "continuations": round(float(inside[cont].float().mean()), 4)}
+    return out
+
+
+def table(res, label):
+    """The held-out results as a Markdown table (the model card's columns)."""
+    top1 = " ".join(f"{a:.2f}" for a in res["top1_agreement_by_step"])
+    draft = res.get("draft_model_chain4", {}).get("tau")
+    return "\n".join([
+        f"held-out: {res['sequences']} prompts of {res['prompt_len']} tokens, "
+        f"{res['continuation_tokens']} continuation tokens",
+        "| head | head chain of 4 | head tree (depth 4, top-k 4, 16 nodes) | "
+        "top-1 agreement, steps 1..7 | continuations in draft vocab | pycoder-draft chain of 4 |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| {label} | {res['chain4']['tau']:.2f} | {res['tree_d4_k4_n16']['tau']:.2f} | {top1} | "
+        f"{res['continuation_in_draft_vocab']:.3f} | "
+        f"{'-' if draft is None else format(draft, '.2f')} |"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "models", "pycoder-target"))
@@ -451,10 +561,21 @@ def main():
     ap.add_argument("--minutes", type=float, default=5.0, help="training wall-clock budget")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps too")
     ap.add_argument("--taps", default=DEFAULT_TAPS, help="tap layer inputs (specd's spelling)")
-    ap.add_argument("--draft-vocab", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft vocabulary size (0: 2048 from scratch, the --init-from head's "
+                         "when continuing; larger than that head's grows it)")
+    ap.add_argument("--batch", type=int, default=8, help="rows per step")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128,
+                    help="rows are prompt-len + gen-len tokens, text rows too")
+    ap.add_argument("--generated-share", type=float, default=1.0,
+                    help="share of each step's rows that are the target's own continuations of "
+                         "prompts; the rest are windows of the training files' own text, whose "
+                         "target features and distributions take one target pass and no "
+                         "generation (EAGLE-1's fixed data)")
+    ap.add_argument("--gen-batch", type=int, default=0,
+                    help="continuations generated per generation call, handed out over the "
+                         "following steps (0: --batch)")
     ap.add_argument("--greedy-share", type=float, default=0.5,
                     help="share of continuations decoded greedily (the rest at temperature 0.8)")
     ap.add_argument("--depth", type=int, default=7, help="training-time test steps")
@@ -464,6 +585,12 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the head's training forward (falls back to eager if the "
+                         "first step fails to compile)")
+    ap.add_argument("--profile-steps", type=int, default=3,
+                    help="steps (after the first) timed phase by phase, waiting for the device")
+    ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--max-train-chars", type=int, default=4_000_000,
                     help="training files read (characters); they are tokenized up front")
     ap.add_argument("--eval-prompts", type=int, default=16)
@@ -472,9 +599,11 @@ def main():
     ap.add_argument("--max-val-files", type=int, default=200)
     ap.add_argument("--eval-only", action="store_true", help="evaluate the head in --out")
     ap.add_argument("--init-from", default="",
-                    help="continue training the head in this folder (its draft vocabulary and "
-                         "taps; a fresh optimizer and schedule)")
+                    help="continue training the head in this folder (its taps and draft "
+                         "vocabulary, grown by --draft-vocab; a fresh optimizer and schedule)")
     args = ap.parse_args()
+    if not 0.0 <= args.generated_share <= 1.0:
+        ap.error("--generated-share must be in [0, 1]")
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -485,6 +614,10 @@ def main():
     log(f"torch {torch.__version__} on {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if cuda else f", {args.threads} threads"))
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
     # The frozen target: bf16 on a GPU (as it is stored), fp32 on the CPU.
     target = ref.LlamaTarget(args.target, dtype=torch.bfloat16 if cuda else torch.float32,
                              device=device)
@@ -492,8 +625,10 @@ def main():
     target32 = target if not cuda else ref.LlamaTarget(args.target, torch.float32, device)
     draft = (ref.LlamaTarget(args.draft, torch.float32, device)
              if args.draft and os.path.isdir(args.draft) else None)
+    # --eval-only reads no training files: the held-out split does not depend on them.
     train, val, data_info = load_corpus(os.path.join(args.target, "tokenizer.json"),
-                                        args.max_train_chars, args.max_val_files)
+                                        0 if args.eval_only else args.max_train_chars,
+                                        args.max_val_files)
     eval_seqs = heldout_sequences(target32, val, args.eval_prompts, args.eval_prompt_len,
                                   args.eval_new, device)
 
@@ -501,13 +636,23 @@ def main():
         head = ref.load_head(args.out, target32, dtype=torch.float32).to(device)
         res = evaluate(head, target32, eval_seqs, args.eval_prompt_len, head.cfg.taps, draft)
         log(json.dumps(res))
+        print(table(res, os.path.basename(os.path.normpath(args.out))), flush=True)
         return
 
     counts = torch.bincount(train, minlength=target.cfg.vocab_size)
+    coverage_by_size = vocab_coverage(counts, eval_seqs, args.eval_prompt_len)
+    log(f"draft vocabulary size -> coverage of training tokens / held-out continuations: "
+        f"{json.dumps(coverage_by_size)}")
     previous = None
     if args.init_from:
         head = ref.load_head(args.init_from, target32, dtype=torch.float32).to(device)
         taps = head.cfg.taps
+        if args.draft_vocab and args.draft_vocab < head.cfg.draft_vocab_size:
+            ap.error(f"--draft-vocab {args.draft_vocab} is smaller than the --init-from head's "
+                     f"{head.cfg.draft_vocab_size}")
+        if args.draft_vocab > head.cfg.draft_vocab_size:
+            log(f"draft vocabulary grown from {head.cfg.draft_vocab_size} to {args.draft_vocab}")
+            head = grow_draft_vocab(head, target32, counts, args.draft_vocab)
         draft_ids = (torch.arange(head.cfg.draft_vocab_size) + head.d2t.cpu()).sort().values
         summary_path = os.path.join(args.init_from, "train_summary.json")
         if os.path.exists(summary_path):
@@ -516,8 +661,9 @@ def main():
             previous.pop("history", None)
         log(f"continuing {args.init_from}")
     else:
-        draft_ids = torch.topk(counts, args.draft_vocab).indices.sort().values
-        head = ref.Eagle3Head(head_config(target, taps, args.draft_vocab),
+        size = args.draft_vocab or 2048
+        draft_ids = torch.topk(counts, size).indices.sort().values
+        head = ref.Eagle3Head(head_config(target, taps, size),
                               target.embed.float()).to(device)
         head.set_draft_vocab(draft_ids.tolist())
         with torch.no_grad():
@@ -532,19 +678,34 @@ def main():
     params = [p for p in head.parameters() if p.requires_grad]
     decay_p = [p for p in params if p.dim() == 2]
     other_p = [p for p in params if p.dim() != 2]
+    # fused: one kernel for the whole update on a GPU (the CPU build of Debian's torch has none).
     opt = torch.optim.AdamW([{"params": decay_p, "weight_decay": args.weight_decay},
                              {"params": other_p, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+                            lr=args.lr, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
     n_params = sum(p.numel() for p in params)
     log(f"head: {n_params} parameters, taps {taps}, depth {args.depth}, lr {args.lr}")
 
-    gen = torch.Generator().manual_seed(args.seed)  # prompt windows
+    def head_loss(feats, seqs, p, want, in_draft, with_stats):
+        outs = ttt_forward(head, feats, seqs, args.depth)
+        return ttt_loss(head, outs, p, want, in_draft, args.decay, with_stats)
+
+    compiled = torch.compile(head_loss) if args.compile else None
+    train = train.to(device)
+    gen = torch.Generator().manual_seed(args.seed)  # window offsets
     sample_gen = torch.Generator(device=device).manual_seed(args.seed + 1)  # continuations
+    n_generated = round(args.generated_share * args.batch)
+    pool = GeneratedPool(target, train, args.gen_batch or args.batch, args.prompt_len,
+                         args.gen_len, args.greedy_share, gen, sample_gen, sync)
+    row_len = args.prompt_len + args.gen_len
+    log(f"rows per step: {args.batch - n_generated} of text, {n_generated} generated "
+        f"({pool.size} per generation call), {row_len} tokens each")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
+                else contextlib.nullcontext())
     budget = args.minutes * 60.0
     start = time.time()
     step = 0
     seen_tokens = 0
-    history = []
+    history, profile = [], []
     while True:
         elapsed = time.time() - start
         if elapsed >= budget or (args.max_steps and step >= args.max_steps):
@@ -554,32 +715,60 @@ def main():
                                                              (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        prompts = windows(train, args.batch, args.prompt_len, gen).to(device)
-        temps = [0.0 if random.random() < args.greedy_share else 0.8 for _ in range(args.batch)]
-        with torch.no_grad():
-            seqs = generate(target, prompts, args.gen_len, temps, sample_gen)
-            tlogits, states, _ = target.forward(seqs, taps=taps)
-            feats = torch.cat([states[t] for t in taps], dim=-1)
-        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
-                    else contextlib.nullcontext())
+        timed = 1 <= step <= args.profile_steps  # step 0 warms up
+        marks = []
+
+        def mark(name):
+            if timed:
+                sync()
+                marks.append((name, time.time()))
+
+        mark("start")
+        calls = pool.calls
+        parts = []
+        if n_generated:
+            parts.append(pool.take(n_generated))
+        mark("generate")
+        if n_generated < args.batch:
+            parts.append(windows(train, args.batch - n_generated, row_len, gen))
+        seqs = torch.cat(parts) if len(parts) > 1 else parts[0]
+        feats, p, want, in_draft = target_pass(target, seqs, taps, draft_ids, head.t2d)
+        mark("target pass")
+        logging = step % args.log_every == 0 or step == 0
         with autocast:
-            outs = ttt_forward(head, feats, seqs, args.depth)
-            loss, stats = ttt_loss(head, outs, seqs, tlogits, draft_ids, args.decay)
+            if compiled is not None:
+                try:
+                    loss, stats = compiled(feats, seqs, p, want, in_draft, logging)
+                except Exception as e:  # noqa: BLE001 (any compile failure: run eagerly)
+                    log(f"torch.compile failed ({type(e).__name__}: {e}); running eagerly")
+                    compiled = None
+            if compiled is None:
+                loss, stats = head_loss(feats, seqs, p, want, in_draft, logging)
+        mark("head forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.clip)
         opt.step()
+        mark("backward + optimizer")
         step += 1
         seen_tokens += seqs.numel()
-        if step % 10 == 0 or step == 1:
+        if timed:
+            phases = {b[0]: round(b[1] - a[1], 4) for a, b in zip(marks, marks[1:])}
+            phases["generation calls"] = pool.calls - calls
+            profile.append(phases)
+            log(f"step {step} phases (s): {json.dumps(phases)}")
+        if logging:
+            st = stats.tolist()
             history.append({"step": step, "seconds": round(time.time() - start, 1),
                             "lr": lr, "loss": round(float(loss), 4),
-                            "acc": [round(a, 3) for _, a in stats]})
+                            "acc": [round(a, 3) for _, a in st]})
             log(f"step {step} loss {float(loss):.3f} acc by step "
-                f"{[round(a, 2) for _, a in stats]} lr {lr:.2e} "
+                f"{[round(a, 2) for _, a in st]} lr {lr:.2e} "
                 f"({seen_tokens / (time.time() - start):.0f} tokens/s)")
+    sync()
     train_s = time.time() - start
-    log(f"trained {step} steps, {seen_tokens} tokens, {train_s:.0f} s")
+    log(f"trained {step} steps, {seen_tokens} tokens ({seen_tokens / train_s:.0f} tokens/s), "
+        f"{pool.calls} generation calls taking {pool.seconds:.0f} s, {train_s:.0f} s in all")
 
     summary = {
         # The folder's last two parts ("models/pycoder-target"): no machine's absolute paths.
@@ -589,8 +778,11 @@ def main():
         "args": {k: (os.path.basename(os.path.normpath(v)) if k == "init_from" and v else v)
                  for k, v in vars(args).items() if k not in ("out", "target", "draft")},
         "parameters": n_params, "taps": taps, "draft_vocab_coverage": round(coverage, 4),
+        "coverage_by_draft_vocab": coverage_by_size,
         "data": data_info, "steps": step, "train_tokens": seen_tokens,
-        "train_seconds": round(train_s, 1), "history": history,
+        "generated_rows": pool.calls * pool.size, "generation_calls": pool.calls,
+        "generation_seconds": round(pool.seconds, 1),
+        "train_seconds": round(train_s, 1), "profile": profile, "history": history,
     }
     if previous is not None:
         summary["previous_stage"] = previous
@@ -606,6 +798,7 @@ def main():
         json.dump(summary, f, indent=2)
         f.write("\n")
     log(f"held-out: {json.dumps(summary['heldout'])}")
+    print(table(summary["heldout"], os.path.basename(os.path.normpath(args.out))), flush=True)
 
 
 if __name__ == "__main__":
