@@ -5,7 +5,8 @@ python3-torch:
 * its KV-cached forward against the full one;
 * tests/fixtures/eagle3 against the reference as it is now (the fixtures are its outputs);
 * the trainer's unrolled training-time-test forward against the reference's tree forward (what
-  specd serves), and its simulated chain speculation against a plain step-by-step one;
+  specd serves), its simulated chain speculation against a plain step-by-step one, and the draft
+  model's simulated chain against chain_stats;
 * the pure-Python BPE against the `tokenizers` library's own encodings;
 * convert_eagle_bin.py on a .bin written by torch.save;
 * the CUDA head's bf16 roundings, emulated (eagle_bf16_emulate.py), inside the GPU test's bound.
@@ -167,6 +168,31 @@ def test_simulated_chain_matches_a_step_by_step_chain():
             v += a + 1
     assert got == (emitted, steps, accepted)
     assert accepted >= 5  # the check saw real acceptances (10 in 13 steps as written)
+
+
+def test_simulated_draft_model_tree_matches_its_chain():
+    """With top-k 1 and 4 nodes the draft model's simulated tree is its greedy chain of 4, which
+    chain_stats scores from one pass's argmax; on its own greedy text with a wrong token now and
+    then, so that drafts are both accepted and rejected."""
+    draft = ref.LlamaTarget(os.path.join(EAGLE, "target"), torch.float32)
+    prompt, length = 6, 40
+    tokens = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        while tokens.shape[1] < length:
+            logits, _, _ = draft.forward(tokens)
+            nxt = int(logits[0, -1].argmax())
+            if tokens.shape[1] % 6 == 0:
+                nxt = (nxt + 1) % 256
+            tokens = torch.cat((tokens, torch.tensor([[nxt]])), dim=1)
+        tokens = tokens[0]
+        logits, _, _ = draft.forward(tokens.unsqueeze(0))
+        matches = (logits[0, prompt:-1].argmax(-1) == tokens[prompt + 1:]).tolist()
+        got = train_head.simulate_draft_model(draft, tokens, prompt, 4, 1, 4)
+        wider = train_head.simulate_draft_model(draft, tokens, prompt, 4, 4, 16)
+    want = train_head.chain_stats(matches, 4)
+    assert got == want
+    assert 5 <= want[2] < len(matches)  # real acceptances and real rejections
+    assert wider[0] == want[0] and wider[2] >= 5  # the 16-node tree runs and accepts too
 
 
 @pytest.mark.parametrize("name", ["llama3_pattern", "gpt2_bytelevel"])

@@ -3,14 +3,15 @@
 in the published layout (config.json with LlamaForCausalLMEagle3, bf16 model.safetensors), with
 an evaluation of held-out acceptance.
 
-Training is online and on the target's own text: each step cuts prompts from the training files,
-lets the frozen target continue them (half greedy, half sampled at temperature 0.8), runs the
-target once over prompt + continuation for its features at the taps and its next-token
-distributions, and trains the head on those with the training-time test of EAGLE-3: the head is
-unrolled `--depth` (7) steps, step 0 reading fc(taps) and each later step its own previous output
-(a draft node at tree depth i attends to the real pairs before it and to its own ancestors), with
-a soft cross-entropy against the target's distribution over the draft vocabulary at every step,
-weighted 0.8^i. The model is tools/oracle/eagle3_reference.py's Eagle3Head, the module specd's
+Each step trains on rows cut from the training files: the target's own continuations of prompts
+(half greedy, half sampled at temperature 0.8; generated --gen-batch rows at a time) and, with
+--generated-share below 1, windows of the files' own text, which need no generation (EAGLE-1's
+fixed data). One pass of the frozen target over the batch gives its features at the taps and its
+next-token distributions, and the head is trained on those with the training-time test of
+EAGLE-3: the head is unrolled `--depth` (7) steps, step 0 reading fc(taps) and each later step
+its own previous output (a draft node at tree depth i attends to the real pairs before it and to
+its own ancestors), with a soft cross-entropy against the target's distribution over the draft
+vocabulary at every step, weighted 0.8^i. The model is tools/oracle/eagle3_reference.py's Eagle3Head, the module specd's
 C++ forward is checked against, so training and serving compute the same function
 (tests/tools/test_eagle_oracle.py checks the unrolled attention against the tree forward).
 
@@ -22,13 +23,14 @@ Evaluation (held-out files): the target continues held-out prompts greedily; spe
 with the head is simulated on those continuations, drafting trees the way specd's drafters build
 them (EAGLE-2: top-k per node by cumulative log-probability, best nodes kept), and tau (tokens per
 target step, bonus included) is reported for a chain of 4 and for the router's default tree
-(depth 4, top-k 4, 16 nodes), beside the standalone draft model's greedy chains on the same text.
+(depth 4, top-k 4, 16 nodes), beside the standalone draft model's greedy chain and the same trees
+drafted by it, on the same text.
 
 Runs on the CPU (fp32, --threads 1 by default: keep such runs short) or a GPU (--device cuda:
 bf16 autocast, fp32 master weights). The training loop stops after --minutes; evaluation after.
 
   /usr/bin/python3 tools/eagle3/train_head.py --out /tmp/pycoder-eagle3 --minutes 5
-  python3 tools/eagle3/train_head.py --device cuda --minutes 8 --batch 32 ...   (GPU host)
+  python3 tools/eagle3/train_head.py --device cuda --generated-share 0.25 ...   (GPU host)
   /usr/bin/python3 tools/eagle3/train_head.py --eval-only --out models/pycoder-eagle3
 """
 
@@ -283,6 +285,68 @@ def rank_key(nodes):
     return lambda i: (-nodes[i].logprob, nodes[i].depth, i)
 
 
+def tree_step(root_logits, expand, tokens, v, depth, top_k, max_nodes, to_target):
+    """One simulated target step from committed position v: drafts a tree as specd's
+    DraftModelDrafter builds it (children of the root from root_logits [V_draft]; at each level
+    the best top_k nodes of the level are expanded, unless max_nodes - 1 nodes already rank ahead;
+    `expand(nodes, frontier, level)` returns the frontier nodes' logits [len(frontier), V_draft];
+    the best max_nodes nodes are kept) and accepts the longest path that tokens[v + 1:] (the
+    target's greedy continuation) follows. Returns the number of accepted draft tokens."""
+    length = tokens.numel()
+    nodes = []
+
+    def children(parent, row_logits):
+        d = 0 if parent < 0 else nodes[parent].depth + 1
+        k = min(top_k, max_nodes - d)
+        if k <= 0:
+            return
+        base = 0.0 if parent < 0 else nodes[parent].logprob
+        lp = torch.log_softmax(row_logits.float(), dim=-1)
+        top = torch.topk(lp, k)
+        for dv, val in zip(top.indices.tolist(), top.values.tolist()):
+            nodes.append(TreeNode(to_target[dv], parent, base + val, d))
+
+    children(-1, root_logits)
+    for level in range(depth - 1):
+        at = sorted([i for i, n in enumerate(nodes) if n.depth == level], key=rank_key(nodes))
+        frontier = []
+        for i in at[:top_k]:
+            ahead = sum(1 for j in range(len(nodes)) if j != i and better(nodes, j, i))
+            if ahead < max_nodes - 1:
+                frontier.append(i)
+        if not frontier:
+            break
+        logits = expand(nodes, frontier, level)
+        for j, i in enumerate(frontier):
+            children(i, logits[j])
+    chosen_set = set(sorted(range(len(nodes)), key=rank_key(nodes))[:max_nodes])
+    # Walk: descend while a child of the current node holds the target's next token.
+    a, cur = 0, -1
+    while v + 1 + a < length:
+        want = int(tokens[v + 1 + a])
+        nxt = [i for i in chosen_set if nodes[i].parent == cur and nodes[i].token == want]
+        if not nxt:
+            break
+        cur = nxt[0]
+        a += 1
+    return a
+
+
+def run_steps(step, tokens, start):
+    """Greedy speculative decoding of tokens[start + 1:] with `step(v)` giving the accepted draft
+    tokens at committed position v: (tokens emitted, target steps, accepted draft tokens)."""
+    length = tokens.numel()
+    emitted = steps = accepted = 0
+    v = start
+    while v < length - 1:
+        a = step(v)
+        accepted += a
+        emitted += min(a + 1, length - 1 - v)
+        steps += 1
+        v += a + 1
+    return emitted, steps, accepted
+
+
 @torch.no_grad()
 def simulate(head, taps, tokens, start, depth, top_k, max_nodes):
     """Greedy speculative decoding of tokens[start + 1:] (the target's greedy continuation) with
@@ -304,37 +368,15 @@ def simulate(head, taps, tokens, start, depth, top_k, max_nodes):
                 prefix_attend)[0]
     kp, vp = keys["k"], keys["v"]
     to_target = (torch.arange(cfg.draft_vocab_size) + head.d2t.cpu()).tolist()
-    emitted = steps = accepted = 0
-    v = start
-    while v < length - 1:
-        nodes = []
-        scratch_k, scratch_v, scratch_parent = [], [], []
-        slot = {}  # node -> scratch index of the nodes fed this step
 
-        def children(parent, row_logits):
-            d = 0 if parent < 0 else nodes[parent].depth + 1
-            k = min(top_k, max_nodes - d)
-            if k <= 0:
-                return
-            base = 0.0 if parent < 0 else nodes[parent].logprob
-            lp = torch.log_softmax(row_logits.float(), dim=-1)
-            top = torch.topk(lp, k)
-            for dv, val in zip(top.indices.tolist(), top.values.tolist()):
-                nodes.append(TreeNode(to_target[dv], parent, base + val, d))
+    def step(v):
+        scratch_k, scratch_v = [], []
+        slot, outs_of = {}, {}  # node -> scratch index, layer output (nodes fed this step)
 
-        children(-1, head.logits(out0[v - 1]))
-        for level in range(depth - 1):
-            at = sorted([i for i, n in enumerate(nodes) if n.depth == level], key=rank_key(nodes))
-            frontier = []
-            for i in at[:top_k]:
-                ahead = sum(1 for j in range(len(nodes)) if j != i and better(nodes, j, i))
-                if ahead < max_nodes - 1:
-                    frontier.append(i)
-            if not frontier:
-                break
-            n_old = len(scratch_parent)
+        def expand(nodes, frontier, level):
+            n_old = len(slot)
             toks = torch.tensor([nodes[i].token for i in frontier], device=tokens.device)
-            hid = torch.stack([out0[v - 1] if nodes[i].parent < 0 else nodes[nodes[i].parent].out
+            hid = torch.stack([out0[v - 1] if nodes[i].parent < 0 else outs_of[nodes[i].parent]
                                for i in frontier])
             pos = torch.tensor([v + level] * len(frontier), device=tokens.device)
             mask = torch.zeros(len(frontier), v + n_old + len(frontier), dtype=torch.bool,
@@ -348,7 +390,7 @@ def simulate(head, taps, tokens, start, depth, top_k, max_nodes):
                     a = nodes[a].parent
                 mask[j, v + n_old + j] = True
 
-            def node_attend(q, k, v_, mask=mask, n_old=n_old):
+            def node_attend(q, k, v_):
                 kk = torch.cat([kp[:v].unsqueeze(0)] + scratch_k + [k], dim=1)
                 vv = torch.cat([vp[:v].unsqueeze(0)] + scratch_v + [v_], dim=1)
                 scratch_k.append(k)
@@ -358,27 +400,45 @@ def simulate(head, taps, tokens, start, depth, top_k, max_nodes):
             outs = head(toks.unsqueeze(0), hid.unsqueeze(0), pos.unsqueeze(0), node_attend,
                         fused=True)[0]
             for j, i in enumerate(frontier):
-                nodes[i].out = outs[j]
-                scratch_parent.append(i)
-            logits = head.logits(outs)
-            for j, i in enumerate(frontier):
-                children(i, logits[j])
-        chosen = sorted(range(len(nodes)), key=rank_key(nodes))[:max_nodes]
-        chosen_set = set(chosen)
-        # Walk: descend while a child of the current node holds the target's next token.
-        a, cur = 0, -1
-        while v + 1 + a < length:
-            want = int(tokens[v + 1 + a])
-            nxt = [i for i in chosen_set if nodes[i].parent == cur and nodes[i].token == want]
-            if not nxt:
-                break
-            cur = nxt[0]
-            a += 1
-        accepted += a
-        emitted += min(a + 1, length - 1 - v)
-        steps += 1
-        v += a + 1
-    return emitted, steps, accepted
+                outs_of[i] = outs[j]
+            return head.logits(outs)
+
+        return tree_step(head.logits(out0[v - 1]), expand, tokens, v, depth, top_k, max_nodes,
+                         to_target)
+
+    return run_steps(step, tokens, start)
+
+
+@torch.no_grad()
+def simulate_draft_model(draft, tokens, start, depth, top_k, max_nodes):
+    """simulate() for a standalone draft model (a LlamaTarget) drafting the same trees: a node's
+    distribution is the model's after the committed tokens 0..v and the node's path. One cached
+    pass over the whole sequence gives every prefix's K/V (causal), each level one batched pass
+    over its frontier's paths."""
+    cache = ref.TargetCache(draft.cfg.num_layers)
+    ids = tokens.to(draft.device).unsqueeze(0)
+    full, _, _ = draft.forward(ids, cache=cache)
+    to_target = list(range(draft.cfg.vocab_size))
+
+    def step(v):
+        def expand(nodes, frontier, level):
+            paths = []
+            for i in frontier:
+                path, a = [], i
+                while a >= 0:
+                    path.append(nodes[a].token)
+                    a = nodes[a].parent
+                paths.append(path[::-1])
+            c = ref.TargetCache(draft.cfg.num_layers)
+            c.k = [k[:, :v + 1].expand(len(frontier), -1, -1, -1) for k in cache.k]
+            c.v = [x[:, :v + 1].expand(len(frontier), -1, -1, -1) for x in cache.v]
+            c.length = v + 1
+            logits, _, _ = draft.forward(torch.tensor(paths, device=draft.device), cache=c)
+            return logits[:, -1]
+
+        return tree_step(full[0, v], expand, tokens, v, depth, top_k, max_nodes, to_target)
+
+    return run_steps(step, tokens, start)
 
 
 def chain_stats(matches, k):
@@ -413,7 +473,7 @@ def heldout_sequences(target, val, n, prompt_len, new_tokens, device):
 
 
 @torch.no_grad()
-def evaluate(head, target, seqs, prompt_len, taps, draft=None, depth=7):
+def evaluate(head, target, seqs, prompt_len, taps, draft=None, depth=7, draft_tree=True):
     """Held-out metrics of a head (and the standalone draft's greedy chains)."""
     res = {"sequences": len(seqs), "prompt_len": prompt_len,
            "continuation_tokens": sum(s.numel() - prompt_len for s in seqs)}
@@ -462,6 +522,15 @@ def evaluate(head, target, seqs, prompt_len, taps, draft=None, depth=7):
                 e1, s1, a1 = chain_stats(ms, k)
                 e, st, a = e + e1, st + s1, a + a1
             res[f"draft_model_chain{k}"] = {"tau": round(e / max(st, 1), 3), "steps": st}
+        if draft_tree:
+            # The same trees as the head's, drafted by the standalone model (what the router
+            # serves it with), on the same tokens.
+            e = st = a = 0
+            for s in seqs:
+                e1, s1, a1 = simulate_draft_model(draft, s, prompt_len, 4, 4, 16)
+                e, st, a = e + e1, st + s1, a + a1
+            res["draft_model_tree_d4_k4_n16"] = {"tau": round(e / max(st, 1), 3), "steps": st,
+                                                 "accepted_per_step": round(a / max(st, 1), 3)}
     return res
 
 
@@ -538,16 +607,20 @@ def vocab_coverage(counts, seqs, prompt_len, sizes=(1024, 2048, 3072, 4096, 8192
 def table(res, label):
     """The held-out results as a Markdown table (the model card's columns)."""
     top1 = " ".join(f"{a:.2f}" for a in res["top1_agreement_by_step"])
-    draft = res.get("draft_model_chain4", {}).get("tau")
+    def tau(key):
+        x = res.get(key, {}).get("tau")
+        return "-" if x is None else format(x, ".2f")
+
     return "\n".join([
         f"held-out: {res['sequences']} prompts of {res['prompt_len']} tokens, "
         f"{res['continuation_tokens']} continuation tokens",
         "| head | head chain of 4 | head tree (depth 4, top-k 4, 16 nodes) | "
-        "top-1 agreement, steps 1..7 | continuations in draft vocab | pycoder-draft chain of 4 |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| {label} | {res['chain4']['tau']:.2f} | {res['tree_d4_k4_n16']['tau']:.2f} | {top1} | "
-        f"{res['continuation_in_draft_vocab']:.3f} | "
-        f"{'-' if draft is None else format(draft, '.2f')} |"])
+        "top-1 agreement, steps 1..7 | continuations in draft vocab | pycoder-draft chain of 4 | "
+        "pycoder-draft tree |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {label} | {tau('chain4')} | {tau('tree_d4_k4_n16')} | {top1} | "
+        f"{res['continuation_in_draft_vocab']:.3f} | {tau('draft_model_chain4')} | "
+        f"{tau('draft_model_tree_d4_k4_n16')} |"])
 
 
 def main():
@@ -689,7 +762,12 @@ def main():
         outs = ttt_forward(head, feats, seqs, args.depth)
         return ttt_loss(head, outs, p, want, in_draft, args.decay, with_stats)
 
-    compiled = torch.compile(head_loss) if args.compile else None
+    compiled = None
+    if args.compile:
+        if hasattr(torch, "compile"):
+            compiled = torch.compile(head_loss)
+        else:
+            log(f"torch {torch.__version__} has no torch.compile: running eagerly")
     train = train.to(device)
     gen = torch.Generator().manual_seed(args.seed)  # window offsets
     sample_gen = torch.Generator(device=device).manual_seed(args.seed + 1)  # continuations
