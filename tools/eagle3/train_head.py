@@ -11,9 +11,10 @@ next-token distributions, and the head is trained on those with the training-tim
 EAGLE-3: the head is unrolled `--depth` (7) steps, step 0 reading fc(taps) and each later step
 its own previous output (a draft node at tree depth i attends to the real pairs before it and to
 its own ancestors), with a soft cross-entropy against the target's distribution over the draft
-vocabulary at every step, weighted 0.8^i. The model is tools/oracle/eagle3_reference.py's Eagle3Head, the module specd's
-C++ forward is checked against, so training and serving compute the same function
-(tests/tools/test_eagle_oracle.py checks the unrolled attention against the tree forward).
+vocabulary at every step, weighted 0.8^i. The model is tools/oracle/eagle3_reference.py's
+Eagle3Head, the module specd's C++ forward is checked against, so training and serving compute
+the same function (tests/tools/test_eagle_oracle.py checks the unrolled attention against the
+tree forward).
 
 Data: the .py files of this machine's Python installation (standard library and site-packages),
 split by a hash of their path exactly as the reference models' corpus was
