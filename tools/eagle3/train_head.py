@@ -131,9 +131,10 @@ def windows(stream, n, length, gen):
 
 class GeneratedPool:
     """The target's own continuations of training prompts, generated `size` rows at a time and
-    handed out a few rows per step. A generation call is gen_len sequential target passes; on a
-    GPU they cost about the same for 128 rows as for 1024 (launch-bound), so one large call
-    serves several steps."""
+    handed out a few rows per step. A generation call is gen_len sequential target passes of
+    this small target whatever its row count, which on a GPU are bound by kernel launches rather
+    than by rows, so one large call serving several steps costs less than one small call a step
+    (the run's log and summary give the calls' time)."""
 
     def __init__(self, target, train, size, prompt_len, gen_len, greedy_share, gen, sample_gen,
                  sync):
@@ -713,6 +714,9 @@ def main():
         print(table(res, os.path.basename(os.path.normpath(args.out))), flush=True)
         return
 
+    if args.draft_vocab > target.cfg.vocab_size:
+        ap.error(f"--draft-vocab {args.draft_vocab} is larger than the target's vocabulary "
+                 f"({target.cfg.vocab_size})")
     counts = torch.bincount(train, minlength=target.cfg.vocab_size)
     coverage_by_size = vocab_coverage(counts, eval_seqs, args.eval_prompt_len)
     log(f"draft vocabulary size -> coverage of training tokens / held-out continuations: "
@@ -780,6 +784,10 @@ def main():
         f"({pool.size} per generation call), {row_len} tokens each")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
                 else contextlib.nullcontext())
+    # The training-time test's attention products run in fp32 outside autocast: TF32 while
+    # training, plain fp32 again for the evaluation (specd's CPU numbers).
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = cuda
     budget = args.minutes * 60.0
     start = time.time()
     step = 0
@@ -845,6 +853,7 @@ def main():
                 f"{[round(a, 2) for _, a in st]} lr {lr:.2e} "
                 f"({seen_tokens / (time.time() - start):.0f} tokens/s)")
     sync()
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     train_s = time.time() - start
     log(f"trained {step} steps, {seen_tokens} tokens ({seen_tokens / train_s:.0f} tokens/s), "
         f"{pool.calls} generation calls taking {pool.seconds:.0f} s, {train_s:.0f} s in all")
