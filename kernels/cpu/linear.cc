@@ -3,10 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define SPECD_LINEAR_X86 1
-#endif
+#include "kernels/cpu/lanes.h"
 
 namespace specd {
 namespace {
@@ -26,14 +23,6 @@ struct TileArgs {
   float* y;
   int64_t ldy;
 };
-
-// The fixed reduction tree of 8 lanes: s4[i] = v[i] + v[i + 4]; s2[i] = s4[i] + s4[i + 2];
-// s2[0] + s2[1]. AVX-512 first folds its 16 lanes to 8 with v[i] + v[i + 8].
-float Reduce8Scalar(const float* v) {
-  const float s0 = v[0] + v[4], s1 = v[1] + v[5], s2 = v[2] + v[6], s3 = v[3] + v[7];
-  const float t0 = s0 + s2, t1 = s1 + s3;
-  return t0 + t1;
-}
 
 // The portable path: the AVX2 arithmetic lane by lane (std::fma rounds once, as vfmadd does).
 template <int MR, int NR>
@@ -56,7 +45,7 @@ struct ScalarTile {
     }
     for (int r = 0; r < MR; ++r) {
       for (int c = 0; c < NR; ++c) {
-        float s = Reduce8Scalar(acc[r][c]);
+        float s = lanes::Reduce8Scalar(acc[r][c]);
         if (a.bias != nullptr) s += a.bias[c];
         a.y[r * a.ldy + c] = s;
       }
@@ -64,13 +53,7 @@ struct ScalarTile {
   }
 };
 
-#ifdef SPECD_LINEAR_X86
-__attribute__((target("avx2,fma"))) inline float Reduce8Avx2(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
-
+#ifdef SPECD_KERNELS_X86
 template <int MR, int NR>
 struct Avx2Tile {
   __attribute__((target("avx2,fma"))) static void Run(const TileArgs& a) {
@@ -109,22 +92,13 @@ struct Avx2Tile {
     for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) {
-        float s = Reduce8Avx2(acc[r][c]);
+        float s = lanes::Reduce8Avx2(acc[r][c]);
         if (a.bias != nullptr) s += a.bias[c];
         a.y[r * a.ldy + c] = s;
       }
     }
   }
 };
-
-__attribute__((target("avx512f"))) inline float Reduce16Avx512(__m512 v) {
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  const __m256 e = _mm256_add_ps(lo, hi);
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(e), _mm256_extractf128_ps(e, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
 
 template <int MR, int NR>
 struct Avx512Tile {
@@ -163,7 +137,7 @@ struct Avx512Tile {
     for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) {
-        float s = Reduce16Avx512(acc[r][c]);
+        float s = lanes::Reduce16Avx512(acc[r][c]);
         if (a.bias != nullptr) s += a.bias[c];
         a.y[r * a.ldy + c] = s;
       }
@@ -171,7 +145,7 @@ struct Avx512Tile {
   }
 };
 
-#endif  // SPECD_LINEAR_X86
+#endif  // SPECD_KERNELS_X86
 
 // Runs Tile<mr, nr> for 1 <= mr <= MR, 1 <= nr <= NR: the remainder tiles of a sweep.
 template <template <int, int> class Tile, int MR, int NR>
@@ -221,7 +195,7 @@ LinearIsa ChooseIsa() {
 bool LinearIsaSupported(LinearIsa isa) {
   switch (isa) {
     case LinearIsa::kScalar: return true;
-#ifdef SPECD_LINEAR_X86
+#ifdef SPECD_KERNELS_X86
     case LinearIsa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case LinearIsa::kAvx512: return __builtin_cpu_supports("avx512f");
 #else
@@ -249,7 +223,7 @@ LinearIsa LinearCpuIsa() {
 void LinearCpuColumnsIsa(const LinearParams& p, int64_t col_begin, int64_t col_end, LinearIsa isa) {
   if (p.rows <= 0 || col_begin >= col_end) return;
   switch (isa) {
-#ifdef SPECD_LINEAR_X86
+#ifdef SPECD_KERNELS_X86
     case LinearIsa::kAvx512:
       // 16 accumulators + 4 weight vectors + 1 row vector of the 32 zmm registers.
       return Sweep<Avx512Tile, 4, 4>(p, col_begin, col_end);

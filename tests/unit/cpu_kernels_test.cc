@@ -212,8 +212,9 @@ std::vector<double> DenseAttention(const std::vector<float>& q, const std::vecto
   return out;
 }
 
-TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
-  const int64_t heads = 6, kv_heads = 2, hd = 12, block = 4, kv_dim = kv_heads * hd;
+void CheckPagedTreeAttention(int64_t hd) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << hd);
+  const int64_t heads = 6, kv_heads = 2, block = 4, kv_dim = kv_heads * hd;
   // Two sequences: A with 9 committed tokens and a tree of 5 nodes, B with 3 committed and a
   // chain of 2. Logical K/V per sequence, scattered into a shuffled block pool.
   const int prefix[2] = {9, 3};
@@ -319,6 +320,11 @@ TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
   const size_t n3 = 3 * heads * hd, n2 = 2 * heads * hd, len = heads * hd;
   EXPECT_EQ(0, std::memcmp(&again[n3], &out[n3], sizeof(float) * len));
   EXPECT_NE(0, std::memcmp(&again[n2], &out[n2], sizeof(float) * len));
+}
+
+TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
+  // Head sizes below one vector and with whole 64-lane blocks, a 16-lane block and a tail.
+  for (int64_t hd : {12, 64, 84}) CheckPagedTreeAttention(hd);
 }
 
 }  // namespace
