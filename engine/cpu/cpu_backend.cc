@@ -1,7 +1,5 @@
 #include "engine/cpu/cpu_backend.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -22,7 +20,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const std::string
       TensorStore::OpenFolder(backend->config_.dir);
   if (!store.ok()) return store.status();
   LoadProgress progress("cpu");
-  if (absl::Status s = backend->model_.Load(**store, "cpu backend"); !s.ok()) return s;
+  if (absl::Status s = backend->model_.Load(**store); !s.ok()) return s;
   // The CPU model keeps every weight as fp32: that is what it placed.
   int64_t fp32_bytes = 0;
   const std::vector<std::string> names = (*store)->Names();
@@ -41,10 +39,7 @@ CpuBackend::CpuBackend(ModelConfig config, const BackendOptions& options)
       table_(kKvBlockTokens, options.kv_capacity_tokens, config_.vocab_size,
              config_.max_position_embeddings),
       model_(config_, FullModelSlice(config_)) {
-  const int threads = CpuBackendThreads(options);
-  // OpenBLAS keeps one global thread count; only an explicit request changes it.
-  if (options.num_threads > 0) openblas_set_num_threads(threads);
-  pool_ = std::make_unique<ThreadPool>(threads);
+  pool_ = std::make_unique<ThreadPool>(CpuBackendThreads(options));
 }
 
 CpuBackend::~CpuBackend() = default;
@@ -99,7 +94,7 @@ absl::Status CpuBackend::ForwardWithTaps(absl::Span<const ForwardItem> items,
   model_.Hidden(layout, pool_.get(), /*comm=*/nullptr, &residual, &sub, tap_layers,
                 tap_layers.empty() ? nullptr : taps);
   logits->resize(layout.logit_tokens.size() * config_.vocab_size);
-  model_.Logits(layout, residual, sub, logits->data());
+  model_.Logits(layout, residual, sub, logits->data(), pool_.get());
   return absl::OkStatus();
 }
 

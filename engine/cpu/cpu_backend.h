@@ -1,7 +1,7 @@
 // The fp32 CPU backend: the reference implementation of Backend (engine/backend.h) and what CI
-// runs. Weights are converted to fp32 at load; GEMMs go through OpenBLAS (batch-invariant, see
-// kernels/include/specd/kernels/linear.h) and attention is split over (token, head) pairs on a
-// thread pool.
+// runs. Weights are converted to fp32 at load; GEMMs are specd's own batch-invariant kernel (see
+// kernels/include/specd/kernels/linear.h) with their output columns split over a thread pool,
+// and attention is split over (token, head) pairs on that pool.
 //
 // KV cache. Keys and values live in a paged pool (kKvBlockTokens slots a block, blocks handed
 // out on demand up to BackendOptions::kv_capacity_tokens). A sequence's committed prefix takes
@@ -9,8 +9,8 @@
 // order they were appended; Commit() moves the accepted path's slots down to [L, L + n) and
 // returns the blocks no longer needed. Scratch nodes therefore count against the capacity.
 //
-// The bookkeeping is engine/kv/paged_kv_table.h and the model engine/cpu/cpu_model.h, both shared with
-// the tensor-parallel CPU backend.
+// The bookkeeping is engine/kv/paged_kv_table.h and the model engine/cpu/cpu_model.h, both shared
+// with the tensor-parallel CPU backend.
 //
 // Determinism. Every per-token computation is independent of batching: the GEMMs are
 // batch-invariant and attention visits the committed prefix then the node's ancestors in
@@ -30,8 +30,8 @@
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/cpu/cpu_model.h"
-#include "engine/model_config.h"
 #include "engine/kv/paged_kv_table.h"
+#include "engine/model_config.h"
 #include "engine/thread_pool.h"
 
 namespace specd {
@@ -66,10 +66,6 @@ class CpuBackend : public Backend {
   // Number of scratch nodes appended since the last Commit() (for tests and drafters).
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const;
 
-  // Rows per sgemm call: kLinearRowBlock, or 1 when the load-time probe found this machine's
-  // BLAS not batch-invariant in blocks (see specd/kernels/linear.h).
-  int64_t linear_row_block() const { return model_.row_block(); }
-
  private:
   CpuBackend(ModelConfig config, const BackendOptions& options);
 
@@ -77,7 +73,7 @@ class CpuBackend : public Backend {
   std::unique_ptr<ThreadPool> pool_;
   // Sequences, block tables and scratch trees; the K/V pools live in model_.
   PagedKvTable table_;
-  CpuModel model_;  // the whole model: FullModelSlice()
+  CpuModel model_;                  // the whole model: FullModelSlice()
   std::vector<float> topk_logits_;  // ForwardTopK()'s [rows, vocab] logits
 };
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -28,6 +27,10 @@ namespace {
 
 // Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
 constexpr int64_t kInlineAttentionWork = 1 << 16;
+// Below this many multiply-adds (rows x in x out), a GEMM runs on the calling thread; threads get
+// whole groups of this many output columns (a multiple of every ISA's tile width).
+constexpr int64_t kInlineLinearWork = 1 << 18;
+constexpr int64_t kLinearColumnGroup = 24;
 
 }  // namespace
 
@@ -48,6 +51,18 @@ int CpuBackendThreads(const BackendOptions& options) {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+void LinearOnPool(const LinearParams& p, ThreadPool* pool) {
+  if (pool == nullptr || pool->num_threads() == 1 ||
+      p.rows * p.in_features * p.out_features < kInlineLinearWork) {
+    LinearCpu(p);
+    return;
+  }
+  const int64_t groups = (p.out_features + kLinearColumnGroup - 1) / kLinearColumnGroup;
+  pool->ParallelFor(groups, 1, [&p](int64_t begin, int64_t end) {
+    LinearCpuColumns(p, begin * kLinearColumnGroup,
+                     std::min(p.out_features, end * kLinearColumnGroup));
+  });
+}
 
 CpuModel::CpuModel(const ModelConfig& config, const TpRankPlan& slice)
     : config_(config),
@@ -55,7 +70,7 @@ CpuModel::CpuModel(const ModelConfig& config, const TpRankPlan& slice)
       kv_group_(config.num_heads / config.num_kv_heads),
       inv_freq_(RopeInvFreq(config)) {}
 
-absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
+absl::Status CpuModel::Load(const TensorStore& st) {
   const ModelConfig& c = config_;
   const int64_t h = c.hidden_size, hd = c.head_dim, f = c.intermediate_size, v = c.vocab_size;
   const int64_t q = int64_t{c.num_heads} * hd, kv = int64_t{c.num_kv_heads} * hd;
@@ -64,9 +79,11 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
   const TpRange vocab = slice_.vocab, ffn = slice_.ffn, none;
   SPECD_RETURN_IF_ERROR_(
       ReadShard(st, "model.embed_tokens.weight", {v, h}, ShardSlice::kRows, vocab, &embed_));
-  SPECD_RETURN_IF_ERROR_(ReadShard(st, "model.norm.weight", {h}, ShardSlice::kAll, none, &final_norm_));
+  SPECD_RETURN_IF_ERROR_(
+      ReadShard(st, "model.norm.weight", {h}, ShardSlice::kAll, none, &final_norm_));
   if (!c.tie_word_embeddings) {
-    SPECD_RETURN_IF_ERROR_(ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_));
   }
   layers_.resize(c.num_layers);
   for (int l = 0; l < c.num_layers; ++l) {
@@ -76,10 +93,10 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
         ReadShard(st, p + "input_layernorm.weight", {h}, ShardSlice::kAll, none, &w.input_norm));
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, ShardSlice::kRows, q_rows, &w.q_proj));
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.k_proj));
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.v_proj));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, ShardSlice::kRows,
+                                     kv_rows, &w.k_proj));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, ShardSlice::kRows,
+                                     kv_rows, &w.v_proj));
     if (c.attention_bias) {
       SPECD_RETURN_IF_ERROR_(
           ReadShard(st, p + "self_attn.q_proj.bias", {q}, ShardSlice::kRows, q_rows, &w.q_bias));
@@ -96,8 +113,8 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
     }
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "self_attn.o_proj.weight", {h, q}, ShardSlice::kCols, q_rows, &w.o_proj));
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "post_attention_layernorm.weight", {h}, ShardSlice::kAll, none, &w.post_norm));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "post_attention_layernorm.weight", {h},
+                                     ShardSlice::kAll, none, &w.post_norm));
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "mlp.gate_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.gate_proj));
     SPECD_RETURN_IF_ERROR_(
@@ -108,30 +125,6 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
   k_pool_.resize(c.num_layers);
   v_pool_.resize(c.num_layers);
 
-  // Every GEMM shape of the slice, probed once: the layers share shapes.
-  const LayerWeights& w0 = layers_[0];
-  const struct {
-    const std::vector<float>* w;
-    int64_t out, in;
-  } shapes[] = {{&w0.q_proj, q_rows.size(), h},
-                {&w0.k_proj, kv_rows.size(), h},
-                {&w0.o_proj, h, q_rows.size()},
-                {&w0.gate_proj, ffn.size(), h},
-                {&w0.down_proj, h, ffn.size()},
-                {lm_head_.empty() ? &embed_ : &lm_head_, vocab.size(), h}};
-  row_block_ = kLinearRowBlock;
-  for (const auto& s : shapes) {
-    if (s.out == 0 || s.in == 0) continue;  // a part this slice does not hold
-    if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
-      std::fprintf(stderr,
-                   "specd %s: this BLAS is not row-invariant in blocks of %lld for a "
-                   "[%lld, %lld] weight; using one sgemm per row (slower, still lossless)\n",
-                   who, static_cast<long long>(kLinearRowBlock), static_cast<long long>(s.out),
-                   static_cast<long long>(s.in));
-      row_block_ = 1;
-      break;
-    }
-  }
   return absl::OkStatus();
 }
 
@@ -173,7 +166,7 @@ void CpuModel::Norm(const float* x, float* residual, const std::vector<float>& w
 }
 
 void CpuModel::Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
-                      float* y, int64_t rows, int64_t in, int64_t out) const {
+                      float* y, int64_t rows, int64_t in, int64_t out, ThreadPool* pool) const {
   LinearParams p;
   p.x = x;
   p.w = w.data();
@@ -182,8 +175,7 @@ void CpuModel::Linear(const float* x, const std::vector<float>& w, const std::ve
   p.rows = rows;
   p.in_features = in;
   p.out_features = out;
-  p.row_block = row_block_;
-  LinearCpu(p);
+  LinearOnPool(p, pool);
 }
 
 void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* comm,
@@ -249,9 +241,9 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
          w.input_norm, normed.data(), T, H);
     capture(layer, residual.data());  // now the stream entering `layer`
     if (QH > 0) {
-      Linear(normed.data(), w.q_proj, &w.q_bias, q.data(), T, H, QD);
-      Linear(normed.data(), w.k_proj, &w.k_bias, k.data(), T, H, KVD);
-      Linear(normed.data(), w.v_proj, &w.v_bias, v.data(), T, H, KVD);
+      Linear(normed.data(), w.q_proj, &w.q_bias, q.data(), T, H, QD, pool);
+      Linear(normed.data(), w.k_proj, &w.k_bias, k.data(), T, H, KVD, pool);
+      Linear(normed.data(), w.v_proj, &w.v_bias, v.data(), T, H, KVD, pool);
       if (c.qk_norm) {
         Norm(q.data(), nullptr, w.q_norm, q.data(), T * QH, hd);
         Norm(k.data(), nullptr, w.k_norm, k.data(), T * KVH, hd);
@@ -297,7 +289,7 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
         });
       }
       // Row-parallel o_proj: this slice's heads' share of the output.
-      Linear(attn.data(), w.o_proj, nullptr, sub.data(), T, QD, H);
+      Linear(attn.data(), w.o_proj, nullptr, sub.data(), T, QD, H, pool);
     } else {
       std::fill(sub.begin(), sub.end(), 0.0f);
     }
@@ -305,15 +297,15 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
 
     Norm(sub.data(), residual.data(), w.post_norm, normed.data(), T, H);
     if (F > 0) {
-      Linear(normed.data(), w.gate_proj, nullptr, gate.data(), T, H, F);
-      Linear(normed.data(), w.up_proj, nullptr, up.data(), T, H, F);
+      Linear(normed.data(), w.gate_proj, nullptr, gate.data(), T, H, F, pool);
+      Linear(normed.data(), w.up_proj, nullptr, up.data(), T, H, F, pool);
       SwiGluParams sp;
       sp.gate = gate.data();
       sp.up = up.data();
       sp.out = gate.data();
       sp.n = T * F;
       SwiGluCpu(sp);
-      Linear(gate.data(), w.down_proj, nullptr, sub.data(), T, F, H);
+      Linear(gate.data(), w.down_proj, nullptr, sub.data(), T, F, H, pool);
     } else {
       std::fill(sub.begin(), sub.end(), 0.0f);
     }
@@ -330,7 +322,7 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
 }
 
 void CpuModel::Logits(const StepLayout& l, const std::vector<float>& residual,
-                      const std::vector<float>& sub, float* out) const {
+                      const std::vector<float>& sub, float* out, ThreadPool* pool) const {
   const int64_t H = config_.hidden_size, V = slice_.vocab.size();
   const int64_t R = static_cast<int64_t>(l.logit_tokens.size());
   if (V == 0 || R == 0) return;
@@ -341,7 +333,7 @@ void CpuModel::Logits(const StepLayout& l, const std::vector<float>& residual,
     std::memcpy(&last_res[r * H], &residual[l.logit_tokens[r] * H], sizeof(float) * H);
   }
   Norm(last_sub.data(), last_res.data(), final_norm_, last_norm.data(), R, H);
-  Linear(last_norm.data(), lm_head_.empty() ? embed_ : lm_head_, nullptr, out, R, H, V);
+  Linear(last_norm.data(), lm_head_.empty() ? embed_ : lm_head_, nullptr, out, R, H, V, pool);
 }
 
 }  // namespace specd

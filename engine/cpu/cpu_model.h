@@ -1,6 +1,6 @@
 // The fp32 CPU decoder, shared by CpuBackend (the whole model on one device) and the
-// tensor-parallel CPU rank executor (one rank's shard, engine/tp/tp_cpu_backend.h). A CpuModel holds
-// the weights of one TpRankPlan slice of the checkpoint and that slice's KV pools; CpuBackend
+// tensor-parallel CPU rank executor (one rank's shard, engine/tp/tp_cpu_backend.h). A CpuModel
+// holds the weights of one TpRankPlan slice of the checkpoint and that slice's KV pools; CpuBackend
 // uses FullModelSlice(), for which every all-reduce is skipped, so the two backends run the same
 // layer code and a one-rank slice is the unsharded model.
 //
@@ -16,8 +16,8 @@
 #include "absl/types/span.h"
 #include "common/io/safetensors.h"
 #include "engine/backend.h"
-#include "engine/model_config.h"
 #include "engine/kv/paged_kv_table.h"
+#include "engine/model_config.h"
 #include "engine/thread_pool.h"
 #include "engine/tp/tp_plan.h"
 #include "specd/kernels/linear.h"
@@ -30,6 +30,9 @@ class TpCommunicator;
 absl::Status CheckCpuBackendOptions(const BackendOptions& options);
 // Threads for options.num_threads: the hardware's when 0.
 int CpuBackendThreads(const BackendOptions& options);
+// LinearCpu with the output columns split over `pool` (small products run on the caller); the
+// bits do not depend on the split (specd/kernels/linear.h). Not from inside pool->ParallelFor.
+void LinearOnPool(const LinearParams& p, ThreadPool* pool);
 
 class CpuModel {
  public:
@@ -37,12 +40,8 @@ class CpuModel {
   CpuModel(const ModelConfig& config, const TpRankPlan& slice);
 
   // Reads the slice's part of every tensor, checking each tensor's full shape (errors name the
-  // file and the tensor), then probes the slice's GEMM shapes for row invariance in blocks;
-  // `who` names the backend in the stderr note when it falls back to one sgemm per row.
-  absl::Status Load(const TensorStore& store, const char* who);
-
-  // Rows per sgemm call (kLinearRowBlock, or 1 after a failed probe).
-  int64_t row_block() const { return row_block_; }
+  // file and the tensor).
+  absl::Status Load(const TensorStore& store);
 
   // Makes the KV pools hold physical blocks [0, blocks) (contents kept; only grows).
   void ReserveKvBlocks(int64_t blocks);
@@ -63,8 +62,9 @@ class CpuModel {
 
   // Final norm and LM head of the requested rows (layout.logit_tokens), over this slice's
   // vocabulary range. residual, sub: as Hidden() left them. out: [R, slice vocab] fp32, host.
+  // `pool` splits the LM head's columns.
   void Logits(const StepLayout& layout, const std::vector<float>& residual,
-              const std::vector<float>& sub, float* out) const;
+              const std::vector<float>& sub, float* out, ThreadPool* pool) const;
 
  private:
   struct LayerWeights {
@@ -79,8 +79,8 @@ class CpuModel {
 
   void Norm(const float* x, float* residual, const std::vector<float>& w, float* out, int64_t rows,
             int64_t dim) const;
-  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
-              float* y, int64_t rows, int64_t in, int64_t out) const;
+  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
+              int64_t rows, int64_t in, int64_t out, ThreadPool* pool) const;
   int64_t local_kv_dim() const { return slice_.kv_heads.size() * config_.head_dim; }
 
   const ModelConfig config_;
@@ -89,7 +89,6 @@ class CpuModel {
   std::vector<float> inv_freq_;
   std::vector<float> embed_, final_norm_, lm_head_;  // embed_, lm_head_: [slice vocab, H]
   std::vector<LayerWeights> layers_;
-  int64_t row_block_ = kLinearRowBlock;
   int64_t kv_blocks_ = 0;
   std::vector<std::vector<float>> k_pool_, v_pool_;  // per layer [slots, local kv dim] fp32
 };

@@ -1,10 +1,7 @@
 #include "engine/draft/eagle_head_cpu.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -30,8 +27,8 @@ absl::StatusOr<std::unique_ptr<EagleHeadCpu>> EagleHeadCpu::Create(
     EagleHeadConfig config, const ModelConfig& target, EagleHeadWeights weights,
     const EagleHeadOptions& options) {
   if (options.kv_capacity_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_capacity_tokens: must be positive, got ",
-                                                   options.kv_capacity_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_capacity_tokens: must be positive, got ", options.kv_capacity_tokens));
   }
   if (options.num_threads < 0) {
     return absl::InvalidArgumentError(
@@ -58,40 +55,9 @@ EagleHeadCpu::EagleHeadCpu(EagleHeadConfig config, EagleHeadWeights weights, int
   const int threads = options.num_threads > 0
                           ? options.num_threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (options.num_threads > 0) openblas_set_num_threads(threads);
   pool_ = std::make_unique<ThreadPool>(threads);
   k_pool_.resize(w_.layers.size());
   v_pool_.resize(w_.layers.size());
-
-  // Every GEMM shape, probed once (see specd/kernels/linear.h): drafts that do not depend on
-  // the batch make runs repeatable.
-  const ModelConfig& h = config_.head;
-  const int64_t H = h.hidden_size, F = h.intermediate_size;
-  const int64_t Q = int64_t{h.num_heads} * h.head_dim, KV = int64_t{h.num_kv_heads} * h.head_dim;
-  const int64_t in = config_.kind == EagleKind::kEagle3 ? 2 * H : H;
-  const EagleHeadWeights::Layer& l0 = w_.layers[0];
-  const struct {
-    const std::vector<float>* w;
-    int64_t out, in;
-  } shapes[] = {{&w_.fc, H, static_cast<int64_t>(w_.fc.size()) / H},
-                {&l0.q_proj, Q, in},
-                {&l0.k_proj, KV, in},
-                {&l0.o_proj, H, Q},
-                {&l0.gate_proj, F, H},
-                {&l0.down_proj, H, F},
-                {&w_.lm_head, config_.draft_vocab_size, H}};
-  row_block_ = kLinearRowBlock;
-  for (const auto& s : shapes) {
-    if (!LinearRowBlockInvariant(s.w->data(), s.out, s.in)) {
-      std::fprintf(stderr,
-                   "specd eagle head: this BLAS is not row-invariant in blocks of %lld for a "
-                   "[%lld, %lld] weight; using one sgemm per row\n",
-                   static_cast<long long>(kLinearRowBlock), static_cast<long long>(s.out),
-                   static_cast<long long>(s.in));
-      row_block_ = 1;
-      break;
-    }
-  }
 }
 
 void EagleHeadCpu::Norm(const float* x, float* residual, const std::vector<float>& w, float* out,
@@ -119,8 +85,7 @@ void EagleHeadCpu::Linear(const float* x, const std::vector<float>& w,
   p.rows = rows;
   p.in_features = in;
   p.out_features = out;
-  p.row_block = row_block_;
-  LinearCpu(p);
+  LinearOnPool(p, pool_.get());
 }
 
 void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int64_t in,
@@ -230,8 +195,8 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
   if (items.empty()) return absl::OkStatus();
   if (table_.allocated_blocks() > kv_blocks_) {
     kv_blocks_ = table_.allocated_blocks();
-    const int64_t elems = kv_blocks_ * kKvBlockTokens * config_.head.num_kv_heads *
-                          int64_t{config_.head.head_dim};
+    const int64_t elems =
+        kv_blocks_ * kKvBlockTokens * config_.head.num_kv_heads * int64_t{config_.head.head_dim};
     for (size_t i = 0; i < k_pool_.size(); ++i) {
       k_pool_[i].resize(elems);
       v_pool_[i].resize(elems);

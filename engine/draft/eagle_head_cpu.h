@@ -1,6 +1,6 @@
 // The fp32 CPU forward of an EAGLE head (engine/draft/eagle_head.h): the reference the CUDA
-// version will be checked against, on the CPU kernels the CPU backend uses (OpenBLAS GEMMs in
-// batch-invariant row blocks, RMSNorm, RoPE, paged tree attention) and the same KV bookkeeping
+// version will be checked against, on the CPU kernels the CPU backend uses (batch-invariant GEMMs,
+// RMSNorm, RoPE, paged tree attention) and the same KV bookkeeping
 // (engine/kv/paged_kv_table.h, one pool a head layer).
 //
 // Determinism: as CpuModel, every row's result depends only on its own inputs and keys, so a
@@ -43,17 +43,14 @@ class EagleHeadCpu : public EagleHead {
   absl::Status Commit(SeqId seq, absl::Span<const int32_t> path) override;
   KvUsage Usage() const override { return table_.Usage(); }
 
-  // Rows per sgemm call (kLinearRowBlock, or 1 after a failed row-invariance probe).
-  int64_t row_block() const { return row_block_; }
-
  private:
   EagleHeadCpu(EagleHeadConfig config, EagleHeadWeights weights, int context_length,
                const EagleHeadOptions& options);
 
   void Norm(const float* x, float* residual, const std::vector<float>& w, float* out,
             int64_t rows) const;
-  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
-              float* y, int64_t rows, int64_t in, int64_t out) const;
+  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
+              int64_t rows, int64_t in, int64_t out) const;
   // Attention of head layer `layer` over the step: x [T, in] (already normed) -> out [T, H],
   // writing the step's K/V into the layer's pools.
   void Attention(int layer, const StepLayout& l, const float* x, int64_t in, float* out);
@@ -66,7 +63,6 @@ class EagleHeadCpu : public EagleHead {
   PagedKvTable table_;
   std::vector<float> inv_freq_;
   std::unique_ptr<ThreadPool> pool_;
-  int64_t row_block_;
   int64_t kv_blocks_ = 0;
   std::vector<std::vector<float>> k_pool_, v_pool_;  // per head layer [slots, kv_heads * head_dim]
 };

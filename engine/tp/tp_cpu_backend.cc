@@ -1,7 +1,5 @@
 #include "engine/tp/tp_cpu_backend.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cstring>
 #include <utility>
@@ -31,7 +29,7 @@ class CpuRankExecutor : public TpRankExecutor {
   absl::Status Load() override {
     // The pool's workers belong to this rank, so they are created on its thread.
     pool_ = std::make_unique<ThreadPool>(threads_);
-    return model_.Load(*store_, "tp cpu backend");
+    return model_.Load(*store_);
   }
   void ReserveKvBlocks(int64_t blocks) override { model_.ReserveKvBlocks(blocks); }
   absl::Status Forward(const StepLayout& layout, TpCommunicator* comm, const Output& out) override;
@@ -77,7 +75,7 @@ absl::Status CpuRankExecutor::Forward(const StepLayout& l, TpCommunicator* comm,
   }
   shard_.assign(R * V, 0.0f);
   if (V == 0 || R == 0) return absl::OkStatus();
-  model_.Logits(l, residual, sub, shard_.data());
+  model_.Logits(l, residual, sub, shard_.data(), pool_.get());
   for (int64_t r = 0; r < R; ++r) {
     const float* row = &shard_[r * V];
     if (out.logits != nullptr) {
@@ -106,7 +104,6 @@ absl::StatusOr<std::unique_ptr<TensorParallelBackend>> CreateTpCpuBackend(
 
   const int n = plan->world_size;
   const int threads = CpuBackendThreads(options);
-  if (n > 1) openblas_set_num_threads(1);  // see the header: one BLAS thread per rank thread
   const int per_rank = std::max(1, threads / n);
 
   std::vector<std::unique_ptr<TpRankExecutor>> executors;

@@ -9,11 +9,9 @@
 // element-wise all-reduce in rank order), so a tree node's logits equal, bit for bit, those of
 // the same token decoded after its path at the same N.
 //
-// Threads. Each rank thread runs its GEMMs itself, single-threaded: OpenBLAS 0.3.21 (pthreads)
-// has one process-wide thread count (a per-thread one arrived in 0.3.27) and concurrent
-// multi-threaded calls from several rank threads would contend for its one server, so Create()
-// sets it to 1 for the process. Cores beyond N go to per-rank attention thread pools
-// (BackendOptions::num_threads / N threads each).
+// Threads. Each rank has its own pool of BackendOptions::num_threads / N threads (at least one:
+// the rank thread) for its GEMMs (output columns split over the pool, which does not change
+// their bits) and its attention.
 #ifndef SPECD_ENGINE_TP_TP_CPU_BACKEND_H_
 #define SPECD_ENGINE_TP_TP_CPU_BACKEND_H_
 

@@ -1,69 +1,245 @@
 #include "specd/kernels/linear.h"
 
-#include <cblas.h>
-
 #include <algorithm>
-#include <cstring>
-#include <vector>
+#include <cmath>
+
+#include "kernels/cpu/lanes.h"
 
 namespace specd {
+namespace {
 
-void LinearCpu(const LinearParams& p) {
-  const int64_t n = p.out_features, k = p.in_features, block = p.row_block;
-  const int64_t full = p.rows / block * block;
-  // Whole blocks run in place on the caller's rows; each call has exactly `block` rows.
-  for (int64_t r = 0; r < full; r += block) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, block, n, k, 1.0f, p.x + r * k, k, p.w, k,
-                0.0f, p.y + r * n, n);
+// Rows of x per chunk are chosen so that the chunk (chunk rows x k fp32) stays in L2 while the
+// column tiles of W sweep over it; W is then read once per chunk.
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// One tile: outputs y[r, c] for r < MR, c < NR. x: [MR, k] fp32 at row stride k; w: [NR, k] fp32
+// at row stride k; bias: [NR] fp32 or null; y: [MR, ldy] fp32 (the first NR columns written).
+// All host memory.
+struct TileArgs {
+  const float* x;
+  const float* w;
+  int64_t k;
+  const float* bias;
+  float* y;
+  int64_t ldy;
+};
+
+// The portable path: the AVX2 arithmetic lane by lane (std::fma rounds once, as vfmadd does).
+template <int MR, int NR>
+struct ScalarTile {
+  static void Run(const TileArgs& a) {
+    float acc[MR][NR][8] = {};
+    const int64_t k = a.k;
+    for (int64_t i = 0; i < k; i += 8) {
+      for (int r = 0; r < MR; ++r) {
+        for (int c = 0; c < NR; ++c) {
+          for (int l = 0; l < 8; ++l) {
+            // Lanes past k are the zeros a masked load gives: fma(0, 0, acc).
+            const bool in = i + l < k;
+            const float xv = in ? a.x[r * k + i + l] : 0.0f;
+            const float wv = in ? a.w[c * k + i + l] : 0.0f;
+            acc[r][c][l] = std::fma(xv, wv, acc[r][c][l]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int c = 0; c < NR; ++c) {
+        float s = lanes::Reduce8Scalar(acc[r][c]);
+        if (a.bias != nullptr) s += a.bias[c];
+        a.y[r * a.ldy + c] = s;
+      }
+    }
   }
-  // The tail is padded with zero rows to a whole block, so it takes the same sgemm path.
-  if (const int64_t tail = p.rows - full; tail > 0) {
-    std::vector<float> x(block * k, 0.0f);
-    std::vector<float> y(block * n);
-    std::memcpy(x.data(), p.x + full * k, sizeof(float) * tail * k);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, block, n, k, 1.0f, x.data(), k, p.w, k,
-                0.0f, y.data(), n);
-    std::memcpy(p.y + full * n, y.data(), sizeof(float) * tail * n);
+};
+
+#ifdef SPECD_KERNELS_X86
+template <int MR, int NR>
+struct Avx2Tile {
+  __attribute__((target("avx2,fma"))) static void Run(const TileArgs& a) {
+    __m256 acc[MR][NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+    }
+    const int64_t k = a.k, kv = k & ~int64_t{7};
+    for (int64_t i = 0; i < kv; i += 8) {
+      __m256 wv[NR];
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) wv[c] = _mm256_loadu_ps(a.w + c * k + i);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_loadu_ps(a.x + r * k + i);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+      }
+    }
+    if (kv < k) {
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k - kv)), lane);
+      __m256 wv[NR];
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) wv[c] = _mm256_maskload_ps(a.w + c * k + kv, mask);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_maskload_ps(a.x + r * k + kv, mask);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        float s = lanes::Reduce8Avx2(acc[r][c]);
+        if (a.bias != nullptr) s += a.bias[c];
+        a.y[r * a.ldy + c] = s;
+      }
+    }
   }
-  if (p.bias != nullptr) {
-    for (int64_t r = 0; r < p.rows; ++r) {
-      float* y = p.y + r * n;
-      for (int64_t j = 0; j < n; ++j) y[j] += p.bias[j];
+};
+
+template <int MR, int NR>
+struct Avx512Tile {
+  __attribute__((target("avx512f"))) static void Run(const TileArgs& a) {
+    __m512 acc[MR][NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
+    }
+    const int64_t k = a.k, kv = k & ~int64_t{15};
+    for (int64_t i = 0; i < kv; i += 16) {
+      __m512 wv[NR];
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_ps(a.w + c * k + i);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xv = _mm512_loadu_ps(a.x + r * k + i);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+      }
+    }
+    if (kv < k) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (k - kv)) - 1u);
+      __m512 wv[NR];
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) wv[c] = _mm512_maskz_loadu_ps(mask, a.w + c * k + kv);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, a.x + r * k + kv);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        float s = lanes::Reduce16Avx512(acc[r][c]);
+        if (a.bias != nullptr) s += a.bias[c];
+        a.y[r * a.ldy + c] = s;
+      }
+    }
+  }
+};
+
+#endif  // SPECD_KERNELS_X86
+
+// Runs Tile<mr, nr> for 1 <= mr <= MR, 1 <= nr <= NR: the remainder tiles of a sweep.
+template <template <int, int> class Tile, int MR, int NR>
+void RunTile(int mr, int nr, const TileArgs& a) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return RunTile<Tile, MR - 1, NR>(mr, nr, a);
+  }
+  if constexpr (NR > 1) {
+    if (nr < NR) return RunTile<Tile, MR, NR - 1>(mr, nr, a);
+  }
+  Tile<MR, NR>::Run(a);
+}
+
+// Column tiles of NR weight rows (in L1) sweep the row tiles of MR rows of each chunk.
+template <template <int, int> class Tile, int MR, int NR>
+void Sweep(const LinearParams& p, int64_t col_begin, int64_t col_end) {
+  const int64_t k = p.in_features, n = p.out_features;
+  const int64_t chunk = std::max<int64_t>(
+      MR, kChunkBytes / (std::max<int64_t>(k, 1) * static_cast<int64_t>(sizeof(float))) / MR * MR);
+  for (int64_t r0 = 0; r0 < p.rows; r0 += chunk) {
+    const int64_t r1 = std::min(p.rows, r0 + chunk);
+    for (int64_t j = col_begin; j < col_end; j += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, col_end - j));
+      TileArgs a;
+      a.w = p.w + j * k;
+      a.k = k;
+      a.bias = p.bias != nullptr ? p.bias + j : nullptr;
+      a.ldy = n;
+      for (int64_t r = r0; r < r1; r += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, r1 - r));
+        a.x = p.x + r * k;
+        a.y = p.y + r * n + j;
+        RunTile<Tile, MR, NR>(mr, nr, a);
+      }
     }
   }
 }
 
-bool LinearRowBlockInvariant(const float* w, int64_t out_features, int64_t in_features) {
-  const int64_t n = out_features, k = in_features, block = kLinearRowBlock;
-  // Deterministic pseudo-random rows in [-1, 1) (a fixed LCG: no state shared with callers).
-  uint32_t state = 12345;
-  std::vector<float> x((block + 1) * k);
-  for (float& v : x) {
-    state = state * 1664525u + 1013904223u;
-    v = static_cast<float>(state >> 8) / static_cast<float>(1u << 23) - 1.0f;
-  }
-  const float* probe = x.data() + block * k;  // the last row
-  std::vector<float> alone(n), y(block * n);
-  LinearParams p;
-  p.w = w;
-  p.in_features = k;
-  p.out_features = n;
-  p.x = probe;
-  p.y = alone.data();
-  p.rows = 1;
-  LinearCpu(p);
-  std::vector<float> xs(block * k);
-  for (int64_t pos = 0; pos < block; ++pos) {
-    std::memcpy(xs.data(), x.data(), sizeof(float) * block * k);
-    std::memcpy(xs.data() + pos * k, probe, sizeof(float) * k);
-    p.x = xs.data();
-    p.y = y.data();
-    p.rows = block;
-    LinearCpu(p);
-    if (std::memcmp(y.data() + pos * n, alone.data(), sizeof(float) * n) != 0) return false;
-  }
-  return true;
+LinearIsa ChooseIsa() {
+  if (LinearIsaSupported(LinearIsa::kAvx512)) return LinearIsa::kAvx512;
+  if (LinearIsaSupported(LinearIsa::kAvx2)) return LinearIsa::kAvx2;
+  return LinearIsa::kScalar;
 }
+
+}  // namespace
+
+bool LinearIsaSupported(LinearIsa isa) {
+  switch (isa) {
+    case LinearIsa::kScalar: return true;
+#ifdef SPECD_KERNELS_X86
+    case LinearIsa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case LinearIsa::kAvx512: return __builtin_cpu_supports("avx512f");
+#else
+    case LinearIsa::kAvx2:
+    case LinearIsa::kAvx512: return false;
+#endif
+  }
+  return false;
+}
+
+const char* LinearIsaName(LinearIsa isa) {
+  switch (isa) {
+    case LinearIsa::kScalar: return "scalar";
+    case LinearIsa::kAvx2: return "avx2";
+    case LinearIsa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+LinearIsa LinearCpuIsa() {
+  static const LinearIsa isa = ChooseIsa();
+  return isa;
+}
+
+void LinearCpuColumnsIsa(const LinearParams& p, int64_t col_begin, int64_t col_end, LinearIsa isa) {
+  if (p.rows <= 0 || col_begin >= col_end) return;
+  switch (isa) {
+#ifdef SPECD_KERNELS_X86
+    case LinearIsa::kAvx512:
+      // 16 accumulators + 4 weight vectors + 1 row vector of the 32 zmm registers.
+      return Sweep<Avx512Tile, 4, 4>(p, col_begin, col_end);
+    case LinearIsa::kAvx2:
+      // 12 accumulators + 3 weight vectors + 1 row vector: the 16 ymm registers.
+      return Sweep<Avx2Tile, 4, 3>(p, col_begin, col_end);
+#endif
+    default: return Sweep<ScalarTile, 1, 1>(p, col_begin, col_end);
+  }
+}
+
+void LinearCpuColumns(const LinearParams& p, int64_t col_begin, int64_t col_end) {
+  LinearCpuColumnsIsa(p, col_begin, col_end, LinearCpuIsa());
+}
+
+void LinearCpu(const LinearParams& p) { LinearCpuColumns(p, 0, p.out_features); }
 
 void LinearNaiveCpu(const LinearParams& p) {
   for (int64_t r = 0; r < p.rows; ++r) {

@@ -183,9 +183,11 @@ class NaiveModel {
 // ---------------------------------------------------------------------------------------------
 // Helpers.
 
-std::unique_ptr<Backend> MakeBackend(const std::string& dir, int64_t capacity = 1 << 16) {
+std::unique_ptr<Backend> MakeBackend(const std::string& dir, int64_t capacity = 1 << 16,
+                                     int num_threads = 0) {
   BackendOptions opts;
   opts.kv_capacity_tokens = capacity;
+  opts.num_threads = num_threads;
   absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(dir, opts);
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? std::move(*b) : nullptr;
@@ -526,6 +528,37 @@ TEST_F(CpuBackendTest, BatchingSequencesTogetherGivesTheSameLogitsAsAlone) {
     off += n;
   }
   EXPECT_EQ(off, l.size());
+}
+
+TEST(CpuBackendThreadsTest, ThreadCountChangesNoBit) {
+  // Large enough that every GEMM splits its columns over the pool (and attention runs on it).
+  RandomCheckpointSpec spec;
+  spec.hidden_size = 256;
+  spec.intermediate_size = 384;
+  spec.num_heads = 4;
+  spec.num_kv_heads = 2;
+  spec.vocab_size = 1000;
+  spec.seed = 12;
+  const std::string dir = WriteModel(spec);
+  std::vector<int32_t> prompt(70);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i * 7 % 256);
+  const ForwardItem tree = {1, {5, 6, 7, 8, 9}, {-1, 0, 0, 1, 3}, {0, 1, 2, 3, 4}};
+  std::vector<std::vector<float>> prefill, verify;
+  for (int threads : {1, 2, 3, 5}) {
+    std::unique_ptr<Backend> b = MakeBackend(dir, 1 << 16, threads);
+    ASSERT_NE(b, nullptr);
+    ASSERT_TRUE(b->AddSequence(1).ok());
+    std::vector<float> l;
+    ASSERT_TRUE(b->Forward({Chain(1, prompt)}, &l).ok());
+    prefill.push_back(l);
+    ASSERT_TRUE(b->Commit(1, Iota(static_cast<int>(prompt.size()))).ok());
+    ASSERT_TRUE(b->Forward({tree}, &l).ok());
+    verify.push_back(l);
+  }
+  for (size_t i = 1; i < prefill.size(); ++i) {
+    EXPECT_EQ(prefill[i], prefill[0]) << "thread setting " << i;
+    EXPECT_EQ(verify[i], verify[0]) << "thread setting " << i;
+  }
 }
 
 TEST_F(CpuBackendTest, VerifyWithGreedySamplingReproducesPlainDecoding) {

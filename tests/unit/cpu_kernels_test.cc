@@ -1,5 +1,5 @@
 // The CPU reference kernels against straightforward double-precision formulas on random data
-// with awkward sizes, plus the batch invariance of LinearCpu that lossless speculation needs.
+// with awkward sizes (the linear layer has its own tests: linear_cpu_test.cc).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,7 +10,6 @@
 #include "gtest/gtest.h"
 #include "specd/kernels/embedding.h"
 #include "specd/kernels/kv_cache.h"
-#include "specd/kernels/linear.h"
 #include "specd/kernels/rmsnorm.h"
 #include "specd/kernels/rope.h"
 #include "specd/kernels/swiglu.h"
@@ -149,82 +148,6 @@ TEST(SwiGluCpuTest, MatchesFormula) {
   ExpectClose(out, want, 1e-6);
 }
 
-LinearParams MakeLinear(const std::vector<float>& x, const std::vector<float>& w,
-                        const std::vector<float>* bias, std::vector<float>* y, int64_t rows,
-                        int64_t in, int64_t out) {
-  LinearParams p;
-  p.x = x.data();
-  p.w = w.data();
-  p.bias = bias ? bias->data() : nullptr;
-  p.y = y->data();
-  p.rows = rows;
-  p.in_features = in;
-  p.out_features = out;
-  return p;
-}
-
-TEST(LinearCpuTest, MatchesNaiveProductForAwkwardSizes) {
-  for (int64_t rows : {1, 3, 8, 9, 19}) {
-    const int64_t in = 37, out = 53;
-    const std::vector<float> x = Random(rows * in, 9), w = Random(out * in, 10),
-                             b = Random(out, 11);
-    std::vector<float> y(rows * out, NAN), ref(rows * out);
-    LinearCpu(MakeLinear(x, w, &b, &y, rows, in, out));
-    LinearNaiveCpu(MakeLinear(x, w, &b, &ref, rows, in, out));
-    ExpectClose(y, std::vector<double>(ref.begin(), ref.end()), 1e-5);
-    LinearCpu(MakeLinear(x, w, nullptr, &y, rows, in, out));
-    LinearNaiveCpu(MakeLinear(x, w, nullptr, &ref, rows, in, out));
-    ExpectClose(y, std::vector<double>(ref.begin(), ref.end()), 1e-5);
-  }
-}
-
-TEST(LinearCpuTest, EachRowIsBitIdenticalWhateverTheBatch) {
-  // K above OpenBLAS's K-blocking and N with a ragged tail, where plain sgemm differs by M.
-  const int64_t in = 1000, out = 300, max_rows = 37;
-  const std::vector<float> w = Random(out * in, 12, 0.05f);
-  const std::vector<float> x = Random(max_rows * in, 13);
-  std::vector<float> batch(max_rows * out);
-  LinearCpu(MakeLinear(x, w, nullptr, &batch, max_rows, in, out));
-  for (int64_t rows : {1, 2, 5, 8, 13, 16, 17}) {
-    // Row r of a smaller batch, placed at every position, against the same row in the big one.
-    for (int64_t r = 0; r < rows; ++r) {
-      std::vector<float> xs(rows * in), ys(rows * out);
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t src = i == r ? 0 : (i * 7 + rows) % max_rows;
-        std::memcpy(&xs[i * in], &x[src * in], sizeof(float) * in);
-      }
-      LinearCpu(MakeLinear(xs, w, nullptr, &ys, rows, in, out));
-      ASSERT_EQ(0, std::memcmp(&ys[r * out], &batch[0], sizeof(float) * out))
-          << "rows " << rows << " position " << r;
-    }
-  }
-}
-
-TEST(LinearCpuTest, RowBlockProbeHoldsHereAndTheFallbackIsExact) {
-  // On the machines the suite runs on, blocks of kLinearRowBlock are invariant; if this fails,
-  // the backends still work (they fall back to row_block = 1) but run slower.
-  for (auto [out, in] : {std::pair<int64_t, int64_t>{300, 1000}, {64, 64}, {1024, 384}}) {
-    const std::vector<float> w = Random(out * in, 16, 0.05f);
-    EXPECT_TRUE(LinearRowBlockInvariant(w.data(), out, in)) << out << "x" << in;
-  }
-  const int64_t in = 1000, out = 300, rows = 11;
-  const std::vector<float> w = Random(out * in, 17, 0.05f), x = Random(rows * in, 18);
-  std::vector<float> y(rows * out), one(out), ref(rows * out);
-  LinearParams p = MakeLinear(x, w, nullptr, &y, rows, in, out);
-  p.row_block = 1;
-  LinearCpu(p);
-  LinearNaiveCpu(MakeLinear(x, w, nullptr, &ref, rows, in, out));
-  ExpectClose(y, std::vector<double>(ref.begin(), ref.end()), 1e-5);
-  for (int64_t r = 0; r < rows; ++r) {
-    LinearParams single = p;
-    single.x = x.data() + r * in;
-    single.y = one.data();
-    single.rows = 1;
-    LinearCpu(single);
-    EXPECT_EQ(0, std::memcmp(one.data(), &y[r * out], sizeof(float) * out)) << r;
-  }
-}
-
 TEST(KvCacheCpuTest, WritesAndCopiesSlots) {
   const int64_t kv_dim = 6, slots = 10;
   std::vector<float> kc(slots * kv_dim, 0.0f), vc(slots * kv_dim, 0.0f);
@@ -289,8 +212,9 @@ std::vector<double> DenseAttention(const std::vector<float>& q, const std::vecto
   return out;
 }
 
-TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
-  const int64_t heads = 6, kv_heads = 2, hd = 12, block = 4, kv_dim = kv_heads * hd;
+void CheckPagedTreeAttention(int64_t hd) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << hd);
+  const int64_t heads = 6, kv_heads = 2, block = 4, kv_dim = kv_heads * hd;
   // Two sequences: A with 9 committed tokens and a tree of 5 nodes, B with 3 committed and a
   // chain of 2. Logical K/V per sequence, scattered into a shuffled block pool.
   const int prefix[2] = {9, 3};
@@ -396,6 +320,11 @@ TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
   const size_t n3 = 3 * heads * hd, n2 = 2 * heads * hd, len = heads * hd;
   EXPECT_EQ(0, std::memcmp(&again[n3], &out[n3], sizeof(float) * len));
   EXPECT_NE(0, std::memcmp(&again[n2], &out[n2], sizeof(float) * len));
+}
+
+TEST(TreeAttentionCpuTest, PagedTreeAttentionMatchesDenseMaskedAttention) {
+  // Head sizes below one vector and with whole 64-lane blocks, a 16-lane block and a tail.
+  for (int64_t hd : {12, 64, 84}) CheckPagedTreeAttention(hd);
 }
 
 }  // namespace

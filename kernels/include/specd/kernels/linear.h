@@ -1,31 +1,30 @@
-// Linear layer y = x W^T (+ bias) with W in Hugging Face [out_features, in_features] layout,
-// through OpenBLAS cblas_sgemm.
+// Linear layer y = x W^T (+ bias) with W in Hugging Face [out_features, in_features] layout, fp32.
 //
-// Batch invariance. Speculative decoding is lossless only if a token's logits do not depend on
-// how many other rows share its GEMM (a tree node verified in a batch vs. the same token
-// decoded alone). OpenBLAS 0.3.21 does not give that: measured on a Sapphire Rapids host, row
-// results differ in the last bits between M = 1, odd M and multiples of 8, because the
-// M-tail micro-kernels and the thread split depend on M. With M fixed, the result of a row
-// does not depend on its position inside the call nor on the other rows (each output element
-// is one fixed sequence of FMAs along K). So LinearCpu always calls sgemm with exactly
-// kLinearRowBlock rows, padding the last block with zeros: every row of every batch goes
-// through the same (M, N, K) path. tests/unit/cpu_kernels_test.cc checks this bit for bit.
-// The price is up to kLinearRowBlock - 1 wasted rows per call (decode of one token computes 8
-// rows, about 2x the cost of a single-row GEMM on 2 cores) and one packing of W per block.
+// Batch invariance by construction. Speculative decoding is lossless only if a token's logits do
+// not depend on how many other rows share its GEMM (a tree node verified in a batch vs. the same
+// token decoded alone). BLAS sgemm does not promise that (its M-tail micro-kernels and thread
+// split depend on M), so LinearCpu is its own kernel in which every output y[r, j] is computed by
+// one fixed sequence of operations that depends only on k: one L-lane accumulator over k in
+// order (one FMA per L elements, the k tail as one more FMA with zero-filled lanes), one fixed
+// horizontal reduction tree, then + bias[j]. Row and column tiles exist only for register reuse;
+// every tile size (the remainder tiles too) runs that same per-output arithmetic with explicit
+// FMA intrinsics, so neither the batch size, a row's position, the column split over threads nor
+// the blocking can change a bit.
 //
-// That a row's bits do not depend on its position inside a block is a property of the BLAS
-// build and CPU (true of every micro-kernel we know, and checked by the tests on the CI
-// machine), so backends check it at load time for each weight with LinearRowBlockInvariant()
-// and fall back to row_block = 1 (one sgemm per row: identical calls, trivially invariant)
-// where it fails.
+// Instruction set. The lane count (and so the bits) depends on the ISA: AVX-512 (16 lanes), AVX2
+// + FMA (8 lanes), or a portable scalar path that emulates the 8-lane arithmetic exactly (the
+// same bits as AVX2). The process picks the widest its CPU supports once (LinearCpuIsa()), so all
+// GEMMs of a process agree.
+//
+// Cost: each column tile of W (a few weight rows, in L1) is read once per chunk of rows (the
+// chunk's x held in L2), so a call reads the weights once for up to hundreds of rows, instead of
+// once per block of rows as a row-blocked sgemm does.
 #ifndef SPECD_KERNELS_LINEAR_H_
 #define SPECD_KERNELS_LINEAR_H_
 
 #include <stdint.h>
 
 namespace specd {
-
-inline constexpr int64_t kLinearRowBlock = 8;
 
 struct LinearParams {
   const float* x = nullptr;     // [rows, in_features] fp32, host
@@ -35,17 +34,23 @@ struct LinearParams {
   int64_t rows = 0;
   int64_t in_features = 0;
   int64_t out_features = 0;
-  // Rows per sgemm call: kLinearRowBlock, or 1 for the slow always-invariant fallback.
-  int64_t row_block = kLinearRowBlock;
 };
+
+enum class LinearIsa { kScalar, kAvx2, kAvx512 };
+
+// The ISA every LinearCpu call of this process uses: chosen on first use, then fixed.
+LinearIsa LinearCpuIsa();
+// Whether this CPU (and OS) can run `isa`.
+bool LinearIsaSupported(LinearIsa isa);
+const char* LinearIsaName(LinearIsa isa);
 
 // Batch-invariant: row r of y depends only on row r of x (bit for bit), whatever `rows` is.
 void LinearCpu(const LinearParams& p);
-
-// Whether LinearCpu with row_block = kLinearRowBlock gives a row the same bits at every
-// position of a block whatever the other rows hold, for this weight: a probe row is computed
-// alone and then at each position among random rows (kLinearRowBlock + 1 sgemm calls).
-bool LinearRowBlockInvariant(const float* w, int64_t out_features, int64_t in_features);
+// Only the output columns [col_begin, col_end) of every row: the same bits as LinearCpu's, so
+// threads may split the columns any way (0 <= col_begin <= col_end <= out_features).
+void LinearCpuColumns(const LinearParams& p, int64_t col_begin, int64_t col_end);
+// LinearCpuColumns with a given ISA, which must be supported (tests compare the paths).
+void LinearCpuColumnsIsa(const LinearParams& p, int64_t col_begin, int64_t col_end, LinearIsa isa);
 
 // The same product with plain loops (double accumulation); the tests' oracle for LinearCpu.
 void LinearNaiveCpu(const LinearParams& p);
