@@ -7,7 +7,8 @@
 // at ~11 us a token. Against it, `auto` must be within a few percent of the better of
 // speculation off and the best fixed shape at every concurrency, and never clearly below off:
 // the policy learns the costs from the steps it runs, as in production, starting from the CPU
-// priors.
+// priors. With overlap (pre-drafting while verify runs) modelled, `--overlap=auto` must never be
+// clearly below overlap off, on a GPU it shares with verify, on one of its own, and on CPU cores.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -41,9 +42,8 @@ class Device {
 class GpuDevice : public Device {
  public:
   GpuDevice() = default;
-  // `shared`: draft and verify on the one GPU, as in the H200 overlap run (bench/CURRENT.md,
-  // "Overlap on one H200"): a depth-4 chain's verify went from 4.97 to 6.95 ms at one stream
-  // and from 7.87 to 11.25 at four while the pre-draft ran beside it.
+  // `shared`: draft and verify on the one GPU, verify ~1.4x slower while a pre-draft runs
+  // beside it (bench/CURRENT.md, "Overlap on one H200").
   explicit GpuDevice(bool shared) : shared_(shared) {}
   double Contention() const override { return shared_ ? 1.4 : 1.0; }
   double PreDraftSlowdown() const override { return shared_ ? 1.3 : 1.0; }
@@ -111,8 +111,8 @@ class CpuDevice : public Device {
   }
   bool padded() const override { return false; }
   // Each service on a core of its own: they still share the memory bus and the last-level
-  // cache, and the router and client run beside them (a chain's verify 15.2 against 16.2 ms
-  // with the pre-draft beside it on the development VM).
+  // cache, and the router and client run beside them (bench/CURRENT.md, "Overlap: pre-drafting
+  // while verify runs": verify ~7% slower with the pre-draft beside it).
   double Contention() const override { return 1.07; }
   double PreDraftSlowdown() const override { return 1.1; }
 
