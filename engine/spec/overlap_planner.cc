@@ -141,7 +141,8 @@ int OverlapPlanner::Bucket(int n) {
 
 double OverlapPlanner::verify_slowdown(int verify_rows, int verify_tokens) const {
   const int r = Bucket(verify_rows), t = Bucket(std::max(verify_tokens, verify_rows));
-  if (ratio_n_[0][r][t] == 0 || ratio_n_[1][r][t] == 0 || !(ratio_[0][r][t] > 0)) {
+  if (ratio_n_[0][r][t] < kBucketSamples || ratio_n_[1][r][t] < kBucketSamples ||
+      !(ratio_[0][r][t] > 0)) {
     return slowdown_;
   }
   return ratio_[1][r][t] / ratio_[0][r][t];
@@ -169,8 +170,12 @@ double OverlapPlanner::ObserveVerify(int verify_rows, int verify_tokens, double 
     double sample = seconds / price;
     if (n > 0) sample = std::clamp(sample, ratio / 1.5, ratio * 1.5);
     Average(sample, o.cost_ema, &ratio, &n);
-    if (ratio_n_[0][r][t] > 0 && ratio_n_[1][r][t] > 0) {
-      slowdown_ = verify_slowdown(verify_rows, verify_tokens);
+    if (overlapped && ratio_n_[0][r][t] > 0 && ratio_[0][r][t] > 0) {
+      // The pooled slowdown, for buckets without enough samples of their own: every bucket's
+      // overlapped sample against that bucket's sequential average.
+      double pooled = sample / ratio_[0][r][t];
+      if (pooled_n_ > 0) pooled = std::clamp(pooled, slowdown_ / 1.5, slowdown_ * 1.5);
+      Average(pooled, o.cost_ema, &slowdown_, &pooled_n_);
     }
   }
   // Until the bucket has both kinds, an overlapped step says nothing of verify alone: taken

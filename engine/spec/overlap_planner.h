@@ -92,8 +92,8 @@ class OverlapPlanner {
   double hit_calibration() const { return (hits_ + kPseudo) / (guessed_ + kPseudo); }
   // Overlapped against sequential verify of `verify_rows` rows scoring `verify_tokens` tokens:
   // the ratio of the two kinds' measured times in that step's bucket (rows and tokens, each by
-  // powers of two) once it has both, or else the last ratio measured in any bucket (1 before
-  // any).
+  // powers of two) once it has a few samples of both, or else the ratio pooled over the buckets
+  // (1 before any).
   double verify_slowdown(int verify_rows, int verify_tokens) const;
   double wait_seconds() const { return wait_s_; }
 
@@ -110,7 +110,10 @@ class OverlapPlanner {
   // verify prior (a fixed price: only the two kinds' samples of one bucket are compared).
   double ratio_[2][kBuckets][kBuckets] = {};
   int ratio_n_[2][kBuckets][kBuckets] = {};
-  double slowdown_ = 1.0;  // of the last bucket that had both kinds: for the others
+  // A bucket's own slowdown once it has this many samples of each kind; before, the pooled one.
+  static constexpr int kBucketSamples = 3;
+  double slowdown_ = 1.0;  // pooled over the buckets
+  int pooled_n_ = 0;
   double wait_s_ = 0;
   int wait_n_ = 0;
   int since_probe_ = 0;    // steps judged not to pay since the last pre-drafted one
