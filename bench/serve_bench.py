@@ -216,6 +216,36 @@ def step_breakdown(before, after, wall_s):
         out["predraft_steps"] = predrafts
         out["predraft_hit_rate"] = sum(
             delta(router_b, router_a, k) for k in outcomes if 'result="hit"' in k) / predrafts
+        # By accepted position, and what each guess rank (fan-out) adds to the hit rate.
+        by_pos, hit_pos = {}, {}
+        for k in outcomes:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', k))
+            n = delta(router_b, router_a, k)
+            pos = labels.get("position", "?")
+            by_pos[pos] = by_pos.get(pos, 0) + n
+            if labels.get("result") == "hit":
+                hit_pos[pos] = hit_pos.get(pos, 0) + n
+        out["predraft_hit_rate_by_position"] = {
+            pos: hit_pos.get(pos, 0) / n for pos, n in sorted(by_pos.items()) if n > 0}
+        for k in router_a:
+            if k.startswith("specd_predraft_guess_hits_total{"):
+                rank = dict(re.findall(r'(\w+)="([^"]*)"', k)).get("guess", "?")
+                n = delta(router_b, router_a, k)
+                if n > 0:
+                    out.setdefault("predraft_hits_by_guess", {})[rank] = n / predrafts
+    for k in router_a:
+        if k.startswith("specd_overlap_decisions_total{"):
+            n = delta(router_b, router_a, k)
+            if n > 0:
+                decision = dict(re.findall(r'(\w+)="([^"]*)"', k)).get("decision", "?")
+                out.setdefault("overlap_decisions", {})[decision] = n
+    # The ideal of a step whose draft and verify fully overlap: the tokens a verify step emits
+    # over the slower of the two services' own step times.
+    tokens = delta(router_b, router_a, "specd_generation_tokens_total")
+    slower = max(out.get("verify_step_s", 0.0), out.get("draft_step_s", 0.0))
+    if tokens > 0 and out.get("verify_steps") and slower > 0:
+        out["tokens_per_verify_step"] = tokens / out["verify_steps"]
+        out["ideal_tok_s"] = out["tokens_per_verify_step"] / slower
     step_s = delta(router_b, router_a, "specd_router_step_seconds_total")
     if step_s > 0:
         for svc in ("verify", "draft"):
@@ -511,15 +541,20 @@ def print_table(phases, modes, out=sys.stdout):
                   f"{fmt(b.get('verify_batch_mean'), 1, 1):>6}" + extra, file=out)
         overlap = [(label, name, b) for label, name, b in breakdown if "predraft_steps" in b]
         if overlap:
-            print("\noverlap (pre-drafted sequence steps, hit rate, idle share of step time)",
+            print("\noverlap (pre-drafted sequence steps, hit rate, per guess rank, idle share "
+                  "of step time, ideal tok/s = tokens a verify step / max(draft, verify step))",
                   file=out)
             print(f"{'phase':>8} {'mode':>12} {'pre-drafts':>10} {'hit rate':>8} "
-                  f"{'verify idle':>11} {'draft idle':>10}", file=out)
+                  f"{'by guess':>14} {'verify idle':>11} {'draft idle':>10} {'ideal':>7}",
+                  file=out)
             for label, name, b in overlap:
+                ranks = b.get("predraft_hits_by_guess", {})
+                by_guess = "/".join(fmt(ranks[r], 1, 2) for r in sorted(ranks)) or "-"
                 print(f"{label:>8} {name:>12} {fmt(b.get('predraft_steps'), 1, 0):>10} "
-                      f"{fmt(b.get('predraft_hit_rate'), 1, 2):>8} "
+                      f"{fmt(b.get('predraft_hit_rate'), 1, 2):>8} {by_guess:>14} "
                       f"{fmt(b.get('verify_idle_fraction'), 1, 2):>11} "
-                      f"{fmt(b.get('draft_idle_fraction'), 1, 2):>10}", file=out)
+                      f"{fmt(b.get('draft_idle_fraction'), 1, 2):>10} "
+                      f"{fmt(b.get('ideal_tok_s'), 1, 1):>7}", file=out)
 
 
 def plot(doc, path):

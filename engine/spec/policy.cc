@@ -352,8 +352,11 @@ double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch
 }
 
 void CostModel::ObservePreDraft(int drafting, int levels, int nodes, double seconds) {
+  // Against the unmeasured draft prior scaled down, the ratio would be that scale's inverse,
+  // kept long after the draft's own cost is measured.
   const double predicted = DraftSeconds(drafting, levels, nodes);
-  if (!options_->measure_costs || predicted <= 0 || seconds <= 0) return;
+  const bool scaled = !level_measured_ && options_->unmeasured_draft_scale != 1.0;
+  if (!options_->measure_costs || scaled || predicted <= 0 || seconds <= 0) return;
   Update(seconds / predicted, pre_draft_n_ == 0, &pre_draft_ratio_, &pre_draft_n_);
 }
 

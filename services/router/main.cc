@@ -73,8 +73,9 @@ ABSL_FLAG(int, draft_ingest_tokens, 0,
 ABSL_FLAG(std::string, overlap, "off",
           "pre-draft while verify runs: on (each step that verifies draft-model trees also asks "
           "the draft service for the next trees below each tree's most likely outcome; a hit "
-          "skips the next step's draft), auto (only where the cost model predicts the pre-draft "
-          "ends inside the verify step) or off (draft, then verify)");
+          "skips the next step's draft), auto (only where the pre-draft fits inside the verify "
+          "step and the hits it can expect pay for what it costs the step, as measured: verify "
+          "slowed beside it, waits past verify) or off (draft, then verify)");
 ABSL_FLAG(int, overlap_max_fan_out, 1,
           "with --overlap: at most this many outcome guesses per sequence, each with its tree "
           "(1 to 8); the goodput policy's cost model picks how many fit in the verify step (at "

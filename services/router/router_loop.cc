@@ -729,13 +729,23 @@ void RouterLoop::VerifyStep() {
   const double seconds = absl::ToDoubleSeconds(verify_done - start);
   metrics_->CountWait("verify", seconds);
   metrics_->CountBusy("verify", seconds);
+  // Whether a pre-draft (not only ingests) ran beside this verify step.
+  const bool overlapped =
+      std::any_of(pre.begin(), pre.end(), [](const auto& d) { return d->in_flight->rows > 0; });
   FinishPreDrafts(pre, verify_done - start, verify_done);
   if (request.steps_size() > 0) {
     metrics_->verify_latency.Observe(seconds);
     if (status.ok()) {
       const int rows = request.steps_size();
-      policy_.costs().ObserveVerify(
-          rows, VerifyStepTokens(policy_.options().padded_rows, rows, tokens, longest), seconds);
+      const int step_tokens =
+          VerifyStepTokens(policy_.options().padded_rows, rows, tokens, longest);
+      // With auto the buckets learn verify alone: an overlapped step's time less the measured
+      // slowdown of pre-drafting beside it (nothing until that is measured).
+      const double learned =
+          options_.overlap == OverlapMode::kAuto
+              ? overlap_planner_.ObserveVerify(rows, step_tokens, seconds, overlapped)
+              : seconds;
+      if (learned > 0) policy_.costs().ObserveVerify(rows, step_tokens, learned);
     }
   }
   if (!status.ok()) {

@@ -61,6 +61,7 @@
 #include "absl/types/span.h"
 #include "common/text/tokenizer.h"
 #include "engine/draft/ngram_drafter.h"
+#include "engine/spec/overlap_planner.h"
 #include "engine/spec/policy.h"
 #include "grpcpp/support/status.h"
 #include "services/router/output_stream.h"
@@ -89,7 +90,7 @@ class ResponseSink {
 enum class OverlapMode {
   kOff,   // every step drafts, then verifies
   kOn,    // every step that verifies draft-model trees also pre-drafts them
-  kAuto,  // only steps where the cost model predicts the pre-draft ends inside the verify step
+  kAuto,  // only steps where it fits inside the verify step and pays (OverlapPlanner)
 };
 
 struct RouterLoopOptions {
@@ -238,7 +239,8 @@ class RouterLoop {
   // would take.
   void PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftCall* call);
   // Adds this step's pre-drafts of `draft` (stream `epoch`) to `call`, unless overlap is auto
-  // and the policy's fan-out for them is 0 (they would outlast verify).
+  // and OverlapPlanner keeps the step sequential (the pre-draft would outlast verify, or would
+  // not pay).
   void AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call);
   // Sends PreDraftRequest to each draft service with a free stream, from helper threads, as the
   // verify step `step_id` goes out. Returns the draft services it sent to.
@@ -288,6 +290,8 @@ class RouterLoop {
   std::unique_ptr<VerifyUpstream> verify_;
   std::unique_ptr<NgramDrafter> local_ngram_;
   GoodputPolicy policy_;  // scheduler thread only
+  // --overlap=auto: whether each step pre-drafts (scheduler thread only).
+  OverlapPlanner overlap_planner_{&policy_};
   // From the verify service's GetInfo (any thread); handed to the policy each step.
   std::atomic<bool> rows_padded_{false};
 
@@ -307,7 +311,6 @@ class RouterLoop {
   std::vector<std::unique_ptr<Sequence>> running_;
   // Draft services whose in_flight pre-draft outlasted its wait.
   std::vector<std::shared_ptr<Draft>> late_drafts_;
-  int pre_draft_skips_ = 0;  // overlap auto: pre-drafts left out since the last one sent
   Releases verify_releases_;
   uint64_t next_seq_ = 1;
   uint64_t next_step_ = 1;

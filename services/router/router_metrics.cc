@@ -106,6 +106,9 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
       predraft_guess_hits_(AddCounterFamily(r, "specd_predraft_guess_hits_total",
                                             "Outcome guesses that came true, by their rank in the "
                                             "draft's order (0: the most likely).")),
+      overlap_decisions_(
+          AddCounterFamily(r, "specd_overlap_decisions_total",
+                           "--overlap=auto: whether a draft service's step pre-drafted, and why.")),
       wait_(AddCounterFamily(r, "specd_router_wait_seconds_total",
                              "Time the router's scheduler blocked waiting on each service.")),
       busy_(AddCounterFamily(r, "specd_service_busy_seconds_total",
@@ -133,6 +136,9 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
   for (const char* served : {"drafted_late", "plain_step"}) {
     predraft_misses_.Add({{"served", served}});
   }
+  for (const char* decision : {"pays", "no_fit", "no_gain", "probe", "refresh"}) {
+    overlap_decisions_.Add({{"decision", decision}});
+  }
   for (const char* service : {"draft", "verify"}) {
     wait_.Add({{"service", service}});
     busy_.Add({{"service", service}});
@@ -155,6 +161,10 @@ void RouterMetrics::CountPreDraftGuess(int rank, bool hit) {
 
 void RouterMetrics::CountPreDraftMiss(const char* served) {
   predraft_misses_.Add({{"served", served}}).Increment();
+}
+
+void RouterMetrics::CountOverlapDecision(const char* decision) {
+  overlap_decisions_.Add({{"decision", decision}}).Increment();
 }
 
 void RouterMetrics::CountWait(const char* service, double seconds) {

@@ -51,6 +51,9 @@ class RouterMetrics {
   // specd_predraft_misses_total{served}: how a missed sequence's next step was served
   // ("drafted_late" or "plain_step").
   void CountPreDraftMiss(const char* served);
+  // specd_overlap_decisions_total{decision}: one --overlap=auto judgement of a draft service's
+  // step (OverlapWhyName: pays, no_fit, no_gain, probe, refresh, nothing).
+  void CountOverlapDecision(const char* decision);
   // specd_router_wait_seconds_total{service}: time the scheduler blocked on that service.
   void CountWait(const char* service, double seconds);
   // specd_service_busy_seconds_total{service}: that service's round trips (overlapping ones
@@ -97,6 +100,7 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& predraft_misses_;
   prometheus::Family<prometheus::Counter>& predraft_guesses_;
   prometheus::Family<prometheus::Counter>& predraft_guess_hits_;
+  prometheus::Family<prometheus::Counter>& overlap_decisions_;
   prometheus::Family<prometheus::Counter>& wait_;
   prometheus::Family<prometheus::Counter>& busy_;
   prometheus::Family<prometheus::Counter>& finished_;

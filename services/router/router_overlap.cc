@@ -75,12 +75,16 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
 }
 
 void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call) {
-  int verify_tokens = 0;
+  int verify_tokens = 0, tokens = 0, longest = 0;
   std::vector<Sequence*> chosen;
   std::vector<SpecShape> shapes;
+  std::vector<const AcceptanceEstimate*> acceptance;
   for (auto& s : running_) {
     Sequence& seq = *s;
+    const int row = static_cast<int>(seq.tree.size() + seq.core->TargetPending().size());
     verify_tokens += static_cast<int>(seq.tree.size()) + 1;
+    tokens += row;  // as VerifyStep prices the step
+    longest = std::max(longest, row);
     if (seq.draft.get() != &draft) continue;
     seq.pre_sent = false;
     if (seq.tree.empty() || seq.mode != v1::SPECULATION_DRAFT_MODEL || !seq.draft_replied ||
@@ -95,26 +99,29 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
       if (again.depth > planned.depth) planned = again;
     }
     shapes.push_back(planned);
+    acceptance.push_back(&seq.core->acceptance());
   }
   if (chosen.empty()) return;
   // How many outcome guesses each sequence gets and how deep the trees below them go: the
-  // deepest, then the most, the policy predicts fit in the verify step. With auto, none where
-  // not even one shallow guess would fit, though one now and then (as the policy probes a
-  // sequence it does not draft) measures it again at full depth: pre-drafts measured slow while
-  // the draft device was busy would otherwise never be sent again. With on, at least one; and
-  // with on and no policy (fixed shapes), the most allowed at the planned depth.
+  // deepest, then the most, the policy predicts fit in the verify step. With auto, only where
+  // OverlapPlanner finds that pays (its probes and refreshes included); with on, at least one;
+  // and with on and no policy (fixed shapes), the most allowed at the planned depth.
   GoodputPolicy::PreDraftPlan plan;
+  const int rows = static_cast<int>(running_.size());
   if (options_.overlap == OverlapMode::kOn && !options_.adaptive) {
     plan.fan_out = options_.overlap_max_fan_out;
+  } else if (options_.overlap == OverlapMode::kAuto) {
+    const OverlapPlanner::Plan judged = overlap_planner_.Decide(
+        shapes, acceptance, rows,
+        VerifyStepTokens(policy_.options().padded_rows, rows, tokens, longest),
+        options_.overlap_max_fan_out);
+    metrics_->CountOverlapDecision(OverlapWhyName(judged.why));
+    if (judged.pre.fan_out == 0) return;  // the step stays sequential
+    plan = judged.pre;
+    for (size_t i = 0; i < chosen.size(); ++i) chosen[i]->pre_guess_rate = judged.guess_rates[i];
   } else {
-    plan = policy_.PlanPreDraft(shapes, static_cast<int>(running_.size()), verify_tokens,
-                                options_.overlap_max_fan_out);
+    plan = policy_.PlanPreDraft(shapes, rows, verify_tokens, options_.overlap_max_fan_out);
   }
-  if (plan.fan_out == 0 && options_.overlap == OverlapMode::kAuto &&
-      ++pre_draft_skips_ < std::max(policy_.options().probe_interval, 1)) {
-    return;  // the pre-draft would outlast verify: the step stays sequential
-  }
-  pre_draft_skips_ = 0;
   plan.fan_out = std::max(plan.fan_out, 1);
   const std::vector<SpecShape> uncut = shapes;
   if (plan.depth > 0) {
@@ -187,6 +194,8 @@ std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint6
 void RouterLoop::FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& drafts,
                                  absl::Duration verify_time, absl::Time verify_done) {
   if (drafts.empty()) return;
+  const bool pre_drafted = std::any_of(drafts.begin(), drafts.end(),
+                                       [](const auto& d) { return d->in_flight->rows > 0; });
   absl::Time waited_until = verify_done;
   for (const std::shared_ptr<Draft>& d : drafts) {
     PreDraftCall& call = *d->in_flight;
@@ -215,7 +224,9 @@ void RouterLoop::FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& draf
     }
     late_drafts_.push_back(d);
   }
-  metrics_->CountWait("draft", absl::ToDoubleSeconds(waited_until - verify_done));
+  const double waited = absl::ToDoubleSeconds(waited_until - verify_done);
+  metrics_->CountWait("draft", waited);
+  if (options_.overlap == OverlapMode::kAuto && pre_drafted) overlap_planner_.ObserveWait(waited);
 }
 
 void RouterLoop::PollLatePreDrafts() {
@@ -250,6 +261,7 @@ void RouterLoop::ResolvePreDraft(Sequence& seq, absl::Span<const int32_t> outcom
   if (seq.pre_late) {
     seq.pre_late = false;
     metrics_->CountPreDraft(accepted, "late");
+    overlap_planner_.ObserveOutcome(false, seq.pre_guess_rate);
     seq.missed = true;
     return;
   }
@@ -267,6 +279,7 @@ void RouterLoop::ResolvePreDraft(Sequence& seq, absl::Span<const int32_t> outcom
   }
   seq.pre_more.clear();
   metrics_->CountPreDraft(accepted, hit ? "hit" : "miss");
+  overlap_planner_.ObserveOutcome(hit, seq.pre_guess_rate);
   // A tree deeper than the remaining budget would run past the context: drafted anew.
   if (hit && !seq.core->finished() && !seq.pre_tree.empty() &&
       TreeMaxDepth(seq.pre_tree) <= seq.core->MaxUsefulDraftDepth()) {

@@ -83,6 +83,8 @@ struct RouterLoop::Sequence {
   // lasts only while the verify step has no room for more.
   SpecShape pre_uncut;
   bool on_hit = false;  // this step verifies a pre-drafted tree
+  // The chance OverlapPlanner gave this step's guess (auto; the measured hits calibrate it).
+  double pre_guess_rate = 0;
   ShapeReason pre_reason = ShapeReason::kPolicy;
   // A hit: the next step verifies hit_tree (shape hit_shape) without drafting.
   bool hit_ready = false;

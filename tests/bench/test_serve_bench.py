@@ -75,7 +75,30 @@ def test_step_breakdown_overlap_hit_rate_and_idle_fractions():
     assert b["predraft_steps"] == 40 and b["predraft_hit_rate"] == pytest.approx(0.75)
     assert b["verify_idle_fraction"] == pytest.approx(0.2)
     assert b["draft_idle_fraction"] == pytest.approx(0.5)
+    assert b["predraft_hit_rate_by_position"] == {"1": 0.0, "4": 1.0}
     assert "predraft_steps" not in sb.step_breakdown({}, {}, wall_s=1.0)
+
+
+def test_step_breakdown_overlap_guess_ranks_decisions_and_ideal():
+    hit = 'specd_predraft_outcomes_total{position="4",result="hit"}'
+    miss = 'specd_predraft_outcomes_total{position="0",result="miss"}'
+    g0 = 'specd_predraft_guess_hits_total{guess="0"}'
+    g1 = 'specd_predraft_guess_hits_total{guess="1"}'
+    pays = 'specd_overlap_decisions_total{decision="pays"}'
+    no_gain = 'specd_overlap_decisions_total{decision="no_gain"}'
+    before = {"router": {hit: 0, miss: 0, g0: 0, g1: 0, pays: 0, no_gain: 0,
+                         "specd_generation_tokens_total": 0},
+              "verify": {"specd_step_seconds_sum": 0, "specd_step_seconds_count": 0},
+              "draft": {"specd_step_seconds_sum": 0, "specd_step_seconds_count": 0}}
+    after = {"router": {hit: 30, miss: 10, g0: 20, g1: 10, pays: 35, no_gain: 5,
+                        "specd_generation_tokens_total": 120},
+             "verify": {"specd_step_seconds_sum": 0.4, "specd_step_seconds_count": 40},
+             "draft": {"specd_step_seconds_sum": 0.6, "specd_step_seconds_count": 40}}
+    b = sb.step_breakdown(before, after, wall_s=1.0)
+    assert b["predraft_hits_by_guess"] == {"0": pytest.approx(0.5), "1": pytest.approx(0.25)}
+    assert b["overlap_decisions"] == {"pays": 35, "no_gain": 5}
+    # 3 tokens a verify step, the draft the slower service at 15 ms a step: 200 tokens/s.
+    assert b["ideal_tok_s"] == pytest.approx(200.0)
 
 
 def test_scrape_parses_prometheus_text(tmp_path):

@@ -143,6 +143,21 @@ TEST(RouterClusterTest, OverlapAutoUnderTheGoodputPolicyKeepsOutputIdentical) {
   // Whether auto pre-drafts depends on measured costs, so hits are not required here.
   ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/false);
   ExpectOverlapLossless(c.get(), 4, /*expect_hits=*/false);
+  // Every step with trees to pre-draft was judged, and each pre-drafted one was judged to pay
+  // or was a probe: a pre-draft's sequences are at most the batch of 4 each.
+  double judged = 0;
+  for (const char* d : {"pays", "no_fit", "no_gain", "probe", "refresh"}) {
+    judged +=
+        Cluster::Metric(c->router_metrics, "specd_overlap_decisions_total", {{"decision", d}});
+  }
+  EXPECT_GT(judged, 0);
+  const double sent =
+      Cluster::Metric(c->router_metrics, "specd_overlap_decisions_total", {{"decision", "pays"}}) +
+      Cluster::Metric(c->router_metrics, "specd_overlap_decisions_total", {{"decision", "probe"}});
+  const int port = c->router_metrics;
+  EXPECT_LE(PreDraftOutcomes(port, "hit") + PreDraftOutcomes(port, "miss") +
+                PreDraftOutcomes(port, "late"),
+            4 * sent);
 }
 
 // Sampling with overlap follows the target's distribution. Seeded equality

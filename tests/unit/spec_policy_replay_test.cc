@@ -7,7 +7,8 @@
 // at ~11 us a token. Against it, `auto` must be within a few percent of the better of
 // speculation off and the best fixed shape at every concurrency, and never clearly below off:
 // the policy learns the costs from the steps it runs, as in production, starting from the CPU
-// priors.
+// priors. With overlap (pre-drafting while verify runs) modelled, `--overlap=auto` must never be
+// clearly below overlap off, on a GPU it shares with verify, on one of its own, and on CPU cores.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/spec/overlap_planner.h"
 #include "engine/spec/policy.h"
 #include "gtest/gtest.h"
 
@@ -31,10 +33,20 @@ class Device {
   virtual double Draft(int levels, int nodes, int catch_up) const = 0;
   // Whether the verify backend pads rows (VerifyStepTokens).
   virtual bool padded() const = 0;
+  // Overlap: how much slower verify runs while a pre-draft runs beside it, and a pre-draft's
+  // draft work against the same work drafted alone (1: the draft has hardware of its own).
+  virtual double Contention() const { return 1.0; }
+  virtual double PreDraftSlowdown() const { return 1.0; }
 };
 
 class GpuDevice : public Device {
  public:
+  GpuDevice() = default;
+  // `shared`: draft and verify on the one GPU, verify ~1.4x slower while a pre-draft runs
+  // beside it (bench/CURRENT.md, "Overlap on one H200").
+  explicit GpuDevice(bool shared) : shared_(shared) {}
+  double Contention() const override { return shared_ ? 1.4 : 1.0; }
+  double PreDraftSlowdown() const override { return shared_ ? 1.3 : 1.0; }
   // Verify: base(rows) + slope(rows) * (padded tokens - rows), seconds; rows between the
   // measured counts take the next measured count's figures (as a padded backend runs them).
   double Verify(int rows, int tokens) const override {
@@ -55,6 +67,9 @@ class GpuDevice : public Device {
     return 1e-3 * (0.6 + levels * (0.75 + 0.015 * per_level)) + 11e-6 * catch_up;
   }
   bool padded() const override { return true; }
+
+ private:
+  bool shared_ = false;
 };
 
 // The CPU of the GPU host serving the reference pair (pycoder-target verified, pycoder-draft
@@ -95,6 +110,11 @@ class CpuDevice : public Device {
            (0.5 + levels * (level_ms_ + level_token_ms_ * per_level) + catch_up_ms_ * catch_up);
   }
   bool padded() const override { return false; }
+  // Each service on a core of its own: they still share the memory bus and the last-level
+  // cache, and the router and client run beside them (bench/CURRENT.md, "Overlap: pre-drafting
+  // while verify runs": verify ~7% slower with the pre-draft beside it).
+  double Contention() const override { return 1.07; }
+  double PreDraftSlowdown() const override { return 1.1; }
 
  private:
   double level_ms_ = 2.0;
@@ -119,24 +139,46 @@ struct SimSequence {
   AcceptanceEstimate acceptance;
   double u_phase = 0;  // low-discrepancy source of this sequence's outcomes
   int step = 0;
+  bool hit_ready = false;  // overlap: the next step verifies a pre-drafted tree of hit_shape
+  SpecShape hit_shape;
+  SpecShape hit_uncut;  // the planned shape hit_shape was cut from
 };
 
 struct SimResult {
   double tokens_per_s = 0;
-  double drafted_share = 0;  // of sequence-steps
+  double drafted_share = 0;      // of sequence-steps
+  double pre_drafted_share = 0;  // of steps that verified a tree: those that pre-drafted
+  double hit_rate = 0;           // of pre-drafted sequence steps
+};
+
+// Pre-drafting while verify runs, as the router does it (router_overlap.cc).
+enum class Overlap {
+  kOff,
+  kFit,      // pre-draft where GoodputPolicy::PlanPreDraft finds it fits inside verify
+  kPlanner,  // OverlapPlanner: where it fits and pays (what --overlap=auto runs)
 };
 
 // Runs `concurrency` slots for `total_sequences` sequences of `length` tokens each. `fixed`:
 // every sequence runs that shape (none: speculation off); otherwise the policy decides.
+// With overlap, a step whose trees are pre-drafted runs the pre-draft beside verify (both
+// slowed by the device's contention); the router waits past verify for it at most the predicted
+// draft time plus the verify time (beyond: late, and every sequence's next step is plain while
+// the late answer holds the draft stream). A greedy target's outcome is guessed right when the
+// draft's greedy path is accepted whole (each level at the chain rate p) and its bonus token
+// agrees (p again); a hit's next step verifies the pre-drafted tree without a draft call.
 SimResult Simulate(const Device& device, int concurrency, int total_sequences, int length,
-                   bool use_policy, SpecShape fixed, double p) {
+                   bool use_policy, SpecShape fixed, double p, Overlap overlap = Overlap::kOff) {
   PolicyOptions options;
   options.padded_rows = device.padded();
   GoodputPolicy policy(options);
+  OverlapPlanner planner(&policy);
+  int fit_skips = 0;
+  bool stream_busy = false;  // a late pre-draft holds the draft stream this step
   std::vector<SimSequence> slots(concurrency);
   int started = concurrency, finished = 0;
   for (int i = 0; i < concurrency; ++i) slots[i].u_phase = 0.137 * i;
   double seconds = 0, tokens = 0, drafted = 0, seq_steps = 0;
+  double tree_steps = 0, pre_steps = 0, pre_seq = 0, hits = 0;
   while (finished < total_sequences) {
     std::vector<PolicySequence> batch(slots.size());
     for (size_t i = 0; i < slots.size(); ++i) {
@@ -149,18 +191,31 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
       in.steps_without_draft = s.steps_without_draft;
       in.never_drafted = s.draft_steps == 0 && !s.probed;
       in.draft_backlog = s.prompt + s.generated - s.fed_to_drafter;
-      if (!use_policy) {
+      if (s.hit_ready) {
+        in.fixed = true;
+        in.fixed_shape = s.hit_shape;
+      } else if (stream_busy) {
+        in.fixed = true;  // plain step: the draft stream carries the late answer
+      } else if (!use_policy) {
         in.fixed = true;
         in.fixed_shape = fixed;
       }
     }
+    stream_busy = false;
     const PolicyDecision d = policy.Decide(batch);
     int total_tokens = 0, longest = 0, drafting = 0, levels = 0, nodes = 0, catch_up = 0;
+    std::vector<SpecShape> trees;  // of every sequence whose tree is verified: pre-draftable
+    std::vector<const AcceptanceEstimate*> estimates;
+    std::vector<double> guess_rates(slots.size(), 0.0);
     for (size_t i = 0; i < slots.size(); ++i) {
       const SpecShape& s = d.shapes[i];
       total_tokens += 1 + s.nodes();
       longest = std::max(longest, 1 + s.nodes());
-      if (!s.none()) {
+      // After a hit the next pre-draft grows to the planned depth again, as the router's does.
+      const SpecShape uncut = GoodputPolicy::CutToDepth(slots[i].hit_uncut, batch[i].max_depth);
+      trees.push_back(slots[i].hit_ready && uncut.depth > s.depth ? uncut : s);
+      estimates.push_back(&slots[i].acceptance);
+      if (!s.none() && !slots[i].hit_ready) {
         ++drafting;
         levels = std::max(levels, s.depth);
         nodes += s.nodes();
@@ -169,14 +224,57 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
     }
     const int rows = static_cast<int>(slots.size());
     const int step_tokens = VerifyStepTokens(device.padded(), rows, total_tokens, longest);
-    const double verify_s = device.Verify(rows, step_tokens);
     const double draft_s = drafting > 0 ? device.Draft(levels, nodes, catch_up) : 0.0;
-    seconds += verify_s + draft_s;
-    policy.costs().ObserveVerify(rows, step_tokens, verify_s);
+    // Whether this step pre-drafts, and the trees below the guesses.
+    GoodputPolicy::PreDraftPlan plan;
+    bool pre = false;
+    const bool any_tree =
+        std::any_of(trees.begin(), trees.end(), [](const SpecShape& t) { return !t.none(); });
+    if (overlap != Overlap::kOff && any_tree) {
+      ++tree_steps;
+      if (overlap == Overlap::kFit) {
+        plan = policy.PlanPreDraft(trees, rows, step_tokens, 1);
+        pre = plan.fan_out > 0 || ++fit_skips >= std::max(options.probe_interval, 1);
+        if (pre) fit_skips = 0;
+      } else {
+        const OverlapPlanner::Plan pl = planner.Decide(trees, estimates, rows, step_tokens, 1);
+        plan = pl.pre;
+        guess_rates = pl.guess_rates;
+        pre = plan.fan_out > 0;
+      }
+    }
+    std::vector<SpecShape> pre_shapes = trees;
+    if (pre && plan.depth > 0) {
+      for (SpecShape& t : pre_shapes) t = GoodputPolicy::CutToDepth(t, plan.depth);
+    }
+    // The router takes the draft's answer before verify's and the pre-draft's.
     if (drafting > 0) policy.costs().ObserveDraft(drafting, levels, nodes, catch_up, draft_s);
+    double verify_s = device.Verify(rows, step_tokens);
+    double wait_s = 0;
+    bool late = false;
+    if (pre) {
+      ++pre_steps;
+      verify_s *= device.Contention();
+      const GoodputPolicy::PreDraftWork work = GoodputPolicy::PreDraftWorkOf(pre_shapes, 1);
+      const double pre_s = device.Draft(work.levels, work.nodes, 0) * device.PreDraftSlowdown();
+      const double bound =
+          policy.costs().DraftSeconds(work.drafting, work.levels, work.nodes) + verify_s;
+      wait_s = std::max(0.0, pre_s - verify_s);
+      late = wait_s > bound;
+      if (late) wait_s = bound;
+      policy.costs().ObservePreDraft(work.drafting, work.levels, work.nodes, pre_s);
+      if (overlap == Overlap::kPlanner) planner.ObserveWait(wait_s);
+      stream_busy = late;
+    }
+    const double learned = overlap == Overlap::kPlanner
+                               ? planner.ObserveVerify(rows, step_tokens, verify_s, pre)
+                               : verify_s;
+    if (learned > 0) policy.costs().ObserveVerify(rows, step_tokens, learned);
+    seconds += draft_s + verify_s + wait_s;
     for (size_t i = 0; i < slots.size(); ++i) {
       SimSequence& s = slots[i];
       const SpecShape& shape = d.shapes[i];
+      s.hit_ready = false;
       int accepted = 0;
       if (!shape.none()) {
         // Accepted length drawn from the true per-level rates with a golden-ratio sequence.
@@ -187,6 +285,18 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
         for (int level = 1; level <= shape.depth; ++level) {
           reach *= TrueLevelRate(p, width);
           if (u < reach) accepted = level;
+        }
+        if (pre) {
+          // The bonus token from a second low-discrepancy sequence.
+          const double u2 = std::fmod(s.u_phase + s.step * 0.7548776662466927, 1.0);
+          const bool hit = !late && u < std::pow(p, shape.depth) && u2 < p &&
+                           accepted == shape.depth && !pre_shapes[i].none();
+          ++pre_seq;
+          hits += hit ? 1 : 0;
+          if (overlap == Overlap::kPlanner) planner.ObserveOutcome(hit, guess_rates[i]);
+          s.hit_ready = hit;
+          s.hit_shape = pre_shapes[i];
+          s.hit_uncut = trees[i];
         }
         s.acceptance.Observe(shape, accepted, options);
         s.probed = true;
@@ -204,6 +314,7 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
       tokens += emitted;
       s.previous = shape;
       ++s.step;
+      if (s.generated + 1 + s.hit_shape.depth > length) s.hit_ready = false;
       if (s.generated >= length) {
         ++finished;
         const double phase = 0.291 * started;
@@ -213,7 +324,8 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
       }
     }
   }
-  return {tokens / seconds, drafted / seq_steps};
+  return {tokens / seconds, drafted / seq_steps, tree_steps > 0 ? pre_steps / tree_steps : 0.0,
+          pre_seq > 0 ? hits / pre_seq : 0.0};
 }
 
 // p: the draft's conditional acceptance a level (0.3: tau about 1.4 for a chain of 4, where
@@ -260,6 +372,54 @@ TEST(SpecPolicyReplayTest, AutoOnTheCpuIsNeverBelowOff) {
 // fixed shape pays beyond one stream, and auto must not lose to off chasing the acceptance.
 TEST(SpecPolicyReplayTest, AutoOnTheCpuWithADearDraftIsNeverBelowOff) {
   ExpectAutoNearBest(CpuDevice(4.0, 0.7, 0.3), {0.9});
+}
+
+// Overlap under `auto` (OverlapPlanner) against overlap off, the policy choosing the shapes in
+// both, at 1 to 64 streams: never below off by more than the measuring costs (a sequential
+// step in probe_interval while pre-drafting, a pre-draft in probe_interval while not). The rule
+// before the planner (pre-draft wherever the pre-draft fits inside verify) is printed beside it.
+// Returns overlap's ratio to off at one stream for each rate.
+std::vector<double> ExpectOverlapNeverBelowOff(const Device& device,
+                                               std::initializer_list<double> rates) {
+  std::vector<double> at_one;
+  for (const double p : rates) {
+    for (const int c : {1, 4, 16, 64}) {
+      const int total = std::max(8, 2 * c);
+      const SimResult off = Simulate(device, c, total, 128, true, SpecShape(), p, Overlap::kOff);
+      const SimResult fit = Simulate(device, c, total, 128, true, SpecShape(), p, Overlap::kFit);
+      const SimResult on = Simulate(device, c, total, 128, true, SpecShape(), p, Overlap::kPlanner);
+      std::printf(
+          "p=%.2f c=%d: overlap off %.0f tok/s; fit rule %.2fx (pre-drafted %.2f, hits %.2f); "
+          "planner %.2fx (pre-drafted %.2f, hits %.2f)\n",
+          p, c, off.tokens_per_s, fit.tokens_per_s / off.tokens_per_s, fit.pre_drafted_share,
+          fit.hit_rate, on.tokens_per_s / off.tokens_per_s, on.pre_drafted_share, on.hit_rate);
+      EXPECT_GE(on.tokens_per_s, 0.98 * off.tokens_per_s) << "p " << p << ", concurrency " << c;
+      if (c == 1) at_one.push_back(on.tokens_per_s / off.tokens_per_s);
+    }
+  }
+  return at_one;
+}
+
+// Draft and verify on one GPU: the pre-draft slows every verify step by 40%, which a hit rate
+// of 0.09 (p 0.62: the 8B-shape pair of the H200 overlap run hit 0.08-0.14) cannot pay for, nor
+// even 0.44 (p 0.85) at 4 streams and up.
+TEST(SpecPolicyReplayTest, OverlapAutoOnASharedGpuIsNeverBelowOverlapOff) {
+  ExpectOverlapNeverBelowOff(GpuDevice(/*shared=*/true), {0.62, 0.85});
+}
+
+// The design case: the draft on a GPU of its own. Pre-drafting costs verify nothing, so at one
+// stream every hit is a draft round trip saved.
+TEST(SpecPolicyReplayTest, OverlapAutoWithItsOwnDraftGpuPaysAtOneStream) {
+  const std::vector<double> at_one = ExpectOverlapNeverBelowOff(GpuDevice(), {0.62, 0.85});
+  ASSERT_EQ(at_one.size(), 2u);
+  EXPECT_GE(at_one[1], 1.05) << "p 0.85, one stream: overlap should hide most drafting";
+}
+
+// The CPU, draft and verify each on a core of its own (the reference pair's acceptance), and the
+// synthetic pair's dear one-layer draft.
+TEST(SpecPolicyReplayTest, OverlapAutoOnTheCpuIsNeverBelowOverlapOff) {
+  ExpectOverlapNeverBelowOff(CpuDevice(), {0.62, 0.78});
+  ExpectOverlapNeverBelowOff(CpuDevice(4.0, 0.7, 0.3), {0.9});
 }
 
 }  // namespace
