@@ -64,6 +64,7 @@ const char* ShapeReasonName(ShapeReason reason, bool none) {
     case ShapeReason::kDraftBusy: return "draft_busy";
     case ShapeReason::kNoDrafter: return "no_drafter";
     case ShapeReason::kNoBudget: return "no_budget";
+    case ShapeReason::kCatchUp: return "catch_up";
   }
   return "policy";
 }
@@ -478,6 +479,27 @@ double ProbeUnsharedCatchUp(const PolicySequence& seq, const SpecShape& probe, d
   return std::max(0.0, CatchUpTokens(seq, probe) - CatchUp(seq, probe, gain, options));
 }
 
+// Where `seq` drafting `s` (expected to accept `gain` drafts) is better fed its catch-up
+// beside the verify step and drafted from the next step (PolicySequence::can_ingest): fed first
+// in the draft call, the catch-up (`token_s` a token) stalls the other rows of the batch, which
+// emit `others_goodput` tokens a second; fed beside verify, it costs this step the drafts of
+// this one sequence (whose own stall the search has priced). A catch-up of a few tokens is never
+// moved, nor one that stalls no other row, nor one that would outlast the verify step beside it
+// (`room`, its seconds, less what the catch-ups moved before took): the stream it holds would
+// keep the next step from drafting.
+// kLater: it stalls the others more than it gains but does not fit beside verify either: the
+// sequence is not drafted this step (a later step feeds it).
+enum class CatchUpPlan { kInCall, kIngest, kLater };
+CatchUpPlan PlanCatchUp(const PolicySequence& seq, const SpecShape& s, double gain, double token_s,
+                        double others_goodput, double room, const PolicyOptions& options) {
+  if (!seq.can_ingest || !seq.model_draft || s.none()) return CatchUpPlan::kInCall;
+  const int tokens = CatchUpTokens(seq, s);
+  if (tokens <= options.ingest_catch_up_tokens || tokens * token_s * others_goodput <= gain) {
+    return CatchUpPlan::kInCall;
+  }
+  return tokens * token_s <= room ? CatchUpPlan::kIngest : CatchUpPlan::kLater;
+}
+
 // Tokens a step emits per second, its predicted time priced speculation_margin dearer when it
 // carries any tree (`tree_nodes` > 0).
 double PricedGoodput(double emitted, double seconds, int tree_nodes, const PolicyOptions& options) {
@@ -582,6 +604,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   PolicyDecision out;
   out.shapes.assign(n, SpecShape());
   out.reasons.assign(n, ShapeReason::kPolicy);
+  out.ingest.assign(n, 0);
   std::vector<char> free(n, 0);
   std::vector<SpecShape> candidates = {SpecShape()};
   candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
@@ -875,6 +898,21 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   }
 
   int probes = 0;
+  // A probe's chain is judged as if it accepted nearly everything.
+  constexpr double kProbeGain = 0.9 + 0.81;
+  // The tokens a second a catch-up's stall costs the batch's other rows (PlanCatchUp): a stall
+  // delays every later token, so it is priced at their steady rate, a plain step's at the least,
+  // not at this step's (a step that prefills prompts emits few tokens for its time).
+  const double others =
+      static_cast<double>(n - 1) / costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
+  // What catch-ups fed beside verify may take: the step's verify without trees, less the ingest
+  // call's own round trip (a one-token draft call's).
+  double ingest_room = 0;
+  {
+    int pending = 0;
+    for (const PolicySequence& s : batch) pending += s.pending;
+    ingest_room = costs_.VerifySeconds(static_cast<int>(n), pending) - costs_.DraftSeconds(1, 1, 1);
+  }
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     out.shapes[i] = clamped(i)[choice[i]];
@@ -890,14 +928,29 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       // the cost of those before it, and at most max_probes_per_step are taken at once, so that
       // a burst of new sequences does not stall one step with all their catch-ups.
       const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
-      constexpr double kOptimistic = 0.9 + 0.81;
+      constexpr double kOptimistic = kProbeGain;
       add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
-      const double unshared = ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
+      // A catch-up the caller feeds beside verify (PlanCatchUp) costs the step nothing: the
+      // probe then drafts on a later step with what is left, a step's worth.
+      const CatchUpPlan plan = PlanCatchUp(batch[i], probe, kOptimistic, catch_up_token_s, others,
+                                           ingest_room, options_);
+      const double unshared = plan != CatchUpPlan::kInCall
+                                  ? 0.0
+                                  : ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
       t.catch_up += unshared;
       const double s = score(t);
       t.catch_up -= unshared;
-      if (s > current) {
+      if (s > current && plan != CatchUpPlan::kInCall) {
+        add(t, i, probe, kOptimistic, -1);
+        add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], +1);
+        if (plan == CatchUpPlan::kIngest) {
+          ingest_room -= catch_up_token_s * CatchUpTokens(batch[i], probe);
+          out.reasons[i] = ShapeReason::kCatchUp;
+          out.ingest[i] = 1;
+          ++probes;
+        }
+      } else if (s > current) {
         t.catch_up += unshared;
         out.shapes[i] = probe;
         out.reasons[i] = ShapeReason::kProbe;
@@ -913,12 +966,27 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // for this one step, however well it is amortised. Bounded like a prefill budget: beyond the
   // first, a sequence starts drafting only while the step's catch-ups cost no more than the
   // step's verify; the rest start on later steps.
+  //
+  // Where the caller can feed the drafter beside verify, a long catch-up is fed there instead and
+  // the sequence drafts from the next step on (the catch-up done, its verify step the same as
+  // speculation off's): nothing is fed before a draft but a step's worth and a few tokens.
   const double token_s = costs_.CatchUpTokenSeconds();
   double budget =
       options_.catch_up_budget * costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
   bool first = true;
   for (size_t i = 0; i < n; ++i) {
     if (!free[i] || out.shapes[i].none() || !batch[i].model_draft) continue;
+    const double g = out.reasons[i] == ShapeReason::kProbe ? kProbeGain : gain(i)[choice[i]];
+    const CatchUpPlan plan =
+        PlanCatchUp(batch[i], out.shapes[i], g, token_s, others, ingest_room, options_);
+    if (plan == CatchUpPlan::kIngest)
+      ingest_room -= token_s * CatchUpTokens(batch[i], out.shapes[i]);
+    if (plan != CatchUpPlan::kInCall) {
+      out.shapes[i] = SpecShape();
+      out.reasons[i] = plan == CatchUpPlan::kIngest ? ShapeReason::kCatchUp : ShapeReason::kPolicy;
+      out.ingest[i] = plan == CatchUpPlan::kIngest ? 1 : 0;
+      continue;
+    }
     const double cost = token_s * CatchUpTokens(batch[i], out.shapes[i]);
     if (cost <= 0) continue;
     if (!first && cost > budget) {

@@ -240,6 +240,9 @@ class RouterLoop {
   // Adds this step's pre-drafts of `draft` (stream `epoch`) to `call`, unless overlap is auto
   // and the policy's fan-out for them is 0 (they would outlast verify).
   void AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call);
+  // Adds an ingest-only step for `seq` (its drafter's backlog, no tree) to `request`, on stream
+  // `epoch`.
+  void AddIngest(uint64_t epoch, Sequence& seq, v1::DraftStepRequest* request);
   // Sends PreDraftRequest to each draft service with a free stream, from helper threads, as the
   // verify step `step_id` goes out. Returns the draft services it sent to.
   std::vector<std::shared_ptr<Draft>> StartPreDrafts(uint64_t step_id);
