@@ -406,9 +406,16 @@ void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens
   if (drafting <= 0 || levels <= 0 || !(seconds > 0)) return;
   if (fed_tokens > drafting * (levels + 2)) {
     // A catch-up: what the call took beyond its levels' predicted cost, per token beyond a
-    // step's worth. Few tokens say little (the levels' own noise dominates).
+    // step's worth. Few tokens say little of the token's price (the levels' own noise
+    // dominates); they are then priced at the current estimate and the rest is a sample of the
+    // levels. Dropped instead, a batch whose every draft call carries a few such tokens (many
+    // sequences drafted now and then) would never correct the levels' cost again.
     const int extra = fed_tokens - drafting * (levels + 1);
-    if (extra < 16 * drafting) return;
+    if (extra < 16 * drafting) {
+      ObserveDraft(drafting, levels, nodes, 0,
+                   seconds - std::min(extra * CatchUpTokenSeconds(), 0.5 * seconds));
+      return;
+    }
     const double sample = std::max(seconds - DraftSeconds(drafting, levels, nodes), 0.0) / extra;
     const double w = std::max(options_->cost_ema, 1.0 / (catch_up_n_ + 1));
     catch_up_token_s_ =

@@ -504,6 +504,16 @@ TEST(SpecPolicyTest, CatchUpIsChargedAndMeasured) {
   // A call that fed no more than a step's worth is a level sample, not a catch-up one.
   measured.costs().ObserveDraft(1, 2, 2, /*fed_tokens=*/3, 5e-3);
   EXPECT_NEAR(measured.costs().CatchUpTokenSeconds(), 1e-6, 1e-9);
+  // Nor is one whose sequences each fed a few tokens more (too few to price a token): it is a
+  // level sample once they are priced at the estimate, so that a batch whose every call carries
+  // a few (sequences drafted now and then) still corrects the levels' cost. 10 sequences, 2
+  // levels, 5 tokens beyond a step's worth each, taking 10 times the predicted call.
+  const double predicted = measured.costs().DraftSeconds(10, 2, 20);
+  for (int i = 0; i < 20; ++i) {
+    measured.costs().ObserveDraft(10, 2, 20, /*fed_tokens=*/10 * 3 + 50, 10 * predicted);
+  }
+  EXPECT_GT(measured.costs().DraftSeconds(10, 2, 20), 5 * predicted);
+  EXPECT_NEAR(measured.costs().CatchUpTokenSeconds(), 1e-6, 1e-9);
 }
 
 // A catch-up is fed before a draft call's first level, so a sequence drafted with a whole
