@@ -938,13 +938,15 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       constexpr double kOptimistic = kProbeGain;
       add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
-      // A catch-up the caller feeds beside verify (PlanCatchUp) costs the step nothing: the
-      // probe then drafts on a later step with what is left, a step's worth.
+      // A probe worth its catch-up has it fed beside verify where PlanCatchUp says so, and
+      // drafts on a later step with what is left, a step's worth.
       const CatchUpPlan plan = PlanCatchUp(batch[i], probe, kOptimistic, catch_up_token_s, others,
                                            ingest_room, options_);
-      const double unshared = plan != CatchUpPlan::kInCall
-                                  ? 0.0
-                                  : ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
+      // Judged with its whole catch-up all the same: fed beside verify it costs this step
+      // nothing, but a probe of a sequence left plain is mostly followed by more plain steps
+      // (the catch-up is then paid for nothing), and where speculation cannot pay, probes
+      // judged free are taken every step and draft for real on the next.
+      const double unshared = ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
       t.catch_up += unshared;
       const double s = score(t);
       t.catch_up -= unshared;
