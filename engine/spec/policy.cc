@@ -406,10 +406,8 @@ void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens
   if (drafting <= 0 || levels <= 0 || !(seconds > 0)) return;
   if (fed_tokens > drafting * (levels + 2)) {
     // A catch-up: what the call took beyond its levels' predicted cost, per token beyond a
-    // step's worth. Few tokens say little of the token's price (the levels' own noise
-    // dominates); they are then priced at the current estimate and the rest is a sample of the
-    // levels. Dropped instead, a batch whose every draft call carries a few such tokens (many
-    // sequences drafted now and then) would never correct the levels' cost again.
+    // step's worth. Few tokens say little of its price: priced at the estimate, the rest is a
+    // level sample (dropped, calls that each carry a few would never correct the levels).
     const int extra = fed_tokens - drafting * (levels + 1);
     if (extra < 16 * drafting) {
       ObserveDraft(drafting, levels, nodes, 0,
@@ -490,12 +488,8 @@ double ProbeUnsharedCatchUp(const PolicySequence& seq, const SpecShape& probe, d
 // beside the verify step and drafted from the next step (PolicySequence::can_ingest): fed first
 // in the draft call, the catch-up (`token_s` a token) stalls the other rows of the batch, which
 // emit `others_goodput` tokens a second; fed beside verify, it costs this step the drafts of
-// this one sequence (whose own stall the search has priced). A catch-up of a few tokens is never
-// moved, nor one that stalls no other row, nor one that would outlast the verify step beside it
-// (`room`, its seconds, less what the catch-ups moved before took): the stream it holds would
-// keep the next step from drafting.
-// kLater: it stalls the others more than it gains but does not fit beside verify either: the
-// sequence is not drafted this step (a later step feeds it).
+// this one sequence. A few tokens are never moved. kLater: moving pays but the feed would
+// outlast the verify step beside it (`room`), holding the stream: not drafted this step.
 enum class CatchUpPlan { kInCall, kIngest, kLater };
 CatchUpPlan PlanCatchUp(const PolicySequence& seq, const SpecShape& s, double gain, double token_s,
                         double others_goodput, double room, const PolicyOptions& options) {
@@ -907,9 +901,8 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   int probes = 0;
   // A probe's chain is judged as if it accepted nearly everything.
   constexpr double kProbeGain = 0.9 + 0.81;
-  // The tokens a second a catch-up's stall costs the batch's other rows (PlanCatchUp): a stall
-  // delays every later token, so it is priced at their steady rate, a plain step's at the least,
-  // not at this step's (a step that prefills prompts emits few tokens for its time).
+  // Tokens a second a stall costs the other rows (PlanCatchUp): it delays every later token, so
+  // at their plain-step rate, not this step's (a prefill step emits few tokens for its time).
   const double others =
       static_cast<double>(n - 1) / costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
   // What catch-ups fed beside verify may take: the step's verify without trees, less the ingest
@@ -938,14 +931,11 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       constexpr double kOptimistic = kProbeGain;
       add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
-      // A probe worth its catch-up has it fed beside verify where PlanCatchUp says so, and
-      // drafts on a later step with what is left, a step's worth.
+      // Judged with its whole catch-up even where it would be fed beside verify (judged free,
+      // probes went out nearly every step where drafting cannot pay); one worth it is then fed
+      // there where PlanCatchUp says so, and drafts on a later step.
       const CatchUpPlan plan = PlanCatchUp(batch[i], probe, kOptimistic, catch_up_token_s, others,
                                            ingest_room, options_);
-      // Judged with its whole catch-up all the same: fed beside verify it costs this step
-      // nothing, but a probe of a sequence left plain is mostly followed by more plain steps
-      // (the catch-up is then paid for nothing), and where speculation cannot pay, probes
-      // judged free are taken every step and draft for real on the next.
       const double unshared = ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
       t.catch_up += unshared;
       const double s = score(t);
@@ -975,10 +965,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // for this one step, however well it is amortised. Bounded like a prefill budget: beyond the
   // first, a sequence starts drafting only while the step's catch-ups cost no more than the
   // step's verify; the rest start on later steps.
-  //
-  // Where the caller can feed the drafter beside verify, a long catch-up is fed there instead and
-  // the sequence drafts from the next step on (the catch-up done, its verify step the same as
-  // speculation off's): nothing is fed before a draft but a step's worth and a few tokens.
+  // Where the caller can, a long catch-up is fed beside verify instead (PlanCatchUp).
   const double token_s = costs_.CatchUpTokenSeconds();
   double budget =
       options_.catch_up_budget * costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
@@ -1008,55 +995,6 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   }
   out.predicted_goodput = Goodput(batch, out.shapes);
   return out;
-}
-
-int GoodputPolicy::PreDraftFanOut(int drafting, int levels, int nodes, int verify_rows,
-                                  int verify_tokens, int max_fan_out) const {
-  if (drafting <= 0 || levels <= 0) return 0;
-  const double verify = costs_.VerifySeconds(verify_rows, verify_tokens);
-  int fan_out = 0;
-  while (fan_out < max_fan_out && costs_.PreDraftSeconds(drafting * (fan_out + 1), levels,
-                                                         nodes * (fan_out + 1)) <= verify) {
-    ++fan_out;
-  }
-  return fan_out;
-}
-
-GoodputPolicy::PreDraftWork GoodputPolicy::PreDraftWorkOf(absl::Span<const SpecShape> shapes,
-                                                          int fan_out) {
-  PreDraftWork work;
-  for (const SpecShape& s : shapes) {
-    if (s.none()) continue;
-    ++work.drafting;
-    work.levels = std::max(work.levels, s.depth + 1);
-    work.nodes += ShapeNodes(s) + s.depth + 1;
-  }
-  work.drafting *= fan_out;
-  work.nodes *= fan_out;
-  return work;
-}
-
-GoodputPolicy::PreDraftPlan GoodputPolicy::PlanPreDraft(absl::Span<const SpecShape> shapes,
-                                                        int verify_rows, int verify_tokens,
-                                                        int max_fan_out) const {
-  PreDraftPlan plan;
-  if (max_fan_out < 1) return plan;
-  int deepest = 0;
-  for (const SpecShape& s : shapes) deepest = std::max(deepest, s.none() ? 0 : s.depth);
-  const double verify = costs_.VerifySeconds(verify_rows, verify_tokens);
-  std::vector<SpecShape> cut(shapes.size());
-  for (int depth = deepest; depth >= 1; --depth) {
-    for (size_t i = 0; i < shapes.size(); ++i) cut[i] = Clamp(shapes[i], depth);
-    const PreDraftWork one = PreDraftWorkOf(cut, 1);
-    if (costs_.PreDraftSeconds(one.drafting, one.levels, one.nodes) > verify) continue;
-    plan.depth = depth;
-    plan.fan_out = depth < deepest
-                       ? 1
-                       : std::max(1, PreDraftFanOut(one.drafting, one.levels, one.nodes,
-                                                    verify_rows, verify_tokens, max_fan_out));
-    return plan;
-  }
-  return plan;
 }
 
 }  // namespace specd
