@@ -64,6 +64,7 @@ const char* ShapeReasonName(ShapeReason reason, bool none) {
     case ShapeReason::kDraftBusy: return "draft_busy";
     case ShapeReason::kNoDrafter: return "no_drafter";
     case ShapeReason::kNoBudget: return "no_budget";
+    case ShapeReason::kCatchUp: return "catch_up";
   }
   return "policy";
 }
@@ -408,9 +409,14 @@ void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens
   if (drafting <= 0 || levels <= 0 || !(seconds > 0)) return;
   if (fed_tokens > drafting * (levels + 2)) {
     // A catch-up: what the call took beyond its levels' predicted cost, per token beyond a
-    // step's worth. Few tokens say little (the levels' own noise dominates).
+    // step's worth. Few tokens say little of its price: priced at the estimate, the rest is a
+    // level sample (dropped, calls that each carry a few would never correct the levels).
     const int extra = fed_tokens - drafting * (levels + 1);
-    if (extra < 16 * drafting) return;
+    if (extra < 16 * drafting) {
+      ObserveDraft(drafting, levels, nodes, 0,
+                   seconds - std::min(extra * CatchUpTokenSeconds(), 0.5 * seconds));
+      return;
+    }
     const double sample = std::max(seconds - DraftSeconds(drafting, levels, nodes), 0.0) / extra;
     const double w = std::max(options_->cost_ema, 1.0 / (catch_up_n_ + 1));
     catch_up_token_s_ =
@@ -479,6 +485,23 @@ double CatchUp(const PolicySequence& seq, const SpecShape& s, double gain,
 double ProbeUnsharedCatchUp(const PolicySequence& seq, const SpecShape& probe, double gain,
                             const PolicyOptions& options) {
   return std::max(0.0, CatchUpTokens(seq, probe) - CatchUp(seq, probe, gain, options));
+}
+
+// Where `seq` drafting `s` (expected to accept `gain` drafts) is better fed its catch-up
+// beside the verify step and drafted from the next step (PolicySequence::can_ingest): fed first
+// in the draft call, the catch-up (`token_s` a token) stalls the other rows of the batch, which
+// emit `others_goodput` tokens a second; fed beside verify, it costs this step the drafts of
+// this one sequence. A few tokens are never moved. kLater: moving pays but the feed would
+// outlast the verify step beside it (`room`), holding the stream: not drafted this step.
+enum class CatchUpPlan { kInCall, kIngest, kLater };
+CatchUpPlan PlanCatchUp(const PolicySequence& seq, const SpecShape& s, double gain, double token_s,
+                        double others_goodput, double room, const PolicyOptions& options) {
+  if (!seq.can_ingest || !seq.model_draft || s.none()) return CatchUpPlan::kInCall;
+  const int tokens = CatchUpTokens(seq, s);
+  if (tokens <= options.ingest_catch_up_tokens || tokens * token_s * others_goodput <= gain) {
+    return CatchUpPlan::kInCall;
+  }
+  return tokens * token_s <= room ? CatchUpPlan::kIngest : CatchUpPlan::kLater;
 }
 
 // Tokens a step emits per second, its predicted time priced speculation_margin dearer when it
@@ -585,6 +608,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   PolicyDecision out;
   out.shapes.assign(n, SpecShape());
   out.reasons.assign(n, ShapeReason::kPolicy);
+  out.ingest.assign(n, 0);
   std::vector<char> free(n, 0);
   std::vector<SpecShape> candidates = {SpecShape()};
   candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
@@ -878,6 +902,20 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   }
 
   int probes = 0;
+  // A probe's chain is judged as if it accepted nearly everything.
+  constexpr double kProbeGain = 0.9 + 0.81;
+  // Tokens a second a stall costs the other rows (PlanCatchUp): it delays every later token, so
+  // at their plain-step rate, not this step's (a prefill step emits few tokens for its time).
+  const double others =
+      static_cast<double>(n - 1) / costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
+  // What catch-ups fed beside verify may take: the step's verify without trees, less the ingest
+  // call's own round trip (a one-token draft call's).
+  double ingest_room = 0;
+  {
+    int pending = 0;
+    for (const PolicySequence& s : batch) pending += s.pending;
+    ingest_room = costs_.VerifySeconds(static_cast<int>(n), pending) - costs_.DraftSeconds(1, 1, 1);
+  }
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     out.shapes[i] = clamped(i)[choice[i]];
@@ -893,14 +931,28 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       // the cost of those before it, and at most max_probes_per_step are taken at once, so that
       // a burst of new sequences does not stall one step with all their catch-ups.
       const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
-      constexpr double kOptimistic = 0.9 + 0.81;
+      constexpr double kOptimistic = kProbeGain;
       add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], -1);
       add(t, i, probe, kOptimistic, +1);
+      // Judged with its whole catch-up even where it would be fed beside verify (judged free,
+      // probes went out nearly every step where drafting cannot pay); one worth it is then fed
+      // there where PlanCatchUp says so, and drafts on a later step.
+      const CatchUpPlan plan = PlanCatchUp(batch[i], probe, kOptimistic, catch_up_token_s, others,
+                                           ingest_room, options_);
       const double unshared = ProbeUnsharedCatchUp(batch[i], probe, kOptimistic, options_);
       t.catch_up += unshared;
       const double s = score(t);
       t.catch_up -= unshared;
-      if (s > current) {
+      if (s > current && plan != CatchUpPlan::kInCall) {
+        add(t, i, probe, kOptimistic, -1);
+        add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], +1);
+        if (plan == CatchUpPlan::kIngest) {
+          ingest_room -= catch_up_token_s * CatchUpTokens(batch[i], probe);
+          out.reasons[i] = ShapeReason::kCatchUp;
+          out.ingest[i] = 1;
+          ++probes;
+        }
+      } else if (s > current) {
         t.catch_up += unshared;
         out.shapes[i] = probe;
         out.reasons[i] = ShapeReason::kProbe;
@@ -916,12 +968,24 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // for this one step, however well it is amortised. Bounded like a prefill budget: beyond the
   // first, a sequence starts drafting only while the step's catch-ups cost no more than the
   // step's verify; the rest start on later steps.
+  // Where the caller can, a long catch-up is fed beside verify instead (PlanCatchUp).
   const double token_s = costs_.CatchUpTokenSeconds();
   double budget =
       options_.catch_up_budget * costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
   bool first = true;
   for (size_t i = 0; i < n; ++i) {
     if (!free[i] || out.shapes[i].none() || !batch[i].model_draft) continue;
+    const double g = out.reasons[i] == ShapeReason::kProbe ? kProbeGain : gain(i)[choice[i]];
+    const CatchUpPlan plan =
+        PlanCatchUp(batch[i], out.shapes[i], g, token_s, others, ingest_room, options_);
+    if (plan == CatchUpPlan::kIngest)
+      ingest_room -= token_s * CatchUpTokens(batch[i], out.shapes[i]);
+    if (plan != CatchUpPlan::kInCall) {
+      out.shapes[i] = SpecShape();
+      out.reasons[i] = plan == CatchUpPlan::kIngest ? ShapeReason::kCatchUp : ShapeReason::kPolicy;
+      out.ingest[i] = plan == CatchUpPlan::kIngest ? 1 : 0;
+      continue;
+    }
     const double cost = token_s * CatchUpTokens(batch[i], out.shapes[i]);
     if (cost <= 0) continue;
     if (!first && cost > budget) {
@@ -934,55 +998,6 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   }
   out.predicted_goodput = Goodput(batch, out.shapes);
   return out;
-}
-
-int GoodputPolicy::PreDraftFanOut(int drafting, int levels, int nodes, int verify_rows,
-                                  int verify_tokens, int max_fan_out) const {
-  if (drafting <= 0 || levels <= 0) return 0;
-  const double verify = costs_.VerifySeconds(verify_rows, verify_tokens);
-  int fan_out = 0;
-  while (fan_out < max_fan_out && costs_.PreDraftSeconds(drafting * (fan_out + 1), levels,
-                                                         nodes * (fan_out + 1)) <= verify) {
-    ++fan_out;
-  }
-  return fan_out;
-}
-
-GoodputPolicy::PreDraftWork GoodputPolicy::PreDraftWorkOf(absl::Span<const SpecShape> shapes,
-                                                          int fan_out) {
-  PreDraftWork work;
-  for (const SpecShape& s : shapes) {
-    if (s.none()) continue;
-    ++work.drafting;
-    work.levels = std::max(work.levels, s.depth + 1);
-    work.nodes += ShapeNodes(s) + s.depth + 1;
-  }
-  work.drafting *= fan_out;
-  work.nodes *= fan_out;
-  return work;
-}
-
-GoodputPolicy::PreDraftPlan GoodputPolicy::PlanPreDraft(absl::Span<const SpecShape> shapes,
-                                                        int verify_rows, int verify_tokens,
-                                                        int max_fan_out) const {
-  PreDraftPlan plan;
-  if (max_fan_out < 1) return plan;
-  int deepest = 0;
-  for (const SpecShape& s : shapes) deepest = std::max(deepest, s.none() ? 0 : s.depth);
-  const double verify = costs_.VerifySeconds(verify_rows, verify_tokens);
-  std::vector<SpecShape> cut(shapes.size());
-  for (int depth = deepest; depth >= 1; --depth) {
-    for (size_t i = 0; i < shapes.size(); ++i) cut[i] = Clamp(shapes[i], depth);
-    const PreDraftWork one = PreDraftWorkOf(cut, 1);
-    if (costs_.PreDraftSeconds(one.drafting, one.levels, one.nodes) > verify) continue;
-    plan.depth = depth;
-    plan.fan_out = depth < deepest
-                       ? 1
-                       : std::max(1, PreDraftFanOut(one.drafting, one.levels, one.nodes,
-                                                    verify_rows, verify_tokens, max_fan_out));
-    return plan;
-  }
-  return plan;
 }
 
 }  // namespace specd

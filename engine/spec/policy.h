@@ -124,6 +124,12 @@ struct PolicyOptions {
   int probe_interval = 64;
   // At most this many probes a step.
   int max_probes_per_step = 4;
+  // A sequence that can ingest (PolicySequence::can_ingest) and would draft with more catch-up
+  // tokens than this, where the stall of feeding them first in the draft call would cost the
+  // batch's other rows more tokens than drafting this sequence now gains, is fed them beside the
+  // verify step instead (while they fit in it) and drafts from the next step. A few tokens cost
+  // the draft call little; a prompt costs the batch a stall (16 prompts: ~220 ms on the CPU).
+  int ingest_catch_up_tokens = 8;
 };
 
 // Per-sequence acceptance, per depth: the rate at which the draft token at depth d was accepted
@@ -255,6 +261,7 @@ enum class ShapeReason {
   kDraftBusy,  // the drafter is still answering an earlier request (a late pre-draft)
   kNoDrafter,  // no drafter serves the sequence
   kNoBudget,   // no room left: the bonus token covers what remains
+  kCatchUp,    // the drafter is fed what it missed beside this verify step; drafts from the next
 };
 const char* ShapeReasonName(ShapeReason reason, bool none);
 
@@ -272,11 +279,19 @@ struct PolicySequence {
   // Never drafted: its acceptance is unknown, so it is probed (where a probe could pay) without
   // waiting probe_interval steps.
   bool never_drafted = false;
+  // The caller can feed this sequence's drafter its backlog beside the verify step, where nobody
+  // waits for it (the router's ingest-only draft step). Fed before the step's first draft level,
+  // a catch-up (a whole prompt on a sequence's first step) stalls every row of the step, drafted
+  // or not; so a long one is fed there instead (PolicyDecision::ingest,
+  // PolicyOptions::ingest_catch_up_tokens) and the sequence drafts from the next step.
+  bool can_ingest = false;
 };
 
 struct PolicyDecision {
   std::vector<SpecShape> shapes;  // one per sequence
   std::vector<ShapeReason> reasons;
+  // One per sequence: feed the drafter its backlog beside this verify step (kCatchUp; none).
+  std::vector<char> ingest;
   double predicted_goodput = 0;  // tokens/s of the batch
 };
 

@@ -462,6 +462,12 @@ void RouterLoop::Plan() {
       p.fixed_shape =
           SpecShape{seq.request.shape.depth, seq.request.shape.top_k, seq.request.shape.max_nodes};
     }
+    // The ingest-only step beside verify feeds a draft model (EAGLE heads read taps). Behind a
+    // padded (CUDA) verify backend the draft most likely shares the GPU, where a feed beside
+    // verify slows verify (docs/architecture.md, the overlapped step), so the catch-up stays in
+    // the draft call there.
+    p.can_ingest =
+        mode == v1::SPECULATION_DRAFT_MODEL && service && draft_up && !busy && !rows_padded_.load();
     inputs.push_back(p);
   }
   if (inputs.empty()) return;
@@ -474,6 +480,7 @@ void RouterLoop::Plan() {
     if (seq.draft_busy) reason = ShapeReason::kDraftBusy;
     if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
     if (seq.hit_ready) reason = seq.hit_reason;
+    seq.ingest_now = decision.ingest[i] != 0 && !seq.hit_ready;
     seq.core->Plan(decision.shapes[i], reason);
   }
   metrics_->policy_goodput.Set(decision.predicted_goodput);

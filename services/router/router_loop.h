@@ -242,6 +242,9 @@ class RouterLoop {
   // and OverlapPlanner keeps the step sequential (the pre-draft would outlast verify, or would
   // not pay).
   void AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call);
+  // Adds an ingest-only step for `seq` (its drafter's backlog, no tree) to `request`, on stream
+  // `epoch`.
+  void AddIngest(uint64_t epoch, Sequence& seq, v1::DraftStepRequest* request);
   // Sends PreDraftRequest to each draft service with a free stream, from helper threads, as the
   // verify step `step_id` goes out. Returns the draft services it sent to.
   std::vector<std::shared_ptr<Draft>> StartPreDrafts(uint64_t step_id);

@@ -27,6 +27,20 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
   if (!draft.upstream->up()) return;
   const uint64_t epoch = draft.upstream->epoch();
   if (options_.overlap != OverlapMode::kOff) AddPreDrafts(epoch, draft, call);
+  const double token_s = policy_.costs().CatchUpTokenSeconds();
+  // The catch-ups the policy moved here (ShapeReason::kCatchUp): each would otherwise stall a
+  // draft call, so every one goes.
+  for (auto& s : running_) {
+    Sequence& seq = *s;
+    if (seq.draft.get() != &draft || !seq.ingest_now || !seq.tree.empty() || seq.pre_sent ||
+        seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.core->finished()) {
+      continue;
+    }
+    if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
+    AddIngest(epoch, seq, &request);
+    *seconds += token_s * static_cast<double>(seq.core->DrafterPending().size());
+    call->ingests = true;
+  }
   if (options_.draft_ingest_tokens > 0) {
     // Verify runs this step's rows meanwhile; an ingest that outlasted it would delay the next
     // step's draft, so they are taken in order while their catch-up fits in the verify step.
@@ -37,10 +51,9 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
     double budget =
         policy_.costs().VerifySeconds(static_cast<int>(running_.size()), verify_tokens) -
         policy_.costs().DraftSeconds(1, 1, 1);
-    const double token_s = policy_.costs().CatchUpTokenSeconds();
     for (auto& s : running_) {
       Sequence& seq = *s;
-      if (seq.draft.get() != &draft || !seq.tree.empty() || seq.pre_sent ||
+      if (seq.draft.get() != &draft || !seq.tree.empty() || seq.pre_sent || seq.ingest_sent ||
           seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.draft_down ||
           seq.no_drafter || seq.core->finished()) {
         continue;
@@ -53,25 +66,30 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
       budget -= cost;
       *seconds += cost;
       call->ingests = true;
-      v1::DraftSequenceStep* step = request.add_steps();
-      step->set_seq_id(seq.id);
-      step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
-      step->set_method(v1::DRAFT_METHOD_MODEL);
-      step->set_ingest_only(true);
-      step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
-      if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
-        step->set_accepted_node(seq.draft_report);
-      }
-      seq.draft_report = -2;
-      seq.draft_epoch = epoch;
-      seq.ingest_sent = true;
-      seq.pre_fed_to = seq.core->length();
+      AddIngest(epoch, seq, &request);
     }
     if (request.steps_size() > 0 && *seconds == 0) {
       *seconds = policy_.costs().DraftSeconds(1, 1, 1);  // ingests alone: the call's own cost
     }
   }
   if (request.steps_size() > 0) request.set_step_id(step_id | (uint64_t{1} << 63));
+}
+
+void RouterLoop::AddIngest(uint64_t epoch, Sequence& seq, v1::DraftStepRequest* request) {
+  const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
+  v1::DraftSequenceStep* step = request->add_steps();
+  step->set_seq_id(seq.id);
+  step->mutable_new_tokens()->Assign(fresh.begin(), fresh.end());
+  step->set_method(v1::DRAFT_METHOD_MODEL);
+  step->set_ingest_only(true);
+  step->set_deadline_unix_ms(ToUnixMillisOrZero(seq.request.deadline));
+  if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
+    step->set_accepted_node(seq.draft_report);
+  }
+  seq.draft_report = -2;
+  seq.draft_epoch = epoch;
+  seq.ingest_sent = true;
+  seq.pre_fed_to = seq.core->length();
 }
 
 void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* call) {
@@ -160,7 +178,10 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
 
 std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint64_t step_id) {
   std::vector<std::shared_ptr<Draft>> sent;
-  if (options_.overlap == OverlapMode::kOff && options_.draft_ingest_tokens <= 0) return sent;
+  if (options_.overlap == OverlapMode::kOff && options_.draft_ingest_tokens <= 0 &&
+      std::none_of(running_.begin(), running_.end(), [](const auto& s) { return s->ingest_now; })) {
+    return sent;
+  }
   absl::flat_hash_set<const Draft*> seen;
   for (auto& s : running_) {
     const std::shared_ptr<Draft>& d = s->draft;
@@ -202,9 +223,12 @@ void RouterLoop::FinishPreDrafts(const std::vector<std::shared_ptr<Draft>>& draf
     bool done;
     {
       absl::MutexLock lock(&call.mu);
-      done =
-          call.mu.AwaitWithDeadline(absl::Condition(&call.done),
-                                    verify_done + absl::Seconds(call.draft_seconds) + verify_time);
+      // A call of ingests alone has nothing this step needs: it is never waited for (late, it
+      // keeps its stream busy, and the sequences drafting there get plain steps until it ends).
+      const absl::Time deadline =
+          call.rows == 0 ? verify_done
+                         : verify_done + absl::Seconds(call.draft_seconds) + verify_time;
+      done = call.mu.AwaitWithDeadline(absl::Condition(&call.done), deadline);
     }
     waited_until = std::max(waited_until, absl::Now());
     if (done) {

@@ -93,6 +93,9 @@ struct RouterLoop::Sequence {
   ShapeReason hit_reason = ShapeReason::kPolicy;  // why the pre-drafted step had its shape
   bool missed = false;       // the last pre-draft missed: count how this step serves it
   bool ingest_sent = false;  // this step feeds the drafter without a tree (draft_ingest_tokens)
+  // The policy has the drafter fed this sequence's backlog beside this verify step, so that the
+  // catch-up stalls no draft call (ShapeReason::kCatchUp); it drafts from the next step.
+  bool ingest_now = false;
   // This step's pre-draft outlasted its wait: its verify outcome is counted as late, a miss.
   bool pre_late = false;
   // The sequence's length when its pre-draft or ingest went out: its new_tokens feed the drafter

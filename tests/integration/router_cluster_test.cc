@@ -640,6 +640,12 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
                                             {{"tree_size", "0"}, {"reason", "policy_off"}});
   EXPECT_GT(policy_steps + (std::isnan(policy_off) ? 0 : policy_off), 0);
   EXPECT_GT(Cluster::Metric(port, "specd_policy_verify_one_token_seconds"), 0);
+  // A catch-up the policy moved off the draft call was fed beside verify, not dropped.
+  const double catch_up =
+      Cluster::Metric(port, "specd_spec_steps_total", {{"tree_size", "0"}, {"reason", "catch_up"}});
+  const double ingested = Cluster::Metric(port, "specd_draft_ingest_tokens_total");
+  if (!std::isnan(catch_up) && catch_up > 0) EXPECT_GT(ingested, 0);
+  std::printf("catch_up steps %.0f, ingested tokens %.0f\n", catch_up, ingested);
 }
 
 // A sequence the policy does not draft is still fed to the draft service (ingest-only steps

@@ -504,6 +504,79 @@ TEST(SpecPolicyTest, CatchUpIsChargedAndMeasured) {
   // A call that fed no more than a step's worth is a level sample, not a catch-up one.
   measured.costs().ObserveDraft(1, 2, 2, /*fed_tokens=*/3, 5e-3);
   EXPECT_NEAR(measured.costs().CatchUpTokenSeconds(), 1e-6, 1e-9);
+  // Nor is one whose sequences each fed a few tokens more (too few to price a token): it is a
+  // level sample once they are priced at the estimate, so that a batch whose every call carries
+  // a few (sequences drafted now and then) still corrects the levels' cost. 10 sequences, 2
+  // levels, 5 tokens beyond a step's worth each, taking 10 times the predicted call.
+  const double predicted = measured.costs().DraftSeconds(10, 2, 20);
+  for (int i = 0; i < 20; ++i) {
+    measured.costs().ObserveDraft(10, 2, 20, /*fed_tokens=*/10 * 3 + 50, 10 * predicted);
+  }
+  EXPECT_GT(measured.costs().DraftSeconds(10, 2, 20), 5 * predicted);
+  EXPECT_NEAR(measured.costs().CatchUpTokenSeconds(), 1e-6, 1e-9);
+}
+
+// A catch-up is fed before a draft call's first level, so a sequence drafted with a whole
+// prompt to feed stalls every row of the step. Where the caller can feed the drafter beside
+// verify (the router on a CPU), such a sequence is planned plain this step with its catch-up
+// fed there, as long as the feeds fit in the verify step, and it drafts from the next step with
+// nothing to feed; at one row nobody else waits, and nothing is moved.
+TEST(SpecPolicyTest, ALongCatchUpIsFedBesideVerifyNotBeforeTheBatchsDrafts) {
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 10e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.3e-3;
+  o.draft_fixed_s = 0.5e-3;
+  o.draft_level_fixed_s = 0.5e-3;
+  o.draft_level_per_token_s = 0.02e-3;
+  o.draft_prefill_token_s = 80e-6;  // the reference draft on one core
+  const AcceptanceEstimate a = Acceptance(0.9, o);
+  std::vector<PolicySequence> batch = Batch(16, &a);
+  for (PolicySequence& s : batch) s.draft_backlog = 150;
+  auto stalled = [](absl::Span<const PolicySequence> b, const PolicyDecision& d) {
+    int tokens = 0;  // catch-up tokens fed before the step's draft levels
+    for (size_t i = 0; i < b.size(); ++i) {
+      if (!d.shapes[i].none()) tokens += std::max(0, b[i].draft_backlog - d.shapes[i].depth - 1);
+    }
+    return tokens;
+  };
+  // Without a feed beside verify, some are drafted at once, their prompts fed first.
+  GoodputPolicy in_call(o);
+  const PolicyDecision before = in_call.Decide(batch);
+  EXPECT_GT(stalled(batch, before), 100);
+  for (char ingest : before.ingest) EXPECT_EQ(ingest, 0);
+
+  for (PolicySequence& s : batch) s.can_ingest = true;
+  GoodputPolicy policy(o);
+  const PolicyDecision d = policy.Decide(batch);
+  EXPECT_EQ(stalled(batch, d), 0);
+  int ingested = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!d.ingest[i]) continue;
+    ++ingested;
+    EXPECT_TRUE(d.shapes[i].none());
+    EXPECT_EQ(d.reasons[i], ShapeReason::kCatchUp);
+  }
+  // The feeds fit in the verify step beside them (16 plain rows: 14.8 ms; 150 tokens: 12 ms).
+  EXPECT_EQ(ingested, 1);
+  // Fed, it drafts next step with nothing to feed.
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (d.ingest[i]) batch[i].draft_backlog = 1;
+  }
+  const PolicyDecision next = policy.Decide(batch);
+  EXPECT_EQ(stalled(batch, next), 0);
+  int drafted = 0;
+  for (size_t i = 0; i < batch.size(); ++i) drafted += !next.shapes[i].none();
+  EXPECT_GT(drafted, 0);
+
+  // One row: its catch-up stalls only itself, which the search has priced.
+  std::vector<PolicySequence> one = Batch(1, &a);
+  one[0].draft_backlog = 150;
+  one[0].can_ingest = true;
+  const PolicyDecision alone = policy.Decide(one);
+  EXPECT_FALSE(alone.shapes[0].none());
+  EXPECT_EQ(alone.ingest[0], 0);
 }
 
 // Overlap fan-out (pre-drafted outcome guesses per sequence): every guess the verify step has
