@@ -212,6 +212,9 @@ class RouterLoop {
     // The message sent beside verify, until its answer is taken; while it is here the stream
     // carries nothing else (one message at a time), so this service drafts nothing.
     std::unique_ptr<PreDraftCall> in_flight;
+    // This step's catch-up of held EAGLE taps for its sequences (FetchHeldTaps), which its
+    // draft step's cost observation includes: resuming a sequence costs it.
+    double catch_up_seconds = 0;
   };
 
   std::shared_ptr<Draft> MakeDraft(const std::string& address, const std::string& tls_name);
@@ -229,6 +232,10 @@ class RouterLoop {
   void Admit();
   void Step();
   void Plan();
+  // router_taps.cc. EAGLE sequences the plan drafts again after plain steps: one verify round
+  // trip fetches the taps the verify service held for them (VerifySequenceStep.hold_taps), so
+  // that their drafter reaches the last token this step.
+  void FetchHeldTaps();
   void DraftStep();
   void VerifyStep();
   // router_overlap.cc. What `draft` does while verify runs, in one request (a draft stream

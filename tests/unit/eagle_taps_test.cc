@@ -264,18 +264,28 @@ TEST_F(EagleDrafterTest, DraftsFromTheTargetTapsOnceTheyCoverTheSequence) {
   EXPECT_FALSE((*t)[0].empty());
 }
 
-TEST_F(EagleDrafterTest, AGapInTheTapsGivesEmptyTreesAndBadTapsAreRefused) {
+// Rows the verify service dropped (held past its bound) leave a gap after the head's pairs: the
+// head restarts from the rows after it, drafting what a head fed only those rows drafts.
+TEST_F(EagleDrafterTest, AGapInTheTapsRestartsTheHeadAfterItAndBadTapsAreRefused) {
   ASSERT_TRUE(drafter_->AddSequence(1).ok());
   const std::vector<int32_t> prompt(ids_.begin(), ids_.begin() + 13);
   absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft({Request(1, prompt, 0, 12)});
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_FALSE((*t)[0].empty());
   EXPECT_EQ(drafter_->committed(1), 12);
-  // Row 12 never arrives: the head cannot continue from its pairs.
-  t = drafter_->Draft({Request(1, {ids_[13], ids_[14]}, 13, 14)});
+  // Row 12 never arrives; rows 13 and 14 do.
+  t = drafter_->Draft({Request(1, {ids_[13], ids_[14], ids_[15]}, 13, 15)});
   ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_TRUE((*t)[0].empty());
-  EXPECT_EQ(drafter_->committed(1), 12);
+  ASSERT_FALSE((*t)[0].empty());
+  EXPECT_EQ(drafter_->committed(1), 15);
+  EXPECT_EQ(head_->CommittedLength(1).value_or(-1), 2);
+  EagleDrafter fresh(reference_.get());
+  ASSERT_TRUE(fresh.AddSequence(1).ok());
+  const std::vector<int32_t> history(ids_.begin(), ids_.begin() + 16);
+  absl::StatusOr<std::vector<TokenTree>> want = fresh.Draft({Request(1, history, 13, 15)});
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ((*t)[0].tokens, (*want)[0].tokens);
+  EXPECT_EQ((*t)[0].parents, (*want)[0].parents);
 
   DraftRequest bad = Request(1, {ids_[13]}, 0, 1);
   bad.taps.pop_back();
@@ -283,6 +293,36 @@ TEST_F(EagleDrafterTest, AGapInTheTapsGivesEmptyTreesAndBadTapsAreRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("taps"));
   EXPECT_FALSE(drafter_->Draft({bad}).ok());
+}
+
+// A sequence the router stopped drafting for a few steps (the verify service held their taps)
+// and drafts again: all the held rows and tokens at once give the tree that feeding them every
+// step gives.
+TEST_F(EagleDrafterTest, HeldTapsFedAtOnceDraftWhatTapsFedEveryStepDraft) {
+  EagleDrafter every(reference_.get());
+  const std::vector<int32_t> prompt(ids_.begin(), ids_.begin() + 9);
+  for (EagleDrafter* d : {drafter_.get(), &every}) {
+    ASSERT_TRUE(d->AddSequence(1).ok());
+    ASSERT_TRUE(d->Draft({Request(1, prompt, 0, 0)}).ok());
+    ASSERT_TRUE(d->Draft({Request(1, {ids_[9]}, 0, 9)}).ok());
+  }
+  absl::StatusOr<std::vector<TokenTree>> step;
+  for (int p = 10; p <= 15; ++p) {
+    step = every.Draft({Request(1, {ids_[p]}, p - 1, p)});
+    ASSERT_TRUE(step.ok()) << step.status();
+  }
+  const std::vector<int32_t> held(ids_.begin() + 10, ids_.begin() + 16);
+  absl::StatusOr<std::vector<TokenTree>> resumed = drafter_->Draft({Request(1, held, 9, 15)});
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(drafter_->committed(1), 15);
+  EXPECT_EQ(every.committed(1), 15);
+  ASSERT_FALSE((*resumed)[0].empty());
+  EXPECT_EQ((*resumed)[0].tokens, (*step)[0].tokens);
+  EXPECT_EQ((*resumed)[0].parents, (*step)[0].parents);
+  ASSERT_EQ((*resumed)[0].draft_logprobs.size(), (*step)[0].draft_logprobs.size());
+  for (size_t i = 0; i < (*step)[0].draft_logprobs.size(); ++i) {
+    EXPECT_NEAR((*resumed)[0].draft_logprobs[i], (*step)[0].draft_logprobs[i], 1e-4) << i;
+  }
 }
 
 // A draft service that takes a running sequence over (it was restarted): the whole history, and
