@@ -52,6 +52,7 @@ void RouterLoop::FetchHeldTaps() {
     if (it == by_id.end()) continue;
     Sequence& seq = *it->second;
     AppendHiddenStates(held.taps(), &seq.taps);
+    metrics_->eagle_held_taps_fetched.Increment(held.taps().tokens());
     seq.taps_held = false;
     seq.draft->catch_up_seconds = seconds;
   }
