@@ -694,7 +694,7 @@ void RouterLoop::VerifyStep() {
         // A step the plan did not draft sends no taps: the verify service keeps them until
         // the plan drafts the sequence again (FetchHeldTaps), so plain steps cost what plain
         // steps without EAGLE cost.
-        const bool hold = seq.core->planned().none();
+        const bool hold = options_.eagle_hold_taps && seq.core->planned().none();
         step->set_hold_taps(hold);
         seq.taps_held = seq.taps_held || hold;
       }

@@ -124,6 +124,10 @@ struct RouterLoopOptions {
   // resumes drafting first feeds everything it missed). Worth it where the draft service has
   // its own device; sharing the verify service's GPU, the ingest slows verify.
   int draft_ingest_tokens = 0;
+  // EAGLE sequences: the verify service holds the taps of steps the plan does not draft, and
+  // the router fetches them when it drafts the sequence again (FetchHeldTaps). False: every
+  // step returns its taps and the router keeps them (an A/B switch for benchmarks).
+  bool eagle_hold_taps = true;
   // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
