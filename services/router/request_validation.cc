@@ -25,7 +25,8 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
         return s;
       }
       break;
-    default: return Invalid("prompt: set prompt or prompt_ids");
+    default:
+      return Invalid("prompt: set prompt or prompt_ids");
   }
   if (r.max_new_tokens() > static_cast<uint32_t>(limits.max_new_tokens_limit)) {
     return Invalid(absl::StrCat("max_new_tokens: ", r.max_new_tokens(), " exceeds the limit ",
@@ -41,8 +42,7 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
   if (r.has_top_k() && r.top_k() < 0) {
     return Invalid(absl::StrCat("top_k: must be >= 0 (0 = no limit), got ", r.top_k()));
   }
-  if (absl::Status s = CheckTokenIds(r.stop_token_ids(), limits.vocab_size, "stop_token_ids");
-      !s.ok()) {
+  if (absl::Status s = CheckTokenIds(r.stop_token_ids(), limits.vocab_size, "stop_token_ids"); !s.ok()) {
     return s;
   }
   if (r.stop_size() > limits.max_stop_strings) {
