@@ -92,6 +92,42 @@ TEST(EagleTapsTest, PrefillTapsMatchTheReference) {
   }
 }
 
+// Tap num_layers + 1 (FinalNormTap) is the final norm's output, the hidden state the LM head
+// reads: EAGLE-1/2's feature, against the reference's final_hidden.
+TEST(EagleTapsTest, TheFinalNormTapIsWhatTheLmHeadReads) {
+  std::unique_ptr<Backend> target = LoadTarget();
+  ASSERT_NE(target, nullptr);
+  const int final_tap = FinalNormTap(target->config().num_layers);
+  const std::vector<int32_t> ids = Ids();
+  absl::StatusOr<std::unique_ptr<TensorStore>> store =
+      TensorStore::OpenFolder(FixtureDir().string());
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::vector<float> want(16 * kHidden);
+  ASSERT_TRUE((*store)->ReadF32("final_hidden", {16, kHidden}, want.data()).ok());
+  ASSERT_TRUE(target->AddSequence(1).ok());
+  absl::StatusOr<VerifyOutcome> o = Step(target.get(), 1, ids, {}, {final_tap, kTaps[0]});
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_EQ(o->taps.size(), ids.size() * 2 * kHidden);
+  const std::vector<float> taps = OracleTaps();
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const absl::Span<const float> row = absl::MakeConstSpan(o->taps).subspan(t * 2 * kHidden);
+    EXPECT_LT(RelError(row.first(kHidden), std::vector<double>(want.begin() + t * kHidden,
+                                                               want.begin() + (t + 1) * kHidden)),
+              1e-5)
+        << "token " << t;
+    // Beside a residual tap, in the order asked.
+    EXPECT_LT(RelError(row.subspan(kHidden, kHidden),
+                       std::vector<double>(taps.begin() + t * 3 * kHidden,
+                                           taps.begin() + t * 3 * kHidden + kHidden)),
+              1e-5)
+        << "token " << t;
+  }
+  // One past it is refused, naming the field.
+  absl::StatusOr<VerifyOutcome> bad = Step(target.get(), 1, {ids[0]}, {}, {final_tap + 1});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("tap_layers"));
+}
+
 TEST(EagleTapsTest, VerifyStepTapsAreTheBitsOfAPrefillOfTheSamePath) {
   std::unique_ptr<Backend> target = LoadTarget();
   ASSERT_NE(target, nullptr);
@@ -165,7 +201,8 @@ TEST(EagleTapsTest, BadTapLayersAreInvalidArgument) {
   std::unique_ptr<Backend> target = LoadTarget();
   ASSERT_NE(target, nullptr);
   ASSERT_TRUE(target->AddSequence(1).ok());
-  for (const std::vector<int>& bad : {std::vector<int>{9}, {-1}, {2, 2}}) {
+  // 10: past the final-norm tap (9) of the 8-layer target.
+  for (const std::vector<int>& bad : {std::vector<int>{10}, {-1}, {2, 2}}) {
     absl::StatusOr<VerifyOutcome> o = Step(target.get(), 1, {1, 2}, {}, bad);
     ASSERT_FALSE(o.ok());
     EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
