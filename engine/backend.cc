@@ -58,8 +58,8 @@ void TopKRowsOnHost(absl::Span<const float> logits, int64_t vocab, int k, TopKRo
   }
 }
 
-VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows, int vocab_size,
-                               int64_t first_position) {
+VerifyOutcome AcceptTreeOnHost(const VerifyItem& item, absl::Span<const float> rows,
+                               int vocab_size, int64_t first_position) {
   const SamplingParams& sampling = item.sampling;
   const bool process = sampling.has_processors();
   std::vector<float> processed;
@@ -133,8 +133,8 @@ absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyIt
   }
   if (item.logprobs < -1 || item.logprobs > kMaxLogprobs) {
     return absl::InvalidArgumentError(absl::StrCat("verify item ", index, ": logprobs ",
-                                                   item.logprobs, " must be in [-1, ", kMaxLogprobs,
-                                                   "]"));
+                                                   item.logprobs, " must be in [-1, ",
+                                                   kMaxLogprobs, "]"));
   }
   if (item.tap_layers.size() > static_cast<size_t>(kMaxTapLayers)) {
     return absl::InvalidArgumentError(absl::StrCat("verify item ", index,

@@ -48,6 +48,7 @@ int CpuBackendThreads(const BackendOptions& options) {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+
 CpuModel::CpuModel(const ModelConfig& config, const TpRankPlan& slice)
     : config_(config),
       slice_(slice),
@@ -63,11 +64,9 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
   const TpRange vocab = slice_.vocab, ffn = slice_.ffn, none;
   SPECD_RETURN_IF_ERROR_(
       ReadShard(st, "model.embed_tokens.weight", {v, h}, ShardSlice::kRows, vocab, &embed_));
-  SPECD_RETURN_IF_ERROR_(
-      ReadShard(st, "model.norm.weight", {h}, ShardSlice::kAll, none, &final_norm_));
+  SPECD_RETURN_IF_ERROR_(ReadShard(st, "model.norm.weight", {h}, ShardSlice::kAll, none, &final_norm_));
   if (!c.tie_word_embeddings) {
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_));
   }
   layers_.resize(c.num_layers);
   for (int l = 0; l < c.num_layers; ++l) {
@@ -77,10 +76,10 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
         ReadShard(st, p + "input_layernorm.weight", {h}, ShardSlice::kAll, none, &w.input_norm));
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, ShardSlice::kRows, q_rows, &w.q_proj));
-    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, ShardSlice::kRows,
-                                     kv_rows, &w.k_proj));
-    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, ShardSlice::kRows,
-                                     kv_rows, &w.v_proj));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.k_proj));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, ShardSlice::kRows, kv_rows, &w.v_proj));
     if (c.attention_bias) {
       SPECD_RETURN_IF_ERROR_(
           ReadShard(st, p + "self_attn.q_proj.bias", {q}, ShardSlice::kRows, q_rows, &w.q_bias));
@@ -97,8 +96,8 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
     }
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "self_attn.o_proj.weight", {h, q}, ShardSlice::kCols, q_rows, &w.o_proj));
-    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "post_attention_layernorm.weight", {h},
-                                     ShardSlice::kAll, none, &w.post_norm));
+    SPECD_RETURN_IF_ERROR_(
+        ReadShard(st, p + "post_attention_layernorm.weight", {h}, ShardSlice::kAll, none, &w.post_norm));
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "mlp.gate_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.gate_proj));
     SPECD_RETURN_IF_ERROR_(
@@ -114,10 +113,12 @@ absl::Status CpuModel::Load(const TensorStore& st, const char* who) {
   const struct {
     const std::vector<float>* w;
     int64_t out, in;
-  } shapes[] = {
-      {&w0.q_proj, q_rows.size(), h}, {&w0.k_proj, kv_rows.size(), h},
-      {&w0.o_proj, h, q_rows.size()}, {&w0.gate_proj, ffn.size(), h},
-      {&w0.down_proj, h, ffn.size()}, {lm_head_.empty() ? &embed_ : &lm_head_, vocab.size(), h}};
+  } shapes[] = {{&w0.q_proj, q_rows.size(), h},
+                {&w0.k_proj, kv_rows.size(), h},
+                {&w0.o_proj, h, q_rows.size()},
+                {&w0.gate_proj, ffn.size(), h},
+                {&w0.down_proj, h, ffn.size()},
+                {lm_head_.empty() ? &embed_ : &lm_head_, vocab.size(), h}};
   row_block_ = kLinearRowBlock;
   for (const auto& s : shapes) {
     if (s.out == 0 || s.in == 0) continue;  // a part this slice does not hold
