@@ -143,10 +143,13 @@ absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyIt
   }
   for (size_t i = 0; i < item.tap_layers.size(); ++i) {
     const int layer = item.tap_layers[i];
-    if (layer < 0 || layer > backend.config().num_layers) {
+    const int max_tap = backend.verify_features().final_norm_tap
+                            ? FinalNormTap(backend.config().num_layers)
+                            : backend.config().num_layers;
+    if (layer < 0 || layer > max_tap) {
       return absl::InvalidArgumentError(absl::StrCat("verify item ", index, ": tap_layers[", i,
-                                                     "]: ", layer, " is not in [0, ",
-                                                     backend.config().num_layers, "]"));
+                                                     "]: ", layer, " is not in [0, ", max_tap,
+                                                     "]"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (item.tap_layers[j] == layer) {

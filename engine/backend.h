@@ -65,12 +65,18 @@ struct VerifyItem {
   LogprobsMode logprobs_mode = LogprobsMode::kRaw;
   // Residual-stream taps to return for the tokens this step commits, for an EAGLE drafter:
   // layer ids as engine/draft/eagle_head_config.h names them (L: the stream entering decoder
-  // layer L; num_layers: the last layer's output before the final norm), in [0, num_layers],
-  // at most kMaxTapLayers. Empty: none (no cost).
+  // layer L; num_layers: the last layer's output before the final norm; num_layers + 1,
+  // FinalNormTap: the final norm's output), in [0, num_layers + 1], at most kMaxTapLayers.
+  // Empty: none (no cost).
   std::vector<int> tap_layers;
 };
 
 inline constexpr int kMaxTapLayers = 8;
+
+// The tap id of the final norm's output, the hidden state the LM head reads: the feature an
+// EAGLE-1/2 head drafts from (EAGLE's own code feeds its head the base model's last hidden
+// state, which is after the final norm). One past the last layer's output (num_layers).
+inline int FinalNormTap(int num_layers) { return num_layers + 1; }
 
 struct VerifyOutcome {
   // Accepted draft tokens followed by one token sampled from the target (the bonus), so
@@ -98,6 +104,8 @@ struct VerifyFeatures {
   bool logits_processors = false;  // min_p, logit_bias, min_tokens and the penalties
   bool logprobs = false;
   bool taps = false;  // VerifyItem::tap_layers
+  // Taps may name FinalNormTap (the final norm's output) besides the layer inputs.
+  bool final_norm_tap = false;
 };
 
 struct KvUsage {

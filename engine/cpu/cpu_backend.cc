@@ -77,9 +77,9 @@ absl::Status CpuBackend::ForwardWithTaps(absl::Span<const ForwardItem> items,
   if (logits == nullptr) return absl::InvalidArgumentError("logits is null");
   if (!tap_layers.empty() && taps == nullptr) return absl::InvalidArgumentError("taps is null");
   for (int layer : tap_layers) {
-    if (layer < 0 || layer > config_.num_layers) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tap_layers: ", layer, " is not in [0, ", config_.num_layers, "]"));
+    if (layer < 0 || layer > FinalNormTap(config_.num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat("tap_layers: ", layer, " is not in [0, ",
+                                                     FinalNormTap(config_.num_layers), "]"));
     }
   }
   if (taps != nullptr) taps->clear();

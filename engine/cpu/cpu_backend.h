@@ -61,7 +61,7 @@ class CpuBackend : public Backend {
   // time, so RESOURCE_EXHAUSTED can come up to one partly filled block per sequence early.
   KvUsage Usage() const override;
   // Backend::Verify() on the host: every processor, logprobs and taps.
-  VerifyFeatures verify_features() const override { return {true, true, true}; }
+  VerifyFeatures verify_features() const override { return {true, true, true, true}; }
 
   // Number of scratch nodes appended since the last Commit() (for tests and drafters).
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const;

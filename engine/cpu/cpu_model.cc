@@ -319,6 +319,15 @@ void CpuModel::Hidden(const StepLayout& l, ThreadPool* pool, TpCommunicator* com
     for (int64_t i = 0; i < T * H; ++i) last[i] = sub[i] + residual[i];
     capture(c.num_layers, last.data());
   }
+  if (taps != nullptr && std::find(tap_layers.begin(), tap_layers.end(),
+                                   FinalNormTap(c.num_layers)) != tap_layers.end()) {
+    // The final norm's output, as Logits() forms it for the LM head: the norm is per row, so
+    // every row here has the bits of the row Logits() reads. Copies, since the fused add
+    // writes into its residual argument.
+    std::vector<float> x(sub), res(residual), normed(T * H);
+    Norm(x.data(), res.data(), final_norm_, normed.data(), T, H);
+    capture(FinalNormTap(c.num_layers), normed.data());
+  }
 }
 
 void CpuModel::Logits(const StepLayout& l, const std::vector<float>& residual,

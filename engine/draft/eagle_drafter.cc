@@ -144,6 +144,14 @@ absl::StatusOr<std::vector<TokenTree>> EagleDrafter::Draft(
     SeqState& st = states_[r.seq];
     absl::StatusOr<int64_t> committed = head_->CommittedLength(r.seq);
     if (!committed.ok()) return restore(committed.status());
+    if (*committed > 0 && !st.taps.empty() && st.taps_first > st.base + *committed) {
+      // A gap after the pairs the head holds: the rows between are gone for good (the verify
+      // service dropped taps it held past its bound). The head starts again from the rows after
+      // the gap, as below, rather than never drafting this sequence again.
+      if (absl::Status s = head_->RemoveSequence(r.seq); !s.ok()) return restore(s);
+      if (absl::Status s = head_->AddSequence(r.seq); !s.ok()) return restore(s);
+      committed = int64_t{0};
+    }
     if (*committed == 0 && !st.taps.empty() && st.taps_first > st.base) {
       // The head holds nothing of the sequence and its taps begin mid-sequence (this service
       // took the sequence over while it ran, after a restart): the head's positions start

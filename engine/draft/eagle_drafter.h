@@ -10,9 +10,10 @@
 // by d2t, are the first level, each node being (its parent's output hidden state, its token) at
 // position c + depth; deeper levels feed the head's own outputs, one batched Forward() per level
 // across sequences. The tree's nodes are dropped from the head's KV afterwards: the next step
-// feeds the accepted ones again with the target's taps. A sequence whose taps have a gap, or
-// have not arrived yet (the first step, before any verify step), gets an empty tree, which makes
-// its step target-only; lossless either way.
+// feeds the accepted ones again with the target's taps. A sequence whose taps have not arrived
+// yet (the first step, before any verify step) gets an empty tree, which makes its step
+// target-only; one whose taps resume after a gap (rows the verify service dropped) restarts its
+// head from the rows after it. Lossless either way.
 #ifndef SPECD_ENGINE_DRAFT_EAGLE_DRAFTER_H_
 #define SPECD_ENGINE_DRAFT_EAGLE_DRAFTER_H_
 

@@ -169,9 +169,9 @@ absl::Status TensorParallelBackend::ForwardWithTaps(absl::Span<const ForwardItem
     return absl::InvalidArgumentError("logits or taps is null");
   }
   for (int layer : tap_layers) {
-    if (layer < 0 || layer > config_.num_layers) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tap_layers: ", layer, " is not in [0, ", config_.num_layers, "]"));
+    if (layer < 0 || layer > FinalNormTap(config_.num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat("tap_layers: ", layer, " is not in [0, ",
+                                                     FinalNormTap(config_.num_layers), "]"));
     }
   }
   logits->clear();

@@ -159,7 +159,7 @@ class TensorParallelBackend : public Backend {
   // the rank threads); otherwise Backend::Verify on gathered logits. Same tokens; the same
   // log-probabilities up to double rounding of the merged sum.
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
-  VerifyFeatures verify_features() const override { return {true, true, true}; }
+  VerifyFeatures verify_features() const override { return {true, true, true, true}; }
 
   absl::StatusOr<int64_t> ScratchLength(SeqId seq) const { return table_.ScratchLength(seq); }
   // Verify() calls served from gathered logits (Backend::Verify) rather than from per-rank

@@ -70,6 +70,10 @@ ABSL_FLAG(int, draft_ingest_tokens, 0,
           "tokens behind (beside the verify step, while it fits in it), so that drafting it "
           "again needs no catch-up; 0: never. For a draft service on its own GPU (e.g. 16): on "
           "the verify service's GPU the ingest slows verify");
+ABSL_FLAG(bool, eagle_hold_taps, true,
+          "EAGLE sequences: the verify service holds the taps of steps the policy does not "
+          "draft and sends them when it drafts the sequence again (false: every step sends its "
+          "taps; an A/B switch for benchmarks)");
 ABSL_FLAG(std::string, overlap, "off",
           "pre-draft while verify runs: on (each step that verifies draft-model trees also asks "
           "the draft service for the next trees below each tree's most likely outcome; a hit "
@@ -210,6 +214,7 @@ int Main() {
   }
   loop_options.adaptive = policy == "goodput";
   loop_options.draft_ingest_tokens = absl::GetFlag(FLAGS_draft_ingest_tokens);
+  loop_options.eagle_hold_taps = absl::GetFlag(FLAGS_eagle_hold_taps);
   if (loop_options.draft_ingest_tokens < 0) return Fail("--draft_ingest_tokens: must be >= 0");
   const std::string overlap = absl::AsciiStrToLower(absl::GetFlag(FLAGS_overlap));
   if (overlap == "on") {

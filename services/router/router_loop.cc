@@ -409,6 +409,7 @@ void RouterLoop::Step() {
   RetireDrafts();
   const absl::Time start = absl::Now();
   Plan();
+  FetchHeldTaps();
   DraftStep();
   VerifyStep();
   if (!running_.empty()) {
@@ -633,7 +634,8 @@ void RouterLoop::DraftStep() {
         ++drafting;
         fed += step.new_tokens_size();
       }
-      policy_.costs().ObserveDraft(drafting, b->levels, b->nodes, fed, b->seconds);
+      policy_.costs().ObserveDraft(drafting, b->levels, b->nodes, fed,
+                                   b->seconds + b->draft->catch_up_seconds);
     }
     for (const v1::DraftSequenceResult& result : b->response.results()) {
       auto it = b->by_id.find(result.seq_id());
@@ -696,8 +698,15 @@ void RouterLoop::VerifyStep() {
       if (draft_info.eagle_tap_layers_size() > 0) {
         *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
         step->set_tap_dtype(draft_info.eagle_tap_dtype());
+        // A step the plan did not draft sends no taps: the verify service keeps them until
+        // the plan drafts the sequence again (FetchHeldTaps), so plain steps cost what plain
+        // steps without EAGLE cost.
+        const bool hold = options_.eagle_hold_taps && seq.core->planned().none();
+        step->set_hold_taps(hold);
+        seq.taps_held = seq.taps_held || hold;
       }
     }
+    if (step->tap_layers_size() == 0) seq.taps_held = false;  // the verify service drops them
     step->set_seq_id(seq.id);
     // A sequence held under an older stream (the verify service was replaced between steps)
     // is fed its whole history again; sampling depends only on the prefix, the seed and the

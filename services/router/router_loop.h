@@ -125,6 +125,10 @@ struct RouterLoopOptions {
   // resumes drafting first feeds everything it missed). Worth it where the draft service has
   // its own device; sharing the verify service's GPU, the ingest slows verify.
   int draft_ingest_tokens = 0;
+  // EAGLE sequences: the verify service holds the taps of steps the plan does not draft, and
+  // the router fetches them when it drafts the sequence again (FetchHeldTaps). False: every
+  // step returns its taps and the router keeps them (an A/B switch for benchmarks).
+  bool eagle_hold_taps = true;
   // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
@@ -213,6 +217,9 @@ class RouterLoop {
     // The message sent beside verify, until its answer is taken; while it is here the stream
     // carries nothing else (one message at a time), so this service drafts nothing.
     std::unique_ptr<PreDraftCall> in_flight;
+    // This step's catch-up of held EAGLE taps for its sequences (FetchHeldTaps), which its
+    // draft step's cost observation includes: resuming a sequence costs it.
+    double catch_up_seconds = 0;
   };
 
   std::shared_ptr<Draft> MakeDraft(const std::string& address, const std::string& tls_name);
@@ -230,6 +237,10 @@ class RouterLoop {
   void Admit();
   void Step();
   void Plan();
+  // router_taps.cc. EAGLE sequences the plan drafts again after plain steps: one verify round
+  // trip fetches the taps the verify service held for them (VerifySequenceStep.hold_taps), so
+  // that their drafter reaches the last token this step.
+  void FetchHeldTaps();
   void DraftStep();
   void VerifyStep();
   // router_overlap.cc. What `draft` does while verify runs, in one request (a draft stream

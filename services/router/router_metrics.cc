@@ -86,6 +86,10 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
           r, "specd_draft_ingest_tokens_total",
           "Tokens fed to the draft service for sequences it was not drafting (ingest-only "
           "steps beside verify), so that drafting them again needs no catch-up.")),
+      eagle_held_taps_fetched(AddCounter(
+          r, "specd_eagle_held_taps_fetched_total",
+          "EAGLE tap rows (tokens) the verify service held for sequences the router was not "
+          "drafting, fetched when it drafted them again.")),
       outcomes_(AddCounterFamily(r, "specd_requests_total", "Finished requests by outcome.")),
       accepted_per_pos_(
           AddCounterFamily(r, "specd_spec_decode_accepted_tokens_per_pos_total",

@@ -90,6 +90,7 @@ class RouterMetrics {
   prometheus::Gauge& policy_draft_level;
   prometheus::Counter& step_seconds;  // wall time of speculation steps (plan to verify reply)
   prometheus::Counter& draft_ingest_tokens;
+  prometheus::Counter& eagle_held_taps_fetched;  // rows (tokens) FetchHeldTaps brought
 
  private:
   prometheus::Family<prometheus::Counter>& outcomes_;

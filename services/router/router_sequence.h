@@ -50,6 +50,9 @@ struct RouterLoop::Sequence {
   v1::Speculation spec = v1::SPECULATION_OFF;
   // EAGLE: the target's taps the verify service returned since the last draft step, to relay.
   v1::HiddenStates taps;
+  // EAGLE: steps the plan did not draft asked the verify service to hold their taps
+  // (hold_taps); FetchHeldTaps fetches them when the plan drafts the sequence again.
+  bool taps_held = false;
   absl::Time last_emit;
   bool streamed_any = false;
   bool done = false;

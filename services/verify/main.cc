@@ -36,6 +36,10 @@ ABSL_FLAG(int, max_sequences, 256, "live sequences held at once; more get RESOUR
 ABSL_FLAG(int64_t, max_tap_bytes_per_reply, 0,
           "EAGLE taps one reply carries over its sequences (0: half the message limit); a "
           "sequence's rows past it follow in its next replies (docs/eagle.md)");
+ABSL_FLAG(int64_t, max_held_tap_bytes, int64_t{16} << 20,
+          "EAGLE taps (fp32 rows) held per sequence while the router does not draft it; past "
+          "it the older half is dropped and the drafter's head restarts from the rest "
+          "(docs/eagle.md)");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
 ABSL_FLAG(int, gather_window_us, 2000,
           "longest wait for other routers' steps once one router's step is queued, so that they "
@@ -94,6 +98,11 @@ int Main() {
   if (options.max_tap_bytes_per_reply < 0) {
     return FailStartup(absl::InvalidArgumentError(absl::StrCat(
         "--max_tap_bytes_per_reply: must be >= 0, got ", options.max_tap_bytes_per_reply)));
+  }
+  options.max_held_tap_bytes = absl::GetFlag(FLAGS_max_held_tap_bytes);
+  if (options.max_held_tap_bytes < 1) {
+    return FailStartup(absl::InvalidArgumentError(
+        absl::StrCat("--max_held_tap_bytes: must be >= 1, got ", options.max_held_tap_bytes)));
   }
   if (const std::string devices = absl::GetFlag(FLAGS_devices); !devices.empty()) {
     std::vector<std::string> list = absl::StrSplit(devices, ',', absl::SkipEmpty());

@@ -1,6 +1,7 @@
 #include "services/verify/verify_loop.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -73,16 +74,13 @@ void VerifyLoop::Forget(int64_t seq) {
 }
 
 void VerifyLoop::SendTaps(int64_t seq, const std::vector<int>& layers, v1::TensorDtype dtype,
-                          const std::vector<float>& taps, int64_t first_position,
+                          const std::vector<float>& taps, int64_t first_position, bool hold,
                           int64_t* reply_bytes, v1::HiddenStates* out) {
   const int64_t width = static_cast<int64_t>(layers.size()) * backend_->config().hidden_size;
-  const int64_t row_bytes = width * (dtype == v1::TENSOR_DTYPE_FP32 ? 4 : 2);
-  const int64_t budget = options_.max_tap_bytes_per_reply > 0 ? options_.max_tap_bytes_per_reply
-                                                              : kMaxMessageBytes / 2;
   TapBacklog& held = tap_backlog_[seq];
   const int64_t held_rows = static_cast<int64_t>(held.rows.size()) / width;
   // Held rows continue only into rows of the same layers and type that follow them; otherwise
-  // they are dropped, and the drafter sees a gap (target-only steps, still lossless).
+  // they are dropped, and the drafter sees a gap (its head restarts from the rows after it).
   if (held.rows.empty() || held.layers != layers || held.dtype != dtype ||
       held.first_position + held_rows != first_position) {
     if (!held.rows.empty()) {
@@ -95,15 +93,39 @@ void VerifyLoop::SendTaps(int64_t seq, const std::vector<int>& layers, v1::Tenso
     held.dtype = dtype;
   }
   held.rows.insert(held.rows.end(), taps.begin(), taps.end());
+  if (!hold) {
+    SendHeld(seq, reply_bytes, out);
+    return;
+  }
+  // Bounded: past the bound the older half goes (halving keeps the drops rare, so a long
+  // plain run costs amortised O(1) a row). The drafter then restarts its head from the newer
+  // half: lossless, with a shorter context for the head.
+  const int64_t max_rows = std::max<int64_t>(1, options_.max_held_tap_bytes / (width * 4));
+  const int64_t rows = static_cast<int64_t>(held.rows.size()) / width;
+  if (rows > max_rows) {
+    const int64_t drop = rows - max_rows / 2;
+    held.rows.erase(held.rows.begin(), held.rows.begin() + drop * width);
+    held.first_position += drop;
+  }
+}
+
+void VerifyLoop::SendHeld(int64_t seq, int64_t* reply_bytes, v1::HiddenStates* out) {
+  auto it = tap_backlog_.find(seq);
+  if (it == tap_backlog_.end()) return;
+  TapBacklog& held = it->second;
+  const int64_t width = static_cast<int64_t>(held.layers.size()) * backend_->config().hidden_size;
+  const int64_t row_bytes = width * (held.dtype == v1::TENSOR_DTYPE_FP32 ? 4 : 2);
+  const int64_t budget = options_.max_tap_bytes_per_reply > 0 ? options_.max_tap_bytes_per_reply
+                                                              : kMaxMessageBytes / 2;
   const int64_t rows = static_cast<int64_t>(held.rows.size()) / width;
   const int64_t n = std::min(rows, std::max<int64_t>(0, (budget - *reply_bytes) / row_bytes));
   if (n > 0) {
-    HiddenStatesToProto(absl::MakeConstSpan(held.rows).first(n * width), n, width, layers,
-                        held.first_position, dtype, out);
+    HiddenStatesToProto(absl::MakeConstSpan(held.rows).first(n * width), n, width, held.layers,
+                        held.first_position, held.dtype, out);
     *reply_bytes += n * row_bytes;
   }
   if (n == rows) {
-    tap_backlog_.erase(seq);
+    tap_backlog_.erase(it);
     return;
   }
   held.rows.erase(held.rows.begin(), held.rows.begin() + n * width);
@@ -162,6 +184,10 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
       !s.ok()) {
     return Prefixed(s, where + ".");
   }
+  if (step.hold_taps() && step.tap_layers_size() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".hold_taps: set without tap_layers (there are no taps to hold)"));
+  }
   if (step.tap_layers_size() > 0) {
     if (!backend_->verify_features().taps) {
       return absl::UnimplementedError(
@@ -192,6 +218,7 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
     }
     item->tap_layers.assign(step.tap_layers().begin(), step.tap_layers().end());
     slot->tap_dtype = step.tap_dtype();
+    slot->hold_taps = step.hold_taps();
   }
   const bool needs_history = item->sampling.needs_history();
   if (needs_history && live.has_value() && !histories_.contains(*live)) {
@@ -281,12 +308,20 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
   std::vector<Slot> slots;
   const KvUsage usage = backend_->Usage();
   int64_t kv_budget = usage.capacity_tokens - usage.used_tokens;
+  std::vector<int64_t> tap_bytes(responses.size(), 0);  // per reply
   for (size_t b = 0; b < batch.steps.size(); ++b) {
     const StreamId stream = batch.steps[b].stream;
     const v1::VerifyStepRequest& request = batch.steps[b].request;
     v1::VerifyStepResponse& response = responses[b];
     response.set_step_id(request.step_id());
     ReleaseAndCancel(stream, request);
+    for (uint64_t id : request.send_held_taps()) {
+      v1::HeldTaps* held = response.add_held_taps();
+      held->set_seq_id(id);
+      if (std::optional<int64_t> live = table_.Find(stream, id); live.has_value()) {
+        SendHeld(*live, &tap_bytes[b], held->mutable_taps());
+      }
+    }
     for (int i = 0; i < request.steps_size(); ++i) {
       const v1::VerifySequenceStep& step = request.steps(i);
       v1::VerifySequenceResult* result = response.add_results();
@@ -346,7 +381,6 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
     RecordStep(start, items.size(), tokens);
     const Backend::ExecutionCounts counts = backend_->execution_counts();
     metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);
-    std::vector<int64_t> tap_bytes(responses.size(), 0);  // per reply
 
     for (size_t k = 0; k < items.size(); ++k) {
       const Slot& slot = slots[k];
@@ -379,7 +413,7 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
         // out, in order, with the sequence's next replies. Until they have all arrived the
         // drafter proposes nothing for it (target-only steps, still lossless).
         SendTaps(slot.seq, items[k].tap_layers, slot.tap_dtype, outcome.taps, committed_before[k],
-                 &tap_bytes[slot.step], result->mutable_taps());
+                 slot.hold_taps, &tap_bytes[slot.step], result->mutable_taps());
       } else {
         // Nobody reads taps of this sequence now (its drafter is gone or not EAGLE's).
         tap_backlog_.erase(slot.seq);

@@ -32,6 +32,10 @@ struct VerifyLoopOptions {
   // (kMaxMessageBytes). A sequence's rows past it are held and sent, in order, ahead of its
   // taps in its next replies.
   int64_t max_tap_bytes_per_reply = 0;
+  // Bytes of taps (fp32 rows, host) the service holds per sequence for steps with hold_taps
+  // (plain steps of an EAGLE sequence). Past it the older half is dropped: the drafter then
+  // gets rows that start after a gap and its head restarts from them (docs/eagle.md).
+  int64_t max_held_tap_bytes = int64_t{16} << 20;
   // Once one stream's step is queued, how long the loop may wait for the steps of the other
   // active streams (other routers) so that they verify in one batch: at most the recent step
   // time, never when one stream alone is active (StepQueue::Pop). Zero: never wait.
@@ -59,6 +63,7 @@ class VerifyLoop final
     int64_t seq = 0;                                    // model-side id
     bool created = false;                               // AddSequence ran in this batch
     v1::TensorDtype tap_dtype = v1::TENSOR_DTYPE_BF16;  // of the taps it asked for, if any
+    bool hold_taps = false;  // keep its taps in tap_backlog_ (VerifySequenceStep.hold_taps)
   };
 
   std::vector<v1::VerifyStepResponse> RunSteps(const VerifyStepQueue::Batch& batch) override;
@@ -75,12 +80,14 @@ class VerifyLoop final
   // Frees the model state and the history of a sequence the table no longer holds.
   void Forget(int64_t seq);
   // Puts the taps of a sequence's step (`taps`: [rows, layers x hidden] fp32, committed rows
-  // from first_position on) behind the rows it still holds for it, and writes to `out` as many
-  // of them, oldest first, as `*reply_bytes` leaves room for under the reply's budget (adding
-  // them to it); the rest wait for its next reply.
+  // from first_position on) behind the rows it still holds for it. Unless `hold`, then sends
+  // them (SendHeld); with `hold` they stay, up to max_held_tap_bytes.
   void SendTaps(int64_t seq, const std::vector<int>& layers, v1::TensorDtype dtype,
-                const std::vector<float>& taps, int64_t first_position, int64_t* reply_bytes,
-                v1::HiddenStates* out);
+                const std::vector<float>& taps, int64_t first_position, bool hold,
+                int64_t* reply_bytes, v1::HiddenStates* out);
+  // Writes to `out` as many of the rows held for `seq`, oldest first, as `*reply_bytes` leaves
+  // room for under the reply's budget (adding them to it); the rest wait for its next reply.
+  void SendHeld(int64_t seq, int64_t* reply_bytes, v1::HiddenStates* out);
 
   std::unique_ptr<Backend> backend_;
   VerifyLoopOptions options_;

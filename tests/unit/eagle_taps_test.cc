@@ -92,6 +92,42 @@ TEST(EagleTapsTest, PrefillTapsMatchTheReference) {
   }
 }
 
+// Tap num_layers + 1 (FinalNormTap) is the final norm's output, the hidden state the LM head
+// reads: EAGLE-1/2's feature, against the reference's final_hidden.
+TEST(EagleTapsTest, TheFinalNormTapIsWhatTheLmHeadReads) {
+  std::unique_ptr<Backend> target = LoadTarget();
+  ASSERT_NE(target, nullptr);
+  const int final_tap = FinalNormTap(target->config().num_layers);
+  const std::vector<int32_t> ids = Ids();
+  absl::StatusOr<std::unique_ptr<TensorStore>> store =
+      TensorStore::OpenFolder(FixtureDir().string());
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::vector<float> want(16 * kHidden);
+  ASSERT_TRUE((*store)->ReadF32("final_hidden", {16, kHidden}, want.data()).ok());
+  ASSERT_TRUE(target->AddSequence(1).ok());
+  absl::StatusOr<VerifyOutcome> o = Step(target.get(), 1, ids, {}, {final_tap, kTaps[0]});
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_EQ(o->taps.size(), ids.size() * 2 * kHidden);
+  const std::vector<float> taps = OracleTaps();
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const absl::Span<const float> row = absl::MakeConstSpan(o->taps).subspan(t * 2 * kHidden);
+    EXPECT_LT(RelError(row.first(kHidden), std::vector<double>(want.begin() + t * kHidden,
+                                                               want.begin() + (t + 1) * kHidden)),
+              1e-5)
+        << "token " << t;
+    // Beside a residual tap, in the order asked.
+    EXPECT_LT(RelError(row.subspan(kHidden, kHidden),
+                       std::vector<double>(taps.begin() + t * 3 * kHidden,
+                                           taps.begin() + t * 3 * kHidden + kHidden)),
+              1e-5)
+        << "token " << t;
+  }
+  // One past it is refused, naming the field.
+  absl::StatusOr<VerifyOutcome> bad = Step(target.get(), 1, {ids[0]}, {}, {final_tap + 1});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("tap_layers"));
+}
+
 TEST(EagleTapsTest, VerifyStepTapsAreTheBitsOfAPrefillOfTheSamePath) {
   std::unique_ptr<Backend> target = LoadTarget();
   ASSERT_NE(target, nullptr);
@@ -165,7 +201,8 @@ TEST(EagleTapsTest, BadTapLayersAreInvalidArgument) {
   std::unique_ptr<Backend> target = LoadTarget();
   ASSERT_NE(target, nullptr);
   ASSERT_TRUE(target->AddSequence(1).ok());
-  for (const std::vector<int>& bad : {std::vector<int>{9}, {-1}, {2, 2}}) {
+  // 10: past the final-norm tap (9) of the 8-layer target.
+  for (const std::vector<int>& bad : {std::vector<int>{10}, {-1}, {2, 2}}) {
     absl::StatusOr<VerifyOutcome> o = Step(target.get(), 1, {1, 2}, {}, bad);
     ASSERT_FALSE(o.ok());
     EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
@@ -264,18 +301,28 @@ TEST_F(EagleDrafterTest, DraftsFromTheTargetTapsOnceTheyCoverTheSequence) {
   EXPECT_FALSE((*t)[0].empty());
 }
 
-TEST_F(EagleDrafterTest, AGapInTheTapsGivesEmptyTreesAndBadTapsAreRefused) {
+// Rows the verify service dropped (held past its bound) leave a gap after the head's pairs: the
+// head restarts from the rows after it, drafting what a head fed only those rows drafts.
+TEST_F(EagleDrafterTest, AGapInTheTapsRestartsTheHeadAfterItAndBadTapsAreRefused) {
   ASSERT_TRUE(drafter_->AddSequence(1).ok());
   const std::vector<int32_t> prompt(ids_.begin(), ids_.begin() + 13);
   absl::StatusOr<std::vector<TokenTree>> t = drafter_->Draft({Request(1, prompt, 0, 12)});
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_FALSE((*t)[0].empty());
   EXPECT_EQ(drafter_->committed(1), 12);
-  // Row 12 never arrives: the head cannot continue from its pairs.
-  t = drafter_->Draft({Request(1, {ids_[13], ids_[14]}, 13, 14)});
+  // Row 12 never arrives; rows 13 and 14 do.
+  t = drafter_->Draft({Request(1, {ids_[13], ids_[14], ids_[15]}, 13, 15)});
   ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_TRUE((*t)[0].empty());
-  EXPECT_EQ(drafter_->committed(1), 12);
+  ASSERT_FALSE((*t)[0].empty());
+  EXPECT_EQ(drafter_->committed(1), 15);
+  EXPECT_EQ(head_->CommittedLength(1).value_or(-1), 2);
+  EagleDrafter fresh(reference_.get());
+  ASSERT_TRUE(fresh.AddSequence(1).ok());
+  const std::vector<int32_t> history(ids_.begin(), ids_.begin() + 16);
+  absl::StatusOr<std::vector<TokenTree>> want = fresh.Draft({Request(1, history, 13, 15)});
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ((*t)[0].tokens, (*want)[0].tokens);
+  EXPECT_EQ((*t)[0].parents, (*want)[0].parents);
 
   DraftRequest bad = Request(1, {ids_[13]}, 0, 1);
   bad.taps.pop_back();
@@ -283,6 +330,36 @@ TEST_F(EagleDrafterTest, AGapInTheTapsGivesEmptyTreesAndBadTapsAreRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("taps"));
   EXPECT_FALSE(drafter_->Draft({bad}).ok());
+}
+
+// A sequence the router stopped drafting for a few steps (the verify service held their taps)
+// and drafts again: all the held rows and tokens at once give the tree that feeding them every
+// step gives.
+TEST_F(EagleDrafterTest, HeldTapsFedAtOnceDraftWhatTapsFedEveryStepDraft) {
+  EagleDrafter every(reference_.get());
+  const std::vector<int32_t> prompt(ids_.begin(), ids_.begin() + 9);
+  for (EagleDrafter* d : {drafter_.get(), &every}) {
+    ASSERT_TRUE(d->AddSequence(1).ok());
+    ASSERT_TRUE(d->Draft({Request(1, prompt, 0, 0)}).ok());
+    ASSERT_TRUE(d->Draft({Request(1, {ids_[9]}, 0, 9)}).ok());
+  }
+  absl::StatusOr<std::vector<TokenTree>> step;
+  for (int p = 10; p <= 15; ++p) {
+    step = every.Draft({Request(1, {ids_[p]}, p - 1, p)});
+    ASSERT_TRUE(step.ok()) << step.status();
+  }
+  const std::vector<int32_t> held(ids_.begin() + 10, ids_.begin() + 16);
+  absl::StatusOr<std::vector<TokenTree>> resumed = drafter_->Draft({Request(1, held, 9, 15)});
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(drafter_->committed(1), 15);
+  EXPECT_EQ(every.committed(1), 15);
+  ASSERT_FALSE((*resumed)[0].empty());
+  EXPECT_EQ((*resumed)[0].tokens, (*step)[0].tokens);
+  EXPECT_EQ((*resumed)[0].parents, (*step)[0].parents);
+  ASSERT_EQ((*resumed)[0].draft_logprobs.size(), (*step)[0].draft_logprobs.size());
+  for (size_t i = 0; i < (*step)[0].draft_logprobs.size(); ++i) {
+    EXPECT_NEAR((*resumed)[0].draft_logprobs[i], (*step)[0].draft_logprobs[i], 1e-4) << i;
+  }
 }
 
 // A draft service that takes a running sequence over (it was restarted): the whole history, and

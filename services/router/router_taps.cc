@@ -1,0 +1,61 @@
+// RouterLoop's catch-up of EAGLE taps held in the verify service (FetchHeldTaps): a sequence
+// the policy does not draft asks the verify service to hold its taps (VerifyStep sets
+// hold_taps), and when the policy drafts it again one verify round trip brings them, so that
+// its drafter is fed every pair up to the last token before it drafts.
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "common/service/hidden_states_proto.h"
+#include "services/router/router_loop.h"
+#include "services/router/router_sequence.h"
+#include "services/router/upstream.h"
+
+namespace specd {
+
+void RouterLoop::FetchHeldTaps() {
+  for (const auto& d : Drafts()) d->catch_up_seconds = 0;
+  const uint64_t epoch = verify_->epoch();
+  v1::VerifyStepRequest request;
+  absl::flat_hash_map<uint64_t, Sequence*> by_id;
+  for (auto& s : running_) {
+    Sequence& seq = *s;
+    // Only sequences the verify service holds on this stream (after a reconnect it replays
+    // them, and their taps come again from position 0) and whose draft step goes out now.
+    if (!seq.taps_held || seq.spec != v1::SPECULATION_EAGLE3 || seq.core->planned().none() ||
+        seq.draft == nullptr || !seq.draft->up || seq.draft_failed ||
+        seq.draft->in_flight != nullptr || seq.verify_epoch != epoch) {
+      continue;
+    }
+    request.add_send_held_taps(seq.id);
+    by_id[seq.id] = &seq;
+  }
+  if (by_id.empty()) return;
+  request.set_step_id(next_step_++);
+  v1::VerifyStepResponse response;
+  const absl::Time start = absl::Now();
+  const absl::Status status = verify_->RoundTrip(request, &response, epoch);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  metrics_->CountWait("verify", seconds);
+  metrics_->CountBusy("verify", seconds);
+  if (!status.ok()) {
+    // The verify step that follows meets the same stream and fails or replays the sequences;
+    // until their taps arrive their drafter proposes nothing (lossless).
+    SPECD_LOG(WARNING) << "fetching held EAGLE taps: " << status.message();
+    return;
+  }
+  for (const v1::HeldTaps& held : response.held_taps()) {
+    auto it = by_id.find(held.seq_id());
+    if (it == by_id.end()) continue;
+    Sequence& seq = *it->second;
+    AppendHiddenStates(held.taps(), &seq.taps);
+    metrics_->eagle_held_taps_fetched.Increment(held.taps().tokens());
+    seq.taps_held = false;
+    seq.draft->catch_up_seconds = seconds;
+  }
+}
+
+}  // namespace specd
