@@ -353,8 +353,7 @@ double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch
 }
 
 void CostModel::ObservePreDraft(int drafting, int levels, int nodes, double seconds) {
-  // Against the unmeasured draft prior scaled down, the ratio would be that scale's inverse,
-  // kept long after the draft's own cost is measured.
+  // Against the scaled-down draft prior the ratio would stick at that scale's inverse.
   const double predicted = DraftSeconds(drafting, levels, nodes);
   const bool scaled = !level_measured_ && options_->unmeasured_draft_scale != 1.0;
   if (!options_->measure_costs || scaled || predicted <= 0 || seconds <= 0) return;
@@ -910,12 +909,10 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       static_cast<double>(n - 1) / costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
   // What catch-ups fed beside verify may take: the step's verify without trees, less the ingest
   // call's own round trip (a one-token draft call's).
-  double ingest_room = 0;
-  {
-    int pending = 0;
-    for (const PolicySequence& s : batch) pending += s.pending;
-    ingest_room = costs_.VerifySeconds(static_cast<int>(n), pending) - costs_.DraftSeconds(1, 1, 1);
-  }
+  int pending_tokens = 0;
+  for (const PolicySequence& s : batch) pending_tokens += s.pending;
+  double ingest_room =
+      costs_.VerifySeconds(static_cast<int>(n), pending_tokens) - costs_.DraftSeconds(1, 1, 1);
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     out.shapes[i] = clamped(i)[choice[i]];
