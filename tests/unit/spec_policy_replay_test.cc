@@ -357,7 +357,8 @@ void ExpectAutoNearBest(const Device& device, std::initializer_list<double> rate
       const SimResult chain4 = Simulate(device, c, total, 128, false, SpecShape{4, 1, 4}, p);
       const SimResult tree16 = Simulate(device, c, total, 128, false, SpecShape{5, 4, 16}, p);
       const SimResult autop = Simulate(device, c, total, 128, true, SpecShape(), p);
-      const SimResult in_call = Simulate(device, c, total, 128, true, SpecShape(), p, Overlap::kOff, false);
+      const SimResult in_call =
+          Simulate(device, c, total, 128, true, SpecShape(), p, Overlap::kOff, false);
       const double best = std::max({off.tokens_per_s, chain4.tokens_per_s, tree16.tokens_per_s});
       std::printf(
           "p=%.2f c=%d: off %.0f, chain4 %.2fx, tree16 %.2fx, auto %.4fx (drafted %.2f; catch-ups "
