@@ -174,10 +174,10 @@ TEST(EagleHeadTest, TheReferenceHeadLoads) {
   const EagleHeadConfig& c = (*head)->config();
   EXPECT_EQ(c.kind, EagleKind::kEagle3);
   EXPECT_EQ(c.taps, (std::vector<int>{1, 2, 4}));
-  EXPECT_EQ(c.draft_vocab_size, 2048);
+  EXPECT_EQ(c.draft_vocab_size, 8192);
   EXPECT_EQ((*head)->context_length(), 1024);
   const absl::Span<const int32_t> d2t = (*head)->draft_to_target();
-  ASSERT_EQ(d2t.size(), 2048u);
+  ASSERT_EQ(d2t.size(), 8192u);
   for (size_t i = 1; i < d2t.size(); ++i) ASSERT_LT(d2t[i - 1], d2t[i]);
   ASSERT_TRUE((*head)->AddSequence(1).ok());
   std::vector<float> feats(4 * c.feature_size(), 0.1f);
@@ -189,7 +189,7 @@ TEST(EagleHeadTest, TheReferenceHeadLoads) {
   item.output_rows = {3};
   EagleHeadOutputs out;
   ASSERT_TRUE((*head)->Forward({item}, &out).ok());
-  EXPECT_EQ(out.logits.size(), 2048u);
+  EXPECT_EQ(out.logits.size(), 8192u);
   EXPECT_EQ(out.hidden.size(), 320u);
 }
 
