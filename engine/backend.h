@@ -108,6 +108,12 @@ struct VerifyFeatures {
   bool final_norm_tap = false;
 };
 
+// The largest tap id a backend with `features` exports for a `num_layers`-layer model:
+// FinalNormTap(num_layers) where it exports the final norm's output, else num_layers.
+inline int MaxTapLayer(const VerifyFeatures& features, int num_layers) {
+  return features.final_norm_tap ? FinalNormTap(num_layers) : num_layers;
+}
+
 struct KvUsage {
   int64_t used_tokens = 0;
   int64_t capacity_tokens = 0;

@@ -54,6 +54,7 @@ VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
   capacity_summary_ =
       KvCapacityLine(usage.capacity_tokens, config.max_position_embeddings, options.max_sequences);
   info_.set_supports_taps(features.taps);
+  if (features.taps) info_.set_max_tap_layer(MaxTapLayer(features, backend_->config().num_layers));
   Start();
 }
 
@@ -198,12 +199,15 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
       return absl::InvalidArgumentError(absl::StrCat(where, ".tap_layers: ", step.tap_layers_size(),
                                                      " layers, at most ", kMaxTapLayers));
     }
+    const int max_tap = MaxTapLayer(backend_->verify_features(), config.num_layers);
     for (int i = 0; i < step.tap_layers_size(); ++i) {
       const int layer = step.tap_layers(i);
-      if (layer < 0 || layer > config.num_layers) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ".tap_layers[", i, "]: ", layer,
-                                                       " is not a layer input in [0, ",
-                                                       config.num_layers, "]"));
+      if (layer < 0 || layer > max_tap) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".tap_layers[", i, "]: ", layer, " is not a tap in [0, ", max_tap, "]",
+            max_tap == config.num_layers
+                ? " (this backend does not export the final norm's output, tap num_layers + 1)"
+                : ""));
       }
       for (int j = 0; j < i; ++j) {
         if (step.tap_layers(j) == layer) {
