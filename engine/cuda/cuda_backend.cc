@@ -272,9 +272,9 @@ absl::Status CudaBackend::CheckForwardWithTaps(absl::Span<const int> tap_layers,
   if (!tap_layers.empty() && taps == nullptr) return absl::InvalidArgumentError("taps is null");
   for (size_t i = 0; i < tap_layers.size(); ++i) {
     const int layer = tap_layers[i];
-    if (layer < 0 || layer > num_layers) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tap_layers[", i, "]: ", layer, " is not in [0, ", num_layers, "]"));
+    if (layer < 0 || layer > FinalNormTap(num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tap_layers[", i, "]: ", layer, " is not in [0, ", FinalNormTap(num_layers), "]"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (tap_layers[j] == layer) {

@@ -120,7 +120,7 @@ class CudaBackend : public Backend {
                                std::vector<float>* taps) override;
   // The argument checks of ForwardWithTaps() (here and in the tensor-parallel group): `logits`
   // not null, `taps` not null when layers are asked for, the layers distinct and in
-  // [0, num_layers] (INVALID_ARGUMENT naming tap_layers).
+  // [0, FinalNormTap(num_layers)] (INVALID_ARGUMENT naming tap_layers).
   static absl::Status CheckForwardWithTaps(absl::Span<const int> tap_layers, int num_layers,
                                            const std::vector<float>* logits,
                                            const std::vector<float>* taps);
@@ -131,9 +131,11 @@ class CudaBackend : public Backend {
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
   // Taps: the device path copies the union of the items' tap layers on the device during the
   // step and, after acceptance, only the committed rows (pending tokens, accepted nodes) to the
-  // host; the host path takes them from ForwardWithTaps().
+  // host; the host path takes them from ForwardWithTaps(). FinalNormTap is the final norm's
+  // bf16 output (what the LM head reads) widened to fp32.
   VerifyFeatures verify_features() const override {
-    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true};
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true,
+            /*final_norm_tap=*/true};
   }
 
   // A rank of a tensor-parallel group (created with a CudaTpRank) keeps no sequences:

@@ -2,14 +2,16 @@
 // and of the tensor-parallel CUDA backend at TP=2, against the fp32 CPU backend on the same
 // random bf16 checkpoint, within bf16 tolerance:
 //  - ForwardWithTaps of a prefill chain and of a tree, two sequences a step, layers asked for out
-//    of order (and the last layer's output, id num_layers);
+//    of order (and the last layer's output, id num_layers, and the final norm's output,
+//    FinalNormTap = num_layers + 1, an EAGLE-1/2 head's feature: the bf16 rows the LM head reads,
+//    against the CPU's fp32 ones);
 //  - Verify() steps (prefill through Verify, then trees holding the backend's own greedy path
 //    beside wrong siblings, repeated so that the tree bucket's CUDA graph is captured and
 //    replayed): each sequence's taps are the rows of exactly the tokens the step committed (the
 //    pending tokens, then the accepted nodes), compared with the CPU's taps of a plain chain of
-//    those tokens; sequences in one batch ask for different layers or none; one sequence has a
-//    logits processor and so takes the host acceptance path (VerifySplit) over the device
-//    ForwardWithTaps.
+//    those tokens; sequences in one batch ask for different layers or none (one for the final
+//    norm's output alone, as an EAGLE-1/2 drafter does); one sequence has a logits processor and
+//    so takes the host acceptance path (VerifySplit) over the device ForwardWithTaps.
 // TP=2 is skipped on a host with fewer than two GPUs.
 #include <cstdio>
 #include <memory>
@@ -38,6 +40,7 @@ constexpr int kVocab = 320;
 // compounded over four layers of weights at init_std 0.15 reaches a few percent (the logits of
 // the same forward as much), while a wrong row, layer or position is off by order one.
 constexpr double kTapTol = 5e-2;
+constexpr int kFinalNorm = kLayers + 1;  // FinalNormTap(kLayers)
 
 RandomCheckpointSpec Spec() {
   RandomCheckpointSpec s;
@@ -98,9 +101,12 @@ class CudaEagleTapsTest : public gpu_test::GpuTest, public ::testing::WithParamI
 
 TEST_P(CudaEagleTapsTest, ForwardWithTapsMatchesCpu) {
   ASSERT_TRUE(cuda_->verify_features().taps);
+  ASSERT_TRUE(cuda_->verify_features().final_norm_tap);
+  ASSERT_EQ(FinalNormTap(kLayers), kFinalNorm);
   std::mt19937_64 rng(11);
   const std::vector<int32_t> a = RandomTokens(37, kVocab, rng), b = RandomTokens(9, kVocab, rng);
-  const std::vector<int> layers = {kLayers, 0, 2};  // not sorted; kLayers: pre-final-norm
+  // Not sorted; kLayers: the last layer's output before the final norm, kFinalNorm after it.
+  const std::vector<int> layers = {kLayers, 0, kFinalNorm, 2};
   const int64_t width = static_cast<int64_t>(layers.size()) * kHidden;
   std::vector<Backend*> both = {cpu_.get(), cuda_.get()};
   std::vector<std::vector<float>> logits(2), taps(2);
@@ -146,7 +152,9 @@ TEST_P(CudaEagleTapsTest, ForwardWithTapsMatchesCpu) {
   absl::Status s = cuda_->ForwardWithTaps(one, {1, 1}, &lg, &tp);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("tap_layers"), std::string::npos) << s;
-  s = cuda_->ForwardWithTaps(one, {kLayers + 1}, &lg, &tp);
+  s = cuda_->ForwardWithTaps(one, {kFinalNorm + 1}, &lg, &tp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = cuda_->ForwardWithTaps(one, {-1}, &lg, &tp);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   s = cuda_->ForwardWithTaps(one, {1}, &lg, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -155,9 +163,11 @@ TEST_P(CudaEagleTapsTest, ForwardWithTapsMatchesCpu) {
 
 TEST_P(CudaEagleTapsTest, VerifyTapsAreTheCommittedTokensRows) {
   std::mt19937_64 rng(5);
-  // Sequence 1 asks for three layers, 2 for one, 3 for none; 4 has a repetition penalty (the
-  // host acceptance path) and asks for two.
-  const std::vector<std::vector<int>> want = {{1, 2, kLayers}, {2}, {}, {kLayers, 1}};
+  // Sequence 1 asks for three layers, 2 for the final norm's output alone (an EAGLE-1/2
+  // drafter), 3 for none; 4 has a repetition penalty (the host acceptance path) and asks for
+  // three, the final norm's output among them.
+  const std::vector<std::vector<int>> want = {
+      {1, 2, kLayers}, {kFinalNorm}, {}, {kLayers, kFinalNorm, 1}};
   const int n = static_cast<int>(want.size());
   std::vector<std::vector<int32_t>> prompt(n), pending(n);
   std::vector<TokenHistory> history(n);
