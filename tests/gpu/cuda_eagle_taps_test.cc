@@ -12,6 +12,9 @@
 //    those tokens; sequences in one batch ask for different layers or none (one for the final
 //    norm's output alone, as an EAGLE-1/2 drafter does); one sequence has a logits processor and
 //    so takes the host acceptance path (VerifySplit) over the device ForwardWithTaps.
+//  - held taps (VerifyItem::hold_tap_rows): a sequence whose steps hold their rows on the device
+//    gets back from TakeHeldTaps() the rows a twin sequence in the same batches was returned
+//    step by step; past its bound the older half is gone; RemoveSequence() drops them.
 // TP=2 is skipped on a host with fewer than two GPUs.
 #include <cstdio>
 #include <memory>
@@ -241,6 +244,87 @@ TEST_P(CudaEagleTapsTest, VerifyTapsAreTheCommittedTokensRows) {
               static_cast<long long>(after.graph_replays - before.graph_replays),
               static_cast<long long>(after.eager_steps - before.eager_steps));
   EXPECT_GT(after.graph_replays, before.graph_replays);
+}
+
+TEST_P(CudaEagleTapsTest, HeldTapsAreTheRowsTheStepsWouldHaveReturned) {
+  ASSERT_TRUE(cuda_->verify_features().held_taps);
+  std::mt19937_64 rng(23);
+  const std::vector<int> layers = {1, kFinalNorm};
+  const int64_t width = static_cast<int64_t>(layers.size()) * kHidden;
+  const std::vector<int32_t> prompt = RandomTokens(14, kVocab, rng);
+  const std::vector<int32_t> long_prompt = RandomTokens(20, kVocab, rng);
+  const std::vector<int32_t> greedy = testutil::Greedy(*cuda_, 100, prompt, 16);
+  // 1 holds its rows (bound far off), 2 is its twin whose rows come back every step, 3 holds
+  // with a bound of 8 rows, 4 holds and is removed.
+  for (SeqId s : {1, 2, 3, 4}) ASSERT_TRUE(cuda_->AddSequence(s).ok());
+  std::vector<float> returned;  // sequence 2's rows, step after step
+  std::vector<int32_t> pending = prompt;
+  int done = 0, accepted = 0;
+  for (int step = 0; step < 5; ++step) {
+    std::vector<VerifyItem> items(2);
+    for (int i = 0; i < 2; ++i) {
+      items[i].seq = i + 1;
+      items[i].pending = pending;
+      items[i].tap_layers = layers;
+      if (step > 0) {
+        const auto g = [&](int j) { return greedy[std::min(done + j, 15)]; };
+        items[i].tree.tokens = {g(0), (g(0) + 1) % kVocab, g(1)};
+        items[i].tree.parents = {-1, -1, 0};
+      }
+    }
+    items[0].hold_tap_rows = 1000;
+    if (step == 0) {
+      for (SeqId s : {3, 4}) {
+        VerifyItem& it = items.emplace_back();
+        it.seq = s;
+        it.pending = long_prompt;
+        it.tap_layers = layers;
+        it.hold_tap_rows = 8;
+      }
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> out = cuda_->Verify(items);
+    ASSERT_TRUE(out.ok()) << "step " << step << ": " << out.status();
+    EXPECT_EQ((*out)[0].tokens, (*out)[1].tokens) << "step " << step;
+    EXPECT_TRUE((*out)[0].taps.empty()) << "step " << step << ": held rows were returned";
+    ASSERT_FALSE((*out)[1].taps.empty());
+    returned.insert(returned.end(), (*out)[1].taps.begin(), (*out)[1].taps.end());
+    accepted += (*out)[1].accepted_draft;
+    if (step > 0) done += (*out)[1].accepted_draft;
+    done += 1;
+    pending = {(*out)[1].tokens.back()};
+  }
+  EXPECT_GT(accepted, 0);
+  absl::StatusOr<HeldTapRows> held = cuda_->TakeHeldTaps(1);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->first_position, 0);
+  EXPECT_EQ(held->layers, layers);
+  ASSERT_EQ(held->rows.size(), returned.size());
+  // The same tokens at the same positions in the same batches: the same rows.
+  const ::testing::AssertionResult same = RowsClose(held->rows, returned, kHidden, 1e-5);
+  EXPECT_TRUE(same);
+  std::printf("TP=%d held rows against returned ones (%zu rows): %s, bitwise %s\n", GetParam(),
+              returned.size() / width, same.message(),
+              held->rows == returned ? "equal" : "different");
+  held = cuda_->TakeHeldTaps(1);  // taken: nothing left
+  ASSERT_TRUE(held.ok());
+  EXPECT_TRUE(held->rows.empty());
+
+  // 20 rows held under a bound of 8: the newest 4 stay, from position 16.
+  held = cuda_->TakeHeldTaps(3);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->first_position, 16);
+  ASSERT_EQ(static_cast<int64_t>(held->rows.size()), 4 * width);
+  ASSERT_TRUE(cpu_->AddSequence(3).ok());
+  const std::vector<float> ref = CpuChainTaps(3, long_prompt, layers);
+  ASSERT_EQ(static_cast<int64_t>(ref.size()), 20 * width);
+  EXPECT_TRUE(RowsClose(held->rows, std::vector<float>(ref.begin() + 16 * width, ref.end()),
+                        kHidden, kTapTol));
+
+  // Removing a sequence drops its rows.
+  ASSERT_TRUE(cuda_->RemoveSequence(4).ok());
+  held = cuda_->TakeHeldTaps(4);
+  ASSERT_TRUE(held.ok());
+  EXPECT_TRUE(held->rows.empty());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tp, CudaEagleTapsTest, ::testing::Values(1, 2),
