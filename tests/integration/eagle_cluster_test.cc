@@ -4,10 +4,13 @@
 // beside the standalone draft model, and specd-router, as processes on loopback. The verify
 // service returns the target's taps for EAGLE sequences, the router relays them, the draft
 // service's EAGLE drafter grows trees from them; the output must be what target-only decoding
-// gives.
+// gives. On a GPU host, SPECD_TEST_VERIFY_ARGS / SPECD_TEST_DRAFT_ARGS (space-separated flags,
+// e.g. --device=cuda:0) run the same tests with CUDA services: the CUDA backend's taps, its
+// final-norm tap and its device-held taps end to end.
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "specd/v1/draft.grpc.pb.h"
@@ -25,6 +29,15 @@
 
 namespace specd {
 namespace {
+
+// The space-separated flags in environment variable `name`, if set.
+std::vector<std::string> ExtraArgs(const char* name) {
+  std::vector<std::string> out;
+  if (const char* extra = std::getenv(name); extra != nullptr) {
+    for (absl::string_view a : absl::StrSplit(extra, ' ', absl::SkipEmpty())) out.emplace_back(a);
+  }
+  return out;
+}
 
 struct Result {
   grpc::Status status;
@@ -51,10 +64,12 @@ class Cluster {
          "--model=" + models + "/pycoder-draft", "--eagle_head=" + eagle_head,
          "--eagle_target=" + target, "--num_threads=1"},
         draft_address};
+    for (std::string& a : ExtraArgs("SPECD_TEST_DRAFT_ARGS")) c->draft_options.args.push_back(a);
     std::vector<std::string> verify_args = {"--address=" + verify_address,
                                             absl::StrCat("--metrics_port=", PickFreePort()),
                                             "--model=" + target, "--num_threads=1"};
     verify_args.insert(verify_args.end(), verify_flags.begin(), verify_flags.end());
+    for (std::string& a : ExtraArgs("SPECD_TEST_VERIFY_ARGS")) verify_args.push_back(a);
     const std::vector<ServiceProcessOptions> all = {
         {SpecdBinary("specd-verify"), verify_args, verify_address},
         c->draft_options,
