@@ -14,6 +14,11 @@
 //       [--tp N] [--custom_bytes B] [--graphs both|on|off] [--profile NODES]
 //       [--phases 1] [--trace NODES] [--trace_csv PREFIX]
 //       [--prefill N1,N2,..] [--prefill_batch B1,B2,..] [--prefill_trace 1]
+//       [--taps send,hold] [--tap_layers L1,L2,..]
+// --taps adds rows of verify steps that export EAGLE taps (--tap_layers, default the final
+// norm's output, num_layers + 1): `send` copies the committed rows to the host after the
+// acceptance round trip, as steps that draft do; `hold` keeps them on the device
+// (VerifyItem::hold_tap_rows), as the verify service does for plain steps of EAGLE sequences.
 // --prefill adds a table of prompt prefills: B fresh sequences of N tokens each in one
 // Backend::Forward (the logits of each one's last token only, as the verify service's prefill
 // and the draft service's catch-up ask), timed on the host, against the compute floor
@@ -129,6 +134,10 @@ int Main(int argc, char **argv) {
   std::vector<int> prefill_lengths, prefill_batches = {1};
   bool prefill_trace = false;
   double peak_tflops = 989;
+  // --taps: verify steps that also export EAGLE taps (send: copied to the host after
+  // acceptance; hold: kept on the device, VerifyItem::hold_tap_rows), one row per mode.
+  std::vector<std::string> tap_modes = {""};
+  std::vector<int> tap_layers;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--model")
@@ -163,6 +172,10 @@ int Main(int argc, char **argv) {
       prefill_trace = value == "1";
     else if (flag == "--peak_tflops")
       peak_tflops = std::atof(value.c_str());
+    else if (flag == "--taps")
+      tap_modes = absl::StrSplit(value, ',', absl::SkipEmpty());
+    else if (flag == "--tap_layers")
+      tap_layers = Ints(value);
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -175,7 +188,7 @@ int Main(int argc, char **argv) {
                  "[--custom_bytes B] [--graphs both|on|off] [--profile NODES] "
                  "[--phases 1] [--trace NODES] [--trace_csv PREFIX] "
                  "[--prefill N,..] [--prefill_batch B,..] [--prefill_trace 1] "
-                 "[--peak_tflops T]\n");
+                 "[--peak_tflops T] [--taps send,hold] [--tap_layers L,..]\n");
     return 2;
   }
 #ifdef SPECD_HAVE_CUPTI
@@ -229,6 +242,14 @@ int Main(int argc, char **argv) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
   const ModelConfig &c = b.config();
+  for (const std::string &m : tap_modes) {
+    if (!m.empty() && m != "send" && m != "hold") {
+      std::fprintf(stderr, "--taps: send or hold, got %s\n", m.c_str());
+      return 2;
+    }
+  }
+  if (tap_layers.empty())
+    tap_layers = {FinalNormTap(c.num_layers)}; // an EAGLE-1/2 head's feature
   const double weight_bytes = 2.0 * static_cast<double>(c.ParameterCount());
   const double floor_ms = weight_bytes / tp / copy_bw * 1e3;
   std::printf("# %s: %s x%d (tensor parallel %d, all-reduce: %s), %.2f GB of "
@@ -348,84 +369,94 @@ int Main(int argc, char **argv) {
       std::vector<int> sizes = {0};
       sizes.insert(sizes.end(), trees.begin(), trees.end());
       for (int nodes : sizes) {
-        std::vector<double> ms;
-        // Per timed step: prepare, launch, wait, finish, device (µs).
-        std::vector<double> phase[5];
-        for (int r = 0; r < runs + 3; ++r) {
-          VerifyItem it;
-          it.seq = seq;
-          it.pending = {pending};
-          it.tree = Tree(nodes, c.vocab_size, rng);
-          const bool profiled = nodes == profile_nodes && r == runs + 2;
-          const bool traced = nodes == trace_nodes && r == runs + 2;
-          if (profiled)
-            cudaProfilerStart();
+        for (const std::string &tap_mode : tap_modes) {
+          const std::string shape =
+              tap_mode.empty() ? label : absl::StrCat(label, " taps ", tap_mode);
+          std::vector<double> ms;
+          // Per timed step: prepare, launch, wait, finish, device (µs).
+          std::vector<double> phase[5];
+          for (int r = 0; r < runs + 3; ++r) {
+            VerifyItem it;
+            it.seq = seq;
+            it.pending = {pending};
+            it.tree = Tree(nodes, c.vocab_size, rng);
+            if (!tap_mode.empty()) {
+              it.tap_layers = tap_layers;
+              it.hold_tap_rows = tap_mode == "hold" ? int64_t{1} << 20 : 0;
+            }
+            const bool profiled = nodes == profile_nodes && r == runs + 2;
+            const bool traced = nodes == trace_nodes && r == runs + 2;
+            if (profiled)
+              cudaProfilerStart();
 #ifdef SPECD_HAVE_CUPTI
-          const uint64_t trace_t0 = traced ? bench::KernelTrace::Now() : 0;
+            const uint64_t trace_t0 = traced ? bench::KernelTrace::Now() : 0;
 #endif
-          const auto s0 = std::chrono::steady_clock::now();
-          absl::StatusOr<std::vector<VerifyOutcome>> out = b.Verify({it});
-          if (profiled)
-            cudaProfilerStop();
+            const auto s0 = std::chrono::steady_clock::now();
+            absl::StatusOr<std::vector<VerifyOutcome>> out = b.Verify({it});
+            if (profiled)
+              cudaProfilerStop();
 #ifdef SPECD_HAVE_CUPTI
-          if (traced) {
-            // Verify returns once the outcomes are on the host: every kernel of the step has
-            // started (and ended) before this.
-            const std::vector<bench::KernelTrace::Kernel> ks =
-                trace.Window(trace_t0, bench::KernelTrace::Now());
-            const std::string name =
-                absl::StrCat(graphs ? "graphs" : "eager", " ",
-                             nodes == 0 ? "decode" : absl::StrCat(nodes, " nodes"),
-                             " context ", context);
-            bench::KernelTrace::Summarize(name, ks, stdout);
-            if (!trace_csv.empty()) {
-              const std::string path =
-                  absl::StrCat(trace_csv, graphs ? "graphs" : "eager", "_", nodes, "_",
-                               context, ".csv");
-              if (absl::Status s = bench::KernelTrace::WriteCsv(ks, path); !s.ok())
-                std::fprintf(stderr, "--trace_csv: %s\n", s.ToString().c_str());
+            if (traced) {
+              // Verify returns once the outcomes are on the host: every kernel of the step has
+              // started (and ended) before this.
+              const std::vector<bench::KernelTrace::Kernel> ks =
+                  trace.Window(trace_t0, bench::KernelTrace::Now());
+              const std::string name =
+                  absl::StrCat(graphs ? "graphs" : "eager", " ",
+                               nodes == 0 ? "decode" : absl::StrCat(nodes, " nodes"),
+                               " context ", context);
+              bench::KernelTrace::Summarize(name, ks, stdout);
+              if (!trace_csv.empty()) {
+                const std::string path =
+                    absl::StrCat(trace_csv, graphs ? "graphs" : "eager", "_", nodes, "_",
+                                 context, ".csv");
+                if (absl::Status s = bench::KernelTrace::WriteCsv(ks, path); !s.ok())
+                  std::fprintf(stderr, "--trace_csv: %s\n", s.ToString().c_str());
+              }
+            }
+#else
+            (void)traced;
+#endif
+            const double dt = std::chrono::duration<double, std::milli>(
+                                  std::chrono::steady_clock::now() - s0)
+                                  .count();
+            if (!out.ok()) {
+              std::fprintf(stderr, "verify: %s\n",
+                           out.status().ToString().c_str());
+              return 1;
+            }
+            pending = (*out)[0].tokens.back();
+            if (r >= 3)
+              ms.push_back(dt);
+            if (r >= 3 && phases && one != nullptr) {
+              const CudaBackend::VerifyPhases &v = one->last_verify_phases();
+              const double values[5] = {v.prepare_us, v.launch_us, v.wait_us,
+                                        v.finish_us, v.device_us};
+              for (int i = 0; i < 5; ++i)
+                phase[i].push_back(values[i]);
             }
           }
-#else
-          (void)traced;
-#endif
-          const double dt = std::chrono::duration<double, std::milli>(
-                                std::chrono::steady_clock::now() - s0)
-                                .count();
-          if (!out.ok()) {
-            std::fprintf(stderr, "verify: %s\n",
-                         out.status().ToString().c_str());
-            return 1;
+          const double med = Median(ms);
+          std::printf("| %s | %d | %s | %d | %s | %.3f | %.4f | %.2fx |\n",
+                      shape.c_str(), tp, graphs ? "on" : "off", context,
+                      nodes == 0 ? "decode" : std::to_string(nodes).c_str(), med,
+                      med / std::max(1, c.num_layers), med / floor_ms);
+          if (!phase[0].empty()) {
+            // Wall time the device does not account for: host work before the
+            // upload and after the outcomes arrive, and the gaps between.
+            std::printf("# phases %s %s context %d, µs (median): prepare %.1f, "
+                        "launch %.1f, wait %.1f, finish %.1f; device %.1f; "
+                        "step %.1f\n",
+                        graphs ? "graphs" : "eager",
+                        nodes == 0 ? "decode" : (std::to_string(nodes) + " nodes").c_str(),
+                        context, Median(phase[0]), Median(phase[1]),
+                        Median(phase[2]), Median(phase[3]), Median(phase[4]),
+                        1e3 * med);
           }
-          pending = (*out)[0].tokens.back();
-          if (r >= 3)
-            ms.push_back(dt);
-          if (r >= 3 && phases && one != nullptr) {
-            const CudaBackend::VerifyPhases &v = one->last_verify_phases();
-            const double values[5] = {v.prepare_us, v.launch_us, v.wait_us,
-                                      v.finish_us, v.device_us};
-            for (int i = 0; i < 5; ++i)
-              phase[i].push_back(values[i]);
-          }
+          std::fflush(stdout);
+          if (tap_mode == "hold")
+            (void)b.TakeHeldTaps(seq); // drained outside the timed steps
         }
-        const double med = Median(ms);
-        std::printf("| %s | %d | %s | %d | %s | %.3f | %.4f | %.2fx |\n",
-                    label.c_str(), tp, graphs ? "on" : "off", context,
-                    nodes == 0 ? "decode" : std::to_string(nodes).c_str(), med,
-                    med / std::max(1, c.num_layers), med / floor_ms);
-        if (!phase[0].empty()) {
-          // Wall time the device does not account for: host work before the
-          // upload and after the outcomes arrive, and the gaps between.
-          std::printf("# phases %s %s context %d, µs (median): prepare %.1f, "
-                      "launch %.1f, wait %.1f, finish %.1f; device %.1f; "
-                      "step %.1f\n",
-                      graphs ? "graphs" : "eager",
-                      nodes == 0 ? "decode" : (std::to_string(nodes) + " nodes").c_str(),
-                      context, Median(phase[0]), Median(phase[1]),
-                      Median(phase[2]), Median(phase[3]), Median(phase[4]),
-                      1e3 * med);
-        }
-        std::fflush(stdout);
       }
     }
     (void)b.RemoveSequence(seq);

@@ -143,9 +143,7 @@ absl::StatusOr<int64_t> MakeVerifyForward(const Backend& backend, const VerifyIt
   }
   for (size_t i = 0; i < item.tap_layers.size(); ++i) {
     const int layer = item.tap_layers[i];
-    const int max_tap = backend.verify_features().final_norm_tap
-                            ? FinalNormTap(backend.config().num_layers)
-                            : backend.config().num_layers;
+    const int max_tap = MaxTapLayer(backend.verify_features(), backend.config().num_layers);
     if (layer < 0 || layer > max_tap) {
       return absl::InvalidArgumentError(absl::StrCat("verify item ", index, ": tap_layers[", i,
                                                      "]: ", layer, " is not in [0, ", max_tap,

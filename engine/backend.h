@@ -69,9 +69,26 @@ struct VerifyItem {
   // FinalNormTap: the final norm's output), in [0, num_layers + 1], at most kMaxTapLayers.
   // Empty: none (no cost).
   std::vector<int> tap_layers;
+  // With tap_layers, where VerifyFeatures::held_taps: > 0 keeps this step's committed rows in
+  // the backend (a CUDA backend: on the device), after the rows it holds for the sequence,
+  // instead of returning them, for TakeHeldTaps(); at most this many rows a sequence (past it
+  // the older half is dropped, so the rows taken then start later). A backend without room (or
+  // without the feature) returns them in VerifyOutcome::taps as usual and keeps what it held.
+  // Held rows that the step's rows do not continue (other layers, or a position gap) are
+  // dropped first.
+  int64_t hold_tap_rows = 0;
 };
 
 inline constexpr int kMaxTapLayers = 8;
+
+// Tap rows a backend held for a sequence (VerifyItem::hold_tap_rows), as TakeHeldTaps() hands
+// them over.
+struct HeldTapRows {
+  int64_t first_position = 0;  // the sequence position of the first row
+  std::vector<int> layers;     // the tap ids of each row, in the order they were asked for
+  // [rows, layers.size() * hidden_size] fp32, host; empty when nothing is held.
+  std::vector<float> rows;
+};
 
 // The tap id of the final norm's output, the hidden state the LM head reads: the feature an
 // EAGLE-1/2 head drafts from (EAGLE's own code feeds its head the base model's last hidden
@@ -106,7 +123,16 @@ struct VerifyFeatures {
   bool taps = false;  // VerifyItem::tap_layers
   // Taps may name FinalNormTap (the final norm's output) besides the layer inputs.
   bool final_norm_tap = false;
+  // VerifyItem::hold_tap_rows and TakeHeldTaps(): the backend keeps held rows where it
+  // computed them (the device), so a step whose taps nobody reads yet copies nothing out.
+  bool held_taps = false;
 };
+
+// The largest tap id a backend with `features` exports for a `num_layers`-layer model:
+// FinalNormTap(num_layers) where it exports the final norm's output, else num_layers.
+inline int MaxTapLayer(const VerifyFeatures& features, int num_layers) {
+  return features.final_norm_tap ? FinalNormTap(num_layers) : num_layers;
+}
 
 struct KvUsage {
   int64_t used_tokens = 0;
@@ -162,6 +188,11 @@ class Backend {
   // What Verify() honours. Nothing beyond the basic sampler unless a backend says so: one that
   // overrides Verify() without declaring more gets requests for the rest refused.
   virtual VerifyFeatures verify_features() const { return VerifyFeatures(); }
+
+  // The tap rows held for `seq` (VerifyItem::hold_tap_rows), moved out: the backend holds none
+  // of them afterwards. Empty rows when none are held (always, by default). RemoveSequence()
+  // drops them.
+  virtual absl::StatusOr<HeldTapRows> TakeHeldTaps(SeqId seq) { return HeldTapRows(); }
 
   // How the backend ran its steps so far. A step replayed from a captured CUDA graph costs a
   // fraction of one launched kernel by kernel, and a capture several steps' worth, so these say

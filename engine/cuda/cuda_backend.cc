@@ -211,7 +211,17 @@ absl::Status CudaBackend::AddSequence(SeqId seq) {
 
 absl::Status CudaBackend::RemoveSequence(SeqId seq) {
   SPECD_RETURN_IF_ERROR_(CheckOwnsTable());
+  DropHeldTaps(seq);
   return table_->RemoveSequence(seq);
+}
+
+absl::StatusOr<HeldTapRows> CudaBackend::TakeHeldTaps(SeqId seq) {
+  if (held_taps_ == nullptr) return HeldTapRows();
+  return held_taps_->Take(seq, forward_->stream());
+}
+
+void CudaBackend::DropHeldTaps(SeqId seq) {
+  if (held_taps_ != nullptr) held_taps_->Drop(seq, forward_->stream());
 }
 
 bool CudaBackend::HasSequence(SeqId seq) const {
@@ -272,9 +282,9 @@ absl::Status CudaBackend::CheckForwardWithTaps(absl::Span<const int> tap_layers,
   if (!tap_layers.empty() && taps == nullptr) return absl::InvalidArgumentError("taps is null");
   for (size_t i = 0; i < tap_layers.size(); ++i) {
     const int layer = tap_layers[i];
-    if (layer < 0 || layer > num_layers) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tap_layers[", i, "]: ", layer, " is not in [0, ", num_layers, "]"));
+    if (layer < 0 || layer > FinalNormTap(num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tap_layers[", i, "]: ", layer, " is not in [0, ", FinalNormTap(num_layers), "]"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (tap_layers[j] == layer) {
@@ -537,27 +547,43 @@ absl::Status CudaBackend::PrepareVerify(const Backend& backend, PagedKvTable* ta
 }
 
 absl::Status CudaBackend::ExportTaps(absl::Span<const VerifyItem> items, const CudaStep& step,
+                                     absl::Span<const int64_t> committed,
                                      std::vector<VerifyOutcome>* outcomes) {
   const std::vector<int>& all = step.tap_layers;
   const int64_t H = config_.hidden_size, width = static_cast<int64_t>(all.size()) * H;
   // The committed tokens' rows of every item that asks, in one pass of copies: its pending
-  // chain, then its accepted nodes (scratch index = token row offset in the item).
-  std::vector<int64_t> rows;
+  // chain, then its accepted nodes (scratch index = token row offset in the item). Rows an item
+  // holds stay on the device (stream-ordered before any later step overwrites the buffer).
+  std::vector<int64_t> rows, item_rows;
   std::vector<size_t> first(items.size());
   for (size_t b = 0; b < items.size(); ++b) {
     first[b] = rows.size();
     if (items[b].tap_layers.empty()) continue;
+    item_rows.clear();
     for (int32_t token :
          AcceptedScratchPath(static_cast<int>(items[b].pending.size()), (*outcomes)[b])) {
-      rows.push_back(step.item_token_begin[b] + token);
+      item_rows.push_back(step.item_token_begin[b] + token);
     }
+    if (items[b].hold_tap_rows > 0) {
+      if (held_taps_ == nullptr) {
+        held_taps_ = std::make_unique<DeviceHeldTaps>(device_, H, kMaxDeviceHeldTapBytes);
+      }
+      absl::StatusOr<bool> held =
+          held_taps_->Append(items[b].seq, committed[b], items[b].tap_layers, all,
+                             static_cast<const float*>(forward_->buffers().taps.ptr), item_rows,
+                             items[b].hold_tap_rows, forward_->stream());
+      if (!held.ok()) return held.status();
+      if (*held) continue;  // else no room: copied down with the others
+    }
+    rows.insert(rows.end(), item_rows.begin(), item_rows.end());
   }
+  if (rows.empty()) return absl::OkStatus();  // every item held its rows
   std::vector<float> host(rows.size() * width);
   SPECD_RETURN_IF_ERROR_(CopyTapRows(rows, width, host.data()));
   for (size_t b = 0; b < items.size(); ++b) {
     const std::vector<int>& want = items[b].tap_layers;
-    if (want.empty()) continue;
     const size_t n = (b + 1 < items.size() ? first[b + 1] : rows.size()) - first[b];
+    if (want.empty() || n == 0) continue;
     std::vector<float>& out = (*outcomes)[b].taps;
     out.resize(n * want.size() * H);
     float* dst = out.data();
@@ -764,7 +790,9 @@ absl::StatusOr<std::vector<VerifyOutcome>> CudaBackend::RunVerify(
       }
     }
   }
-  if (!step.tap_layers.empty()) SPECD_RETURN_IF_ERROR_(ExportTaps(items, step, &outcomes));
+  if (!step.tap_layers.empty()) {
+    SPECD_RETURN_IF_ERROR_(ExportTaps(items, step, committed, &outcomes));
+  }
   if (timing) {
     const auto us = [](auto a, auto b) {
       return std::chrono::duration<double, std::micro>(b - a).count();

@@ -69,6 +69,7 @@
 #include "engine/backend.h"
 #include "engine/cuda/cuda_forward.h"
 #include "engine/cuda/cuda_graph_cache.h"
+#include "engine/cuda/cuda_held_taps.h"
 #include "engine/cuda/cuda_step_plan.h"
 #include "engine/cuda/cuda_tuning.h"
 #include "engine/kv/paged_kv_table.h"
@@ -120,7 +121,7 @@ class CudaBackend : public Backend {
                                std::vector<float>* taps) override;
   // The argument checks of ForwardWithTaps() (here and in the tensor-parallel group): `logits`
   // not null, `taps` not null when layers are asked for, the layers distinct and in
-  // [0, num_layers] (INVALID_ARGUMENT naming tap_layers).
+  // [0, FinalNormTap(num_layers)] (INVALID_ARGUMENT naming tap_layers).
   static absl::Status CheckForwardWithTaps(absl::Span<const int> tap_layers, int num_layers,
                                            const std::vector<float>* logits,
                                            const std::vector<float>* taps);
@@ -131,10 +132,18 @@ class CudaBackend : public Backend {
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
   // Taps: the device path copies the union of the items' tap layers on the device during the
   // step and, after acceptance, only the committed rows (pending tokens, accepted nodes) to the
-  // host; the host path takes them from ForwardWithTaps().
+  // host; the host path takes them from ForwardWithTaps(). FinalNormTap is the final norm's
+  // bf16 output (what the LM head reads) widened to fp32. Items with hold_tap_rows leave their
+  // committed rows on the device instead (engine/cuda/cuda_held_taps.h), at most
+  // kMaxDeviceHeldTapBytes for all sequences together.
   VerifyFeatures verify_features() const override {
-    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true};
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true,
+            /*final_norm_tap=*/true, /*held_taps=*/true};
   }
+  absl::StatusOr<HeldTapRows> TakeHeldTaps(SeqId seq) override;
+  // Frees the rows held for `seq` (RemoveSequence() does; a group's does on its rank 0).
+  void DropHeldTaps(SeqId seq);
+  static constexpr int64_t kMaxDeviceHeldTapBytes = int64_t{256} << 20;
 
   // A rank of a tensor-parallel group (created with a CudaTpRank) keeps no sequences:
   // the group keeps one PagedKvTable for all ranks (MakeKvTable), lays out each step once and
@@ -226,7 +235,10 @@ class CudaBackend : public Backend {
   absl::Status EnsureHostOut(size_t count);
   // Fills the outcomes' taps of the items that ask for them from a run verify `step`'s taps
   // (its tap_layers: the sorted union of the items'): the committed rows only.
+  // Items with hold_tap_rows keep theirs on the device where there is room (held_taps_);
+  // `committed` is each item's committed length before the step.
   absl::Status ExportTaps(absl::Span<const VerifyItem> items, const CudaStep& step,
+                          absl::Span<const int64_t> committed,
                           std::vector<VerifyOutcome>* outcomes);
   // Copies token rows `rows` (ascending runs go in one copy each) of the last step's taps
   // ([step T, width] fp32, device) to `host` ([rows.size(), width] fp32), then waits for the
@@ -248,6 +260,8 @@ class CudaBackend : public Backend {
   // CUDA graphs, keyed by everything their launches take by value (CudaGraphKey).
   bool graphs_enabled_ = false;
   CudaGraphCache graphs_;
+  // Tap rows held for sequences whose taps nobody reads yet (created on first use).
+  std::unique_ptr<DeviceHeldTaps> held_taps_;
   // Pinned host memory: the verify outcomes or the top-k rows on their way down.
   int32_t* host_out_ = nullptr;
   size_t host_out_count_ = 0;

@@ -421,6 +421,19 @@ absl::Status CudaForward::Enqueue(const CudaStep& step) {
                                     c.num_layers == 0, weights_.final_norm(),
                                     c.num_layers == 0 ? cuda::DeadRows{} : act_rows));
   SPECD_RETURN_IF_ERROR_(capture(c.num_layers));  // the last layer's output, pre-norm
+  // FinalNormTap (an EAGLE-1/2 head's feature): the bf16 rows the LM head reads, widened. Whole
+  // on every rank: the norm ran on the all-reduced stream.
+  for (size_t i = 0; i < step.tap_layers.size(); ++i) {
+    if (step.tap_layers[i] != FinalNormTap(c.num_layers)) continue;
+    cuda::Bf16ToF32Params wp;
+    wp.src = normed;
+    wp.src_stride = H;
+    wp.dst = static_cast<float*>(buffers_.taps.ptr) + i * H;
+    wp.dst_stride = tap_width;
+    wp.rows = T;
+    wp.dim = H;
+    SPECD_CUDA_RETURN_(cuda::Bf16ToF32Cuda(wp, stream_), "copying the final norm tap");
+  }
   if (R == 0) return absl::OkStatus();
   SPECD_RETURN_IF_ERROR_(
       EnqueueGatherRows(step, meta, normed, H, static_cast<bf16*>(buffers_.last.ptr), stream_));

@@ -95,6 +95,7 @@ absl::StatusOr<std::unique_ptr<CudaTensorParallelBackend>> CudaTensorParallelBac
 absl::Status CudaTensorParallelBackend::AddSequence(SeqId seq) { return table_->AddSequence(seq); }
 
 absl::Status CudaTensorParallelBackend::RemoveSequence(SeqId seq) {
+  ranks_[0]->DropHeldTaps(seq);
   return table_->RemoveSequence(seq);
 }
 

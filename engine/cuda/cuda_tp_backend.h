@@ -71,8 +71,14 @@ class CudaTensorParallelBackend : public Backend {
   bool pads_rows() const override { return ranks_[0]->pads_rows(); }
   ExecutionCounts execution_counts() const override { return ranks_[0]->execution_counts(); }
   absl::StatusOr<std::vector<VerifyOutcome>> Verify(absl::Span<const VerifyItem> items) override;
+  // Rank 0 exports the taps, the final norm's output included (whole on every rank), and holds
+  // those of items with hold_tap_rows on its device.
   VerifyFeatures verify_features() const override {
-    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true};
+    return {/*logits_processors=*/true, /*logprobs=*/true, /*taps=*/true,
+            /*final_norm_tap=*/true, /*held_taps=*/true};
+  }
+  absl::StatusOr<HeldTapRows> TakeHeldTaps(SeqId seq) override {
+    return ranks_[0]->TakeHeldTaps(seq);
   }
 
  private:

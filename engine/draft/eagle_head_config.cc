@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/backend.h"
 #include "nlohmann/json.hpp"
 
 namespace specd {
@@ -14,8 +15,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kEagle3Architectures[] = {"LlamaForCausalLMEagle3",
-                                                "Eagle3LlamaForCausalLM"};
+constexpr const char* kEagle3Architectures[] = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"};
 constexpr const char* kTapKey = "specd_tap_layer_inputs";
 constexpr const char* kLayerIdsKey = "eagle_aux_hidden_state_layer_ids";
 
@@ -90,8 +90,8 @@ absl::StatusOr<std::vector<int>> ReadTaps(const json& j, const std::string& src,
   taps = sorted(taps);
   for (size_t i = 0; i < taps.size(); ++i) {
     if (taps[i] < 0 || taps[i] > layers) {
-      return Bad(src, absl::StrCat(what, ": tap ", taps[i], " is not a layer input of the ",
-                                   layers, "-layer target (0..", layers, ")"));
+      return Bad(src, absl::StrCat(what, ": tap ", taps[i], " is not a layer input of the ", layers,
+                                   "-layer target (0..", layers, ")"));
     }
     if (i > 0 && taps[i] == taps[i - 1]) {
       return Bad(src, absl::StrCat(what, ": taps [", absl::StrJoin(taps, ", "),
@@ -142,8 +142,8 @@ absl::StatusOr<EagleHeadConfig> ParseEagleHeadConfig(const std::string& json_tex
   }
   c.vocab_size = h.vocab_size;
   if (c.vocab_size != target.vocab_size) {
-    return Bad(src, absl::StrCat("vocab_size: the head has ", c.vocab_size,
-                                 " tokens, the target ", target.vocab_size));
+    return Bad(src, absl::StrCat("vocab_size: the head has ", c.vocab_size, " tokens, the target ",
+                                 target.vocab_size));
   }
   c.target_hidden_size = h.hidden_size;
   if (j.contains("target_hidden_size") && !j["target_hidden_size"].is_null()) {
@@ -153,9 +153,9 @@ absl::StatusOr<EagleHeadConfig> ParseEagleHeadConfig(const std::string& json_tex
     c.target_hidden_size = j["target_hidden_size"].get<int>();
   }
   if (c.target_hidden_size != target.hidden_size) {
-    return Bad(src, absl::StrCat("target_hidden_size (hidden_size when absent) is ",
-                                 c.target_hidden_size, ", the target's hidden_size is ",
-                                 target.hidden_size));
+    return Bad(
+        src, absl::StrCat("target_hidden_size (hidden_size when absent) is ", c.target_hidden_size,
+                          ", the target's hidden_size is ", target.hidden_size));
   }
   const bool has_taps = j.contains(kTapKey) ||
                         (j.contains("eagle_config") && j["eagle_config"].contains(kLayerIdsKey));
@@ -183,8 +183,9 @@ absl::StatusOr<EagleHeadConfig> ParseEagleHeadConfig(const std::string& json_tex
       absl::StatusOr<bool> aux = OptionalBool(j["eagle_config"], "use_aux_hidden_state", src, true);
       if (!aux.ok()) return aux.status();
       if (!*aux) {
-        return Bad(src, "eagle_config.use_aux_hidden_state: false (a head without fc over the "
-                        "taps) is not supported");
+        return Bad(src,
+                   "eagle_config.use_aux_hidden_state: false (a head without fc over the "
+                   "taps) is not supported");
       }
     }
     absl::StatusOr<std::vector<int>> taps = ReadTaps(j, src, target.num_layers);
@@ -195,14 +196,15 @@ absl::StatusOr<EagleHeadConfig> ParseEagleHeadConfig(const std::string& json_tex
     c.norm_before_residual = *nbr;
   } else {
     if (c.target_hidden_size != h.hidden_size) {
-      return Bad(src, absl::StrCat("target_hidden_size: an EAGLE-1/2 head's hidden_size (",
-                                   h.hidden_size, ") must be the target's (",
-                                   c.target_hidden_size, ")"));
+      return Bad(
+          src, absl::StrCat("target_hidden_size: an EAGLE-1/2 head's hidden_size (", h.hidden_size,
+                            ") must be the target's (", c.target_hidden_size, ")"));
     }
     if (j.contains("draft_vocab_size") && j["draft_vocab_size"] != c.vocab_size) {
-      return Bad(src, "draft_vocab_size: an EAGLE-1/2 head proposes from the target's "
-                      "vocabulary (a reduced vocabulary needs architectures "
-                      "[\"LlamaForCausalLMEagle3\"])");
+      return Bad(src,
+                 "draft_vocab_size: an EAGLE-1/2 head proposes from the target's "
+                 "vocabulary (a reduced vocabulary needs architectures "
+                 "[\"LlamaForCausalLMEagle3\"])");
     }
     if (has_taps) {
       return Bad(src, absl::StrCat(kTapKey, " / eagle_config.", kLayerIdsKey,
@@ -210,6 +212,7 @@ absl::StatusOr<EagleHeadConfig> ParseEagleHeadConfig(const std::string& json_tex
                                    "not name LlamaForCausalLMEagle3"));
     }
     c.draft_vocab_size = c.vocab_size;
+    c.taps = {FinalNormTap(target.num_layers)};
     absl::StatusOr<bool> bias = OptionalBool(j, "bias", src, true);
     if (!bias.ok()) return bias.status();
     c.fc_bias = *bias;

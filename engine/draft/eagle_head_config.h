@@ -50,7 +50,9 @@ struct EagleHeadConfig {
   int vocab_size = 0;          // the target's vocabulary: the ids the head reads and proposes
   int draft_vocab_size = 0;    // rows of the head's LM head; vocab_size for EAGLE-1/2
   int target_hidden_size = 0;  // Ht: the width of one tap (EAGLE-3's target_hidden_size)
-  // EAGLE-3: the three tap layer inputs, increasing. Empty for EAGLE-1/2.
+  // The taps the head reads, increasing, as the verify service is asked for them: EAGLE-3's
+  // three layer inputs; for EAGLE-1/2 the one tap FinalNormTap(N) (engine/backend.h), the
+  // target's final norm output.
   std::vector<int> taps;
   // EAGLE-3: the residual stream starts from hidden_norm(hidden) instead of hidden (a flag some
   // checkpoints carry, vLLM's norm_before_residual).

@@ -115,7 +115,33 @@ __global__ void ResidualAddKernel(ResidualAddParams p) {
   }
 }
 
+// Grid-stride over elements.
+__global__ void Bf16ToF32Kernel(Bf16ToF32Params p) {
+  internal::PdlWait();
+  internal::PdlTrigger();
+  const int64_t n = p.rows * p.dim;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride) {
+    const int64_t r = i / p.dim, c = i % p.dim;
+    p.dst[r * p.dst_stride + c] = __bfloat162float(p.src[r * p.src_stride + c]);
+  }
+}
+
 }  // namespace
+
+cudaError_t Bf16ToF32Cuda(const Bf16ToF32Params& p, cudaStream_t stream) {
+  if (p.rows < 0 || p.dim <= 0 || p.src_stride < p.dim || p.dst_stride < p.dim) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.rows == 0) return cudaSuccess;
+  if (p.src == nullptr || p.dst == nullptr) return cudaErrorInvalidValue;
+  const int threads = 256;
+  const int64_t n = p.rows * p.dim;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 1 << 16));
+  return LaunchPdl("rmsnorm", Bf16ToF32Kernel, dim3(blocks), dim3(threads), 0, stream, p);
+}
 
 cudaError_t ResidualAddCuda(const ResidualAddParams& p, cudaStream_t stream) {
   if (p.rows < 0 || p.dim <= 0) return cudaErrorInvalidValue;

@@ -138,6 +138,8 @@ DraftLoop::DraftLoop(const DraftLoopOptions& options, std::unique_ptr<Backend> m
   if (eagle_head_ != nullptr) {
     eagle_drafter_ = std::make_unique<EagleDrafter>(eagle_head_.get());
     info_.set_eagle_head(ModelNameFromPath(options.eagle_head_dir));
+    info_.set_eagle_head_kind(EagleKindName(eagle_head_->config().kind));
+    // EAGLE-3: three layer inputs; EAGLE-1/2: FinalNormTap, the target's final norm output.
     const std::vector<int>& taps = eagle_head_->config().taps;
     info_.mutable_eagle_tap_layers()->Assign(taps.begin(), taps.end());
     // The head's compute type. The CPU head computes in fp32: the taps come as the target's
@@ -243,7 +245,7 @@ absl::Status DraftLoop::Admit(StreamId stream, int index, const v1::DraftSequenc
     if (!std::equal(want.begin(), want.end(), step.taps().layers().begin(),
                     step.taps().layers().end())) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ".taps.layers: the head reads the inputs of target layers ",
+          absl::StrCat(where, ".taps.layers: the head reads target taps ",
                        absl::StrJoin(want, ", "), " (DraftInfo.eagle_tap_layers), in that order"));
     }
     if (absl::Status s = HiddenStatesFromProto(step.taps(), eagle_head_->config().feature_size(),

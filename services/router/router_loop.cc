@@ -245,7 +245,7 @@ v1::DraftInfo RouterLoop::draft_info() const {
 
 bool RouterLoop::EagleAvailable(const Draft* draft) const {
   return draft != nullptr && draft->upstream->up() &&
-         !draft->upstream->info().eagle_head().empty() && verify_->info().supports_taps();
+         EagleTapsServed(draft->upstream->info(), verify_->info());
 }
 
 int RouterLoop::max_context() const {
@@ -681,9 +681,11 @@ void RouterLoop::VerifyStep() {
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
   int tokens = 0, longest = 0;
   // EAGLE sequences ask for the taps the draft service's head reads while it can use them.
-  // Without a verify service that exports them, EAGLE sequences get no taps and so empty trees:
+  // Without a verify service that exports them (every tap the head reads, up to
+  // VerifyInfo.max_tap_layer: EagleTapsServed), EAGLE sequences get no taps and so empty trees:
   // target-only, never a failed request.
-  const bool taps = verify_->info().supports_taps();
+  const v1::VerifyInfo verify_info = verify_->info();
+  const bool taps = verify_info.supports_taps();
   absl::flat_hash_map<const Draft*, v1::DraftInfo> draft_infos;  // of those up, when taps
   for (auto& s : running_) {
     Sequence& seq = *s;
@@ -695,7 +697,7 @@ void RouterLoop::VerifyStep() {
         it = draft_infos.emplace(seq.draft.get(), seq.draft->upstream->info()).first;
       }
       const v1::DraftInfo& draft_info = it->second;
-      if (draft_info.eagle_tap_layers_size() > 0) {
+      if (draft_info.eagle_tap_layers_size() > 0 && EagleTapsServed(draft_info, verify_info)) {
         *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
         step->set_tap_dtype(draft_info.eagle_tap_dtype());
         // A step the plan did not draft sends no taps: the verify service keeps them until

@@ -133,6 +133,13 @@ struct RouterLoopOptions {
   std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
 
+// Whether `verify` exports every tap the EAGLE head of `draft` reads (router_taps.cc): it
+// exports taps at all and DraftInfo.eagle_tap_layers stays within VerifyInfo.max_tap_layer (an
+// EAGLE-1/2 head reads the final norm's output, one past the layer inputs, which a backend
+// exports only where VerifyFeatures::final_norm_tap says so). False without a head. EAGLE is
+// offered, and chosen by auto, only then.
+bool EagleTapsServed(const v1::DraftInfo& draft, const v1::VerifyInfo& verify);
+
 class RouterLoop {
  public:
   // `tokenizer` and `metrics` must outlive the loop. `on_serving` is told whether the router

@@ -373,7 +373,7 @@ std::vector<v1::Speculation> AvailableSpeculationModes(bool draft_up, const v1::
     modes.push_back(v1::SPECULATION_DRAFT_MODEL);
   }
   modes.push_back(v1::SPECULATION_NGRAM);
-  if (draft_up && !draft.eagle_head().empty() && verify.supports_taps()) {
+  if (draft_up && EagleTapsServed(draft, verify)) {
     modes.push_back(v1::SPECULATION_EAGLE3);
   }
   return modes;

@@ -16,6 +16,14 @@
 
 namespace specd {
 
+bool EagleTapsServed(const v1::DraftInfo& draft, const v1::VerifyInfo& verify) {
+  if (draft.eagle_head().empty() || !verify.supports_taps()) return false;
+  for (int32_t layer : draft.eagle_tap_layers()) {
+    if (layer < 0 || static_cast<uint32_t>(layer) > verify.max_tap_layer()) return false;
+  }
+  return true;
+}
+
 void RouterLoop::FetchHeldTaps() {
   for (const auto& d : Drafts()) d->catch_up_seconds = 0;
   const uint64_t epoch = verify_->epoch();

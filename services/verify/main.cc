@@ -37,9 +37,10 @@ ABSL_FLAG(int64_t, max_tap_bytes_per_reply, 0,
           "EAGLE taps one reply carries over its sequences (0: half the message limit); a "
           "sequence's rows past it follow in its next replies (docs/eagle.md)");
 ABSL_FLAG(int64_t, max_held_tap_bytes, int64_t{16} << 20,
-          "EAGLE taps (fp32 rows) held per sequence while the router does not draft it; past "
-          "it the older half is dropped and the drafter's head restarts from the rest "
-          "(docs/eagle.md)");
+          "EAGLE taps (fp32 rows) held per sequence while the router does not draft it (on the "
+          "GPU with a CUDA backend, 256 MiB for all sequences there, past which in host "
+          "memory); past it the older half is dropped and the drafter's head restarts from the "
+          "rest (docs/eagle.md)");
 ABSL_FLAG(int64_t, kv_capacity_tokens, 1 << 20, "KV cache capacity in tokens over all sequences");
 ABSL_FLAG(int, gather_window_us, 2000,
           "longest wait for other routers' steps once one router's step is queued, so that they "

@@ -54,6 +54,7 @@ VerifyLoop::VerifyLoop(std::unique_ptr<Backend> backend, VerifyStepQueue* queue,
   capacity_summary_ =
       KvCapacityLine(usage.capacity_tokens, config.max_position_embeddings, options.max_sequences);
   info_.set_supports_taps(features.taps);
+  if (features.taps) info_.set_max_tap_layer(MaxTapLayer(features, backend_->config().num_layers));
   Start();
 }
 
@@ -62,6 +63,7 @@ VerifyLoop::~VerifyLoop() { Stop(); }
 void VerifyLoop::FreeModelState(int64_t seq) {
   histories_.erase(seq);
   tap_backlog_.erase(seq);
+  backend_held_.erase(seq);  // RemoveSequence() drops the backend's rows
   if (absl::Status s = backend_->RemoveSequence(seq); !s.ok()) {
     SPECD_LOG(WARNING) << "freeing sequence " << seq << ": " << s;
   }
@@ -70,6 +72,7 @@ void VerifyLoop::FreeModelState(int64_t seq) {
 void VerifyLoop::Forget(int64_t seq) {
   histories_.erase(seq);
   tap_backlog_.erase(seq);
+  backend_held_.erase(seq);
   (void)backend_->RemoveSequence(seq);
 }
 
@@ -100,13 +103,34 @@ void VerifyLoop::SendTaps(int64_t seq, const std::vector<int>& layers, v1::Tenso
   // Bounded: past the bound the older half goes (halving keeps the drops rare, so a long
   // plain run costs amortised O(1) a row). The drafter then restarts its head from the newer
   // half: lossless, with a shorter context for the head.
-  const int64_t max_rows = std::max<int64_t>(1, options_.max_held_tap_bytes / (width * 4));
+  const int64_t max_rows = MaxHeldRows(layers.size());
   const int64_t rows = static_cast<int64_t>(held.rows.size()) / width;
   if (rows > max_rows) {
     const int64_t drop = rows - max_rows / 2;
     held.rows.erase(held.rows.begin(), held.rows.begin() + drop * width);
     held.first_position += drop;
   }
+}
+
+int64_t VerifyLoop::MaxHeldRows(size_t layers) const {
+  const int64_t width = static_cast<int64_t>(layers) * backend_->config().hidden_size;
+  return std::max<int64_t>(1, options_.max_held_tap_bytes / (width * 4));
+}
+
+void VerifyLoop::TakeBackendHeld(int64_t seq) {
+  auto it = backend_held_.find(seq);
+  if (it == backend_held_.end()) return;
+  const v1::TensorDtype dtype = it->second;
+  backend_held_.erase(it);
+  absl::StatusOr<HeldTapRows> held = backend_->TakeHeldTaps(seq);
+  if (!held.ok()) {
+    // The rows after them then follow a gap, and the drafter restarts its head (lossless).
+    SPECD_LOG(WARNING) << "sequence " << seq << ": taking its held taps failed: " << held.status();
+    return;
+  }
+  if (held->rows.empty()) return;
+  SendTaps(seq, held->layers, dtype, held->rows, held->first_position, /*hold=*/true, nullptr,
+           nullptr);
 }
 
 void VerifyLoop::SendHeld(int64_t seq, int64_t* reply_bytes, v1::HiddenStates* out) {
@@ -198,12 +222,15 @@ absl::Status VerifyLoop::Admit(StreamId stream, int index, const v1::VerifySeque
       return absl::InvalidArgumentError(absl::StrCat(where, ".tap_layers: ", step.tap_layers_size(),
                                                      " layers, at most ", kMaxTapLayers));
     }
+    const int max_tap = MaxTapLayer(backend_->verify_features(), config.num_layers);
     for (int i = 0; i < step.tap_layers_size(); ++i) {
       const int layer = step.tap_layers(i);
-      if (layer < 0 || layer > config.num_layers) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ".tap_layers[", i, "]: ", layer,
-                                                       " is not a layer input in [0, ",
-                                                       config.num_layers, "]"));
+      if (layer < 0 || layer > max_tap) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".tap_layers[", i, "]: ", layer, " is not a tap in [0, ", max_tap, "]",
+            max_tap == config.num_layers
+                ? " (this backend does not export the final norm's output, tap num_layers + 1)"
+                : ""));
       }
       for (int j = 0; j < i; ++j) {
         if (step.tap_layers(j) == layer) {
@@ -319,6 +346,7 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
       v1::HeldTaps* held = response.add_held_taps();
       held->set_seq_id(id);
       if (std::optional<int64_t> live = table_.Find(stream, id); live.has_value()) {
+        TakeBackendHeld(*live);
         SendHeld(*live, &tap_bytes[b], held->mutable_taps());
       }
     }
@@ -333,6 +361,12 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
       if (!status.ok()) {
         ToSequenceError(status, result->mutable_error());
         continue;
+      }
+      // A plain step's taps stay where the backend computed them when it can keep them (a CUDA
+      // backend: on its device, copied down only when fetched) and nothing is held here yet.
+      if (slot.hold_taps && backend_->verify_features().held_taps &&
+          !tap_backlog_.contains(slot.seq)) {
+        item.hold_tap_rows = MaxHeldRows(item.tap_layers.size());
       }
       items.push_back(std::move(item));
       slots.push_back(slot);
@@ -407,16 +441,21 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
       result->mutable_accepted_nodes()->Add(outcome.accepted_nodes.begin(),
                                             outcome.accepted_nodes.end());
       for (const TokenLogprobs& lp : outcome.logprobs) LogprobsToProto(lp, result->add_logprobs());
-      if (!items[k].tap_layers.empty()) {
+      if (!items[k].tap_layers.empty() && items[k].hold_tap_rows > 0 && outcome.taps.empty()) {
+        backend_held_[slot.seq] = slot.tap_dtype;  // the backend keeps them
+      } else if (!items[k].tap_layers.empty()) {
         // Chunked across replies: a reply carries taps up to its budget (half the message
         // limit by default), so a batch of long prompts never breaks the stream; the rest go
         // out, in order, with the sequence's next replies. Until they have all arrived the
-        // drafter proposes nothing for it (target-only steps, still lossless).
+        // drafter proposes nothing for it (target-only steps, still lossless). Rows the
+        // backend held go first (and here, when it had no room for this step's).
+        TakeBackendHeld(slot.seq);
         SendTaps(slot.seq, items[k].tap_layers, slot.tap_dtype, outcome.taps, committed_before[k],
                  slot.hold_taps, &tap_bytes[slot.step], result->mutable_taps());
       } else {
         // Nobody reads taps of this sequence now (its drafter is gone or not EAGLE's).
         tap_backlog_.erase(slot.seq);
+        if (backend_held_.erase(slot.seq) > 0) (void)backend_->TakeHeldTaps(slot.seq);
       }
       if (auto h = histories_.find(slot.seq); h != histories_.end()) {
         // The accepted drafts are committed; the bonus token comes back as the next pending.

@@ -32,9 +32,11 @@ struct VerifyLoopOptions {
   // (kMaxMessageBytes). A sequence's rows past it are held and sent, in order, ahead of its
   // taps in its next replies.
   int64_t max_tap_bytes_per_reply = 0;
-  // Bytes of taps (fp32 rows, host) the service holds per sequence for steps with hold_taps
-  // (plain steps of an EAGLE sequence). Past it the older half is dropped: the drafter then
-  // gets rows that start after a gap and its head restarts from them (docs/eagle.md).
+  // Bytes of taps (fp32 rows) the service holds per sequence for steps with hold_taps (plain
+  // steps of an EAGLE sequence): in the backend where it keeps them (VerifyFeatures::held_taps,
+  // a CUDA backend's device, up to its own budget for all sequences), else in host memory. Past
+  // it the older half is dropped: the drafter then gets rows that start after a gap and its
+  // head restarts from them (docs/eagle.md).
   int64_t max_held_tap_bytes = int64_t{16} << 20;
   // Once one stream's step is queued, how long the loop may wait for the steps of the other
   // active streams (other routers) so that they verify in one batch: at most the recent step
@@ -88,6 +90,11 @@ class VerifyLoop final
   // Writes to `out` as many of the rows held for `seq`, oldest first, as `*reply_bytes` leaves
   // room for under the reply's budget (adding them to it); the rest wait for its next reply.
   void SendHeld(int64_t seq, int64_t* reply_bytes, v1::HiddenStates* out);
+  // The most rows of `layers` taps a sequence holds (max_held_tap_bytes of fp32 rows).
+  int64_t MaxHeldRows(size_t layers) const;
+  // Moves the rows the backend holds for `seq` (device_held_) into tap_backlog_, ahead of
+  // anything sent after: called before a sequence's taps are sent or dropped.
+  void TakeBackendHeld(int64_t seq);
 
   std::unique_ptr<Backend> backend_;
   VerifyLoopOptions options_;
@@ -103,6 +110,11 @@ class VerifyLoop final
     v1::TensorDtype dtype = v1::TENSOR_DTYPE_BF16;
   };
   absl::flat_hash_map<int64_t, TapBacklog> tap_backlog_;
+  // Sequences whose held taps the backend keeps (VerifyFeatures::held_taps: a CUDA backend, on
+  // its device; VerifyItem::hold_tap_rows), with the element type they were asked in. A
+  // sequence's rows are held there only while tap_backlog_ holds none of it, so the backend's
+  // rows always come first.
+  absl::flat_hash_map<int64_t, v1::TensorDtype> backend_held_;
   std::string capacity_summary_;  // fixed at load
 };
 

@@ -2,14 +2,19 @@
 // and of the tensor-parallel CUDA backend at TP=2, against the fp32 CPU backend on the same
 // random bf16 checkpoint, within bf16 tolerance:
 //  - ForwardWithTaps of a prefill chain and of a tree, two sequences a step, layers asked for out
-//    of order (and the last layer's output, id num_layers);
+//    of order (and the last layer's output, id num_layers, and the final norm's output,
+//    FinalNormTap = num_layers + 1, an EAGLE-1/2 head's feature: the bf16 rows the LM head reads,
+//    against the CPU's fp32 ones);
 //  - Verify() steps (prefill through Verify, then trees holding the backend's own greedy path
 //    beside wrong siblings, repeated so that the tree bucket's CUDA graph is captured and
 //    replayed): each sequence's taps are the rows of exactly the tokens the step committed (the
 //    pending tokens, then the accepted nodes), compared with the CPU's taps of a plain chain of
-//    those tokens; sequences in one batch ask for different layers or none; one sequence has a
-//    logits processor and so takes the host acceptance path (VerifySplit) over the device
-//    ForwardWithTaps.
+//    those tokens; sequences in one batch ask for different layers or none (one for the final
+//    norm's output alone, as an EAGLE-1/2 drafter does); one sequence has a logits processor and
+//    so takes the host acceptance path (VerifySplit) over the device ForwardWithTaps.
+//  - held taps (VerifyItem::hold_tap_rows): a sequence whose steps hold their rows on the device
+//    gets back from TakeHeldTaps() the rows a twin sequence in the same batches was returned
+//    step by step; past its bound the older half is gone; RemoveSequence() drops them.
 // TP=2 is skipped on a host with fewer than two GPUs.
 #include <cstdio>
 #include <memory>
@@ -38,6 +43,7 @@ constexpr int kVocab = 320;
 // compounded over four layers of weights at init_std 0.15 reaches a few percent (the logits of
 // the same forward as much), while a wrong row, layer or position is off by order one.
 constexpr double kTapTol = 5e-2;
+constexpr int kFinalNorm = kLayers + 1;  // FinalNormTap(kLayers)
 
 RandomCheckpointSpec Spec() {
   RandomCheckpointSpec s;
@@ -98,9 +104,12 @@ class CudaEagleTapsTest : public gpu_test::GpuTest, public ::testing::WithParamI
 
 TEST_P(CudaEagleTapsTest, ForwardWithTapsMatchesCpu) {
   ASSERT_TRUE(cuda_->verify_features().taps);
+  ASSERT_TRUE(cuda_->verify_features().final_norm_tap);
+  ASSERT_EQ(FinalNormTap(kLayers), kFinalNorm);
   std::mt19937_64 rng(11);
   const std::vector<int32_t> a = RandomTokens(37, kVocab, rng), b = RandomTokens(9, kVocab, rng);
-  const std::vector<int> layers = {kLayers, 0, 2};  // not sorted; kLayers: pre-final-norm
+  // Not sorted; kLayers: the last layer's output before the final norm, kFinalNorm after it.
+  const std::vector<int> layers = {kLayers, 0, kFinalNorm, 2};
   const int64_t width = static_cast<int64_t>(layers.size()) * kHidden;
   std::vector<Backend*> both = {cpu_.get(), cuda_.get()};
   std::vector<std::vector<float>> logits(2), taps(2);
@@ -146,7 +155,9 @@ TEST_P(CudaEagleTapsTest, ForwardWithTapsMatchesCpu) {
   absl::Status s = cuda_->ForwardWithTaps(one, {1, 1}, &lg, &tp);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("tap_layers"), std::string::npos) << s;
-  s = cuda_->ForwardWithTaps(one, {kLayers + 1}, &lg, &tp);
+  s = cuda_->ForwardWithTaps(one, {kFinalNorm + 1}, &lg, &tp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = cuda_->ForwardWithTaps(one, {-1}, &lg, &tp);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   s = cuda_->ForwardWithTaps(one, {1}, &lg, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -155,9 +166,11 @@ TEST_P(CudaEagleTapsTest, ForwardWithTapsMatchesCpu) {
 
 TEST_P(CudaEagleTapsTest, VerifyTapsAreTheCommittedTokensRows) {
   std::mt19937_64 rng(5);
-  // Sequence 1 asks for three layers, 2 for one, 3 for none; 4 has a repetition penalty (the
-  // host acceptance path) and asks for two.
-  const std::vector<std::vector<int>> want = {{1, 2, kLayers}, {2}, {}, {kLayers, 1}};
+  // Sequence 1 asks for three layers, 2 for the final norm's output alone (an EAGLE-1/2
+  // drafter), 3 for none; 4 has a repetition penalty (the host acceptance path) and asks for
+  // three, the final norm's output among them.
+  const std::vector<std::vector<int>> want = {
+      {1, 2, kLayers}, {kFinalNorm}, {}, {kLayers, kFinalNorm, 1}};
   const int n = static_cast<int>(want.size());
   std::vector<std::vector<int32_t>> prompt(n), pending(n);
   std::vector<TokenHistory> history(n);
@@ -231,6 +244,87 @@ TEST_P(CudaEagleTapsTest, VerifyTapsAreTheCommittedTokensRows) {
               static_cast<long long>(after.graph_replays - before.graph_replays),
               static_cast<long long>(after.eager_steps - before.eager_steps));
   EXPECT_GT(after.graph_replays, before.graph_replays);
+}
+
+TEST_P(CudaEagleTapsTest, HeldTapsAreTheRowsTheStepsWouldHaveReturned) {
+  ASSERT_TRUE(cuda_->verify_features().held_taps);
+  std::mt19937_64 rng(23);
+  const std::vector<int> layers = {1, kFinalNorm};
+  const int64_t width = static_cast<int64_t>(layers.size()) * kHidden;
+  const std::vector<int32_t> prompt = RandomTokens(14, kVocab, rng);
+  const std::vector<int32_t> long_prompt = RandomTokens(20, kVocab, rng);
+  const std::vector<int32_t> greedy = testutil::Greedy(*cuda_, 100, prompt, 16);
+  // 1 holds its rows (bound far off), 2 is its twin whose rows come back every step, 3 holds
+  // with a bound of 8 rows, 4 holds and is removed.
+  for (SeqId s : {1, 2, 3, 4}) ASSERT_TRUE(cuda_->AddSequence(s).ok());
+  std::vector<float> returned;  // sequence 2's rows, step after step
+  std::vector<int32_t> pending = prompt;
+  int done = 0, accepted = 0;
+  for (int step = 0; step < 5; ++step) {
+    std::vector<VerifyItem> items(2);
+    for (int i = 0; i < 2; ++i) {
+      items[i].seq = i + 1;
+      items[i].pending = pending;
+      items[i].tap_layers = layers;
+      if (step > 0) {
+        const auto g = [&](int j) { return greedy[std::min(done + j, 15)]; };
+        items[i].tree.tokens = {g(0), (g(0) + 1) % kVocab, g(1)};
+        items[i].tree.parents = {-1, -1, 0};
+      }
+    }
+    items[0].hold_tap_rows = 1000;
+    if (step == 0) {
+      for (SeqId s : {3, 4}) {
+        VerifyItem& it = items.emplace_back();
+        it.seq = s;
+        it.pending = long_prompt;
+        it.tap_layers = layers;
+        it.hold_tap_rows = 8;
+      }
+    }
+    absl::StatusOr<std::vector<VerifyOutcome>> out = cuda_->Verify(items);
+    ASSERT_TRUE(out.ok()) << "step " << step << ": " << out.status();
+    EXPECT_EQ((*out)[0].tokens, (*out)[1].tokens) << "step " << step;
+    EXPECT_TRUE((*out)[0].taps.empty()) << "step " << step << ": held rows were returned";
+    ASSERT_FALSE((*out)[1].taps.empty());
+    returned.insert(returned.end(), (*out)[1].taps.begin(), (*out)[1].taps.end());
+    accepted += (*out)[1].accepted_draft;
+    if (step > 0) done += (*out)[1].accepted_draft;
+    done += 1;
+    pending = {(*out)[1].tokens.back()};
+  }
+  EXPECT_GT(accepted, 0);
+  absl::StatusOr<HeldTapRows> held = cuda_->TakeHeldTaps(1);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->first_position, 0);
+  EXPECT_EQ(held->layers, layers);
+  ASSERT_EQ(held->rows.size(), returned.size());
+  // The same tokens at the same positions in the same batches: the same rows.
+  const ::testing::AssertionResult same = RowsClose(held->rows, returned, kHidden, 1e-5);
+  EXPECT_TRUE(same);
+  std::printf("TP=%d held rows against returned ones (%zu rows): %s, bitwise %s\n", GetParam(),
+              returned.size() / width, same.message(),
+              held->rows == returned ? "equal" : "different");
+  held = cuda_->TakeHeldTaps(1);  // taken: nothing left
+  ASSERT_TRUE(held.ok());
+  EXPECT_TRUE(held->rows.empty());
+
+  // 20 rows held under a bound of 8: the newest 4 stay, from position 16.
+  held = cuda_->TakeHeldTaps(3);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->first_position, 16);
+  ASSERT_EQ(static_cast<int64_t>(held->rows.size()), 4 * width);
+  ASSERT_TRUE(cpu_->AddSequence(3).ok());
+  const std::vector<float> ref = CpuChainTaps(3, long_prompt, layers);
+  ASSERT_EQ(static_cast<int64_t>(ref.size()), 20 * width);
+  EXPECT_TRUE(RowsClose(held->rows, std::vector<float>(ref.begin() + 16 * width, ref.end()),
+                        kHidden, kTapTol));
+
+  // Removing a sequence drops its rows.
+  ASSERT_TRUE(cuda_->RemoveSequence(4).ok());
+  held = cuda_->TakeHeldTaps(4);
+  ASSERT_TRUE(held.ok());
+  EXPECT_TRUE(held->rows.empty());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tp, CudaEagleTapsTest, ::testing::Values(1, 2),

@@ -1,11 +1,16 @@
-// EAGLE-3 end to end: specd-verify serving the reference target (models/pycoder-target),
-// specd-draft serving its trained EAGLE-3 head (models/pycoder-eagle3, --eagle_head) beside the
-// standalone draft model, and specd-router, as processes on loopback. The verify service returns
-// the target's taps for EAGLE sequences, the router relays them, the draft service's EAGLE
-// drafter grows trees from them; the output must be what target-only decoding gives.
+// EAGLE end to end: specd-verify serving the reference target (models/pycoder-target),
+// specd-draft serving its trained EAGLE-3 head (models/pycoder-eagle3, --eagle_head) or an
+// EAGLE-1/2 head (tests/fixtures/eagle1_pycoder, which reads the target's final norm output)
+// beside the standalone draft model, and specd-router, as processes on loopback. The verify
+// service returns the target's taps for EAGLE sequences, the router relays them, the draft
+// service's EAGLE drafter grows trees from them; the output must be what target-only decoding
+// gives. On a GPU host, SPECD_TEST_VERIFY_ARGS / SPECD_TEST_DRAFT_ARGS (space-separated flags,
+// e.g. --device=cuda:0) run the same tests with CUDA services: the CUDA backend's taps, its
+// final-norm tap and its device-held taps end to end.
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -13,14 +18,26 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "specd/v1/draft.grpc.pb.h"
 #include "specd/v1/generation.grpc.pb.h"
+#include "specd/v1/verify.grpc.pb.h"
 #include "tests/testutil/hf_fixtures.h"
 #include "tests/testutil/service_process.h"
 
 namespace specd {
 namespace {
+
+// The space-separated flags in environment variable `name`, if set.
+std::vector<std::string> ExtraArgs(const char* name) {
+  std::vector<std::string> out;
+  if (const char* extra = std::getenv(name); extra != nullptr) {
+    for (absl::string_view a : absl::StrSplit(extra, ' ', absl::SkipEmpty())) out.emplace_back(a);
+  }
+  return out;
+}
 
 struct Result {
   grpc::Status status;
@@ -30,10 +47,12 @@ struct Result {
 
 class Cluster {
  public:
-  // verify_flags: extra flags of specd-verify.
-  static std::unique_ptr<Cluster> Start(const std::vector<std::string>& verify_flags = {}) {
+  // verify_flags: extra flags of specd-verify; head: the draft service's --eagle_head.
+  static std::unique_ptr<Cluster> Start(const std::vector<std::string>& verify_flags = {},
+                                        const std::string& head = "") {
     const std::string models = (testutil::RepoRoot() / "models").string();
     const std::string target = models + "/pycoder-target";
+    const std::string eagle_head = head.empty() ? models + "/pycoder-eagle3" : head;
     auto c = std::make_unique<Cluster>();
     const std::string verify_address = absl::StrCat("127.0.0.1:", PickFreePort());
     const std::string draft_address = absl::StrCat("127.0.0.1:", PickFreePort());
@@ -42,13 +61,15 @@ class Cluster {
     c->draft_options = {
         SpecdBinary("specd-draft"),
         {"--address=" + draft_address, absl::StrCat("--metrics_port=", PickFreePort()),
-         "--model=" + models + "/pycoder-draft", "--eagle_head=" + models + "/pycoder-eagle3",
+         "--model=" + models + "/pycoder-draft", "--eagle_head=" + eagle_head,
          "--eagle_target=" + target, "--num_threads=1"},
         draft_address};
+    for (std::string& a : ExtraArgs("SPECD_TEST_DRAFT_ARGS")) c->draft_options.args.push_back(a);
     std::vector<std::string> verify_args = {"--address=" + verify_address,
                                             absl::StrCat("--metrics_port=", PickFreePort()),
                                             "--model=" + target, "--num_threads=1"};
     verify_args.insert(verify_args.end(), verify_flags.begin(), verify_flags.end());
+    for (std::string& a : ExtraArgs("SPECD_TEST_VERIFY_ARGS")) verify_args.push_back(a);
     const std::vector<ServiceProcessOptions> all = {
         {SpecdBinary("specd-verify"), verify_args, verify_address},
         c->draft_options,
@@ -178,6 +199,71 @@ TEST(EagleClusterTest, GreedyAndSeededOutputIsIdenticalWithAndWithoutEagle) {
       Modes(c->stub.get()),
       (std::vector<int>{v1::SPECULATION_AUTO, v1::SPECULATION_OFF, v1::SPECULATION_DRAFT_MODEL,
                         v1::SPECULATION_NGRAM, v1::SPECULATION_EAGLE3}));
+}
+
+// An EAGLE-1/2 head (fc over concat(embedding, feature) with a bias, the target's LM head) reads
+// the target's final norm output: the draft service announces tap num_layers + 1 and its kind,
+// the verify service (CPU) says it exports that tap, the router asks for it, and the head drafts
+// from it. The fixture head's fc is fitted to the target's features
+// (tools/oracle/make_eagle1_serving_head.py), so its trees are accepted now and then: accepted
+// rows' taps reach the drafter too. Greedy and seeded output is target-only decoding's.
+TEST(EagleClusterTest, EagleOneTwoHeadIsServedFromTheFinalNormTap) {
+  std::unique_ptr<Cluster> c =
+      Cluster::Start({}, (testutil::RepoRoot() / "tests" / "fixtures" / "eagle1_pycoder").string());
+  ASSERT_NE(c, nullptr);
+  {
+    grpc::ClientContext ctx;
+    v1::DraftInfo info;
+    ASSERT_TRUE(v1::Drafter::NewStub(c->draft->channel())
+                    ->GetInfo(&ctx, v1::DraftInfoRequest(), &info)
+                    .ok());
+    EXPECT_EQ(info.eagle_head(), "eagle1_pycoder");
+    EXPECT_EQ(info.eagle_head_kind(), "eagle1");
+    // The reference target has 5 layers: tap 6 is its final norm's output.
+    EXPECT_EQ(std::vector<int>(info.eagle_tap_layers().begin(), info.eagle_tap_layers().end()),
+              std::vector<int>{6});
+    grpc::ClientContext vctx;
+    v1::VerifyInfo verify;
+    ASSERT_TRUE(v1::Verifier::NewStub(c->verify->channel())
+                    ->GetInfo(&vctx, v1::VerifyInfoRequest(), &verify)
+                    .ok());
+    EXPECT_TRUE(verify.supports_taps());
+    EXPECT_EQ(verify.max_tap_layer(), 6u);
+  }
+  EXPECT_EQ(Modes(c->stub.get()).back(), v1::SPECULATION_EAGLE3);
+  uint64_t accepted = 0, steps = 0;
+  for (const std::string& prompt : Prompts()) {
+    for (const bool seeded : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(prompt, seeded ? " seeded" : " greedy"));
+      v1::GenerateRequest r = Request(prompt, 48, v1::SPECULATION_OFF);
+      if (seeded) {
+        r.set_temperature(0.8f);
+        r.set_seed(7);
+      }
+      const Result off = c->Generate(r);
+      r.set_speculation(v1::SPECULATION_EAGLE3);
+      r.set_draft_depth(4);
+      r.set_draft_top_k(4);
+      r.set_draft_max_nodes(16);
+      const Result eagle = c->Generate(r);
+      ASSERT_TRUE(off.status.ok()) << off.status.error_message();
+      ASSERT_TRUE(eagle.status.ok()) << eagle.status.error_message();
+      EXPECT_EQ(eagle.tokens, off.tokens);
+      EXPECT_EQ(eagle.last.speculation().mode(), v1::SPECULATION_EAGLE3);
+      accepted += eagle.last.speculation().accepted_tokens();
+      steps += eagle.last.speculation().steps();
+    }
+  }
+  std::printf("EAGLE-1/2 fixture head: %llu drafted steps accepting %llu tokens\n",
+              static_cast<unsigned long long>(steps), static_cast<unsigned long long>(accepted));
+  // The taps reach the head and its drafts are accepted: more than one token in four drafted
+  // steps (fc was fitted to the target's final norm output; a head fed nothing drafts nothing).
+  EXPECT_GT(steps, 0u);
+  EXPECT_GT(accepted * 4, steps);
+  // AUTO picks the head (the goodput policy may keep some steps plain: their taps are held).
+  const Result autos = c->Generate(Request(Prompts()[0], 16, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(autos.status.ok());
+  EXPECT_EQ(autos.last.speculation().mode(), v1::SPECULATION_EAGLE3);
 }
 
 // Under AUTO the goodput policy drafts the EAGLE sequences some steps and not others, from the

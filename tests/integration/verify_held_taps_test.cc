@@ -1,13 +1,17 @@
 // specd-verify as a real process: the EAGLE taps of steps that set hold_taps stay in the service
 // and come back, through VerifyStepRequest.send_held_taps, as the same rows (bit for bit, fp32)
 // that steps without hold_taps return one step at a time; past --max_held_tap_bytes the oldest
-// go; releases free them; bad input names the field.
+// go; releases free them; bad input names the field. On a GPU host, SPECD_TEST_VERIFY_ARGS
+// (space-separated flags, e.g. --device=cuda:0) runs them on a CUDA backend, which holds the rows
+// on its device (engine/cuda/cuda_held_taps.h).
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/service/hidden_states_proto.h"
 #include "common/token_tree.h"
 #include "gmock/gmock.h"
@@ -57,6 +61,11 @@ class VerifyHeldTapsTest : public ModelServiceTest {
 
   std::unique_ptr<ServiceProcess> StartVerify(std::vector<std::string> extra = {}) {
     extra.insert(extra.begin(), "--model=" + *dir_);
+    if (const char* more = std::getenv("SPECD_TEST_VERIFY_ARGS"); more != nullptr) {
+      for (absl::string_view a : absl::StrSplit(more, ' ', absl::SkipEmpty())) {
+        extra.emplace_back(a);
+      }
+    }
     return StartService(SpecdBinary("specd-verify"), extra);
   }
 

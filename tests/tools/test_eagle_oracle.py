@@ -9,7 +9,9 @@ python3-torch:
   model's simulated chain against chain_stats;
 * the pure-Python BPE against the `tokenizers` library's own encodings;
 * convert_eagle_bin.py on a .bin written by torch.save;
-* the CUDA head's bf16 roundings, emulated (eagle_bf16_emulate.py), inside the GPU test's bound.
+* the CUDA head's bf16 roundings, emulated (eagle_bf16_emulate.py), inside the GPU test's bound;
+* tests/fixtures/eagle1_pycoder (make_eagle1_serving_head.py) read by the reference as specd reads
+  it, its chain over the target's final norm output proposing the target's greedy tokens.
 
   /usr/bin/python3 -m pytest -q tests/tools/test_eagle_oracle.py
 """
@@ -260,6 +262,33 @@ def test_committed_head_predicts_the_reference_target():
             hit += int((pred[sel] == ids[2:][sel]).sum())
             count += ids[2:][sel].numel()
     assert hit / count >= 0.5, hit / count
+
+
+def test_serving_eagle1_head_reads_the_final_norm_output():
+    """tests/fixtures/eagle1_pycoder loads in the published EAGLE-1/2 layout against the
+    reference target, and fed the target's final norm output (the feature the verify service
+    exports as tap N + 1) its chain proposes the target's greedy token on the reference
+    continuations far more often than chance (1 in 8,192): fc was fitted to that feature."""
+    target = ref.LlamaTarget(os.path.join(ROOT, "models", "pycoder-target"), torch.float32)
+    head = ref.load_head(os.path.join(FIXTURES, "eagle1_pycoder"), target, torch.float32)
+    assert head.cfg.kind == "eagle1" and head.cfg.fc_bias
+    assert tuple(head.fc.weight.shape) == (320, 640)
+    with open(os.path.join(FIXTURES, "reference_greedy.json")) as f:
+        cases = json.load(f)["models"]["pycoder-target"]["cases"]
+    hit = count = 0
+    with torch.no_grad():
+        for case in cases:
+            ids = torch.tensor(case["prompt_ids"] + case["continuation_ids"])
+            n = len(case["prompt_ids"])
+            _, _, final = target.forward(ids.unsqueeze(0), want_final=True)
+            seq = ref.HeadSequence(head)
+            # Pairs (feature p, token p + 1) as one chain: output p scores token p + 2.
+            out = seq.feed(ids[1:].tolist(), list(range(-1, ids.numel() - 2)), final[0, :-1])
+            pred = head.logits(out).argmax(-1)
+            sel = slice(n - 1, ids.numel() - 2)
+            hit += int((pred[sel] == ids[2:][sel]).sum())
+            count += ids[2:][sel].numel()
+    assert hit / count >= 0.15, hit / count
 
 
 @pytest.mark.parametrize("name", ["eagle3", "eagle3_nbr", "eagle1"])

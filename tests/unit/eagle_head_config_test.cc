@@ -1,6 +1,8 @@
 // Reading EAGLE heads: config.json (kinds, the two tap spellings, refusals) and the tensors of
 // the published layout (errors name the tensor and the shape expected). The heads are the
 // fixtures of tests/fixtures/eagle3, copied and altered one tensor at a time.
+#include "engine/draft/eagle_head_config.h"
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -12,7 +14,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/io/safetensors.h"
 #include "engine/draft/eagle_head.h"
-#include "engine/draft/eagle_head_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -64,7 +65,9 @@ TEST(EagleHeadConfigTest, ReadsTheFixtureHeads) {
   EXPECT_EQ(e1->kind, EagleKind::kEagle1);
   EXPECT_EQ(e1->head.num_layers, 2);
   EXPECT_TRUE(e1->fc_bias);
-  EXPECT_TRUE(e1->taps.empty());
+  // EAGLE-1/2 reads one tap: the target's final norm output, one past its 8 layers' inputs.
+  EXPECT_EQ(e1->taps, std::vector<int>{FinalNormTap(8)});
+  EXPECT_EQ(e1->taps, std::vector<int>{9});
   EXPECT_EQ(e1->draft_vocab_size, 256);
   EXPECT_EQ(e1->feature_size(), 32);
 }
@@ -85,7 +88,7 @@ TEST(EagleHeadConfigTest, TapSpellings) {
   EXPECT_THAT(taps(j), ElementsAre(1, 4, 6));  // concatenated in layer order
   j = Eagle3Json();
   j.erase("specd_tap_layer_inputs");
-  EXPECT_THAT(taps(j), ElementsAre(1, 4, 6));  // outputs of layers 0, 3, 5
+  EXPECT_THAT(taps(j), ElementsAre(1, 4, 6));             // outputs of layers 0, 3, 5
   EXPECT_THAT(taps(Eagle3Json()), ElementsAre(1, 4, 6));  // both, agreeing
   j.erase("eagle_config");
   EXPECT_EQ(taps(j), DefaultEagleTaps(8));  // neither
@@ -158,7 +161,9 @@ TEST(EagleHeadConfigTest, HeadsThatDoNotFitAreRefused) {
               HasSubstr("use_aux_hidden_state"));
   EXPECT_THAT(error([](json& j) { j["attention_bias"] = true; }), HasSubstr("attention_bias"));
   EXPECT_THAT(error([](json& j) { j["hidden_act"] = "gelu"; }), HasSubstr("hidden_act"));
-  EXPECT_THAT(error([](json& j) { j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 2}}; }),
+  EXPECT_THAT(error([](json& j) {
+                j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 2}};
+              }),
               HasSubstr("\"dynamic\" is not supported"));
   EXPECT_THAT(error([](json& j) { j["norm_before_residual"] = "yes"; }),
               HasSubstr("norm_before_residual is not true or false"));
@@ -204,8 +209,7 @@ std::string AlteredHead(const std::string& name,
 }
 
 absl::Status LoadStatus(const std::string& head_dir) {
-  return CreateEagleHead(head_dir, (FixtureDir() / "target").string(), EagleHeadOptions())
-      .status();
+  return CreateEagleHead(head_dir, (FixtureDir() / "target").string(), EagleHeadOptions()).status();
 }
 
 TensorToWrite F32(const std::string& name, std::vector<int64_t> shape, float value) {
@@ -233,7 +237,10 @@ TEST(EagleHeadWeightsTest, ErrorsNameTheTensorAndTheShape) {
   EXPECT_THAT(error("eagle3_head", [](auto& t) { t.erase("midlayer.hidden_norm.weight"); }),
               AllOf(HasSubstr("missing tensor midlayer.hidden_norm.weight"),
                     HasSubstr("expected shape [32]"), HasSubstr("EAGLE-3 head")));
-  EXPECT_THAT(error("eagle3_head", [](auto& t) { t["fc.weight"] = F32("fc.weight", {32, 64}, 0); }),
+  EXPECT_THAT(error("eagle3_head",
+                    [](auto& t) {
+                      t["fc.weight"] = F32("fc.weight", {32, 64}, 0);
+                    }),
               AllOf(HasSubstr("fc.weight has shape [32, 64], expected [32, 96]")));
   EXPECT_THAT(error("eagle3_head",
                     [](auto& t) {
@@ -265,10 +272,11 @@ TEST(EagleHeadWeightsTest, ErrorsNameTheTensorAndTheShape) {
                       t["embed_tokens.weight"] = F32("embed_tokens.weight", {256, 16}, 0);
                     }),
               HasSubstr("embed_tokens.weight has shape [256, 16], expected [256, 32]"));
-  EXPECT_THAT(error("eagle1_head", [](auto& t) { t.erase("fc.bias"); }),
-              AllOf(HasSubstr("missing tensor fc.bias, expected shape [32]"),
-                    HasSubstr("EAGLE-1/2 head")));
-  EXPECT_THAT(error("eagle1_head", [](auto&) {}, [](json& c) { c["bias"] = false; }),
+  EXPECT_THAT(
+      error("eagle1_head", [](auto& t) { t.erase("fc.bias"); }),
+      AllOf(HasSubstr("missing tensor fc.bias, expected shape [32]"), HasSubstr("EAGLE-1/2 head")));
+  EXPECT_THAT(error(
+                  "eagle1_head", [](auto&) {}, [](json& c) { c["bias"] = false; }),
               HasSubstr("tensor fc.bias is not part of an EAGLE-1/2 head"));
   EXPECT_THAT(error("eagle1_head", [](auto& t) { t.erase("layers.1.input_layernorm.weight"); }),
               HasSubstr("missing tensor layers.1.input_layernorm.weight, expected shape [32]"));
@@ -313,12 +321,12 @@ TEST(EagleHeadWeightsTest, AnEmbeddingInTheHeadFileIsUsed) {
   ASSERT_FALSE(base.empty());
   EXPECT_EQ(run(AlteredHead("eagle3_head", [&](auto& t) { t["embed_tokens.weight"] = same; })),
             base);
-  EXPECT_NE(run(AlteredHead("eagle3_head",
-                            [](auto& t) {
-                              t["embed_tokens.weight"] =
-                                  F32("embed_tokens.weight", {256, 32}, 0.1f);
-                            })),
-            base);
+  EXPECT_NE(
+      run(AlteredHead("eagle3_head",
+                      [](auto& t) {
+                        t["embed_tokens.weight"] = F32("embed_tokens.weight", {256, 32}, 0.1f);
+                      })),
+      base);
 }
 
 }  // namespace

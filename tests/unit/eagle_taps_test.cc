@@ -211,6 +211,72 @@ TEST(EagleTapsTest, BadTapLayersAreInvalidArgument) {
   EXPECT_EQ(target->CommittedLength(1).value_or(-1), 0);
 }
 
+// An EAGLE-1/2 head reads tap num_layers + 1: its drafter, fed the rows a verify step of the
+// target returns for that tap, drafts, and its first level is the head's own top-k of its chain
+// fed the reference's final_hidden (the same feature, computed by the oracle).
+TEST(EagleTapsTest, AnEagleOneTwoDrafterDraftsFromTheFinalNormTap) {
+  std::unique_ptr<Backend> target = LoadTarget();
+  ASSERT_NE(target, nullptr);
+  EagleHeadOptions options;
+  options.num_threads = 1;
+  std::unique_ptr<EagleHead> heads[2];
+  for (std::unique_ptr<EagleHead>& h : heads) {
+    absl::StatusOr<std::unique_ptr<EagleHead>> head = CreateEagleHead(
+        (FixtureDir() / "eagle1_head").string(), (FixtureDir() / "target").string(), options);
+    ASSERT_TRUE(head.ok()) << head.status();
+    h = *std::move(head);
+  }
+  ASSERT_EQ(heads[0]->config().taps, std::vector<int>{FinalNormTap(8)});
+  EagleDrafter drafter(heads[0].get());
+  EXPECT_EQ(drafter.tap_layers(), std::vector<int>{FinalNormTap(8)});
+
+  // The prefill of 12 prompt tokens: its tap rows and the bonus token.
+  const std::vector<int32_t> ids = Ids();
+  const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 12);
+  ASSERT_TRUE(target->AddSequence(1).ok());
+  absl::StatusOr<VerifyOutcome> o = Step(target.get(), 1, prompt, {}, drafter.tap_layers());
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_EQ(o->taps.size(), 12u * kHidden);
+  std::vector<int32_t> tokens = prompt;
+  tokens.push_back(o->tokens.back());
+  ASSERT_TRUE(drafter.AddSequence(1).ok());
+  DraftRequest r;
+  r.seq = 1;
+  r.new_tokens = tokens;
+  r.params = DraftParams{2, 3, 6};
+  r.taps = o->taps;
+  absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft({r});
+  ASSERT_TRUE(trees.ok()) << trees.status();
+  const TokenTree& tree = (*trees)[0];
+  ASSERT_FALSE(tree.empty());
+  EXPECT_EQ(drafter.committed(1), 12);
+
+  // The reference chain: pairs (final_hidden p, token p + 1), p < 12, on the second head.
+  absl::StatusOr<std::unique_ptr<TensorStore>> store =
+      TensorStore::OpenFolder(FixtureDir().string());
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::vector<float> final_hidden(16 * kHidden);
+  ASSERT_TRUE((*store)->ReadF32("final_hidden", {16, kHidden}, final_hidden.data()).ok());
+  ASSERT_TRUE(heads[1]->AddSequence(1).ok());
+  EagleHeadItem chain;
+  chain.seq = 1;
+  chain.tokens.assign(tokens.begin() + 1, tokens.end());
+  chain.parents.resize(12);
+  std::iota(chain.parents.begin(), chain.parents.end(), -1);
+  chain.inputs = absl::MakeConstSpan(final_hidden).first(12 * kHidden);
+  chain.output_rows = {11};
+  EagleHeadOutputs out;
+  ASSERT_TRUE(heads[1]->Forward({chain}, &out).ok());
+  std::vector<int32_t> top(3);
+  std::vector<float> lp(3);
+  RowTopKLogprobs(out.logits, 3, top.data(), lp.data());
+  std::vector<int32_t> level1;
+  for (int i = 0; i < tree.size(); ++i) {
+    if (tree.parents[i] == -1) level1.push_back(tree.tokens[i]);
+  }
+  EXPECT_EQ(level1, top);
+}
+
 class EagleDrafterTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "services/router/router_loop.h"
 #include "services/router/router_service.h"
 #include "tests/testutil/random_checkpoint.h"
 
@@ -58,9 +59,16 @@ TEST(RouterModelInfoTest, SpeculationModesFollowTheServicesInfo) {
   ngram_only.set_model("ngram");
   v1::DraftInfo eagle = draft_model;
   eagle.set_eagle_head("head");
+  for (int layer : {2, 16, 29}) eagle.add_eagle_tap_layers(layer);  // EAGLE-3, 32 layers
+  v1::DraftInfo eagle1 = draft_model;
+  eagle1.set_eagle_head("head");
+  eagle1.add_eagle_tap_layers(33);  // an EAGLE-1/2 head: FinalNormTap(32)
   v1::VerifyInfo verify;
   v1::VerifyInfo taps;
   taps.set_supports_taps(true);
+  taps.set_max_tap_layer(32);
+  v1::VerifyInfo final_norm = taps;
+  final_norm.set_max_tap_layer(33);
 
   EXPECT_EQ(AvailableSpeculationModes(false, v1::DraftInfo(), verify), always);
   EXPECT_EQ(AvailableSpeculationModes(false, eagle, taps), always);  // the service is down
@@ -73,6 +81,13 @@ TEST(RouterModelInfoTest, SpeculationModesFollowTheServicesInfo) {
   Modes all = with_model;
   all.push_back(v1::SPECULATION_EAGLE3);
   EXPECT_EQ(AvailableSpeculationModes(true, eagle, taps), all);
+  // An EAGLE-1/2 head reads the final norm's output, which not every backend exports.
+  EXPECT_EQ(AvailableSpeculationModes(true, eagle1, taps), with_model);
+  EXPECT_FALSE(EagleTapsServed(eagle1, taps));
+  EXPECT_EQ(AvailableSpeculationModes(true, eagle1, final_norm), all);
+  EXPECT_TRUE(EagleTapsServed(eagle1, final_norm));
+  EXPECT_TRUE(EagleTapsServed(eagle, final_norm));
+  EXPECT_FALSE(EagleTapsServed(draft_model, final_norm));  // no head
 }
 
 }  // namespace

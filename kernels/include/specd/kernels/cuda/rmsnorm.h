@@ -57,6 +57,20 @@ struct ResidualAddParams {
 
 cudaError_t ResidualAddCuda(const ResidualAddParams& p, cudaStream_t stream);
 
+// A norm's bf16 output widened to fp32 into a strided buffer: the final norm's output exported as
+// an EAGLE tap (FinalNormTap, an EAGLE-1/2 head's feature) is the bf16 row the LM head reads,
+// each value exactly, in the fp32 columns of the step's tap buffer.
+struct Bf16ToF32Params {
+  const bf16* src = nullptr;  // [rows, src_stride] bf16, device; the first `dim` of each row
+  int64_t src_stride = 0;     // elements
+  float* dst = nullptr;       // [rows, dst_stride] fp32, device; the first `dim` of each row
+  int64_t dst_stride = 0;     // elements
+  int64_t rows = 0;
+  int64_t dim = 0;
+};
+
+cudaError_t Bf16ToF32Cuda(const Bf16ToF32Params& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace specd
 
