@@ -144,12 +144,28 @@ double CostModel::VerifySeconds(int rows, int tokens) const {
   const double prior = VerifyPrior(rows, tokens);
   if (!options_->measure_costs) return prior;
   const int rb = Bucket(rows, kRowBuckets), tb = Bucket(tokens, kTokenBuckets);
-  if (verify_n_[rb][tb] > 0) return prior * verify_ratio_[rb][tb];
   // A measured bucket's cost at this step's row count and at the bucket's own mean tokens.
   auto cost_at = [&](int t) {
     return VerifyPrior(rows, static_cast<int>(std::lround(verify_tokens_[rb][t]))) *
            verify_ratio_[rb][t];
   };
+  if (verify_n_[rb][tb] > 0) {
+    // Between its mean tokens and a measured neighbour's, along the line through the two
+    // measured costs: the prior's slope scaled by each bucket's ratio would price the last
+    // tokens of one bucket dearer than the first of the next (the prior is a CPU's shape), and
+    // on that step down the best assignment of a batch of alike sequences drafts only some of
+    // them.
+    const double x = verify_tokens_[rb][tb];
+    const int step = tokens >= x ? 1 : -1;
+    for (int t = tb + step; t >= 0 && t < kTokenBuckets; t += step) {
+      if (verify_n_[rb][t] == 0) continue;
+      const double x_t = verify_tokens_[rb][t];
+      if ((x_t - x) * step <= 0) break;
+      const double c = cost_at(tb);
+      return c + (tokens - x) / (x_t - x) * (cost_at(t) - c);
+    }
+    return prior * verify_ratio_[rb][tb];
+  }
   // The prior at `x` tokens, scaled by measured bucket t's ratio to it.
   auto prior_at = [&](int t, double x) {
     return VerifyPrior(rows, static_cast<int>(std::lround(x))) * verify_ratio_[rb][t];
