@@ -110,34 +110,54 @@ void AcceptanceEstimate::Observe(const SpecShape& shape, int accepted,
   int* n = chain ? chain_n_ : tree_n_;
   const int last = std::min({accepted + 1, shape.depth, kMaxDepth});
   cache_.policy = 0;  // the expectations change with the rates
+  // The sibling factor LevelRate gives a level of this shape, which ChainRate undoes.
+  const double g = 1.0 + options.sibling_gain * (Width(shape) - 1.0);
   for (int d = 1; d <= last; ++d) {
     const double x = d <= accepted ? 1.0 : 0.0;
     double& r = rate[d - 1];
     // The first samples average plainly, then the average forgets at the EMA's rate.
     const double w = std::max(options.acceptance_ema, 1.0 / (n[d - 1] + 1));
     r = n[d - 1] == 0 ? x : r + w * (x - r);
+    if (!chain) tree_g_[d - 1] = n[d - 1] == 0 ? g : tree_g_[d - 1] + w * (g - tree_g_[d - 1]);
     ++n[d - 1];
   }
 }
 
-double AcceptanceEstimate::ChainRate(int d, const PolicyOptions& options) const {
+double AcceptanceEstimate::OwnChainRate(int d, double* weight) const {
   d = std::clamp(d, 1, kMaxDepth);
-  const double prior = ClampRate(options.acceptance_prior);
-  // Trees are observed at the widths that ran; 1 + gain * (width - 1) of a typical tree.
-  const double tree_g = 1.0 + options.sibling_gain * 2.0;
-  double sum = 2.0 * prior, weight = 2.0;  // the prior counts as two samples
+  double sum = 0;
+  *weight = 0;
   if (chain_n_[d - 1] > 0) {
     const double w = std::min(chain_n_[d - 1], 20);
     sum += w * ClampRate(chain_[d - 1]);
-    weight += w;
+    *weight += w;
   }
   if (tree_n_[d - 1] > 0) {
+    // Trees are observed at the widths that ran: their samples are converted back with the
+    // sibling factor of those widths. A fixed one (a typical tree's) would not be the inverse
+    // of what LevelRate prices a narrower tree with: a sequence running trees of 8 converged
+    // to a chain rate well below its own, so chains looked worse than they are and it kept
+    // the tree.
+    const double tree_g = std::max(tree_g_[d - 1], 1.0);
     const double w = std::min(tree_n_[d - 1], 20);
     const double q = ClampRate(tree_[d - 1]);
     sum += w * (1.0 - std::pow(1.0 - q, 1.0 / tree_g));
-    weight += w;
+    *weight += w;
   }
-  return ClampRate(sum / weight);
+  return *weight > 0 ? sum / *weight : 0.0;
+}
+
+double AcceptanceEstimate::ChainRate(int d, const PolicyOptions& options) const {
+  d = std::clamp(d, 1, kMaxDepth);
+  const std::vector<double>& by_depth = options.acceptance_prior_by_depth;
+  const double prior =
+      ClampRate(by_depth.empty() ? options.acceptance_prior
+                                 : by_depth[std::min<size_t>(d - 1, by_depth.size() - 1)]);
+  double weight;
+  const double own = OwnChainRate(d, &weight);
+  const double base = options.acceptance_prior_samples;
+  const double k = base * std::max(1.0, 3.0 - weight / (2.0 * std::max(base, 1e-9)));
+  return ClampRate((k * prior + weight * own) / (k + weight));
 }
 
 double AcceptanceEstimate::LevelRate(int d, double width, const PolicyOptions& options) const {
@@ -175,6 +195,7 @@ void AcceptanceEstimate::ExpectedAcceptedChains(const PolicyOptions& options,
 
 GoodputPolicy::GoodputPolicy(PolicyOptions options)
     : options_(std::move(options)), costs_(&options_) {
+  std::fill(std::begin(pooled_by_depth_), std::end(pooled_by_depth_), -1.0);
   static std::atomic<uint64_t> next_id{1};
   id_ = next_id.fetch_add(1, std::memory_order_relaxed);
 }
@@ -282,8 +303,20 @@ static_assert(kRowTokenBuckets <= 32 && AcceptanceEstimate::kMaxDepth + 2 <= 32)
 
 PolicyOptions GoodputPolicy::AcceptanceOptions() const {
   PolicyOptions o = options_;
-  if (pooled_rate_ >= 0) o.acceptance_prior = pooled_rate_;
+  if (pooled_rate_ >= 0) {
+    o.acceptance_prior = pooled_rate_;
+    // Depths never pooled take the deepest pooled one's rate.
+    o.acceptance_prior_by_depth.clear();
+    for (const double p : pooled_by_depth_) {
+      o.acceptance_prior_by_depth.push_back(p >= 0 ? p : o.acceptance_prior_by_depth.back());
+    }
+  }
   return o;
+}
+
+double GoodputPolicy::ExpectedAccepted(const PolicySequence& seq, const SpecShape& shape) const {
+  if (seq.acceptance == nullptr) return 0.0;
+  return seq.acceptance->ExpectedAccepted(Clamp(shape, seq.max_depth), AcceptanceOptions());
 }
 
 double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
@@ -320,19 +353,44 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
 
 PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   const size_t n = batch.size();
-  // The pooled prior: the mean depth-1 rate of the sequences that have enough samples to speak
-  // for themselves, averaged over steps so that one batch's mix does not swing it.
+  // The pooled prior: at each depth, the rate of the sequences that have enough samples to
+  // speak for themselves, from their own samples (each weighted by them), averaged over steps so
+  // that one batch's mix does not swing it. Their own samples, not their estimates: those are
+  // shrunk toward the prior, and a prior pooled from them would stay between the constant and
+  // the pair's rate, the more so the more sequences are young (a burst of new requests), and
+  // new sequences would be judged on it.
   {
-    double sum = 0;
-    int count = 0;
+    constexpr int kDepths = AcceptanceEstimate::kMaxDepth;
+    double sum[kDepths] = {}, weight[kDepths] = {};
     for (const PolicySequence& s : batch) {
       if (s.acceptance == nullptr || s.acceptance->samples() < 4) continue;
-      sum += s.acceptance->ChainRate(1, options_);
-      ++count;
+      for (int d = 1; d <= kDepths; ++d) {
+        double w;
+        const double r = s.acceptance->OwnChainRate(d, &w);
+        if (w <= 0) break;  // no samples this deep, nor deeper
+        sum[d - 1] += w * r;
+        weight[d - 1] += w;
+      }
     }
-    if (count > 0) {
-      const double mean = sum / count;
-      pooled_rate_ = pooled_rate_ < 0 ? mean : pooled_rate_ + 0.2 * (mean - pooled_rate_);
+    if (weight[0] > 0) {
+      // A deeper depth is pooled once the batch has a few dozen samples there; until then it
+      // takes the depth above's rate (AcceptanceOptions). Pooled from a handful (the first
+      // steps' trees), it would hold a deep level at a chance figure, and shapes that never
+      // reach that deep would never correct it.
+      constexpr double kDeepWeight = 24;
+      bool changed = false;
+      for (int d = 0; d < kDepths && (d == 0 || weight[d] >= kDeepWeight); ++d) {
+        // Shrunk toward the constant as one sequence's estimate is: a batch of one young
+        // sequence says little, a full batch of them what the pair accepts.
+        const double mean = (2.0 * options_.acceptance_prior + sum[d]) / (2.0 + weight[d]);
+        double& p = pooled_by_depth_[d];
+        const double before = p;
+        p = p < 0 ? mean : p + 0.2 * (mean - p);
+        changed = changed || p != before;
+      }
+      pooled_rate_ = pooled_by_depth_[0];
+      // The candidate caches hold while the priors do (a batch whose estimates stand still).
+      if (changed) ++prior_version_;
     }
   }
   const PolicyOptions acceptance_options = AcceptanceOptions();
@@ -391,8 +449,8 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     // The expectations change only with the estimate (Observe clears them) and the prior, so a
     // sequence not drafted since the last decision keeps them.
     AcceptanceEstimate::CandidateCache& cache = s.acceptance->candidate_cache();
-    if (cache.policy == id_ && cache.prior == acceptance_options.acceptance_prior &&
-        cache.depth == depth_key && cache.gains.size() == nc) {
+    if (cache.policy == id_ && cache.prior == prior_version_ && cache.depth == depth_key &&
+        cache.gains.size() == nc) {
       std::copy(cache.gains.begin(), cache.gains.end(), gain(i));
       continue;
     }
@@ -408,9 +466,28 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
                        : s.acceptance->ExpectedAccepted(shape, acceptance_options);
     }
     cache.policy = id_;
-    cache.prior = acceptance_options.acceptance_prior;
+    cache.prior = prior_version_;
     cache.depth = depth_key;
     cache.gains.assign(gain(i), gain(i) + nc);
+  }
+  // Requests that started together (a burst, a benchmark's wave) finish together only if they
+  // are drafted alike: one left without drafts while the rest draft is left alone at the end,
+  // running steps of a few rows that cost nearly what the full batch's did, and the batch is
+  // done only when it is (bench/CURRENT.md: 0.86x off at 128 streams on the H200, where the
+  // policy drafted part of the batch). So a sequence's expected gain is weighted by what it has
+  // left to generate against the batch's mean: a sequence that falls behind is drafted before
+  // the margin tips, one near its end gives way. Sequences with more left than a draft budget
+  // can see (kMaxTreeNodes) weigh the same, so long generations are priced as before.
+  std::vector<double> emit_weight(n, 1.0);
+  {
+    double left = 0;
+    for (size_t i = 0; i < n; ++i) left += free[i] ? batch[i].max_depth + 1.0 : 0.0;
+    const double mean = free_count > 0 ? left / free_count : 0.0;
+    for (size_t i = 0; i < n && mean > 0; ++i) {
+      if (!free[i]) continue;
+      emit_weight[i] = std::clamp((batch[i].max_depth + 1.0) / mean, 0.5, 2.0);
+      for (size_t c = 0; c < nc; ++c) gain(i)[c] *= emit_weight[i];
+    }
   }
 
   // A row's shape moves it between token buckets: from its pending tokens alone to pending
@@ -429,7 +506,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     if (!s.none() && batch[i].model_draft) {
       t.drafting += sign;
       t.draft_nodes += sign * s.nodes();
-      t.catch_up += sign * CatchUp(batch[i], s, g, options_);
+      t.catch_up += sign * CatchUp(batch[i], s, g / emit_weight[i], options_);
       t.AddDepth(std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1), sign);
     }
   };
@@ -553,7 +630,17 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
         for (size_t k = 0; k < best_k; ++k) start[order[k]] = static_cast<int>(c);
       }
     }
-    if (start_score > previous_score * (1.0 + options_.hysteresis)) choice = start;
+    // Once drafting's costs are measured, the margin is the hysteresis's share of the sequences
+    // that have a decision to keep: sequences never drafted yet (new requests) have none, and
+    // held to it, a batch of them near break-even stays undrafted, while the catch-up each must
+    // first be fed weighs more every step (fewer steps left to spread it over), so that it never
+    // starts. Before, the draft's cost is an optimistic guess, which the margin tempers.
+    size_t settled = 0;
+    for (size_t i = 0; i < n; ++i) {
+      settled += free[i] && (!batch[i].never_drafted || !costs_.draft_measured()) ? 1 : 0;
+    }
+    const double margin = options_.hysteresis * static_cast<double>(settled) / free_count;
+    if (start_score > previous_score * (1.0 + margin)) choice = start;
   }
   // Then single-sequence moves; a sequence leaves its previous shape only for a gain worth
   // its share of the hysteresis margin.
@@ -648,8 +735,14 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     out.shapes[i] = clamped(i)[choice[i]];
+    // A sequence left without drafts on a handful of outcomes (an early miss or two) is probed
+    // sooner, in proportion to them: so little evidence is soon outweighed, and a sequence held
+    // back on it while the rest of its batch drafts is left the last to finish.
+    const int interval =
+        std::max(4, std::min(options_.probe_interval,
+                             options_.probe_interval * batch[i].acceptance->samples() / 16));
     if (out.shapes[i].none() && options_.probe_interval > 0 &&
-        (batch[i].steps_without_draft >= options_.probe_interval || batch[i].never_drafted) &&
+        (batch[i].steps_without_draft >= interval || batch[i].never_drafted) &&
         probes < options_.max_probes_per_step) {
       // Probe only where a probe could be worth it: the short chain would pay if this sequence
       // accepted nearly everything. Elsewhere (a saturated batch, a tiny target, a padded batch
@@ -696,15 +789,25 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // Catch-ups are fed before the step's first draft level, so their cost stalls the whole batch
   // for this one step, however well it is amortised. Bounded like a prefill budget: beyond the
   // first, a sequence starts drafting only while the step's catch-ups cost no more than the
-  // step's verify; the rest start on later steps.
+  // step's verify; the rest start on later steps. Unless that staggering is itself the loss: a
+  // batch of new sequences (a burst of requests) whose drafting pays only all together, because
+  // a draft call and verify's bigger trees cost the whole batch while the few let through gain
+  // little, would run partly drafted for many steps, each dearer than a plain one, and a
+  // sequence that starts drafting late finishes late (bench/CURRENT.md: 0.86x off at 128
+  // streams on the H200). Where the budget's cut is predicted worse than no drafts at all and
+  // the whole choice better by the hysteresis margin, every catch-up is fed in this one step,
+  // once the pair's acceptance has been measured (the pooled rate): before, the few let through
+  // are what measures it, and the whole batch's catch-ups are not staked on the prior.
   // Where the caller can, a long catch-up is fed beside verify instead (PlanCatchUp).
   const double token_s = costs_.CatchUpTokenSeconds();
   double budget =
       options_.catch_up_budget * costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
+  std::vector<std::pair<size_t, SpecShape>> cut;  // sequences the budget cut, and their shapes
   bool first = true;
   for (size_t i = 0; i < n; ++i) {
     if (!free[i] || out.shapes[i].none() || !batch[i].model_draft) continue;
-    const double g = out.reasons[i] == ShapeReason::kProbe ? kProbeGain : gain(i)[choice[i]];
+    const double g =
+        out.reasons[i] == ShapeReason::kProbe ? kProbeGain : gain(i)[choice[i]] / emit_weight[i];
     const CatchUpPlan plan =
         PlanCatchUp(batch[i], out.shapes[i], g, token_s, others, ingest_room, options_);
     if (plan == CatchUpPlan::kIngest)
@@ -718,6 +821,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     const double cost = token_s * CatchUpTokens(batch[i], out.shapes[i]);
     if (cost <= 0) continue;
     if (!first && cost > budget) {
+      cut.emplace_back(i, out.shapes[i]);
       out.shapes[i] = SpecShape();
       out.reasons[i] = ShapeReason::kPolicy;
       continue;
@@ -726,6 +830,19 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     first = false;
   }
   out.predicted_goodput = Goodput(batch, out.shapes);
+  if (!cut.empty() && pooled_rate_ >= 0) {
+    std::vector<SpecShape> whole = out.shapes, plain = out.shapes;
+    for (const auto& [i, shape] : cut) whole[i] = shape;
+    for (size_t i = 0; i < n; ++i) {
+      if (free[i]) plain[i] = SpecShape();
+    }
+    const double whole_goodput = Goodput(batch, whole), plain_goodput = Goodput(batch, plain);
+    if (out.predicted_goodput < plain_goodput &&
+        whole_goodput > plain_goodput * (1.0 + options_.hysteresis)) {
+      out.shapes = std::move(whole);
+      out.predicted_goodput = whole_goodput;
+    }
+  }
   return out;
 }
 

@@ -77,6 +77,18 @@ struct PolicyOptions {
   // sequences have some: from then on a new sequence starts from theirs (the pooled rate), which
   // says more about this draft on this traffic than any constant.
   double acceptance_prior = 0.6;
+  // The same by depth (index d - 1), where it is set: the policy fills it with the rates pooled
+  // at each depth, so that a new sequence starts from the pair's measured acceptance at every
+  // depth, not from its depth-1 rate at all of them (a draft's deeper levels are often accepted
+  // less). Empty: acceptance_prior at every depth; past its end, its last value.
+  std::vector<double> acceptance_prior_by_depth;
+  // How many samples the prior counts as in a sequence's estimate: three times this many while
+  // the sequence has none of its own, falling linearly to this many once it has four times as
+  // many (at that depth, each kind counted up to 20). A young sequence's few outcomes say
+  // little: at a constant two, one early miss of a pair that accepts 0.97 a level took its
+  // estimate to about 0.6, the policy stopped drafting it, and in a batch that started together
+  // it was the last to finish (drafting it again waits for a probe).
+  double acceptance_prior_samples = 2;
   // Weight of a new sample in the acceptance and cost averages.
   double acceptance_ema = 0.15;
   double cost_ema = 0.1;
@@ -146,8 +158,11 @@ class AcceptanceEstimate {
   // ExpectedAccepted of the chains of depth 1..out.size(), into out (the policy prices every
   // chain candidate of every sequence each step).
   void ExpectedAcceptedChains(const PolicyOptions& options, absl::Span<double> out) const;
-  // Conditional acceptance at depth d (1-based) for a chain, from whichever samples exist.
+  // Conditional acceptance at depth d (1-based) for a chain, from whichever samples exist,
+  // shrunk toward the prior at that depth (PolicyOptions::acceptance_prior_samples).
   double ChainRate(int d, const PolicyOptions& options) const;
+  // The same from this sequence's own samples alone, and the weight they carry (0: none).
+  double OwnChainRate(int d, double* weight) const;
   // Verify outcomes observed (at depth 1).
   int samples() const { return chain_n_[0] + tree_n_[0]; }
 
@@ -158,7 +173,7 @@ class AcceptanceEstimate {
   // scratch space: one decision at a time may read a given estimate.
   struct CandidateCache {
     uint64_t policy = 0;  // 0: none
-    double prior = 0;
+    uint64_t prior = 0;   // GoodputPolicy's version of its pooled priors
     int depth = 0;
     std::vector<double> gains;  // one per candidate, "none" first
   };
@@ -171,6 +186,9 @@ class AcceptanceEstimate {
   double tree_[kMaxDepth] = {};
   int chain_n_[kMaxDepth] = {};
   int tree_n_[kMaxDepth] = {};
+  // The sibling factor (1 + sibling_gain * (width - 1)) of the trees observed at each depth,
+  // averaged as the rates are.
+  double tree_g_[kMaxDepth] = {};
   mutable CandidateCache cache_;
 };
 
@@ -207,6 +225,8 @@ class CostModel {
   double VerifyOneTokenSeconds() const { return VerifySeconds(1, 1); }
   double VerifyChain4Seconds() const { return VerifySeconds(1, 5); }
   double DraftLevelSeconds() const;
+  // Whether a draft call has been measured (before, draft costs are the optimistic guess).
+  bool draft_measured() const { return level_measured_; }
 
  private:
   static constexpr int kRowBuckets = 10;    // 1, 2, 3-4, ..., 257+
@@ -302,6 +322,9 @@ class GoodputPolicy {
   // Not const: it also pools the acceptance of the batch's sequences, the prior of new ones.
   PolicyDecision Decide(absl::Span<const PolicySequence> batch);
 
+  // The accepted drafts the policy expects of `shape` for `seq` (with the pooled priors).
+  double ExpectedAccepted(const PolicySequence& seq, const SpecShape& shape) const;
+
   // Predicted tokens/s of `batch` under `shapes` (the objective; also for tests).
   double Goodput(absl::Span<const PolicySequence> batch, absl::Span<const SpecShape> shapes) const;
 
@@ -361,8 +384,11 @@ class GoodputPolicy {
   // Tells this policy's AcceptanceEstimate::CandidateCache entries from another's (its
   // candidates and options differ).
   uint64_t id_ = 0;
-  // Conditional acceptance pooled over the sequences with samples (negative: none yet).
+  // Conditional acceptance pooled over the sequences with samples, at depth 1 and by depth
+  // (negative: none yet), and a version that changes with them (for the candidate caches).
   double pooled_rate_ = -1.0;
+  double pooled_by_depth_[AcceptanceEstimate::kMaxDepth];
+  uint64_t prior_version_ = 0;
 };
 
 }  // namespace specd
