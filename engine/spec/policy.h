@@ -5,11 +5,16 @@
 // scores (pending tokens plus every tree node), and, when any sequence drafts, one draft call
 // whose time grows with the deepest tree (one draft forward per level) and with the tokens per
 // level. Sequence i then emits 1 + E_i[accepted] tokens, where the expected accepted length of a
-// tree follows from that sequence's own acceptance rate at each depth. The policy maximises
-//   goodput = sum_i (1 + E_i[accepted | shape_i]) / (verify(rows, tokens) + draft(levels, ...))
-// over a small candidate set of shapes (none, chains 1..6, trees of 8 and 16 nodes). Both costs
-// are measured online from the steps that ran, in buckets, starting from priors. A bucket never
-// run is predicted from the measured buckets of the same batch size along the token axis
+// tree follows from that sequence's own acceptance rate at each depth (shrunk toward the rates
+// pooled over the batch at that depth, which are also where a new sequence starts). The policy
+// maximises
+//   goodput = sum_i (1 + w_i E_i[accepted | shape_i]) / (verify(rows, tokens) + draft(...))
+// over a small candidate set of shapes (none, chains 1..6, trees of 8 and 16 nodes), where w_i
+// weighs what sequence i has left to generate against the batch's mean (0.5 to 2; what is left
+// counted up to the depth budget's cap, so that long generations weigh alike): requests that
+// started together finish together only if drafted alike. Both costs are measured online from the
+// steps that ran, in buckets, starting from priors (CostModel, cost_model.cc). A bucket is priced
+// along the line through the measured buckets of the same batch size on the token axis
 // (interpolated, extended by their slope, flat beyond a single one), so that the hardware's
 // measured cost curve, not the prior's shape, decides whether more tokens are worth scoring.
 //
