@@ -206,7 +206,12 @@ enum class Overlap {
 // every sequence runs that shape (none: speculation off); otherwise the policy decides.
 // `ingest`: the caller feeds catch-ups beside the verify step as the router does
 // (PolicySequence::can_ingest), where they cost the step only what outlasts its verify;
-// otherwise every catch-up is fed in the draft call, before verify.
+// otherwise every catch-up is fed in the draft call, before verify. `refill`: a slot whose
+// sequence finished takes a new one (closed-loop clients, more requests than streams); else it
+// stays empty once `total_sequences` have started (one wave, as the benchmark sends as many
+// requests as streams). `shared_policy`: the router's policy across runs (null: a fresh one).
+// `depth_decay`: the true rate at each deeper level is this times the level above's. The depth
+// budget is the router's (what is left, up to 256).
 // With overlap, a step whose trees are pre-drafted runs the pre-draft beside verify (both
 // slowed by the device's contention); the router waits past verify for it at most the predicted
 // draft time plus the verify time (beyond: late, and every sequence's next step is plain while
