@@ -477,7 +477,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // policy drafted part of the batch). So a sequence's expected gain is weighted by what it has
   // left to generate against the batch's mean: a sequence that falls behind is drafted before
   // the margin tips, one near its end gives way. Sequences with more left than a draft budget
-  // can see (kMaxTreeNodes) weigh the same, so long generations are priced as before.
+  // can see (kMaxTreeNodes) weigh the same, so long generations are priced as before. The weight
+  // is held to 0.75-1.5: in open traffic, where a finished request's slot is refilled, it bends
+  // the per-step objective, and near break-even a nudge is all a laggard needs.
   std::vector<double> emit_weight(n, 1.0);
   {
     double left = 0;
@@ -485,7 +487,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     const double mean = free_count > 0 ? left / free_count : 0.0;
     for (size_t i = 0; i < n && mean > 0; ++i) {
       if (!free[i]) continue;
-      emit_weight[i] = std::clamp((batch[i].max_depth + 1.0) / mean, 0.5, 2.0);
+      emit_weight[i] = std::clamp((batch[i].max_depth + 1.0) / mean, 0.75, 1.5);
       for (size_t c = 0; c < nc; ++c) gain(i)[c] *= emit_weight[i];
     }
   }
