@@ -11,8 +11,9 @@
 //   goodput = sum_i (1 + w_i E_i[accepted | shape_i]) / (verify(rows, tokens) + draft(...))
 // over a small candidate set of shapes (none, chains 1..6, trees of 8 and 16 nodes), where w_i
 // weighs what sequence i has left to generate against the batch's mean (0.75 to 1.5; what is left
-// counted up to the depth budget's cap, so that long generations weigh alike): requests that
-// started together finish together only if drafted alike. Both costs are measured online from the
+// counted up to the depth budget's cap), where the batch is a cohort (what is left within about
+// a tenth of the mean; 1 otherwise): requests that started together finish together only if
+// drafted alike. Both costs are measured online from the
 // steps that ran, in buckets, starting from priors (CostModel, cost_model.cc). A bucket is priced
 // along the line through the measured buckets of the same batch size on the token axis
 // (interpolated, extended by their slope, flat beyond a single one), so that the hardware's

@@ -182,6 +182,7 @@ struct SimSequence {
   bool hit_ready = false;  // overlap: the next step verifies a pre-drafted tree of hit_shape
   SpecShape hit_shape;
   SpecShape hit_uncut;  // the planned shape hit_shape was cut from
+  int length = 0;       // tokens to generate
 };
 
 struct SimResult {
@@ -211,7 +212,8 @@ enum class Overlap {
 // stays empty once `total_sequences` have started (one wave, as the benchmark sends as many
 // requests as streams). `shared_policy`: the router's policy across runs (null: a fresh one).
 // `depth_decay`: the true rate at each deeper level is this times the level above's. The depth
-// budget is the router's (what is left, up to 256).
+// budget is the router's (what is left, up to 256). `mixed_lengths`: requests of different
+// lengths (length_of).
 // With overlap, a step whose trees are pre-drafted runs the pre-draft beside verify (both
 // slowed by the device's contention); the router waits past verify for it at most the predicted
 // draft time plus the verify time (beyond: late, and every sequence's next step is plain while
@@ -221,7 +223,12 @@ enum class Overlap {
 SimResult Simulate(const Device& device, int concurrency, int total_sequences, int length,
                    bool use_policy, SpecShape fixed, double p, Overlap overlap = Overlap::kOff,
                    bool ingest = true, bool refill = true, GoodputPolicy* shared_policy = nullptr,
-                   double depth_decay = 1.0) {
+                   double depth_decay = 1.0, bool mixed_lengths = false) {
+  // With mixed lengths, the k-th sequence generates from a quarter to 1.75 times `length`.
+  auto length_of = [&](int k) {
+    if (!mixed_lengths) return length;
+    return std::max(2, static_cast<int>(length * (0.25 + 1.5 * std::fmod(0.618034 * k, 1.0))));
+  };
   PolicyOptions options;
   options.padded_rows = device.padded();
   GoodputPolicy own_policy(options);
@@ -231,7 +238,10 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
   bool stream_busy = false;  // a late pre-draft holds the draft stream this step
   std::vector<SimSequence> slots(concurrency);
   int started = concurrency, finished = 0;
-  for (int i = 0; i < concurrency; ++i) slots[i].u_phase = 0.137 * i;
+  for (int i = 0; i < concurrency; ++i) {
+    slots[i].u_phase = 0.137 * i;
+    slots[i].length = length_of(i);
+  }
   double seconds = 0, tokens = 0, drafted = 0, seq_steps = 0;
   double first_expected = 0, first_true = 0;
   double tree_steps = 0, pre_steps = 0, pre_seq = 0, hits = 0;
@@ -242,7 +252,7 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
       s.prompt = device.PromptTokens();
       PolicySequence& in = batch[i];
       in.pending = 1;
-      in.max_depth = std::max(0, std::min(length - s.generated - 1, 256));
+      in.max_depth = std::max(0, std::min(s.length - s.generated - 1, 256));
       in.acceptance = &s.acceptance;
       in.previous = s.previous;
       in.steps_without_draft = s.steps_without_draft;
@@ -385,17 +395,18 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
         ++s.steps_without_draft;
       }
       ++seq_steps;
-      const int emitted = std::min(1 + accepted, length - s.generated);
+      const int emitted = std::min(1 + accepted, s.length - s.generated);
       s.generated += emitted;
       tokens += emitted;
       s.previous = shape;
       ++s.step;
-      if (s.generated + 1 + s.hit_shape.depth > length) s.hit_ready = false;
-      if (s.generated >= length) {
+      if (s.generated + 1 + s.hit_shape.depth > s.length) s.hit_ready = false;
+      if (s.generated >= s.length) {
         ++finished;
         const double phase = 0.291 * started;
         s = SimSequence();
         s.u_phase = std::fmod(phase, 1.0);
+        s.length = length_of(started);
         if (!refill && started >= total_sequences) s.generated = -1;  // the slot stays empty
         ++started;
       }
@@ -523,6 +534,36 @@ TEST(SpecPolicyReplayTest, AutoOnTheH200IsNearTheBestChoiceUpTo128Streams) {
       EXPECT_GE(autop.tokens_per_s, (c == 128 ? 0.98 : 0.92) * best)
           << "p " << p << ", concurrency " << c;
       EXPECT_GE(autop.tokens_per_s, 0.98 * off.tokens_per_s) << "p " << p << ", concurrency " << c;
+    }
+  }
+}
+
+// Open traffic on the same H200: requests of a quarter to 1.75 times 128 tokens, each slot
+// refilled as its request finishes, so that the batch always holds requests with much and
+// little left. The remaining-length weight bends the per-step objective there; `auto` must
+// still not fall below off nor far below the best fixed shape.
+TEST(SpecPolicyReplayTest, AutoOnTheH200WithMixedLengthsIsNeverBelowOff) {
+  const H200Device device;
+  for (const double p : {0.965, 0.85, 0.45}) {
+    // As in the sweep, one router: off and chain4 run before auto on the same policy.
+    PolicyOptions options;
+    options.padded_rows = device.padded();
+    GoodputPolicy policy(options);
+    for (const int c : {16, 128}) {
+      auto run = [&](bool use_policy, SpecShape fixed, bool shared = true) {
+        return Simulate(device, c, 3 * c, 128, use_policy, fixed, p, Overlap::kOff, true, true,
+                        shared ? &policy : nullptr, 1.0, /*mixed_lengths=*/true);
+      };
+      const SimResult off = run(false, SpecShape());
+      const SimResult chain4 = run(false, SpecShape{4, 1, 4});
+      const SimResult autop = run(true, SpecShape());
+      const SimResult chain2 = run(false, SpecShape{2, 1, 2}, false);
+      const double best = std::max({off.tokens_per_s, chain2.tokens_per_s, chain4.tokens_per_s});
+      std::printf("H200 mixed p=%.3f c=%d: off %.0f, chain2 %.2fx, chain4 %.2fx, auto %.4fx\n", p,
+                  c, off.tokens_per_s, chain2.tokens_per_s / off.tokens_per_s,
+                  chain4.tokens_per_s / off.tokens_per_s, autop.tokens_per_s / off.tokens_per_s);
+      EXPECT_GE(autop.tokens_per_s, 0.98 * off.tokens_per_s) << "p " << p << ", concurrency " << c;
+      EXPECT_GE(autop.tokens_per_s, 0.92 * best) << "p " << p << ", concurrency " << c;
     }
   }
 }
