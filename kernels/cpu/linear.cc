@@ -12,6 +12,12 @@ namespace {
 // column tiles of W sweep over it; W is then read once per chunk.
 constexpr int64_t kChunkBytes = 256 * 1024;
 
+// A column tile's NR weight rows are only k floats each (a few dozen cache lines), too short
+// for the hardware prefetchers to train on before the tile is done, and at a few rows the
+// FMAs then wait on memory. The first row tile of a chunk therefore prefetches the weights of
+// the column tile this many tiles ahead, a cache line a row per k step.
+constexpr int64_t kPrefetchTiles = 4;
+
 // One tile: outputs y[r, c] for r < MR, c < NR. x: [MR, k] fp32 at row stride k; w: [NR, k] fp32
 // at row stride k; bias: [NR] fp32 or null; y: [MR, ldy] fp32 (the first NR columns written).
 // All host memory.
@@ -22,6 +28,9 @@ struct TileArgs {
   const float* bias;
   float* y;
   int64_t ldy;
+  // [NR, k] fp32 at row stride k, host, or null: weight rows a later tile reads, touched with
+  // prefetches as this tile's k loop runs (see kPrefetchTiles). Never changes the arithmetic.
+  const float* prefetch = nullptr;
 };
 
 // The portable path: the AVX2 arithmetic lane by lane (std::fma rounds once, as vfmadd does).
@@ -68,6 +77,12 @@ struct Avx2Tile {
       __m256 wv[NR];
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) wv[c] = _mm256_loadu_ps(a.w + c * k + i);
+      if (a.prefetch != nullptr && (i & 15) == 0) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(a.prefetch + c * k + i), _MM_HINT_T0);
+        }
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m256 xv = _mm256_loadu_ps(a.x + r * k + i);
@@ -114,6 +129,12 @@ struct Avx512Tile {
       __m512 wv[NR];
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_ps(a.w + c * k + i);
+      if (a.prefetch != nullptr) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(a.prefetch + c * k + i), _MM_HINT_T0);
+        }
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512 xv = _mm512_loadu_ps(a.x + r * k + i);
@@ -174,11 +195,16 @@ void Sweep(const LinearParams& p, int64_t col_begin, int64_t col_end) {
       a.k = k;
       a.bias = p.bias != nullptr ? p.bias + j : nullptr;
       a.ldy = n;
+      // The first row tile of the chunk fetches the weights from memory; it asks for a tile
+      // kPrefetchTiles ahead (the last full tile of the range near its end).
+      const int64_t ahead = std::min(j + kPrefetchTiles * NR, col_end - NR);
+      a.prefetch = ahead > j ? p.w + ahead * k : nullptr;
       for (int64_t r = r0; r < r1; r += MR) {
         const int mr = static_cast<int>(std::min<int64_t>(MR, r1 - r));
         a.x = p.x + r * k;
         a.y = p.y + r * n + j;
         RunTile<Tile, MR, NR>(mr, nr, a);
+        a.prefetch = nullptr;
       }
     }
   }
@@ -225,8 +251,9 @@ void LinearCpuColumnsIsa(const LinearParams& p, int64_t col_begin, int64_t col_e
   switch (isa) {
 #ifdef SPECD_KERNELS_X86
     case LinearIsa::kAvx512:
-      // 16 accumulators + 4 weight vectors + 1 row vector of the 32 zmm registers.
-      return Sweep<Avx512Tile, 4, 4>(p, col_begin, col_end);
+      // 24 accumulators + 4 weight vectors + 1 row vector of the 32 zmm registers. Six rows,
+      // so that a depth-4 chain's 5 rows run as one tile rather than 4 + a latency-bound 1.
+      return Sweep<Avx512Tile, 6, 4>(p, col_begin, col_end);
     case LinearIsa::kAvx2:
       // 12 accumulators + 3 weight vectors + 1 row vector: the 16 ymm registers.
       return Sweep<Avx2Tile, 4, 3>(p, col_begin, col_end);
