@@ -1,6 +1,8 @@
-// The CPU backend's whole verify step (Backend::Verify), one engine thread, on a random model of
-// the shape of models/pycoder-target (H 320, FFN 864, 5 layers, 5 query heads and 1 KV head of
-// 64, vocab 8192, tied), one sequence with a 256-token context, greedy:
+// The CPU backend's whole verify step (Backend::Verify), one engine thread, on a random bf16 model
+// of the shape of models/pycoder-target (H 320, FFN 864, 5 layers, 5 query heads and 1 KV head of
+// 64, vocab 8192, tied; stored as bf16 as that model is), one sequence with a 256-token context,
+// greedy. The last argument of BM_BackendVerify and BM_ForwardRows is
+// BackendOptions::cpu_bf16_weights (1: matrices kept as bf16, the default; 0: fp32).
 //  - BM_VerifyStep/nodes/accept: a plain step (nodes 0) or a chain of `nodes` draft tokens, of
 //    which the first `accept` are the target's own greedy tokens (so accepted) and the rest are
 //    not. Counters split the step into its phases, µs a step: prep (MakeVerifyForward), forward
@@ -37,6 +39,7 @@ const std::string& PycoderDir() {
     spec.head_dim = 64;
     spec.tie_word_embeddings = true;
     spec.max_position_embeddings = 4096;
+    spec.dtype = DType::kBF16;
     auto* d = new std::string(MakeTempDir("cpu_verify_bench_"));
     if (!WriteRandomCheckpoint(*d, spec).ok()) std::abort();
     return d;
@@ -44,9 +47,10 @@ const std::string& PycoderDir() {
   return *dir;
 }
 
-std::unique_ptr<Backend> Load() {
+std::unique_ptr<Backend> Load(bool bf16_weights = true) {
   BackendOptions options;
   options.num_threads = 1;
+  options.cpu_bf16_weights = bf16_weights;
   absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(PycoderDir(), options);
   if (!b.ok()) std::abort();
   return std::move(*b);
@@ -163,7 +167,7 @@ BENCHMARK(BM_VerifyStep)
 
 // Backend::Verify as the verify service calls it (the same step, timed whole).
 void BM_BackendVerify(benchmark::State& state) {
-  std::unique_ptr<Backend> b = Load();
+  std::unique_ptr<Backend> b = Load(state.range(2) != 0);
   const int nodes = static_cast<int>(state.range(0));
   const int accept = static_cast<int>(state.range(1));
   int32_t pending = Reset(b.get());
@@ -183,15 +187,18 @@ void BM_BackendVerify(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_BackendVerify)
-    ->ArgNames({"nodes", "accept"})
-    ->Args({0, 0})
-    ->Args({4, 2})
-    ->Args({4, 4})
+    ->ArgNames({"nodes", "accept", "bf16"})
+    ->Args({0, 0, 1})
+    ->Args({4, 2, 1})
+    ->Args({4, 4, 1})
+    ->Args({0, 0, 0})
+    ->Args({4, 2, 0})
+    ->Args({4, 4, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
 void BM_ForwardRows(benchmark::State& state) {
-  std::unique_ptr<Backend> b = Load();
+  std::unique_ptr<Backend> b = Load(state.range(2) != 0);
   const int nodes = static_cast<int>(state.range(0));
   const int rows = static_cast<int>(state.range(1));
   Reset(b.get());
@@ -209,10 +216,13 @@ void BM_ForwardRows(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_ForwardRows)
-    ->ArgNames({"nodes", "rows"})
-    ->Args({0, 1})
-    ->Args({4, 1})
-    ->Args({4, 5})
+    ->ArgNames({"nodes", "rows", "bf16"})
+    ->Args({0, 1, 1})
+    ->Args({4, 1, 1})
+    ->Args({4, 5, 1})
+    ->Args({0, 1, 0})
+    ->Args({4, 1, 0})
+    ->Args({4, 5, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -38,7 +38,7 @@ CpuBackend::CpuBackend(ModelConfig config, const BackendOptions& options)
     : config_(std::move(config)),
       table_(kKvBlockTokens, options.kv_capacity_tokens, config_.vocab_size,
              config_.max_position_embeddings),
-      model_(config_, FullModelSlice(config_)) {
+      model_(config_, FullModelSlice(config_), options.cpu_bf16_weights) {
   pool_ = std::make_unique<ThreadPool>(CpuBackendThreads(options));
 }
 
