@@ -154,6 +154,31 @@ absl::Status CpuModel::Load(const TensorStore& st) {
   return absl::OkStatus();
 }
 
+int64_t CpuModel::WeightBytes() const {
+  int64_t bytes = 0;
+  auto add = [&bytes](const std::vector<float>& v) {
+    bytes += static_cast<int64_t>(v.size() * sizeof(float));
+  };
+  auto add_matrix = [&](const Matrix& m) {
+    add(m.f32);
+    bytes += static_cast<int64_t>(m.bf16.size() * sizeof(uint16_t));
+  };
+  add(embed_);
+  add(final_norm_);
+  add_matrix(lm_head_);
+  for (const LayerWeights& w : layers_) {
+    for (const std::vector<float>* v :
+         {&w.input_norm, &w.post_norm, &w.q_bias, &w.k_bias, &w.v_bias, &w.q_norm, &w.k_norm}) {
+      add(*v);
+    }
+    for (const Matrix* m :
+         {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj, &w.down_proj}) {
+      add_matrix(*m);
+    }
+  }
+  return bytes;
+}
+
 void CpuModel::ReserveKvBlocks(int64_t blocks) {
   if (blocks <= kv_blocks_) return;
   const size_t elems = static_cast<size_t>(blocks * kKvBlockTokens * local_kv_dim());

@@ -47,6 +47,9 @@ class CpuModel {
   // file and the tensor).
   absl::Status Load(const TensorStore& store);
 
+  // Bytes of weights held (host): fp32, and bf16 for the matrices kept so.
+  int64_t WeightBytes() const;
+
   // Makes the KV pools hold physical blocks [0, blocks) (contents kept; only grows).
   void ReserveKvBlocks(int64_t blocks);
   // Copies K/V of physical slots src[i] to dst[i], in order, in every layer.
