@@ -259,6 +259,9 @@ struct BackendOptions {
   std::string device = "cpu";            // "cpu" or "cuda:N"
   int64_t kv_capacity_tokens = 1 << 20;  // total cached tokens over all sequences
   int num_threads = 0;                   // cpu: 0 = all cores
+  // cpu: keep the GEMM matrices of a bf16 checkpoint as bf16 (engine/cpu/cpu_model.h): the same
+  // logits bit for bit, half the weight bytes a step reads. False keeps every matrix fp32.
+  bool cpu_bf16_weights = true;
   // Ranks the model is sharded over (engine/tp/tp_plan.h), any value >= 1. On "cpu", > 1 selects
   // the simulated tensor-parallel backend (engine/tp/tp_cpu_backend.h), one thread per rank.
   int tensor_parallel = 1;

@@ -21,15 +21,8 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const std::string
   if (!store.ok()) return store.status();
   LoadProgress progress("cpu");
   if (absl::Status s = backend->model_.Load(**store); !s.ok()) return s;
-  // The CPU model keeps every weight as fp32: that is what it placed.
-  int64_t fp32_bytes = 0;
-  const std::vector<std::string> names = (*store)->Names();
-  for (const std::string& name : names) {
-    if (absl::StatusOr<const TensorView*> view = (*store)->Get(name); view.ok()) {
-      fp32_bytes += (*view)->numel() * static_cast<int64_t>(sizeof(float));
-    }
-  }
-  progress.Add(fp32_bytes, static_cast<int64_t>(names.size()));
+  // What the model holds: fp32, and bf16 for the matrices it kept so.
+  progress.Add(backend->model_.WeightBytes(), static_cast<int64_t>((*store)->Names().size()));
   progress.Finish();
   return backend;
 }
@@ -38,7 +31,7 @@ CpuBackend::CpuBackend(ModelConfig config, const BackendOptions& options)
     : config_(std::move(config)),
       table_(kKvBlockTokens, options.kv_capacity_tokens, config_.vocab_size,
              config_.max_position_embeddings),
-      model_(config_, FullModelSlice(config_)) {
+      model_(config_, FullModelSlice(config_), options.cpu_bf16_weights) {
   pool_ = std::make_unique<ThreadPool>(CpuBackendThreads(options));
 }
 

@@ -1,5 +1,7 @@
 // The fp32 CPU backend: the reference implementation of Backend (engine/backend.h) and what CI
-// runs. Weights are converted to fp32 at load; GEMMs are specd's own batch-invariant kernel (see
+// runs. Weights are converted to fp32 at load, except that the matrices of a bf16 checkpoint stay
+// bf16 in memory and are widened exactly inside the GEMM (BackendOptions::cpu_bf16_weights: the
+// same bits, half the bytes a step streams); GEMMs are specd's own batch-invariant kernel (see
 // kernels/include/specd/kernels/linear.h) with their output columns split over a thread pool,
 // and attention is split over (token, head) pairs on that pool.
 //

@@ -64,11 +64,25 @@ void LinearOnPool(const LinearParams& p, ThreadPool* pool) {
   });
 }
 
-CpuModel::CpuModel(const ModelConfig& config, const TpRankPlan& slice)
+CpuModel::CpuModel(const ModelConfig& config, const TpRankPlan& slice, bool bf16_weights)
     : config_(config),
       slice_(slice),
       kv_group_(config.num_heads / config.num_kv_heads),
+      bf16_weights_(bf16_weights),
       inv_freq_(RopeInvFreq(config)) {}
+
+void CpuModel::Pack(Matrix* m) const {
+  if (!bf16_weights_ || m->f32.empty()) return;
+  std::vector<uint16_t> bits(m->f32.size());
+  for (size_t i = 0; i < m->f32.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &m->f32[i], sizeof(u));
+    if ((u & 0xffffu) != 0) return;  // not a bf16 value: the matrix stays fp32
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  m->bf16 = std::move(bits);
+  m->f32 = std::vector<float>();
+}
 
 absl::Status CpuModel::Load(const TensorStore& st) {
   const ModelConfig& c = config_;
@@ -83,7 +97,12 @@ absl::Status CpuModel::Load(const TensorStore& st) {
       ReadShard(st, "model.norm.weight", {h}, ShardSlice::kAll, none, &final_norm_));
   if (!c.tie_word_embeddings) {
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_));
+        ReadShard(st, "lm_head.weight", {v, h}, ShardSlice::kRows, vocab, &lm_head_.f32));
+    Pack(&lm_head_);
+  } else {
+    lm_head_.f32 = embed_;
+    Pack(&lm_head_);
+    if (lm_head_.bf16.empty()) lm_head_.f32 = std::vector<float>();  // reads embed_ instead
   }
   layers_.resize(c.num_layers);
   for (int l = 0; l < c.num_layers; ++l) {
@@ -91,12 +110,15 @@ absl::Status CpuModel::Load(const TensorStore& st) {
     LayerWeights& w = layers_[l];
     SPECD_RETURN_IF_ERROR_(
         ReadShard(st, p + "input_layernorm.weight", {h}, ShardSlice::kAll, none, &w.input_norm));
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, ShardSlice::kRows, q_rows, &w.q_proj));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.q_proj.weight", {q, h}, ShardSlice::kRows,
+                                     q_rows, &w.q_proj.f32));
+    Pack(&w.q_proj);
     SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.k_proj.weight", {kv, h}, ShardSlice::kRows,
-                                     kv_rows, &w.k_proj));
+                                     kv_rows, &w.k_proj.f32));
+    Pack(&w.k_proj);
     SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.v_proj.weight", {kv, h}, ShardSlice::kRows,
-                                     kv_rows, &w.v_proj));
+                                     kv_rows, &w.v_proj.f32));
+    Pack(&w.v_proj);
     if (c.attention_bias) {
       SPECD_RETURN_IF_ERROR_(
           ReadShard(st, p + "self_attn.q_proj.bias", {q}, ShardSlice::kRows, q_rows, &w.q_bias));
@@ -111,21 +133,50 @@ absl::Status CpuModel::Load(const TensorStore& st) {
       SPECD_RETURN_IF_ERROR_(
           ReadShard(st, p + "self_attn.k_norm.weight", {hd}, ShardSlice::kAll, none, &w.k_norm));
     }
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "self_attn.o_proj.weight", {h, q}, ShardSlice::kCols, q_rows, &w.o_proj));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "self_attn.o_proj.weight", {h, q}, ShardSlice::kCols,
+                                     q_rows, &w.o_proj.f32));
+    Pack(&w.o_proj);
     SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "post_attention_layernorm.weight", {h},
                                      ShardSlice::kAll, none, &w.post_norm));
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "mlp.gate_proj.weight", {f, h}, ShardSlice::kRows, ffn,
+                                     &w.gate_proj.f32));
+    Pack(&w.gate_proj);
     SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "mlp.gate_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.gate_proj));
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "mlp.up_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.up_proj));
-    SPECD_RETURN_IF_ERROR_(
-        ReadShard(st, p + "mlp.down_proj.weight", {h, f}, ShardSlice::kCols, ffn, &w.down_proj));
+        ReadShard(st, p + "mlp.up_proj.weight", {f, h}, ShardSlice::kRows, ffn, &w.up_proj.f32));
+    Pack(&w.up_proj);
+    SPECD_RETURN_IF_ERROR_(ReadShard(st, p + "mlp.down_proj.weight", {h, f}, ShardSlice::kCols, ffn,
+                                     &w.down_proj.f32));
+    Pack(&w.down_proj);
   }
   k_pool_.resize(c.num_layers);
   v_pool_.resize(c.num_layers);
 
   return absl::OkStatus();
+}
+
+int64_t CpuModel::WeightBytes() const {
+  int64_t bytes = 0;
+  auto add = [&bytes](const std::vector<float>& v) {
+    bytes += static_cast<int64_t>(v.size() * sizeof(float));
+  };
+  auto add_matrix = [&](const Matrix& m) {
+    add(m.f32);
+    bytes += static_cast<int64_t>(m.bf16.size() * sizeof(uint16_t));
+  };
+  add(embed_);
+  add(final_norm_);
+  add_matrix(lm_head_);
+  for (const LayerWeights& w : layers_) {
+    for (const std::vector<float>* v :
+         {&w.input_norm, &w.post_norm, &w.q_bias, &w.k_bias, &w.v_bias, &w.q_norm, &w.k_norm}) {
+      add(*v);
+    }
+    for (const Matrix* m :
+         {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj, &w.down_proj}) {
+      add_matrix(*m);
+    }
+  }
+  return bytes;
 }
 
 void CpuModel::ReserveKvBlocks(int64_t blocks) {
@@ -165,11 +216,12 @@ void CpuModel::Norm(const float* x, float* residual, const std::vector<float>& w
   RmsNormCpu(p);
 }
 
-void CpuModel::Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias,
-                      float* y, int64_t rows, int64_t in, int64_t out, ThreadPool* pool) const {
+void CpuModel::Linear(const float* x, const Matrix& w, const std::vector<float>* bias, float* y,
+                      int64_t rows, int64_t in, int64_t out, ThreadPool* pool) const {
   LinearParams p;
   p.x = x;
-  p.w = w.data();
+  p.w = w.f32.data();
+  p.w_bf16 = w.bf16.empty() ? nullptr : w.bf16.data();
   p.bias = bias != nullptr && !bias->empty() ? bias->data() : nullptr;
   p.y = y;
   p.rows = rows;
@@ -342,7 +394,19 @@ void CpuModel::Logits(const StepLayout& l, const std::vector<float>& residual,
     std::memcpy(&last_res[r * H], &residual[l.logit_tokens[r] * H], sizeof(float) * H);
   }
   Norm(last_sub.data(), last_res.data(), final_norm_, last_norm.data(), R, H);
-  Linear(last_norm.data(), lm_head_.empty() ? embed_ : lm_head_, nullptr, out, R, H, V, pool);
+  if (lm_head_.f32.empty() && lm_head_.bf16.empty()) {
+    // Tied embeddings kept as fp32: the LM head is embed_ itself.
+    LinearParams p;
+    p.x = last_norm.data();
+    p.w = embed_.data();
+    p.y = out;
+    p.rows = R;
+    p.in_features = H;
+    p.out_features = V;
+    LinearOnPool(p, pool);
+    return;
+  }
+  Linear(last_norm.data(), lm_head_, nullptr, out, R, H, V, pool);
 }
 
 }  // namespace specd

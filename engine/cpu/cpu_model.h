@@ -36,12 +36,19 @@ void LinearOnPool(const LinearParams& p, ThreadPool* pool);
 
 class CpuModel {
  public:
-  // `slice` must come from a plan for `config` (MakeTpPlan, or FullModelSlice).
-  CpuModel(const ModelConfig& config, const TpRankPlan& slice);
+  // `slice` must come from a plan for `config` (MakeTpPlan, or FullModelSlice). `bf16_weights`:
+  // keep a GEMM matrix whose every value is a bf16 value (a bf16 checkpoint's, widened) as those
+  // 16-bit patterns rather than fp32. A step reads each matrix from memory once, and at a few
+  // rows that traffic is most of its time; LinearCpu widens bf16 exactly, so the logits do not
+  // change by a bit (BackendOptions::cpu_bf16_weights).
+  CpuModel(const ModelConfig& config, const TpRankPlan& slice, bool bf16_weights = true);
 
   // Reads the slice's part of every tensor, checking each tensor's full shape (errors name the
   // file and the tensor).
   absl::Status Load(const TensorStore& store);
+
+  // Bytes of weights held (host): fp32, and bf16 for the matrices kept so.
+  int64_t WeightBytes() const;
 
   // Makes the KV pools hold physical blocks [0, blocks) (contents kept; only grows).
   void ReserveKvBlocks(int64_t blocks);
@@ -67,27 +74,40 @@ class CpuModel {
               const std::vector<float>& sub, float* out, ThreadPool* pool) const;
 
  private:
+  // A GEMM weight matrix, host: fp32 in f32, or (see bf16_weights) its values' bf16 bit
+  // patterns in bf16 with f32 empty.
+  struct Matrix {
+    std::vector<float> f32;
+    std::vector<uint16_t> bf16;
+  };
   struct LayerWeights {
     std::vector<float> input_norm, post_norm;   // [H], replicated
-    std::vector<float> q_proj, k_proj, v_proj;  // [heads held * head_dim, H]: rows
+    Matrix q_proj, k_proj, v_proj;              // [heads held * head_dim, H]: rows
     std::vector<float> q_bias, k_bias, v_bias;  // same rows (Qwen2), else empty
     std::vector<float> q_norm, k_norm;          // [head_dim], replicated (Qwen3), else empty
-    std::vector<float> o_proj;                  // [H, local q dim]: input columns
-    std::vector<float> gate_proj, up_proj;      // [local ffn, H]
-    std::vector<float> down_proj;               // [H, local ffn]
+    Matrix o_proj;                              // [H, local q dim]: input columns
+    Matrix gate_proj, up_proj;                  // [local ffn, H]
+    Matrix down_proj;                           // [H, local ffn]
   };
+
+  // Moves m->f32 to m->bf16 when bf16_weights_ and every value is a bf16 value.
+  void Pack(Matrix* m) const;
 
   void Norm(const float* x, float* residual, const std::vector<float>& w, float* out, int64_t rows,
             int64_t dim) const;
-  void Linear(const float* x, const std::vector<float>& w, const std::vector<float>* bias, float* y,
+  void Linear(const float* x, const Matrix& w, const std::vector<float>* bias, float* y,
               int64_t rows, int64_t in, int64_t out, ThreadPool* pool) const;
   int64_t local_kv_dim() const { return slice_.kv_heads.size() * config_.head_dim; }
 
   const ModelConfig config_;
   const TpRankPlan slice_;
   const int64_t kv_group_;  // query heads per KV head
+  const bool bf16_weights_;
   std::vector<float> inv_freq_;
-  std::vector<float> embed_, final_norm_, lm_head_;  // embed_, lm_head_: [slice vocab, H]
+  std::vector<float> embed_, final_norm_;  // embed_: [slice vocab, H]
+  // [slice vocab, H]: lm_head.weight, or with tied embeddings embed_'s values when packed as
+  // bf16 (embed_ stays fp32 for the lookup), else empty (the LM head reads embed_).
+  Matrix lm_head_;
   std::vector<LayerWeights> layers_;
   int64_t kv_blocks_ = 0;
   std::vector<std::vector<float>> k_pool_, v_pool_;  // per layer [slots, local kv dim] fp32

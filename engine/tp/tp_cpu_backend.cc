@@ -19,12 +19,12 @@ namespace {
 class CpuRankExecutor : public TpRankExecutor {
  public:
   CpuRankExecutor(const ModelConfig& config, const TpPlan& plan, int rank,
-                  std::shared_ptr<const TensorStore> store, int threads)
+                  std::shared_ptr<const TensorStore> store, int threads, bool bf16_weights)
       : c_(config),
         rp_(plan.ranks[rank]),
         store_(std::move(store)),
         threads_(threads),
-        model_(config, plan.ranks[rank]) {}
+        model_(config, plan.ranks[rank], bf16_weights) {}
 
   absl::Status Load() override {
     // The pool's workers belong to this rank, so they are created on its thread.
@@ -108,8 +108,8 @@ absl::StatusOr<std::unique_ptr<TensorParallelBackend>> CreateTpCpuBackend(
 
   std::vector<std::unique_ptr<TpRankExecutor>> executors;
   for (int r = 0; r < n; ++r) {
-    executors.push_back(
-        std::make_unique<CpuRankExecutor>(*config, *plan, r, shared_store, per_rank));
+    executors.push_back(std::make_unique<CpuRankExecutor>(*config, *plan, r, shared_store, per_rank,
+                                                          options.cpu_bf16_weights));
   }
   absl::StatusOr<std::unique_ptr<TensorParallelBackend>> backend = TensorParallelBackend::Create(
       *config, *plan, std::move(executors), std::make_unique<InProcessCommGroup>(n), kKvBlockTokens,

@@ -561,6 +561,54 @@ TEST(CpuBackendThreadsTest, ThreadCountChangesNoBit) {
   }
 }
 
+TEST(CpuBackendThreadsTest, Bf16MatricesGiveTheFp32Bits) {
+  // A bf16 checkpoint's matrices are kept as bf16 (BackendOptions::cpu_bf16_weights): the
+  // logits must be those of the same weights widened to fp32, tied LM head or not, at one row
+  // (decode), a few (a tree) and many (a prefill), also with the GEMMs split over threads.
+  for (bool tied : {true, false}) {
+    RandomCheckpointSpec spec;
+    spec.model_type = "qwen2";  // QKV biases too
+    spec.hidden_size = 96;
+    spec.intermediate_size = 200;
+    spec.num_heads = 4;
+    spec.num_kv_heads = 2;
+    spec.vocab_size = 700;
+    spec.tie_word_embeddings = tied;
+    spec.dtype = DType::kBF16;
+    spec.seed = 21;
+    const std::string dir = WriteModel(spec);
+    std::vector<int32_t> prompt(40);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i * 11 % 256);
+    const ForwardItem tree = {1, {5, 6, 7, 8, 9}, {-1, 0, 0, 1, 3}, {0, 1, 2, 3, 4}};
+    std::vector<std::vector<float>> logits[2];
+    for (int packed = 0; packed < 2; ++packed) {
+      for (int threads : {1, 3}) {
+        BackendOptions opts;
+        opts.kv_capacity_tokens = 1 << 12;
+        opts.num_threads = threads;
+        opts.cpu_bf16_weights = packed == 1;
+        absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(dir, opts);
+        ASSERT_TRUE(b.ok()) << b.status();
+        ASSERT_TRUE((*b)->AddSequence(1).ok());
+        std::vector<float> l;
+        ASSERT_TRUE((*b)->Forward({Chain(1, prompt)}, &l).ok());
+        logits[packed].push_back(l);
+        ASSERT_TRUE((*b)->Commit(1, Iota(static_cast<int>(prompt.size()))).ok());
+        ASSERT_TRUE((*b)->Forward({Chain(1, {3})}, &l).ok());
+        logits[packed].push_back(l);
+        ASSERT_TRUE((*b)->Commit(1, {}).ok());
+        ASSERT_TRUE((*b)->Forward({tree}, &l).ok());
+        logits[packed].push_back(l);
+      }
+    }
+    ASSERT_EQ(logits[0].size(), logits[1].size());
+    for (size_t i = 0; i < logits[0].size(); ++i) {
+      EXPECT_EQ(logits[1][i], logits[0][i]) << "tied " << tied << ", forward " << i;
+      EXPECT_EQ(logits[1][i], logits[1][i % 3]) << "tied " << tied << ", forward " << i;
+    }
+  }
+}
+
 TEST_F(CpuBackendTest, VerifyWithGreedySamplingReproducesPlainDecoding) {
   Backend& b = *backend_;
   const int kNew = 12;

@@ -188,6 +188,45 @@ TEST(LinearCpuTest, ScalarPathHasTheAvx2Bits) {
   }
 }
 
+// Weights rounded to bf16 (the top 16 bits of each fp32), and those bits.
+void RoundToBf16(std::vector<float>* w, std::vector<uint16_t>* bits) {
+  bits->resize(w->size());
+  for (size_t i = 0; i < w->size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &(*w)[i], sizeof(u));
+    u &= 0xffff0000u;
+    std::memcpy(&(*w)[i], &u, sizeof(u));
+    (*bits)[i] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+TEST(LinearCpuTest, Bf16WeightsGiveTheBitsOfTheirFp32Values) {
+  // The CPU model keeps a bf16 checkpoint's matrices as bf16 (engine/cpu/cpu_model.h): every
+  // ISA and tile, k tails included, must give what the same weights as fp32 give.
+  for (LinearIsa isa : SupportedIsas()) {
+    for (auto [in, out] : Shapes()) {
+      for (int64_t rows : {1, 4, 5, 6, 7, 17}) {
+        std::vector<float> w = Random(out * in, 18 + in);
+        std::vector<uint16_t> bits;
+        RoundToBf16(&w, &bits);
+        const std::vector<float> x = Random(rows * in, 19 + rows), b = Random(out, 20);
+        std::vector<float> fp32(rows * out, NAN), bf16(rows * out, NAN);
+        RunIsa(MakeLinear(x, w, &b, &fp32, rows, in, out), isa);
+        LinearParams p = MakeLinear(x, w, &b, &bf16, rows, in, out);
+        p.w = nullptr;
+        p.w_bf16 = bits.data();
+        RunIsa(p, isa);
+        ASSERT_EQ(0, std::memcmp(fp32.data(), bf16.data(), sizeof(float) * rows * out))
+            << LinearIsaName(isa) << " k " << in << " n " << out << " rows " << rows;
+        std::vector<float> naive(rows * out);
+        LinearNaiveCpu(MakeLinear(x, w, &b, &naive, rows, in, out));
+        LinearNaiveCpu(p);
+        ASSERT_EQ(0, std::memcmp(naive.data(), p.y, sizeof(float) * rows * out));
+      }
+    }
+  }
+}
+
 TEST(LinearCpuTest, ZeroRowsAndEmptyColumnRangesWriteNothing) {
   const std::vector<float> x = Random(8, 16), w = Random(8, 17);
   std::vector<float> y(4, 7.0f);

@@ -27,8 +27,12 @@
 namespace specd {
 
 struct LinearParams {
-  const float* x = nullptr;     // [rows, in_features] fp32, host
-  const float* w = nullptr;     // [out_features, in_features] fp32, host
+  const float* x = nullptr;  // [rows, in_features] fp32, host
+  const float* w = nullptr;  // [out_features, in_features] fp32, host
+  // The same matrix as bf16 bit patterns ([out_features, in_features] uint16, host), read
+  // instead of w when set. Widening bf16 to fp32 is exact, so this gives w's bits for the
+  // matrix whose fp32 values these are: half the bytes a call streams, for the same result.
+  const uint16_t* w_bf16 = nullptr;
   const float* bias = nullptr;  // [out_features] fp32, host, or null
   float* y = nullptr;           // [rows, out_features] fp32, host; must not alias x
   int64_t rows = 0;
@@ -52,7 +56,8 @@ void LinearCpuColumns(const LinearParams& p, int64_t col_begin, int64_t col_end)
 // LinearCpuColumns with a given ISA, which must be supported (tests compare the paths).
 void LinearCpuColumnsIsa(const LinearParams& p, int64_t col_begin, int64_t col_end, LinearIsa isa);
 
-// The same product with plain loops (double accumulation); the tests' oracle for LinearCpu.
+// The same product with plain loops (double accumulation; w_bf16 if set); the tests' oracle for
+// LinearCpu.
 void LinearNaiveCpu(const LinearParams& p);
 
 }  // namespace specd
