@@ -21,6 +21,20 @@ namespace {
 // Below this many multiply-adds (keys x heads x head_dim), attention runs on the calling thread.
 constexpr int64_t kInlineAttentionWork = 1 << 16;
 
+// Moves *f32 to *bf16 as bit patterns when every value is a bf16 value; else leaves both.
+void PackBf16(std::vector<float>* f32, std::vector<uint16_t>* bf16) {
+  if (f32->empty()) return;
+  std::vector<uint16_t> bits(f32->size());
+  for (size_t i = 0; i < f32->size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &(*f32)[i], sizeof(u));
+    if ((u & 0xffffu) != 0) return;  // not a bf16 value: the matrix stays fp32
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  *bf16 = std::move(bits);
+  *f32 = std::vector<float>();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<EagleHeadCpu>> EagleHeadCpu::Create(
@@ -40,15 +54,33 @@ absl::StatusOr<std::unique_ptr<EagleHeadCpu>> EagleHeadCpu::Create(
   }
   const int context =
       options.context_length > 0 ? options.context_length : target.max_position_embeddings;
+  Bf16Weights bf16;
+  bf16.layers.resize(weights.layers.size());
+  if (options.cpu_bf16_weights) {
+    PackBf16(&weights.fc, &bf16.fc);
+    PackBf16(&weights.lm_head, &bf16.lm_head);
+    for (size_t i = 0; i < weights.layers.size(); ++i) {
+      EagleHeadWeights::Layer& w = weights.layers[i];
+      Bf16Weights::Layer& b = bf16.layers[i];
+      PackBf16(&w.q_proj, &b.q_proj);
+      PackBf16(&w.k_proj, &b.k_proj);
+      PackBf16(&w.v_proj, &b.v_proj);
+      PackBf16(&w.o_proj, &b.o_proj);
+      PackBf16(&w.gate_proj, &b.gate_proj);
+      PackBf16(&w.up_proj, &b.up_proj);
+      PackBf16(&w.down_proj, &b.down_proj);
+    }
+  }
   std::unique_ptr<EagleHeadCpu> head(
-      new EagleHeadCpu(std::move(config), std::move(weights), context, options));
+      new EagleHeadCpu(std::move(config), std::move(weights), std::move(bf16), context, options));
   return head;
 }
 
-EagleHeadCpu::EagleHeadCpu(EagleHeadConfig config, EagleHeadWeights weights, int context_length,
-                           const EagleHeadOptions& options)
+EagleHeadCpu::EagleHeadCpu(EagleHeadConfig config, EagleHeadWeights weights, Bf16Weights bf16,
+                           int context_length, const EagleHeadOptions& options)
     : config_(std::move(config)),
       w_(std::move(weights)),
+      bf16_(std::move(bf16)),
       context_length_(context_length),
       table_(kKvBlockTokens, options.kv_capacity_tokens, config_.vocab_size, context_length),
       inv_freq_(RopeInvFreq(config_.head)) {
@@ -74,12 +106,13 @@ void EagleHeadCpu::Norm(const float* x, float* residual, const std::vector<float
 }
 
 void EagleHeadCpu::Linear(const float* x, const std::vector<float>& w,
-                          const std::vector<float>* bias, float* y, int64_t rows, int64_t in,
-                          int64_t out) const {
+                          const std::vector<uint16_t>& w16, const std::vector<float>* bias,
+                          float* y, int64_t rows, int64_t in, int64_t out) const {
   if (rows == 0) return;
   LinearParams p;
   p.x = x;
   p.w = w.data();
+  p.w_bf16 = w16.empty() ? nullptr : w16.data();
   p.bias = bias != nullptr && !bias->empty() ? bias->data() : nullptr;
   p.y = y;
   p.rows = rows;
@@ -92,12 +125,13 @@ void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int
                              float* out) {
   const ModelConfig& h = config_.head;
   const EagleHeadWeights::Layer& w = w_.layers[layer];
+  const Bf16Weights::Layer& w16 = bf16_.layers[layer];
   const int64_t T = l.num_tokens, hd = h.head_dim;
   const int64_t QD = int64_t{h.num_heads} * hd, KVD = int64_t{h.num_kv_heads} * hd;
   std::vector<float> q(T * QD), k(T * KVD), v(T * KVD), attn(T * QD);
-  Linear(x, w.q_proj, nullptr, q.data(), T, in, QD);
-  Linear(x, w.k_proj, nullptr, k.data(), T, in, KVD);
-  Linear(x, w.v_proj, nullptr, v.data(), T, in, KVD);
+  Linear(x, w.q_proj, w16.q_proj, nullptr, q.data(), T, in, QD);
+  Linear(x, w.k_proj, w16.k_proj, nullptr, k.data(), T, in, KVD);
+  Linear(x, w.v_proj, w16.v_proj, nullptr, v.data(), T, in, KVD);
   const auto rope = [&](float* y, int64_t heads) {
     RopeParams p;
     p.x = y;
@@ -148,22 +182,23 @@ void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int
       TreeAttentionCpuItems(ap, begin, end);
     });
   }
-  Linear(attn.data(), w.o_proj, nullptr, out, T, QD, h.hidden_size);
+  Linear(attn.data(), w.o_proj, w16.o_proj, nullptr, out, T, QD, h.hidden_size);
 }
 
-void EagleHeadCpu::Mlp(const EagleHeadWeights::Layer& w, const float* x, float* out,
-                       int64_t rows) const {
+void EagleHeadCpu::Mlp(int layer, const float* x, float* out, int64_t rows) const {
+  const EagleHeadWeights::Layer& w = w_.layers[layer];
+  const Bf16Weights::Layer& w16 = bf16_.layers[layer];
   const int64_t H = config_.head.hidden_size, F = config_.head.intermediate_size;
   std::vector<float> gate(rows * F), up(rows * F);
-  Linear(x, w.gate_proj, nullptr, gate.data(), rows, H, F);
-  Linear(x, w.up_proj, nullptr, up.data(), rows, H, F);
+  Linear(x, w.gate_proj, w16.gate_proj, nullptr, gate.data(), rows, H, F);
+  Linear(x, w.up_proj, w16.up_proj, nullptr, up.data(), rows, H, F);
   SwiGluParams sp;
   sp.gate = gate.data();
   sp.up = up.data();
   sp.out = gate.data();
   sp.n = rows * F;
   SwiGluCpu(sp);
-  Linear(gate.data(), w.down_proj, nullptr, out, rows, F, H);
+  Linear(gate.data(), w.down_proj, w16.down_proj, nullptr, out, rows, F, H);
 }
 
 absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleHeadOutputs* out) {
@@ -211,7 +246,7 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
   for (const EagleHeadItem& it : items) {
     const int64_t n = static_cast<int64_t>(it.tokens.size());
     if (e3 && it.input == EagleInput::kTargetFeatures) {
-      Linear(it.inputs.data(), w_.fc, nullptr, &x[t0 * H], n, config_.feature_size(), H);
+      Linear(it.inputs.data(), w_.fc, bf16_.fc, nullptr, &x[t0 * H], n, config_.feature_size(), H);
     } else {
       std::memcpy(&x[t0 * H], it.inputs.data(), sizeof(float) * n * H);
     }
@@ -234,14 +269,14 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
     h = config_.norm_before_residual ? sub : x;
     Attention(0, l, cat.data(), 2 * H, attn.data());
     Norm(attn.data(), h.data(), w.post_norm, normed.data(), T);  // h += attn
-    Mlp(w, normed.data(), sub.data(), T);
+    Mlp(0, normed.data(), sub.data(), T);
     for (int64_t i = 0; i < T * H; ++i) h[i] += sub[i];
   } else {
     for (int64_t t = 0; t < T; ++t) {
       std::memcpy(&cat[t * 2 * H], &emb[t * H], sizeof(float) * H);
       std::memcpy(&cat[t * 2 * H + H], &x[t * H], sizeof(float) * H);
     }
-    Linear(cat.data(), w_.fc, &w_.fc_bias, h.data(), T, 2 * H, H);
+    Linear(cat.data(), w_.fc, bf16_.fc, &w_.fc_bias, h.data(), T, 2 * H, H);
     for (size_t layer = 0; layer < w_.layers.size(); ++layer) {
       const EagleHeadWeights::Layer& w = w_.layers[layer];
       const float* in = h.data();
@@ -251,7 +286,7 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
       }
       Attention(static_cast<int>(layer), l, in, H, attn.data());
       Norm(attn.data(), h.data(), w.post_norm, normed.data(), T);  // h += attn
-      Mlp(w, normed.data(), sub.data(), T);
+      Mlp(static_cast<int>(layer), normed.data(), sub.data(), T);
       for (int64_t i = 0; i < T * H; ++i) h[i] += sub[i];
     }
   }
@@ -266,11 +301,32 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
   if (e3) {
     std::vector<float> rows(R * H);
     Norm(out->hidden.data(), nullptr, w_.norm, rows.data(), R);
-    Linear(rows.data(), w_.lm_head, nullptr, out->logits.data(), R, H, dv);
+    Linear(rows.data(), w_.lm_head, bf16_.lm_head, nullptr, out->logits.data(), R, H, dv);
   } else {
-    Linear(out->hidden.data(), w_.lm_head, nullptr, out->logits.data(), R, H, dv);
+    Linear(out->hidden.data(), w_.lm_head, bf16_.lm_head, nullptr, out->logits.data(), R, H, dv);
   }
   return absl::OkStatus();
+}
+
+int64_t EagleHeadCpu::GemmWeightBytes() const {
+  int64_t bytes = 0;
+  const auto add = [&bytes](const std::vector<float>& f32, const std::vector<uint16_t>& bf16) {
+    bytes += static_cast<int64_t>(f32.size() * sizeof(float) + bf16.size() * sizeof(uint16_t));
+  };
+  add(w_.fc, bf16_.fc);
+  add(w_.lm_head, bf16_.lm_head);
+  for (size_t i = 0; i < w_.layers.size(); ++i) {
+    const EagleHeadWeights::Layer& w = w_.layers[i];
+    const Bf16Weights::Layer& b = bf16_.layers[i];
+    add(w.q_proj, b.q_proj);
+    add(w.k_proj, b.k_proj);
+    add(w.v_proj, b.v_proj);
+    add(w.o_proj, b.o_proj);
+    add(w.gate_proj, b.gate_proj);
+    add(w.up_proj, b.up_proj);
+    add(w.down_proj, b.down_proj);
+  }
+  return bytes;
 }
 
 absl::Status EagleHeadCpu::Commit(SeqId seq, absl::Span<const int32_t> path) {
