@@ -122,29 +122,59 @@ void EagleHeadCpu::Linear(const float* x, const std::vector<float>& w,
 }
 
 void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int64_t in,
-                             float* out) {
+                             const std::vector<int64_t>* rows, float* out) {
   const ModelConfig& h = config_.head;
   const EagleHeadWeights::Layer& w = w_.layers[layer];
   const Bf16Weights::Layer& w16 = bf16_.layers[layer];
   const int64_t T = l.num_tokens, hd = h.head_dim;
   const int64_t QD = int64_t{h.num_heads} * hd, KVD = int64_t{h.num_kv_heads} * hd;
-  std::vector<float> q(T * QD), k(T * KVD), v(T * KVD), attn(T * QD);
-  Linear(x, w.q_proj, w16.q_proj, nullptr, q.data(), T, in, QD);
+  // The queries: all T tokens, or the rows asked for with their positions and keys gathered.
+  const int64_t N = rows == nullptr ? T : static_cast<int64_t>(rows->size());
+  const float* xq = x;
+  const int32_t* positions = l.positions.data();
+  const int32_t* query_seq = l.query_seq.data();
+  const int32_t* prefix_len = l.prefix_len.data();
+  const int32_t* key_offsets = l.key_offsets.data();
+  const int32_t* tree_keys = l.tree_keys.data();
+  std::vector<float> gathered;
+  std::vector<int32_t> q_pos, q_seq, q_prefix, q_offsets, q_keys;
+  if (rows != nullptr) {
+    gathered.resize(N * in);
+    q_offsets.push_back(0);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = (*rows)[i];
+      std::memcpy(&gathered[i * in], x + t * in, sizeof(float) * in);
+      q_pos.push_back(l.positions[t]);
+      q_seq.push_back(l.query_seq[t]);
+      q_prefix.push_back(l.prefix_len[t]);
+      q_keys.insert(q_keys.end(), l.tree_keys.begin() + l.key_offsets[t],
+                    l.tree_keys.begin() + l.key_offsets[t + 1]);
+      q_offsets.push_back(static_cast<int32_t>(q_keys.size()));
+    }
+    xq = gathered.data();
+    positions = q_pos.data();
+    query_seq = q_seq.data();
+    prefix_len = q_prefix.data();
+    key_offsets = q_offsets.data();
+    tree_keys = q_keys.data();
+  }
+  std::vector<float> q(N * QD), k(T * KVD), v(T * KVD), attn(N * QD);
+  Linear(xq, w.q_proj, w16.q_proj, nullptr, q.data(), N, in, QD);
   Linear(x, w.k_proj, w16.k_proj, nullptr, k.data(), T, in, KVD);
   Linear(x, w.v_proj, w16.v_proj, nullptr, v.data(), T, in, KVD);
-  const auto rope = [&](float* y, int64_t heads) {
+  const auto rope = [&](float* y, const int32_t* pos, int64_t tokens, int64_t heads) {
     RopeParams p;
     p.x = y;
-    p.positions = l.positions.data();
+    p.positions = pos;
     p.inv_freq = inv_freq_.data();
-    p.num_tokens = T;
+    p.num_tokens = tokens;
     p.num_heads = heads;
     p.head_dim = hd;
     p.row_stride = heads * hd;
     RopeCpu(p);
   };
-  rope(q.data(), h.num_heads);
-  rope(k.data(), h.num_kv_heads);
+  rope(q.data(), positions, N, h.num_heads);
+  rope(k.data(), l.positions.data(), T, h.num_kv_heads);
 
   KvCacheWriteParams kw;
   kw.k = k.data();
@@ -162,11 +192,11 @@ void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int
   ap.kv.k_cache = k_pool_[layer].data();
   ap.kv.v_cache = v_pool_[layer].data();
   ap.kv.block_tables = l.block_tables.data();
-  ap.query_seq = l.query_seq.data();
-  ap.prefix_len = l.prefix_len.data();
-  ap.tree_key_offsets = l.key_offsets.data();
-  ap.tree_keys = l.tree_keys.data();
-  ap.num_queries = T;
+  ap.query_seq = query_seq;
+  ap.prefix_len = prefix_len;
+  ap.tree_key_offsets = key_offsets;
+  ap.tree_keys = tree_keys;
+  ap.num_queries = N;
   ap.num_heads = h.num_heads;
   ap.num_kv_heads = h.num_kv_heads;
   ap.head_dim = hd;
@@ -174,15 +204,23 @@ void EagleHeadCpu::Attention(int layer, const StepLayout& l, const float* x, int
   ap.kv.max_blocks_per_seq = l.max_blocks_per_seq;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   int64_t keys = 0;
-  for (int64_t i = 0; i < T; ++i) keys += l.prefix_len[i] + l.key_offsets[i + 1] - l.key_offsets[i];
+  for (int64_t i = 0; i < N; ++i) keys += prefix_len[i] + key_offsets[i + 1] - key_offsets[i];
   if (keys * h.num_heads * hd < kInlineAttentionWork) {
     TreeAttentionCpu(ap);  // waking the pool would cost more than the work
   } else {
-    pool_->ParallelFor(T * h.num_heads, 1, [&ap](int64_t begin, int64_t end) {
+    pool_->ParallelFor(N * h.num_heads, 1, [&ap](int64_t begin, int64_t end) {
       TreeAttentionCpuItems(ap, begin, end);
     });
   }
-  Linear(attn.data(), w.o_proj, w16.o_proj, nullptr, out, T, QD, h.hidden_size);
+  Linear(attn.data(), w.o_proj, w16.o_proj, nullptr, out, N, QD, h.hidden_size);
+}
+
+void EagleHeadCpu::Finish(int layer, const float* attn, float* h, int64_t rows) const {
+  const int64_t H = config_.head.hidden_size;
+  std::vector<float> normed(rows * H), mlp(rows * H);
+  Norm(attn, h, w_.layers[layer].post_norm, normed.data(), rows);  // h += attn
+  Mlp(layer, normed.data(), mlp.data(), rows);
+  for (int64_t i = 0; i < rows * H; ++i) h[i] += mlp[i];
 }
 
 void EagleHeadCpu::Mlp(int layer, const float* x, float* out, int64_t rows) const {
@@ -252,12 +290,26 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
     }
     t0 += n;
   }
-  std::vector<float> emb(T * H), normed(T * H), attn(T * H), sub(T * H), cat(T * 2 * H);
+  std::vector<float> emb(T * H), normed(T * H), sub(T * H), cat(T * 2 * H);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(&emb[t * H], &w_.embed[static_cast<int64_t>(l.tokens[t]) * H], sizeof(float) * H);
   }
-  // The residual stream, which ends as the layer output.
-  std::vector<float> h(T * H);
+  // The last layer runs past its keys and values for the requested rows only, so its residual
+  // stream is [R, H], in the order asked for: the layer outputs.
+  const int64_t R = static_cast<int64_t>(l.logit_tokens.size());
+  const int64_t dv = config_.draft_vocab_size;
+  out->hidden.resize(R * H);
+  out->logits.resize(R * dv);
+  std::vector<float> attn(std::max(T, R) * H);
+  // Every token asked for in order takes the plain path (no gather).
+  bool in_order = R == T;
+  for (int64_t r = 0; in_order && r < R; ++r) in_order = l.logit_tokens[r] == r;
+  const std::vector<int64_t>* rows = in_order ? nullptr : &l.logit_tokens;
+  const auto gather = [&](const std::vector<float>& from) {
+    for (int64_t r = 0; r < R; ++r) {
+      std::memcpy(&out->hidden[r * H], &from[l.logit_tokens[r] * H], sizeof(float) * H);
+    }
+  };
   if (e3) {
     const EagleHeadWeights::Layer& w = w_.layers[0];
     Norm(emb.data(), nullptr, w.input_norm, normed.data(), T);
@@ -266,12 +318,12 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
       std::memcpy(&cat[t * 2 * H], &normed[t * H], sizeof(float) * H);
       std::memcpy(&cat[t * 2 * H + H], &sub[t * H], sizeof(float) * H);
     }
-    h = config_.norm_before_residual ? sub : x;
-    Attention(0, l, cat.data(), 2 * H, attn.data());
-    Norm(attn.data(), h.data(), w.post_norm, normed.data(), T);  // h += attn
-    Mlp(0, normed.data(), sub.data(), T);
-    for (int64_t i = 0; i < T * H; ++i) h[i] += sub[i];
+    gather(config_.norm_before_residual ? sub : x);
+    Attention(0, l, cat.data(), 2 * H, rows, attn.data());
+    Finish(0, attn.data(), out->hidden.data(), R);
   } else {
+    // The residual stream of every token up to the last layer.
+    std::vector<float> h(T * H);
     for (int64_t t = 0; t < T; ++t) {
       std::memcpy(&cat[t * 2 * H], &emb[t * H], sizeof(float) * H);
       std::memcpy(&cat[t * 2 * H + H], &x[t * H], sizeof(float) * H);
@@ -284,20 +336,18 @@ absl::Status EagleHeadCpu::Forward(absl::Span<const EagleHeadItem> items, EagleH
         Norm(h.data(), nullptr, w.input_norm, normed.data(), T);
         in = normed.data();
       }
-      Attention(static_cast<int>(layer), l, in, H, attn.data());
-      Norm(attn.data(), h.data(), w.post_norm, normed.data(), T);  // h += attn
-      Mlp(static_cast<int>(layer), normed.data(), sub.data(), T);
-      for (int64_t i = 0; i < T * H; ++i) h[i] += sub[i];
+      const int i = static_cast<int>(layer);
+      if (layer + 1 < w_.layers.size()) {
+        Attention(i, l, in, H, nullptr, attn.data());
+        Finish(i, attn.data(), h.data(), T);
+      } else {
+        gather(h);
+        Attention(i, l, in, H, rows, attn.data());
+        Finish(i, attn.data(), out->hidden.data(), R);
+      }
     }
   }
 
-  const int64_t R = static_cast<int64_t>(l.logit_tokens.size());
-  const int64_t dv = config_.draft_vocab_size;
-  out->hidden.resize(R * H);
-  out->logits.resize(R * dv);
-  for (int64_t r = 0; r < R; ++r) {
-    std::memcpy(&out->hidden[r * H], &h[l.logit_tokens[r] * H], sizeof(float) * H);
-  }
   if (e3) {
     std::vector<float> rows(R * H);
     Norm(out->hidden.data(), nullptr, w_.norm, rows.data(), R);

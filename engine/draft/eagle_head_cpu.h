@@ -66,9 +66,15 @@ class EagleHeadCpu : public EagleHead {
   void Linear(const float* x, const std::vector<float>& w, const std::vector<uint16_t>& w16,
               const std::vector<float>* bias, float* y, int64_t rows, int64_t in,
               int64_t out) const;
-  // Attention of head layer `layer` over the step: x [T, in] (already normed) -> out [T, H],
-  // writing the step's K/V into the layer's pools.
-  void Attention(int layer, const StepLayout& l, const float* x, int64_t in, float* out);
+  // Attention of head layer `layer` over the step: x [T, in] (already normed); writes every
+  // token's K/V into the layer's pools, and the attention output of the tokens `rows` lists
+  // (indices into T; all T in order when null) to out [rows, H]. Only the outputs a step asks
+  // for need queries: the other tokens of a chain are there for their keys and values.
+  void Attention(int layer, const StepLayout& l, const float* x, int64_t in,
+                 const std::vector<int64_t>* rows, float* out);
+  // The rest of layer `layer` for its attention output attn [R, H]: h [R, H] (the residual
+  // stream of those rows) += attn, then += the MLP of its post-attention norm.
+  void Finish(int layer, const float* attn, float* h, int64_t rows) const;
   // out [T, H] = down(silu(gate(x)) * up(x)) for x [T, H].
   void Mlp(int layer, const float* x, float* out, int64_t rows) const;
 

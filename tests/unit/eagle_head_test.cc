@@ -252,6 +252,55 @@ TEST(EagleHeadTest, TheReferenceHeadsBf16MatricesGiveTheFp32Bits) {
   EXPECT_EQ(outs[0].hidden, outs[1].hidden);
 }
 
+// The head's last layer runs queries, attention, o_proj and the MLP for the requested rows only;
+// the other rows of a chain are there for their keys and values. A row's outputs are the same bits
+// whichever other rows are asked for, and the keys left behind serve the next forward alike.
+TEST(EagleHeadTest, OutputsDoNotDependOnWhichOtherRowsAreRequested) {
+  for (const char* name : {"eagle3_head", "eagle3_nbr_head", "eagle1_head"}) {
+    SCOPED_TRACE(name);
+    std::unique_ptr<EagleHead> all = LoadHead(name);
+    std::unique_ptr<EagleHead> last = LoadHead(name);
+    ASSERT_TRUE(all && last);
+    const int64_t fw = all->config().feature_size(), h = all->config().head.hidden_size;
+    std::vector<float> feats(7 * fw);
+    for (size_t i = 0; i < feats.size(); ++i) feats[i] = std::cos(0.29f * static_cast<float>(i));
+    EagleHeadItem chain;
+    chain.seq = 1;
+    chain.tokens = {5, 6, 7, 8, 9, 10, 11};
+    chain.parents = {-1, 0, 1, 2, 3, 4, 5};
+    chain.inputs = feats;
+    EagleHeadOutputs full, one;
+    ASSERT_TRUE(all->AddSequence(1).ok());
+    ASSERT_TRUE(last->AddSequence(1).ok());
+    chain.output_rows = {0, 1, 2, 3, 4, 5, 6};
+    ASSERT_TRUE(all->Forward({chain}, &full).ok());
+    chain.output_rows = {6};
+    ASSERT_TRUE(last->Forward({chain}, &one).ok());
+    const int64_t dv = all->config().draft_vocab_size;
+    EXPECT_EQ(std::vector<float>(full.hidden.begin() + 6 * h, full.hidden.end()), one.hidden);
+    EXPECT_EQ(std::vector<float>(full.logits.begin() + 6 * dv, full.logits.end()), one.logits);
+    chain.output_rows = {};
+    ASSERT_TRUE(all->Commit(1, {0, 1, 2, 3, 4, 5, 6}).ok());
+    ASSERT_TRUE(last->Commit(1, {0, 1, 2, 3, 4, 5, 6}).ok());
+
+    // A tree level over the committed chain, every output asked for: the keys the chain left
+    // behind are the same in both heads.
+    std::vector<float> hidden(one.hidden);
+    hidden.insert(hidden.end(), one.hidden.begin(), one.hidden.end());
+    EagleHeadItem level;
+    level.seq = 1;
+    level.input = EagleInput::kHidden;
+    level.tokens = {30, 31};
+    level.parents = {-1, 0};
+    level.inputs = hidden;
+    level.output_rows = {1, 0};
+    ASSERT_TRUE(all->Forward({level}, &full).ok());
+    ASSERT_TRUE(last->Forward({level}, &one).ok());
+    EXPECT_EQ(full.hidden, one.hidden);
+    EXPECT_EQ(full.logits, one.logits);
+  }
+}
+
 TEST(EagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
   std::unique_ptr<EagleHead> head = LoadHead("eagle3_head");
   std::unique_ptr<EagleHead> twin = LoadHead("eagle3_head");
