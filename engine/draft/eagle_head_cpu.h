@@ -4,7 +4,11 @@
 // (engine/kv/paged_kv_table.h, one pool a head layer).
 //
 // Determinism: as CpuModel, every row's result depends only on its own inputs and keys, so a
-// sequence's outputs do not depend on the other sequences of a batch.
+// sequence's outputs do not depend on the other sequences of a batch, nor on which of its other
+// rows are requested (the last layer computes past its keys and values only for those).
+//
+// Cost: a forward of a few rows is bound by the weight bytes it streams, so a bf16 checkpoint's
+// matrices stay bf16 (EagleHeadOptions::cpu_bf16_weights), widened exactly inside the GEMM.
 //
 // Not thread-safe: one thread drives it.
 #ifndef SPECD_ENGINE_DRAFT_EAGLE_HEAD_CPU_H_
