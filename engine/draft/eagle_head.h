@@ -147,6 +147,11 @@ struct EagleHeadOptions {
   // Longest sequence, in positions; 0: the target's max_position_embeddings.
   int context_length = 0;
   int num_threads = 0;  // 0: all cores
+  // CPU head: keep a GEMM matrix whose every value is a bf16 value (a bf16 checkpoint's,
+  // widened) as those bf16 bit patterns. The head's steps stream their weights (the LM head
+  // alone is draft vocab x H) once per forward, so at a few rows a forward is bound by those
+  // bytes; LinearCpu widens bf16 exactly, so the outputs do not change by a bit.
+  bool cpu_bf16_weights = true;
 };
 
 // Loads the head in `head_dir` for the target model in `target_dir`.

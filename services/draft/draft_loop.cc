@@ -77,6 +77,7 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
     head_options.device = options.backend.device;
     head_options.kv_capacity_tokens = options.backend.kv_capacity_tokens;
     head_options.num_threads = options.backend.num_threads;
+    head_options.cpu_bf16_weights = options.backend.cpu_bf16_weights;
     absl::StatusOr<std::unique_ptr<EagleHead>> head =
         CreateEagleHead(options.eagle_head_dir, options.eagle_target_dir, head_options);
     if (!head.ok()) {

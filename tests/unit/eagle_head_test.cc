@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/io/safetensors.h"
+#include "engine/draft/eagle_head_cpu.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -191,6 +192,113 @@ TEST(EagleHeadTest, TheReferenceHeadLoads) {
   ASSERT_TRUE((*head)->Forward({item}, &out).ok());
   EXPECT_EQ(out.logits.size(), 8192u);
   EXPECT_EQ(out.hidden.size(), 320u);
+}
+
+// The reference head is a bf16 checkpoint: its GEMM matrices are kept as bf16 (half the bytes a
+// forward streams) and give the fp32 matrices' outputs bit for bit, over a chain and a tree level.
+TEST(EagleHeadTest, TheReferenceHeadsBf16MatricesGiveTheFp32Bits) {
+  std::unique_ptr<EagleHead> heads[2];
+  for (int packed = 0; packed < 2; ++packed) {
+    EagleHeadOptions options;
+    options.num_threads = 1;
+    options.cpu_bf16_weights = packed == 1;
+    absl::StatusOr<std::unique_ptr<EagleHead>> head =
+        CreateEagleHead((RepoRoot() / "models" / "pycoder-eagle3").string(),
+                        (RepoRoot() / "models" / "pycoder-target").string(), options);
+    ASSERT_TRUE(head.ok()) << head.status();
+    heads[packed] = *std::move(head);
+  }
+  const auto* fp32 = dynamic_cast<const EagleHeadCpu*>(heads[0].get());
+  const auto* bf16 = dynamic_cast<const EagleHeadCpu*>(heads[1].get());
+  ASSERT_TRUE(fp32 != nullptr && bf16 != nullptr);
+  EXPECT_EQ(bf16->GemmWeightBytes() * 2, fp32->GemmWeightBytes());
+
+  const EagleHeadConfig& c = heads[0]->config();
+  const int64_t fw = c.feature_size(), h = c.head.hidden_size;
+  std::vector<float> feats(6 * fw);
+  for (size_t i = 0; i < feats.size(); ++i) feats[i] = std::sin(0.37f * static_cast<float>(i));
+  EagleHeadItem chain;
+  chain.seq = 1;
+  chain.tokens = {10, 11, 12, 13, 14, 15};
+  chain.parents = {-1, 0, 1, 2, 3, 4};
+  chain.inputs = feats;
+  chain.output_rows = {5, 2};
+  EagleHeadOutputs outs[2];
+  for (int packed = 0; packed < 2; ++packed) {
+    ASSERT_TRUE(heads[packed]->AddSequence(1).ok());
+    ASSERT_TRUE(heads[packed]->Forward({chain}, &outs[packed]).ok());
+    ASSERT_TRUE(heads[packed]->Commit(1, {0, 1, 2, 3, 4, 5}).ok());
+  }
+  ASSERT_EQ(outs[0].logits.size(), 2u * c.draft_vocab_size);
+  EXPECT_EQ(outs[0].logits, outs[1].logits);
+  EXPECT_EQ(outs[0].hidden, outs[1].hidden);
+
+  // A level of four nodes fed the chain's last output.
+  std::vector<float> hidden;
+  for (int i = 0; i < 4; ++i)
+    hidden.insert(hidden.end(), outs[0].hidden.begin(), outs[0].hidden.begin() + h);
+  EagleHeadItem level;
+  level.seq = 1;
+  level.input = EagleInput::kHidden;
+  level.tokens = {20, 21, 22, 23};
+  level.parents = {-1, -1, 0, 1};
+  level.inputs = hidden;
+  level.output_rows = {3, 0, 1, 2};
+  for (int packed = 0; packed < 2; ++packed) {
+    ASSERT_TRUE(heads[packed]->Forward({level}, &outs[packed]).ok());
+  }
+  ASSERT_EQ(outs[0].logits.size(), 4u * c.draft_vocab_size);
+  EXPECT_EQ(outs[0].logits, outs[1].logits);
+  EXPECT_EQ(outs[0].hidden, outs[1].hidden);
+}
+
+// The head's last layer runs queries, attention, o_proj and the MLP for the requested rows only;
+// the other rows of a chain are there for their keys and values. A row's outputs are the same bits
+// whichever other rows are asked for, and the keys left behind serve the next forward alike.
+TEST(EagleHeadTest, OutputsDoNotDependOnWhichOtherRowsAreRequested) {
+  for (const char* name : {"eagle3_head", "eagle3_nbr_head", "eagle1_head"}) {
+    SCOPED_TRACE(name);
+    std::unique_ptr<EagleHead> all = LoadHead(name);
+    std::unique_ptr<EagleHead> last = LoadHead(name);
+    ASSERT_TRUE(all && last);
+    const int64_t fw = all->config().feature_size(), h = all->config().head.hidden_size;
+    std::vector<float> feats(7 * fw);
+    for (size_t i = 0; i < feats.size(); ++i) feats[i] = std::cos(0.29f * static_cast<float>(i));
+    EagleHeadItem chain;
+    chain.seq = 1;
+    chain.tokens = {5, 6, 7, 8, 9, 10, 11};
+    chain.parents = {-1, 0, 1, 2, 3, 4, 5};
+    chain.inputs = feats;
+    EagleHeadOutputs full, one;
+    ASSERT_TRUE(all->AddSequence(1).ok());
+    ASSERT_TRUE(last->AddSequence(1).ok());
+    chain.output_rows = {0, 1, 2, 3, 4, 5, 6};
+    ASSERT_TRUE(all->Forward({chain}, &full).ok());
+    chain.output_rows = {6};
+    ASSERT_TRUE(last->Forward({chain}, &one).ok());
+    const int64_t dv = all->config().draft_vocab_size;
+    EXPECT_EQ(std::vector<float>(full.hidden.begin() + 6 * h, full.hidden.end()), one.hidden);
+    EXPECT_EQ(std::vector<float>(full.logits.begin() + 6 * dv, full.logits.end()), one.logits);
+    chain.output_rows = {};
+    ASSERT_TRUE(all->Commit(1, {0, 1, 2, 3, 4, 5, 6}).ok());
+    ASSERT_TRUE(last->Commit(1, {0, 1, 2, 3, 4, 5, 6}).ok());
+
+    // A tree level over the committed chain, every output asked for: the keys the chain left
+    // behind are the same in both heads.
+    std::vector<float> hidden(one.hidden);
+    hidden.insert(hidden.end(), one.hidden.begin(), one.hidden.end());
+    EagleHeadItem level;
+    level.seq = 1;
+    level.input = EagleInput::kHidden;
+    level.tokens = {30, 31};
+    level.parents = {-1, 0};
+    level.inputs = hidden;
+    level.output_rows = {1, 0};
+    ASSERT_TRUE(all->Forward({level}, &full).ok());
+    ASSERT_TRUE(last->Forward({level}, &one).ok());
+    EXPECT_EQ(full.hidden, one.hidden);
+    EXPECT_EQ(full.logits, one.logits);
+  }
 }
 
 TEST(EagleHeadTest, ForwardTopKIsTheTopKOfForwardsLogits) {
