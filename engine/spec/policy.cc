@@ -434,6 +434,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // can see (kMaxTreeNodes) weigh the same, so long generations are priced as before. The weight
   // is held to 0.75-1.5: near break-even a nudge is all a laggard needs.
   std::vector<double> emit_weight(n, 1.0);
+  bool cohort = false;
   {
     double left = 0;
     for (size_t i = 0; i < n; ++i) left += free[i] ? batch[i].max_depth + 1.0 : 0.0;
@@ -446,6 +447,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     // objective: long requests drafted where drafting loses (0.89x off at 128 streams on the
     // H200 model, p 0.85, in the replay).
     if (free_count == 0 || spread > 0.1 * mean * free_count) mean = 0;
+    cohort = mean > 0;
     for (size_t i = 0; i < n && mean > 0; ++i) {
       if (!free[i]) continue;
       emit_weight[i] = std::clamp((batch[i].max_depth + 1.0) / mean, 0.75, 1.5);
@@ -757,8 +759,11 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // a draft call and verify's bigger trees cost the whole batch while the few let through gain
   // little, would run partly drafted for many steps, each dearer than a plain one, and a
   // sequence that starts drafting late finishes late (bench/CURRENT.md: 0.86x off at 128
-  // streams on the H200). Where the budget's cut is predicted worse than no drafts at all and
-  // the whole choice better by the hysteresis margin, every catch-up is fed in this one step,
+  // streams on the H200). Where the budget's cut is predicted worse than no drafts at all, or
+  // the batch is a cohort (requests that started together: the sequences the cut holds back are
+  // the wave's tail, which the per-step prediction does not see; 0.93x the best fixed shape at
+  // 16 streams in the H200 replay), and the whole choice is better than no drafts by the
+  // hysteresis margin, every catch-up is fed in this one step,
   // once the pair's acceptance has been measured (the pooled rate): before, the few let through
   // are what measures it, and the whole batch's catch-ups are not staked on the prior.
   // Where the caller can, a long catch-up is fed beside verify instead (PlanCatchUp).
@@ -800,7 +805,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       if (free[i]) plain[i] = SpecShape();
     }
     const double whole_goodput = Goodput(batch, whole), plain_goodput = Goodput(batch, plain);
-    if (out.predicted_goodput < plain_goodput &&
+    if ((cohort || out.predicted_goodput < plain_goodput) &&
         whole_goodput > plain_goodput * (1.0 + options_.hysteresis)) {
       out.shapes = std::move(whole);
       out.predicted_goodput = whole_goodput;
