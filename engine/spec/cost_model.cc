@@ -254,8 +254,18 @@ void CostModel::ObserveVerify(int rows, int tokens, double seconds) {
     for (int t = 0; t < kTokenBuckets; ++t) first_of_all = first_of_all && verify_n_[r][t] == 0;
   }
   if (verify_n_[rb][tb] == 0) {
-    verify_ratio_[rb][tb] = VerifyRatio(rb, tb);
+    // A bucket's first sample is its cost, within a factor of 4 of what the model priced it at
+    // until then (along the token axis from the measured buckets; the very first sample of all
+    // as it is, Update). Averaged with a guess, it
+    // would leave the bucket half wrong: with a neighbour's ratio to the prior, carried
+    // through the prior's shape (a CPU's, every token dear), a GPU's bigger trees stayed
+    // priced at nearly twice their cost and were not run again to correct it; with the flat
+    // guess, a padded step's longer rows stayed priced too cheap, and kept being run.
+    const double guess = VerifySeconds(rows, tokens) / VerifyPrior(rows, tokens);
+    verify_ratio_[rb][tb] = first_of_all ? ratio : std::clamp(ratio, guess / 4.0, guess * 4.0);
     verify_tokens_[rb][tb] = tokens;
+    ++verify_n_[rb][tb];
+    return;
   }
   verify_tokens_[rb][tb] += (tokens - verify_tokens_[rb][tb]) / (verify_n_[rb][tb] + 1);
   Update(ratio, first_of_all, &verify_ratio_[rb][tb], &verify_n_[rb][tb]);

@@ -10,31 +10,15 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "engine/spec/shape_math.h"
 
 namespace specd {
 namespace {
 
-// Nodes a tree of this shape can have: max_nodes, or fewer when depth and top_k cap it.
-int ShapeNodes(const SpecShape& s) {
-  if (s.none()) return 0;
-  int64_t total = 0, level = 1;
-  for (int d = 0; d < s.depth && total < s.max_nodes; ++d) {
-    level = std::min<int64_t>(level * std::max(1, s.top_k), 1 << 20);
-    total += level;
-  }
-  return static_cast<int>(std::min<int64_t>(total, s.max_nodes));
-}
-
-bool IsChain(const SpecShape& s) { return s.top_k <= 1 || ShapeNodes(s) <= s.depth; }
-
-// Average siblings per level of a tree (1 for a chain).
-double Width(const SpecShape& s) {
-  if (s.none() || IsChain(s)) return 1.0;
-  return std::clamp(static_cast<double>(ShapeNodes(s)) / s.depth, 1.0,
-                    static_cast<double>(s.top_k));
-}
-
-double ClampRate(double p) { return std::clamp(p, 0.01, 0.99); }
+using spec_internal::ClampRate;
+using spec_internal::IsChain;
+using spec_internal::ShapeNodes;
+using spec_internal::Width;
 
 }  // namespace
 
@@ -100,102 +84,18 @@ int VerifyStepTokens(bool padded_rows, int rows, int total_tokens, int max_row_t
   return static_cast<int>(std::max<int64_t>(padded, total_tokens));
 }
 
-// ---- AcceptanceEstimate ----
-
-void AcceptanceEstimate::Observe(const SpecShape& shape, int accepted,
-                                 const PolicyOptions& options) {
-  if (shape.none()) return;
-  const bool chain = IsChain(shape);
-  double* rate = chain ? chain_ : tree_;
-  int* n = chain ? chain_n_ : tree_n_;
-  const int last = std::min({accepted + 1, shape.depth, kMaxDepth});
-  cache_.policy = 0;  // the expectations change with the rates
-  // The sibling factor LevelRate gives a level of this shape, which ChainRate undoes.
-  const double g = 1.0 + options.sibling_gain * (Width(shape) - 1.0);
-  for (int d = 1; d <= last; ++d) {
-    const double x = d <= accepted ? 1.0 : 0.0;
-    double& r = rate[d - 1];
-    // The first samples average plainly, then the average forgets at the EMA's rate.
-    const double w = std::max(options.acceptance_ema, 1.0 / (n[d - 1] + 1));
-    r = n[d - 1] == 0 ? x : r + w * (x - r);
-    if (!chain) tree_g_[d - 1] = n[d - 1] == 0 ? g : tree_g_[d - 1] + w * (g - tree_g_[d - 1]);
-    ++n[d - 1];
-  }
-}
-
-double AcceptanceEstimate::OwnChainRate(int d, double* weight) const {
-  d = std::clamp(d, 1, kMaxDepth);
-  double sum = 0;
-  *weight = 0;
-  if (chain_n_[d - 1] > 0) {
-    const double w = std::min(chain_n_[d - 1], 20);
-    sum += w * ClampRate(chain_[d - 1]);
-    *weight += w;
-  }
-  if (tree_n_[d - 1] > 0) {
-    // Trees are observed at the widths that ran: their samples are converted back with the
-    // sibling factor of those widths. A fixed one (a typical tree's) would not be the inverse
-    // of what LevelRate prices a narrower tree with: a sequence running trees of 8 converged
-    // to a chain rate well below its own, so chains looked worse than they are and it kept
-    // the tree.
-    const double tree_g = std::max(tree_g_[d - 1], 1.0);
-    const double w = std::min(tree_n_[d - 1], 20);
-    const double q = ClampRate(tree_[d - 1]);
-    sum += w * (1.0 - std::pow(1.0 - q, 1.0 / tree_g));
-    *weight += w;
-  }
-  return *weight > 0 ? sum / *weight : 0.0;
-}
-
-double AcceptanceEstimate::ChainRate(int d, const PolicyOptions& options) const {
-  d = std::clamp(d, 1, kMaxDepth);
-  const std::vector<double>& by_depth = options.acceptance_prior_by_depth;
-  const double prior =
-      ClampRate(by_depth.empty() ? options.acceptance_prior
-                                 : by_depth[std::min<size_t>(d - 1, by_depth.size() - 1)]);
-  double weight;
-  const double own = OwnChainRate(d, &weight);
-  const double base = options.acceptance_prior_samples;
-  const double k = base * std::max(1.0, 3.0 - weight / (2.0 * std::max(base, 1e-9)));
-  return ClampRate((k * prior + weight * own) / (k + weight));
-}
-
-double AcceptanceEstimate::LevelRate(int d, double width, const PolicyOptions& options) const {
-  const double p = ChainRate(d, options);
-  if (width <= 1.0) return p;
-  const double g = 1.0 + options.sibling_gain * (width - 1.0);
-  return 1.0 - std::pow(1.0 - p, g);
-}
-
-double AcceptanceEstimate::ExpectedAccepted(const SpecShape& shape,
-                                            const PolicyOptions& options) const {
-  if (shape.none()) return 0.0;
-  const double width = Width(shape);
-  double reach = 1.0, expected = 0.0;
-  for (int d = 1; d <= shape.depth; ++d) {
-    reach *= LevelRate(d, width, options);
-    expected += reach;
-  }
-  return expected;
-}
-
-void AcceptanceEstimate::ExpectedAcceptedChains(const PolicyOptions& options,
-                                                absl::Span<double> out) const {
-  // The same products and sums as ExpectedAccepted of each chain, so each value is bit for bit
-  // what it would return.
-  double reach = 1.0, expected = 0.0;
-  for (size_t d = 1; d <= out.size(); ++d) {
-    reach *= LevelRate(static_cast<int>(d), 1.0, options);
-    expected += reach;
-    out[d - 1] = expected;
-  }
-}
-
 // ---- GoodputPolicy ----
 
 GoodputPolicy::GoodputPolicy(PolicyOptions options)
     : options_(std::move(options)), costs_(&options_) {
   std::fill(std::begin(pooled_by_depth_), std::end(pooled_by_depth_), -1.0);
+  std::fill(std::begin(pooled_by_rank_), std::end(pooled_by_rank_), -1.0);
+  for (const SpecShape& c : options_.candidates) {
+    if (c.none() || IsChain(c)) continue;
+    const int depth = std::min(c.depth, AcceptanceEstimate::kMaxDepth);
+    pooled_trees_.push_back(
+        {c, std::vector<double>(depth, -1.0), std::vector<double>(depth, -1.0)});
+  }
   static std::atomic<uint64_t> next_id{1};
   id_ = next_id.fetch_add(1, std::memory_order_relaxed);
 }
@@ -311,6 +211,13 @@ PolicyOptions GoodputPolicy::AcceptanceOptions() const {
       o.acceptance_prior_by_depth.push_back(p >= 0 ? p : o.acceptance_prior_by_depth.back());
     }
   }
+  o.tree_priors = pooled_trees_;
+  if (pooled_by_rank_[0] >= 0) {
+    o.sibling_prior_by_rank.clear();
+    for (const double p : pooled_by_rank_) {
+      o.sibling_prior_by_rank.push_back(p >= 0 ? p : o.sibling_prior_by_rank.back());
+    }
+  }
   return o;
 }
 
@@ -361,7 +268,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // new sequences would be judged on it.
   {
     constexpr int kDepths = AcceptanceEstimate::kMaxDepth;
+    constexpr int kRanks = AcceptanceEstimate::kMaxRank;
     double sum[kDepths] = {}, weight[kDepths] = {};
+    double rank_sum[kRanks] = {}, rank_weight[kRanks] = {};
     for (const PolicySequence& s : batch) {
       if (s.acceptance == nullptr || s.acceptance->samples() < 4) continue;
       for (int d = 1; d <= kDepths; ++d) {
@@ -371,6 +280,51 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
         sum[d - 1] += w * r;
         weight[d - 1] += w;
       }
+      for (int r = 1; r <= kRanks; ++r) {
+        double w;
+        const double rate = s.acceptance->OwnSiblingRate(r, &w);
+        if (w <= 0) break;  // no sibling this far back was tried, nor further
+        rank_sum[r - 1] += w * rate;
+        rank_weight[r - 1] += w;
+      }
+    }
+    // Trees' layouts (open levels, path widths), for each tree candidate and depth, the same
+    // way but not shrunk: they are the drafter's, alike for every sequence. Sums by candidate
+    // and depth: open, its weight, width, its weight.
+    std::vector<double> layout;
+    for (const PolicySequence& s : batch) {
+      if (s.acceptance == nullptr || !s.acceptance->has_trees()) continue;
+      if (layout.empty()) layout.assign(pooled_trees_.size() * 4 * kDepths, 0.0);
+      for (size_t j = 0; j < pooled_trees_.size(); ++j) {
+        double* sums = layout.data() + j * 4 * kDepths;
+        s.acceptance->AddTreeLayout(pooled_trees_[j].shape, sums, sums + kDepths,
+                                    sums + 2 * kDepths, sums + 3 * kDepths);
+      }
+    }
+    for (size_t j = 0; j < pooled_trees_.size() && !layout.empty(); ++j) {
+      PolicyOptions::TreePrior& tree = pooled_trees_[j];
+      const double* sums = layout.data() + j * 4 * kDepths;
+      auto pool = [&](double sum, double weight, double* p) {
+        if (weight < 4) return;
+        const double mean = sum / weight;
+        const double before = *p;
+        *p = *p < 0 ? mean : *p + 0.2 * (mean - *p);
+        if (*p != before) ++prior_version_;
+      };
+      for (int d = 1; d <= std::min(tree.shape.depth, kDepths); ++d) {
+        pool(sums[d - 1], sums[kDepths + d - 1], &tree.open[d - 1]);
+        pool(sums[2 * kDepths + d - 1], sums[3 * kDepths + d - 1], &tree.width[d - 1]);
+      }
+    }
+    // Sibling rates pool as the depths do, shrunk toward their constant prior; a rank with too
+    // few samples across the batch takes the rank above's.
+    for (int r = 0; r < kRanks && rank_weight[r] > 0 && (r == 0 || rank_weight[r] >= 24); ++r) {
+      const double mean =
+          (2.0 * options_.sibling_acceptance_prior + rank_sum[r]) / (2.0 + rank_weight[r]);
+      double& p = pooled_by_rank_[r];
+      const double before = p;
+      p = p < 0 ? mean : p + 0.2 * (mean - p);
+      if (p != before) ++prior_version_;
     }
     if (weight[0] > 0) {
       // A deeper depth is pooled once the batch has a few dozen samples there; until then it
@@ -480,6 +434,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // can see (kMaxTreeNodes) weigh the same, so long generations are priced as before. The weight
   // is held to 0.75-1.5: near break-even a nudge is all a laggard needs.
   std::vector<double> emit_weight(n, 1.0);
+  bool cohort = false;
   {
     double left = 0;
     for (size_t i = 0; i < n; ++i) left += free[i] ? batch[i].max_depth + 1.0 : 0.0;
@@ -492,6 +447,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     // objective: long requests drafted where drafting loses (0.89x off at 128 streams on the
     // H200 model, p 0.85, in the replay).
     if (free_count == 0 || spread > 0.1 * mean * free_count) mean = 0;
+    cohort = mean > 0;
     for (size_t i = 0; i < n && mean > 0; ++i) {
       if (!free[i]) continue;
       emit_weight[i] = std::clamp((batch[i].max_depth + 1.0) / mean, 0.75, 1.5);
@@ -803,8 +759,11 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // a draft call and verify's bigger trees cost the whole batch while the few let through gain
   // little, would run partly drafted for many steps, each dearer than a plain one, and a
   // sequence that starts drafting late finishes late (bench/CURRENT.md: 0.86x off at 128
-  // streams on the H200). Where the budget's cut is predicted worse than no drafts at all and
-  // the whole choice better by the hysteresis margin, every catch-up is fed in this one step,
+  // streams on the H200). Where the budget's cut is predicted worse than no drafts at all, or
+  // the batch is a cohort (requests that started together: the sequences the cut holds back are
+  // the wave's tail, which the per-step prediction does not see; 0.93x the best fixed shape at
+  // 16 streams in the H200 replay), and the whole choice is better than no drafts by the
+  // hysteresis margin, every catch-up is fed in this one step,
   // once the pair's acceptance has been measured (the pooled rate): before, the few let through
   // are what measures it, and the whole batch's catch-ups are not staked on the prior.
   // Where the caller can, a long catch-up is fed beside verify instead (PlanCatchUp).
@@ -846,7 +805,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       if (free[i]) plain[i] = SpecShape();
     }
     const double whole_goodput = Goodput(batch, whole), plain_goodput = Goodput(batch, plain);
-    if (out.predicted_goodput < plain_goodput &&
+    if ((cohort || out.predicted_goodput < plain_goodput) &&
         whole_goodput > plain_goodput * (1.0 + options_.hysteresis)) {
       out.shapes = std::move(whole);
       out.predicted_goodput = whole_goodput;

@@ -5,8 +5,10 @@
 // scores (pending tokens plus every tree node), and, when any sequence drafts, one draft call
 // whose time grows with the deepest tree (one draft forward per level) and with the tokens per
 // level. Sequence i then emits 1 + E_i[accepted] tokens, where the expected accepted length of a
-// tree follows from that sequence's own acceptance rate at each depth (shrunk toward the rates
-// pooled over the batch at that depth, which are also where a new sequence starts). The policy
+// tree follows from that sequence's own acceptance rates, measured by sibling rank: its first
+// children's at each depth, its later siblings' where the first missed, and how wide the trees
+// it ran were along their accepted paths (each shrunk toward the rates pooled over the batch,
+// which are also where a new sequence starts). The policy
 // maximises
 //   goodput = sum_i (1 + w_i E_i[accepted | shape_i]) / (verify(rows, tokens) + draft(...))
 // over a small candidate set of shapes (none, chains 1..6, trees of 8 and 16 nodes), where w_i
@@ -98,9 +100,28 @@ struct PolicyOptions {
   // Weight of a new sample in the acceptance and cost averages.
   double acceptance_ema = 0.15;
   double cost_ema = 0.1;
-  // How much each extra sibling at a level raises the chance that a level is accepted, as a
-  // fraction of an independent second guess (siblings are the drafter's less likely tokens).
-  double sibling_gain = 0.5;
+  // Chance that a level's sibling of rank r >= 1 (the drafter's (r+1)-th choice below the
+  // accepted parent) is accepted given that the r better ones were not, before a sequence has
+  // samples and until the batch's sequences have some (then theirs, pooled, as for
+  // acceptance_prior). A tree's level is accepted with 1 - (1 - p) * prod_r (1 - s_r), where p
+  // is the first child's rate (a chain's): siblings rescue a level only where the first choice
+  // missed, and the drafter's later choices are accepted far less than its first.
+  double sibling_acceptance_prior = 0.3;
+  // The same by rank (index r - 1), where set (the policy fills it with the pooled rates).
+  // Past its end, its last value.
+  std::vector<double> sibling_prior_by_rank;
+  // How a tree shape's levels are laid out along the accepted path, by depth (index d - 1),
+  // pooled by the policy over the batch for its tree candidates: the chance that the path's
+  // node at the level above has children at all (`open`: a branch below a sibling is thin,
+  // often a leaf) and how many it has where it has any (`width`). The layout is the drafter's
+  // (engine/draft/tree_builder.h keeps the best nodes: its best path wide, the rest narrow), so
+  // a tree's levels are not all nodes / depth wide. Without them, every level counts as open
+  // and that wide.
+  struct TreePrior {
+    SpecShape shape;
+    std::vector<double> open, width;  // negative: none at that depth
+  };
+  std::vector<TreePrior> tree_priors;
   // Cost priors, in seconds: verify = fixed + per_row * rows + per_token * tokens; one draft
   // level = fixed + per_token * tokens at that level. Rough CPU figures of the reference pair;
   // the measured buckets replace them within a few steps.
@@ -150,27 +171,63 @@ struct PolicyOptions {
   int ingest_catch_up_tokens = 8;
 };
 
-// Per-sequence acceptance, per depth: the rate at which the draft token at depth d was accepted
-// given that its parent was, as an exponential moving average, kept separately for chains and
-// for trees (a tree accepts a level more often than a chain of the same depth).
+// One level of a verified tree along its accepted path: how many children the path's node had
+// there (the drafter's candidates for that position, best first, as the tree builders order
+// siblings), and which of them the verifier accepted (-1: none; the path ends there).
+struct LevelOutcome {
+  int siblings = 1;
+  int accepted_rank = -1;
+
+  bool operator==(const LevelOutcome& o) const {
+    return siblings == o.siblings && accepted_rank == o.accepted_rank;
+  }
+};
+
+// Per-sequence acceptance: the rate at which the first child (rank 0: the drafter's best guess,
+// what a chain drafts) at depth d is accepted given that its parent was, and the rate at which a
+// sibling of rank r is accepted given that its parent was and the r better ones were not (pooled
+// over depths), each as an exponential moving average. A tree's outcome says which rank each
+// accepted level took, so trees and chains feed the same first-child rates, and a tree's
+// expectation is computed from measured sibling rates and from the widths its accepted paths
+// had (per tree shape run), not from an assumed sibling law on a uniform width.
 class AcceptanceEstimate {
  public:
   static constexpr int kMaxDepth = 16;
+  static constexpr int kMaxRank = 8;  // sibling ranks tracked; deeper ones count as the last
 
-  // One verify outcome of a step that ran `shape` and accepted `accepted` draft tokens.
+  // One verify outcome of a step that ran `shape`: the levels its accepted path reached, the
+  // first one at levels[0], ending with the level nothing was accepted at (unless the path
+  // reached the tree's bottom).
+  void Observe(const SpecShape& shape, absl::Span<const LevelOutcome> levels,
+               const PolicyOptions& options);
+  // The same knowing only how many drafts were accepted: each accepted level is taken as its
+  // first child's, the missed one as a miss of every sibling of the shape's average width
+  // (exact for a chain; a tree's outcome should come with its ranks, PathLevels).
   void Observe(const SpecShape& shape, int accepted, const PolicyOptions& options);
   // Expected accepted draft tokens of `shape`.
   double ExpectedAccepted(const SpecShape& shape, const PolicyOptions& options) const;
   // ExpectedAccepted of the chains of depth 1..out.size(), into out (the policy prices every
   // chain candidate of every sequence each step).
   void ExpectedAcceptedChains(const PolicyOptions& options, absl::Span<double> out) const;
-  // Conditional acceptance at depth d (1-based) for a chain, from whichever samples exist,
-  // shrunk toward the prior at that depth (PolicyOptions::acceptance_prior_samples).
+  // Conditional acceptance of the first child at depth d (1-based), shrunk toward the prior at
+  // that depth (PolicyOptions::acceptance_prior_samples).
   double ChainRate(int d, const PolicyOptions& options) const;
   // The same from this sequence's own samples alone, and the weight they carry (0: none).
   double OwnChainRate(int d, double* weight) const;
+  // Conditional acceptance of the sibling of rank r (1-based), shrunk toward the prior of that
+  // rank; and from own samples alone, with their weight.
+  double SiblingRate(int r, const PolicyOptions& options) const;
+  double OwnSiblingRate(int r, double* weight) const;
   // Verify outcomes observed (at depth 1).
-  int samples() const { return chain_n_[0] + tree_n_[0]; }
+  int samples() const { return chain_n_[0]; }
+  // Whether a tree was observed (its layout is kept per shape).
+  bool has_trees() const { return tree_count_ > 0; }
+  // Adds this sequence's own layout samples of trees of `shape`, at each depth d (index d - 1
+  // of arrays of kMaxDepth), weighted by their count (at most 20): the chance that the path's
+  // node had children (`open`, its weight `open_weight`) and how many where it had any
+  // (`width`, `width_weight`).
+  void AddTreeLayout(const SpecShape& shape, double* open, double* open_weight, double* width,
+                     double* width_weight) const;
 
   // GoodputPolicy::Decide's expectations of its candidates for this estimate, and what they
   // were computed with (the policy, its acceptance prior, the depth budget as far as it cuts a
@@ -186,15 +243,35 @@ class AcceptanceEstimate {
   CandidateCache& candidate_cache() const { return cache_; }
 
  private:
-  double LevelRate(int d, double width, const PolicyOptions& options) const;
+  // Chance that none of a level's siblings is accepted where its first child was not, for
+  // `width` children on average (a fractional last sibling counts in proportion), from the
+  // sibling rates of ranks 1.. in `rates`.
+  static double SiblingMiss(double width, absl::Span<const double> rates);
 
-  double chain_[kMaxDepth] = {};
-  double tree_[kMaxDepth] = {};
+  // Per tree shape run (the first kTreeShapes of them), by depth.
+  static constexpr int kTreeShapes = 4;
+  struct TreeRecord {
+    SpecShape shape;
+    double open[kMaxDepth] = {};
+    int open_n[kMaxDepth] = {};
+    double width[kMaxDepth] = {};
+    int width_n[kMaxDepth] = {};
+  };
+  const TreeRecord* FindTree(const SpecShape& shape) const;
+  TreeRecord* FindTree(const SpecShape& shape) {
+    return const_cast<TreeRecord*>(static_cast<const AcceptanceEstimate*>(this)->FindTree(shape));
+  }
+  // A level's chance of being accepted in a tree of `shape` (`record`: its samples, may be
+  // null), `sibling_rates` being SiblingRate of ranks 1...
+  double TreeLevelRate(const SpecShape& shape, const TreeRecord* record, int d,
+                       absl::Span<const double> sibling_rates, const PolicyOptions& options) const;
+
+  TreeRecord trees_[kTreeShapes];
+  int tree_count_ = 0;
+  double chain_[kMaxDepth] = {};  // the first child's rate, by depth
   int chain_n_[kMaxDepth] = {};
-  int tree_n_[kMaxDepth] = {};
-  // The sibling factor (1 + sibling_gain * (width - 1)) of the trees observed at each depth,
-  // averaged as the rates are.
-  double tree_g_[kMaxDepth] = {};
+  double sibling_[kMaxRank] = {};  // by rank - 1
+  int sibling_n_[kMaxRank] = {};
   mutable CandidateCache cache_;
 };
 
@@ -394,6 +471,10 @@ class GoodputPolicy {
   // (negative: none yet), and a version that changes with them (for the candidate caches).
   double pooled_rate_ = -1.0;
   double pooled_by_depth_[AcceptanceEstimate::kMaxDepth];
+  // Sibling acceptance pooled the same way, by rank (negative: none yet).
+  double pooled_by_rank_[AcceptanceEstimate::kMaxRank];
+  // PolicyOptions::tree_priors of the tree candidates, pooled the same way.
+  std::vector<PolicyOptions::TreePrior> pooled_trees_;
   uint64_t prior_version_ = 0;
 };
 

@@ -8,12 +8,9 @@ namespace specd {
 
 const char* FinishReasonName(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kNone:
-      return "none";
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kStop:
-      return "stop";
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
   }
   return "unknown";
 }
@@ -41,8 +38,7 @@ SequenceState::SequenceState(std::vector<int32_t> prompt, const StopConditions& 
     : tokens_(std::move(prompt)), prompt_len_(tokens_.size()), stop_(stop) {}
 
 absl::StatusOr<SequenceState> SequenceState::Create(std::vector<int32_t> prompt,
-                                                    const StopConditions& stop,
-                                                    int vocab_size) {
+                                                    const StopConditions& stop, int vocab_size) {
   if (prompt.empty()) return absl::InvalidArgumentError("prompt: empty");
   if (absl::Status s = CheckTokenIds(prompt, vocab_size, "prompt"); !s.ok()) return s;
   if (stop.max_new_tokens < 1) {
@@ -97,6 +93,35 @@ void SequenceState::Plan(const SpecShape& shape, ShapeReason reason) {
   planned_reason_ = reason;
 }
 
+std::vector<LevelOutcome> PathLevels(const TokenTree& tree,
+                                     absl::Span<const int32_t> accepted_nodes) {
+  std::vector<LevelOutcome> levels;
+  if (tree.empty()) return levels;
+  int32_t parent = -1;  // the path's node at the level above (-1: the tree's top)
+  for (size_t level = 0; level <= accepted_nodes.size(); ++level) {
+    const int32_t accepted = level < accepted_nodes.size() ? accepted_nodes[level] : -2;
+    LevelOutcome out{0, -1};
+    // Parents precede their children, so the path's children follow it in the node order.
+    for (int32_t i = parent + 1; i < tree.size(); ++i) {
+      if (tree.parents[i] != parent) continue;
+      if (i == accepted) out.accepted_rank = out.siblings;
+      ++out.siblings;
+    }
+    if (out.siblings == 0) {
+      // A leaf: the path reached the bottom of its branch (a level with no candidates, which
+      // the estimate counts where the shape is deeper), or the outcome does not fit the tree.
+      if (accepted != -2) return {};
+      levels.push_back(out);
+      break;
+    }
+    if (accepted != -2 && out.accepted_rank < 0) return {};  // not a child of the path's node
+    levels.push_back(out);
+    if (accepted == -2) break;
+    parent = accepted;
+  }
+  return levels;
+}
+
 absl::Status SequenceState::CheckOutcome(const VerifyOutcome& outcome, const TokenTree& tree,
                                          int vocab_size) {
   const int accepted = outcome.accepted_draft;
@@ -128,7 +153,15 @@ absl::Span<const int32_t> SequenceState::Apply(const VerifyOutcome& outcome,
     ran.depth = std::min(ran.depth, TreeMaxDepth(tree));
     ran.max_nodes = static_cast<int>(tree.size());
     if (ran.max_nodes <= ran.depth) ran.top_k = 1;
-    acceptance_.Observe(ran, outcome.accepted_draft, acceptance_options_);
+    // The ranks the path took say whether a tree's siblings or its first children were
+    // accepted; an outcome without its nodes is counted as a chain's.
+    const std::vector<LevelOutcome> levels = PathLevels(tree, outcome.accepted_nodes);
+    if (!levels.empty() &&
+        static_cast<int>(outcome.accepted_nodes.size()) == outcome.accepted_draft) {
+      acceptance_.Observe(ran, levels, acceptance_options_);
+    } else {
+      acceptance_.Observe(ran, outcome.accepted_draft, acceptance_options_);
+    }
     steps_without_draft_ = 0;
   } else {
     ++steps_without_draft_;
@@ -141,9 +174,8 @@ absl::Span<const int32_t> SequenceState::Apply(const VerifyOutcome& outcome,
 }
 
 bool SequenceState::IsStop(int32_t token) const {
-  if (!stop_.ignore_eos &&
-      std::find(stop_.eos_token_ids.begin(), stop_.eos_token_ids.end(), token) !=
-          stop_.eos_token_ids.end()) {
+  if (!stop_.ignore_eos && std::find(stop_.eos_token_ids.begin(), stop_.eos_token_ids.end(),
+                                     token) != stop_.eos_token_ids.end()) {
     return true;
   }
   return std::find(stop_.stop_token_ids.begin(), stop_.stop_token_ids.end(), token) !=

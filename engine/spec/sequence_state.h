@@ -57,6 +57,14 @@ struct SpecStats {
   void Add(const SpecStats& other);
 };
 
+// The levels of `tree` that a verify outcome's accepted path (`accepted_nodes`, tree node
+// indices in order) reached, as AcceptanceEstimate::Observe takes them: at each level, how many
+// children the path's node had and which of them (by rank: siblings are ordered best first)
+// was accepted, ending with the level where none was (unless the path reached a leaf). Empty
+// when `accepted_nodes` is not a path of `tree` from its top.
+std::vector<LevelOutcome> PathLevels(const TokenTree& tree,
+                                     absl::Span<const int32_t> accepted_nodes);
+
 class SequenceState {
  public:
   // INVALID_ARGUMENT naming the field for an empty or out-of-vocabulary prompt, max_new_tokens

@@ -114,8 +114,7 @@ TEST(SequenceStateTest, CreateValidates) {
   EXPECT_THAT(SequenceState::Create({}, stop, 300).status().message(), HasSubstr("prompt"));
   EXPECT_THAT(SequenceState::Create({1, 300}, stop, 300).status().message(),
               HasSubstr("prompt[1]"));
-  EXPECT_THAT(SequenceState::Create({1, -2}, stop, 300).status().message(),
-              HasSubstr("prompt[1]"));
+  EXPECT_THAT(SequenceState::Create({1, -2}, stop, 300).status().message(), HasSubstr("prompt[1]"));
   stop.max_new_tokens = 0;
   EXPECT_THAT(SequenceState::Create({1}, stop, 300).status().message(),
               HasSubstr("max_new_tokens"));
@@ -139,7 +138,6 @@ TEST(SequenceStateTest, StatsAdd) {
   EXPECT_EQ(a.accepted_tokens, 4);
   EXPECT_THAT(a.accepted_per_position, ElementsAre(3, 2, 1));
 }
-
 
 // A chain tree of `tokens`, each node the child of the previous one.
 TokenTree Chain(std::vector<int32_t> tokens) {
@@ -223,6 +221,70 @@ TEST(SequenceStateTest, OneEosRule) {
   EXPECT_THAT(stop.ActiveEosIds(), ElementsAre(256, 257));
   stop.ignore_eos = true;
   EXPECT_THAT(stop.ActiveEosIds(), IsEmpty());
+}
+
+// A tree of two levels below the last token: nodes 0 and 1 its first and second choice, 0 with
+// the children 2 and 3, 1 with the child 4 (siblings best first, as the drafters order them).
+TokenTree TwoBranches() {
+  TokenTree t;
+  t.tokens = {10, 11, 12, 13, 14};
+  t.parents = {-1, -1, 0, 0, 1};
+  return t;
+}
+
+TEST(SequenceStateTest, PathLevelsGiveEachLevelsRankAndSiblings) {
+  const TokenTree tree = TwoBranches();
+  // Nothing accepted: the first level, its two candidates both missed.
+  EXPECT_THAT(PathLevels(tree, {}), ElementsAre(LevelOutcome{2, -1}));
+  // The first choice, then neither of its children.
+  EXPECT_THAT(PathLevels(tree, {0}), ElementsAre(LevelOutcome{2, 0}, LevelOutcome{2, -1}));
+  // The first choice's second child, a leaf: nothing below to miss, the level has no candidate.
+  EXPECT_THAT(PathLevels(tree, {0, 3}),
+              ElementsAre(LevelOutcome{2, 0}, LevelOutcome{2, 1}, LevelOutcome{0, -1}));
+  // The second choice, whose branch has one child.
+  EXPECT_THAT(PathLevels(tree, {1, 4}),
+              ElementsAre(LevelOutcome{2, 1}, LevelOutcome{1, 0}, LevelOutcome{0, -1}));
+  // Not a path of the tree (2 hangs below 0, not the top; 4 below 1, not 0): nothing.
+  EXPECT_THAT(PathLevels(tree, {2}), IsEmpty());
+  EXPECT_THAT(PathLevels(tree, {0, 4}), IsEmpty());
+  EXPECT_THAT(PathLevels(TokenTree(), {}), IsEmpty());
+}
+
+// A tree's outcome feeds the first-child rates by the ranks its path took: a tree whose first
+// choices always miss and whose second choices are accepted tells the policy that chains of
+// this draft accept nothing, not that they accept what the tree did.
+TEST(SequenceStateTest, TreeOutcomesTeachTheFirstChildAndSiblingRatesApart) {
+  StopConditions stop;
+  stop.max_new_tokens = 200;
+  SequenceState s = Make({1, 2, 3}, stop);
+  const PolicyOptions options;
+  const SpecShape tree_shape{2, 2, 5};
+  const double first_prior = s.acceptance().ChainRate(1, options);
+  const double sibling_prior = s.acceptance().SiblingRate(1, options);
+  for (int i = 0; i < 20; ++i) {
+    s.Plan(tree_shape, ShapeReason::kPolicy);
+    VerifyOutcome o = Outcome({11, 14, 9});
+    o.accepted_nodes = {1, 4};  // the second choice, then its one child
+    EXPECT_THAT(s.Apply(o, TwoBranches()), ElementsAre(11, 14, 9));
+  }
+  EXPECT_LT(s.acceptance().ChainRate(1, options), first_prior);
+  EXPECT_LT(s.acceptance().ChainRate(1, options), 0.2);
+  EXPECT_GT(s.acceptance().SiblingRate(1, options), sibling_prior);
+  EXPECT_GT(s.acceptance().SiblingRate(1, options), 0.8);
+  // Below the second choice the one child was always accepted (at depth 2 the first child).
+  EXPECT_GT(s.acceptance().ChainRate(2, options), 0.8);
+  // So a chain of 2 is expected to accept little, the tree nearly both levels.
+  EXPECT_LT(s.acceptance().ExpectedAccepted(SpecShape{2, 1, 2}, options), 0.3);
+  EXPECT_GT(s.acceptance().ExpectedAccepted(tree_shape, options), 1.4);
+  // An outcome without its nodes (a verifier that sent none) counts as a chain's.
+  SequenceState t = Make({1, 2, 3}, stop);
+  for (int i = 0; i < 20; ++i) {
+    t.Plan(tree_shape, ShapeReason::kPolicy);
+    VerifyOutcome o = Outcome({11, 14, 9});
+    o.accepted_nodes.clear();
+    t.Apply(o, TwoBranches());
+  }
+  EXPECT_GT(t.acceptance().ChainRate(1, options), 0.8);
 }
 
 }  // namespace

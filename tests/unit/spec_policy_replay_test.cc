@@ -168,6 +168,37 @@ double TrueLevelRate(double p, double width) {
   return 1.0 - (1.0 - p) * std::pow(0.75, std::max(0.0, width - 1.0));
 }
 
+// The levels a verify outcome of `shape` reached, drawn by one uniform `u` from TrueLevelRate's
+// law and reported by rank, as a tree's outcome is (PathLevels): each level has ceil(width)
+// candidates, best first; the first is accepted with the level's chain rate, each later one
+// with 0.25 where the ones before it were not (a fractional last one with what makes the
+// level's miss 0.75^(width - 1)). `u` is rescaled at each choice, so for a chain this is the
+// deepest d with u < p^d. Returns the accepted depth.
+int SampleSimLevels(const SpecShape& shape, double u, double p, double depth_decay,
+                    std::vector<LevelOutcome>* levels) {
+  const double width = std::clamp(static_cast<double>(shape.nodes()) / shape.depth, 1.0,
+                                  static_cast<double>(std::max(shape.top_k, 1)));
+  const int k = static_cast<int>(std::ceil(width - 1e-9));
+  levels->clear();
+  double level_p = p;
+  for (int d = 1; d <= shape.depth; ++d, level_p *= depth_decay) {
+    LevelOutcome out{k, -1};
+    for (int r = 0; r < k && out.accepted_rank < 0; ++r) {
+      const double extra = std::min(1.0, width - r);  // the last rank's share of a sibling
+      const double rate = r == 0 ? level_p : 1.0 - std::pow(0.75, extra);
+      if (u < rate) {
+        u /= rate;
+        out.accepted_rank = r;
+      } else {
+        u = (u - rate) / (1.0 - rate);
+      }
+    }
+    levels->push_back(out);
+    if (out.accepted_rank < 0) return d - 1;
+  }
+  return shape.depth;
+}
+
 struct SimSequence {
   int generated = 0;
   int fed_to_drafter = 0;  // tokens of prompt + output the drafter has been fed
@@ -357,7 +388,7 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
       s.hit_ready = false;
       int accepted = 0;
       if (!shape.none()) {
-        // Accepted length drawn from the true per-level rates with a golden-ratio sequence.
+        // The accepted path drawn from the true rates with a golden-ratio sequence.
         const double u = std::fmod(s.u_phase + s.draft_steps * 0.6180339887498949, 1.0);
         const double width = std::clamp(static_cast<double>(shape.nodes()) / shape.depth, 1.0,
                                         static_cast<double>(std::max(shape.top_k, 1)));
@@ -366,8 +397,9 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
           reach *= TrueLevelRate(level_p, width);
           true_expected += reach;
           level_p *= depth_decay;
-          if (u < reach) accepted = level;
         }
+        std::vector<LevelOutcome> levels;
+        accepted = SampleSimLevels(shape, u, p, depth_decay, &levels);
         if (s.draft_steps == 0 && started > 2 * concurrency && !batch[i].fixed) {
           first_expected += policy.ExpectedAccepted(batch[i], shape);
           first_true += true_expected;
@@ -384,7 +416,8 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
           s.hit_shape = pre_shapes[i];
           s.hit_uncut = trees[i];
         }
-        s.acceptance.Observe(shape, accepted, options);
+        // As the router applies an outcome: the ranks its path took (SequenceState::Apply).
+        s.acceptance.Observe(shape, levels, options);
         s.probed = true;
         ++s.draft_steps;
         s.steps_without_draft = 0;
@@ -498,10 +531,12 @@ TEST(SpecPolicyReplayTest, NewSequencesStartFromThePairsAcceptanceAtEachDepth) {
 // and 0.08 (1.94). There `auto` read 0.86x off at 128 streams and ε 0.004, where the chain
 // read 1.07x: it drafted part of the wave, whose undrafted rest then set when the wave was done
 // at a dearer step than off's. Here `auto` must be within 2% of the better of off and the best
-// fixed shape at 128 streams, and never below off. At 1 to 64 streams it is held within 8% of
-// the best fixed shape: at 4 and 16 streams it prefers trees of 8 to the chain of 4 (its
-// sibling model credits a second guess at a level with more than this model's device accepts),
-// 0.93x the best shape.
+// fixed shape at 128 streams, and never below off. At 1 to 64 streams it is held within 5% of
+// the best fixed shape: it prices trees from the acceptance it measured by sibling rank (an
+// assumed sibling law had it prefer trees of 8 to the chain of 4), a bucket's first verify
+// sample is taken as its cost, and a wave's catch-ups are fed together where drafting the whole
+// wave pays (staggered, the sequences started late were the wave's tail: 0.93x the best shape
+// at 16 streams).
 TEST(SpecPolicyReplayTest, AutoOnTheH200IsNearTheBestChoiceUpTo128Streams) {
   const H200Device device;
   for (const double p : {0.965, 0.85, 0.45}) {
@@ -531,7 +566,7 @@ TEST(SpecPolicyReplayTest, AutoOnTheH200IsNearTheBestChoiceUpTo128Streams) {
           p, c, off.tokens_per_s, chain2.tokens_per_s / off.tokens_per_s,
           chain4.tokens_per_s / off.tokens_per_s, tree8.tokens_per_s / off.tokens_per_s,
           autop.tokens_per_s / off.tokens_per_s, autop.drafted_share);
-      EXPECT_GE(autop.tokens_per_s, (c == 128 ? 0.98 : 0.92) * best)
+      EXPECT_GE(autop.tokens_per_s, (c == 128 ? 0.98 : 0.95) * best)
           << "p " << p << ", concurrency " << c;
       EXPECT_GE(autop.tokens_per_s, 0.98 * off.tokens_per_s) << "p " << p << ", concurrency " << c;
     }

@@ -741,8 +741,9 @@ TEST(SpecPolicyTest, KeptExpectationsFollowTheEstimateThePriorAndThePolicy) {
   PolicyOptions o = FlatThenLinear();
   o.verify_per_token_s = 0.5e-3;  // a tree pays only with good acceptance
   o.acceptance_prior = 0.1;
+  o.sibling_acceptance_prior = 0.05;
   GoodputPolicy policy(o);
-  // No sample yet: the constant prior, too low for a tree.
+  // No sample yet: the constant priors, too low for a tree.
   AcceptanceEstimate a;
   std::vector<PolicySequence> batch = Batch(1, &a);
   const PolicyDecision unknown = policy.Decide(batch);
