@@ -92,6 +92,50 @@ __attribute__((target("avx512f"))) void SumExpAvx512(const float* row, int64_t n
 }
 #endif  // __x86_64__
 
+// Puts token i (order key v) into the sorted candidate list ([k] ids and keys, host), which
+// holds `filled` entries: appended while it is not full, else in place of the last.
+inline void Insert(int i, float v, int k, int* filled, int32_t* ids, float* keys) {
+  int j = *filled < k ? (*filled)++ : k - 1;
+  while (j > 0 && v > keys[j - 1]) {
+    keys[j] = keys[j - 1];
+    ids[j] = ids[j - 1];
+    --j;
+  }
+  keys[j] = v;
+  ids[j] = i;
+}
+
+#if defined(__x86_64__)
+// The selection over row[begin, end) with a full list (k entries): 16 keys at a time against
+// the list's last, and only those above it inserted, in id order, each checked again against
+// the list as it is then, so the result is the scalar loop's. Returns where it stopped (the
+// tail of fewer than 16 is the caller's); *max_l takes the keys' maximum.
+__attribute__((target("avx512f"))) int SelectAvx512(const float* row, int begin, int end, int k,
+                                                    int32_t* ids, float* keys, float* max_l) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 max_v = _mm512_set1_ps(*max_l);
+  __m512 last = _mm512_set1_ps(keys[k - 1]);
+  int filled = k;
+  int i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m512 x = _mm512_loadu_ps(row + i);
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), neg_inf);
+    max_v = _mm512_max_ps(max_v, x);
+    __mmask16 above = _mm512_cmp_ps_mask(x, last, _CMP_GT_OQ);
+    if (above == 0) continue;
+    while (above != 0) {
+      const int l = __builtin_ctz(above);
+      above &= above - 1;
+      const float v = OrderKey(row[i + l]);
+      if (v > keys[k - 1]) Insert(i + l, v, k, &filled, ids, keys);
+    }
+    last = _mm512_set1_ps(keys[k - 1]);
+  }
+  *max_l = _mm512_reduce_max_ps(max_v);
+  return i;
+}
+#endif  // __x86_64__
+
 // Sum over the row of exp(OrderKey(x) - max_l), max_l finite: the lanes in order, then the tail.
 double SumExp(absl::Span<const float> row, float max_l) {
   const int64_t vocab = static_cast<int64_t>(row.size());
@@ -125,18 +169,20 @@ void RowTopKLogprobs(absl::Span<const float> row, int k, int32_t* ids, float* lo
   // end). Ids are visited in increasing order, so a later id never displaces an equal key.
   int filled = 0;
   float max_l = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < vocab; ++i) {
+  int i = 0;
+  for (; i < vocab && filled < k; ++i) {
     const float v = OrderKey(row[i]);
     max_l = std::max(max_l, v);
-    if (filled == k && !(v > logprobs[k - 1])) continue;
-    int j = filled < k ? filled++ : k - 1;
-    while (j > 0 && v > logprobs[j - 1]) {
-      logprobs[j] = logprobs[j - 1];
-      ids[j] = ids[j - 1];
-      --j;
-    }
-    logprobs[j] = v;
-    ids[j] = i;
+    Insert(i, v, k, &filled, ids, logprobs);
+  }
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) i = SelectAvx512(row.data(), i, vocab, k, ids, logprobs, &max_l);
+#endif
+  for (; i < vocab; ++i) {
+    const float v = OrderKey(row[i]);
+    max_l = std::max(max_l, v);
+    if (v > logprobs[k - 1]) Insert(i, v, k, &filled, ids, logprobs);
   }
   double sum = 0;
   if (std::isfinite(max_l)) {
