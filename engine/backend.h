@@ -159,7 +159,7 @@ class Backend {
   virtual absl::Status Forward(absl::Span<const ForwardItem> items, std::vector<float>* logits) = 0;
 
   // Forward() that returns, per logit row (same order), only the min(k, vocab_size) most likely
-  // tokens and their log-probabilities (engine/topk.h: order, ties, fp64 log-sum-exp), so a
+  // tokens and their log-probabilities (engine/topk.h: order, ties, log-sum-exp), so a
   // device backend copies [rows, k] instead of [rows, vocab] to the host. k in
   // [1, kMaxForwardTopK], else INVALID_ARGUMENT naming k. The default runs Forward() and
   // RowTopKLogprobs() on the host.

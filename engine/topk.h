@@ -3,8 +3,9 @@
 //
 // Order: higher logit first, lower id first among equal logits (greedy SampleToken's tie rule);
 // NaN ranks as -inf so that one broken logit cannot break the order. Log-probabilities are
-// logit - logsumexp(row), with the sum of exponentials accumulated in fp64 in id order, so a
-// row gives the same bits however it was computed.
+// logit - logsumexp(row): each exponential in fp32 (a polynomial, within 2 ulp), summed in fp64
+// in a fixed order of lanes, so a row gives the same bits on every x86 ISA and however it was
+// computed, and equals the fp64 sum to fp32 rounding (2 epsilon relative).
 #ifndef SPECD_ENGINE_TOPK_H_
 #define SPECD_ENGINE_TOPK_H_
 

@@ -1,8 +1,8 @@
 // Per-row top-k of next-token log-probabilities on the GPU, with exactly the order of
 // engine/topk.h RowTopKLogprobs: higher logit first, lower id first among equal logits, NaN
 // ranked as -inf; log-probability = logit - (max + log(sum exp(logit - max))) with the sum in
-// fp64. The ids equal the host's exactly; the log-probabilities differ from it only by the
-// order of the fp64 sum, which is below fp32 rounding.
+// fp64. The ids equal the host's exactly; the log-probabilities differ from it by fp32
+// rounding (the host's terms are fp32 exponentials; the order of the sums differs too).
 //
 // One CTA per row: each thread scans a strided slice of the vocabulary keeping its own best k
 // in registers (sorted insertion), the CTA's lists go to shared memory, one warp merges them k
