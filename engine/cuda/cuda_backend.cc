@@ -572,11 +572,17 @@ absl::Status CudaBackend::ExportTaps(absl::Span<const VerifyItem> items, const C
           held_taps_->Append(items[b].seq, committed[b], items[b].tap_layers, all,
                              static_cast<const float*>(forward_->buffers().taps.ptr), item_rows,
                              items[b].hold_tap_rows, forward_->stream());
-      if (!held.ok()) return held.status();
+      if (!held.ok()) {
+        // The rows queued for the items before this one are counted as held: copy them.
+        (void)held_taps_->Flush(forward_->stream());
+        return held.status();
+      }
       if (*held) continue;  // else no room: copied down with the others
     }
     rows.insert(rows.end(), item_rows.begin(), item_rows.end());
   }
+  // Every held item's copies in one launch, before a later step overwrites the tap buffer.
+  if (held_taps_ != nullptr) SPECD_RETURN_IF_ERROR_(held_taps_->Flush(forward_->stream()));
   if (rows.empty()) return absl::OkStatus();  // every item held its rows
   std::vector<float> host(rows.size() * width);
   SPECD_RETURN_IF_ERROR_(CopyTapRows(rows, width, host.data()));

@@ -14,6 +14,8 @@ DeviceHeldTaps::~DeviceHeldTaps() {
 
 absl::StatusOr<bool> DeviceHeldTaps::Reallocate(Rows& r, int64_t keep, int64_t capacity,
                                                 cudaStream_t stream) {
+  // Queued copies may write into r.data, which this moves and frees.
+  SPECD_RETURN_IF_ERROR_(Flush(stream));
   const int64_t row_bytes = RowBytes(r);
   const int64_t bytes = capacity * row_bytes;
   if (bytes_ - r.capacity * row_bytes + bytes > max_bytes_) return false;
@@ -73,18 +75,22 @@ absl::StatusOr<bool> DeviceHeldTaps::Append(SeqId seq, int64_t first_position,
   for (size_t j = 0; j < layers.size(); ++j) {
     column[j] = std::lower_bound(all.begin(), all.end(), layers[j]) - all.begin();
   }
-  // One 2D copy per layer and run of consecutive token rows.
+  // One queued copy per layer and run of consecutive token rows.
+  if (!pending_.empty() && pending_src_stride_ != all_width) {
+    SPECD_RETURN_IF_ERROR_(Flush(stream));  // another step's buffer layout
+  }
+  pending_width_ = h;
+  pending_src_stride_ = all_width;
   for (int64_t i = skip; i < n;) {
     int64_t e = i + 1;
     while (e < n && rows[e] == rows[e - 1] + 1) ++e;
     float* dst = r.data + (r.rows + i - skip) * width;
     for (size_t j = 0; j < layers.size(); ++j) {
-      SPECD_CUDA_RETURN_(
-          cudaMemcpy2DAsync(dst + j * h, width * sizeof(float),
-                            taps + rows[i] * all_width + column[j] * h, all_width * sizeof(float),
-                            h * sizeof(float), static_cast<size_t>(e - i), cudaMemcpyDeviceToDevice,
-                            stream),
-          "holding taps");
+      cuda::GatherRowsCopy& c = pending_.emplace_back();
+      c.src = taps + rows[i] * all_width + column[j] * h;
+      c.dst = dst + j * h;
+      c.rows = static_cast<int32_t>(e - i);
+      c.dst_stride = static_cast<int32_t>(width);
     }
     i = e;
   }
@@ -94,11 +100,21 @@ absl::StatusOr<bool> DeviceHeldTaps::Append(SeqId seq, int64_t first_position,
   return true;
 }
 
+absl::Status DeviceHeldTaps::Flush(cudaStream_t stream) {
+  if (pending_.empty()) return absl::OkStatus();
+  const cudaError_t e = cuda::GatherRowsCuda(pending_.data(), static_cast<int64_t>(pending_.size()),
+                                             pending_width_, pending_src_stride_, stream);
+  pending_.clear();
+  SPECD_CUDA_RETURN_(e, "holding taps");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<HeldTapRows> DeviceHeldTaps::Take(SeqId seq, cudaStream_t stream) {
   HeldTapRows out;
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return out;
   SPECD_CUDA_RETURN_(cudaSetDevice(device_), "selecting the device");
+  SPECD_RETURN_IF_ERROR_(Flush(stream));
   const Rows& r = it->second;
   out.first_position = r.first_position;
   out.layers = r.layers;
@@ -118,6 +134,9 @@ void DeviceHeldTaps::Drop(SeqId seq, cudaStream_t stream) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
   cudaSetDevice(device_);
+  // Queued copies into the rows freed here go first. A failed launch leaves a sticky error that
+  // the next step reports.
+  (void)Flush(stream);
   if (it->second.data != nullptr) (void)cudaFreeAsync(it->second.data, stream);
   bytes_ -= it->second.capacity * RowBytes(it->second);
   seqs_.erase(it);

@@ -12,8 +12,9 @@
 //    those tokens; sequences in one batch ask for different layers or none (one for the final
 //    norm's output alone, as an EAGLE-1/2 drafter does); one sequence has a logits processor and
 //    so takes the host acceptance path (VerifySplit) over the device ForwardWithTaps.
-//  - held taps (VerifyItem::hold_tap_rows): a sequence whose steps hold their rows on the device
-//    gets back from TakeHeldTaps() the rows a twin sequence in the same batches was returned
+//  - held taps (VerifyItem::hold_tap_rows): each of several sequences whose steps hold their rows
+//    on the device (their copies issued together, runs of rows differing between them) gets back
+//    from TakeHeldTaps() the rows a twin sequence in the same batches was returned
 //    step by step; past its bound the older half is gone; RemoveSequence() drops them.
 // TP=2 is skipped on a host with fewer than two GPUs.
 #include <cstdio>
@@ -254,25 +255,51 @@ TEST_P(CudaEagleTapsTest, HeldTapsAreTheRowsTheStepsWouldHaveReturned) {
   const std::vector<int32_t> prompt = RandomTokens(14, kVocab, rng);
   const std::vector<int32_t> long_prompt = RandomTokens(20, kVocab, rng);
   const std::vector<int32_t> greedy = testutil::Greedy(*cuda_, 100, prompt, 16);
-  // 1 holds its rows (bound far off), 2 is its twin whose rows come back every step, 3 holds
-  // with a bound of 8 rows, 4 holds and is removed.
-  for (SeqId s : {1, 2, 3, 4}) ASSERT_TRUE(cuda_->AddSequence(s).ok());
-  std::vector<float> returned;  // sequence 2's rows, step after step
+  // Pairs of a sequence that holds its rows (bound far off) and its twin whose rows come back
+  // every step: pair 0 is sequences 1 and 2, pair k > 0 is 10 + k and 20 + k. Each pair's tree
+  // puts the greedy tokens elsewhere, so that the committed rows of a step form different runs
+  // (pending row p, nodes at p + 1 + i): pair 0 accepts nodes 0, 2 (runs [p, p + 1], [p + 3]),
+  // pair 1 nodes 1, 2 ([p], [p + 2, p + 3]), pair 2 nodes 0, 1 (one run [p, p + 2]). With more
+  // pairs than kinds of tree, several sequences' copies of a step go to the device together.
+  // 3 holds with a bound of 8 rows, 4 holds and is removed.
+  constexpr int kPairs = 6;
+  const auto held_seq = [](int k) -> SeqId { return k == 0 ? 1 : 10 + k; };
+  const auto twin_seq = [](int k) -> SeqId { return k == 0 ? 2 : 20 + k; };
+  for (int k = 0; k < kPairs; ++k) {
+    ASSERT_TRUE(cuda_->AddSequence(held_seq(k)).ok());
+    ASSERT_TRUE(cuda_->AddSequence(twin_seq(k)).ok());
+  }
+  for (SeqId s : {3, 4}) ASSERT_TRUE(cuda_->AddSequence(s).ok());
+  std::vector<std::vector<float>> returned(kPairs);  // each twin's rows, step after step
   std::vector<int32_t> pending = prompt;
   int done = 0, accepted = 0;
   for (int step = 0; step < 5; ++step) {
-    std::vector<VerifyItem> items(2);
-    for (int i = 0; i < 2; ++i) {
-      items[i].seq = i + 1;
+    std::vector<VerifyItem> items(2 * kPairs);
+    for (int i = 0; i < 2 * kPairs; ++i) {
+      const int k = i / 2;
+      items[i].seq = i % 2 == 0 ? held_seq(k) : twin_seq(k);
       items[i].pending = pending;
       items[i].tap_layers = layers;
+      if (i % 2 == 0) items[i].hold_tap_rows = 1000;
       if (step > 0) {
         const auto g = [&](int j) { return greedy[std::min(done + j, 15)]; };
-        items[i].tree.tokens = {g(0), (g(0) + 1) % kVocab, g(1)};
-        items[i].tree.parents = {-1, -1, 0};
+        const int32_t wrong = (g(0) + 1) % kVocab;
+        switch (k % 3) {
+          case 0:
+            items[i].tree.tokens = {g(0), wrong, g(1)};
+            items[i].tree.parents = {-1, -1, 0};
+            break;
+          case 1:
+            items[i].tree.tokens = {wrong, g(0), g(1)};
+            items[i].tree.parents = {-1, -1, 1};
+            break;
+          default:
+            items[i].tree.tokens = {g(0), g(1), wrong};
+            items[i].tree.parents = {-1, 0, -1};
+            break;
+        }
       }
     }
-    items[0].hold_tap_rows = 1000;
     if (step == 0) {
       for (SeqId s : {3, 4}) {
         VerifyItem& it = items.emplace_back();
@@ -284,30 +311,38 @@ TEST_P(CudaEagleTapsTest, HeldTapsAreTheRowsTheStepsWouldHaveReturned) {
     }
     absl::StatusOr<std::vector<VerifyOutcome>> out = cuda_->Verify(items);
     ASSERT_TRUE(out.ok()) << "step " << step << ": " << out.status();
-    EXPECT_EQ((*out)[0].tokens, (*out)[1].tokens) << "step " << step;
-    EXPECT_TRUE((*out)[0].taps.empty()) << "step " << step << ": held rows were returned";
-    ASSERT_FALSE((*out)[1].taps.empty());
-    returned.insert(returned.end(), (*out)[1].taps.begin(), (*out)[1].taps.end());
+    for (int k = 0; k < kPairs; ++k) {
+      const VerifyOutcome& held = (*out)[2 * k];
+      const VerifyOutcome& twin = (*out)[2 * k + 1];
+      EXPECT_EQ(held.tokens, twin.tokens) << "step " << step << " pair " << k;
+      EXPECT_EQ(twin.tokens, (*out)[1].tokens) << "step " << step << " pair " << k;
+      EXPECT_TRUE(held.taps.empty()) << "step " << step << " pair " << k << ": held rows returned";
+      ASSERT_FALSE(twin.taps.empty()) << "step " << step << " pair " << k;
+      returned[k].insert(returned[k].end(), twin.taps.begin(), twin.taps.end());
+    }
     accepted += (*out)[1].accepted_draft;
     if (step > 0) done += (*out)[1].accepted_draft;
     done += 1;
     pending = {(*out)[1].tokens.back()};
   }
   EXPECT_GT(accepted, 0);
-  absl::StatusOr<HeldTapRows> held = cuda_->TakeHeldTaps(1);
-  ASSERT_TRUE(held.ok()) << held.status();
-  EXPECT_EQ(held->first_position, 0);
-  EXPECT_EQ(held->layers, layers);
-  ASSERT_EQ(held->rows.size(), returned.size());
-  // The same tokens at the same positions in the same batches: the same rows.
-  const ::testing::AssertionResult same = RowsClose(held->rows, returned, kHidden, 1e-5);
-  EXPECT_TRUE(same);
-  std::printf("TP=%d held rows against returned ones (%zu rows): %s, bitwise %s\n", GetParam(),
-              returned.size() / width, same.message(),
-              held->rows == returned ? "equal" : "different");
-  held = cuda_->TakeHeldTaps(1);  // taken: nothing left
-  ASSERT_TRUE(held.ok());
-  EXPECT_TRUE(held->rows.empty());
+  for (int k = 0; k < kPairs; ++k) {
+    absl::StatusOr<HeldTapRows> held = cuda_->TakeHeldTaps(held_seq(k));
+    ASSERT_TRUE(held.ok()) << held.status();
+    EXPECT_EQ(held->first_position, 0);
+    EXPECT_EQ(held->layers, layers);
+    ASSERT_EQ(held->rows.size(), returned[k].size()) << "pair " << k;
+    // The same tokens at the same positions in the same batches: the same rows.
+    const ::testing::AssertionResult same = RowsClose(held->rows, returned[k], kHidden, 1e-5);
+    EXPECT_TRUE(same) << "pair " << k;
+    std::printf("TP=%d pair %d held rows against returned ones (%zu rows): %s, bitwise %s\n",
+                GetParam(), k, returned[k].size() / width, same.message(),
+                held->rows == returned[k] ? "equal" : "different");
+    held = cuda_->TakeHeldTaps(held_seq(k));  // taken: nothing left
+    ASSERT_TRUE(held.ok());
+    EXPECT_TRUE(held->rows.empty());
+  }
+  absl::StatusOr<HeldTapRows> held;
 
   // 20 rows held under a bound of 8: the newest 4 stay, from position 16.
   held = cuda_->TakeHeldTaps(3);
