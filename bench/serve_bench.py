@@ -173,16 +173,32 @@ def delta(before, after, key):
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+def kind_delta(before, after, name, kind):
+    """delta of `name{kind="..."}`; a server without the kind label counts all as decode."""
+    key = f'{name}{{kind="{kind}"}}'
+    if key in after or key in before:
+        return delta(before, after, key)
+    return delta(before, after, name) if kind == "decode" else 0.0
+
+
 def step_breakdown(before, after, wall_s):
-    """Mean seconds per step of each leg from the scrapes around one run."""
+    """Mean seconds per step of each leg from the scrapes around one run. Step and round-trip
+    times are of decode steps only (no sequence fed its prompt); the prefill steps (some
+    sequence's first step, or a resync) are kept apart as *_prefill_*, because their cost would
+    weigh in a mean by how few decode steps the mode needed."""
     out = {}
     router_b, router_a = before.get("router", {}), after.get("router", {})
     for svc in ("verify", "draft"):
         b, a = before.get(svc, {}), after.get(svc, {})
-        n = delta(b, a, "specd_step_seconds_count")
+        n = kind_delta(b, a, "specd_step_seconds_count", "prefill")
+        if n > 0:
+            out[f"{svc}_prefill_steps"] = n
+            out[f"{svc}_prefill_step_s"] = kind_delta(b, a, "specd_step_seconds_sum",
+                                                      "prefill") / n
+        n = kind_delta(b, a, "specd_step_seconds_count", "decode")
         if n > 0:
             out[f"{svc}_steps"] = n
-            out[f"{svc}_step_s"] = delta(b, a, "specd_step_seconds_sum") / n
+            out[f"{svc}_step_s"] = kind_delta(b, a, "specd_step_seconds_sum", "decode") / n
             out[f"{svc}_batch_mean"] = (delta(b, a, "specd_step_batch_size_sum") /
                                         max(delta(b, a, "specd_step_batch_size_count"), 1))
             # On a GPU: forwards captured into, replayed from, or run outside CUDA graphs.
@@ -191,11 +207,12 @@ def step_breakdown(before, after, wall_s):
                               ("eager", "specd_eager_steps_total")):
                 if name in a:
                     out[f"{svc}_graph_{key}"] = delta(b, a, name)
-        n = delta(router_b, router_a, f"specd_{svc}_latency_seconds_count")
-        if n > 0:
-            out[f"router_{svc}_rtt_s"] = (
-                delta(router_b, router_a, f"specd_{svc}_latency_seconds_sum") / n)
-            out[f"router_{svc}_calls"] = n
+        for kind, infix in (("decode", ""), ("prefill", "prefill_")):
+            n = kind_delta(router_b, router_a, f"specd_{svc}_latency_seconds_count", kind)
+            if n > 0:
+                out[f"router_{svc}_{infix}rtt_s"] = kind_delta(
+                    router_b, router_a, f"specd_{svc}_latency_seconds_sum", kind) / n
+                out[f"router_{svc}_{infix}calls"] = n
     # Sequence steps by why they had the shape they had (the policy's choices, probes, ...),
     # and by the draft tree size they carried.
     for key in set(router_a) | set(router_b):
@@ -241,10 +258,12 @@ def step_breakdown(before, after, wall_s):
                 out.setdefault("overlap_decisions", {})[decision] = n
     # The ideal of a step whose draft and verify fully overlap: the tokens a verify step emits
     # over the slower of the two services' own step times.
+    # The tokens come out of prefill steps too, so they are spread over all verify steps.
     tokens = delta(router_b, router_a, "specd_generation_tokens_total")
     slower = max(out.get("verify_step_s", 0.0), out.get("draft_step_s", 0.0))
+    all_verify_steps = out.get("verify_steps", 0) + out.get("verify_prefill_steps", 0)
     if tokens > 0 and out.get("verify_steps") and slower > 0:
-        out["tokens_per_verify_step"] = tokens / out["verify_steps"]
+        out["tokens_per_verify_step"] = tokens / all_verify_steps
         out["ideal_tok_s"] = out["tokens_per_verify_step"] / slower
     step_s = delta(router_b, router_a, "specd_router_step_seconds_total")
     if step_s > 0:
@@ -253,7 +272,10 @@ def step_breakdown(before, after, wall_s):
             out[f"{svc}_idle_fraction"] = max(0.0, 1.0 - busy / step_s)
     steps = out.get("router_verify_calls") or out.get("verify_steps")
     if steps:
-        out["wall_per_step_s"] = wall_s / steps
+        # Decode steps' share of the wall time: less the prefill steps' round trips.
+        prefill_s = sum(out.get(f"router_{svc}_prefill_rtt_s", 0.0) *
+                        out.get(f"router_{svc}_prefill_calls", 0) for svc in ("verify", "draft"))
+        out["wall_per_step_s"] = max(0.0, wall_s - prefill_s) / steps
         legs = out.get("router_verify_rtt_s", 0.0) + (
             out.get("router_draft_rtt_s", 0.0) * out.get("router_draft_calls", 0) / steps)
         # What the legs do not explain: the router's own work per step (scheduling, tokenizer,
@@ -517,11 +539,14 @@ def print_table(phases, modes, out=sys.stdout):
     breakdown = [(ph["label"], m.name, ph["modes"][m.name].get("steps"))
                  for ph in phases for m in modes if ph["modes"][m.name].get("steps")]
     if breakdown:
-        print("\nstep breakdown (ms per step, means; service = inside the service, rtt = the "
-              "router's timing of the leg)", file=out)
+        print("\nstep breakdown (ms per decode step, means; service = inside the service, rtt = "
+              "the router's timing of the leg; wall/step = wall time less the prefill steps' "
+              "round trips, over decode steps; prefill = steps feeding some sequence its "
+              "prompt, kept apart: their count and verify ms)", file=out)
         graphs = any(b.get("verify_graph_replays") for _, _, b in breakdown)
         print(f"{'phase':>8} {'mode':>12} {'wall/step':>9} {'verify':>7} {'v rtt':>7} "
-              f"{'draft':>7} {'d rtt':>7} {'router+':>8} {'batch':>6}" +
+              f"{'draft':>7} {'d rtt':>7} {'router+':>8} {'batch':>6} {'prefills':>8} "
+              f"{'v prefill':>9}" +
               (f" {'v eager':>7} {'v capt':>6} {'d eager':>7}" if graphs else ""), file=out)
         for label, name, b in breakdown:
             extra = ""
@@ -538,7 +563,9 @@ def print_table(phases, modes, out=sys.stdout):
                   f"{fmt(b.get('draft_step_s'), 1e3, 2):>7} "
                   f"{fmt(b.get('router_draft_rtt_s'), 1e3, 2):>7} "
                   f"{fmt(b.get('router_other_per_step_s'), 1e3, 2):>8} "
-                  f"{fmt(b.get('verify_batch_mean'), 1, 1):>6}" + extra, file=out)
+                  f"{fmt(b.get('verify_batch_mean'), 1, 1):>6} "
+                  f"{fmt(b.get('verify_prefill_steps'), 1, 0):>8} "
+                  f"{fmt(b.get('verify_prefill_step_s'), 1e3, 2):>9}" + extra, file=out)
         overlap = [(label, name, b) for label, name, b in breakdown if "predraft_steps" in b]
         if overlap:
             print("\noverlap (pre-drafted sequence steps, hit rate, per guess rank, idle share "

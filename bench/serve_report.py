@@ -45,12 +45,14 @@ def report(path):
     rows = [(ph["label"], name, s["steps"]) for ph in doc["phases"]
             for name, s in ph["modes"].items() if s.get("steps")]
     if rows:
-        print("\nStep breakdown, ms per router step (means over the mode's runs): wall = wall "
-              "time ÷ verify calls; verify/draft = `specd_step_seconds` inside the service; "
-              "rtt = the router's timing of the leg (service + gRPC); router+ = wall − legs.\n")
+        print("\nStep breakdown, ms per decode step (means over the mode's runs): wall = wall "
+              "time less the prefill steps' round trips ÷ decode verify calls; verify/draft = "
+              "`specd_step_seconds{kind=\"decode\"}` inside the service; rtt = the router's "
+              "timing of the leg (service + gRPC); router+ = wall − legs. Prefill steps (those "
+              "feeding some sequence its prompt) are apart: their count and verify ms.\n")
         print("| phase | mode | wall | verify | verify rtt | draft | draft rtt | router+ | "
-              "verify batch |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "verify batch | prefills | verify prefill |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for label, name, b in rows:
             print(f"| {label} | {name} | {f(b.get('wall_per_step_s'), 1e3, 2)} | "
                   f"{f(b.get('verify_step_s'), 1e3, 2)} | "
@@ -58,7 +60,9 @@ def report(path):
                   f"{f(b.get('draft_step_s'), 1e3, 2)} | "
                   f"{f(b.get('router_draft_rtt_s'), 1e3, 2)} | "
                   f"{f(b.get('router_other_per_step_s'), 1e3, 2)} | "
-                  f"{f(b.get('verify_batch_mean'), digits=1)} |")
+                  f"{f(b.get('verify_batch_mean'), digits=1)} | "
+                  f"{f(b.get('verify_prefill_steps'), digits=0)} | "
+                  f"{f(b.get('verify_prefill_step_s'), 1e3, 2)} |")
     print()
 
 

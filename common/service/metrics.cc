@@ -84,6 +84,15 @@ prometheus::Family<prometheus::Counter>& FreedFamily(prometheus::Registry& regis
                           "cancel_seq_ids, a passed deadline or the end of the router's stream).");
 }
 
+prometheus::Family<prometheus::Histogram>& StepSecondsFamily(prometheus::Registry& registry) {
+  return prometheus::BuildHistogram()
+      .Name("specd_step_seconds")
+      .Help(
+          "One batched step inside the service (draft: tree growth; verify: forward + accept), "
+          "by kind (prefill: the step fed some sequence its prompt; decode: none).")
+      .Register(registry);
+}
+
 }  // namespace
 
 ModelServiceMetrics::ModelServiceMetrics(prometheus::Registry& registry)
@@ -91,10 +100,6 @@ ModelServiceMetrics::ModelServiceMetrics(prometheus::Registry& registry)
           AddGauge(registry, "specd_sequences", "Live sequences holding KV in this service.")),
       kv_cache_usage_ratio(
           AddGauge(registry, "specd_kv_cache_usage_ratio", "Cached tokens / KV capacity.")),
-      step_seconds(AddHistogram(registry, "specd_step_seconds",
-                                "One batched step inside the service (draft: tree growth; "
-                                "verify: forward + accept).",
-                                LatencyBuckets())),
       step_batch_size(AddHistogram(registry, "specd_step_batch_size",
                                    "Sequences in one batched step.", BatchSizeBuckets())),
       step_tokens(AddCounter(registry, "specd_step_tokens_total",
@@ -110,7 +115,11 @@ ModelServiceMetrics::ModelServiceMetrics(prometheus::Registry& registry)
                                "Model forwards replayed from a captured CUDA graph.")),
       eager_steps(AddCounter(registry, "specd_eager_steps_total",
                              "Model forwards launched kernel by kernel on a GPU (a shape too "
-                             "big for a graph, or a graph bucket's first use).")) {}
+                             "big for a graph, or a graph bucket's first use).")),
+      prefill_step_seconds(
+          StepSecondsFamily(registry).Add({{"kind", "prefill"}}, LatencyBuckets())),
+      decode_step_seconds(StepSecondsFamily(registry).Add({{"kind", "decode"}}, LatencyBuckets())) {
+}
 
 void ModelServiceMetrics::SetExecutionTotals(int64_t captures, int64_t replays, int64_t eager) {
   auto bump = [](prometheus::Counter& c, int64_t total, int64_t* seen) {

@@ -73,7 +73,6 @@ struct ModelServiceMetrics {
 
   prometheus::Gauge& sequences;             // specd_sequences
   prometheus::Gauge& kv_cache_usage_ratio;  // specd_kv_cache_usage_ratio
-  prometheus::Histogram& step_seconds;      // specd_step_seconds
   prometheus::Histogram& step_batch_size;   // specd_step_batch_size
   prometheus::Counter& step_tokens;         // specd_step_tokens_total
   prometheus::Counter& merged_steps;        // specd_step_merged_streams_total
@@ -82,6 +81,12 @@ struct ModelServiceMetrics {
   prometheus::Counter& graph_captures;      // specd_cuda_graph_captures_total
   prometheus::Counter& graph_replays;       // specd_cuda_graph_replays_total
   prometheus::Counter& eager_steps;         // specd_eager_steps_total
+
+  // specd_step_seconds by kind: a step that feeds any sequence its prompt (its first step, or a
+  // resync) costs far more than a decode step, so the two are kept apart; a mean over both
+  // weighs prefill by how few steps the decode needed.
+  prometheus::Histogram& prefill_step_seconds;  // specd_step_seconds{kind="prefill"}
+  prometheus::Histogram& decode_step_seconds;   // specd_step_seconds{kind="decode"}
 
   // Brings the three execution counters up to the backend's cumulative totals.
   void SetExecutionTotals(int64_t captures, int64_t replays, int64_t eager);

@@ -138,9 +138,11 @@ class StepLoop : public ModelLoop {
     return live;
   }
 
-  // Records one model step of `batch_size` sequences and `tokens` tokens, begun at `start`.
-  void RecordStep(absl::Time start, int64_t batch_size, int64_t tokens) {
-    metrics_->step_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  // Records one model step of `batch_size` sequences and `tokens` tokens, begun at `start`;
+  // `prefill`: some sequence of the step was new to the service (fed its prompt).
+  void RecordStep(absl::Time start, int64_t batch_size, int64_t tokens, bool prefill) {
+    (prefill ? metrics_->prefill_step_seconds : metrics_->decode_step_seconds)
+        .Observe(absl::ToDoubleSeconds(absl::Now() - start));
     metrics_->step_batch_size.Observe(static_cast<double>(batch_size));
     metrics_->step_tokens.Increment(static_cast<double>(tokens));
   }

@@ -368,6 +368,12 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     }
   }
 
+  // A step that takes in some sequence's prompt is a prefill step (specd_step_seconds's kind).
+  bool prefill = false;
+  for (const std::vector<Slot>* group :
+       {&slots[kModel], &slots[kNgram], &slots[kEagle], &pre_slots, &ingest_slots}) {
+    for (const Slot& slot : *group) prefill = prefill || slot.created;
+  }
   const absl::Time start = absl::Now();
   int64_t batch_size = 0;
   int64_t tokens = 0;
@@ -432,7 +438,7 @@ std::vector<v1::DraftStepResponse> DraftLoop::RunSteps(const DraftStepQueue::Bat
     RunIngests(batch, ingest_slots, &responses);
     tokens += model_drafter_->fed_tokens() - fed_before;
   }
-  if (batch_size > 0) RecordStep(start, batch_size, tokens);
+  if (batch_size > 0) RecordStep(start, batch_size, tokens, prefill);
   if (model_ != nullptr) {
     const Backend::ExecutionCounts counts = model_->execution_counts();
     metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);

@@ -501,6 +501,7 @@ void RouterLoop::DraftStep() {
     absl::Status status;
     v1::DraftStepResponse response;
     double seconds = 0;
+    bool prefill = false;  // some step feeds the drafter a sequence from its start
   };
   const std::vector<std::shared_ptr<Draft>> drafts = Drafts();
   std::vector<Batch> batches;
@@ -555,6 +556,7 @@ void RouterLoop::DraftStep() {
     Batch& b = batch_for(seq.draft.get());
     const uint64_t epoch = b.epoch;
     if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
+    b.prefill = b.prefill || seq.draft_epoch != epoch;
     const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
     v1::DraftSequenceStep* step = b.request.add_steps();
     step->set_seq_id(seq.id);
@@ -614,7 +616,9 @@ void RouterLoop::DraftStep() {
   double slowest = 0;
   for (Batch* b : sending) {
     slowest = std::max(slowest, b->seconds);
-    if (b->request.steps_size() > 0) metrics_->draft_latency.Observe(b->seconds);
+    if (b->request.steps_size() > 0) {
+      (b->prefill ? metrics_->draft_latency_prefill : metrics_->draft_latency).Observe(b->seconds);
+    }
     metrics_->CountBusy("draft", b->seconds);
   }
   if (!sending.empty()) metrics_->CountWait("draft", slowest);
@@ -752,7 +756,9 @@ void RouterLoop::VerifyStep() {
       std::any_of(pre.begin(), pre.end(), [](const auto& d) { return d->in_flight->rows > 0; });
   FinishPreDrafts(pre, verify_done - start, verify_done);
   if (request.steps_size() > 0) {
-    metrics_->verify_latency.Observe(seconds);
+    const bool prefill = std::any_of(request.steps().begin(), request.steps().end(),
+                                     [](const auto& s) { return s.has_prompt_length(); });
+    (prefill ? metrics_->verify_latency_prefill : metrics_->verify_latency).Observe(seconds);
     if (status.ok()) {
       const int rows = request.steps_size();
       const int step_tokens =

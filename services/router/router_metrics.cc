@@ -19,6 +19,17 @@ prometheus::Histogram::BucketBoundaries LengthBuckets() {
   return b;
 }
 
+// specd_{draft,verify}_latency_seconds, whose children are the two kinds of step.
+prometheus::Family<prometheus::Histogram>& RoundTripFamily(prometheus::Registry& r,
+                                                           const std::string& service) {
+  return prometheus::BuildHistogram()
+      .Name("specd_" + service + "_latency_seconds")
+      .Help("Router-observed " + service +
+            " round trip per step, by kind (prefill: the step fed some sequence from its "
+            "start; decode: none).")
+      .Register(r);
+}
+
 }  // namespace
 
 RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
@@ -63,10 +74,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
                                 "1 while the verify service answers; without a group label, "
                                 "while any verify group does.",
                                 group)),
-      draft_latency(AddHistogram(r, "specd_draft_latency_seconds",
-                                 "Router-observed draft round trip per step.", LatencyBuckets())),
-      verify_latency(AddHistogram(r, "specd_verify_latency_seconds",
-                                  "Router-observed verify round trip per step.", LatencyBuckets())),
+      draft_latency(RoundTripFamily(r, "draft").Add({{"kind", "decode"}}, LatencyBuckets())),
+      draft_latency_prefill(
+          RoundTripFamily(r, "draft").Add({{"kind", "prefill"}}, LatencyBuckets())),
+      verify_latency(RoundTripFamily(r, "verify").Add({{"kind", "decode"}}, LatencyBuckets())),
+      verify_latency_prefill(
+          RoundTripFamily(r, "verify").Add({{"kind", "prefill"}}, LatencyBuckets())),
       policy_goodput(AddGauge(r, "specd_policy_predicted_goodput",
                               "Tokens per second the goodput policy predicts for its last step.",
                               group)),

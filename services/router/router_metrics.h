@@ -81,8 +81,13 @@ class RouterMetrics {
   prometheus::Gauge& draft_services_up;
   // Set by GroupPool: 1 while the verify service answers (per group; unlabelled: any group).
   prometheus::Gauge& verify_available;
+  // Round trips by kind: kind="decode" (draft_latency, verify_latency) for steps that feed no
+  // sequence from its start, kind="prefill" for those that do (a first step or a resync), whose
+  // cost would otherwise inflate the mean decode step.
   prometheus::Histogram& draft_latency;
+  prometheus::Histogram& draft_latency_prefill;
   prometheus::Histogram& verify_latency;
+  prometheus::Histogram& verify_latency_prefill;
   // The goodput policy's current estimates.
   prometheus::Gauge& policy_goodput;
   prometheus::Gauge& policy_verify_one_token;

@@ -412,7 +412,9 @@ std::vector<v1::VerifyStepResponse> VerifyLoop::RunSteps(const VerifyStepQueue::
         }
       }
     }
-    RecordStep(start, items.size(), tokens);
+    const bool prefill =
+        std::any_of(slots.begin(), slots.end(), [](const Slot& s) { return s.created; });
+    RecordStep(start, items.size(), tokens, prefill);
     const Backend::ExecutionCounts counts = backend_->execution_counts();
     metrics_->SetExecutionTotals(counts.graph_captures, counts.graph_replays, counts.eager_steps);
 

@@ -32,6 +32,9 @@ def main():
             assert abs(s["ratio_to_off"] - s["output_tokens_per_s"] /
                        phase["modes"]["off"]["output_tokens_per_s"]) < 1e-9, where
             assert "verify_step_s" in s["steps"] and s["steps"]["verify_steps"] > 0, (where, s)
+            # Each request's first step is a prefill step, counted apart from the decode steps.
+            assert s["steps"].get("verify_prefill_steps", 0) >= 1, (where, s["steps"])
+            assert s["steps"].get("router_verify_prefill_calls", 0) >= 1, (where, s["steps"])
         off, dm = phase["modes"]["off"], phase["modes"]["draft_model"]
         assert off["spec_steps"] == 0 and off["target_only_steps"] > 0, off
         assert off["tau"] is None and off["ratio_to_off"] == 1.0, off
@@ -40,6 +43,7 @@ def main():
         assert 1.0 <= dm["tau"] <= 5.0 and 0.0 <= dm["acceptance_rate"] <= 1.0, dm
         assert dm["speculation_used"] == ["draft_model"], dm["speculation_used"]
         assert "draft_step_s" in dm["steps"] and "router_draft_rtt_s" in dm["steps"], dm["steps"]
+        assert dm["steps"].get("draft_prefill_steps", 0) >= 1, dm["steps"]
     lossless = doc["lossless"]
     assert lossless["checked"] and lossless["mismatches"] == [], lossless
     # Every completion but off's first of each prompt was compared: 2 phases x 3 modes x 4.

@@ -55,12 +55,55 @@ def test_step_breakdown():
                         "specd_draft_latency_seconds_sum": 1.5,
                         "specd_draft_latency_seconds_count": 30},
              "verify": {"specd_step_seconds_sum": 2.4, "specd_step_seconds_count": 30}}
+    # Scrapes without the kind label (an older server): every step counts as a decode step.
     b = sb.step_breakdown(before, after, wall_s=4.0)
     assert b["verify_steps"] == 20 and b["verify_step_s"] == pytest.approx(0.08)
+    assert "verify_prefill_steps" not in b
     assert b["router_verify_rtt_s"] == pytest.approx(0.1)
     assert b["router_draft_rtt_s"] == pytest.approx(0.05)
     assert b["wall_per_step_s"] == pytest.approx(0.2)
     assert b["router_other_per_step_s"] == pytest.approx(0.05)
+
+
+def kinds(name, decode, prefill):
+    return {f'{name}{{kind="decode"}}': decode, f'{name}{{kind="prefill"}}': prefill}
+
+
+def test_step_breakdown_keeps_prefill_steps_apart():
+    # 20 decode steps of 80 ms in the verify service (100 ms round trips), and 4 prefill steps
+    # of 500 ms (600 ms round trips); 10 draft decode round trips of 50 ms and 2 prefill ones
+    # of 200 ms. Wall time 5.0 s, of which 2.8 s prefill round trips.
+    zero = {}
+    for name in ("specd_verify_latency_seconds", "specd_draft_latency_seconds"):
+        zero.update(kinds(name + "_sum", 0, 0))
+        zero.update(kinds(name + "_count", 0, 0))
+    svc_zero = {**kinds("specd_step_seconds_sum", 0, 0), **kinds("specd_step_seconds_count", 0, 0)}
+    before = {"router": {**zero, "specd_generation_tokens_total": 0},
+              "verify": svc_zero, "draft": svc_zero}
+    after = {"router": {**kinds("specd_verify_latency_seconds_sum", 2.0, 2.4),
+                        **kinds("specd_verify_latency_seconds_count", 20, 4),
+                        **kinds("specd_draft_latency_seconds_sum", 0.5, 0.4),
+                        **kinds("specd_draft_latency_seconds_count", 10, 2),
+                        "specd_generation_tokens_total": 72},
+             "verify": {**kinds("specd_step_seconds_sum", 1.6, 2.0),
+                        **kinds("specd_step_seconds_count", 20, 4)},
+             "draft": {**kinds("specd_step_seconds_sum", 0.3, 0.3),
+                       **kinds("specd_step_seconds_count", 10, 2)}}
+    b = sb.step_breakdown(before, after, wall_s=5.0)
+    assert b["verify_steps"] == 20 and b["verify_step_s"] == pytest.approx(0.08)
+    assert b["verify_prefill_steps"] == 4 and b["verify_prefill_step_s"] == pytest.approx(0.5)
+    assert b["draft_steps"] == 10 and b["draft_step_s"] == pytest.approx(0.03)
+    assert b["draft_prefill_steps"] == 2 and b["draft_prefill_step_s"] == pytest.approx(0.15)
+    assert b["router_verify_rtt_s"] == pytest.approx(0.1)
+    assert b["router_verify_calls"] == 20
+    assert b["router_verify_prefill_rtt_s"] == pytest.approx(0.6)
+    assert b["router_draft_rtt_s"] == pytest.approx(0.05)
+    assert b["router_draft_prefill_rtt_s"] == pytest.approx(0.2)
+    # (5.0 - 4 * 0.6 - 2 * 0.2) / 20 decode steps; a mean over all 24 steps would be 0.208.
+    assert b["wall_per_step_s"] == pytest.approx(0.11)
+    assert b["router_other_per_step_s"] == pytest.approx(0.11 - 0.1 - 0.05 * 10 / 20)
+    # The tokens came out of all 24 verify steps.
+    assert b["tokens_per_verify_step"] == pytest.approx(3.0)
 
 
 def test_step_breakdown_overlap_hit_rate_and_idle_fractions():

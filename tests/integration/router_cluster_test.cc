@@ -430,6 +430,44 @@ TEST(RouterClusterTest, RouterMetricsAgreeWithCliStats) {
   EXPECT_NE(std::string(buf).find("INVALID_ARGUMENT: temperature"), std::string::npos) << buf;
 }
 
+// Step times keep a request's prefill step apart from its decode steps (kind="prefill" and
+// "decode"), in the services and in the router's round trips, and the two sides agree on which
+// steps were which.
+TEST(RouterClusterTest, StepTimesKeepPrefillApartFromDecode) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  auto count = [](int port, const std::string& name, const std::string& kind) {
+    return Cluster::Metric(port, name + "_count", {{"kind", kind}});
+  };
+  EXPECT_EQ(count(c->verify_metrics, "specd_step_seconds", "prefill"), 0);
+  EXPECT_EQ(count(c->verify_metrics, "specd_step_seconds", "decode"), 0);
+  int code = 0;
+  const std::vector<std::string> lines =
+      RunCli(absl::StrCat("generate --server ", c->router_address,
+                          " --prompt 'def add(a, b):' --max-new-tokens 40 --ignore-eos"
+                          " --speculation draft_model --json"),
+             &code);
+  ASSERT_EQ(code, 0);
+  const json last = json::parse(lines.back());
+  ASSERT_EQ(last["usage"]["completion_tokens"], 40);
+  const double spec_steps = last["speculation"]["steps"].get<double>();
+  ASSERT_GT(spec_steps, 0);
+  // One request: its first verify step and its first draft step take in the prompt; every
+  // other step is a decode step.
+  const double verify_prefill = count(c->verify_metrics, "specd_step_seconds", "prefill");
+  const double verify_decode = count(c->verify_metrics, "specd_step_seconds", "decode");
+  EXPECT_EQ(verify_prefill, 1);
+  EXPECT_GE(verify_decode, spec_steps - 1);
+  EXPECT_EQ(count(c->draft_metrics, "specd_step_seconds", "prefill"), 1);
+  EXPECT_GT(count(c->draft_metrics, "specd_step_seconds", "decode"), 0);
+  EXPECT_EQ(count(c->router_metrics, "specd_verify_latency_seconds", "prefill"), verify_prefill);
+  EXPECT_EQ(count(c->router_metrics, "specd_verify_latency_seconds", "decode"), verify_decode);
+  EXPECT_EQ(count(c->router_metrics, "specd_draft_latency_seconds", "prefill"), 1);
+  EXPECT_GT(count(c->router_metrics, "specd_draft_latency_seconds", "decode"), 0);
+  // The prefill step's time is in its own sum, not the decode one.
+  EXPECT_GT(Cluster::Metric(c->verify_metrics, "specd_step_seconds_sum", {{"kind", "prefill"}}), 0);
+}
+
 TEST(RouterClusterTest, StopsAtSplitStopStringsAndAtTheContextEnd) {
   std::unique_ptr<Cluster> c = Cluster::Start();
   ASSERT_NE(c, nullptr);

@@ -55,7 +55,7 @@ TEST(MetricsServer, ServesRegistryAndHealthOverHttp) {
   auto registry = std::make_shared<prometheus::Registry>();
   ModelServiceMetrics metrics(*registry);
   metrics.sequences.Set(3);
-  metrics.step_seconds.Observe(0.004);
+  metrics.decode_step_seconds.Observe(0.004);
   metrics.step_batch_size.Observe(5);
   metrics.step_tokens.Increment(17);
   metrics.freed_finished.Increment(2);
@@ -74,9 +74,12 @@ TEST(MetricsServer, ServesRegistryAndHealthOverHttp) {
   EXPECT_EQ(*MetricValue(*text, "specd_step_tokens_total"), 17);
   EXPECT_EQ(*MetricValue(*text, "specd_sequences_freed_total", {{"reason", "finished"}}), 2);
   EXPECT_EQ(*MetricValue(*text, "specd_sequences_freed_total", {{"reason", "cancelled"}}), 0);
-  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_count"), 1);
-  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_bucket", {{"le", "0.005"}}), 1);
-  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_bucket", {{"le", "0.0025"}}), 0);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_count", {{"kind", "decode"}}), 1);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_count", {{"kind", "prefill"}}), 0);
+  EXPECT_EQ(*MetricValue(*text, "specd_step_seconds_bucket", {{"kind", "decode"}, {"le", "0.005"}}),
+            1);
+  EXPECT_EQ(
+      *MetricValue(*text, "specd_step_seconds_bucket", {{"kind", "decode"}, {"le", "0.0025"}}), 0);
   EXPECT_EQ(*MetricValue(*text, "specd_step_batch_size_bucket", {{"le", "4"}}), 0);
   EXPECT_EQ(*MetricValue(*text, "specd_step_batch_size_bucket", {{"le", "8"}}), 1);
   EXPECT_THAT(*text, HasSubstr("# TYPE specd_kv_cache_usage_ratio gauge"));
@@ -226,8 +229,7 @@ TEST(GrpcUtil, DrainAndShutdownWaitsForInFlightWorkUpToTheGrace) {
       in_flight = 0;
     });
     const absl::Time start = absl::Now();
-    EXPECT_EQ(t.server->DrainAndShutdown([&] { return in_flight.load(); }, absl::Seconds(30)),
-              0);
+    EXPECT_EQ(t.server->DrainAndShutdown([&] { return in_flight.load(); }, absl::Seconds(30)), 0);
     const absl::Duration took = absl::Now() - start;
     finisher.join();
     EXPECT_GE(took, absl::Milliseconds(190));
