@@ -42,8 +42,11 @@ def main():
         assert dm["spec_steps"] > 0 and dm["draft_tokens"] > 0, dm
         assert 1.0 <= dm["tau"] <= 5.0 and 0.0 <= dm["acceptance_rate"] <= 1.0, dm
         assert dm["speculation_used"] == ["draft_model"], dm["speculation_used"]
-        assert "draft_step_s" in dm["steps"] and "router_draft_rtt_s" in dm["steps"], dm["steps"]
+        # Each request's first draft call feeds its prompt (a prefill step). Decode draft steps
+        # follow only where the policy keeps drafting, which this low-agreement pair may not do
+        # under load.
         assert dm["steps"].get("draft_prefill_steps", 0) >= 1, dm["steps"]
+        assert dm["steps"].get("router_draft_prefill_calls", 0) >= 1, dm["steps"]
     lossless = doc["lossless"]
     assert lossless["checked"] and lossless["mismatches"] == [], lossless
     # Every completion but off's first of each prompt was compared: 2 phases x 3 modes x 4.
