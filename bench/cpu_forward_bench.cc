@@ -36,15 +36,7 @@ const std::string& ModelDir() {
 
 const std::string& PycoderDir() {
   static const std::string* dir = [] {
-    RandomCheckpointSpec spec;
-    spec.vocab_size = 8192;
-    spec.hidden_size = 320;
-    spec.intermediate_size = 864;
-    spec.num_layers = 5;
-    spec.num_heads = 5;
-    spec.num_kv_heads = 1;
-    spec.head_dim = 64;
-    spec.tie_word_embeddings = true;
+    RandomCheckpointSpec spec = PycoderTargetShape();
     spec.max_position_embeddings = 1024;
     auto* d = new std::string(MakeTempDir("cpu_bench_pycoder_"));
     if (!WriteRandomCheckpoint(*d, spec).ok()) std::abort();

@@ -29,15 +29,7 @@ constexpr SeqId kSeq = 1;
 
 const std::string& PycoderDir() {
   static const std::string* dir = [] {
-    RandomCheckpointSpec spec;
-    spec.vocab_size = 8192;
-    spec.hidden_size = 320;
-    spec.intermediate_size = 864;
-    spec.num_layers = 5;
-    spec.num_heads = 5;
-    spec.num_kv_heads = 1;
-    spec.head_dim = 64;
-    spec.tie_word_embeddings = true;
+    RandomCheckpointSpec spec = PycoderTargetShape();
     spec.max_position_embeddings = 4096;
     spec.dtype = DType::kBF16;
     auto* d = new std::string(MakeTempDir("cpu_verify_bench_"));

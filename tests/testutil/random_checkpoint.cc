@@ -81,6 +81,19 @@ absl::Status WriteText(const std::filesystem::path& path, const std::string& tex
 
 }  // namespace
 
+RandomCheckpointSpec PycoderTargetShape() {
+  RandomCheckpointSpec spec;
+  spec.vocab_size = 8192;
+  spec.hidden_size = 320;
+  spec.intermediate_size = 864;
+  spec.num_layers = 5;
+  spec.num_heads = 5;
+  spec.num_kv_heads = 1;
+  spec.head_dim = 64;
+  spec.tie_word_embeddings = true;
+  return spec;
+}
+
 std::string MakeTempDir(const std::string& prefix) {
   const char* tmp = getenv("TMPDIR");
   std::string tmpl = absl::StrCat(tmp && *tmp ? tmp : "/tmp", "/", prefix, "XXXXXX");

@@ -38,6 +38,11 @@ absl::Status WriteRandomCheckpoint(const std::string& dir, const RandomCheckpoin
 // A fresh, empty temporary folder under $TMPDIR (or /tmp) whose name starts with `prefix`.
 std::string MakeTempDir(const std::string& prefix);
 
+// The shapes of models/pycoder-target (vocabulary 8192, hidden 320, FFN 864, 5 layers, 5 query
+// heads of 64 over 1 KV head, tied embeddings), for benchmarks that time the reference target's
+// sizes on random weights; the other fields keep their defaults.
+RandomCheckpointSpec PycoderTargetShape();
+
 }  // namespace specd
 
 #endif  // SPECD_TESTS_TESTUTIL_RANDOM_CHECKPOINT_H_
