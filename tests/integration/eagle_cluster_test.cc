@@ -157,10 +157,17 @@ const std::vector<std::string>& Prompts() {
   return *prompts;
 }
 
-TEST(EagleClusterTest, GreedyAndSeededOutputIsIdenticalWithAndWithoutEagle) {
-  std::unique_ptr<Cluster> c = Cluster::Start();
-  ASSERT_NE(c, nullptr);
-  uint64_t accepted = 0, steps = 0;
+// Drafted steps and accepted tokens summed over requests.
+struct Drafted {
+  uint64_t steps = 0;
+  uint64_t accepted = 0;
+};
+
+// For every prompt, greedy and seeded (T 0.8, seed 7), 48 tokens: EAGLE with the router's default
+// tree drafted at every step gives speculation off's tokens, and so does EAGLE under the policy
+// first when `also_policy`. Adds the fixed-tree requests' drafted steps and accepted tokens to
+// `drafted`.
+void ExpectEagleIdenticalToOff(Cluster* c, bool also_policy, Drafted* drafted) {
   for (const std::string& prompt : Prompts()) {
     for (const bool seeded : {false, true}) {
       SCOPED_TRACE(absl::StrCat(prompt, seeded ? " seeded" : " greedy"));
@@ -170,26 +177,35 @@ TEST(EagleClusterTest, GreedyAndSeededOutputIsIdenticalWithAndWithoutEagle) {
         r.set_seed(7);
       }
       const Result off = c->Generate(r);
+      ASSERT_TRUE(off.status.ok()) << off.status.error_message();
       r.set_speculation(v1::SPECULATION_EAGLE3);
-      const Result eagle = c->Generate(r);
+      if (also_policy) {
+        const Result eagle = c->Generate(r);
+        ASSERT_TRUE(eagle.status.ok()) << eagle.status.error_message();
+        EXPECT_EQ(eagle.tokens, off.tokens);
+      }
       // A fixed tree shape: every step drafts, whatever the policy would choose.
       r.set_draft_depth(4);
       r.set_draft_top_k(4);
       r.set_draft_max_nodes(16);
       const Result fixed = c->Generate(r);
-      ASSERT_TRUE(off.status.ok()) << off.status.error_message();
-      ASSERT_TRUE(eagle.status.ok()) << eagle.status.error_message();
       ASSERT_TRUE(fixed.status.ok()) << fixed.status.error_message();
-      EXPECT_EQ(eagle.tokens, off.tokens);
       EXPECT_EQ(fixed.tokens, off.tokens);
       EXPECT_EQ(fixed.last.speculation().mode(), v1::SPECULATION_EAGLE3);
-      accepted += fixed.last.speculation().accepted_tokens();
-      steps += fixed.last.speculation().steps();
+      drafted->accepted += fixed.last.speculation().accepted_tokens();
+      drafted->steps += fixed.last.speculation().steps();
     }
   }
+}
+
+TEST(EagleClusterTest, GreedyAndSeededOutputIsIdenticalWithAndWithoutEagle) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  Drafted d;
+  ExpectEagleIdenticalToOff(c.get(), /*also_policy=*/true, &d);
   // The trained head's drafts are accepted: more than one token a drafted step on average.
-  EXPECT_GT(steps, 0u);
-  EXPECT_GT(accepted, steps);
+  EXPECT_GT(d.steps, 0u);
+  EXPECT_GT(d.accepted, d.steps);
   // AUTO picks the head when the draft service has one.
   const Result autos = c->Generate(Request(Prompts()[0], 16, v1::SPECULATION_AUTO));
   ASSERT_TRUE(autos.status.ok());
@@ -231,35 +247,15 @@ TEST(EagleClusterTest, EagleOneTwoHeadIsServedFromTheFinalNormTap) {
     EXPECT_EQ(verify.max_tap_layer(), 6u);
   }
   EXPECT_EQ(Modes(c->stub.get()).back(), v1::SPECULATION_EAGLE3);
-  uint64_t accepted = 0, steps = 0;
-  for (const std::string& prompt : Prompts()) {
-    for (const bool seeded : {false, true}) {
-      SCOPED_TRACE(absl::StrCat(prompt, seeded ? " seeded" : " greedy"));
-      v1::GenerateRequest r = Request(prompt, 48, v1::SPECULATION_OFF);
-      if (seeded) {
-        r.set_temperature(0.8f);
-        r.set_seed(7);
-      }
-      const Result off = c->Generate(r);
-      r.set_speculation(v1::SPECULATION_EAGLE3);
-      r.set_draft_depth(4);
-      r.set_draft_top_k(4);
-      r.set_draft_max_nodes(16);
-      const Result eagle = c->Generate(r);
-      ASSERT_TRUE(off.status.ok()) << off.status.error_message();
-      ASSERT_TRUE(eagle.status.ok()) << eagle.status.error_message();
-      EXPECT_EQ(eagle.tokens, off.tokens);
-      EXPECT_EQ(eagle.last.speculation().mode(), v1::SPECULATION_EAGLE3);
-      accepted += eagle.last.speculation().accepted_tokens();
-      steps += eagle.last.speculation().steps();
-    }
-  }
+  Drafted d;
+  ExpectEagleIdenticalToOff(c.get(), /*also_policy=*/false, &d);
   std::printf("EAGLE-1/2 fixture head: %llu drafted steps accepting %llu tokens\n",
-              static_cast<unsigned long long>(steps), static_cast<unsigned long long>(accepted));
+              static_cast<unsigned long long>(d.steps),
+              static_cast<unsigned long long>(d.accepted));
   // The taps reach the head and its drafts are accepted: more than one token in four drafted
   // steps (fc was fitted to the target's final norm output; a head fed nothing drafts nothing).
-  EXPECT_GT(steps, 0u);
-  EXPECT_GT(accepted * 4, steps);
+  EXPECT_GT(d.steps, 0u);
+  EXPECT_GT(d.accepted * 4, d.steps);
   // AUTO picks the head (the goodput policy may keep some steps plain: their taps are held).
   const Result autos = c->Generate(Request(Prompts()[0], 16, v1::SPECULATION_AUTO));
   ASSERT_TRUE(autos.status.ok());
