@@ -37,6 +37,13 @@ double Shrunk(double prior, double own, double weight, const PolicyOptions& opti
   return ClampRate((k * prior + weight * own) / (k + weight));
 }
 
+// A rate averaged over `n` samples and the weight it carries: the samples counted up to 20
+// (the average forgets at the EMA's rate, so older samples stop adding weight), 0 with none.
+double OwnRate(double rate, int n, double* weight) {
+  *weight = std::min(n, 20);
+  return *weight > 0 ? ClampRate(rate) : 0.0;
+}
+
 }  // namespace
 
 const AcceptanceEstimate::TreeRecord* AcceptanceEstimate::FindTree(const SpecShape& shape) const {
@@ -99,8 +106,7 @@ void AcceptanceEstimate::Observe(const SpecShape& shape, int accepted,
 
 double AcceptanceEstimate::OwnChainRate(int d, double* weight) const {
   d = std::clamp(d, 1, kMaxDepth);
-  *weight = std::min(chain_n_[d - 1], 20);
-  return *weight > 0 ? ClampRate(chain_[d - 1]) : 0.0;
+  return OwnRate(chain_[d - 1], chain_n_[d - 1], weight);
 }
 
 double AcceptanceEstimate::ChainRate(int d, const PolicyOptions& options) const {
@@ -113,8 +119,7 @@ double AcceptanceEstimate::ChainRate(int d, const PolicyOptions& options) const 
 
 double AcceptanceEstimate::OwnSiblingRate(int r, double* weight) const {
   r = std::clamp(r, 1, kMaxRank);
-  *weight = std::min(sibling_n_[r - 1], 20);
-  return *weight > 0 ? ClampRate(sibling_[r - 1]) : 0.0;
+  return OwnRate(sibling_[r - 1], sibling_n_[r - 1], weight);
 }
 
 double AcceptanceEstimate::SiblingRate(int r, const PolicyOptions& options) const {
