@@ -143,16 +143,20 @@ double ProbeUnsharedCatchUp(const PolicySequence& seq, const SpecShape& probe, d
 // beside the verify step and drafted from the next step (PolicySequence::can_ingest): fed first
 // in the draft call, the catch-up (`token_s` a token) stalls the other rows of the batch, which
 // emit `others_goodput` tokens a second; fed beside verify, it costs this step the drafts of
-// this one sequence. A few tokens are never moved. kLater: moving pays but the feed would
-// outlast the verify step beside it (`room`), holding the stream: not drafted this step.
+// this one sequence. A few tokens are never moved. A new sequence's catch-up is its prompt,
+// and fed in the draft call it also holds back its own first token (its TTFT then 1.6-1.9x
+// off's on the CPU, bench/CURRENT.md): beside verify's prefill, which the first token waits
+// for anyway, it costs only the drafts of that one step, so it goes there whenever it fits.
+// kLater: moving pays but the feed would outlast the verify step beside it (`room`), holding the
+// stream: not drafted this step.
 enum class CatchUpPlan { kInCall, kIngest, kLater };
 CatchUpPlan PlanCatchUp(const PolicySequence& seq, const SpecShape& s, double gain, double token_s,
                         double others_goodput, double room, const PolicyOptions& options) {
   if (!seq.can_ingest || !seq.model_draft || s.none()) return CatchUpPlan::kInCall;
   const int tokens = CatchUpTokens(seq, s);
-  if (tokens <= options.ingest_catch_up_tokens || tokens * token_s * others_goodput <= gain) {
-    return CatchUpPlan::kInCall;
-  }
+  if (tokens <= options.ingest_catch_up_tokens) return CatchUpPlan::kInCall;
+  if (seq.never_drafted && tokens * token_s <= room) return CatchUpPlan::kIngest;
+  if (tokens * token_s * others_goodput <= gain) return CatchUpPlan::kInCall;
   return tokens * token_s <= room ? CatchUpPlan::kIngest : CatchUpPlan::kLater;
 }
 

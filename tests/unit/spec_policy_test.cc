@@ -579,6 +579,57 @@ TEST(SpecPolicyTest, ALongCatchUpIsFedBesideVerifyNotBeforeTheBatchsDrafts) {
   EXPECT_EQ(alone.ingest[0], 0);
 }
 
+// A new sequence's catch-up is its whole prompt. Fed first in the draft call, it sits on the
+// first token's critical path even at one row, where nobody else waits: the draft call runs
+// before verify's prefill. Where the caller can feed the drafter beside verify, the prompt goes
+// there, beside the prefill the first token waits for anyway, and the sequence drafts from its
+// second step with nothing left to feed.
+TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 10e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.3e-3;
+  o.draft_fixed_s = 0.5e-3;
+  o.draft_level_fixed_s = 0.5e-3;
+  o.draft_level_per_token_s = 0.02e-3;
+  o.draft_prefill_token_s = 80e-6;
+  const AcceptanceEstimate a = Acceptance(0.9, o);
+  for (size_t rows : {1, 4}) {
+    SCOPED_TRACE(rows);
+    std::vector<PolicySequence> batch = Batch(rows, &a);
+    PolicySequence& fresh = batch[0];
+    fresh.never_drafted = true;
+    fresh.pending = 100;  // the prompt, prefilled by this verify step
+    fresh.draft_backlog = 100;
+    GoodputPolicy in_call(o);
+    const PolicyDecision before = in_call.Decide(batch);
+    EXPECT_FALSE(before.shapes[0].none());  // drafted, its prompt fed before verify starts
+    EXPECT_EQ(before.ingest[0], 0);
+
+    for (PolicySequence& s : batch) s.can_ingest = true;
+    GoodputPolicy policy(o);
+    const PolicyDecision d = policy.Decide(batch);
+    EXPECT_TRUE(d.shapes[0].none());
+    EXPECT_EQ(d.ingest[0], 1);
+    EXPECT_EQ(d.reasons[0], ShapeReason::kCatchUp);
+    // Fed, it drafts from the next step, with only that step's tokens to feed.
+    fresh.pending = 1;
+    fresh.draft_backlog = 1;
+    const PolicyDecision next = policy.Decide(batch);
+    EXPECT_FALSE(next.shapes[0].none());
+    EXPECT_EQ(next.ingest[0], 0);
+  }
+  // A prompt that outlasts the prefill beside it stays in the draft call, as before.
+  std::vector<PolicySequence> one = Batch(1, &a);
+  one[0].never_drafted = true;
+  one[0].can_ingest = true;
+  one[0].pending = 10;
+  one[0].draft_backlog = 1000;
+  GoodputPolicy policy(o);
+  EXPECT_EQ(policy.Decide(one).ingest[0], 0);
+}
+
 // Overlap fan-out (pre-drafted outcome guesses per sequence): every guess the verify step has
 // room for at one stream, fewer as the batch grows (the pre-draft's work grows as rows x F),
 // and each answer is the largest F whose pre-draft the cost model predicts to end inside verify.
