@@ -261,6 +261,27 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
 }
 
+// An ingest-only call (a prompt fed beside verify) prices the catch-up token and leaves the
+// draft levels' price as the draft calls measured it; a handful of tokens a sequence prices
+// nothing.
+TEST(SpecPolicyTest, IngestCallsPriceTheCatchUpNotTheLevels) {
+  PolicyOptions o;
+  o.unmeasured_draft_scale = 1.0;
+  CostModel costs(&o);
+  const double level = costs.DraftSeconds(1, 4, 4);
+  for (int i = 0; i < 10; ++i) costs.ObserveDraft(1, 4, 4, /*fed_tokens=*/2, level);
+  const double drafts = costs.DraftSeconds(1, 4, 4);
+  const double level_s = costs.DraftLevelSeconds();
+  const double prior_token = costs.CatchUpTokenSeconds();
+  costs.ObserveIngest(2, /*tokens=*/20, 1.0);  // 10 a sequence: too few to price a token
+  EXPECT_DOUBLE_EQ(costs.CatchUpTokenSeconds(), prior_token);
+  // Two prompts of 100 tokens at 150 us a token, in one call of the call's own fixed cost more.
+  for (int i = 0; i < 10; ++i) costs.ObserveIngest(2, 200, o.draft_fixed_s + 200 * 150e-6);
+  EXPECT_NEAR(costs.CatchUpTokenSeconds(), 150e-6, 1e-9);
+  EXPECT_DOUBLE_EQ(costs.DraftSeconds(1, 4, 4), drafts);
+  EXPECT_DOUBLE_EQ(costs.DraftLevelSeconds(), level_s);
+}
+
 // An unpadded backend (a CPU) has no graphs to capture, and every token a forward scores costs
 // about as much as the first: a bucket's first call is a sample, and a bucket never run is not
 // guessed as cheap as the measured one below it.
