@@ -356,6 +356,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   out.shapes.assign(n, SpecShape());
   out.reasons.assign(n, ShapeReason::kPolicy);
   out.ingest.assign(n, 0);
+  out.deferred.assign(n, SpecShape());
   std::vector<char> free(n, 0);
   std::vector<SpecShape> candidates = {SpecShape()};
   candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
@@ -389,6 +390,10 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     }
     if (s.max_depth <= 0 || s.acceptance == nullptr) {
       out.reasons[i] = ShapeReason::kNoBudget;
+      continue;
+    }
+    if (!s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens) {
+      out.shapes[i] = Clamp(s.deferred, s.max_depth);
       continue;
     }
     free[i] = 1;
@@ -741,6 +746,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
           ingest_room -= catch_up_token_s * CatchUpTokens(batch[i], probe);
           out.reasons[i] = ShapeReason::kCatchUp;
           out.ingest[i] = 1;
+          out.deferred[i] = probe;
           ++probes;
         }
       } else if (s > current) {
@@ -785,6 +791,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     if (plan == CatchUpPlan::kIngest)
       ingest_room -= token_s * CatchUpTokens(batch[i], out.shapes[i]);
     if (plan != CatchUpPlan::kInCall) {
+      if (plan == CatchUpPlan::kIngest) out.deferred[i] = out.shapes[i];
       out.shapes[i] = SpecShape();
       out.reasons[i] = plan == CatchUpPlan::kIngest ? ShapeReason::kCatchUp : ShapeReason::kPolicy;
       out.ingest[i] = plan == CatchUpPlan::kIngest ? 1 : 0;

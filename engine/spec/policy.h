@@ -395,6 +395,12 @@ struct PolicySequence {
   // or not; so a long one is fed there instead (PolicyDecision::ingest,
   // PolicyOptions::ingest_catch_up_tokens) and the sequence drafts from the next step.
   bool can_ingest = false;
+  // The shape chosen on the step whose catch-up was moved beside verify (PolicyDecision::
+  // deferred), none if there was none: drafted as it is on the first step with no catch-up left.
+  // Only the feed was moved, not the decision; judged anew from a plain row, a new sequence's
+  // first draft loses near break-even to the pooled prior (a prefill step made it cheap), and
+  // a sequence that never drafts never measures its own acceptance to correct it.
+  SpecShape deferred;
 };
 
 struct PolicyDecision {
@@ -402,6 +408,9 @@ struct PolicyDecision {
   std::vector<ShapeReason> reasons;
   // One per sequence: feed the drafter its backlog beside this verify step (kCatchUp; none).
   std::vector<char> ingest;
+  // One per sequence: where `ingest` is set, the shape chosen before its catch-up was moved
+  // (PolicySequence::deferred); none elsewhere.
+  std::vector<SpecShape> deferred;
   double predicted_goodput = 0;  // tokens/s of the batch
 };
 

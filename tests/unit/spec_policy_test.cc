@@ -634,12 +634,22 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
     EXPECT_TRUE(d.shapes[0].none());
     EXPECT_EQ(d.ingest[0], 1);
     EXPECT_EQ(d.reasons[0], ShapeReason::kCatchUp);
-    // Fed, it drafts from the next step, with only that step's tokens to feed.
+    EXPECT_FALSE(d.deferred[0].none());
+    // Fed, it drafts the deferred shape from the next step, with only that step's tokens to
+    // feed, even where a plain row's search would now leave it undrafted (verify's per-token
+    // cost 30 times: no prefill beside the trees to make them cheap).
     fresh.pending = 1;
     fresh.draft_backlog = 1;
-    const PolicyDecision next = policy.Decide(batch);
-    EXPECT_FALSE(next.shapes[0].none());
+    fresh.deferred = d.deferred[0];
+    PolicyOptions dear = o;
+    dear.verify_per_token_s = 30 * o.verify_per_token_s;
+    GoodputPolicy later(dear);
+    const PolicyDecision next = later.Decide(batch);
+    EXPECT_EQ(ShapeString(next.shapes[0]), ShapeString(d.deferred[0]));
     EXPECT_EQ(next.ingest[0], 0);
+    // Not fed (the ingest failed or is late), it is decided as any other.
+    fresh.draft_backlog = 100;
+    EXPECT_TRUE(later.Decide(batch).shapes[0].none());
   }
   // A prompt that outlasts the prefill beside it stays in the draft call, as before.
   std::vector<PolicySequence> one = Batch(1, &a);
