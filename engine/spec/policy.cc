@@ -778,6 +778,21 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // are what measures it, and the whole batch's catch-ups are not staked on the prior.
   // Where the caller can, a long catch-up is fed beside verify instead (PlanCatchUp).
   const double token_s = costs_.CatchUpTokenSeconds();
+  // An imposed shape (an explicit request) gets the tree it asked for, but a new sequence's
+  // prompt is fed beside verify's prefill all the same, and it drafts from its second step: the
+  // first token is not the drafter's to hold back.
+  for (size_t i = 0; i < n; ++i) {
+    const PolicySequence& s = batch[i];
+    if (!s.fixed || out.shapes[i].none() || !s.never_drafted || !s.can_ingest || !s.model_draft) {
+      continue;
+    }
+    const int tokens = CatchUpTokens(s, out.shapes[i]);
+    if (tokens <= options_.ingest_catch_up_tokens || tokens * token_s > ingest_room) continue;
+    ingest_room -= tokens * token_s;
+    out.shapes[i] = SpecShape();
+    out.reasons[i] = ShapeReason::kCatchUp;
+    out.ingest[i] = 1;
+  }
   double budget =
       options_.catch_up_budget * costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
   std::vector<std::pair<size_t, SpecShape>> cut;  // sequences the budget cut, and their shapes

@@ -651,6 +651,23 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
     fresh.draft_backlog = 100;
     EXPECT_TRUE(later.Decide(batch).shapes[0].none());
   }
+  // So is an explicit request's: it drafts the shape it asked for from its second step.
+  std::vector<PolicySequence> asked = Batch(1, &a);
+  asked[0].never_drafted = true;
+  asked[0].can_ingest = true;
+  asked[0].fixed = true;
+  asked[0].fixed_shape = SpecShape{4, 1, 4};
+  asked[0].pending = 100;
+  asked[0].draft_backlog = 100;
+  GoodputPolicy fixed(o);
+  const PolicyDecision first = fixed.Decide(asked);
+  EXPECT_TRUE(first.shapes[0].none());
+  EXPECT_EQ(first.ingest[0], 1);
+  asked[0].pending = 1;
+  asked[0].draft_backlog = 1;
+  const PolicyDecision second = fixed.Decide(asked);
+  EXPECT_EQ(ShapeString(second.shapes[0]), ShapeString(SpecShape{4, 1, 4}));
+  EXPECT_EQ(second.reasons[0], ShapeReason::kExplicit);
   // A prompt that outlasts the prefill beside it stays in the draft call, as before.
   std::vector<PolicySequence> one = Batch(1, &a);
   one[0].never_drafted = true;
