@@ -209,6 +209,19 @@ double CostModel::DraftSeconds(int drafting, int levels, int nodes, double catch
   return options_->draft_fixed_s + levels * level + catch_up_s;
 }
 
+void CostModel::ObserveIngest(int sequences, int tokens, double seconds) {
+  // Few tokens a sequence say little of a token's price beside the call's own round trip.
+  if (sequences <= 0 || tokens < 16 * sequences || !(seconds > 0)) return;
+  ObserveCatchUpToken(std::max(seconds - options_->draft_fixed_s, 0.0) / tokens);
+}
+
+void CostModel::ObserveCatchUpToken(double sample) {
+  const double w = std::max(options_->cost_ema, 1.0 / (catch_up_n_ + 1));
+  catch_up_token_s_ =
+      catch_up_n_ == 0 ? sample : catch_up_token_s_ + w * (sample - catch_up_token_s_);
+  ++catch_up_n_;
+}
+
 void CostModel::ObservePreDraft(int drafting, int levels, int nodes, double seconds) {
   // Against the scaled-down draft prior the ratio would stick at that scale's inverse.
   const double predicted = DraftSeconds(drafting, levels, nodes);
@@ -283,11 +296,7 @@ void CostModel::ObserveDraft(int drafting, int levels, int nodes, int fed_tokens
                    seconds - std::min(extra * CatchUpTokenSeconds(), 0.5 * seconds));
       return;
     }
-    const double sample = std::max(seconds - DraftSeconds(drafting, levels, nodes), 0.0) / extra;
-    const double w = std::max(options_->cost_ema, 1.0 / (catch_up_n_ + 1));
-    catch_up_token_s_ =
-        catch_up_n_ == 0 ? sample : catch_up_token_s_ + w * (sample - catch_up_token_s_);
-    ++catch_up_n_;
+    ObserveCatchUpToken(std::max(seconds - DraftSeconds(drafting, levels, nodes), 0.0) / extra);
     return;
   }
   const double per_level = std::max(static_cast<double>(nodes) / levels, 1.0 * drafting);

@@ -143,16 +143,20 @@ double ProbeUnsharedCatchUp(const PolicySequence& seq, const SpecShape& probe, d
 // beside the verify step and drafted from the next step (PolicySequence::can_ingest): fed first
 // in the draft call, the catch-up (`token_s` a token) stalls the other rows of the batch, which
 // emit `others_goodput` tokens a second; fed beside verify, it costs this step the drafts of
-// this one sequence. A few tokens are never moved. kLater: moving pays but the feed would
-// outlast the verify step beside it (`room`), holding the stream: not drafted this step.
+// this one sequence. A few tokens are never moved. A new sequence's catch-up is its prompt,
+// and fed in the draft call it also holds back its own first token (its TTFT then 1.6-1.9x
+// off's on the CPU, bench/CURRENT.md): beside verify's prefill, which the first token waits
+// for anyway, it costs only the drafts of that one step, so it goes there whenever it fits.
+// kLater: moving pays but the feed would outlast the verify step beside it (`room`), holding the
+// stream: not drafted this step.
 enum class CatchUpPlan { kInCall, kIngest, kLater };
 CatchUpPlan PlanCatchUp(const PolicySequence& seq, const SpecShape& s, double gain, double token_s,
                         double others_goodput, double room, const PolicyOptions& options) {
   if (!seq.can_ingest || !seq.model_draft || s.none()) return CatchUpPlan::kInCall;
   const int tokens = CatchUpTokens(seq, s);
-  if (tokens <= options.ingest_catch_up_tokens || tokens * token_s * others_goodput <= gain) {
-    return CatchUpPlan::kInCall;
-  }
+  if (tokens <= options.ingest_catch_up_tokens) return CatchUpPlan::kInCall;
+  if (seq.never_drafted && tokens * token_s <= room) return CatchUpPlan::kIngest;
+  if (tokens * token_s * others_goodput <= gain) return CatchUpPlan::kInCall;
   return tokens * token_s <= room ? CatchUpPlan::kIngest : CatchUpPlan::kLater;
 }
 
@@ -352,6 +356,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   out.shapes.assign(n, SpecShape());
   out.reasons.assign(n, ShapeReason::kPolicy);
   out.ingest.assign(n, 0);
+  out.deferred.assign(n, SpecShape());
   std::vector<char> free(n, 0);
   std::vector<SpecShape> candidates = {SpecShape()};
   candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
@@ -385,6 +390,10 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     }
     if (s.max_depth <= 0 || s.acceptance == nullptr) {
       out.reasons[i] = ShapeReason::kNoBudget;
+      continue;
+    }
+    if (!s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens) {
+      out.shapes[i] = Clamp(s.deferred, s.max_depth);
       continue;
     }
     free[i] = 1;
@@ -737,6 +746,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
           ingest_room -= catch_up_token_s * CatchUpTokens(batch[i], probe);
           out.reasons[i] = ShapeReason::kCatchUp;
           out.ingest[i] = 1;
+          out.deferred[i] = probe;
           ++probes;
         }
       } else if (s > current) {
@@ -768,6 +778,21 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // are what measures it, and the whole batch's catch-ups are not staked on the prior.
   // Where the caller can, a long catch-up is fed beside verify instead (PlanCatchUp).
   const double token_s = costs_.CatchUpTokenSeconds();
+  // An imposed shape (an explicit request) gets the tree it asked for, but a new sequence's
+  // prompt is fed beside verify's prefill all the same, and it drafts from its second step: the
+  // first token is not the drafter's to hold back.
+  for (size_t i = 0; i < n; ++i) {
+    const PolicySequence& s = batch[i];
+    if (!s.fixed || out.shapes[i].none() || !s.never_drafted || !s.can_ingest || !s.model_draft) {
+      continue;
+    }
+    const int tokens = CatchUpTokens(s, out.shapes[i]);
+    if (tokens <= options_.ingest_catch_up_tokens || tokens * token_s > ingest_room) continue;
+    ingest_room -= tokens * token_s;
+    out.shapes[i] = SpecShape();
+    out.reasons[i] = ShapeReason::kCatchUp;
+    out.ingest[i] = 1;
+  }
   double budget =
       options_.catch_up_budget * costs_.VerifySeconds(static_cast<int>(n), static_cast<int>(n));
   std::vector<std::pair<size_t, SpecShape>> cut;  // sequences the budget cut, and their shapes
@@ -781,6 +806,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     if (plan == CatchUpPlan::kIngest)
       ingest_room -= token_s * CatchUpTokens(batch[i], out.shapes[i]);
     if (plan != CatchUpPlan::kInCall) {
+      if (plan == CatchUpPlan::kIngest) out.deferred[i] = out.shapes[i];
       out.shapes[i] = SpecShape();
       out.reasons[i] = plan == CatchUpPlan::kIngest ? ShapeReason::kCatchUp : ShapeReason::kPolicy;
       out.ingest[i] = plan == CatchUpPlan::kIngest ? 1 : 0;

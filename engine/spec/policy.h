@@ -295,6 +295,12 @@ class CostModel {
   // a level, it would make drafting look expensive, so fewer sequences would be drafted, so
   // each one fed again would carry a longer backlog).
   void ObserveDraft(int drafting, int levels, int nodes, int fed_tokens, double seconds);
+  // An ingest-only call (the router's feed beside verify: `tokens` history tokens of `sequences`
+  // sequences, no draft levels) took `seconds`. It is a catch-up and nothing else, so it prices
+  // the catch-up token, never a level: where every prompt goes there, no draft call carries a
+  // catch-up to measure it by, and a whole prompt's feed counted as a step's levels would price
+  // drafting many times too dear.
+  void ObserveIngest(int sequences, int tokens, double seconds);
 
   // Overlap (pre-drafting while verify runs): a pre-draft call for work that DraftSeconds
   // prices as (drafting, levels, nodes) took `seconds`. A pre-draft costs more than that draft:
@@ -332,6 +338,7 @@ class CostModel {
   template <typename CostAt, typename PriorAt>
   static double AlongTokens(int tb, double tokens, const int* n, const double* mean_tokens,
                             int buckets, double flat_tokens, CostAt cost_at, PriorAt prior_at);
+  void ObserveCatchUpToken(double sample);  // seconds per catch-up token, one call's
 
   double verify_ratio_[kRowBuckets][kTokenBuckets] = {};
   int verify_n_[kRowBuckets][kTokenBuckets] = {};
@@ -388,6 +395,12 @@ struct PolicySequence {
   // or not; so a long one is fed there instead (PolicyDecision::ingest,
   // PolicyOptions::ingest_catch_up_tokens) and the sequence drafts from the next step.
   bool can_ingest = false;
+  // The shape chosen on the step whose catch-up was moved beside verify (PolicyDecision::
+  // deferred), none if there was none: drafted as it is on the first step with no catch-up left.
+  // Only the feed was moved, not the decision; judged anew from a plain row, a new sequence's
+  // first draft loses near break-even to the pooled prior (a prefill step made it cheap), and
+  // a sequence that never drafts never measures its own acceptance to correct it.
+  SpecShape deferred;
 };
 
 struct PolicyDecision {
@@ -395,6 +408,9 @@ struct PolicyDecision {
   std::vector<ShapeReason> reasons;
   // One per sequence: feed the drafter its backlog beside this verify step (kCatchUp; none).
   std::vector<char> ingest;
+  // One per sequence: where `ingest` is set, the shape chosen before its catch-up was moved
+  // (PolicySequence::deferred); none elsewhere.
+  std::vector<SpecShape> deferred;
   double predicted_goodput = 0;  // tokens/s of the batch
 };
 

@@ -84,11 +84,15 @@ PolicySequence SequenceState::PolicyInput(bool model_draft) const {
   p.steps_without_draft = steps_without_draft_;
   p.never_drafted = stats_.draft_steps == 0 && !probed_;
   p.draft_backlog = static_cast<int>(std::min<size_t>(DrafterPending().size(), 1 << 20));
+  p.deferred = deferred_;
   return p;
 }
 
 void SequenceState::Plan(const SpecShape& shape, ShapeReason reason) {
-  if (!shape.none()) probed_ = true;
+  if (!shape.none()) {
+    probed_ = true;
+    deferred_ = SpecShape();
+  }
   planned_ = shape;
   planned_reason_ = reason;
 }

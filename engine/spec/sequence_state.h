@@ -100,6 +100,9 @@ class SequenceState {
   PolicySequence PolicyInput(bool model_draft) const;
   // Records the shape this step runs (and why) before drafting.
   void Plan(const SpecShape& shape, ShapeReason reason);
+  // Records the shape the policy chose for this step before it moved the drafter's catch-up
+  // beside verify (PolicyDecision::deferred); kept until the sequence is planned with a tree.
+  void Defer(const SpecShape& shape) { deferred_ = shape; }
   const SpecShape& planned() const { return planned_; }
   ShapeReason planned_reason() const { return planned_reason_; }
   const AcceptanceEstimate& acceptance() const { return acceptance_; }
@@ -149,6 +152,7 @@ class SequenceState {
   // policy would not draft it, its first step probes.
   int steps_without_draft_ = 1 << 20;
   bool probed_ = false;  // a step was planned with a tree (the drafter may have sent none)
+  SpecShape deferred_;   // PolicySequence::deferred
   AcceptanceEstimate acceptance_;
   PolicyOptions acceptance_options_;
 };

@@ -483,6 +483,7 @@ void RouterLoop::Plan() {
     if (seq.hit_ready) reason = seq.hit_reason;
     seq.ingest_now = decision.ingest[i] != 0 && !seq.hit_ready;
     seq.core->Plan(decision.shapes[i], reason);
+    if (seq.ingest_now) seq.core->Defer(decision.deferred[i]);
   }
   metrics_->policy_goodput.Set(decision.predicted_goodput);
   metrics_->policy_verify_one_token.Set(policy_.costs().VerifyOneTokenSeconds());

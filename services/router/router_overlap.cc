@@ -323,6 +323,12 @@ void RouterLoop::TakePreDrafts(PreDraftCall& call) {
   if (call.status.ok() && call.rows > 0 && !call.ingests) {
     policy_.costs().ObservePreDraft(call.rows, call.levels, call.nodes, call.seconds);
   }
+  if (call.status.ok() && call.rows == 0) {
+    // Ingests alone: a catch-up's price, never a draft level's (CostModel::ObserveIngest).
+    int fed = 0;
+    for (const v1::DraftSequenceStep& step : call.request.steps()) fed += step.new_tokens_size();
+    policy_.costs().ObserveIngest(call.request.steps_size(), fed, call.seconds);
+  }
   absl::flat_hash_map<uint64_t, Sequence*> by_id;
   for (auto& s : running_) {
     if (s->draft.get() == call.draft) by_id[s->id] = s.get();

@@ -261,6 +261,27 @@ TEST(SpecPolicyTest, MeasuredCostsReplaceThePriors) {
   EXPECT_NEAR(costs.DraftSeconds(4, 3, 12), 2 * level, 0.25 * level);
 }
 
+// An ingest-only call (a prompt fed beside verify) prices the catch-up token and leaves the
+// draft levels' price as the draft calls measured it; a handful of tokens a sequence prices
+// nothing.
+TEST(SpecPolicyTest, IngestCallsPriceTheCatchUpNotTheLevels) {
+  PolicyOptions o;
+  o.unmeasured_draft_scale = 1.0;
+  CostModel costs(&o);
+  const double level = costs.DraftSeconds(1, 4, 4);
+  for (int i = 0; i < 10; ++i) costs.ObserveDraft(1, 4, 4, /*fed_tokens=*/2, level);
+  const double drafts = costs.DraftSeconds(1, 4, 4);
+  const double level_s = costs.DraftLevelSeconds();
+  const double prior_token = costs.CatchUpTokenSeconds();
+  costs.ObserveIngest(2, /*tokens=*/20, 1.0);  // 10 a sequence: too few to price a token
+  EXPECT_DOUBLE_EQ(costs.CatchUpTokenSeconds(), prior_token);
+  // Two prompts of 100 tokens at 150 us a token, in one call of the call's own fixed cost more.
+  for (int i = 0; i < 10; ++i) costs.ObserveIngest(2, 200, o.draft_fixed_s + 200 * 150e-6);
+  EXPECT_NEAR(costs.CatchUpTokenSeconds(), 150e-6, 1e-9);
+  EXPECT_DOUBLE_EQ(costs.DraftSeconds(1, 4, 4), drafts);
+  EXPECT_DOUBLE_EQ(costs.DraftLevelSeconds(), level_s);
+}
+
 // An unpadded backend (a CPU) has no graphs to capture, and every token a forward scores costs
 // about as much as the first: a bucket's first call is a sample, and a bucket never run is not
 // guessed as cheap as the measured one below it.
@@ -577,6 +598,84 @@ TEST(SpecPolicyTest, ALongCatchUpIsFedBesideVerifyNotBeforeTheBatchsDrafts) {
   const PolicyDecision alone = policy.Decide(one);
   EXPECT_FALSE(alone.shapes[0].none());
   EXPECT_EQ(alone.ingest[0], 0);
+}
+
+// A new sequence's catch-up is its whole prompt. Fed first in the draft call, it sits on the
+// first token's critical path even at one row, where nobody else waits: the draft call runs
+// before verify's prefill. Where the caller can feed the drafter beside verify, the prompt goes
+// there, beside the prefill the first token waits for anyway, and the sequence drafts from its
+// second step with nothing left to feed.
+TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 10e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.3e-3;
+  o.draft_fixed_s = 0.5e-3;
+  o.draft_level_fixed_s = 0.5e-3;
+  o.draft_level_per_token_s = 0.02e-3;
+  o.draft_prefill_token_s = 80e-6;
+  const AcceptanceEstimate a = Acceptance(0.9, o);
+  for (size_t rows : {1, 4}) {
+    SCOPED_TRACE(rows);
+    std::vector<PolicySequence> batch = Batch(rows, &a);
+    PolicySequence& fresh = batch[0];
+    fresh.never_drafted = true;
+    fresh.pending = 100;  // the prompt, prefilled by this verify step
+    fresh.draft_backlog = 100;
+    GoodputPolicy in_call(o);
+    const PolicyDecision before = in_call.Decide(batch);
+    EXPECT_FALSE(before.shapes[0].none());  // drafted, its prompt fed before verify starts
+    EXPECT_EQ(before.ingest[0], 0);
+
+    for (PolicySequence& s : batch) s.can_ingest = true;
+    GoodputPolicy policy(o);
+    const PolicyDecision d = policy.Decide(batch);
+    EXPECT_TRUE(d.shapes[0].none());
+    EXPECT_EQ(d.ingest[0], 1);
+    EXPECT_EQ(d.reasons[0], ShapeReason::kCatchUp);
+    EXPECT_FALSE(d.deferred[0].none());
+    // Fed, it drafts the deferred shape from the next step, with only that step's tokens to
+    // feed, even where a plain row's search would now leave it undrafted (verify's per-token
+    // cost 30 times: no prefill beside the trees to make them cheap).
+    fresh.pending = 1;
+    fresh.draft_backlog = 1;
+    fresh.deferred = d.deferred[0];
+    PolicyOptions dear = o;
+    dear.verify_per_token_s = 30 * o.verify_per_token_s;
+    GoodputPolicy later(dear);
+    const PolicyDecision next = later.Decide(batch);
+    EXPECT_EQ(ShapeString(next.shapes[0]), ShapeString(d.deferred[0]));
+    EXPECT_EQ(next.ingest[0], 0);
+    // Not fed (the ingest failed or is late), it is decided as any other.
+    fresh.draft_backlog = 100;
+    EXPECT_TRUE(later.Decide(batch).shapes[0].none());
+  }
+  // So is an explicit request's: it drafts the shape it asked for from its second step.
+  std::vector<PolicySequence> asked = Batch(1, &a);
+  asked[0].never_drafted = true;
+  asked[0].can_ingest = true;
+  asked[0].fixed = true;
+  asked[0].fixed_shape = SpecShape{4, 1, 4};
+  asked[0].pending = 100;
+  asked[0].draft_backlog = 100;
+  GoodputPolicy fixed(o);
+  const PolicyDecision first = fixed.Decide(asked);
+  EXPECT_TRUE(first.shapes[0].none());
+  EXPECT_EQ(first.ingest[0], 1);
+  asked[0].pending = 1;
+  asked[0].draft_backlog = 1;
+  const PolicyDecision second = fixed.Decide(asked);
+  EXPECT_EQ(ShapeString(second.shapes[0]), ShapeString(SpecShape{4, 1, 4}));
+  EXPECT_EQ(second.reasons[0], ShapeReason::kExplicit);
+  // A prompt that outlasts the prefill beside it stays in the draft call, as before.
+  std::vector<PolicySequence> one = Batch(1, &a);
+  one[0].never_drafted = true;
+  one[0].can_ingest = true;
+  one[0].pending = 10;
+  one[0].draft_backlog = 1000;
+  GoodputPolicy policy(o);
+  EXPECT_EQ(policy.Decide(one).ingest[0], 0);
 }
 
 // Overlap fan-out (pre-drafted outcome guesses per sequence): every guess the verify step has
