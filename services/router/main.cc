@@ -74,6 +74,11 @@ ABSL_FLAG(bool, eagle_hold_taps, true,
           "EAGLE sequences: the verify service holds the taps of steps the policy does not "
           "draft and sends them when it drafts the sequence again (false: every step sends its "
           "taps; an A/B switch for benchmarks)");
+ABSL_FLAG(int, eagle_tap_dormant_steps, 32,
+          "EAGLE sequences the policy has not drafted for this many steps in a row stop asking "
+          "the verify service for taps (their steps are plain steps); drafted again, they ask "
+          "for one step's taps first and the head restarts from them. New EAGLE sequences start "
+          "so while none has been drafted for this many steps. 0: never (taps held however long)");
 ABSL_FLAG(std::string, overlap, "off",
           "pre-draft while verify runs: on (each step that verifies draft-model trees also asks "
           "the draft service for the next trees below each tree's most likely outcome; a hit "
@@ -215,6 +220,8 @@ int Main() {
   loop_options.adaptive = policy == "goodput";
   loop_options.draft_ingest_tokens = absl::GetFlag(FLAGS_draft_ingest_tokens);
   loop_options.eagle_hold_taps = absl::GetFlag(FLAGS_eagle_hold_taps);
+  loop_options.eagle_tap_dormant_steps = absl::GetFlag(FLAGS_eagle_tap_dormant_steps);
+  if (loop_options.eagle_tap_dormant_steps < 0) return Fail("--eagle_tap_dormant_steps: >= 0");
   if (loop_options.draft_ingest_tokens < 0) return Fail("--draft_ingest_tokens: must be >= 0");
   const std::string overlap = absl::AsciiStrToLower(absl::GetFlag(FLAGS_overlap));
   if (overlap == "on") {

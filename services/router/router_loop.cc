@@ -384,6 +384,10 @@ void RouterLoop::Admit() {
           EagleAvailable(seq->draft.get()) ? v1::SPECULATION_EAGLE3 : v1::SPECULATION_DRAFT_MODEL;
     }
     seq->spec = mode;
+    // While no EAGLE sequence is being drafted, a new one would hold its prompt's taps (the
+    // verify step's export and gather) for a drafter that is not expected to draft it soon.
+    seq->taps_dormant = mode == v1::SPECULATION_EAGLE3 && options_.eagle_tap_dormant_steps > 0 &&
+                        eagle_seen_ && eagle_plain_steps_ >= options_.eagle_tap_dormant_steps;
     seq->mode = mode == v1::SPECULATION_OFF      ? v1::SPECULATION_OFF
                 : mode == v1::SPECULATION_NGRAM  ? v1::SPECULATION_NGRAM
                 : seq->draft == nullptr          ? v1::SPECULATION_OFF
@@ -469,11 +473,17 @@ void RouterLoop::Plan() {
     // the draft call there.
     p.can_ingest =
         mode == v1::SPECULATION_DRAFT_MODEL && service && draft_up && !busy && !rows_padded_.load();
+    if (mode == v1::SPECULATION_EAGLE3 && (seq.taps_dormant || seq.taps_from >= 0)) {
+      // The head restarts after the gap in its taps: the tokens before it cost it nothing.
+      const int64_t fresh = seq.taps_dormant ? 0 : seq.core->length() - seq.taps_from;
+      p.draft_backlog = static_cast<int>(std::clamp<int64_t>(fresh, 0, p.draft_backlog));
+    }
     inputs.push_back(p);
   }
   if (inputs.empty()) return;
   policy_.set_padded_rows(rows_padded_.load());
   const PolicyDecision decision = policy_.Decide(inputs);
+  bool eagle_ran = false, eagle_drafted = false;
   for (size_t i = 0; i < running_.size(); ++i) {
     Sequence& seq = *running_[i];
     ShapeReason reason = decision.reasons[i];
@@ -482,8 +492,35 @@ void RouterLoop::Plan() {
     if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
     if (seq.hit_ready) reason = seq.hit_reason;
     seq.ingest_now = decision.ingest[i] != 0 && !seq.hit_ready;
-    seq.core->Plan(decision.shapes[i], reason);
+    SpecShape shape = decision.shapes[i];
+    if (seq.spec == v1::SPECULATION_EAGLE3) {
+      eagle_ran = true;
+      if (seq.taps_dormant && !shape.none()) {
+        // A wake: this step asks for the taps it would draft from, and the sequence drafts the
+        // chosen shape from the next step (PolicySequence::deferred).
+        seq.taps_dormant = false;
+        seq.undrafted_steps = 0;
+        seq.taps_from = seq.core->length() - static_cast<int64_t>(seq.core->TargetPending().size());
+        seq.core->Plan(SpecShape(), ShapeReason::kCatchUp);
+        seq.core->Defer(shape);
+        metrics_->eagle_tap_wakes.Increment();
+        continue;
+      }
+      if (!shape.none()) {
+        eagle_drafted = true;
+        seq.taps_from = -1;
+        seq.undrafted_steps = 0;
+      } else if (reason == ShapeReason::kPolicy && options_.eagle_tap_dormant_steps > 0 &&
+                 ++seq.undrafted_steps > options_.eagle_tap_dormant_steps) {
+        seq.taps_dormant = true;
+      }
+    }
+    seq.core->Plan(shape, reason);
     if (seq.ingest_now) seq.core->Defer(decision.deferred[i]);
+  }
+  if (eagle_ran) {
+    eagle_seen_ = true;
+    eagle_plain_steps_ = eagle_drafted ? 0 : eagle_plain_steps_ + 1;
   }
   metrics_->policy_goodput.Set(decision.predicted_goodput);
   metrics_->policy_verify_one_token.Set(policy_.costs().VerifyOneTokenSeconds());
@@ -702,7 +739,8 @@ void RouterLoop::VerifyStep() {
         it = draft_infos.emplace(seq.draft.get(), seq.draft->upstream->info()).first;
       }
       const v1::DraftInfo& draft_info = it->second;
-      if (draft_info.eagle_tap_layers_size() > 0 && EagleTapsServed(draft_info, verify_info)) {
+      if (draft_info.eagle_tap_layers_size() > 0 && EagleTapsServed(draft_info, verify_info) &&
+          !seq.taps_dormant) {
         *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
         step->set_tap_dtype(draft_info.eagle_tap_dtype());
         // A step the plan did not draft sends no taps: the verify service keeps them until

@@ -129,6 +129,15 @@ struct RouterLoopOptions {
   // the router fetches them when it drafts the sequence again (FetchHeldTaps). False: every
   // step returns its taps and the router keeps them (an A/B switch for benchmarks).
   bool eagle_hold_taps = true;
+  // EAGLE sequences the plan has left undrafted this many steps in a row stop asking the verify
+  // service for taps at all: their steps are then plain steps (the code path, the verify
+  // bucket and the CUDA graph of a sequence without EAGLE), and holding rows for a drafter
+  // that is not expected back soon costs every such step (the device gather, the verify
+  // step's tap export). When the plan drafts one again, that step asks for its taps instead
+  // of drafting (a wake: ShapeReason::kCatchUp) and it drafts from the next step, the drafter
+  // restarting its head from the rows after the gap. New EAGLE sequences start so while no
+  // EAGLE sequence has been drafted for this many steps. 0: never (taps held however long).
+  int eagle_tap_dormant_steps = 32;
   // TLS (and the client certificate for mutual TLS) towards draft and verify; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> upstream_credentials;
 };
@@ -336,6 +345,10 @@ class RouterLoop {
   uint64_t next_seq_ = 1;
   uint64_t next_step_ = 1;
   uint64_t verify_epoch_ = 0;
+  // Steps in a row that ran EAGLE sequences and drafted none of them; whether any ran yet
+  // (RouterLoopOptions::eagle_tap_dormant_steps: new EAGLE sequences start dormant past it).
+  int eagle_plain_steps_ = 0;
+  bool eagle_seen_ = false;
 };
 
 }  // namespace specd

@@ -103,6 +103,11 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
           r, "specd_eagle_held_taps_fetched_total",
           "EAGLE tap rows (tokens) the verify service held for sequences the router was not "
           "drafting, fetched when it drafted them again.")),
+      eagle_tap_wakes(AddCounter(
+          r, "specd_eagle_tap_wakes_total",
+          "EAGLE sequences left undrafted long enough to stop asking for taps "
+          "(--eagle_tap_dormant_steps) that the policy drafted again: a step that asks for "
+          "taps, then drafts.")),
       outcomes_(AddCounterFamily(r, "specd_requests_total", "Finished requests by outcome.")),
       accepted_per_pos_(
           AddCounterFamily(r, "specd_spec_decode_accepted_tokens_per_pos_total",

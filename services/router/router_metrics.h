@@ -96,6 +96,7 @@ class RouterMetrics {
   prometheus::Counter& step_seconds;  // wall time of speculation steps (plan to verify reply)
   prometheus::Counter& draft_ingest_tokens;
   prometheus::Counter& eagle_held_taps_fetched;  // rows (tokens) FetchHeldTaps brought
+  prometheus::Counter& eagle_tap_wakes;          // dormant EAGLE sequences asked for taps again
 
  private:
   prometheus::Family<prometheus::Counter>& outcomes_;

@@ -53,6 +53,14 @@ struct RouterLoop::Sequence {
   // EAGLE: steps the plan did not draft asked the verify service to hold their taps
   // (hold_taps); FetchHeldTaps fetches them when the plan drafts the sequence again.
   bool taps_held = false;
+  // EAGLE: its steps ask for no taps (RouterLoopOptions::eagle_tap_dormant_steps), and the
+  // steps in a row the policy has planned it without a tree.
+  bool taps_dormant = false;
+  int undrafted_steps = 0;
+  // EAGLE, woken from taps_dormant: the sequence position from which the drafter gets taps
+  // again (the head restarts there, so its catch-up is the tokens from there on); -1: no gap
+  // pending.
+  int64_t taps_from = -1;
   absl::Time last_emit;
   bool streamed_any = false;
   bool done = false;
