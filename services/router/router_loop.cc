@@ -474,8 +474,11 @@ void RouterLoop::Plan() {
     p.can_ingest =
         mode == v1::SPECULATION_DRAFT_MODEL && service && draft_up && !busy && !rows_padded_.load();
     if (mode == v1::SPECULATION_EAGLE3 && (seq.taps_dormant || seq.taps_from >= 0)) {
-      // The head restarts after the gap in its taps: the tokens before it cost it nothing.
-      const int64_t fresh = seq.taps_dormant ? 0 : seq.core->length() - seq.taps_from;
+      // The head restarts after the gap in its taps: the tokens before it cost it nothing, only
+      // the rows from the wake on (for a new sequence, that is its whole prompt).
+      const int64_t fresh = seq.taps_dormant
+                                ? static_cast<int64_t>(seq.core->TargetPending().size())
+                                : seq.core->length() - seq.taps_from;
       p.draft_backlog = static_cast<int>(std::clamp<int64_t>(fresh, 0, p.draft_backlog));
     }
     inputs.push_back(p);
