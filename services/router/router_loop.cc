@@ -467,12 +467,11 @@ void RouterLoop::Plan() {
       p.fixed_shape =
           SpecShape{seq.request.shape.depth, seq.request.shape.top_k, seq.request.shape.max_nodes};
     }
-    // The ingest-only step beside verify feeds a draft model (EAGLE heads read taps). Behind a
-    // padded (CUDA) verify backend the draft most likely shares the GPU, where a feed beside
-    // verify slows verify (docs/architecture.md, the overlapped step), so the catch-up stays in
-    // the draft call there.
-    p.can_ingest =
-        mode == v1::SPECULATION_DRAFT_MODEL && service && draft_up && !busy && !rows_padded_.load();
+    // The ingest-only step beside verify feeds a draft model (EAGLE heads read taps). On a GPU
+    // the draft shares with verify the feed slows verify while it runs, but fed in the draft
+    // call it would stall the whole batch for as long, and a new sequence's first token with
+    // it: beside verify is never the dearer place, and on a draft GPU of its own it is free.
+    p.can_ingest = mode == v1::SPECULATION_DRAFT_MODEL && service && draft_up && !busy;
     if (mode == v1::SPECULATION_EAGLE3 && (seq.taps_dormant || seq.taps_from >= 0)) {
       // The head restarts after the gap in its taps: the tokens before it cost it nothing, only
       // the rows from the wake on (for a new sequence, that is its whole prompt).
