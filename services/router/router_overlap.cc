@@ -36,7 +36,10 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
         seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.core->finished()) {
       continue;
     }
-    if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
+    if (seq.draft_epoch != epoch) {
+      seq.core->ResetDrafter();
+      call->prefill = true;
+    }
     AddIngest(epoch, seq, &request);
     *seconds += token_s * static_cast<double>(seq.core->DrafterPending().size());
     call->ingests = true;
@@ -58,9 +61,11 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
           seq.no_drafter || seq.core->finished()) {
         continue;
       }
-      if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
+      const bool from_start = seq.draft_epoch != epoch;
+      if (from_start) seq.core->ResetDrafter();
       const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
       if (static_cast<int>(fresh.size()) < options_.draft_ingest_tokens) continue;
+      call->prefill = call->prefill || from_start;
       const double cost = token_s * static_cast<double>(fresh.size());
       if (cost > budget) break;
       budget -= cost;
@@ -324,6 +329,9 @@ void RouterLoop::TakePreDrafts(PreDraftCall& call) {
     policy_.costs().ObservePreDraft(call.rows, call.levels, call.nodes, call.seconds);
   }
   if (call.status.ok() && call.rows == 0) {
+    // A drafter's prefill moved beside verify is still the drafter's prefill round trip; other
+    // ingests are no decode step's, whose latency draft_latency is.
+    if (call.prefill) metrics_->draft_latency_prefill.Observe(call.seconds);
     // Ingests alone: a catch-up's price, never a draft level's (CostModel::ObserveIngest).
     int fed = 0;
     for (const v1::DraftSequenceStep& step : call.request.steps()) fed += step.new_tokens_size();

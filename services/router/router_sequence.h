@@ -131,6 +131,9 @@ struct RouterLoop::PreDraftCall {
   // carries ingests too.
   int rows = 0, levels = 0, nodes = 0;
   bool ingests = false;
+  // Some ingest feeds a sequence's drafter from its start (a new sequence's prompt, a resync):
+  // a call of ingests alone is then the drafter's prefill, timed as one (kind="prefill").
+  bool prefill = false;
   bool late = false;  // it outlasted that wait: its trees are dropped
   std::thread thread;
   absl::Mutex mu;
