@@ -652,11 +652,12 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
       EXPECT_EQ(greedy[i].tokens, off[i].tokens);
       EXPECT_EQ(fixed[i].tokens, off[i].tokens);
       EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
-      // An explicit shape is drafted every step: never a step without a tree but the last
-      // one, whose budget leaves nothing to draft, and (with overlap) those where a late
-      // pre-draft held the draft stream, counted below.
+      // An explicit shape is drafted every step: never a step without a tree but the first
+      // (where its prompt fits beside verify's prefill, the drafter is fed it there and it
+      // drafts from the second step), the last one, whose budget leaves nothing to draft, and
+      // (with overlap) those where a late pre-draft held the draft stream, counted below.
       fixed_plain_steps +=
-          std::max(0, static_cast<int>(fixed[i].last.speculation().target_only_steps()) - 1);
+          std::max(0, static_cast<int>(fixed[i].last.speculation().target_only_steps()) - 2);
       EXPECT_GT(fixed[i].last.speculation().steps(), 0u);
     }
   }
