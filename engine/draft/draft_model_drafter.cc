@@ -31,10 +31,13 @@ Selected SelectTree(const SeqWork& w) { return draft_tree::SelectTreeWithGuesses
 absl::Status GrowTrees(
     std::vector<SeqWork>& work, std::vector<ForwardItem>& items,
     absl::FunctionRef<absl::Status(absl::Span<const ForwardItem>, int, TopKRows*)> level_topk) {
+  // One more than the most children a row gets: the next token is the row's RunnerUp, which
+  // lets a pre-draft guess that the target rejects a top-1 chain's node and emits it instead.
+  auto with_runner_up = [](int k) { return k < kMaxForwardTopK ? k + 1 : k; };
   int k = 1;
   for (const SeqWork& w : work) k = std::max(k, ChildCount(w.req->params, 0));
   TopKRows top;
-  if (absl::Status s = level_topk(items, k, &top); !s.ok()) return s;
+  if (absl::Status s = level_topk(items, with_runner_up(k), &top); !s.ok()) return s;
   if (top.rows() != static_cast<int64_t>(work.size())) {
     return absl::InternalError(
         absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", work.size()));
@@ -66,7 +69,7 @@ absl::Status GrowTrees(
       item_work.push_back(b);
     }
     if (items.empty()) return absl::OkStatus();
-    if (absl::Status s = level_topk(items, k, &top); !s.ok()) return s;
+    if (absl::Status s = level_topk(items, with_runner_up(k), &top); !s.ok()) return s;
     if (top.rows() != rows) {
       return absl::InternalError(
           absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", rows));

@@ -61,8 +61,12 @@ struct DraftModelDrafterOptions {
 // so where the draft agrees with it the outcome is the draft's greedy path: from the root, the
 // best child while it is in the tree, then that node's best token as the bonus. A sampling
 // target (DraftRequest::target_samples) draws, so the guess is the outcome of highest
-// log p(path to a) + log p(b | a), b the best non-child among a's top-k children, a node never
-// expanded scored with the tree's mean best-child log-probability. An accepted node never
+// log p(path to a) + log p(b | a), b the best non-child among a's top-k children or, where all
+// of them are children (a top-1 chain's inner nodes), the token its row ranked next (each level
+// asks for one more than top_k: the runner-up is a guess, never a node), a node never expanded
+// scored with the tree's mean best-child log-probability. So a chain's outcomes "accepted up to
+// node a, then the target's token is the draft's runner-up there" can be guessed beside the one
+// that accepts it whole, which only a fan-out above one reaches. An accepted node never
 // expanded gets its best token from one extra forward. The next call resolves
 // the guess from its new_tokens: when they begin with the guessed tokens (a hit) the guessed
 // path is committed and the pre-drafted tree becomes the kept tree (its scratch KV is dropped by
@@ -122,8 +126,9 @@ class DraftModelDrafter : public Drafter {
     std::vector<int32_t> tree_scratch;  // per tree node: its scratch index, -1 if not expanded
     int32_t scratch_used = 0;           // scratch nodes appended so far (chain and expanded)
     // For guesses: per tree node the best token below it that is not one of its children and
-    // its log-probability given the node, kUnexpanded (never fed: estimate top1_logprob) or
-    // kNoBonus (every top-k token is a child: not a candidate). root_bonus likewise below the
+    // its log-probability given the node (the runner-up where every top-k token is a child),
+    // kUnexpanded (never fed: estimate top1_logprob) or kNoBonus (every token its row ranked is
+    // a child: not a candidate). root_bonus likewise below the
     // last chain token.
     std::vector<int32_t> bonus;
     std::vector<float> bonus_logprob;

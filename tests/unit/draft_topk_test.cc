@@ -554,5 +554,131 @@ TEST(PreDraftTest, HitTreesEqualDraftingAfterTheOutcome) {
   EXPECT_GT(later_hits, 0);
 }
 
+// A top-1 chain ranks one token below each node, so its only outcome with a non-child bonus used
+// to be "all accepted"; the runner-up each level's top-k ranks behind the child makes "accepted
+// up to node a, then the target emits the draft's second choice at a's child" guessable. On the
+// reference pair, with a fan-out of 4, guesses at inner nodes (and the root) are pre-drafted,
+// each is the draft's second-best token after its path, and some come true; every hit's tree is
+// what drafting after the outcome grows, and the output is the target's greedy decoding.
+TEST(PreDraftTest, AChainsInnerOutcomesAreGuessedWithTheRunnerUpAndHit) {
+  const DraftParams chain{4, 1, 4};
+  constexpr int kSteps = 24;
+  const Pair pair = Pairs().front();
+  Models models{Load(ModelDir(pair.draft)), Load(ModelDir(pair.target))};
+  ASSERT_TRUE(models.draft != nullptr && models.target != nullptr);
+  DraftModelDrafter drafter(models.draft.get());
+  DraftModelDrafter plain(models.draft.get(), {false, false});
+  const SeqId seq = models.next_seq++;
+  ASSERT_TRUE(drafter.AddSequence(seq).ok());
+  ASSERT_TRUE(models.target->AddSequence(seq).ok());
+  // The draft's two best tokens after `history` (a fresh sequence, one level of top-2).
+  auto best_two = [&](const std::vector<int32_t>& history) {
+    const SeqId fresh = models.next_seq++;
+    EXPECT_TRUE(plain.AddSequence(fresh).ok());
+    absl::StatusOr<std::vector<TokenTree>> t = plain.Draft({{fresh, history, {1, 2, 2}}});
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(plain.Release(fresh).ok());
+    return t.ok() ? (*t)[0].tokens : std::vector<int32_t>();
+  };
+  std::vector<int32_t> tokens = pair.prompt, pending = pair.prompt, confirmed;
+  size_t drafted = 0;
+  int32_t accepted_node = DraftRequest::kNoOutcome;
+  std::optional<TokenTree> hit_tree;
+  int inner_guesses = 0, inner_hits = 0, hits = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    SCOPED_TRACE(testing::Message() << "step " << step);
+    TokenTree tree;
+    if (hit_tree.has_value()) {
+      tree = *std::move(hit_tree);
+      hit_tree.reset();
+    } else {
+      DraftRequest r{seq, {tokens.begin() + drafted, tokens.end()}, chain, accepted_node};
+      absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft({r});
+      ASSERT_TRUE(trees.ok()) << trees.status();
+      tree = (*trees)[0];
+      drafted = tokens.size();
+      confirmed.clear();
+    }
+    ASSERT_EQ(tree.size(), chain.depth);
+    DraftRequest p;
+    p.seq = seq;
+    p.new_tokens = confirmed;
+    p.params = chain;
+    p.fan_out = 4;
+    absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> pre = drafter.PreDraft({p});
+    ASSERT_TRUE(pre.ok()) << pre.status();
+    drafted += confirmed.size();
+    const DraftModelDrafter::PreDraftResult& result = (*pre)[0];
+    // The greedy path accepted whole comes first.
+    EXPECT_EQ(result.guess_node, chain.depth - 1);
+    EXPECT_EQ(result.more.size(), static_cast<size_t>(3));
+    for (const DraftModelDrafter::PreDraftGuess& guess : result.more) {
+      ASSERT_LT(guess.node, chain.depth - 1);
+      ++inner_guesses;
+      // The accepted path, then the draft's runner-up below its last node.
+      ASSERT_EQ(guess.tokens.size(), static_cast<size_t>(guess.node + 2));
+      std::vector<int32_t> history = tokens;
+      history.insert(history.end(), guess.tokens.begin(), guess.tokens.end() - 1);
+      const std::vector<int32_t> two = best_two(history);
+      ASSERT_EQ(two.size(), 2u);
+      EXPECT_EQ(guess.tokens.back(), two[1]);
+      EXPECT_EQ(guess.tokens.front(), guess.node < 0 ? two[1] : tree.tokens[0]);
+    }
+
+    VerifyItem item;
+    item.seq = seq;
+    item.pending = pending;
+    item.tree = tree;
+    absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
+    ASSERT_TRUE(v.ok()) << v.status();
+    const VerifyOutcome& out = (*v)[0];
+    tokens.insert(tokens.end(), out.tokens.begin(), out.tokens.end());
+    pending = {out.tokens.back()};
+    accepted_node = out.accepted_nodes.empty() ? -1 : out.accepted_nodes.back();
+    const DraftModelDrafter::PreDraftGuess* inner = nullptr;
+    for (const DraftModelDrafter::PreDraftGuess& guess : result.more) {
+      if (out.tokens == guess.tokens) inner = &guess;
+    }
+    if (out.tokens == result.guess_tokens) {
+      ++hits;
+      hit_tree = result.tree;
+      confirmed = out.tokens;
+    } else if (inner != nullptr) {
+      ++hits;
+      ++inner_hits;
+      EXPECT_EQ(inner->node, accepted_node);
+      // The hit's tree is the one drafting after the outcome grows.
+      const SeqId fresh = models.next_seq++;
+      ASSERT_TRUE(plain.AddSequence(fresh).ok());
+      absl::StatusOr<std::vector<TokenTree>> after = plain.Draft({{fresh, tokens, chain}});
+      ASSERT_TRUE(after.ok()) << after.status();
+      EXPECT_EQ(inner->tree.tokens, (*after)[0].tokens);
+      EXPECT_TRUE(plain.Release(fresh).ok());
+      hit_tree = inner->tree;
+      confirmed = out.tokens;
+    } else {
+      confirmed.clear();
+    }
+  }
+  std::cout << "chain of 4, fan-out 4: " << hits << " hits in " << kSteps << " steps, "
+            << inner_hits << " of them at inner nodes (" << inner_guesses << " inner guesses)\n";
+  EXPECT_GT(inner_guesses, 0);
+  EXPECT_GT(inner_hits, 0);
+  // Target-only greedy decoding of as many tokens.
+  const SeqId greedy_seq = models.next_seq++;
+  ASSERT_TRUE(models.target->AddSequence(greedy_seq).ok());
+  std::vector<int32_t> greedy_pending = pair.prompt, greedy;
+  while (greedy.size() < tokens.size() - pair.prompt.size()) {
+    VerifyItem item;
+    item.seq = greedy_seq;
+    item.pending = greedy_pending;
+    absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
+    ASSERT_TRUE(v.ok());
+    greedy.push_back((*v)[0].tokens[0]);
+    greedy_pending = {greedy.back()};
+  }
+  EXPECT_EQ(std::vector<int32_t>(tokens.begin() + pair.prompt.size(), tokens.end()), greedy);
+}
+
 }  // namespace
 }  // namespace specd
