@@ -90,8 +90,9 @@ class DraftModelDrafter : public Drafter {
   // are about the requests and leave every sequence as it was; a failing forward leaves the
   // affected sequences without a guess (their kept tree's chain committed) rather than failing.
   // With DraftRequest::fan_out > 1 the next most likely outcomes (by the draft's probabilities,
-  // scored as for a sampling target) are guessed too, each with its tree, grown one guess a
-  // round after the first; the next call confirms at most one of them and drops the others.
+  // scored as for a sampling target) are guessed too, each with its tree, all grown together
+  // (a sequence's guesses share its forwards); the next call confirms at most one of them and
+  // drops the others.
   struct PreDraftGuess {
     TokenTree tree;
     std::vector<int32_t> tokens;

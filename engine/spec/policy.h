@@ -431,11 +431,10 @@ class GoodputPolicy {
   // `verify_rows` rows scoring `verify_tokens` tokens, for `drafting` sequences whose next trees
   // are `levels` deep and `nodes` nodes in all. A pre-draft that ends inside the verify step
   // costs the step nothing and each further guess raises the chance of a hit, so: the most
-  // guesses, up to `max_fan_out`, whose pre-draft (F rounds of `levels` levels over `drafting`
-  // rows: the drafter grows one guess of every sequence a round) is predicted to end inside the
-  // verify step. Where the draft has slack (one stream) that is several; at high batch a round
-  // alone fills the verify step, so 1; and 0 where even one guess would outlast verify (the
-  // step is then the sequential one, never worse).
+  // guesses, up to `max_fan_out`, whose pre-draft (drafting x F trees) is predicted to end
+  // inside the verify step. Where the draft has slack (one stream) that is several; at high
+  // batch the work grows as rows x F, so 1; and 0 where even one guess would outlast verify
+  // (the step is then the sequential one, never worse).
   int PreDraftFanOut(int drafting, int levels, int nodes, int verify_rows, int verify_tokens,
                      int max_fan_out) const;
 
@@ -458,9 +457,8 @@ class GoodputPolicy {
     return Clamp(shape, max_depth);
   }
   // What a pre-draft of `shapes` (each its own sequence) at `fan_out` guesses asks of the
-  // draft, in PreDraftSeconds' terms: rows (the sequences), levels (per round the guess's own
-  // forward and the deepest tree's, times the fan_out rounds), nodes (each tree's nodes plus its
-  // guessed path's, per guess).
+  // draft, in PreDraftSeconds' terms: sequence-trees, levels (the guess's own forward and the
+  // deepest tree's), nodes (each tree's nodes plus its guessed path's).
   struct PreDraftWork {
     int drafting = 0;
     int levels = 0;

@@ -12,10 +12,8 @@ int GoodputPolicy::PreDraftFanOut(int drafting, int levels, int nodes, int verif
                                   int verify_tokens, int max_fan_out) const {
   if (drafting <= 0 || levels <= 0) return 0;
   const double verify = costs_.VerifySeconds(verify_rows, verify_tokens);
-  // The drafter grows a sequence's guesses one round after another (each round one guess of
-  // every sequence), so F guesses cost F times the levels, not F times the rows of one round.
   int fan_out = 0;
-  while (fan_out < max_fan_out && costs_.PreDraftSeconds(drafting, levels * (fan_out + 1),
+  while (fan_out < max_fan_out && costs_.PreDraftSeconds(drafting * (fan_out + 1), levels,
                                                          nodes * (fan_out + 1)) <= verify) {
     ++fan_out;
   }
@@ -31,8 +29,7 @@ GoodputPolicy::PreDraftWork GoodputPolicy::PreDraftWorkOf(absl::Span<const SpecS
     work.levels = std::max(work.levels, s.depth + 1);
     work.nodes += Clamp(s, s.depth).max_nodes + s.depth + 1;
   }
-  // Rounds, one guess of each sequence a round (PreDraftFanOut).
-  work.levels *= fan_out;
+  work.drafting *= fan_out;
   work.nodes *= fan_out;
   return work;
 }

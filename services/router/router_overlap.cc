@@ -168,13 +168,12 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
     seq.pre_uncut = uncut[i];
     seq.pre_reason = seq.core->planned_reason();
   }
-  // Priced as the drafter runs it: one round of the levels per guess (PreDraftWorkOf).
-  const GoodputPolicy::PreDraftWork work = GoodputPolicy::PreDraftWorkOf(shapes, plan.fan_out);
+  const GoodputPolicy::PreDraftWork one = GoodputPolicy::PreDraftWorkOf(shapes, 1);
   call->request = std::move(request);
-  call->draft_seconds = policy_.costs().DraftSeconds(work.drafting, work.levels, work.nodes);
-  call->rows = work.drafting;
-  call->levels = work.levels;
-  call->nodes = work.nodes;
+  call->draft_seconds = policy_.costs().DraftSeconds(one.drafting, one.levels, one.nodes);
+  call->rows = one.drafting * plan.fan_out;
+  call->levels = one.levels;
+  call->nodes = one.nodes * plan.fan_out;
 }
 
 std::vector<std::shared_ptr<RouterLoop::Draft>> RouterLoop::StartPreDrafts(uint64_t step_id) {

@@ -557,16 +557,18 @@ TEST(PreDraftTest, HitTreesEqualDraftingAfterTheOutcome) {
 // A top-1 chain ranks one token below each node, so its only outcome with a non-child bonus used
 // to be "all accepted"; the runner-up each level's top-k ranks behind the child makes "accepted
 // up to node a, then the target emits the draft's second choice at a's child" guessable. On the
-// reference pair, with a fan-out of 4, guesses at inner nodes (and the root) are pre-drafted,
-// each is the draft's second-best token after its path, and some come true; every hit's tree is
-// what drafting after the outcome grows, and the output is the target's greedy decoding.
+// reference pair, with a fan-out of 4, guesses at inner nodes (and the root) are pre-drafted in
+// the forwards of one guess, each is the draft's second-best token after its path, and some come
+// true; every hit's tree is what drafting after the outcome grows, and the output is the
+// target's greedy decoding.
 TEST(PreDraftTest, AChainsInnerOutcomesAreGuessedWithTheRunnerUpAndHit) {
   const DraftParams chain{4, 1, 4};
   constexpr int kSteps = 24;
   const Pair pair = Pairs().front();
   Models models{Load(ModelDir(pair.draft)), Load(ModelDir(pair.target))};
   ASSERT_TRUE(models.draft != nullptr && models.target != nullptr);
-  DraftModelDrafter drafter(models.draft.get());
+  CountingBackend counter(models.draft.get());
+  DraftModelDrafter drafter(&counter);
   DraftModelDrafter plain(models.draft.get(), {false, false});
   const SeqId seq = models.next_seq++;
   ASSERT_TRUE(drafter.AddSequence(seq).ok());
@@ -605,8 +607,11 @@ TEST(PreDraftTest, AChainsInnerOutcomesAreGuessedWithTheRunnerUpAndHit) {
     p.new_tokens = confirmed;
     p.params = chain;
     p.fan_out = 4;
+    const int64_t calls = counter.calls();
     absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> pre = drafter.PreDraft({p});
     ASSERT_TRUE(pre.ok()) << pre.status();
+    // The four guesses share their forwards: the leaf's top-1, the fed chains, then the levels.
+    EXPECT_LE(counter.calls() - calls, chain.depth + 1);
     drafted += confirmed.size();
     const DraftModelDrafter::PreDraftResult& result = (*pre)[0];
     // The greedy path accepted whole comes first.

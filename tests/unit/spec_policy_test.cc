@@ -694,9 +694,8 @@ TEST(SpecPolicyTest, PreDraftFanOutFillsTheVerifyStepAndShrinksWithTheBatch) {
     const int f =
         policy.PreDraftFanOut(rows, kLevels, rows * kNodesPerTree, rows, verify_tokens, kMax);
     const double verify = policy.costs().VerifySeconds(rows, verify_tokens);
-    // F guesses are F rounds of the levels over the same rows.
     auto pre = [&](int fan_out) {
-      return policy.costs().PreDraftSeconds(rows, kLevels * fan_out,
+      return policy.costs().PreDraftSeconds(rows * fan_out, kLevels,
                                             rows * kNodesPerTree * fan_out);
     };
     if (f > 0) EXPECT_LE(pre(f), verify);
