@@ -89,6 +89,57 @@ absl::Status GrowTrees(
   return absl::OkStatus();
 }
 
+// The log-chance, for a greedy target, of each outcome of `tree` (index 0: none accepted, then
+// node i at i + 1), an outcome being an accepted node a and a bonus token that is not one of
+// its children (`bonus_logprob[a]`, `root_bonus_logprob` below the root: the draft's
+// log-probability of that token given a). `rates[d - 1]`: the chance the target's token at
+// depth d is the draft's top-1 there, given the path so far was accepted (the sequence's
+// measured chain acceptance; the last one for deeper levels). Where the target does not take
+// the top-1, its token is spread as the draft's own distribution less the top-1; so the chance
+// a path is accepted is the product over its nodes of the rate (a best child: children are
+// listed best first) or (1 - rate) p(node) / (1 - p(best sibling)), and the bonus's is the rate
+// where a has no children (the bonus is then the draft's top-1) or else the same rest.
+std::vector<double> OutcomeLogChances(const TokenTree& tree,
+                                      const std::vector<float>& bonus_logprob,
+                                      float root_bonus_logprob, const std::vector<float>& rates) {
+  const int n = tree.size();
+  auto rate = [&](int d) {
+    const size_t at = std::min(static_cast<size_t>(std::max(d, 1)), rates.size()) - 1;
+    return std::clamp(static_cast<double>(rates[at]), 1e-6, 1 - 1e-6);
+  };
+  // Log-probability by the draft of node i given its parent (-1: the last fed token).
+  auto own = [&](int i) {
+    const int parent = tree.parents[i];
+    return static_cast<double>(tree.draft_logprobs[i]) -
+           (parent < 0 ? 0.0 : static_cast<double>(tree.draft_logprobs[parent]));
+  };
+  std::vector<int> depth(n, 0), best_child(n + 1, -1);  // best_child[a + 1]
+  for (int i = 0; i < n; ++i) {
+    const int parent = tree.parents[i];
+    depth[i] = parent < 0 ? 1 : depth[parent] + 1;
+    if (best_child[parent + 1] < 0) best_child[parent + 1] = i;
+  }
+  // The chance of a token given the parent `a` was reached: its log-probability by the draft
+  // (`logprob`), or the best child's own (`is_best`).
+  auto next = [&](int a, bool is_best, double logprob) {
+    const double r = rate(a < 0 ? 1 : depth[a] + 1);
+    const int best = best_child[a + 1];
+    if (is_best || best < 0) return std::log(r);
+    const double rest = std::max(1.0 - std::exp(own(best)), 1e-6);
+    return std::log1p(-r) + logprob - std::log(rest);
+  };
+  std::vector<double> reach(n, 0.0);
+  for (int i = 0; i < n; ++i) {
+    const int parent = tree.parents[i];
+    reach[i] =
+        (parent < 0 ? 0.0 : reach[parent]) + next(parent, best_child[parent + 1] == i, own(i));
+  }
+  std::vector<double> chance(n + 1);
+  chance[0] = next(-1, false, root_bonus_logprob);
+  for (int i = 0; i < n; ++i) chance[i + 1] = reach[i] + next(i, false, bonus_logprob[i]);
+  return chance;
+}
+
 }  // namespace
 
 DraftModelDrafter::DraftModelDrafter(Backend* model, DraftModelDrafterOptions options)
@@ -382,9 +433,24 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
     for (int i = 0; i < kept.tree.size(); ++i) {
       if (kept.bonus[i] != kNoBonus) candidates.push_back(i);
     }
+    std::vector<int>& chosen = outcomes[b];
+    if (!r.target_samples && !r.chain_rates.empty()) {
+      // A greedy target with its measured acceptance: every outcome by the same estimate, so
+      // that "rejected at the first node" and "all accepted" compare (DraftRequest::chain_rates).
+      const std::vector<double> chance =
+          OutcomeLogChances(kept.tree, kept.bonus_logprob, kept.root_bonus_logprob, r.chain_rates);
+      auto of = [&](int i) { return chance[i + 1]; };
+      std::stable_sort(candidates.begin(), candidates.end(),
+                       [&](int a, int c) { return of(a) > of(c); });
+      for (int c : candidates) {
+        if (static_cast<int>(chosen.size()) >= std::max(r.fan_out, 1)) break;
+        chosen.push_back(c);
+      }
+      results[b].more.resize(chosen.empty() ? 0 : chosen.size() - 1);
+      continue;
+    }
     std::stable_sort(candidates.begin(), candidates.end(),
                      [&](int a, int c) { return score(a) > score(c); });
-    std::vector<int>& chosen = outcomes[b];
     if (!r.target_samples) {
       // The most likely outcome of a greedy target follows the draft's best child at every
       // node: children are listed best first, and a best child pruned takes its siblings.

@@ -685,5 +685,51 @@ TEST(PreDraftTest, AChainsInnerOutcomesAreGuessedWithTheRunnerUpAndHit) {
   EXPECT_EQ(std::vector<int32_t>(tokens.begin() + pair.prompt.size(), tokens.end()), greedy);
 }
 
+// A greedy target's measured acceptance (DraftRequest::chain_rates) ranks every outcome by one
+// estimate: where the target almost never takes the draft's first token, the likeliest outcome
+// is "nothing accepted, then the draft's runner-up", ahead of the whole chain; where it almost
+// always takes every token, the whole chain; out of [0, 1] is never reached here (the draft
+// service refuses it by field).
+TEST(PreDraftTest, MeasuredAcceptanceRanksTheOutcomes) {
+  const DraftParams chain{4, 1, 4};
+  const Pair pair = Pairs().front();
+  std::unique_ptr<Backend> draft = Load(ModelDir(pair.draft));
+  ASSERT_NE(draft, nullptr);
+  DraftModelDrafter drafter(draft.get());
+  ASSERT_TRUE(drafter.AddSequence(1).ok());
+  absl::StatusOr<std::vector<TokenTree>> tree = drafter.Draft({{1, pair.prompt, chain}});
+  ASSERT_TRUE(tree.ok()) << tree.status();
+  ASSERT_EQ((*tree)[0].size(), chain.depth);
+  DraftModelDrafter plain(draft.get(), {false, false});
+  ASSERT_TRUE(plain.AddSequence(2).ok());
+  absl::StatusOr<std::vector<TokenTree>> two = plain.Draft({{2, pair.prompt, {1, 2, 2}}});
+  ASSERT_TRUE(two.ok()) << two.status();
+  ASSERT_EQ((*two)[0].size(), 2);
+  auto first_guess = [&](std::vector<float> rates) {
+    DraftRequest p;
+    p.seq = 1;
+    p.params = chain;
+    p.fan_out = 2;
+    p.chain_rates = std::move(rates);
+    absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> pre = drafter.PreDraft({p});
+    EXPECT_TRUE(pre.ok()) << pre.status();
+    return pre.ok() ? (*pre)[0] : DraftModelDrafter::PreDraftResult();
+  };
+  // (Each call's empty new_tokens drops the previous call's guesses: the kept tree stays.)
+  const DraftModelDrafter::PreDraftResult rejected = first_guess({0.01f});
+  EXPECT_EQ(rejected.guess_node, -1);
+  EXPECT_EQ(rejected.guess_tokens, std::vector<int32_t>{(*two)[0].tokens[1]});
+  ASSERT_EQ(rejected.more.size(), 1u);
+  EXPECT_EQ(rejected.more[0].node, 0);  // the next likeliest: rejected one node later
+  const DraftModelDrafter::PreDraftResult accepted = first_guess({0.99f, 0.99f, 0.99f});
+  EXPECT_EQ(accepted.guess_node, chain.depth - 1);
+  EXPECT_EQ(std::vector<int32_t>(accepted.guess_tokens.begin(), accepted.guess_tokens.end() - 1),
+            (*tree)[0].tokens);
+  ASSERT_EQ(accepted.more.size(), 1u);
+  EXPECT_LT(accepted.more[0].node, chain.depth - 1);  // a rejection, somewhere
+  // Without rates the greedy path comes first whatever the draft's confidence.
+  EXPECT_EQ(first_guess({}).guess_node, chain.depth - 1);
+}
+
 }  // namespace
 }  // namespace specd
