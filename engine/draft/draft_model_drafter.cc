@@ -36,7 +36,7 @@ absl::Status GrowTrees(
     absl::FunctionRef<absl::Status(absl::Span<const ForwardItem>, int, TopKRows*)> level_topk) {
   // One more than the most children a row gets: the next token is the row's RunnerUp, which
   // lets a pre-draft guess that the target rejects a top-1 chain's node and emits it instead.
-  auto with_runner_up = [](int k) { return k < kMaxForwardTopK ? k + 1 : k; };
+  auto with_runner_up = &DraftModelDrafter::TopKAsked;
   int k = 1;
   for (const SeqWork& w : work) k = std::max(k, ChildCount(w.req->params, 0));
   TopKRows top;

@@ -12,6 +12,7 @@
 #include "absl/types/span.h"
 #include "engine/backend.h"
 #include "engine/draft/drafter.h"
+#include "engine/topk.h"
 
 namespace specd {
 
@@ -84,6 +85,13 @@ class DraftModelDrafter : public Drafter {
   absl::StatusOr<std::vector<TokenTree>> Draft(absl::Span<const DraftRequest> requests) override;
   int vocab_size() const override { return vocab_size_; }
 
+  // The top-k a level asks the model for when its nodes get `children` children: one more, the
+  // runner-up (a pre-draft's guess at a node whose top-k are all children), within
+  // kMaxForwardTopK. What a draft-level warm-up must ask to warm the same graphs.
+  static int TopKAsked(int children) {
+    return children < kMaxForwardTopK ? children + 1 : children;
+  }
+
   // The tree below the guessed outcome of each sequence's kept tree (see above). `new_tokens`
   // may be empty, or the previous guess's tokens exactly (a hit); anything else, no kept tree,
   // or an empty one gives no guess. Never commits a guess. Errors (INVALID_ARGUMENT, NOT_FOUND)
@@ -92,7 +100,8 @@ class DraftModelDrafter : public Drafter {
   // With DraftRequest::fan_out > 1 the next most likely outcomes (by the draft's probabilities,
   // scored as for a sampling target) are guessed too, each with its tree, all grown together
   // (a sequence's guesses share its forwards); the next call confirms at most one of them and
-  // drops the others.
+  // drops the others. A greedy target's DraftRequest::chain_rates rank every outcome, the
+  // greedy path's included, by one estimate of its chance instead.
   struct PreDraftGuess {
     TokenTree tree;
     std::vector<int32_t> tokens;

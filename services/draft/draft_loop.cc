@@ -54,6 +54,7 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
       levels.batches = DraftLevelWarmUpBatches(std::min(options.max_sequences, 64));
       levels.depth = options.defaults.depth;
       levels.top_k = std::min(options.defaults.top_k, kMaxForwardTopK);
+      levels.asked_k = DraftModelDrafter::TopKAsked(levels.top_k);
       absl::StatusOr<WarmUpReport> warm = WarmUpDraftLevels(*model, levels);
       if (!warm.ok()) return warm.status();
       SPECD_LOG(INFO) << "draft level warm-up: " << warm->rows.size() << " batch sizes up to "

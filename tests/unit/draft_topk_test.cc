@@ -562,6 +562,11 @@ TEST(PreDraftTest, HitTreesEqualDraftingAfterTheOutcome) {
 // true; every hit's tree is what drafting after the outcome grows, and the output is the
 // target's greedy decoding.
 TEST(PreDraftTest, AChainsInnerOutcomesAreGuessedWithTheRunnerUpAndHit) {
+  // Each level asks one token more than its nodes' children (what the draft service's warm-up
+  // asks too), within the backend's top-k limit.
+  EXPECT_EQ(DraftModelDrafter::TopKAsked(1), 2);
+  EXPECT_EQ(DraftModelDrafter::TopKAsked(kMaxForwardTopK - 1), kMaxForwardTopK);
+  EXPECT_EQ(DraftModelDrafter::TopKAsked(kMaxForwardTopK), kMaxForwardTopK);
   const DraftParams chain{4, 1, 4};
   constexpr int kSteps = 24;
   const Pair pair = Pairs().front();
