@@ -51,9 +51,11 @@ std::vector<int64_t> DraftLevelWarmUpBatches(int64_t max_batch) {
 }
 
 absl::StatusOr<WarmUpReport> WarmUpDraftLevels(Backend& backend, const DraftLevelWarmUp& shape) {
-  if (shape.top_k < 1 || shape.top_k > kMaxForwardTopK || shape.depth < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("draft level warm-up: top_k ", shape.top_k, ", depth ", shape.depth));
+  const int asked = shape.asked_k > 0 ? shape.asked_k : shape.top_k;
+  if (shape.top_k < 1 || shape.top_k > kMaxForwardTopK || asked > kMaxForwardTopK ||
+      shape.depth < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("draft level warm-up: top_k ", shape.top_k,
+                                                   ", asked_k ", asked, ", depth ", shape.depth));
   }
   const auto start = std::chrono::steady_clock::now();
   const ModelConfig& config = backend.config();
@@ -88,7 +90,7 @@ absl::StatusOr<WarmUpReport> WarmUpDraftLevels(Backend& backend, const DraftLeve
             items[i].logit_rows.push_back(j);
           }
         }
-        s = backend.ForwardTopK(items, shape.top_k, &top);
+        s = backend.ForwardTopK(items, asked, &top);
         anchor = next;
         next += n;
       }

@@ -49,8 +49,11 @@ absl::StatusOr<WarmUpReport> WarmUpBackend(Backend& backend, const std::vector<i
 struct DraftLevelWarmUp {
   std::vector<int64_t> batches;  // sequences a level, e.g. DraftLevelWarmUpBatches()
   int depth = 4;                 // levels a tree: a chain token, then depth - 1 of children
-  int top_k = 4;                 // children a node (also the top-k asked for), <= kMaxForwardTopK
-  int passes = 2;                // each tree this many times (a graph is captured on pass 2)
+  int top_k = 4;                 // children a node, <= kMaxForwardTopK
+  // The top-k each level asks for, as the drafter asks it (DraftModelDrafter::TopKAsked: one
+  // more than the children, for the runner-up); 0: top_k.
+  int asked_k = 0;
+  int passes = 2;  // each tree this many times (a graph is captured on pass 2)
 };
 
 // 1, 2, 4, ... below `max_batch`, then `max_batch` (the CUDA backend's graph batch buckets are

@@ -25,21 +25,29 @@ using draft_tree::SeqWork;
 
 Selected SelectTree(const SeqWork& w) { return draft_tree::SelectTreeWithGuesses(w); }
 
-// Feeds every work item's chain (`items`, one per work item, logit row = the chain's last token)
-// and grows each tree level by level: one batched forward per level over every sequence's
-// frontier, whose top-k give the next level's children.
+// Feeds every work item's chain (`items`: one logit row per work item, in work order) and grows
+// each tree level by level: one batched forward per level over every sequence's frontier, whose
+// top-k give the next level's children. Work items of one sequence (a pre-draft's guesses) must
+// be adjacent and start from the same next_scratch: they share one forward item a level, their
+// nodes taking the sequence's scratch indices in turn, and each ends with next_scratch past all
+// of them.
 absl::Status GrowTrees(
     std::vector<SeqWork>& work, std::vector<ForwardItem>& items,
     absl::FunctionRef<absl::Status(absl::Span<const ForwardItem>, int, TopKRows*)> level_topk) {
+  // One more than the most children a row gets: the next token is the row's RunnerUp, which
+  // lets a pre-draft guess that the target rejects a top-1 chain's node and emits it instead.
+  auto with_runner_up = &DraftModelDrafter::TopKAsked;
   int k = 1;
   for (const SeqWork& w : work) k = std::max(k, ChildCount(w.req->params, 0));
   TopKRows top;
-  if (absl::Status s = level_topk(items, k, &top); !s.ok()) return s;
+  if (absl::Status s = level_topk(items, with_runner_up(k), &top); !s.ok()) return s;
   if (top.rows() != static_cast<int64_t>(work.size())) {
     return absl::InternalError(
         absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", work.size()));
   }
   for (size_t b = 0; b < work.size(); ++b) AddChildren(work[b], -1, top, b);
+  absl::flat_hash_map<SeqId, int32_t> next_scratch;  // per sequence
+  for (const SeqWork& w : work) next_scratch.try_emplace(w.req->seq, w.next_scratch);
   for (int level = 0;; ++level) {
     items.clear();
     std::vector<size_t> item_work;
@@ -51,22 +59,22 @@ absl::Status GrowTrees(
       if (level + 1 >= w.req->params.depth) continue;
       w.frontier = PickFrontier(w, level);
       if (w.frontier.empty()) continue;
-      ForwardItem item;
-      item.seq = w.req->seq;
+      if (items.empty() || items.back().seq != w.req->seq) items.emplace_back().seq = w.req->seq;
+      ForwardItem& item = items.back();
+      int32_t& next = next_scratch[w.req->seq];
       for (int node : w.frontier) {
         Node& nd = w.nodes[node];
-        nd.scratch = w.next_scratch++;
+        nd.scratch = next++;
         item.logit_rows.push_back(static_cast<int32_t>(item.tokens.size()));
         item.tokens.push_back(nd.token);
         item.parents.push_back(nd.parent < 0 ? w.chain_end : w.nodes[nd.parent].scratch);
       }
       rows += static_cast<int64_t>(w.frontier.size());
       k = std::max(k, ChildCount(w.req->params, level + 1));
-      items.push_back(std::move(item));
       item_work.push_back(b);
     }
-    if (items.empty()) return absl::OkStatus();
-    if (absl::Status s = level_topk(items, k, &top); !s.ok()) return s;
+    if (items.empty()) break;
+    if (absl::Status s = level_topk(items, with_runner_up(k), &top); !s.ok()) return s;
     if (top.rows() != rows) {
       return absl::InternalError(
           absl::StrCat("draft model returned ", top.rows(), " top-k rows for ", rows));
@@ -77,6 +85,59 @@ absl::Status GrowTrees(
       for (int node : w.frontier) AddChildren(w, node, top, row++);
     }
   }
+  for (SeqWork& w : work) w.next_scratch = next_scratch[w.req->seq];
+  return absl::OkStatus();
+}
+
+// The log-chance, for a greedy target, of each outcome of `tree` (index 0: none accepted, then
+// node i at i + 1), an outcome being an accepted node a and a bonus token that is not one of
+// its children (`bonus_logprob[a]`, `root_bonus_logprob` below the root: the draft's
+// log-probability of that token given a). `rates[d - 1]`: the chance the target's token at
+// depth d is the draft's top-1 there, given the path so far was accepted (the sequence's
+// measured chain acceptance; the last one for deeper levels). Where the target does not take
+// the top-1, its token is spread as the draft's own distribution less the top-1; so the chance
+// a path is accepted is the product over its nodes of the rate (a best child: children are
+// listed best first) or (1 - rate) p(node) / (1 - p(best sibling)), and the bonus's is the rate
+// where a has no children (the bonus is then the draft's top-1) or else the same rest.
+std::vector<double> OutcomeLogChances(const TokenTree& tree,
+                                      const std::vector<float>& bonus_logprob,
+                                      float root_bonus_logprob, const std::vector<float>& rates) {
+  const int n = tree.size();
+  auto rate = [&](int d) {
+    const size_t at = std::min(static_cast<size_t>(std::max(d, 1)), rates.size()) - 1;
+    return std::clamp(static_cast<double>(rates[at]), 1e-6, 1 - 1e-6);
+  };
+  // Log-probability by the draft of node i given its parent (-1: the last fed token).
+  auto own = [&](int i) {
+    const int parent = tree.parents[i];
+    return static_cast<double>(tree.draft_logprobs[i]) -
+           (parent < 0 ? 0.0 : static_cast<double>(tree.draft_logprobs[parent]));
+  };
+  std::vector<int> depth(n, 0), best_child(n + 1, -1);  // best_child[a + 1]
+  for (int i = 0; i < n; ++i) {
+    const int parent = tree.parents[i];
+    depth[i] = parent < 0 ? 1 : depth[parent] + 1;
+    if (best_child[parent + 1] < 0) best_child[parent + 1] = i;
+  }
+  // The chance of a token given the parent `a` was reached: its log-probability by the draft
+  // (`logprob`), or the best child's own (`is_best`).
+  auto next = [&](int a, bool is_best, double logprob) {
+    const double r = rate(a < 0 ? 1 : depth[a] + 1);
+    const int best = best_child[a + 1];
+    if (is_best || best < 0) return std::log(r);
+    const double rest = std::max(1.0 - std::exp(own(best)), 1e-6);
+    return std::log1p(-r) + logprob - std::log(rest);
+  };
+  std::vector<double> reach(n, 0.0);
+  for (int i = 0; i < n; ++i) {
+    const int parent = tree.parents[i];
+    reach[i] =
+        (parent < 0 ? 0.0 : reach[parent]) + next(parent, best_child[parent + 1] == i, own(i));
+  }
+  std::vector<double> chance(n + 1);
+  chance[0] = next(-1, false, root_bonus_logprob);
+  for (int i = 0; i < n; ++i) chance[i + 1] = reach[i] + next(i, false, bonus_logprob[i]);
+  return chance;
 }
 
 }  // namespace
@@ -338,20 +399,18 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
   };
   if (absl::Status s = CheckDraftBatch(requests, check); !s.ok()) return s;
   std::vector<PreDraftResult> results(requests.size());
-  // What each guessing sequence feeds: the unexpanded rest of the guessed path (and its bonus
-  // token when known) hanging from `anchor`, its scratch path so far, and where the grown
-  // tree's scratch starts.
+  // What each guess feeds: the unexpanded rest of the guessed path (and its bonus token when
+  // known) hanging from `anchor`, and its scratch path so far.
   struct Guess {
     size_t b = 0;
     std::vector<int32_t> path;   // scratch path of the guessed tokens fed so far
     std::vector<int32_t> chain;  // tokens still to feed below the path
     int32_t anchor = -1;         // scratch parent of chain[0]
-    int32_t next_scratch = 0;
-    bool need_bonus = false;  // the accepted node was never expanded: its top-1 is the bonus
+    bool need_bonus = false;     // the accepted node was never expanded: its top-1 is the bonus
+    int rank = 0;                // 0: the likeliest outcome, then DraftRequest::fan_out's order
   };
   // Per sequence: the accepted node of each outcome to guess (-1: the root), most likely first.
   std::vector<std::vector<int>> outcomes(requests.size());
-  int rounds = 0;
   for (size_t b = 0; b < requests.size(); ++b) {
     const DraftRequest& r = requests[b];
     absl::StatusOr<int> consumed = ResolvePending(r.seq, r.new_tokens, /*exact=*/true);
@@ -374,9 +433,24 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
     for (int i = 0; i < kept.tree.size(); ++i) {
       if (kept.bonus[i] != kNoBonus) candidates.push_back(i);
     }
+    std::vector<int>& chosen = outcomes[b];
+    if (!r.target_samples && !r.chain_rates.empty()) {
+      // A greedy target with its measured acceptance: every outcome by the same estimate, so
+      // that "rejected at the first node" and "all accepted" compare (DraftRequest::chain_rates).
+      const std::vector<double> chance =
+          OutcomeLogChances(kept.tree, kept.bonus_logprob, kept.root_bonus_logprob, r.chain_rates);
+      auto of = [&](int i) { return chance[i + 1]; };
+      std::stable_sort(candidates.begin(), candidates.end(),
+                       [&](int a, int c) { return of(a) > of(c); });
+      for (int c : candidates) {
+        if (static_cast<int>(chosen.size()) >= std::max(r.fan_out, 1)) break;
+        chosen.push_back(c);
+      }
+      results[b].more.resize(chosen.empty() ? 0 : chosen.size() - 1);
+      continue;
+    }
     std::stable_sort(candidates.begin(), candidates.end(),
                      [&](int a, int c) { return score(a) > score(c); });
-    std::vector<int>& chosen = outcomes[b];
     if (!r.target_samples) {
       // The most likely outcome of a greedy target follows the draft's best child at every
       // node: children are listed best first, and a best child pruned takes its siblings.
@@ -390,23 +464,25 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
       if (static_cast<int>(chosen.size()) >= std::max(r.fan_out, 1)) break;
       if (std::find(chosen.begin(), chosen.end(), c) == chosen.end()) chosen.push_back(c);
     }
-    rounds = std::max(rounds, static_cast<int>(chosen.size()));
     results[b].more.resize(chosen.empty() ? 0 : chosen.size() - 1);
   }
-  // Each round grows one guess of every sequence that has one more; a round's trees take the
-  // scratch after the previous round's.
-  for (int round = 0; round < rounds; ++round) {
-    auto slot_tokens = [&](size_t b) -> std::vector<int32_t>& {
-      return round == 0 ? results[b].guess_tokens : results[b].more[round - 1].tokens;
-    };
-    std::vector<Guess> guesses;
-    for (size_t b = 0; b < requests.size(); ++b) {
-      if (static_cast<int>(outcomes[b].size()) <= round) continue;
+  // Every guess of every sequence grows at once: a sequence's guesses share its forward item at
+  // each level (one forward a level, whatever the fan-out), their tokens taking the scratch
+  // after the kept tree's in turn. `guesses` is by sequence, then rank, as GrowTrees wants.
+  auto slot_tokens = [&](size_t b, int rank) -> std::vector<int32_t>& {
+    return rank == 0 ? results[b].guess_tokens : results[b].more[rank - 1].tokens;
+  };
+  std::vector<Guess> guesses;
+  absl::flat_hash_map<SeqId, int32_t> next_scratch;  // per sequence: its next scratch index
+  for (size_t b = 0; b < requests.size(); ++b) {
+    for (int rank = 0; rank < static_cast<int>(outcomes[b].size()); ++rank) {
       const KeptStep& kept = *states_[requests[b].seq].kept;
-      const int best = outcomes[b][round];
+      next_scratch.try_emplace(requests[b].seq, kept.scratch_used);
+      const int best = outcomes[b][rank];
       Guess g;
       g.b = b;
-      std::vector<int32_t>& tokens = slot_tokens(b);
+      g.rank = rank;
+      std::vector<int32_t>& tokens = slot_tokens(b, rank);
       std::vector<int32_t> nodes;
       for (int n = best; n >= 0; n = kept.tree.parents[n]) nodes.push_back(n);
       std::reverse(nodes.begin(), nodes.end());
@@ -432,16 +508,29 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
         g.chain.push_back(bonus);
         tokens.push_back(bonus);
       }
-      g.next_scratch = kept.scratch_used;
-      if (round == 0) {
+      if (rank == 0) {
         results[b].guess_node = best;
       } else {
-        results[b].more[round - 1].node = best;
+        results[b].more[rank - 1].node = best;
       }
       guesses.push_back(std::move(g));
     }
-    if (guesses.empty()) continue;
-
+  }
+  // Appends `g`'s chain to its sequence's forward item (the last of `items`, or a new one),
+  // each token at the sequence's next scratch index, and asks for the last token's logits.
+  auto append_chain = [&](Guess& g, std::vector<ForwardItem>* items) {
+    const SeqId seq = requests[g.b].seq;
+    if (items->empty() || items->back().seq != seq) items->emplace_back().seq = seq;
+    ForwardItem& item = items->back();
+    int32_t& next = next_scratch[seq];
+    for (size_t t = 0; t < g.chain.size(); ++t) {
+      item.tokens.push_back(g.chain[t]);
+      item.parents.push_back(t == 0 ? g.anchor : next - 1);
+      g.path.push_back(next++);
+    }
+    item.logit_rows.push_back(static_cast<int32_t>(item.tokens.size()) - 1);
+  };
+  if (!guesses.empty()) {
     // A failed forward leaves unknown nodes in the scratch region: keep only the kept chain
     // (true tokens) and forget the kept tree and every guess, so the next call feeds the
     // outcome afresh.
@@ -449,18 +538,19 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
       for (const Guess& g : guesses) {
         const DraftRequest& r = requests[g.b];
         SeqState& state = states_[r.seq];
+        results[g.b].tree = TokenTree();
+        results[g.b].guess_tokens.clear();
+        results[g.b].guess_node = -1;
+        results[g.b].more.clear();
+        if (!state.kept.has_value()) continue;  // another guess of the sequence did this
         std::vector<int32_t> chain(state.kept->chain);
         std::iota(chain.begin(), chain.end(), 0);
         if (!model_->Commit(r.seq, chain).ok()) model_->Commit(r.seq, {}).IgnoreError();
         state.kept.reset();
         state.carried.clear();
         state.pending.clear();
-        results[g.b].tree = TokenTree();
-        results[g.b].guess_tokens.clear();
-        results[g.b].guess_node = -1;
-        results[g.b].more.clear();
       }
-      SPECD_LOG(WARNING) << "pre-draft of " << guesses.size() << " sequences failed: " << s;
+      SPECD_LOG(WARNING) << "pre-draft of " << guesses.size() << " guesses failed: " << s;
       return results;
     };
     auto level_topk = [this](absl::Span<const ForwardItem> it, int k, TopKRows* out) {
@@ -472,53 +562,37 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
     std::vector<ForwardItem> items;
     std::vector<size_t> asked;
     for (size_t i = 0; i < guesses.size(); ++i) {
-      Guess& g = guesses[i];
-      if (!g.need_bonus) continue;
-      ForwardItem item;
-      item.seq = requests[g.b].seq;
-      item.tokens = g.chain;
-      for (size_t t = 0; t < g.chain.size(); ++t) {
-        item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
-      }
-      item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
-      items.push_back(std::move(item));
+      if (!guesses[i].need_bonus) continue;
+      append_chain(guesses[i], &items);
       asked.push_back(i);
     }
     if (!items.empty()) {
       TopKRows top;
       absl::Status s = level_topk(items, 1, &top);
-      if (s.ok() && top.rows() != static_cast<int64_t>(items.size())) {
+      if (s.ok() && top.rows() != static_cast<int64_t>(asked.size())) {
         s = absl::InternalError("draft model returned the wrong number of top-k rows");
       }
       if (!s.ok()) return give_up(s);
       for (size_t a = 0; a < asked.size(); ++a) {
         Guess& g = guesses[asked[a]];
-        for (size_t t = 0; t < g.chain.size(); ++t) g.path.push_back(g.next_scratch++);
-        g.anchor = g.path.empty() ? -1 : g.path.back();
+        g.anchor = g.path.back();
         const int32_t bonus = top.ids[a * top.k];
-        slot_tokens(g.b).push_back(bonus);
+        slot_tokens(g.b, g.rank).push_back(bonus);
         g.chain = {bonus};
       }
     }
 
-    // Below the guess: the same growth as Draft(), chained onto the guessed path.
+    // Below each guess: the same growth as Draft(), chained onto the guessed path.
     std::vector<SeqWork> work(guesses.size());
-    items.assign(guesses.size(), ForwardItem());
+    items.clear();
     for (size_t i = 0; i < guesses.size(); ++i) {
       Guess& g = guesses[i];
       SeqWork& w = work[i];
       w.req = &requests[g.b];
-      ForwardItem& item = items[i];
-      item.seq = w.req->seq;
-      item.tokens = g.chain;
-      for (size_t t = 0; t < g.chain.size(); ++t) {
-        item.parents.push_back(t == 0 ? g.anchor : g.next_scratch + static_cast<int32_t>(t) - 1);
-        g.path.push_back(g.next_scratch + static_cast<int32_t>(t));
-      }
-      item.logit_rows = {static_cast<int32_t>(g.chain.size()) - 1};
-      w.next_scratch = g.next_scratch + static_cast<int32_t>(g.chain.size());
+      append_chain(g, &items);
       w.chain_end = g.path.back();
     }
+    for (SeqWork& w : work) w.next_scratch = next_scratch[w.req->seq];
     if (absl::Status s = GrowTrees(work, items, level_topk); !s.ok()) return give_up(s);
     for (size_t i = 0; i < guesses.size(); ++i) {
       Guess& g = guesses[i];
@@ -526,17 +600,16 @@ absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> DraftModelDrafter
       KeptStep next = MakeKept(SelectTree(work[i]), /*chain=*/0, /*scratch_used=*/0);
       // The hit's commit drops the scratch region, this tree's expanded nodes with it.
       std::fill(next.tree_scratch.begin(), next.tree_scratch.end(), -1);
-      (round == 0 ? results[g.b].tree : results[g.b].more[round - 1].tree) = next.tree;
-      // Later guesses on the kept tree append after this one's nodes.
+      (g.rank == 0 ? results[g.b].tree : results[g.b].more[g.rank - 1].tree) = next.tree;
       state.kept->scratch_used = work[i].next_scratch;
       Pending pending;
-      pending.tokens = slot_tokens(g.b);
+      pending.tokens = slot_tokens(g.b, g.rank);
       pending.path = std::move(g.path);
       pending.next = std::move(next);
       state.pending.push_back(std::move(pending));
     }
   }
-  // Guesses a round could not make (an unexpanded outcome without a bonus) are left out.
+  // Guesses that could not be made (an unexpanded outcome without a bonus) are left out.
   for (PreDraftResult& result : results) {
     result.more.erase(std::remove_if(result.more.begin(), result.more.end(),
                                      [](const PreDraftGuess& g) { return g.tree.empty(); }),

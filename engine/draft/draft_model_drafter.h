@@ -12,6 +12,7 @@
 #include "absl/types/span.h"
 #include "engine/backend.h"
 #include "engine/draft/drafter.h"
+#include "engine/topk.h"
 
 namespace specd {
 
@@ -61,8 +62,12 @@ struct DraftModelDrafterOptions {
 // so where the draft agrees with it the outcome is the draft's greedy path: from the root, the
 // best child while it is in the tree, then that node's best token as the bonus. A sampling
 // target (DraftRequest::target_samples) draws, so the guess is the outcome of highest
-// log p(path to a) + log p(b | a), b the best non-child among a's top-k children, a node never
-// expanded scored with the tree's mean best-child log-probability. An accepted node never
+// log p(path to a) + log p(b | a), b the best non-child among a's top-k children or, where all
+// of them are children (a top-1 chain's inner nodes), the token its row ranked next (each level
+// asks for one more than top_k: the runner-up is a guess, never a node), a node never expanded
+// scored with the tree's mean best-child log-probability. So a chain's outcomes "accepted up to
+// node a, then the target's token is the draft's runner-up there" can be guessed beside the one
+// that accepts it whole, which only a fan-out above one reaches. An accepted node never
 // expanded gets its best token from one extra forward. The next call resolves
 // the guess from its new_tokens: when they begin with the guessed tokens (a hit) the guessed
 // path is committed and the pre-drafted tree becomes the kept tree (its scratch KV is dropped by
@@ -80,14 +85,23 @@ class DraftModelDrafter : public Drafter {
   absl::StatusOr<std::vector<TokenTree>> Draft(absl::Span<const DraftRequest> requests) override;
   int vocab_size() const override { return vocab_size_; }
 
+  // The top-k a level asks the model for when its nodes get `children` children: one more, the
+  // runner-up (a pre-draft's guess at a node whose top-k are all children), within
+  // kMaxForwardTopK. What a draft-level warm-up must ask to warm the same graphs.
+  static int TopKAsked(int children) {
+    return children < kMaxForwardTopK ? children + 1 : children;
+  }
+
   // The tree below the guessed outcome of each sequence's kept tree (see above). `new_tokens`
   // may be empty, or the previous guess's tokens exactly (a hit); anything else, no kept tree,
   // or an empty one gives no guess. Never commits a guess. Errors (INVALID_ARGUMENT, NOT_FOUND)
   // are about the requests and leave every sequence as it was; a failing forward leaves the
   // affected sequences without a guess (their kept tree's chain committed) rather than failing.
   // With DraftRequest::fan_out > 1 the next most likely outcomes (by the draft's probabilities,
-  // scored as for a sampling target) are guessed too, each with its tree, grown one guess a
-  // round after the first; the next call confirms at most one of them and drops the others.
+  // scored as for a sampling target) are guessed too, each with its tree, all grown together
+  // (a sequence's guesses share its forwards); the next call confirms at most one of them and
+  // drops the others. A greedy target's DraftRequest::chain_rates rank every outcome, the
+  // greedy path's included, by one estimate of its chance instead.
   struct PreDraftGuess {
     TokenTree tree;
     std::vector<int32_t> tokens;
@@ -122,8 +136,9 @@ class DraftModelDrafter : public Drafter {
     std::vector<int32_t> tree_scratch;  // per tree node: its scratch index, -1 if not expanded
     int32_t scratch_used = 0;           // scratch nodes appended so far (chain and expanded)
     // For guesses: per tree node the best token below it that is not one of its children and
-    // its log-probability given the node, kUnexpanded (never fed: estimate top1_logprob) or
-    // kNoBonus (every top-k token is a child: not a candidate). root_bonus likewise below the
+    // its log-probability given the node (the runner-up where every top-k token is a child),
+    // kUnexpanded (never fed: estimate top1_logprob) or kNoBonus (every token its row ranked is
+    // a child: not a candidate). root_bonus likewise below the
     // last chain token.
     std::vector<int32_t> bonus;
     std::vector<float> bonus_logprob;

@@ -54,6 +54,13 @@ struct DraftRequest {
   bool target_samples = false;
   // Pre-drafting only: how many outcomes to guess, each with its tree, most likely first.
   int fan_out = 1;
+  // Pre-drafting a greedy target only: the sequence's measured acceptance, element d - 1 the
+  // chance the target's token at depth d is the draft's best there given the path before it was
+  // accepted (the last element for deeper levels), each in [0, 1]. With it every outcome is
+  // ranked by one estimate of its chance (the draft's own probabilities only spread the
+  // rejections), the whole greedy path included; empty: the greedy path first, then the rest by
+  // the draft's probabilities.
+  std::vector<float> chain_rates;
   // EAGLE drafters: the target's taps of consecutive tokens of the sequence, row r being
   // absolute position taps_first_position + r: [rows, feature size] fp32, host. Rows a drafter
   // already has are skipped, so a resend is harmless. Other drafters ignore them.

@@ -39,6 +39,9 @@ void AddChildren(SeqWork& w, int parent, const TopKRows& top, int64_t row) {
     n.depth = depth;
     w.nodes.push_back(n);
   }
+  if (k < top.k) {
+    w.runner_up.push_back({parent, top.ids[row * top.k + k], top.logprobs[row * top.k + k]});
+  }
 }
 
 std::vector<int> PickFrontier(const SeqWork& w, int level) {
@@ -63,7 +66,8 @@ std::vector<int> PickFrontier(const SeqWork& w, int level) {
 namespace {
 
 // The best non-child below `parent` (-1: the chain end) among the children the work grew for
-// it (its top-k, best first): -1 when it grew none, -2 when all were chosen.
+// it (its top-k, best first), else its runner-up: -1 when it grew none, -2 when all were chosen
+// and it has no runner-up.
 void BestNonChild(const SeqWork& w, int parent, const std::vector<char>& taken, int32_t* token,
                   float* logprob, double* top1_sum, int* top1_count) {
   const float base = parent < 0 ? 0.0f : w.nodes[parent].logprob;
@@ -83,6 +87,13 @@ void BestNonChild(const SeqWork& w, int parent, const std::vector<char>& taken, 
     }
   }
   *token = any ? -2 : -1;
+  if (!any) return;
+  for (const RunnerUp& r : w.runner_up) {
+    if (r.parent != parent) continue;
+    *token = r.token;
+    *logprob = r.logprob;
+    return;
+  }
 }
 
 }  // namespace

@@ -24,10 +24,21 @@ struct Node {
   int32_t scratch = -1;  // scratch index in the draft model once fed
 };
 
+// The best token a parent's top-k row ranked just behind the children it got: never a tree
+// node, only a guess of the token a target that rejects every child emits there (pre-drafting,
+// DraftModelDrafter::PreDraft). A top-1 chain has no non-child otherwise, so without it the
+// only outcome of a chain a pre-draft could guess is the one that accepts it whole.
+struct RunnerUp {
+  int32_t parent = -1;  // index into SeqWork::nodes, -1 for the last fed token
+  int32_t token = 0;
+  float logprob = 0;  // its log-probability given the parent (not cumulative)
+};
+
 // Per-sequence state of one Draft() call.
 struct SeqWork {
   const DraftRequest* req = nullptr;
   std::vector<Node> nodes;
+  std::vector<RunnerUp> runner_up;  // at most one per expanded parent
   int32_t next_scratch = 0;
   int32_t chain_end = -1;     // scratch index of the token the tree hangs below
   std::vector<int> frontier;  // nodes fed in the current level's Forward, in item order
@@ -42,7 +53,9 @@ bool Better(const std::vector<Node>& nodes, int a, int b);
 // `depth` ancestors, so it can only make the final cut when j + depth < max_nodes.
 int ChildCount(const DraftParams& p, int depth);
 
-// Appends the children of `parent` (-1: the last fed token) from row `row` of `top`.
+// Appends the children of `parent` (-1: the last fed token) from row `row` of `top`, and
+// where the row ranks more tokens than the parent's ChildCount, the next one as its RunnerUp
+// (a drafter that wants runner-ups asks each level for one more than it has children).
 void AddChildren(SeqWork& w, int parent, const TopKRows& top, int64_t row);
 
 // Picks the nodes of `level` to expand: the level's top_k by cumulative log-probability,
@@ -61,7 +74,8 @@ struct Selected {
   std::vector<int32_t> scratch;  // per tree node: its scratch index, -1 if not expanded
   // Per tree node: the best token among the children the work grew for it that did not make
   // the tree (the bonus token the target would emit there if it agreed with the draft), or
-  // -1 when it grew none (unexpanded) and -2 when every grown child was chosen.
+  // when every grown child was chosen its RunnerUp; -1 when it grew none (unexpanded) and -2
+  // when every grown child was chosen and its row ranked nothing behind them.
   std::vector<int32_t> bonus;
   std::vector<float> bonus_logprob;
   int32_t root_bonus = -2;  // the same for the token the tree hangs below

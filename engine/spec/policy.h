@@ -432,9 +432,10 @@ class GoodputPolicy {
   // are `levels` deep and `nodes` nodes in all. A pre-draft that ends inside the verify step
   // costs the step nothing and each further guess raises the chance of a hit, so: the most
   // guesses, up to `max_fan_out`, whose pre-draft (drafting x F trees) is predicted to end
-  // inside the verify step. Where the draft has slack (one stream) that is several; at high
-  // batch the work grows as rows x F, so 1; and 0 where even one guess would outlast verify
-  // (the step is then the sequential one, never worse).
+  // inside the verify step, and only one for `drafting` above one (a batch's draft call is
+  // saved only when all of it hits, which further guesses barely change, while their rows slow
+  // the verify beside them). Where the draft has slack (one stream) that is several; 0 where
+  // even one guess would outlast verify (the step is then the sequential one, never worse).
   int PreDraftFanOut(int drafting, int levels, int nodes, int verify_rows, int verify_tokens,
                      int max_fan_out) const;
 

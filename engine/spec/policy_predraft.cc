@@ -12,6 +12,10 @@ int GoodputPolicy::PreDraftFanOut(int drafting, int levels, int nodes, int verif
                                   int verify_tokens, int max_fan_out) const {
   if (drafting <= 0 || levels <= 0) return 0;
   const double verify = costs_.VerifySeconds(verify_rows, verify_tokens);
+  // With several sequences the draft call is saved only when every one of them hits, which a
+  // further guess each (a rejection's outcome, a few hits in a hundred) barely changes, while
+  // its rows run beside verify and slow it where the two share memory: one guess each.
+  if (drafting > 1) max_fan_out = std::min(max_fan_out, 1);
   int fan_out = 0;
   while (fan_out < max_fan_out && costs_.PreDraftSeconds(drafting * (fan_out + 1), levels,
                                                          nodes * (fan_out + 1)) <= verify) {

@@ -54,6 +54,7 @@ absl::StatusOr<std::unique_ptr<DraftLoop>> DraftLoop::Create(const DraftLoopOpti
       levels.batches = DraftLevelWarmUpBatches(std::min(options.max_sequences, 64));
       levels.depth = options.defaults.depth;
       levels.top_k = std::min(options.defaults.top_k, kMaxForwardTopK);
+      levels.asked_k = DraftModelDrafter::TopKAsked(levels.top_k);
       absl::StatusOr<WarmUpReport> warm = WarmUpDraftLevels(*model, levels);
       if (!warm.ok()) return warm.status();
       SPECD_LOG(INFO) << "draft level warm-up: " << warm->rows.size() << " batch sizes up to "
@@ -568,6 +569,18 @@ absl::Status DraftLoop::AdmitPreDraft(StreamId stream, int index, const v1::Draf
         absl::StrCat(where, ".fan_out: at most ", kMaxPreDraftFanOut, ", got ", step.fan_out()));
   }
   slot->request.fan_out = std::max<int>(static_cast<int>(step.fan_out()), 1);
+  if (step.chain_rates_size() > kMaxChainRates) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".chain_rates: at most ", kMaxChainRates,
+                                                   ", got ", step.chain_rates_size()));
+  }
+  for (int d = 0; d < step.chain_rates_size(); ++d) {
+    const float rate = step.chain_rates(d);
+    if (!(rate >= 0.0f && rate <= 1.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".chain_rates[", d, "]: not in [0, 1]: ", rate));
+    }
+  }
+  slot->request.chain_rates.assign(step.chain_rates().begin(), step.chain_rates().end());
   // The guess adds up to a path and a bonus token before the next tree.
   const int64_t reach = static_cast<int64_t>(seq.history.size()) + 2 * params.depth + 2;
   if (reach > model_->config().max_position_embeddings) {

@@ -94,6 +94,7 @@ class DraftLoop final
   static constexpr int kEagle = 2;  // DRAFT_METHOD_EAGLE
   static constexpr int kDrafters = 3;
   static constexpr uint32_t kMaxPreDraftFanOut = 8;  // DraftSequenceStep.fan_out
+  static constexpr int kMaxChainRates = 64;          // DraftSequenceStep.chain_rates
 
   struct Sequence {
     std::vector<int32_t> history;         // every token the router sent, in order

@@ -85,11 +85,12 @@ ABSL_FLAG(std::string, overlap, "off",
           "skips the next step's draft), auto (only where the pre-draft fits inside the verify "
           "step and the hits it can expect pay for what it costs the step, as measured: verify "
           "slowed beside it, waits past verify) or off (draft, then verify)");
-ABSL_FLAG(int, overlap_max_fan_out, 1,
+ABSL_FLAG(int, overlap_max_fan_out, 4,
           "with --overlap: at most this many outcome guesses per sequence, each with its tree "
-          "(1 to 8); the goodput policy's cost model picks how many fit in the verify step (at "
-          "least one with --overlap=on; with --overlap=on and --speculation_policy=fixed, this "
-          "many)");
+          "(1 to 8; beyond the likeliest, e.g. a chain rejected at a node where the target emits "
+          "the draft's runner-up); the goodput policy's cost model picks how many fit in the "
+          "verify step (at least one with --overlap=on; with --overlap=on and "
+          "--speculation_policy=fixed, this many)");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port of the /metrics + /health HTTP listener, e.g. a private interface; empty = "
           "the --address host and --metrics_port");

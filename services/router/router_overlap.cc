@@ -167,6 +167,17 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
     step->set_pre_draft(true);
     step->set_target_samples(seq.request.sampling.temperature > 0);
     if (plan.fan_out > 1) step->set_fan_out(plan.fan_out);
+    const AcceptanceEstimate& acceptance = seq.core->acceptance();
+    if (seq.request.sampling.temperature <= 0 && acceptance.samples() > 0) {
+      // The guesses are then ranked by what this sequence's steps measured, not by the draft's
+      // confidence alone: a draft sure of a token the target often rejects would otherwise
+      // never guess a rejection early in the chain.
+      const int levels = std::min(shape.depth + 1, AcceptanceEstimate::kMaxDepth);
+      for (int d = 1; d <= levels; ++d) {
+        step->add_chain_rates(
+            static_cast<float>(std::clamp(acceptance.ChainRate(d, policy_.options()), 0.0, 1.0)));
+      }
+    }
     seq.pre_sent = true;
     seq.pre_fed_to = seq.core->length();
     seq.pre_shape = shape;

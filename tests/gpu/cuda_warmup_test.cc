@@ -9,6 +9,7 @@
 
 #include "engine/backend.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/draft/draft_model_drafter.h"
 #include "engine/warmup.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/testutil/random_checkpoint.h"
@@ -129,6 +130,33 @@ TEST_F(CudaWarmUpTest, DraftLevelGraphsAreCapturedBeforeServing) {
             counts.graph_replays + shape.depth * static_cast<int64_t>(shape.batches.size()));
   EXPECT_EQ(b->Usage().sequences, 0);
   EXPECT_EQ(b->Usage().used_tokens, 0);
+}
+
+// The model drafter asks each level for one top-k more than its nodes' children (the runner-up a
+// pre-draft guesses with, DraftModelDrafter::TopKAsked), and the draft service's warm-up asks
+// the same k: a drafter's trees of the warmed shape afterwards replay the warmed graphs and
+// capture none (warmed at top_k alone, their levels' k would have no graph yet).
+TEST_F(CudaWarmUpTest, DrafterTreesAfterTheDraftLevelWarmUpCaptureNothing) {
+  std::unique_ptr<Backend> b = Load(/*warmup=*/true);
+  ASSERT_NE(b, nullptr);
+  auto* cuda = dynamic_cast<CudaBackend*>(b.get());
+  ASSERT_NE(cuda, nullptr);
+  DraftLevelWarmUp shape;
+  shape.batches = {1};
+  shape.asked_k = DraftModelDrafter::TopKAsked(shape.top_k);
+  ASSERT_TRUE(WarmUpDraftLevels(*b, shape).ok());
+  const int64_t captured = cuda->graphs_captured();
+  DraftModelDrafter drafter(b.get());
+  ASSERT_TRUE(drafter.AddSequence(1).ok());
+  // max_nodes out of the way: every level expands top_k nodes, the warm-up's shape.
+  const DraftParams params{shape.depth, shape.top_k, 256};
+  for (int32_t step = 0; step < 3; ++step) {
+    absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft({{1, {7 + step}, params}});
+    ASSERT_TRUE(trees.ok()) << trees.status();
+    ASSERT_FALSE((*trees)[0].empty());
+  }
+  EXPECT_EQ(cuda->graphs_captured(), captured);
+  EXPECT_TRUE(drafter.Release(1).ok());
 }
 
 }  // namespace

@@ -318,9 +318,10 @@ TEST_F(DraftServiceTest, PreDraftsGuessTheOutcomeAndRefuseBadStepsByField) {
   EXPECT_TRUE(stream.Close().ok());
 }
 
-// A pre_draft step with fan_out 3 returns up to two further guesses, each a different outcome
-// with the tree a fresh sequence with that history gets; a hit on a further guess is taken in
-// like one on the first; a fan_out above 8 is refused naming the field.
+// A pre_draft step with fan_out 3 (and measured chain_rates to rank them) returns up to two
+// further guesses, each a different outcome with the tree a fresh sequence with that history
+// gets; a hit on a further guess is taken in like one on the first; a fan_out above 8 and a rate
+// outside [0, 1] are refused naming the field.
 TEST_F(DraftServiceTest, PreDraftsSeveralGuessesWithAFanOut) {
   std::unique_ptr<ServiceProcess> p = StartDraft();
   ASSERT_NE(p, nullptr);
@@ -331,6 +332,7 @@ TEST_F(DraftServiceTest, PreDraftsSeveralGuessesWithAFanOut) {
   first.set_step_id(1);
   AddStep(&first, 1, prompt, v1::DRAFT_METHOD_MODEL, params);
   AddStep(&first, 2, prompt, v1::DRAFT_METHOD_MODEL, params);
+  AddStep(&first, 6, prompt, v1::DRAFT_METHOD_MODEL, params);
   const v1::DraftStepResponse drafted = stream.Step(first);
   ASSERT_FALSE(drafted.results(0).has_error()) << drafted.results(0).error().message();
 
@@ -338,8 +340,11 @@ TEST_F(DraftServiceTest, PreDraftsSeveralGuessesWithAFanOut) {
   pre.set_step_id(2);
   AddStep(&pre, 1, {}, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
   pre.mutable_steps(0)->set_fan_out(3);
+  for (float rate : {0.6f, 0.7f, 0.8f}) pre.mutable_steps(0)->add_chain_rates(rate);
   AddStep(&pre, 2, {}, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
   pre.mutable_steps(1)->set_fan_out(9);
+  AddStep(&pre, 6, {}, v1::DRAFT_METHOD_MODEL, params)->set_pre_draft(true);
+  for (float rate : {0.5f, 1.5f}) pre.mutable_steps(2)->add_chain_rates(rate);
   const v1::DraftStepResponse guessed = stream.Step(pre);
   const v1::DraftSequenceResult& g = guessed.results(0);
   ASSERT_FALSE(g.has_error()) << g.error().message();
@@ -347,6 +352,8 @@ TEST_F(DraftServiceTest, PreDraftsSeveralGuessesWithAFanOut) {
   ASSERT_LE(g.more_guesses_size(), 2);
   EXPECT_EQ(guessed.results(1).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(guessed.results(1).error().message(), HasSubstr("steps[1].fan_out"));
+  EXPECT_EQ(guessed.results(2).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(guessed.results(2).error().message(), HasSubstr("steps[2].chain_rates[1]"));
   const v1::PreDraftGuess& second = g.more_guesses(0);
   const std::vector<int32_t> guess(second.tokens().begin(), second.tokens().end());
   EXPECT_NE(guess, std::vector<int32_t>(g.guess_tokens().begin(), g.guess_tokens().end()));
@@ -416,7 +423,8 @@ TEST_F(DraftServiceTest, IngestOnlyStepsFeedWithoutDrafting) {
   history.push_back(11);
   AddStep(&third, 5, history, v1::DRAFT_METHOD_MODEL, params);
   const v1::DraftStepResponse r3 = stream.Step(third);
-  for (int i : {0, 1, 2}) ASSERT_FALSE(r3.results(i).has_error()) << r3.results(i).error().message();
+  for (int i : {0, 1, 2})
+    ASSERT_FALSE(r3.results(i).has_error()) << r3.results(i).error().message();
   for (int i : {0, 1}) {
     EXPECT_THAT(r3.results(i).tree().tokens(), ElementsAreArray(r3.results(2).tree().tokens()));
     EXPECT_THAT(r3.results(i).tree().parents(), ElementsAreArray(r3.results(2).tree().parents()));

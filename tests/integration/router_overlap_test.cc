@@ -1,6 +1,7 @@
 // The router cluster with overlap (--overlap): pre-drafting while verify runs keeps greedy and
 // seeded output identical and sampled output distributed as the target's, with one guess or
-// several, under the goodput policy, and never waits out a late pre-draft.
+// several (a chain's inner outcomes among them), under the goodput policy, and never waits out
+// a late pre-draft.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -113,8 +114,8 @@ void ExpectOverlapLossless(Cluster* c, int clients, bool expect_hits) {
 
 TEST(RouterClusterTest, OverlapKeepsGreedyAndSeededOutputIdentical) {
   ClusterOptions options;
-  // Every step drafts the same shape, so every step also pre-drafts.
-  options.router_args = {"--overlap=on", "--speculation_policy=fixed"};
+  // Every step drafts the same shape, so every step also pre-drafts; one guess each.
+  options.router_args = {"--overlap=on", "--overlap_max_fan_out=1", "--speculation_policy=fixed"};
   std::unique_ptr<Cluster> c = Cluster::Start(options);
   ASSERT_NE(c, nullptr);
   ExpectOverlapLossless(c.get(), 1, /*expect_hits=*/true);
@@ -133,6 +134,44 @@ TEST(RouterClusterTest, OverlapWithSeveralGuessesKeepsGreedyAndSeededOutputIdent
   // The further guesses were sent and counted by their rank.
   EXPECT_GT(Cluster::Metric(c->router_metrics, "specd_predraft_guesses_total", {{"guess", "1"}}),
             0);
+}
+
+// A top-1 chain's inner outcomes: with several guesses, the draft service guesses "accepted up
+// to node a, then the target emits the draft's runner-up below a" beside "all accepted", so
+// pre-drafts hit where the chain is cut short too (specd_predraft_outcomes_total at positions
+// below the depth), and greedy output stays target-only's.
+TEST(RouterClusterTest, OverlapOnAChainHitsAtInnerPositions) {
+  ClusterOptions options;
+  options.router_args = {"--overlap=on",    "--overlap_max_fan_out=4", "--speculation_policy=fixed",
+                         "--draft_depth=4", "--draft_top_k=1",         "--draft_max_nodes=4"};
+  std::unique_ptr<Cluster> c = Cluster::Start(options);
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 48;
+  for (const std::string& prompt : Prompts(12)) {
+    SCOPED_TRACE(prompt);
+    const Result off = c->Generate(Greedy(prompt, kTokens, v1::SPECULATION_OFF));
+    const Result on = c->Generate(Greedy(prompt, kTokens, v1::SPECULATION_DRAFT_MODEL));
+    ASSERT_TRUE(off.status.ok()) << off.status.error_message();
+    ASSERT_TRUE(on.status.ok()) << on.status.error_message();
+    EXPECT_EQ(on.tokens, off.tokens);
+    EXPECT_EQ(on.text, off.text);
+  }
+  const int port = c->router_metrics;
+  double inner_hits = 0;
+  for (const std::string pos : {"0", "1", "2", "3"}) {
+    const double v = Cluster::Metric(port, "specd_predraft_outcomes_total",
+                                     {{"position", pos}, {"result", "hit"}});
+    std::printf("position %s: %.0f hits\n", pos.c_str(), std::isnan(v) ? 0.0 : v);
+    inner_hits += std::isnan(v) ? 0 : v;
+  }
+  EXPECT_GT(inner_hits, 0);
+  // The inner outcomes are the further guesses (the first is the whole chain accepted).
+  double later = 0;
+  for (const char* rank : {"1", "2", "3"}) {
+    const double v = Cluster::Metric(port, "specd_predraft_guess_hits_total", {{"guess", rank}});
+    later += std::isnan(v) ? 0 : v;
+  }
+  EXPECT_GT(later, 0);
 }
 
 TEST(RouterClusterTest, OverlapAutoUnderTheGoodputPolicyKeepsOutputIdentical) {

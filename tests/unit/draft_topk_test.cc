@@ -554,5 +554,187 @@ TEST(PreDraftTest, HitTreesEqualDraftingAfterTheOutcome) {
   EXPECT_GT(later_hits, 0);
 }
 
+// A top-1 chain ranks one token below each node, so its only outcome with a non-child bonus used
+// to be "all accepted"; the runner-up each level's top-k ranks behind the child makes "accepted
+// up to node a, then the target emits the draft's second choice at a's child" guessable. On the
+// reference pair, with a fan-out of 4, guesses at inner nodes (and the root) are pre-drafted in
+// the forwards of one guess, each is the draft's second-best token after its path, and some come
+// true; every hit's tree is what drafting after the outcome grows, and the output is the
+// target's greedy decoding.
+TEST(PreDraftTest, AChainsInnerOutcomesAreGuessedWithTheRunnerUpAndHit) {
+  // Each level asks one token more than its nodes' children (what the draft service's warm-up
+  // asks too), within the backend's top-k limit.
+  EXPECT_EQ(DraftModelDrafter::TopKAsked(1), 2);
+  EXPECT_EQ(DraftModelDrafter::TopKAsked(kMaxForwardTopK - 1), kMaxForwardTopK);
+  EXPECT_EQ(DraftModelDrafter::TopKAsked(kMaxForwardTopK), kMaxForwardTopK);
+  const DraftParams chain{4, 1, 4};
+  constexpr int kSteps = 24;
+  const Pair pair = Pairs().front();
+  Models models{Load(ModelDir(pair.draft)), Load(ModelDir(pair.target))};
+  ASSERT_TRUE(models.draft != nullptr && models.target != nullptr);
+  CountingBackend counter(models.draft.get());
+  DraftModelDrafter drafter(&counter);
+  DraftModelDrafter plain(models.draft.get(), {false, false});
+  const SeqId seq = models.next_seq++;
+  ASSERT_TRUE(drafter.AddSequence(seq).ok());
+  ASSERT_TRUE(models.target->AddSequence(seq).ok());
+  // The draft's two best tokens after `history` (a fresh sequence, one level of top-2).
+  auto best_two = [&](const std::vector<int32_t>& history) {
+    const SeqId fresh = models.next_seq++;
+    EXPECT_TRUE(plain.AddSequence(fresh).ok());
+    absl::StatusOr<std::vector<TokenTree>> t = plain.Draft({{fresh, history, {1, 2, 2}}});
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(plain.Release(fresh).ok());
+    return t.ok() ? (*t)[0].tokens : std::vector<int32_t>();
+  };
+  std::vector<int32_t> tokens = pair.prompt, pending = pair.prompt, confirmed;
+  size_t drafted = 0;
+  int32_t accepted_node = DraftRequest::kNoOutcome;
+  std::optional<TokenTree> hit_tree;
+  int inner_guesses = 0, inner_hits = 0, hits = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    SCOPED_TRACE(testing::Message() << "step " << step);
+    TokenTree tree;
+    if (hit_tree.has_value()) {
+      tree = *std::move(hit_tree);
+      hit_tree.reset();
+    } else {
+      DraftRequest r{seq, {tokens.begin() + drafted, tokens.end()}, chain, accepted_node};
+      absl::StatusOr<std::vector<TokenTree>> trees = drafter.Draft({r});
+      ASSERT_TRUE(trees.ok()) << trees.status();
+      tree = (*trees)[0];
+      drafted = tokens.size();
+      confirmed.clear();
+    }
+    ASSERT_EQ(tree.size(), chain.depth);
+    DraftRequest p;
+    p.seq = seq;
+    p.new_tokens = confirmed;
+    p.params = chain;
+    p.fan_out = 4;
+    const int64_t calls = counter.calls();
+    absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> pre = drafter.PreDraft({p});
+    ASSERT_TRUE(pre.ok()) << pre.status();
+    // The four guesses share their forwards: the leaf's top-1, the fed chains, then the levels.
+    EXPECT_LE(counter.calls() - calls, chain.depth + 1);
+    drafted += confirmed.size();
+    const DraftModelDrafter::PreDraftResult& result = (*pre)[0];
+    // The greedy path accepted whole comes first.
+    EXPECT_EQ(result.guess_node, chain.depth - 1);
+    EXPECT_EQ(result.more.size(), static_cast<size_t>(3));
+    for (const DraftModelDrafter::PreDraftGuess& guess : result.more) {
+      ASSERT_LT(guess.node, chain.depth - 1);
+      ++inner_guesses;
+      // The accepted path, then the draft's runner-up below its last node.
+      ASSERT_EQ(guess.tokens.size(), static_cast<size_t>(guess.node + 2));
+      std::vector<int32_t> history = tokens;
+      history.insert(history.end(), guess.tokens.begin(), guess.tokens.end() - 1);
+      const std::vector<int32_t> two = best_two(history);
+      ASSERT_EQ(two.size(), 2u);
+      EXPECT_EQ(guess.tokens.back(), two[1]);
+      EXPECT_EQ(guess.tokens.front(), guess.node < 0 ? two[1] : tree.tokens[0]);
+    }
+
+    VerifyItem item;
+    item.seq = seq;
+    item.pending = pending;
+    item.tree = tree;
+    absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
+    ASSERT_TRUE(v.ok()) << v.status();
+    const VerifyOutcome& out = (*v)[0];
+    tokens.insert(tokens.end(), out.tokens.begin(), out.tokens.end());
+    pending = {out.tokens.back()};
+    accepted_node = out.accepted_nodes.empty() ? -1 : out.accepted_nodes.back();
+    const DraftModelDrafter::PreDraftGuess* inner = nullptr;
+    for (const DraftModelDrafter::PreDraftGuess& guess : result.more) {
+      if (out.tokens == guess.tokens) inner = &guess;
+    }
+    if (out.tokens == result.guess_tokens) {
+      ++hits;
+      hit_tree = result.tree;
+      confirmed = out.tokens;
+    } else if (inner != nullptr) {
+      ++hits;
+      ++inner_hits;
+      EXPECT_EQ(inner->node, accepted_node);
+      // The hit's tree is the one drafting after the outcome grows.
+      const SeqId fresh = models.next_seq++;
+      ASSERT_TRUE(plain.AddSequence(fresh).ok());
+      absl::StatusOr<std::vector<TokenTree>> after = plain.Draft({{fresh, tokens, chain}});
+      ASSERT_TRUE(after.ok()) << after.status();
+      EXPECT_EQ(inner->tree.tokens, (*after)[0].tokens);
+      EXPECT_TRUE(plain.Release(fresh).ok());
+      hit_tree = inner->tree;
+      confirmed = out.tokens;
+    } else {
+      confirmed.clear();
+    }
+  }
+  std::cout << "chain of 4, fan-out 4: " << hits << " hits in " << kSteps << " steps, "
+            << inner_hits << " of them at inner nodes (" << inner_guesses << " inner guesses)\n";
+  EXPECT_GT(inner_guesses, 0);
+  EXPECT_GT(inner_hits, 0);
+  // Target-only greedy decoding of as many tokens.
+  const SeqId greedy_seq = models.next_seq++;
+  ASSERT_TRUE(models.target->AddSequence(greedy_seq).ok());
+  std::vector<int32_t> greedy_pending = pair.prompt, greedy;
+  while (greedy.size() < tokens.size() - pair.prompt.size()) {
+    VerifyItem item;
+    item.seq = greedy_seq;
+    item.pending = greedy_pending;
+    absl::StatusOr<std::vector<VerifyOutcome>> v = models.target->Verify({item});
+    ASSERT_TRUE(v.ok());
+    greedy.push_back((*v)[0].tokens[0]);
+    greedy_pending = {greedy.back()};
+  }
+  EXPECT_EQ(std::vector<int32_t>(tokens.begin() + pair.prompt.size(), tokens.end()), greedy);
+}
+
+// A greedy target's measured acceptance (DraftRequest::chain_rates) ranks every outcome by one
+// estimate: where the target almost never takes the draft's first token, the likeliest outcome
+// is "nothing accepted, then the draft's runner-up", ahead of the whole chain; where it almost
+// always takes every token, the whole chain; out of [0, 1] is never reached here (the draft
+// service refuses it by field).
+TEST(PreDraftTest, MeasuredAcceptanceRanksTheOutcomes) {
+  const DraftParams chain{4, 1, 4};
+  const Pair pair = Pairs().front();
+  std::unique_ptr<Backend> draft = Load(ModelDir(pair.draft));
+  ASSERT_NE(draft, nullptr);
+  DraftModelDrafter drafter(draft.get());
+  ASSERT_TRUE(drafter.AddSequence(1).ok());
+  absl::StatusOr<std::vector<TokenTree>> tree = drafter.Draft({{1, pair.prompt, chain}});
+  ASSERT_TRUE(tree.ok()) << tree.status();
+  ASSERT_EQ((*tree)[0].size(), chain.depth);
+  DraftModelDrafter plain(draft.get(), {false, false});
+  ASSERT_TRUE(plain.AddSequence(2).ok());
+  absl::StatusOr<std::vector<TokenTree>> two = plain.Draft({{2, pair.prompt, {1, 2, 2}}});
+  ASSERT_TRUE(two.ok()) << two.status();
+  ASSERT_EQ((*two)[0].size(), 2);
+  auto first_guess = [&](std::vector<float> rates) {
+    DraftRequest p;
+    p.seq = 1;
+    p.params = chain;
+    p.fan_out = 2;
+    p.chain_rates = std::move(rates);
+    absl::StatusOr<std::vector<DraftModelDrafter::PreDraftResult>> pre = drafter.PreDraft({p});
+    EXPECT_TRUE(pre.ok()) << pre.status();
+    return pre.ok() ? (*pre)[0] : DraftModelDrafter::PreDraftResult();
+  };
+  // (Each call's empty new_tokens drops the previous call's guesses: the kept tree stays.)
+  const DraftModelDrafter::PreDraftResult rejected = first_guess({0.01f});
+  EXPECT_EQ(rejected.guess_node, -1);
+  EXPECT_EQ(rejected.guess_tokens, std::vector<int32_t>{(*two)[0].tokens[1]});
+  ASSERT_EQ(rejected.more.size(), 1u);
+  EXPECT_EQ(rejected.more[0].node, 0);  // the next likeliest: rejected one node later
+  const DraftModelDrafter::PreDraftResult accepted = first_guess({0.99f, 0.99f, 0.99f});
+  EXPECT_EQ(accepted.guess_node, chain.depth - 1);
+  EXPECT_EQ(std::vector<int32_t>(accepted.guess_tokens.begin(), accepted.guess_tokens.end() - 1),
+            (*tree)[0].tokens);
+  ASSERT_EQ(accepted.more.size(), 1u);
+  EXPECT_LT(accepted.more[0].node, chain.depth - 1);  // a rejection, somewhere
+  // Without rates the greedy path comes first whatever the draft's confidence.
+  EXPECT_EQ(first_guess({}).guess_node, chain.depth - 1);
+}
+
 }  // namespace
 }  // namespace specd

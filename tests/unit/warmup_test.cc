@@ -132,6 +132,9 @@ TEST_F(WarmUpBackendTest, DraftLevelsRunTheDrafterShapesAndLeaveNothing) {
 
   shape.top_k = kMaxForwardTopK + 1;
   EXPECT_EQ(WarmUpDraftLevels(*model, shape).status().code(), absl::StatusCode::kInvalidArgument);
+  shape.top_k = 4;
+  shape.asked_k = kMaxForwardTopK + 1;
+  EXPECT_EQ(WarmUpDraftLevels(*model, shape).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
