@@ -90,7 +90,8 @@ ABSL_FLAG(int, overlap_max_fan_out, 4,
           "(1 to 8; beyond the likeliest, e.g. a chain rejected at a node where the target emits "
           "the draft's runner-up); the goodput policy's cost model picks how many fit in the "
           "verify step (at least one with --overlap=on; with --overlap=on and "
-          "--speculation_policy=fixed, this many)");
+          "--speculation_policy=fixed, this many for a lone sequence); several sequences "
+          "pre-drafting together get one each");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port of the /metrics + /health HTTP listener, e.g. a private interface; empty = "
           "the --address host and --metrics_port");

@@ -128,11 +128,14 @@ void RouterLoop::AddPreDrafts(uint64_t epoch, const Draft& draft, PreDraftCall* 
   // How many outcome guesses each sequence gets and how deep the trees below them go: the
   // deepest, then the most, the policy predicts fit in the verify step. With auto, only where
   // OverlapPlanner finds that pays (its probes and refreshes included); with on, at least one;
-  // and with on and no policy (fixed shapes), the most allowed at the planned depth.
+  // and with on and no policy (fixed shapes), the most allowed at the planned depth for a lone
+  // sequence.
   GoodputPolicy::PreDraftPlan plan;
   const int rows = static_cast<int>(running_.size());
   if (options_.overlap == OverlapMode::kOn && !options_.adaptive) {
-    plan.fan_out = options_.overlap_max_fan_out;
+    // Several sequences save their draft call only when every one hits: one guess each, as the
+    // policy's plan gives them (GoodputPolicy::PreDraftFanOut).
+    plan.fan_out = chosen.size() > 1 ? 1 : options_.overlap_max_fan_out;
   } else if (options_.overlap == OverlapMode::kAuto) {
     const OverlapPlanner::Plan judged = overlap_planner_.Decide(
         shapes, acceptance, rows,
