@@ -436,6 +436,12 @@ void RouterLoop::Plan() {
     seq.draft_accepted = -2;
     const v1::Speculation mode = seq.spec;
     PolicySequence p = seq.core->PolicyInput(/*model_draft=*/mode != v1::SPECULATION_NGRAM);
+    ProposeNgram(seq, &p);
+    // Where the model drafter cannot serve an auto sequence, its n-gram proposal still can.
+    auto model_unavailable = [&p] {
+      p.model_available = false;
+      p.fixed = p.ngram_depth <= 0;
+    };
     // Whether a drafter can serve this sequence this step: the draft service, or for n-gram
     // also the router's own n-gram drafter.
     const bool service = seq.draft != nullptr && !seq.draft_failed;
@@ -450,13 +456,13 @@ void RouterLoop::Plan() {
     } else if (mode == v1::SPECULATION_NGRAM
                    ? !(service && draft_up && !busy) && local_ngram_ == nullptr
                    : !service) {
-      p.fixed = true;
+      model_unavailable();
       seq.no_drafter = true;
     } else if (mode != v1::SPECULATION_NGRAM && !draft_up) {
-      p.fixed = true;
+      model_unavailable();
       seq.draft_down = true;
     } else if (mode != v1::SPECULATION_NGRAM && busy) {
-      p.fixed = true;
+      model_unavailable();
       seq.draft_busy = true;
     } else if (seq.request.shape_explicit || !options_.adaptive) {
       p.fixed = true;
@@ -477,12 +483,15 @@ void RouterLoop::Plan() {
   for (size_t i = 0; i < running_.size(); ++i) {
     Sequence& seq = *running_[i];
     ShapeReason reason = decision.reasons[i];
-    if (seq.draft_down) reason = ShapeReason::kDraftDown;
-    if (seq.draft_busy) reason = ShapeReason::kDraftBusy;
-    if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
+    seq.ngram_now = decision.ngram[i] != 0 && !seq.hit_ready;
+    if (!seq.ngram_now) {
+      if (seq.draft_down) reason = ShapeReason::kDraftDown;
+      if (seq.draft_busy) reason = ShapeReason::kDraftBusy;
+      if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
+    }
     if (seq.hit_ready) reason = seq.hit_reason;
     seq.ingest_now = decision.ingest[i] != 0 && !seq.hit_ready;
-    seq.core->Plan(decision.shapes[i], reason);
+    seq.core->Plan(decision.shapes[i], reason, seq.ngram_now);
     if (seq.ingest_now) seq.core->Defer(decision.deferred[i]);
   }
   metrics_->policy_goodput.Set(decision.predicted_goodput);
@@ -536,23 +545,12 @@ void RouterLoop::DraftStep() {
     }
     if (seq.missed) {
       seq.missed = false;
-      metrics_->CountPreDraftMiss(shape.none() ? "plain_step" : "drafted_late");
+      metrics_->CountPreDraftMiss(shape.none() || seq.ngram_now ? "plain_step" : "drafted_late");
     }
     if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
     if (shape.none()) continue;
     const v1::Speculation mode = seq.spec;
-    if (mode == v1::SPECULATION_NGRAM && (seq.draft == nullptr || !seq.draft->up ||
-                                          seq.draft_failed || seq.draft->in_flight != nullptr)) {
-      // The router's own n-gram drafter: microseconds, no state to feed.
-      const absl::Span<const int32_t> prompt = seq.core->prompt();
-      const absl::Span<const int32_t> output = seq.core->output();
-      std::vector<int32_t> history(prompt.begin(), prompt.end());
-      history.insert(history.end(), output.begin(), output.end());
-      seq.tree =
-          local_ngram_->Propose(history, DraftParams{shape.depth, shape.top_k, shape.max_nodes});
-      seq.mode = v1::SPECULATION_NGRAM;
-      continue;
-    }
+    if (DraftLocally(seq, shape)) continue;
     if (seq.draft == nullptr) continue;  // planned with no drafter: not reached
     Batch& b = batch_for(seq.draft.get());
     const uint64_t epoch = b.epoch;
@@ -576,6 +574,7 @@ void RouterLoop::DraftStep() {
     if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
       step->set_accepted_node(seq.draft_report);
     }
+    seq.draft_report = -2;  // told
     seq.core->MarkDrafterFed();
     seq.draft_epoch = epoch;
     seq.mode = mode == v1::SPECULATION_NGRAM    ? v1::SPECULATION_NGRAM
@@ -705,10 +704,10 @@ void RouterLoop::VerifyStep() {
       if (draft_info.eagle_tap_layers_size() > 0 && EagleTapsServed(draft_info, verify_info)) {
         *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
         step->set_tap_dtype(draft_info.eagle_tap_dtype());
-        // A step the plan did not draft sends no taps: the verify service keeps them until
-        // the plan drafts the sequence again (FetchHeldTaps), so plain steps cost what plain
-        // steps without EAGLE cost.
-        const bool hold = options_.eagle_hold_taps && seq.core->planned().none();
+        // A step the EAGLE head does not draft (none, or auto's n-gram proposal) sends no
+        // taps: the verify service keeps them until the plan drafts the sequence again
+        // (FetchHeldTaps), so plain steps cost what plain steps without EAGLE cost.
+        const bool hold = options_.eagle_hold_taps && (seq.core->planned().none() || seq.ngram_now);
         step->set_hold_taps(hold);
         seq.taps_held = seq.taps_held || hold;
       }
@@ -814,10 +813,16 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
   }
   const int accepted = outcome.accepted_draft;
   const SpecShape planned = seq.core->planned();
-  const ShapeReason reason = seq.draft_down ? ShapeReason::kDraftDown : seq.core->planned_reason();
+  const ShapeReason reason =
+      seq.draft_down && !seq.ngram_now ? ShapeReason::kDraftDown : seq.core->planned_reason();
   const int nodes = static_cast<int>(seq.tree.size());
   metrics_->CountStep(TreeSizeBucket(nodes), ShapeReasonName(reason, planned.none()));
   if (!seq.tree.empty()) {
+    const int drafter = seq.ngram_now ? 2 : 1;
+    if (seq.last_drafter != 0 && drafter != seq.last_drafter) {
+      (seq.ngram_now ? metrics_->switches_to_ngram : metrics_->switches_to_model)->Increment();
+    }
+    seq.last_drafter = drafter;
     metrics_->spec_decode_steps.Increment();
     metrics_->spec_decode_draft_tokens.Increment(nodes);
     metrics_->spec_decode_accepted_tokens.Increment(accepted);
@@ -834,6 +839,10 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     seq.draft_accepted = result.accepted_nodes_size() > 0
                              ? result.accepted_nodes(result.accepted_nodes_size() - 1)
                              : -1;
+  } else {
+    // The draft service was not told this step (a plain or n-gram step): it still keeps its
+    // last tree, whose outcome the next step that reaches it reports.
+    seq.draft_accepted = seq.draft_report;
   }
   // The core keeps the tokens the verifier emitted up to a token stop; the text stream may end
   // earlier, at a stop string.

@@ -41,6 +41,8 @@
 // N-gram requests (speculation = ngram) draft in the draft service like the others; while it is
 // unavailable (or when none is configured) the router runs the same prompt-lookup drafter
 // itself: it needs no model and costs microseconds, so there is no reason to lose speculation.
+// Auto requests get that drafter too, as a second candidate beside the model drafter (the policy
+// picks per sequence and step), also while their draft service is down (router_ngram.cc).
 // Verify service down: every running and queued request fails with UNAVAILABLE, health turns
 // NOT_SERVING, and new requests are refused until it is back.
 #ifndef SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_
@@ -249,6 +251,13 @@ class RouterLoop {
   // that their drafter reaches the last token this step.
   void FetchHeldTaps();
   void DraftStep();
+  // router_ngram.cc. For an auto sequence, this step's n-gram proposal (Sequence::ngram_tree),
+  // whose length goes to the policy (`p`'s ngram_depth).
+  void ProposeNgram(Sequence& seq, PolicySequence* p) const;
+  // Gives `seq` its tree for `shape` from the router's own n-gram drafter where that drafts it
+  // this step (auto's proposal, or speculation = ngram without its draft service); false where
+  // the draft service does.
+  bool DraftLocally(Sequence& seq, const SpecShape& shape);
   void VerifyStep();
   // router_overlap.cc. What `draft` does while verify runs, in one request (a draft stream
   // carries one message at a time): its sequences that pre-draft this step (overlap), and those

@@ -96,6 +96,11 @@ class RouterMetrics {
   prometheus::Counter& step_seconds;  // wall time of speculation steps (plan to verify reply)
   prometheus::Counter& draft_ingest_tokens;
   prometheus::Counter& eagle_held_taps_fetched;  // rows (tokens) FetchHeldTaps brought
+  // specd_auto_drafter_switches_total{to}: auto sequence steps drafted by the other drafter
+  // than the sequence's previous drafted step (to = ngram: the router's n-gram proposal after
+  // the model drafter; to = model: back).
+  prometheus::Counter* switches_to_ngram = nullptr;
+  prometheus::Counter* switches_to_model = nullptr;
 
  private:
   prometheus::Family<prometheus::Counter>& outcomes_;
@@ -110,6 +115,7 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& wait_;
   prometheus::Family<prometheus::Counter>& busy_;
   prometheus::Family<prometheus::Counter>& finished_;
+  prometheus::Family<prometheus::Counter>& switches_;
   absl::Mutex mu_;
   // Children of accepted_per_pos_ by position, created on first use.
   std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);

@@ -34,7 +34,7 @@ void RouterLoop::FetchHeldTaps() {
     // Only sequences the verify service holds on this stream (after a reconnect it replays
     // them, and their taps come again from position 0) and whose draft step goes out now.
     if (!seq.taps_held || seq.spec != v1::SPECULATION_EAGLE3 || seq.core->planned().none() ||
-        seq.draft == nullptr || !seq.draft->up || seq.draft_failed ||
+        seq.ngram_now || seq.draft == nullptr || !seq.draft->up || seq.draft_failed ||
         seq.draft->in_flight != nullptr || seq.verify_epoch != epoch) {
       continue;
     }

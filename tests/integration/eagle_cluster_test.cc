@@ -322,6 +322,9 @@ TEST(EagleClusterTest, AutoSwitchingDraftingOffAndOnIsIdenticalToOff) {
     plain += alone.last.speculation().target_only_steps();
   }
   const double fetched = c->Metric("specd_eagle_held_taps_fetched_total") - fetched_together;
+  std::printf("auto drafter switches: %.0f to n-gram, %.0f to the head\n",
+              c->Metric("specd_auto_drafter_switches_total", {{"to", "ngram"}}),
+              c->Metric("specd_auto_drafter_switches_total", {{"to", "model"}}));
   std::printf("1 stream: %llu drafted steps, %llu target-only, %.0f held tap rows fetched\n",
               static_cast<unsigned long long>(drafted), static_cast<unsigned long long>(plain),
               fetched);
