@@ -96,8 +96,11 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
                                                                  : std::string()));
   }
   metrics_->draft_available.Set(0);
+  NgramOptions ngram_options = options_.ngram;
+  // It looks every auto sequence up every step: the search is bounded on long contexts.
+  if (ngram_options.max_history == 0) ngram_options.max_history = kRouterNgramHistory;
   absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
-      NgramDrafter::Create(options_.limits.vocab_size, options_.ngram);
+      NgramDrafter::Create(options_.limits.vocab_size, ngram_options);
   if (ngram.ok()) {
     local_ngram_ = *std::move(ngram);
   } else {

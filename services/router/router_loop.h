@@ -112,9 +112,13 @@ struct RouterLoopOptions {
   absl::Duration probe_timeout = absl::Seconds(2);
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
-  NgramOptions ngram;  // the local n-gram drafter's
+  // The local n-gram drafter's; max_history 0 is taken as kRouterNgramHistory.
+  NgramOptions ngram;
   // false: requests that name no shape get limits.default_shape every step (no policy).
   bool adaptive = true;
+  // Auto requests (with `adaptive`) also get the local n-gram drafter as a second drafter
+  // (router_ngram.cc).
+  bool auto_ngram = true;
   PolicyOptions policy;
   OverlapMode overlap = OverlapMode::kOff;
   // Outcome guesses per pre-drafted sequence at most; the policy's fan-out picks how many
@@ -141,6 +145,9 @@ struct RouterLoopOptions {
 // exports only where VerifyFeatures::final_norm_tap says so). False without a head. EAGLE is
 // offered, and chosen by auto, only then.
 bool EagleTapsServed(const v1::DraftInfo& draft, const v1::VerifyInfo& verify);
+
+// The router's n-gram drafter searches at most this many of a sequence's last tokens.
+inline constexpr int kRouterNgramHistory = 4096;
 
 class RouterLoop {
  public:
