@@ -17,7 +17,7 @@ namespace specd {
 void RouterLoop::ProposeNgram(Sequence& seq, PolicySequence* p) const {
   seq.ngram_tree = TokenTree();
   if (local_ngram_ == nullptr || seq.request.speculation != v1::SPECULATION_AUTO ||
-      seq.request.shape_explicit || !options_.adaptive || seq.hit_ready) {
+      seq.request.shape_explicit || !options_.adaptive || !options_.auto_ngram || seq.hit_ready) {
     return;
   }
   int depth = 0;

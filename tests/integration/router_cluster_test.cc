@@ -796,6 +796,14 @@ TEST(RouterClusterTest, AutoWithoutADraftServiceDraftsNgramsInTheRouter) {
                                              {{"tree_size", "5-8"}, {"reason", "policy_ngram"}});
   std::printf("%d requests drafted n-grams; %.0f steps of 5-8 tokens\n", ngram_requests,
               ngram_steps);
+  // --auto_ngram=false: the draft service's drafter alone, so none here.
+  c.reset();
+  c = Cluster::Start({/*draft=*/false, {"--auto_ngram=false"}});
+  ASSERT_NE(c, nullptr);
+  const Result plain = c->Generate(Greedy(Prompts(6)[0], kTokens, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  EXPECT_EQ(plain.last.speculation().mode(), v1::SPECULATION_OFF);
+  EXPECT_EQ(plain.last.speculation().steps(), 0u);
 }
 
 // A sequence the policy does not draft is still fed to the draft service (ingest-only steps
