@@ -2,6 +2,8 @@
 // time is router time added to every speculative step, so it must stay small next to a verify
 // step even at the largest batch. Sequences carry acceptance estimates fed from a fixed random
 // sequence of outcomes; the cost model has measured buckets as a served run leaves it.
+// DecideNgram: the same batches under `auto` with n-gram proposals (every other sequence has
+// one, 8 tokens long), which add the proposal's candidates to those sequences' search.
 //
 //   build/bench/policy_decide_bench [--benchmark_filter=Decide/128]
 #include <random>
@@ -15,10 +17,11 @@ namespace {
 
 struct Fixture {
   GoodputPolicy policy;
-  std::vector<AcceptanceEstimate> acceptance;
+  std::vector<AcceptanceEstimate> acceptance, ngram;
   std::vector<PolicySequence> batch;
 
-  Fixture(int n, double rate, bool padded) : policy(Options(padded)), acceptance(n) {
+  Fixture(int n, double rate, bool padded, bool with_ngram = false)
+      : policy(Options(padded)), acceptance(n), ngram(n) {
     std::mt19937 rng(1234);
     std::bernoulli_distribution accept(rate);
     const PolicyOptions& options = policy.options();
@@ -28,6 +31,9 @@ struct Fixture {
         int accepted = 0;
         while (accepted < 4 && accept(rng)) ++accepted;
         acceptance[i].Observe(chain, accepted, options);
+        accepted = 0;
+        while (accepted < 8 && accept(rng)) ++accepted;
+        ngram[i].Observe(SpecShape{8, 1, 8}, accepted, options);
       }
     }
     // Costs as a GPU run leaves them: a few measured verify buckets per batch size and draft
@@ -48,6 +54,11 @@ struct Fixture {
       s.max_depth = 16;
       s.acceptance = &acceptance[i];
       s.steps_without_draft = i % 7;
+      s.steps_without_ngram = i % 5;
+      if (with_ngram) {
+        s.ngram_acceptance = &ngram[i];
+        s.ngram_depth = i % 2 ? 8 : 0;
+      }
     }
   }
 
@@ -69,6 +80,23 @@ void BM_Decide(benchmark::State& state) {
   state.counters["seqs"] = static_cast<double>(state.range(0));
 }
 BENCHMARK(BM_Decide)->ArgsProduct({{1, 16, 64, 128, 256}, {20, 80}})->Unit(benchmark::kMicrosecond);
+
+void BM_DecideNgram(benchmark::State& state) {
+  Fixture f(static_cast<int>(state.range(0)), state.range(1) / 100.0, /*padded=*/true,
+            /*with_ngram=*/true);
+  for (auto _ : state) {
+    PolicyDecision d = f.policy.Decide(f.batch);
+    for (size_t i = 0; i < d.shapes.size(); ++i) {
+      f.batch[i].previous = d.shapes[i];
+      f.batch[i].previous_ngram = d.ngram[i] != 0;
+    }
+    benchmark::DoNotOptimize(d);
+  }
+  state.counters["seqs"] = static_cast<double>(state.range(0));
+}
+BENCHMARK(BM_DecideNgram)
+    ->ArgsProduct({{1, 16, 64, 128, 256}, {20, 80}})
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace specd

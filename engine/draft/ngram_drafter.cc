@@ -1,8 +1,9 @@
+#include "engine/draft/ngram_drafter.h"
+
 #include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "engine/draft/ngram_drafter.h"
 
 namespace specd {
 
@@ -17,6 +18,10 @@ absl::Status ValidateNgramOptions(const NgramOptions& o) {
   if (o.max_matches < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_matches: ", o.max_matches, " must be >= 1"));
+  }
+  if (o.max_history < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_history: ", o.max_history, " must be >= 0"));
   }
   return absl::OkStatus();
 }
@@ -51,6 +56,9 @@ absl::Status NgramDrafter::CheckRequest(const DraftRequest& r) const {
 }
 
 TokenTree NgramDrafter::Propose(absl::Span<const int32_t> h, const DraftParams& params) const {
+  if (options_.max_history > 0 && h.size() > static_cast<size_t>(options_.max_history)) {
+    h = h.subspan(h.size() - options_.max_history);
+  }
   const int len = static_cast<int>(h.size());
   // Start offsets (into h) of what followed each earlier occurrence of the longest matching
   // suffix, most recent first.

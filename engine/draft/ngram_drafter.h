@@ -25,6 +25,10 @@ struct NgramOptions {
   int max_n = 3;
   // Most recent matching occurrences considered per step; bounds the work on long histories.
   int max_matches = 64;
+  // Only the last this many tokens of the history are searched (0: all of it). A lookup scans
+  // the history for the suffix, so without a bound its cost grows with the context: the router
+  // looks every auto sequence up every step.
+  int max_history = 0;
 };
 
 absl::Status ValidateNgramOptions(const NgramOptions& options);

@@ -16,7 +16,17 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(Backend* target, Dr
                                                    " differs from the target's ",
                                                    target->config().vocab_size));
   }
-  return std::unique_ptr<Generator>(new Generator(target, drafter, std::move(options)));
+  std::unique_ptr<NgramDrafter> ngram;
+  if (options.auto_ngram && drafter != nullptr) {
+    absl::StatusOr<std::unique_ptr<NgramDrafter>> created =
+        NgramDrafter::Create(target->config().vocab_size, options.ngram);
+    if (!created.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("ngram.", created.status().message()));
+    }
+    ngram = *std::move(created);
+  }
+  return std::unique_ptr<Generator>(
+      new Generator(target, drafter, std::move(options), std::move(ngram)));
 }
 
 absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
@@ -113,12 +123,19 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
   std::vector<std::vector<float>> taps(requests.size());
   std::vector<int64_t> taps_first(requests.size(), 0);
   std::vector<int64_t> committed_before;
-  // Per request: the deepest node of its last verified tree that the target accepted (-1 none),
-  // reported with its next draft step so that a drafter keeping that step's KV commits the
-  // accepted path instead of feeding it again (DraftRequest::accepted_node, as the router
-  // reports it); kNoOutcome after a step without a tree from the drafter.
+  // Per request: the deepest node of the drafter's last verified tree that the target accepted
+  // (-1 none), reported with its next draft step, however many steps without its trees came
+  // between, so that a drafter keeping that step's KV commits the accepted path instead of
+  // feeding it again (DraftRequest::accepted_node, as the router reports it); kNoOutcome once
+  // reported, or when the drafter's tree did not reach verify.
   std::vector<int32_t> draft_outcome(requests.size(), DraftRequest::kNoOutcome);
   std::vector<char> verified_draft;  // per active request: its tree came from the drafter
+  // Per request: this step's n-gram proposal (GeneratorOptions::auto_ngram), and whether the
+  // plan chose it.
+  std::vector<TokenTree> ngram_trees(requests.size());
+  std::vector<char> ngram_now(requests.size(), 0);
+  int ngram_max_depth = 0;
+  for (const int d : policy_.options().ngram_depths) ngram_max_depth = std::max(ngram_max_depth, d);
   while (!active.empty()) {
     // Plan: every sequence's shape for this step, from one decision over the whole batch.
     plan_inputs.clear();
@@ -130,6 +147,11 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
         p.fixed = true;
         p.fixed_shape = SpecShape{requests[i].draft.depth, requests[i].draft.top_k,
                                   requests[i].draft.max_nodes};
+      } else if (ngram_ != nullptr) {
+        const int depth = std::min(ngram_max_depth, states[i].MaxUsefulDraftDepth());
+        ngram_trees[i] =
+            depth > 0 ? ngram_->Propose(states[i].tokens(), {depth, 1, depth}) : TokenTree();
+        p.ngram_depth = TreeMaxDepth(ngram_trees[i]);
       }
       plan_inputs.push_back(p);
     }
@@ -140,10 +162,21 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
     int levels = 0, nodes = 0;
     for (size_t a = 0; a < active.size(); ++a) {
       const size_t i = active[a];
-      states[i].Plan(plan.shapes[a], plan.reasons[a]);
+      ngram_now[i] = plan.ngram[a];
+      states[i].Plan(plan.shapes[a], plan.reasons[a], ngram_now[i]);
+      if (ngram_now[i]) {
+        // A chain: its first `depth` nodes are the proposal cut to the planned depth.
+        TokenTree& tree = ngram_trees[i];
+        const int depth = std::min(plan.shapes[a].depth, tree.size());
+        tree.tokens.resize(depth);
+        tree.parents.resize(depth);
+        if (!tree.draft_logprobs.empty()) tree.draft_logprobs.resize(depth);
+      }
+      // The drafter keeps its last tree until its next step for the sequence, which reports that
+      // tree's outcome; steps between (plain, or n-gram) leave it to report.
+      if (plan.shapes[a].none() || ngram_now[i]) continue;
       const int32_t outcome = draft_outcome[i];
       draft_outcome[i] = DraftRequest::kNoOutcome;
-      if (plan.shapes[a].none()) continue;
       DraftRequest d;
       d.seq = ids[i];
       d.accepted_node = outcome;
@@ -194,8 +227,11 @@ absl::StatusOr<std::vector<GenerationResult>> Generator::Generate(
       if (tree_of[i] >= 0) {
         v.tree = std::move(trees[tree_of[i]]);
         verified_draft[a] = 1;
+      } else if (ngram_now[i]) {
+        v.tree = std::move(ngram_trees[i]);
       }
       tree_of[i] = -1;
+      ngram_now[i] = 0;
       v.logprobs = requests[i].logprobs;
       v.logprobs_mode = requests[i].logprobs_mode;
       if (sampling[i].needs_history()) {

@@ -21,6 +21,7 @@
 #include "absl/types/span.h"
 #include "engine/backend.h"
 #include "engine/draft/drafter.h"
+#include "engine/draft/ngram_drafter.h"
 #include "engine/sampling.h"
 #include "engine/spec/policy.h"
 #include "engine/spec/sequence_state.h"
@@ -59,6 +60,13 @@ using TokenCallback = std::function<void(size_t request_index, absl::Span<const 
 
 struct GeneratorOptions {
   PolicyOptions policy;  // for requests with auto_shape
+  // Requests with auto_shape also get n-gram prompt lookup as a second drafter beside the
+  // generator's drafter, as the router's auto does: each step the policy may verify the n-gram
+  // proposal instead of drafting (PolicySequence::ngram_depth), and the drafter is then not
+  // called for that sequence. Off by default, so that the generator's auto measures its
+  // drafter alone.
+  bool auto_ngram = false;
+  NgramOptions ngram;
 };
 
 class Generator {
@@ -74,11 +82,16 @@ class Generator {
       absl::Span<const GenerationRequest> requests, const TokenCallback& on_tokens = nullptr);
 
  private:
-  Generator(Backend* target, Drafter* drafter, GeneratorOptions options)
-      : target_(target), drafter_(drafter), policy_(std::move(options.policy)) {}
+  Generator(Backend* target, Drafter* drafter, GeneratorOptions options,
+            std::unique_ptr<NgramDrafter> ngram)
+      : target_(target),
+        drafter_(drafter),
+        ngram_(std::move(ngram)),
+        policy_(std::move(options.policy)) {}
 
   Backend* target_;
   Drafter* drafter_;
+  std::unique_ptr<NgramDrafter> ngram_;  // GeneratorOptions::auto_ngram; null without
   // Keeps its measured costs across Generate() calls.
   GoodputPolicy policy_;
   SeqId next_seq_ = 1;

@@ -49,6 +49,7 @@ const char* ShapeReasonName(ShapeReason reason, bool none) {
     case ShapeReason::kNoDrafter: return "no_drafter";
     case ShapeReason::kNoBudget: return "no_budget";
     case ShapeReason::kCatchUp: return "catch_up";
+    case ShapeReason::kNgram: return "policy_ngram";
   }
   return "policy";
 }
@@ -90,6 +91,7 @@ GoodputPolicy::GoodputPolicy(PolicyOptions options)
     : options_(std::move(options)), costs_(&options_) {
   std::fill(std::begin(pooled_by_depth_), std::end(pooled_by_depth_), -1.0);
   std::fill(std::begin(pooled_by_rank_), std::end(pooled_by_rank_), -1.0);
+  std::fill(std::begin(pooled_ngram_by_depth_), std::end(pooled_ngram_by_depth_), -1.0);
   for (const SpecShape& c : options_.candidates) {
     if (c.none() || IsChain(c)) continue;
     const int depth = std::min(c.depth, AcceptanceEstimate::kMaxDepth);
@@ -166,6 +168,46 @@ double PricedGoodput(double emitted, double seconds, int tree_nodes, const Polic
   return emitted / (seconds * (tree_nodes > 0 ? 1.0 + options.speculation_margin : 1.0));
 }
 
+// Pools, at each depth, the first-child rates of the batch's estimates (`estimate` of a
+// sequence; null: none) that have enough samples to speak for themselves, from their own samples
+// (each weighted by them), into `pooled` (negative: not pooled yet), averaged over steps so that
+// one batch's mix does not swing it, and shrunk toward the constant `prior` as one sequence's
+// estimate is. Returns whether `pooled` changed.
+template <typename Estimate>
+bool PoolChainRates(absl::Span<const PolicySequence> batch, Estimate estimate, double prior,
+                    double* pooled) {
+  constexpr int kDepths = AcceptanceEstimate::kMaxDepth;
+  double sum[kDepths] = {}, weight[kDepths] = {};
+  for (const PolicySequence& s : batch) {
+    const AcceptanceEstimate* e = estimate(s);
+    if (e == nullptr || e->samples() < 4) continue;
+    for (int d = 1; d <= kDepths; ++d) {
+      double w;
+      const double r = e->OwnChainRate(d, &w);
+      if (w <= 0) break;  // no samples this deep, nor deeper
+      sum[d - 1] += w * r;
+      weight[d - 1] += w;
+    }
+  }
+  if (weight[0] <= 0) return false;
+  // A deeper depth is pooled once the batch has a few dozen samples there; until then it takes
+  // the depth above's rate (AcceptanceOptions). Pooled from a handful (the first steps' trees),
+  // it would hold a deep level at a chance figure, and shapes that never reach that deep would
+  // never correct it.
+  constexpr double kDeepWeight = 24;
+  bool changed = false;
+  for (int d = 0; d < kDepths && (d == 0 || weight[d] >= kDeepWeight); ++d) {
+    // Shrunk toward the constant as one sequence's estimate is: a batch of one young sequence
+    // says little, a full batch of them what the pair accepts.
+    const double mean = (2.0 * prior + sum[d]) / (2.0 + weight[d]);
+    double& p = pooled[d];
+    const double before = p;
+    p = p < 0 ? mean : p + 0.2 * (mean - p);
+    changed = changed || p != before;
+  }
+  return changed;
+}
+
 // Running totals of one assignment, so that changing one sequence's shape re-scores in O(depth).
 struct Totals {
   int rows = 0;
@@ -225,14 +267,28 @@ PolicyOptions GoodputPolicy::AcceptanceOptions() const {
   return o;
 }
 
+PolicyOptions GoodputPolicy::NgramAcceptanceOptions() const {
+  PolicyOptions o = options_;
+  if (pooled_ngram_by_depth_[0] >= 0) {
+    o.acceptance_prior = pooled_ngram_by_depth_[0];
+    o.acceptance_prior_by_depth.clear();
+    for (const double p : pooled_ngram_by_depth_) {
+      o.acceptance_prior_by_depth.push_back(p >= 0 ? p : o.acceptance_prior_by_depth.back());
+    }
+  }
+  return o;
+}
+
 double GoodputPolicy::ExpectedAccepted(const PolicySequence& seq, const SpecShape& shape) const {
   if (seq.acceptance == nullptr) return 0.0;
   return seq.acceptance->ExpectedAccepted(Clamp(shape, seq.max_depth), AcceptanceOptions());
 }
 
 double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
-                              absl::Span<const SpecShape> shapes) const {
+                              absl::Span<const SpecShape> shapes,
+                              absl::Span<const char> ngram) const {
   const PolicyOptions acceptance_options = AcceptanceOptions();
+  const PolicyOptions ngram_options = NgramAcceptanceOptions();
   double emitted = 0;
   int rows = 0, tokens = 0, drafting = 0, nodes = 0, levels = 0, longest = 0, tree_nodes = 0;
   double catch_up = 0;
@@ -243,12 +299,14 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
     tree_nodes += s.nodes();
     longest = std::max(longest, batch[i].pending + s.nodes());
     emitted += 1.0;
+    const bool by_ngram = i < ngram.size() && ngram[i] && batch[i].ngram_acceptance != nullptr;
+    const AcceptanceEstimate* estimate = by_ngram ? batch[i].ngram_acceptance : batch[i].acceptance;
     double gain = 0;
-    if (!s.none() && batch[i].acceptance != nullptr) {
-      gain = batch[i].acceptance->ExpectedAccepted(s, acceptance_options);
+    if (!s.none() && estimate != nullptr) {
+      gain = estimate->ExpectedAccepted(s, by_ngram ? ngram_options : acceptance_options);
       emitted += gain;
     }
-    if (!s.none() && batch[i].model_draft) {
+    if (!s.none() && batch[i].model_draft && !by_ngram) {
       ++drafting;
       nodes += s.nodes();
       levels = std::max(levels, s.depth);
@@ -273,17 +331,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   {
     constexpr int kDepths = AcceptanceEstimate::kMaxDepth;
     constexpr int kRanks = AcceptanceEstimate::kMaxRank;
-    double sum[kDepths] = {}, weight[kDepths] = {};
     double rank_sum[kRanks] = {}, rank_weight[kRanks] = {};
     for (const PolicySequence& s : batch) {
       if (s.acceptance == nullptr || s.acceptance->samples() < 4) continue;
-      for (int d = 1; d <= kDepths; ++d) {
-        double w;
-        const double r = s.acceptance->OwnChainRate(d, &w);
-        if (w <= 0) break;  // no samples this deep, nor deeper
-        sum[d - 1] += w * r;
-        weight[d - 1] += w;
-      }
       for (int r = 1; r <= kRanks; ++r) {
         double w;
         const double rate = s.acceptance->OwnSiblingRate(r, &w);
@@ -330,26 +380,17 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       p = p < 0 ? mean : p + 0.2 * (mean - p);
       if (p != before) ++prior_version_;
     }
-    if (weight[0] > 0) {
-      // A deeper depth is pooled once the batch has a few dozen samples there; until then it
-      // takes the depth above's rate (AcceptanceOptions). Pooled from a handful (the first
-      // steps' trees), it would hold a deep level at a chance figure, and shapes that never
-      // reach that deep would never correct it.
-      constexpr double kDeepWeight = 24;
-      bool changed = false;
-      for (int d = 0; d < kDepths && (d == 0 || weight[d] >= kDeepWeight); ++d) {
-        // Shrunk toward the constant as one sequence's estimate is: a batch of one young
-        // sequence says little, a full batch of them what the pair accepts.
-        const double mean = (2.0 * options_.acceptance_prior + sum[d]) / (2.0 + weight[d]);
-        double& p = pooled_by_depth_[d];
-        const double before = p;
-        p = p < 0 ? mean : p + 0.2 * (mean - p);
-        changed = changed || p != before;
-      }
-      pooled_rate_ = pooled_by_depth_[0];
+    if (PoolChainRates(
+            batch, [](const PolicySequence& s) { return s.acceptance; }, options_.acceptance_prior,
+            pooled_by_depth_)) {
       // The candidate caches hold while the priors do (a batch whose estimates stand still).
-      if (changed) ++prior_version_;
+      ++prior_version_;
     }
+    pooled_rate_ = pooled_by_depth_[0];
+    // The n-gram estimates (auto's second drafter) pool apart: another drafter, other rates.
+    PoolChainRates(
+        batch, [](const PolicySequence& s) { return s.ngram_acceptance; },
+        options_.acceptance_prior, pooled_ngram_by_depth_);
   }
   const PolicyOptions acceptance_options = AcceptanceOptions();
   PolicyDecision out;
@@ -357,10 +398,28 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   out.reasons.assign(n, ShapeReason::kPolicy);
   out.ingest.assign(n, 0);
   out.deferred.assign(n, SpecShape());
+  out.ngram.assign(n, 0);
   std::vector<char> free(n, 0);
   std::vector<SpecShape> candidates = {SpecShape()};
   candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
+  // The model drafter's candidates are [0, model_nc); past them, where some sequence has an
+  // n-gram proposal, the proposal cut to each of ngram_depths (per sequence: cut to its
+  // proposal's length, none without one). A batch without proposals pays nothing for them.
+  const size_t model_nc = candidates.size();
+  const bool any_ngram = std::any_of(batch.begin(), batch.end(), [](const PolicySequence& s) {
+    return !s.fixed && s.ngram_depth > 0 && s.ngram_acceptance != nullptr;
+  });
+  int deepest_ngram = 0;
+  for (const int d : any_ngram ? options_.ngram_depths : std::vector<int>()) {
+    if (d < 1) continue;
+    candidates.push_back(SpecShape{d, 1, d});
+    deepest_ngram = std::max(deepest_ngram, d);
+  }
   const size_t nc = candidates.size();
+  // Whether candidate c of sequence i is drafted by the model drafter (costs draft time).
+  auto model_drafted = [&](size_t i, size_t c) { return batch[i].model_draft && c < model_nc; };
+  std::vector<double> ngram_gain(std::min(deepest_ngram, AcceptanceEstimate::kMaxDepth));
+  const PolicyOptions ngram_options = any_ngram ? NgramAcceptanceOptions() : PolicyOptions();
   // Each candidate as clamped to each free sequence, and its expected accepted length, computed
   // once: row i of an n x candidates table (one allocation each, not one per sequence).
   std::vector<SpecShape> clamped_table(n * nc);
@@ -368,15 +427,16 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   auto clamped = [&](size_t i) { return clamped_table.data() + i * nc; };
   auto gain = [&](size_t i) { return gain_table.data() + i * nc; };
   size_t free_count = 0;
-  int deepest_chain = 0;
-  for (const SpecShape& c : candidates) {
-    if (!c.none() && IsChain(c)) deepest_chain = std::max(deepest_chain, c.depth);
+  int deepest_chain = 0, deepest_candidate = 0;  // of the model drafter's candidates
+  for (size_t c = 0; c < model_nc; ++c) {
+    const SpecShape& shape = candidates[c];
+    if (!shape.none() && IsChain(shape)) deepest_chain = std::max(deepest_chain, shape.depth);
+    deepest_candidate = std::max(deepest_candidate, shape.depth);
   }
-  int deepest_candidate = 0;
-  for (const SpecShape& c : candidates) deepest_candidate = std::max(deepest_candidate, c.depth);
   std::vector<double> chain_gain(deepest_chain);
-  // The candidates clamped to each depth budget (up to the deepest candidate), as needed.
-  std::vector<SpecShape> clamped_by_depth((deepest_candidate + 1) * nc);
+  // The model drafter's candidates clamped to each depth budget (up to the deepest candidate),
+  // as needed.
+  std::vector<SpecShape> clamped_by_depth((deepest_candidate + 1) * model_nc);
   std::vector<char> clamped_done(deepest_candidate + 1, 0);
   std::vector<char> unclamped(n, 0);  // the sequence's budget clamps no candidate
   for (size_t i = 0; i < n; ++i) {
@@ -400,20 +460,39 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     ++free_count;
     // Budgets at or past the deepest candidate clamp nothing: they share their clamped shapes
     // and expectations.
+    // The n-gram proposal's candidates: cut to its length, none without one.
+    const int ngram_depth =
+        s.ngram_acceptance != nullptr ? std::min(s.ngram_depth, s.max_depth) : 0;
+    if (nc > model_nc && ngram_depth > 0) {
+      s.ngram_acceptance->ExpectedAcceptedChains(
+          ngram_options,
+          absl::MakeSpan(ngram_gain.data(), std::min<size_t>(ngram_depth, ngram_gain.size())));
+    }
+    for (size_t c = model_nc; c < nc; ++c) {
+      clamped(i)[c] = Clamp(candidates[c], ngram_depth);
+      const int d = clamped(i)[c].depth;
+      gain(i)[c] = d > 0 && d <= static_cast<int>(ngram_gain.size()) ? ngram_gain[d - 1] : 0.0;
+    }
+    if (!s.model_available) {
+      // Only none and the proposal.
+      std::fill_n(clamped(i), model_nc, SpecShape());
+      std::fill_n(gain(i), model_nc, 0.0);
+      continue;
+    }
     const int depth_key = std::min(s.max_depth, deepest_candidate);
     if (!clamped_done[depth_key]) {
-      for (size_t c = 0; c < nc; ++c) {
-        clamped_by_depth[depth_key * nc + c] = Clamp(candidates[c], s.max_depth);
+      for (size_t c = 0; c < model_nc; ++c) {
+        clamped_by_depth[depth_key * model_nc + c] = Clamp(candidates[c], s.max_depth);
       }
       clamped_done[depth_key] = 1;
     }
-    std::copy_n(clamped_by_depth.begin() + depth_key * nc, nc, clamped(i));
+    std::copy_n(clamped_by_depth.begin() + depth_key * model_nc, model_nc, clamped(i));
     unclamped[i] = depth_key == deepest_candidate;
     // The expectations change only with the estimate (Observe clears them) and the prior, so a
     // sequence not drafted since the last decision keeps them.
     AcceptanceEstimate::CandidateCache& cache = s.acceptance->candidate_cache();
     if (cache.policy == id_ && cache.prior == prior_version_ && cache.depth == depth_key &&
-        cache.gains.size() == nc) {
+        cache.gains.size() == model_nc) {
       std::copy(cache.gains.begin(), cache.gains.end(), gain(i));
       continue;
     }
@@ -421,7 +500,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     s.acceptance->ExpectedAcceptedChains(
         acceptance_options,
         absl::MakeSpan(chain_gain.data(), std::min(deepest_chain, s.max_depth)));
-    for (size_t c = 0; c < nc; ++c) {
+    for (size_t c = 0; c < model_nc; ++c) {
       const SpecShape& shape = clamped(i)[c];
       gain(i)[c] = !shape.none() && IsChain(shape) && Width(shape) <= 1.0 &&
                            shape.depth <= std::min(deepest_chain, s.max_depth)
@@ -431,7 +510,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     cache.policy = id_;
     cache.prior = prior_version_;
     cache.depth = depth_key;
-    cache.gains.assign(gain(i), gain(i) + nc);
+    cache.gains.assign(gain(i), gain(i) + model_nc);
   }
   // Requests that started together (a burst, a benchmark's wave) finish together only if they
   // are drafted alike: one left without drafts while the rest draft is left alone at the end,
@@ -469,7 +548,8 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   auto row_bucket = [](int tokens) {
     return std::min(RowTokenBucket(tokens), kRowTokenBuckets - 1);
   };
-  auto add = [&](Totals& t, size_t i, const SpecShape& s, double g, int sign) {
+  // `model`: drafted by the model drafter (its levels cost draft time).
+  auto add_as = [&](Totals& t, size_t i, const SpecShape& s, double g, int sign, bool model) {
     t.tokens += sign * s.nodes();
     t.tree_nodes += sign * s.nodes();
     t.emitted += sign * g;
@@ -477,12 +557,19 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       t.AddRows(row_bucket(batch[i].pending), -sign);
       t.AddRows(row_bucket(batch[i].pending + s.nodes()), sign);
     }
-    if (!s.none() && batch[i].model_draft) {
+    if (!s.none() && model) {
       t.drafting += sign;
       t.draft_nodes += sign * s.nodes();
       t.catch_up += sign * CatchUp(batch[i], s, g / emit_weight[i], options_);
       t.AddDepth(std::min(s.depth, AcceptanceEstimate::kMaxDepth + 1), sign);
     }
+  };
+  auto add = [&](Totals& t, size_t i, const SpecShape& s, double g, int sign) {
+    add_as(t, i, s, g, sign, batch[i].model_draft);
+  };
+  // Candidate c of sequence i.
+  auto add_c = [&](Totals& t, size_t i, size_t c, int sign) {
+    add_as(t, i, clamped(i)[c], gain(i)[c], sign, model_drafted(i, c));
   };
   // The search below prices thousands of candidate totals a step at 128 sequences, and the
   // router pays for it on every step; most share their verify token count and draft call, so
@@ -538,7 +625,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       t.AddRows(row_bucket(batch[i].pending), 1);
       t.emitted += 1.0;
       if (free[i]) {
-        add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], +1);
+        add_c(t, i, choice[i], +1);
       } else if (!out.shapes[i].none()) {
         const double g = batch[i].acceptance != nullptr ? batch[i].acceptance->ExpectedAccepted(
                                                               out.shapes[i], acceptance_options)
@@ -555,7 +642,19 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     if (!free[i]) continue;
     previous[i] = 0;
     const SpecShape prev = Clamp(batch[i].previous, batch[i].max_depth);
-    for (size_t c = 0; c < candidates.size(); ++c) {
+    if (batch[i].previous_ngram) {
+      // An n-gram proposal's length changes every step: the previous drafter is kept as the
+      // deepest cut of this step's proposal no deeper than the previous one.
+      for (size_t c = model_nc; c < nc; ++c) {
+        const SpecShape& shape = clamped(i)[c];
+        if (!shape.none() && shape.depth <= prev.depth &&
+            (previous[i] == 0 || shape.depth > clamped(i)[previous[i]].depth)) {
+          previous[i] = static_cast<int>(c);
+        }
+      }
+      continue;
+    }
+    for (size_t c = 0; c < model_nc; ++c) {
       if (clamped(i)[c] == prev) {
         previous[i] = static_cast<int>(c);
         break;
@@ -577,7 +676,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     std::vector<int> start = none_all;
     double start_score = score(base);
     std::vector<size_t> order;
-    for (size_t c = 1; c < candidates.size(); ++c) {
+    // The model drafter's candidates only: the n-gram proposal shares no draft call among the
+    // sequences that take it, so the single-sequence moves below find it.
+    for (size_t c = 1; c < model_nc; ++c) {
       order.clear();
       for (size_t i = 0; i < n; ++i) {
         if (free[i]) order.push_back(i);
@@ -591,7 +692,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       size_t best_k = 0;
       double best_k_score = score(t);
       for (size_t k = 0; k < order.size(); ++k) {
-        add(t, order[k], clamped(order[k])[c], gain(order[k])[c], +1);
+        add_c(t, order[k], c, +1);
         const double s = score(t, /*memo=*/false);
         if (s > best_k_score) {
           best_k_score = s;
@@ -639,41 +740,44 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     for (size_t i = 0; i < n; ++i) {
       if (!free[i]) continue;
       const int from = choice[i];
-      add(t, i, clamped(i)[from], gain(i)[from], -1);
+      add_c(t, i, from, -1);
       int best = from;
       double best_s = current;
       for (size_t c = 0; c < candidates.size(); ++c) {
         if (static_cast<int>(c) == from) continue;
         const SpecShape& shape = clamped(i)[c];
+        // A candidate cut to none (no n-gram proposal, no model drafter) is candidate 0.
+        if (c != 0 && shape.none()) continue;
         const double g = gain(i)[c];
-        if (from == 0 && !shape.none()) {
+        const bool model = model_drafted(i, c);
+        if (from == 0) {
           double* floor;
-          if (unclamped[i] && batch[i].pending == 1) {
-            floor = &seconds_floor_common[2 * c + (batch[i].model_draft ? 1 : 0)];
+          if (unclamped[i] && batch[i].pending == 1 && c < model_nc) {
+            floor = &seconds_floor_common[2 * c + (model ? 1 : 0)];
           } else {
             floor = &seconds_floor
                          .try_emplace(std::make_tuple(shape.depth, shape.top_k, shape.max_nodes,
-                                                      batch[i].pending, batch[i].model_draft),
+                                                      batch[i].pending, model),
                                       -1.0)
                          .first->second;
           }
           if (*floor < 0) {
             Totals with = t;
-            add(with, i, shape, g, +1);
+            add_as(with, i, shape, g, +1, model);
             *floor = seconds_of(with, false);
           }
           if (PricedGoodput(t.emitted + g, *floor, t.tree_nodes + shape.nodes(), options_) <=
               best_s) {
             // The try's add and subtract without its score: the totals' sums keep the rounding
             // the full try gives them.
-            add(t, i, shape, g, +1);
-            add(t, i, shape, g, -1);
+            add_as(t, i, shape, g, +1, model);
+            add_as(t, i, shape, g, -1, model);
             continue;
           }
         }
-        add(t, i, shape, g, +1);
+        add_as(t, i, shape, g, +1, model);
         const double s = score(t);
-        add(t, i, shape, g, -1);
+        add_as(t, i, shape, g, -1, model);
         const double margin =
             from == previous[i] ? options_.hysteresis / static_cast<double>(free_count) : 0.0;
         if (s > best_s * (1.0 + margin) + 1e-12 && s > best_s) {
@@ -681,7 +785,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
           best_s = s;
         }
       }
-      add(t, i, clamped(i)[best], gain(i)[best], +1);
+      add_c(t, i, best, +1);
       if (best != from) {
         choice[i] = best;
         current = best_s;
@@ -709,13 +813,17 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     out.shapes[i] = clamped(i)[choice[i]];
+    if (static_cast<size_t>(choice[i]) >= model_nc && !out.shapes[i].none()) {
+      out.ngram[i] = 1;
+      out.reasons[i] = ShapeReason::kNgram;
+    }
     // A sequence left without drafts on a handful of outcomes (an early miss or two) is probed
     // sooner, in proportion to them: so little evidence is soon outweighed, and a sequence held
     // back on it while the rest of its batch drafts is left the last to finish.
     const int interval =
         std::max(4, std::min(options_.probe_interval,
                              options_.probe_interval * batch[i].acceptance->samples() / 16));
-    if (out.shapes[i].none() && options_.probe_interval > 0 &&
+    if (out.shapes[i].none() && options_.probe_interval > 0 && batch[i].model_available &&
         (batch[i].steps_without_draft >= interval || batch[i].never_drafted) &&
         probes < options_.max_probes_per_step) {
       // Probe only where a probe could be worth it: the short chain would pay if this sequence
@@ -728,7 +836,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       // a burst of new sequences does not stall one step with all their catch-ups.
       const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
       constexpr double kOptimistic = kProbeGain;
-      add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], -1);
+      add_c(t, i, choice[i], -1);
       add(t, i, probe, kOptimistic, +1);
       // Judged with its whole catch-up even where it would be fed beside verify (judged free,
       // probes went out nearly every step where drafting cannot pay); one worth it is then fed
@@ -741,7 +849,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       t.catch_up -= unshared;
       if (s > current && plan != CatchUpPlan::kInCall) {
         add(t, i, probe, kOptimistic, -1);
-        add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], +1);
+        add_c(t, i, choice[i], +1);
         if (plan == CatchUpPlan::kIngest) {
           ingest_room -= catch_up_token_s * CatchUpTokens(batch[i], probe);
           out.reasons[i] = ShapeReason::kCatchUp;
@@ -757,7 +865,41 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
         ++probes;
       } else {
         add(t, i, probe, kOptimistic, -1);
-        add(t, i, clamped(i)[choice[i]], gain(i)[choice[i]], +1);
+        add_c(t, i, choice[i], +1);
+      }
+    }
+    // The n-gram proposal is probed the same way (its first two tokens), so that a sequence
+    // whose n-gram estimate fell low on a few misses can recover: the proposal's quality moves
+    // with the text (a function body repeats what a docstring said, the next one does not).
+    size_t ngram_probe = 0;  // the candidate: the proposal cut to 2 tokens, or to 1
+    for (size_t c = model_nc; c < nc; ++c) {
+      const SpecShape& shape = clamped(i)[c];
+      if (!shape.none() && shape.depth <= 2 &&
+          (ngram_probe == 0 || shape.depth > clamped(i)[ngram_probe].depth)) {
+        ngram_probe = c;
+      }
+    }
+    const int ngram_interval =
+        batch[i].ngram_acceptance == nullptr
+            ? 0
+            : std::max(
+                  4, std::min(options_.probe_interval,
+                              options_.probe_interval * batch[i].ngram_acceptance->samples() / 16));
+    if (out.shapes[i].none() && !out.ingest[i] && ngram_probe > 0 && options_.probe_interval > 0 &&
+        batch[i].steps_without_ngram >= ngram_interval && probes < options_.max_probes_per_step) {
+      const SpecShape& probe = clamped(i)[ngram_probe];
+      add_c(t, i, choice[i], -1);
+      add_as(t, i, probe, kProbeGain, +1, /*model=*/false);
+      const double s = score(t);
+      if (s > current) {
+        out.shapes[i] = probe;
+        out.ngram[i] = 1;
+        out.reasons[i] = ShapeReason::kProbe;
+        current = s;
+        ++probes;
+      } else {
+        add_as(t, i, probe, kProbeGain, -1, /*model=*/false);
+        add_c(t, i, choice[i], +1);
       }
     }
   }
@@ -798,7 +940,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   std::vector<std::pair<size_t, SpecShape>> cut;  // sequences the budget cut, and their shapes
   bool first = true;
   for (size_t i = 0; i < n; ++i) {
-    if (!free[i] || out.shapes[i].none() || !batch[i].model_draft) continue;
+    if (!free[i] || out.shapes[i].none() || !batch[i].model_draft || out.ngram[i]) continue;
     const double g =
         out.reasons[i] == ShapeReason::kProbe ? kProbeGain : gain(i)[choice[i]] / emit_weight[i];
     const CatchUpPlan plan =
@@ -823,14 +965,15 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     budget -= cost;
     first = false;
   }
-  out.predicted_goodput = Goodput(batch, out.shapes);
+  out.predicted_goodput = Goodput(batch, out.shapes, out.ngram);
   if (!cut.empty() && pooled_rate_ >= 0) {
     std::vector<SpecShape> whole = out.shapes, plain = out.shapes;
     for (const auto& [i, shape] : cut) whole[i] = shape;
     for (size_t i = 0; i < n; ++i) {
       if (free[i]) plain[i] = SpecShape();
     }
-    const double whole_goodput = Goodput(batch, whole), plain_goodput = Goodput(batch, plain);
+    const double whole_goodput = Goodput(batch, whole, out.ngram),
+                 plain_goodput = Goodput(batch, plain, out.ngram);
     if ((cohort || out.predicted_goodput < plain_goodput) &&
         whole_goodput > plain_goodput * (1.0 + options_.hysteresis)) {
       out.shapes = std::move(whole);

@@ -27,6 +27,13 @@
 // one only when it is predicted to be better by a margin, so one slow step or one prefill does
 // not flip decisions every step.
 //
+// Under `auto` a sequence may also have a second drafter this step: n-gram lookup over its own
+// history, whose proposal the caller computed (PolicySequence::ngram_depth). It costs verify
+// time only, and is priced with the sequence's own n-gram acceptance, so per sequence and step
+// the policy picks none, one of the model drafter's shapes or the proposal (cut to one of a few
+// depths), whichever serves the batch best. The hysteresis keeps the previous step's drafter
+// where it still can (a proposal exists).
+//
 // The policy only picks shapes; verification is unchanged, so any choice is lossless.
 #ifndef SPECD_ENGINE_SPEC_POLICY_H_
 #define SPECD_ENGINE_SPEC_POLICY_H_
@@ -169,6 +176,10 @@ struct PolicyOptions {
   // verify step instead (while they fit in it) and drafts from the next step. A few tokens cost
   // the draft call little; a prompt costs the batch a stall (16 prompts: ~220 ms on the CPU).
   int ingest_catch_up_tokens = 8;
+  // Depths at which a sequence's n-gram proposal (PolicySequence::ngram_depth) is offered, each
+  // cut to the proposal's length: a proposal is a chain whose deeper tokens are accepted less,
+  // and where every scored token costs verify time (a CPU) its tail may not pay for itself.
+  std::vector<int> ngram_depths = {1, 2, 3, 4, 6, 8};
 };
 
 // One level of a verified tree along its accepted path: how many children the path's node had
@@ -372,6 +383,7 @@ enum class ShapeReason {
   kNoDrafter,  // no drafter serves the sequence
   kNoBudget,   // no room left: the bonus token covers what remains
   kCatchUp,    // the drafter is fed what it missed beside this verify step; drafts from the next
+  kNgram,      // the goodput policy chose the n-gram proposal over the model drafter (auto)
 };
 const char* ShapeReasonName(ShapeReason reason, bool none);
 
@@ -401,6 +413,20 @@ struct PolicySequence {
   // first draft loses near break-even to the pooled prior (a prefill step made it cheap), and
   // a sequence that never drafts never measures its own acceptance to correct it.
   SpecShape deferred;
+  // `auto`'s second drafter: n-gram lookup over the sequence's own history, which costs no draft
+  // time (microseconds in the caller). ngram_depth: the length of this step's proposal, a
+  // chain (0: no match, so not a candidate). The policy prices it with `ngram_acceptance`, which
+  // only n-gram steps update (the model drafter's estimate only model steps), and verify time
+  // alone, against none and the model drafter's shapes, and picks the best for the batch.
+  int ngram_depth = 0;
+  const AcceptanceEstimate* ngram_acceptance = nullptr;  // required where ngram_depth > 0
+  // Whether the model drafter can serve this step (false: its service is down or busy, or there
+  // is none; the n-gram proposal and none are then the only candidates).
+  bool model_available = true;
+  bool previous_ngram = false;  // `previous` was the n-gram proposal
+  // Steps since the n-gram proposal was last verified (or never): a sequence whose n-gram
+  // estimate fell low is probed again, as the model drafter is, so that it can recover.
+  int steps_without_ngram = 1 << 20;
 };
 
 struct PolicyDecision {
@@ -411,6 +437,9 @@ struct PolicyDecision {
   // One per sequence: where `ingest` is set, the shape chosen before its catch-up was moved
   // (PolicySequence::deferred); none elsewhere.
   std::vector<SpecShape> deferred;
+  // One per sequence: `shapes[i]` is the n-gram proposal cut to its depth (PolicySequence::
+  // ngram_depth), not the model drafter's (ShapeReason::kNgram, or kProbe).
+  std::vector<char> ngram;
   double predicted_goodput = 0;  // tokens/s of the batch
 };
 
@@ -424,8 +453,10 @@ class GoodputPolicy {
   // The accepted drafts the policy expects of `shape` for `seq` (with the pooled priors).
   double ExpectedAccepted(const PolicySequence& seq, const SpecShape& shape) const;
 
-  // Predicted tokens/s of `batch` under `shapes` (the objective; also for tests).
-  double Goodput(absl::Span<const PolicySequence> batch, absl::Span<const SpecShape> shapes) const;
+  // Predicted tokens/s of `batch` under `shapes` (the objective; also for tests); `ngram`
+  // (empty, or one per sequence) marks the shapes that are n-gram proposals.
+  double Goodput(absl::Span<const PolicySequence> batch, absl::Span<const SpecShape> shapes,
+                 absl::Span<const char> ngram = {}) const;
 
   // Overlap fan-out: how many outcome guesses per sequence to pre-draft beside a verify step of
   // `verify_rows` rows scoring `verify_tokens` tokens, for `drafting` sequences whose next trees
@@ -476,6 +507,8 @@ class GoodputPolicy {
   // The options the acceptance estimates are read with: the pooled prior in place of the
   // constant one once there is one.
   PolicyOptions AcceptanceOptions() const;
+  // The same for the n-gram estimates (PolicySequence::ngram_acceptance): their own pooled prior.
+  PolicyOptions NgramAcceptanceOptions() const;
   // `shape` cut to a sequence's depth budget (chains shorten; trees keep their width).
   static SpecShape Clamp(const SpecShape& shape, int max_depth);
 
@@ -493,6 +526,8 @@ class GoodputPolicy {
   // PolicyOptions::tree_priors of the tree candidates, pooled the same way.
   std::vector<PolicyOptions::TreePrior> pooled_trees_;
   uint64_t prior_version_ = 0;
+  // The n-gram estimates' conditional acceptance pooled the same way, by depth (negative: none).
+  double pooled_ngram_by_depth_[AcceptanceEstimate::kMaxDepth];
 };
 
 }  // namespace specd

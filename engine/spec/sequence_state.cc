@@ -21,6 +21,7 @@ std::vector<int32_t> StopConditions::ActiveEosIds() const {
 
 void SpecStats::Add(const SpecStats& o) {
   shape_changes += o.shape_changes;
+  ngram_steps += o.ngram_steps;
   steps += o.steps;
   draft_steps += o.draft_steps;
   target_only_steps += o.target_only_steps;
@@ -81,20 +82,25 @@ PolicySequence SequenceState::PolicyInput(bool model_draft) const {
   p.model_draft = model_draft;
   p.acceptance = &acceptance_;
   p.previous = last_planned_;
+  p.previous_ngram = last_planned_ngram_;
   p.steps_without_draft = steps_without_draft_;
-  p.never_drafted = stats_.draft_steps == 0 && !probed_;
+  p.steps_without_ngram = steps_without_ngram_;
+  p.ngram_acceptance = &ngram_acceptance_;
+  p.never_drafted = stats_.draft_steps - stats_.ngram_steps == 0 && !probed_;
   p.draft_backlog = static_cast<int>(std::min<size_t>(DrafterPending().size(), 1 << 20));
   p.deferred = deferred_;
   return p;
 }
 
-void SequenceState::Plan(const SpecShape& shape, ShapeReason reason) {
-  if (!shape.none()) {
+void SequenceState::Plan(const SpecShape& shape, ShapeReason reason, bool ngram) {
+  ngram = ngram && !shape.none();
+  if (!shape.none() && !ngram) {
     probed_ = true;
     deferred_ = SpecShape();
   }
   planned_ = shape;
   planned_reason_ = reason;
+  planned_ngram_ = ngram;
 }
 
 std::vector<LevelOutcome> PathLevels(const TokenTree& tree,
@@ -160,20 +166,26 @@ absl::Span<const int32_t> SequenceState::Apply(const VerifyOutcome& outcome,
     // The ranks the path took say whether a tree's siblings or its first children were
     // accepted; an outcome without its nodes is counted as a chain's.
     const std::vector<LevelOutcome> levels = PathLevels(tree, outcome.accepted_nodes);
+    // Each drafter's outcomes go to its own estimate.
+    AcceptanceEstimate& estimate = planned_ngram_ ? ngram_acceptance_ : acceptance_;
     if (!levels.empty() &&
         static_cast<int>(outcome.accepted_nodes.size()) == outcome.accepted_draft) {
-      acceptance_.Observe(ran, levels, acceptance_options_);
+      estimate.Observe(ran, levels, acceptance_options_);
     } else {
-      acceptance_.Observe(ran, outcome.accepted_draft, acceptance_options_);
+      estimate.Observe(ran, outcome.accepted_draft, acceptance_options_);
     }
-    steps_without_draft_ = 0;
-  } else {
-    ++steps_without_draft_;
   }
+  // For the model drafter an n-gram step is one without drafts.
+  const bool model_tree = !tree.empty() && !planned_ngram_;
+  steps_without_draft_ = model_tree ? 0 : steps_without_draft_ + 1;
+  steps_without_ngram_ = !tree.empty() && planned_ngram_ ? 0 : steps_without_ngram_ + 1;
+  if (!tree.empty() && planned_ngram_) ++stats_.ngram_steps;
   if (stats_.steps > 0 && ran != last_run_) ++stats_.shape_changes;
   last_run_ = ran;
   last_planned_ = planned_;
+  last_planned_ngram_ = planned_ngram_;
   planned_ = SpecShape();
+  planned_ngram_ = false;
   return Apply(outcome, static_cast<int>(tree.size()));
 }
 

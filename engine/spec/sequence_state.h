@@ -53,6 +53,9 @@ struct SpecStats {
   // token). Counted as the verifier reported, before truncation at a stop.
   std::vector<int64_t> accepted_per_position;
   int64_t shape_changes = 0;  // steps whose tree shape differed from the previous step's
+  // Of draft_steps: those whose tree was auto's n-gram proposal rather than the model drafter's
+  // (SequenceState::Plan with `ngram`).
+  int64_t ngram_steps = 0;
 
   void Add(const SpecStats& other);
 };
@@ -96,16 +99,22 @@ class SequenceState {
   void ResetTarget() { target_cached_ = 0; }
 
   // What the policy needs to decide this sequence's step. `model_draft`: drafted by the draft
-  // model (its levels cost draft time) rather than by n-gram lookup.
+  // model (its levels cost draft time) rather than by n-gram lookup. Its n-gram fields
+  // (PolicySequence::ngram_acceptance, previous_ngram, steps_without_ngram) are this sequence's;
+  // the caller sets ngram_depth where it has a proposal.
   PolicySequence PolicyInput(bool model_draft) const;
-  // Records the shape this step runs (and why) before drafting.
-  void Plan(const SpecShape& shape, ShapeReason reason);
+  // Records the shape this step runs (and why) before drafting. `ngram`: the tree will be
+  // auto's n-gram proposal (PolicyDecision::ngram), whose outcome updates the n-gram estimate,
+  // not the model drafter's; for the model drafter the step is one without drafts.
+  void Plan(const SpecShape& shape, ShapeReason reason, bool ngram = false);
   // Records the shape the policy chose for this step before it moved the drafter's catch-up
   // beside verify (PolicyDecision::deferred); kept until the sequence is planned with a tree.
   void Defer(const SpecShape& shape) { deferred_ = shape; }
   const SpecShape& planned() const { return planned_; }
   ShapeReason planned_reason() const { return planned_reason_; }
+  bool planned_ngram() const { return planned_ngram_; }
   const AcceptanceEstimate& acceptance() const { return acceptance_; }
+  const AcceptanceEstimate& ngram_acceptance() const { return ngram_acceptance_; }
 
   // INTERNAL when `outcome` cannot come from verifying `tree` (token count, accepted length
   // deeper than the tree, tokens outside the vocabulary): checked before Apply for outcomes
@@ -129,6 +138,8 @@ class SequenceState {
   absl::Span<const int32_t> output() const {
     return absl::MakeConstSpan(tokens_).subspan(prompt_len_);
   }
+  // The prompt then the output, in one span (what n-gram lookup searches).
+  absl::Span<const int32_t> tokens() const { return tokens_; }
   const SpecStats& stats() const { return stats_; }
 
  private:
@@ -146,14 +157,18 @@ class SequenceState {
   // Speculation planning.
   SpecShape planned_;
   ShapeReason planned_reason_ = ShapeReason::kPolicy;
+  bool planned_ngram_ = false;
+  bool last_planned_ngram_ = false;
   SpecShape last_run_;      // the shape the previous step ran (cut to its tree)
   SpecShape last_planned_;  // the shape the previous step was planned with
   // A new sequence counts as long without drafts: its acceptance is unknown, so where the
   // policy would not draft it, its first step probes.
   int steps_without_draft_ = 1 << 20;
-  bool probed_ = false;  // a step was planned with a tree (the drafter may have sent none)
+  int steps_without_ngram_ = 1 << 20;  // likewise for the n-gram proposal
+  bool probed_ = false;  // a step was planned with a model tree (the drafter may have sent none)
   SpecShape deferred_;   // PolicySequence::deferred
-  AcceptanceEstimate acceptance_;
+  AcceptanceEstimate acceptance_;        // the drafter's (model, EAGLE head, or n-gram mode's)
+  AcceptanceEstimate ngram_acceptance_;  // auto's n-gram proposal's
   PolicyOptions acceptance_options_;
 };
 

@@ -70,6 +70,11 @@ ABSL_FLAG(int, draft_ingest_tokens, 0,
           "tokens behind (beside the verify step, while it fits in it), so that drafting it "
           "again needs no catch-up; 0: never. For a draft service on its own GPU (e.g. 16): on "
           "the verify service's GPU the ingest slows verify");
+ABSL_FLAG(bool, auto_ngram, true,
+          "auto requests (under the goodput policy) also get n-gram prompt lookup in the router "
+          "as a second drafter: every step, per sequence, the policy may verify its n-gram "
+          "proposal instead of the draft service's tree, also while that service is down "
+          "(false: the draft service's drafter alone; an A/B switch)");
 ABSL_FLAG(bool, eagle_hold_taps, true,
           "EAGLE sequences: the verify service holds the taps of steps the policy does not "
           "draft and sends them when it drafts the sequence again (false: every step sends its "
@@ -224,6 +229,7 @@ int Main() {
   loop_options.eagle_hold_taps = absl::GetFlag(FLAGS_eagle_hold_taps);
   loop_options.eagle_tap_dormant_steps = absl::GetFlag(FLAGS_eagle_tap_dormant_steps);
   if (loop_options.eagle_tap_dormant_steps < 0) return Fail("--eagle_tap_dormant_steps: >= 0");
+  loop_options.auto_ngram = absl::GetFlag(FLAGS_auto_ngram);
   if (loop_options.draft_ingest_tokens < 0) return Fail("--draft_ingest_tokens: must be >= 0");
   const std::string overlap = absl::AsciiStrToLower(absl::GetFlag(FLAGS_overlap));
   if (overlap == "on") {

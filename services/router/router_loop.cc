@@ -96,8 +96,11 @@ RouterLoop::RouterLoop(RouterLoopOptions options, const Tokenizer* tokenizer,
                                                                  : std::string()));
   }
   metrics_->draft_available.Set(0);
+  NgramOptions ngram_options = options_.ngram;
+  // It looks every auto sequence up every step: the search is bounded on long contexts.
+  if (ngram_options.max_history == 0) ngram_options.max_history = kRouterNgramHistory;
   absl::StatusOr<std::unique_ptr<NgramDrafter>> ngram =
-      NgramDrafter::Create(options_.limits.vocab_size, options_.ngram);
+      NgramDrafter::Create(options_.limits.vocab_size, ngram_options);
   if (ngram.ok()) {
     local_ngram_ = *std::move(ngram);
   } else {
@@ -440,6 +443,12 @@ void RouterLoop::Plan() {
     seq.draft_accepted = -2;
     const v1::Speculation mode = seq.spec;
     PolicySequence p = seq.core->PolicyInput(/*model_draft=*/mode != v1::SPECULATION_NGRAM);
+    ProposeNgram(seq, &p);
+    // Where the model drafter cannot serve an auto sequence, its n-gram proposal still can.
+    auto model_unavailable = [&p] {
+      p.model_available = false;
+      p.fixed = p.ngram_depth <= 0;
+    };
     // Whether a drafter can serve this sequence this step: the draft service, or for n-gram
     // also the router's own n-gram drafter.
     const bool service = seq.draft != nullptr && !seq.draft_failed;
@@ -454,13 +463,13 @@ void RouterLoop::Plan() {
     } else if (mode == v1::SPECULATION_NGRAM
                    ? !(service && draft_up && !busy) && local_ngram_ == nullptr
                    : !service) {
-      p.fixed = true;
+      model_unavailable();
       seq.no_drafter = true;
     } else if (mode != v1::SPECULATION_NGRAM && !draft_up) {
-      p.fixed = true;
+      model_unavailable();
       seq.draft_down = true;
     } else if (mode != v1::SPECULATION_NGRAM && busy) {
-      p.fixed = true;
+      model_unavailable();
       seq.draft_busy = true;
     } else if (seq.request.shape_explicit || !options_.adaptive) {
       p.fixed = true;
@@ -472,14 +481,7 @@ void RouterLoop::Plan() {
     // call it would stall the whole batch for as long, and a new sequence's first token with
     // it: beside verify is never the dearer place, and on a draft GPU of its own it is free.
     p.can_ingest = mode == v1::SPECULATION_DRAFT_MODEL && service && draft_up && !busy;
-    if (mode == v1::SPECULATION_EAGLE3 && (seq.taps_dormant || seq.taps_from >= 0)) {
-      // The head restarts after the gap in its taps: the tokens before it cost it nothing, only
-      // the rows from the wake on (for a new sequence, that is its whole prompt).
-      const int64_t fresh = seq.taps_dormant
-                                ? static_cast<int64_t>(seq.core->TargetPending().size())
-                                : seq.core->length() - seq.taps_from;
-      p.draft_backlog = static_cast<int>(std::clamp<int64_t>(fresh, 0, p.draft_backlog));
-    }
+    if (mode == v1::SPECULATION_EAGLE3) p.draft_backlog = EagleBacklog(seq, p.draft_backlog);
     inputs.push_back(p);
   }
   if (inputs.empty()) return;
@@ -489,35 +491,19 @@ void RouterLoop::Plan() {
   for (size_t i = 0; i < running_.size(); ++i) {
     Sequence& seq = *running_[i];
     ShapeReason reason = decision.reasons[i];
-    if (seq.draft_down) reason = ShapeReason::kDraftDown;
-    if (seq.draft_busy) reason = ShapeReason::kDraftBusy;
-    if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
+    seq.ngram_now = decision.ngram[i] != 0 && !seq.hit_ready;
+    if (!seq.ngram_now) {
+      if (seq.draft_down) reason = ShapeReason::kDraftDown;
+      if (seq.draft_busy) reason = ShapeReason::kDraftBusy;
+      if (seq.no_drafter) reason = ShapeReason::kNoDrafter;
+    }
     if (seq.hit_ready) reason = seq.hit_reason;
     seq.ingest_now = decision.ingest[i] != 0 && !seq.hit_ready;
-    SpecShape shape = decision.shapes[i];
     if (seq.spec == v1::SPECULATION_EAGLE3) {
       eagle_ran = true;
-      if (seq.taps_dormant && !shape.none()) {
-        // A wake: this step asks for the taps it would draft from, and the sequence drafts the
-        // chosen shape from the next step (PolicySequence::deferred).
-        seq.taps_dormant = false;
-        seq.undrafted_steps = 0;
-        seq.taps_from = seq.core->length() - static_cast<int64_t>(seq.core->TargetPending().size());
-        seq.core->Plan(SpecShape(), ShapeReason::kCatchUp);
-        seq.core->Defer(shape);
-        metrics_->eagle_tap_wakes.Increment();
-        continue;
-      }
-      if (!shape.none()) {
-        eagle_drafted = true;
-        seq.taps_from = -1;
-        seq.undrafted_steps = 0;
-      } else if (reason == ShapeReason::kPolicy && options_.eagle_tap_dormant_steps > 0 &&
-                 ++seq.undrafted_steps > options_.eagle_tap_dormant_steps) {
-        seq.taps_dormant = true;
-      }
+      if (PlanEagleTaps(seq, decision.shapes[i], reason, &eagle_drafted)) continue;  // a wake
     }
-    seq.core->Plan(shape, reason);
+    seq.core->Plan(decision.shapes[i], reason, seq.ngram_now);
     if (seq.ingest_now) seq.core->Defer(decision.deferred[i]);
   }
   if (eagle_ran) {
@@ -575,23 +561,12 @@ void RouterLoop::DraftStep() {
     }
     if (seq.missed) {
       seq.missed = false;
-      metrics_->CountPreDraftMiss(shape.none() ? "plain_step" : "drafted_late");
+      metrics_->CountPreDraftMiss(shape.none() || seq.ngram_now ? "plain_step" : "drafted_late");
     }
     if (seq.draft_down) seq.mode = v1::SPECULATION_OFF;
     if (shape.none()) continue;
     const v1::Speculation mode = seq.spec;
-    if (mode == v1::SPECULATION_NGRAM && (seq.draft == nullptr || !seq.draft->up ||
-                                          seq.draft_failed || seq.draft->in_flight != nullptr)) {
-      // The router's own n-gram drafter: microseconds, no state to feed.
-      const absl::Span<const int32_t> prompt = seq.core->prompt();
-      const absl::Span<const int32_t> output = seq.core->output();
-      std::vector<int32_t> history(prompt.begin(), prompt.end());
-      history.insert(history.end(), output.begin(), output.end());
-      seq.tree =
-          local_ngram_->Propose(history, DraftParams{shape.depth, shape.top_k, shape.max_nodes});
-      seq.mode = v1::SPECULATION_NGRAM;
-      continue;
-    }
+    if (DraftLocally(seq, shape)) continue;
     if (seq.draft == nullptr) continue;  // planned with no drafter: not reached
     Batch& b = batch_for(seq.draft.get());
     const uint64_t epoch = b.epoch;
@@ -615,6 +590,7 @@ void RouterLoop::DraftStep() {
     if (seq.draft_report >= -1 && seq.draft_epoch == epoch) {
       step->set_accepted_node(seq.draft_report);
     }
+    seq.draft_report = -2;  // told
     seq.core->MarkDrafterFed();
     seq.draft_epoch = epoch;
     seq.mode = mode == v1::SPECULATION_NGRAM    ? v1::SPECULATION_NGRAM
@@ -745,10 +721,10 @@ void RouterLoop::VerifyStep() {
           !seq.taps_dormant) {
         *step->mutable_tap_layers() = draft_info.eagle_tap_layers();
         step->set_tap_dtype(draft_info.eagle_tap_dtype());
-        // A step the plan did not draft sends no taps: the verify service keeps them until
-        // the plan drafts the sequence again (FetchHeldTaps), so plain steps cost what plain
-        // steps without EAGLE cost.
-        const bool hold = options_.eagle_hold_taps && seq.core->planned().none();
+        // A step the EAGLE head does not draft (none, or auto's n-gram proposal) sends no
+        // taps: the verify service keeps them until the plan drafts the sequence again
+        // (FetchHeldTaps), so plain steps cost what plain steps without EAGLE cost.
+        const bool hold = options_.eagle_hold_taps && (seq.core->planned().none() || seq.ngram_now);
         step->set_hold_taps(hold);
         seq.taps_held = seq.taps_held || hold;
       }
@@ -854,10 +830,16 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
   }
   const int accepted = outcome.accepted_draft;
   const SpecShape planned = seq.core->planned();
-  const ShapeReason reason = seq.draft_down ? ShapeReason::kDraftDown : seq.core->planned_reason();
+  const ShapeReason reason =
+      seq.draft_down && !seq.ngram_now ? ShapeReason::kDraftDown : seq.core->planned_reason();
   const int nodes = static_cast<int>(seq.tree.size());
   metrics_->CountStep(TreeSizeBucket(nodes), ShapeReasonName(reason, planned.none()));
   if (!seq.tree.empty()) {
+    const int drafter = seq.ngram_now ? 2 : 1;
+    if (seq.last_drafter != 0 && drafter != seq.last_drafter) {
+      (seq.ngram_now ? metrics_->switches_to_ngram : metrics_->switches_to_model)->Increment();
+    }
+    seq.last_drafter = drafter;
     metrics_->spec_decode_steps.Increment();
     metrics_->spec_decode_draft_tokens.Increment(nodes);
     metrics_->spec_decode_accepted_tokens.Increment(accepted);
@@ -874,6 +856,10 @@ void RouterLoop::ApplyVerifyResult(Sequence& seq, const v1::VerifySequenceResult
     seq.draft_accepted = result.accepted_nodes_size() > 0
                              ? result.accepted_nodes(result.accepted_nodes_size() - 1)
                              : -1;
+  } else {
+    // The draft service was not told this step (a plain or n-gram step): it still keeps its
+    // last tree, whose outcome the next step that reaches it reports.
+    seq.draft_accepted = seq.draft_report;
   }
   // The core keeps the tokens the verifier emitted up to a token stop; the text stream may end
   // earlier, at a stop string.

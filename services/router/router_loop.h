@@ -41,6 +41,8 @@
 // N-gram requests (speculation = ngram) draft in the draft service like the others; while it is
 // unavailable (or when none is configured) the router runs the same prompt-lookup drafter
 // itself: it needs no model and costs microseconds, so there is no reason to lose speculation.
+// Auto requests get that drafter too, as a second candidate beside the model drafter (the policy
+// picks per sequence and step), also while their draft service is down (router_ngram.cc).
 // Verify service down: every running and queued request fails with UNAVAILABLE, health turns
 // NOT_SERVING, and new requests are refused until it is back.
 #ifndef SPECD_SERVICES_ROUTER_ROUTER_LOOP_H_
@@ -110,9 +112,13 @@ struct RouterLoopOptions {
   absl::Duration probe_timeout = absl::Seconds(2);
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
-  NgramOptions ngram;  // the local n-gram drafter's
+  // The local n-gram drafter's; max_history 0 is taken as kRouterNgramHistory.
+  NgramOptions ngram;
   // false: requests that name no shape get limits.default_shape every step (no policy).
   bool adaptive = true;
+  // Auto requests (with `adaptive`) also get the local n-gram drafter as a second drafter
+  // (router_ngram.cc).
+  bool auto_ngram = true;
   PolicyOptions policy;
   OverlapMode overlap = OverlapMode::kOff;
   // Outcome guesses per pre-drafted sequence at most; the policy's fan-out picks how many
@@ -148,6 +154,9 @@ struct RouterLoopOptions {
 // exports only where VerifyFeatures::final_norm_tap says so). False without a head. EAGLE is
 // offered, and chosen by auto, only then.
 bool EagleTapsServed(const v1::DraftInfo& draft, const v1::VerifyInfo& verify);
+
+// The router's n-gram drafter searches at most this many of a sequence's last tokens.
+inline constexpr int kRouterNgramHistory = 4096;
 
 class RouterLoop {
  public:
@@ -239,6 +248,15 @@ class RouterLoop {
   };
 
   std::shared_ptr<Draft> MakeDraft(const std::string& address, const std::string& tls_name);
+  // EAGLE taps of an EAGLE sequence (router_taps.cc). The drafter backlog the policy prices
+  // for `seq`, given the tokens it has not been fed (`backlog`): after a gap in its taps only
+  // the rows from the gap on.
+  int EagleBacklog(const Sequence& seq, int backlog) const;
+  // Applies this step's plan (`shape`, `reason`) to the sequence's taps: dormant after
+  // eagle_tap_dormant_steps undrafted steps; a dormant one the head would draft is woken
+  // instead (planned plain, the shape deferred to the next step): true then, and the caller
+  // plans nothing more. Sets *head_drafted where the head drafts it.
+  bool PlanEagleTaps(Sequence& seq, const SpecShape& shape, ShapeReason reason, bool* head_drafted);
   // The draft services in use (a copy, for the scheduler thread's step).
   std::vector<std::shared_ptr<Draft>> Drafts() const;
   // Whether EAGLE-3 can serve a sequence drafting through `draft` now: it is up with an EAGLE
@@ -258,6 +276,13 @@ class RouterLoop {
   // that their drafter reaches the last token this step.
   void FetchHeldTaps();
   void DraftStep();
+  // router_ngram.cc. For an auto sequence, this step's n-gram proposal (Sequence::ngram_tree),
+  // whose length goes to the policy (`p`'s ngram_depth).
+  void ProposeNgram(Sequence& seq, PolicySequence* p) const;
+  // Gives `seq` its tree for `shape` from the router's own n-gram drafter where that drafts it
+  // this step (auto's proposal, or speculation = ngram without its draft service); false where
+  // the draft service does.
+  bool DraftLocally(Sequence& seq, const SpecShape& shape);
   void VerifyStep();
   // router_overlap.cc. What `draft` does while verify runs, in one request (a draft stream
   // carries one message at a time): its sequences that pre-draft this step (overlap), and those

@@ -136,7 +136,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r, const MetricLabels& group)
       busy_(AddCounterFamily(r, "specd_service_busy_seconds_total",
                              "Router-observed round-trip time of each service's steps.")),
       finished_(AddCounterFamily(r, "specd_requests_finished_total",
-                                 "Requests that ended normally (outcome ok), by finish reason.")) {
+                                 "Requests that ended normally (outcome ok), by finish reason.")),
+      switches_(AddCounterFamily(r, "specd_auto_drafter_switches_total",
+                                 "Auto sequence steps drafted by the other drafter (n-gram or the "
+                                 "model drafter) than their previous drafted step.")) {
+  switches_to_ngram = &switches_.Add({{"to", "ngram"}});
+  switches_to_model = &switches_.Add({{"to", "model"}});
   // Zero-valued children up front, so dashboards and alerts see every series from the start.
   for (const char* outcome : {"ok", "invalid_argument", "cancelled", "deadline_exceeded",
                               "resource_exhausted", "error"}) {

@@ -97,6 +97,11 @@ class RouterMetrics {
   prometheus::Counter& draft_ingest_tokens;
   prometheus::Counter& eagle_held_taps_fetched;  // rows (tokens) FetchHeldTaps brought
   prometheus::Counter& eagle_tap_wakes;          // dormant EAGLE sequences asked for taps again
+  // specd_auto_drafter_switches_total{to}: auto sequence steps drafted by the other drafter
+  // than the sequence's previous drafted step (to = ngram: the router's n-gram proposal after
+  // the model drafter; to = model: back).
+  prometheus::Counter* switches_to_ngram = nullptr;
+  prometheus::Counter* switches_to_model = nullptr;
 
  private:
   prometheus::Family<prometheus::Counter>& outcomes_;
@@ -111,6 +116,7 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& wait_;
   prometheus::Family<prometheus::Counter>& busy_;
   prometheus::Family<prometheus::Counter>& finished_;
+  prometheus::Family<prometheus::Counter>& switches_;
   absl::Mutex mu_;
   // Children of accepted_per_pos_ by position, created on first use.
   std::vector<prometheus::Counter*> per_pos_ ABSL_GUARDED_BY(mu_);

@@ -56,9 +56,10 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
         policy_.costs().DraftSeconds(1, 1, 1);
     for (auto& s : running_) {
       Sequence& seq = *s;
-      if (seq.draft.get() != &draft || !seq.tree.empty() || seq.pre_sent || seq.ingest_sent ||
-          seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.draft_down ||
-          seq.no_drafter || seq.core->finished()) {
+      // An n-gram step's tree is not the drafter's: it is behind as on a plain step.
+      if (seq.draft.get() != &draft || (!seq.tree.empty() && !seq.ngram_now) || seq.pre_sent ||
+          seq.ingest_sent || seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed ||
+          seq.draft_down || seq.no_drafter || seq.core->finished()) {
         continue;
       }
       const bool from_start = seq.draft_epoch != epoch;

@@ -115,6 +115,14 @@ struct RouterLoop::Sequence {
 
   // This step.
   TokenTree tree;
+  // Auto: this step's n-gram proposal, a chain (RouterLoop::ProposeNgram; empty: no match), and
+  // whether the policy chose it over the model drafter (the step verifies it, cut to the
+  // planned depth).
+  TokenTree ngram_tree;
+  bool ngram_now = false;
+  // Which drafter gave its last verified tree (specd_auto_drafter_switches_total): 0 none yet,
+  // 1 the model drafter, 2 n-gram.
+  int last_drafter = 0;
   bool draft_down = false;  // wanted a draft the drafter could not give
   bool draft_busy = false;  // its draft service's stream still carries a late pre-draft
   bool no_drafter = false;  // no drafter serves it (none configured, or it was rejected)

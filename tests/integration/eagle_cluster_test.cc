@@ -265,12 +265,6 @@ TEST(EagleClusterTest, EagleOneTwoHeadIsServedFromTheFinalNormTap) {
   EXPECT_EQ(autos.last.speculation().mode(), v1::SPECULATION_EAGLE3);
 }
 
-// Under AUTO the goodput policy drafts the EAGLE sequences some steps and not others, from the
-// costs it measures: on this CPU, alone a sequence is drafted most steps with plain runs between
-// (a new one is probed at once), and with eight streams at once it is kept plain after its
-// probe. Steps it does not draft leave their taps in the verify service; when it drafts again
-// the router fetches them in one round trip (specd_eagle_held_taps_fetched_total). Whatever the
-// schedule, the output is target-only decoding's, greedy and seeded.
 // Every prompt of Prompts(), greedy and seeded, 160 new tokens.
 std::vector<v1::GenerateRequest> GreedyAndSeededRequests() {
   std::vector<v1::GenerateRequest> requests;
@@ -318,6 +312,12 @@ void ExpectAutoMatchesOff(const std::vector<Result>& off, const std::vector<Resu
   }
 }
 
+// Under AUTO the goodput policy drafts the EAGLE sequences some steps, drafts others with the
+// router's n-gram proposal, and leaves others plain, from the costs it measures (on this CPU
+// the head pays at one stream more than at eight). Steps the head does not draft (plain or
+// n-gram) leave their taps in the verify service; when it drafts again the router fetches them
+// in one round trip (specd_eagle_held_taps_fetched_total). Whatever the schedule, the output is
+// target-only decoding's, greedy and seeded.
 TEST(EagleClusterTest, AutoSwitchingDraftingOffAndOnIsIdenticalToOff) {
   std::unique_ptr<Cluster> c = Cluster::Start();
   ASSERT_NE(c, nullptr);
@@ -341,6 +341,14 @@ TEST(EagleClusterTest, AutoSwitchingDraftingOffAndOnIsIdenticalToOff) {
     plain += alone.last.speculation().target_only_steps();
   }
   const double fetched = c->Metric("specd_eagle_held_taps_fetched_total") - fetched_together;
+  // Auto's second drafter, the router's n-gram proposal, takes some steps of these code
+  // completions and the head others: sequences switch both ways, and the taps of the n-gram
+  // steps reach the head all the same (the outputs above).
+  const double to_ngram = c->Metric("specd_auto_drafter_switches_total", {{"to", "ngram"}});
+  const double to_head = c->Metric("specd_auto_drafter_switches_total", {{"to", "model"}});
+  std::printf("auto drafter switches: %.0f to n-gram, %.0f to the head\n", to_ngram, to_head);
+  EXPECT_GT(to_ngram, 0);
+  EXPECT_GT(to_head, 0);
   std::printf("1 stream: %llu drafted steps, %llu target-only, %.0f held tap rows fetched\n",
               static_cast<unsigned long long>(drafted), static_cast<unsigned long long>(plain),
               fetched);

@@ -335,7 +335,8 @@ TEST(RouterClusterTest, KilledDraftServiceFallsBackToTargetOnly) {
   ASSERT_TRUE(after.status.ok());
   EXPECT_EQ(after.tokens,
             std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + 16));
-  EXPECT_EQ(after.last.speculation().mode(), v1::SPECULATION_OFF);
+  // Without its draft service auto still has the router's n-gram drafter, where it pays.
+  EXPECT_NE(after.last.speculation().mode(), v1::SPECULATION_DRAFT_MODEL);
 
   // A new draft process on the same address: the router reconnects and speculates again.
   c->draft.reset();
@@ -566,8 +567,9 @@ TEST(RouterClusterTest, TokenizeDetokenizeAndModelInfo) {
 TEST(RouterClusterTest, VerifyFailureIsUnavailableAndRecovers) {
   std::unique_ptr<Cluster> c = Cluster::Start({/*draft=*/false, {}});
   ASSERT_NE(c, nullptr);
-  // Without a draft service everything is target-only, and says why.
-  const Result plain = c->Generate(Greedy("x", 8, v1::SPECULATION_AUTO));
+  // Without a draft service the draft model's requests are target-only, and say why (auto's
+  // may still draft n-grams in the router).
+  const Result plain = c->Generate(Greedy("x", 8, v1::SPECULATION_DRAFT_MODEL));
   ASSERT_TRUE(plain.status.ok());
   EXPECT_EQ(plain.last.speculation().mode(), v1::SPECULATION_OFF);
   EXPECT_EQ(plain.last.speculation().target_only_steps(), 8u);
@@ -685,6 +687,124 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
   const double ingested = Cluster::Metric(port, "specd_draft_ingest_tokens_total");
   if (!std::isnan(catch_up) && catch_up > 0) EXPECT_GT(ingested, 0);
   std::printf("catch_up steps %.0f, ingested tokens %.0f\n", catch_up, ingested);
+}
+
+// Under auto the goodput policy drafts each sequence, step by step, with the draft model, with
+// the router's n-gram proposal (prompts that repeat themselves, and the random target's loops,
+// give matches) or not at all. With 1 and 4 clients greedy output equals off's and seeded
+// sampling seeded off's, both drafters are used, and sequences move from the draft model to
+// n-gram. Back is rare on this pair (once the random target loops, n-gram keeps matching and the
+// policy keeps it); eagle_cluster_test's AutoSwitching test sees both ways on the trained pair.
+TEST(RouterClusterTest, AutoSwitchingBetweenNgramAndTheDraftModelIsIdenticalToOff) {
+  std::unique_ptr<Cluster> c = Cluster::Start();
+  ASSERT_NE(c, nullptr);
+  std::vector<std::string> prompts = Prompts(12);
+  for (const char* repeated :
+       {"def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a",
+        "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+        "x = x + 1\nx = x + 1\nx = x + 1\nx = x", "abc abc abc abc abc abc ab"}) {
+    prompts.push_back(repeated);
+  }
+  const int kTokens = 48;
+  std::vector<Result> off(prompts.size()), greedy(prompts.size()), seeded_off(prompts.size()),
+      seeded(prompts.size());
+  auto sampled = [](const std::string& prompt, v1::Speculation speculation) {
+    v1::GenerateRequest r = Greedy(prompt, kTokens, speculation);
+    r.set_temperature(0.7f);
+    r.set_seed(5);
+    return r;
+  };
+  const int port = c->router_metrics;
+  auto switches = [&](const char* to) {
+    const double v = Cluster::Metric(port, "specd_auto_drafter_switches_total", {{"to", to}});
+    return std::isnan(v) ? 0 : v;
+  };
+  for (int clients : {1, 4}) {
+    std::vector<std::thread> threads;
+    std::atomic<size_t> next{0};
+    for (int t = 0; t < clients; ++t) {
+      threads.emplace_back([&] {
+        for (size_t i; (i = next++) < prompts.size();) {
+          off[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_OFF));
+          greedy[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_AUTO));
+          seeded_off[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_OFF));
+          seeded[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_AUTO));
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat(prompts[i], " with ", clients, " clients"));
+      for (const Result* r : {&off[i], &greedy[i], &seeded_off[i], &seeded[i]}) {
+        ASSERT_TRUE(r->status.ok()) << r->status.error_message();
+      }
+      EXPECT_EQ(greedy[i].tokens, off[i].tokens);
+      EXPECT_EQ(greedy[i].text, off[i].text);
+      EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
+    }
+  }
+  auto steps = [&](const char* reason) {
+    double sum = 0;
+    for (const char* size : {"1", "2", "3-4", "5-8", "9-16", "17+"}) {
+      const double v = Cluster::Metric(port, "specd_spec_steps_total",
+                                       {{"tree_size", size}, {"reason", reason}});
+      sum += std::isnan(v) ? 0 : v;
+    }
+    return sum;
+  };
+  const double ngram = steps("policy_ngram"), model = steps("policy");
+  const double to_ngram = switches("ngram"), to_model = switches("model");
+  std::printf(
+      "auto steps: %.0f n-gram, %.0f draft model (%.0f probes); switches %.0f to n-gram, %.0f to "
+      "the model\n",
+      ngram, model, steps("probe"), to_ngram, to_model);
+  EXPECT_GT(ngram, 0);
+  EXPECT_GT(model, 0);
+  EXPECT_GT(to_ngram, 0);
+}
+
+// Without any draft service auto still speculates: the router's n-gram drafter, where it pays,
+// with greedy and seeded output identical to off.
+TEST(RouterClusterTest, AutoWithoutADraftServiceDraftsNgramsInTheRouter) {
+  std::unique_ptr<Cluster> c = Cluster::Start({/*draft=*/false, {}});
+  ASSERT_NE(c, nullptr);
+  const int kTokens = 64;
+  int ngram_requests = 0;
+  for (const std::string& prompt : Prompts(6)) {
+    SCOPED_TRACE(prompt);
+    v1::GenerateRequest r = Greedy(prompt, kTokens, v1::SPECULATION_OFF);
+    const Result off = c->Generate(r);
+    r.set_speculation(v1::SPECULATION_AUTO);
+    const Result on = c->Generate(r);
+    r.set_temperature(0.8f);
+    r.set_seed(3);
+    const Result seeded = c->Generate(r);
+    r.set_speculation(v1::SPECULATION_OFF);
+    const Result seeded_off = c->Generate(r);
+    for (const Result* x : {&off, &on, &seeded, &seeded_off}) {
+      ASSERT_TRUE(x->status.ok()) << x->status.error_message();
+    }
+    EXPECT_EQ(on.tokens, off.tokens);
+    EXPECT_EQ(seeded.tokens, seeded_off.tokens);
+    for (const Result* x : {&on, &seeded}) {
+      const v1::SpeculationStats& st = x->last.speculation();
+      EXPECT_EQ(st.mode(), st.steps() > 0 ? v1::SPECULATION_NGRAM : v1::SPECULATION_OFF);
+      ngram_requests += st.steps() > 0 ? 1 : 0;
+    }
+  }
+  EXPECT_GT(ngram_requests, 0);
+  const double ngram_steps = Cluster::Metric(c->router_metrics, "specd_spec_steps_total",
+                                             {{"tree_size", "5-8"}, {"reason", "policy_ngram"}});
+  std::printf("%d requests drafted n-grams; %.0f steps of 5-8 tokens\n", ngram_requests,
+              ngram_steps);
+  // --auto_ngram=false: the draft service's drafter alone, so none here.
+  c.reset();
+  c = Cluster::Start({/*draft=*/false, {"--auto_ngram=false"}});
+  ASSERT_NE(c, nullptr);
+  const Result plain = c->Generate(Greedy(Prompts(6)[0], kTokens, v1::SPECULATION_AUTO));
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  EXPECT_EQ(plain.last.speculation().mode(), v1::SPECULATION_OFF);
+  EXPECT_EQ(plain.last.speculation().steps(), 0u);
 }
 
 // A sequence the policy does not draft is still fed to the draft service (ingest-only steps

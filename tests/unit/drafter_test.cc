@@ -519,6 +519,23 @@ TEST(NgramDrafterTest, FallsBackToShorterNgramsAndEmpty) {
   EXPECT_TRUE(d->Propose(std::vector<int32_t>{5}, {3, 4, 16}).empty());
 }
 
+// max_history: only the last tokens are searched (the router bounds its lookups with it).
+TEST(NgramDrafterTest, MaxHistoryBoundsTheSearch) {
+  // "5" occurred at 1 (followed by 6) and at 4 (followed by 7); the suffix is "5".
+  const std::vector<int32_t> h = {4, 5, 6, 0, 5, 7, 1, 2, 5};
+  NgramOptions all{1, 1, 64};
+  NgramOptions recent = all;
+  recent.max_history = 5;  // 5 7 1 2 5: only the occurrence at 4
+  auto d = *NgramDrafter::Create(300, all);
+  EXPECT_THAT(d->Propose(h, {2, 4, 16}).tokens, ElementsAre(7, 1, 6, 0));
+  auto bounded = *NgramDrafter::Create(300, recent);
+  EXPECT_THAT(bounded->Propose(h, {2, 4, 16}).tokens, ElementsAre(7, 1));
+  recent.max_history = 3;  // 1 2 5: no earlier 5
+  EXPECT_TRUE((*NgramDrafter::Create(300, recent))->Propose(h, {2, 4, 16}).empty());
+  recent.max_history = -1;
+  EXPECT_THAT(NgramDrafter::Create(300, recent).status().message(), HasSubstr("max_history"));
+}
+
 TEST(NgramDrafterTest, DraftAppendsHistoryAcrossSteps) {
   auto d = MakeNgram();
   ASSERT_TRUE(d->AddSequence(1).ok());

@@ -5,6 +5,7 @@
 // min_tokens, min_p) and logprobs identical with speculation on and off. The distribution of
 // speculative sampling is speculative_distribution_test.cc's.
 #include <algorithm>
+#include <cstdio>
 #include <memory>
 #include <random>
 #include <string>
@@ -412,6 +413,48 @@ TEST(SpeculativeTest, SeededSamplingUnderTheGoodputPolicyMatchesTargetOnly) {
   EXPECT_GT(all.draft_steps, 0);
   EXPECT_GT(all.target_only_steps, 0);
   EXPECT_GT(all.shape_changes, 0);
+}
+
+// With auto_ngram the policy also has each sequence's n-gram proposal beside the drafter (as
+// the router's auto has): greedy and seeded outputs still equal target-only, and sequences are
+// drafted by both, the proposal where it pays (the motif prompts) and the drafter elsewhere.
+TEST(SpeculativeTest, AutoWithNgramBesideTheDrafterMatchesTargetOnly) {
+  SamplingParams seeded;
+  seeded.temperature = 0.8f;
+  seeded.top_k = 30;
+  int64_t ngram_steps = 0, model_steps = 0, both = 0;
+  for (const SamplingParams& sampling : {SamplingParams(), seeded}) {
+    std::vector<GenerationRequest> requests = AutoRequests(sampling, 30, 99);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      requests[i].sampling.seed = 300 + i;
+      requests[i].max_new_tokens += 16;
+    }
+    const std::vector<GenerationResult> want = GenerateAll(DrafterKind::kNone, requests, 30);
+    GeneratorOptions options = SwitchingPolicy(false);
+    options.auto_ngram = true;
+    for (DrafterKind kind : {DrafterKind::kSame, DrafterKind::kRelated}) {
+      for (size_t batch : {1u, 30u}) {
+        SCOPED_TRACE(absl::StrCat(DrafterName(kind), " batch ", batch, " temperature ",
+                                  sampling.temperature));
+        const std::vector<GenerationResult> got =
+            GenerateAll(kind, requests, batch, nullptr, options);
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+          const int64_t ngram = got[i].stats.ngram_steps;
+          ngram_steps += ngram;
+          model_steps += got[i].stats.draft_steps - ngram;
+          both += ngram > 0 && got[i].stats.draft_steps > ngram ? 1 : 0;
+        }
+      }
+    }
+  }
+  EXPECT_GT(ngram_steps, 0);
+  EXPECT_GT(model_steps, 0);
+  EXPECT_GT(both, 0);  // a sequence drafted by each drafter in turn
+  std::printf("%lld n-gram steps, %lld drafter steps, %lld sequences used both\n",
+              static_cast<long long>(ngram_steps), static_cast<long long>(model_steps),
+              static_cast<long long>(both));
 }
 
 // The logits processors under speculation: each tree node is processed with its own path, so
