@@ -11,40 +11,13 @@
 #include "engine/spec/policy.h"
 #include "engine/spec/sequence_state.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/policy_fixtures.h"
 
 namespace specd {
 namespace {
 
-// An estimate whose chain acceptance is `p` at every depth, as if observed many times.
-AcceptanceEstimate Acceptance(double p, const PolicyOptions& options) {
-  AcceptanceEstimate a;
-  const SpecShape chain{8, 1, 8};
-  for (int s = 0; s < 400; ++s) {
-    // Evenly spread, unsorted samples: accepted = the deepest d with u < p^d.
-    const double u = std::fmod(0.5 + s * 0.6180339887498949, 1.0);
-    int accepted = 0;
-    double reach = 1.0;
-    for (int d = 1; d <= 8; ++d) {
-      reach *= p;
-      if (u < reach) accepted = d;
-    }
-    a.Observe(chain, accepted, options);
-  }
-  return a;
-}
-
-// GPU-like costs: verify nearly flat in tokens, a draft level cheap but not free.
-PolicyOptions FlatVerify() {
-  PolicyOptions o;
-  o.measure_costs = false;
-  o.verify_fixed_s = 10e-3;
-  o.verify_per_row_s = 0.0;
-  o.verify_per_token_s = 0.05e-3;
-  o.draft_fixed_s = 0.2e-3;
-  o.draft_level_fixed_s = 0.5e-3;
-  o.draft_level_per_token_s = 0.005e-3;
-  return o;
-}
+using testutil::Acceptance;
+using testutil::GpuLikeCosts;
 
 std::vector<PolicySequence> Batch(size_t n, const AcceptanceEstimate* model,
                                   const AcceptanceEstimate* ngram, int ngram_depth) {
@@ -65,7 +38,7 @@ std::vector<PolicySequence> Batch(size_t n, const AcceptanceEstimate* model,
 bool ByModel(const PolicyDecision& d, size_t i) { return !d.shapes[i].none() && !d.ngram[i]; }
 
 TEST(SpecPolicyNgramTest, TheProposalIsChosenWhereItsAcceptanceAndAMatchMakeItPay) {
-  const PolicyOptions o = FlatVerify();
+  const PolicyOptions o = GpuLikeCosts();
   const AcceptanceEstimate model = Acceptance(0.5, o), ngram = Acceptance(0.95, o);
   for (size_t n : {1u, 8u}) {
     GoodputPolicy policy(o);
@@ -93,7 +66,7 @@ TEST(SpecPolicyNgramTest, TheProposalIsChosenWhereItsAcceptanceAndAMatchMakeItPa
 }
 
 TEST(SpecPolicyNgramTest, TheModelDrafterIsChosenWhereNgramAcceptsPoorly) {
-  const PolicyOptions o = FlatVerify();
+  const PolicyOptions o = GpuLikeCosts();
   const AcceptanceEstimate model = Acceptance(0.9, o), ngram = Acceptance(0.1, o);
   for (size_t n : {1u, 8u}) {
     GoodputPolicy policy(o);
@@ -119,7 +92,7 @@ TEST(SpecPolicyNgramTest, WhereNeitherPaysNoneIsChosen) {
 }
 
 TEST(SpecPolicyNgramTest, OnlyNoneAndTheProposalWhereTheModelDrafterIsUnavailable) {
-  const PolicyOptions o = FlatVerify();
+  const PolicyOptions o = GpuLikeCosts();
   const AcceptanceEstimate model = Acceptance(0.95, o), ngram = Acceptance(0.7, o);
   GoodputPolicy policy(o);
   std::vector<PolicySequence> batch = Batch(3, &model, &ngram, 6);
@@ -136,7 +109,7 @@ TEST(SpecPolicyNgramTest, OnlyNoneAndTheProposalWhereTheModelDrafterIsUnavailabl
 // the choice every step: each drafter, once chosen, is held while the other is not better by
 // the hysteresis margin.
 TEST(SpecPolicyNgramTest, NoiseDoesNotFlipFlopBetweenTheDrafters) {
-  const PolicyOptions o = FlatVerify();
+  const PolicyOptions o = GpuLikeCosts();
   const AcceptanceEstimate model = Acceptance(0.8, o);
   // The crossover: the lowest n-gram rate that a fresh decision (no previous) gives n-gram.
   double crossover = -1;
@@ -189,7 +162,7 @@ TEST(SpecPolicyNgramTest, NoiseDoesNotFlipFlopBetweenTheDrafters) {
 }
 
 TEST(SpecPolicyNgramTest, ALowNgramEstimateIsProbedAgain) {
-  PolicyOptions o = FlatVerify();
+  PolicyOptions o = GpuLikeCosts();
   o.verify_per_token_s = 1e-3;  // each scored token a tenth of the step
   // Neither drafter pays on its estimate; a good n-gram would.
   const AcceptanceEstimate model = Acceptance(0.05, o), ngram = Acceptance(0.05, o);

@@ -9,30 +9,13 @@
 
 #include "engine/spec/policy.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/policy_fixtures.h"
 
 namespace specd {
 namespace {
 
-// An estimate whose chain acceptance is `p` at every depth, as if observed many times.
-AcceptanceEstimate Acceptance(double p, const PolicyOptions& options) {
-  AcceptanceEstimate a;
-  // Chains of depth 8 whose accepted lengths follow the geometric law of rate p.
-  const SpecShape chain{8, 1, 8};
-  const int kSamples = 400;
-  for (int s = 0; s < kSamples; ++s) {
-    // Deterministic, evenly spread samples (the estimate is a recency-weighted average, so
-    // they must not come sorted): accepted = the deepest d with u < p^d.
-    const double u = std::fmod(0.5 + s * 0.6180339887498949, 1.0);
-    int accepted = 0;
-    double reach = 1.0;
-    for (int d = 1; d <= 8; ++d) {
-      reach *= p;
-      if (u < reach) accepted = d;
-    }
-    a.Observe(chain, accepted, options);
-  }
-  return a;
-}
+using testutil::Acceptance;
+using testutil::GpuLikeCosts;
 
 std::vector<PolicySequence> Batch(size_t n, const AcceptanceEstimate* acceptance) {
   std::vector<PolicySequence> batch(n);
@@ -42,20 +25,6 @@ std::vector<PolicySequence> Batch(size_t n, const AcceptanceEstimate* acceptance
     s.acceptance = acceptance;
   }
   return batch;
-}
-
-// GPU-like costs: verify nearly flat in tokens until the batch's tokens fill the device, then
-// linear; a draft level costs little.
-PolicyOptions FlatThenLinear() {
-  PolicyOptions o;
-  o.measure_costs = false;
-  o.verify_fixed_s = 10e-3;
-  o.verify_per_row_s = 0.0;
-  o.verify_per_token_s = 0.05e-3;
-  o.draft_fixed_s = 0.2e-3;
-  o.draft_level_fixed_s = 0.5e-3;
-  o.draft_level_per_token_s = 0.005e-3;
-  return o;
 }
 
 TEST(SpecPolicyTest, ExpectedAcceptedFollowsTheRates) {
@@ -110,7 +79,7 @@ TEST(SpecPolicyTest, PicksNoneWhenVerifyCostGrowsSteeplyWithTokens) {
 }
 
 TEST(SpecPolicyTest, BigTreeAtBatchOneWithHighAcceptance) {
-  const PolicyOptions o = FlatThenLinear();
+  const PolicyOptions o = GpuLikeCosts();
   GoodputPolicy policy(o);
   const AcceptanceEstimate a = Acceptance(0.9, o);
   const PolicyDecision d = policy.Decide(Batch(1, &a));
@@ -120,7 +89,7 @@ TEST(SpecPolicyTest, BigTreeAtBatchOneWithHighAcceptance) {
 }
 
 TEST(SpecPolicyTest, TreesShrinkTowardChainsAsTheBatchGrows) {
-  PolicyOptions o = FlatThenLinear();
+  PolicyOptions o = GpuLikeCosts();
   // Verify turns compute-bound: each token costs a fifth of the fixed cost.
   o.verify_per_token_s = 0.4e-3;
   o.verify_fixed_s = 2e-3;
@@ -145,7 +114,7 @@ TEST(SpecPolicyTest, TreesShrinkTowardChainsAsTheBatchGrows) {
 }
 
 TEST(SpecPolicyTest, ASequenceWhoseDraftsFailStopsCostingTheOthers) {
-  PolicyOptions o = FlatThenLinear();
+  PolicyOptions o = GpuLikeCosts();
   o.verify_fixed_s = 2e-3;
   o.verify_per_token_s = 0.4e-3;
   GoodputPolicy policy(o);
@@ -159,7 +128,7 @@ TEST(SpecPolicyTest, ASequenceWhoseDraftsFailStopsCostingTheOthers) {
 }
 
 TEST(SpecPolicyTest, ExplicitShapesOffAndBudgetAreKept) {
-  const PolicyOptions o = FlatThenLinear();
+  const PolicyOptions o = GpuLikeCosts();
   GoodputPolicy policy(o);
   const AcceptanceEstimate a = Acceptance(0.9, o);
   std::vector<PolicySequence> batch = Batch(3, &a);
@@ -178,7 +147,7 @@ TEST(SpecPolicyTest, ExplicitShapesOffAndBudgetAreKept) {
 }
 
 TEST(SpecPolicyTest, HysteresisHoldsAgainstSmallChangesNotLargeOnes) {
-  PolicyOptions o = FlatThenLinear();
+  PolicyOptions o = GpuLikeCosts();
   o.verify_per_token_s = 0.4e-3;
   o.verify_fixed_s = 2e-3;
   o.measure_costs = true;
@@ -682,7 +651,7 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
 // room for at one stream, one each from two sequences on, and each answer the largest F (up to
 // that) whose pre-draft the cost model predicts to end inside verify.
 TEST(SpecPolicyTest, PreDraftFanOutFillsTheVerifyStepAndShrinksWithTheBatch) {
-  PolicyOptions o = FlatThenLinear();
+  PolicyOptions o = GpuLikeCosts();
   o.draft_level_per_token_s = 0.05e-3;  // a level's cost grows with its tokens
   const GoodputPolicy policy(o);
   constexpr int kMax = 8, kLevels = 5, kNodesPerTree = 9;
@@ -734,7 +703,7 @@ TEST(SpecPolicyTest, PreDraftsMeasuredSlowerThanVerifyAreNotSent) {
 // verify step, each tree cut to it as the depth budget cuts it; further guesses only at the
 // planned depth; nothing when not even depth 1 fits.
 TEST(SpecPolicyTest, PlanPreDraftPicksTheDeepestTreeThatFitsThenTheMostGuesses) {
-  PolicyOptions o = FlatThenLinear();
+  PolicyOptions o = GpuLikeCosts();
   const SpecShape chain6{6, 1, 6};
   auto fits = [](const GoodputPolicy& policy, const std::vector<SpecShape>& shapes, int depth,
                  int fan_out, int rows, int tokens) {
@@ -787,7 +756,7 @@ TEST(SpecPolicyTest, PlanPreDraftShrinksDepthWithTheBatch) {
   EXPECT_EQ(GoodputPolicy::CutToDepth(tree, 1), (SpecShape{1, 4, 4}));
   EXPECT_EQ(GoodputPolicy::CutToDepth(SpecShape{6, 1, 6}, 3), (SpecShape{3, 1, 3}));
   EXPECT_EQ(GoodputPolicy::CutToDepth(tree, 9), tree);
-  PolicyOptions o = FlatThenLinear();
+  PolicyOptions o = GpuLikeCosts();
   // The draft's levels grow with the batch faster than the verify step does.
   o.verify_per_token_s = 0.005e-3;
   o.draft_level_per_token_s = 0.02e-3;
@@ -840,7 +809,7 @@ namespace {
 // Decide keeps each estimate's candidate expectations between decisions (a sequence not drafted
 // keeps them for many steps); they must follow the estimate, the prior and the policy.
 TEST(SpecPolicyTest, KeptExpectationsFollowTheEstimateThePriorAndThePolicy) {
-  PolicyOptions o = FlatThenLinear();
+  PolicyOptions o = GpuLikeCosts();
   o.verify_per_token_s = 0.5e-3;  // a tree pays only with good acceptance
   o.acceptance_prior = 0.1;
   o.sibling_acceptance_prior = 0.05;
