@@ -452,10 +452,6 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       out.reasons[i] = ShapeReason::kNoBudget;
       continue;
     }
-    if (!s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens) {
-      out.shapes[i] = Clamp(s.deferred, s.max_depth);
-      continue;
-    }
     free[i] = 1;
     ++free_count;
     // Budgets at or past the deepest candidate clamp nothing: they share their clamped shapes
@@ -641,8 +637,14 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     previous[i] = 0;
-    const SpecShape prev = Clamp(batch[i].previous, batch[i].max_depth);
-    if (batch[i].previous_ngram) {
+    // A shape chosen on the step whose catch-up was moved beside verify is the one to keep
+    // (PolicySequence::deferred), held by the hysteresis as any previous shape: chosen on a
+    // prefill step, whose rows make a draft look cheap, it is dropped where a decode step
+    // shows it clearly loses, and kept where it is near break-even.
+    const bool deferred = !batch[i].deferred.none();
+    const SpecShape prev =
+        Clamp(deferred ? batch[i].deferred : batch[i].previous, batch[i].max_depth);
+    if (batch[i].previous_ngram && !deferred) {
       // An n-gram proposal's length changes every step: the previous drafter is kept as the
       // deepest cut of this step's proposal no deeper than the previous one.
       for (size_t c = model_nc; c < nc; ++c) {
@@ -820,11 +822,19 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     // A sequence left without drafts on a handful of outcomes (an early miss or two) is probed
     // sooner, in proportion to them: so little evidence is soon outweighed, and a sequence held
     // back on it while the rest of its batch drafts is left the last to finish.
+    // A sequence with no outcomes of its own is judged with the pair's pooled rates once there
+    // are some (its estimate starts from them): where those leave it undrafted, probing every
+    // new request at once would pay, on every request, a probe's catch-up and draft call where
+    // drafting does not pay, so it waits the full interval like a settled sequence. Before the
+    // pair's rates are known, a new sequence is probed at once: that is how they get known.
+    const int own = batch[i].acceptance->samples();
+    const bool pair_known = pooled_rate_ >= 0;
     const int interval =
-        std::max(4, std::min(options_.probe_interval,
-                             options_.probe_interval * batch[i].acceptance->samples() / 16));
+        own == 0 && pair_known
+            ? options_.probe_interval
+            : std::max(4, std::min(options_.probe_interval, options_.probe_interval * own / 16));
     if (out.shapes[i].none() && options_.probe_interval > 0 && batch[i].model_available &&
-        (batch[i].steps_without_draft >= interval || batch[i].never_drafted) &&
+        (batch[i].steps_without_draft >= interval || (batch[i].never_drafted && !pair_known)) &&
         probes < options_.max_probes_per_step) {
       // Probe only where a probe could be worth it: the short chain would pay if this sequence
       // accepted nearly everything. Elsewhere (a saturated batch, a tiny target, a padded batch

@@ -515,7 +515,13 @@ TEST(RouterClusterTest, ConcurrentRequestsShareSteps) {
   std::vector<Result> results(4);
   for (int i = 0; i < 4; ++i) {
     threads.emplace_back([&, i] {
-      results[i] = c->Generate(Greedy(Prompts(4)[i], 200, v1::SPECULATION_DRAFT_MODEL));
+      // An explicit shape is drafted every step (the policy would draft these only where it
+      // pays), so the draft service's steps carry whichever sequences are running.
+      v1::GenerateRequest r = Greedy(Prompts(4)[i], 200, v1::SPECULATION_DRAFT_MODEL);
+      r.set_draft_depth(3);
+      r.set_draft_top_k(2);
+      r.set_draft_max_nodes(6);
+      results[i] = c->Generate(r);
     });
   }
   for (auto& t : threads) t.join();

@@ -409,15 +409,24 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   steep.verify_per_token_s = 3e-3;
   GoodputPolicy never(steep);
   EXPECT_TRUE(never.Decide(batch).shapes[0].none());
-  // A sequence never drafted is judged the same way: where nothing could pay, its acceptance
-  // does not matter, and a probe would only stall the batch.
-  batch[0].never_drafted = true;
-  EXPECT_TRUE(never.Decide(batch).shapes[0].none());
-  // Where a probe could pay, it is probed without waiting probe_interval steps.
-  batch[0].steps_without_draft = 0;
-  EXPECT_EQ(policy.Decide(batch).reasons[0], ShapeReason::kProbe);
-  batch[0].never_drafted = false;
-  EXPECT_TRUE(policy.Decide(batch).shapes[0].none());
+  // A sequence never drafted (no outcomes of its own) is judged the same way: where nothing
+  // could pay, its acceptance does not matter, and a probe would only stall the batch.
+  const AcceptanceEstimate unknown;
+  std::vector<PolicySequence> fresh_one = Batch(1, &unknown);
+  fresh_one[0].never_drafted = true;
+  fresh_one[0].steps_without_draft = 0;
+  GoodputPolicy never_fresh(steep);
+  EXPECT_TRUE(never_fresh.Decide(fresh_one).shapes[0].none());
+  // Where a probe could pay and the pair's rates are not known yet, it is probed without
+  // waiting probe_interval steps: that is how they get known.
+  GoodputPolicy cold(o);
+  EXPECT_EQ(cold.Decide(fresh_one).reasons[0], ShapeReason::kProbe);
+  // Once they are (here from the batch above, at 0.3, where chains do not pay), a new sequence
+  // starts from them and waits the interval as a settled one does: probing every new request
+  // at once would pay a catch-up and a draft call on each where drafting does not pay.
+  EXPECT_TRUE(policy.Decide(fresh_one).shapes[0].none());
+  fresh_one[0].steps_without_draft = o.probe_interval;
+  EXPECT_EQ(policy.Decide(fresh_one).reasons[0], ShapeReason::kProbe);
   // At most max_probes_per_step probes a step, so that a burst of new sequences does not carry
   // all their catch-ups in one step.
   PolicyOptions cheap = o;
@@ -427,7 +436,7 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   cheap.draft_level_per_token_s = 0;
   cheap.max_probes_per_step = 3;
   GoodputPolicy few(cheap);
-  std::vector<PolicySequence> fresh = Batch(10, &a);
+  std::vector<PolicySequence> fresh = Batch(10, &unknown);
   for (PolicySequence& s : fresh) s.never_drafted = true;
   const PolicyDecision burst = few.Decide(fresh);
   int probes = 0;
@@ -604,21 +613,24 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
     EXPECT_EQ(d.ingest[0], 1);
     EXPECT_EQ(d.reasons[0], ShapeReason::kCatchUp);
     EXPECT_FALSE(d.deferred[0].none());
-    // Fed, it drafts the deferred shape from the next step, with only that step's tokens to
-    // feed, even where a plain row's search would now leave it undrafted (verify's per-token
-    // cost 30 times: no prefill beside the trees to make them cheap).
+    // Fed, it drafts from the next step, with only that step's tokens to feed, the deferred
+    // shape held as its previous one: kept where a decode step finds it no worse.
     fresh.pending = 1;
     fresh.draft_backlog = 1;
     fresh.deferred = d.deferred[0];
-    PolicyOptions dear = o;
-    dear.verify_per_token_s = 30 * o.verify_per_token_s;
-    GoodputPolicy later(dear);
+    GoodputPolicy later(o);
     const PolicyDecision next = later.Decide(batch);
     EXPECT_EQ(ShapeString(next.shapes[0]), ShapeString(d.deferred[0]));
     EXPECT_EQ(next.ingest[0], 0);
+    // Chosen on a prefill step, whose rows make a draft look cheap, it is cut where the decode
+    // step shows it clearly loses (verify's per-token cost 300 times): not drafted blindly.
+    PolicyOptions dear = o;
+    dear.verify_per_token_s = 300 * o.verify_per_token_s;
+    GoodputPolicy dearer(dear);
+    EXPECT_LT(dearer.Decide(batch).shapes[0].depth, d.deferred[0].depth);
     // Not fed (the ingest failed or is late), it is decided as any other.
     fresh.draft_backlog = 100;
-    EXPECT_TRUE(later.Decide(batch).shapes[0].none());
+    EXPECT_TRUE(dearer.Decide(batch).shapes[0].none());
   }
   // So is an explicit request's: it drafts the shape it asked for from its second step.
   std::vector<PolicySequence> asked = Batch(1, &a);
