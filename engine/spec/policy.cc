@@ -452,6 +452,10 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       out.reasons[i] = ShapeReason::kNoBudget;
       continue;
     }
+    if (!s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens) {
+      out.shapes[i] = Clamp(s.deferred, s.max_depth);
+      continue;
+    }
     free[i] = 1;
     ++free_count;
     // Budgets at or past the deepest candidate clamp nothing: they share their clamped shapes
@@ -637,14 +641,8 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     previous[i] = 0;
-    // A shape chosen on the step whose catch-up was moved beside verify is the one to keep
-    // (PolicySequence::deferred), held by the hysteresis as any previous shape: chosen on a
-    // prefill step, whose rows make a draft look cheap, it is dropped where a decode step
-    // shows it clearly loses, and kept where it is near break-even.
-    const bool deferred = !batch[i].deferred.none();
-    const SpecShape prev =
-        Clamp(deferred ? batch[i].deferred : batch[i].previous, batch[i].max_depth);
-    if (batch[i].previous_ngram && !deferred) {
+    const SpecShape prev = Clamp(batch[i].previous, batch[i].max_depth);
+    if (batch[i].previous_ngram) {
       // An n-gram proposal's length changes every step: the previous drafter is kept as the
       // deepest cut of this step's proposal no deeper than the previous one.
       for (size_t c = model_nc; c < nc; ++c) {

@@ -408,12 +408,10 @@ struct PolicySequence {
   // PolicyOptions::ingest_catch_up_tokens) and the sequence drafts from the next step.
   bool can_ingest = false;
   // The shape chosen on the step whose catch-up was moved beside verify (PolicyDecision::
-  // deferred), none if there was none: the sequence's previous shape on its next step, held by
-  // the hysteresis. Only the feed was moved, not the decision; judged anew from a plain row
-  // with nothing to keep, a new sequence's first draft near break-even would lose to the
-  // margin and, never drafting, never measure its own acceptance; but chosen on a prefill
-  // step, whose rows make a draft look cheap, it is not drafted where a decode step shows it
-  // clearly loses.
+  // deferred), none if there was none: drafted as it is on the first step with no catch-up left.
+  // Only the feed was moved, not the decision; judged anew from a plain row, a new sequence's
+  // first draft loses near break-even to the pooled prior (a prefill step made it cheap), and
+  // a sequence that never drafts never measures its own acceptance to correct it.
   SpecShape deferred;
   // `auto`'s second drafter: n-gram lookup over the sequence's own history, which costs no draft
   // time (microseconds in the caller). ngram_depth: the length of this step's proposal, a
