@@ -90,9 +90,11 @@ struct GroupPool::DraftService {
 
   mutable absl::Mutex mu;
   Reported reported ABSL_GUARDED_BY(mu);
-  // No GetInfo answered yet, or the last one failed. Its slots are known from the answer, so
-  // until then its load cannot be compared with the others'.
+  // No GetInfo answered yet, or the last two failed. Its slots are known from the answer, so
+  // until then its load cannot be compared with the others'. One late answer (a loaded host)
+  // does not count it out: every new sequence would go to the others until the next poll.
   bool down ABSL_GUARDED_BY(mu) = true;
+  int failed_polls ABSL_GUARDED_BY(mu) = 0;  // in a row
 };
 
 // Counts a request against its group and its draft service until the loop finishes it.
@@ -580,8 +582,12 @@ void GroupPool::PollLoads() {
       const grpc::Status status = d->stub->GetInfo(&context, v1::DraftInfoRequest(), &info);
       const int after = d->inflight->load();
       absl::MutexLock lock(&d->mu);
-      d->down = !status.ok();
-      if (!status.ok()) continue;
+      d->failed_polls = status.ok() ? 0 : d->failed_polls + 1;
+      if (!status.ok()) {
+        if (d->failed_polls >= 2) d->down = true;
+        continue;
+      }
+      d->down = false;
       d->reported.running = static_cast<int>(info.load().running_sequences());
       d->reported.inflight_at = std::max(before, after);
       d->reported.max_sequences = static_cast<int>(info.load().max_sequences());
