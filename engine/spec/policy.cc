@@ -820,19 +820,11 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     // A sequence left without drafts on a handful of outcomes (an early miss or two) is probed
     // sooner, in proportion to them: so little evidence is soon outweighed, and a sequence held
     // back on it while the rest of its batch drafts is left the last to finish.
-    // A sequence with no outcomes of its own is judged with the pair's pooled rates once there
-    // are some (its estimate starts from them): where those leave it undrafted, probing every
-    // new request at once would pay, on every request, a probe's catch-up and draft call where
-    // drafting does not pay, so it waits the full interval like a settled sequence. Before the
-    // pair's rates are known, a new sequence is probed at once: that is how they get known.
-    const int own = batch[i].acceptance->samples();
-    const bool pair_known = pooled_rate_ >= 0;
     const int interval =
-        own == 0 && pair_known
-            ? options_.probe_interval
-            : std::max(4, std::min(options_.probe_interval, options_.probe_interval * own / 16));
+        std::max(4, std::min(options_.probe_interval,
+                             options_.probe_interval * batch[i].acceptance->samples() / 16));
     if (out.shapes[i].none() && options_.probe_interval > 0 && batch[i].model_available &&
-        (batch[i].steps_without_draft >= interval || (batch[i].never_drafted && !pair_known)) &&
+        (batch[i].steps_without_draft >= interval || batch[i].never_drafted) &&
         probes < options_.max_probes_per_step) {
       // Probe only where a probe could be worth it: the short chain would pay if this sequence
       // accepted nearly everything. Elsewhere (a saturated batch, a tiny target, a padded batch

@@ -409,24 +409,15 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   steep.verify_per_token_s = 3e-3;
   GoodputPolicy never(steep);
   EXPECT_TRUE(never.Decide(batch).shapes[0].none());
-  // A sequence never drafted (no outcomes of its own) is judged the same way: where nothing
-  // could pay, its acceptance does not matter, and a probe would only stall the batch.
-  const AcceptanceEstimate unknown;
-  std::vector<PolicySequence> fresh_one = Batch(1, &unknown);
-  fresh_one[0].never_drafted = true;
-  fresh_one[0].steps_without_draft = 0;
-  GoodputPolicy never_fresh(steep);
-  EXPECT_TRUE(never_fresh.Decide(fresh_one).shapes[0].none());
-  // Where a probe could pay and the pair's rates are not known yet, it is probed without
-  // waiting probe_interval steps: that is how they get known.
-  GoodputPolicy cold(o);
-  EXPECT_EQ(cold.Decide(fresh_one).reasons[0], ShapeReason::kProbe);
-  // Once they are (here from the batch above, at 0.3, where chains do not pay), a new sequence
-  // starts from them and waits the interval as a settled one does: probing every new request
-  // at once would pay a catch-up and a draft call on each where drafting does not pay.
-  EXPECT_TRUE(policy.Decide(fresh_one).shapes[0].none());
-  fresh_one[0].steps_without_draft = o.probe_interval;
-  EXPECT_EQ(policy.Decide(fresh_one).reasons[0], ShapeReason::kProbe);
+  // A sequence never drafted is judged the same way: where nothing could pay, its acceptance
+  // does not matter, and a probe would only stall the batch.
+  batch[0].never_drafted = true;
+  EXPECT_TRUE(never.Decide(batch).shapes[0].none());
+  // Where a probe could pay, it is probed without waiting probe_interval steps.
+  batch[0].steps_without_draft = 0;
+  EXPECT_EQ(policy.Decide(batch).reasons[0], ShapeReason::kProbe);
+  batch[0].never_drafted = false;
+  EXPECT_TRUE(policy.Decide(batch).shapes[0].none());
   // At most max_probes_per_step probes a step, so that a burst of new sequences does not carry
   // all their catch-ups in one step.
   PolicyOptions cheap = o;
@@ -436,7 +427,7 @@ TEST(SpecPolicyTest, ProbesASequenceLeftWithoutDraftsOnlyWhereAProbeCouldPay) {
   cheap.draft_level_per_token_s = 0;
   cheap.max_probes_per_step = 3;
   GoodputPolicy few(cheap);
-  std::vector<PolicySequence> fresh = Batch(10, &unknown);
+  std::vector<PolicySequence> fresh = Batch(10, &a);
   for (PolicySequence& s : fresh) s.never_drafted = true;
   const PolicyDecision burst = few.Decide(fresh);
   int probes = 0;
