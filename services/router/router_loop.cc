@@ -570,8 +570,7 @@ void RouterLoop::DraftStep() {
     if (seq.draft == nullptr) continue;  // planned with no drafter: not reached
     Batch& b = batch_for(seq.draft.get());
     const uint64_t epoch = b.epoch;
-    if (seq.draft_epoch != epoch) seq.core->ResetDrafter();
-    b.prefill = b.prefill || seq.draft_epoch != epoch;
+    if (seq.ResyncDrafter(epoch)) b.prefill = true;
     const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
     v1::DraftSequenceStep* step = b.request.add_steps();
     step->set_seq_id(seq.id);

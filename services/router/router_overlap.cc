@@ -36,10 +36,7 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
         seq.spec != v1::SPECULATION_DRAFT_MODEL || seq.draft_failed || seq.core->finished()) {
       continue;
     }
-    if (seq.draft_epoch != epoch) {
-      seq.core->ResetDrafter();
-      call->prefill = true;
-    }
+    if (seq.ResyncDrafter(epoch)) call->prefill = true;
     AddIngest(epoch, seq, &request);
     *seconds += token_s * static_cast<double>(seq.core->DrafterPending().size());
     call->ingests = true;
@@ -62,8 +59,7 @@ void RouterLoop::PreDraftRequest(uint64_t step_id, const Draft& draft, PreDraftC
           seq.draft_down || seq.no_drafter || seq.core->finished()) {
         continue;
       }
-      const bool from_start = seq.draft_epoch != epoch;
-      if (from_start) seq.core->ResetDrafter();
+      const bool from_start = seq.ResyncDrafter(epoch);
       const absl::Span<const int32_t> fresh = seq.core->DrafterPending();
       if (static_cast<int>(fresh.size()) < options_.draft_ingest_tokens) continue;
       call->prefill = call->prefill || from_start;

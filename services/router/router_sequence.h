@@ -113,6 +113,15 @@ struct RouterLoop::Sequence {
   // that far, whenever the answer is taken.
   int64_t pre_fed_to = 0;
 
+  // Before feeding the drafter on the draft stream of `epoch`: where the sequence is not held
+  // there (new, or lost with an older stream), its drafter's feed starts again from the
+  // sequence's first token; true then (the feed is the drafter's prefill).
+  bool ResyncDrafter(uint64_t epoch) {
+    if (draft_epoch == epoch) return false;
+    core->ResetDrafter();
+    return true;
+  }
+
   // This step.
   TokenTree tree;
   // Auto: this step's n-gram proposal, a chain (RouterLoop::ProposeNgram; empty: no match), and
