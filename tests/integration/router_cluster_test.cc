@@ -738,7 +738,7 @@ void ExpectGreedyAndSeededMatchOff(Cluster& c, const std::vector<std::string>& p
 // give matches) or not at all. With 1 and 4 clients greedy output equals off's and seeded
 // sampling seeded off's, both drafters are used, and sequences move from the draft model to
 // n-gram. Back is rare on this pair (once the random target loops, n-gram keeps matching and the
-// policy keeps it); eagle_cluster_test's AutoSwitching test sees both ways on the trained pair.
+// policy keeps it); on the trained pair eagle_cluster_test's AutoSwitching test prints both ways.
 TEST(RouterClusterTest, AutoSwitchingBetweenNgramAndTheDraftModelIsIdenticalToOff) {
   std::unique_ptr<Cluster> c = Cluster::Start();
   ASSERT_NE(c, nullptr);
