@@ -157,7 +157,7 @@ CatchUpPlan PlanCatchUp(const PolicySequence& seq, const SpecShape& s, double ga
   if (!seq.can_ingest || !seq.model_draft || s.none()) return CatchUpPlan::kInCall;
   const int tokens = CatchUpTokens(seq, s);
   if (tokens <= options.ingest_catch_up_tokens) return CatchUpPlan::kInCall;
-  if (seq.never_drafted && tokens * token_s <= room) return CatchUpPlan::kIngest;
+  if (seq.drafter_unfed && tokens * token_s <= room) return CatchUpPlan::kIngest;
   if (tokens * token_s * others_goodput <= gain) return CatchUpPlan::kInCall;
   return tokens * token_s <= room ? CatchUpPlan::kIngest : CatchUpPlan::kLater;
 }
@@ -925,7 +925,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // first token is not the drafter's to hold back.
   for (size_t i = 0; i < n; ++i) {
     const PolicySequence& s = batch[i];
-    if (!s.fixed || out.shapes[i].none() || !s.never_drafted || !s.can_ingest || !s.model_draft) {
+    if (!s.fixed || out.shapes[i].none() || !s.drafter_unfed || !s.can_ingest || !s.model_draft) {
       continue;
     }
     const int tokens = CatchUpTokens(s, out.shapes[i]);

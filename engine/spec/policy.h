@@ -401,6 +401,11 @@ struct PolicySequence {
   // Never drafted: its acceptance is unknown, so it is probed (where a probe could pay) without
   // waiting probe_interval steps.
   bool never_drafted = false;
+  // Its drafter holds none of its tokens yet (a new sequence, or one whose draft service lost
+  // it): its catch-up is its whole prompt, fed beside verify where it fits (PlanCatchUp). Not
+  // never_drafted: a feed that came late leaves a sequence undrafted but fed, and one fed again
+  // for that would be late again, each time, and never draft.
+  bool drafter_unfed = false;
   // The caller can feed this sequence's drafter its backlog beside the verify step, where nobody
   // waits for it (the router's ingest-only draft step). Fed before the step's first draft level,
   // a catch-up (a whole prompt on a sequence's first step) stalls every row of the step, drafted

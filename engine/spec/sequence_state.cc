@@ -87,6 +87,7 @@ PolicySequence SequenceState::PolicyInput(bool model_draft) const {
   p.steps_without_ngram = steps_without_ngram_;
   p.ngram_acceptance = &ngram_acceptance_;
   p.never_drafted = stats_.draft_steps - stats_.ngram_steps == 0 && !probed_;
+  p.drafter_unfed = drafter_fed_ == 0;
   p.draft_backlog = static_cast<int>(std::min<size_t>(DrafterPending().size(), 1 << 20));
   p.deferred = deferred_;
   return p;

@@ -288,6 +288,7 @@ SimResult Simulate(const Device& device, int concurrency, int total_sequences, i
       in.previous = s.previous;
       in.steps_without_draft = s.steps_without_draft;
       in.never_drafted = s.draft_steps == 0 && !s.probed;
+      in.drafter_unfed = s.fed_to_drafter == 0;
       in.draft_backlog = s.prompt + s.generated - s.fed_to_drafter;
       // As the router has it: where the draft shares a GPU with verify, a feed beside verify
       // slows verify, and catch-ups stay in the draft call.

@@ -590,6 +590,7 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
     std::vector<PolicySequence> batch = Batch(rows, &a);
     PolicySequence& fresh = batch[0];
     fresh.never_drafted = true;
+    fresh.drafter_unfed = true;
     fresh.pending = 100;  // the prompt, prefilled by this verify step
     fresh.draft_backlog = 100;
     GoodputPolicy in_call(o);
@@ -623,6 +624,7 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
   // So is an explicit request's: it drafts the shape it asked for from its second step.
   std::vector<PolicySequence> asked = Batch(1, &a);
   asked[0].never_drafted = true;
+  asked[0].drafter_unfed = true;
   asked[0].can_ingest = true;
   asked[0].fixed = true;
   asked[0].fixed_shape = SpecShape{4, 1, 4};
@@ -637,9 +639,19 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
   const PolicyDecision second = fixed.Decide(asked);
   EXPECT_EQ(ShapeString(second.shapes[0]), ShapeString(SpecShape{4, 1, 4}));
   EXPECT_EQ(second.reasons[0], ShapeReason::kExplicit);
+  // Its prompt fed late (the stream busy meanwhile, the steps plain), it has a backlog of the
+  // tokens since: fed in its draft call, never beside verify again, or a feed that is late each
+  // time would leave it undrafted for good.
+  asked[0].drafter_unfed = false;
+  asked[0].pending = 1;
+  asked[0].draft_backlog = 20;
+  const PolicyDecision caught_up = fixed.Decide(asked);
+  EXPECT_EQ(ShapeString(caught_up.shapes[0]), ShapeString(SpecShape{4, 1, 4}));
+  EXPECT_EQ(caught_up.ingest[0], 0);
   // A prompt that outlasts the prefill beside it stays in the draft call, as before.
   std::vector<PolicySequence> one = Batch(1, &a);
   one[0].never_drafted = true;
+  one[0].drafter_unfed = true;
   one[0].can_ingest = true;
   one[0].pending = 10;
   one[0].draft_backlog = 1000;
