@@ -322,6 +322,8 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
 
 PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   const size_t n = batch.size();
+  // The chain a probe drafts, within a depth budget.
+  auto probe_shape = [](int max_depth) { return Clamp(SpecShape{2, 1, 2}, max_depth); };
   // The pooled prior: at each depth, the rate of the sequences that have enough samples to
   // speak for themselves, from their own samples (each weighted by them), averaged over steps so
   // that one batch's mix does not swing it. Their own samples, not their estimates: those are
@@ -452,8 +454,15 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       out.reasons[i] = ShapeReason::kNoBudget;
       continue;
     }
-    if (!s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens) {
-      out.shapes[i] = Clamp(s.deferred, s.max_depth);
+    // A deferred probe is drafted as it was planned: measuring is its point. Any other deferred
+    // shape stands as the sequence's previous decision (below), judged anew now that this is a
+    // decode step: the step that chose it carried the sequence's prefill, beside which any tree
+    // looks cheap, and kept blindly, a new sequence drafts a 16-node tree where drafting cannot
+    // pay (a batch of 16 on a CPU).
+    if (s.deferred == probe_shape(s.max_depth) &&
+        CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens) {
+      out.shapes[i] = s.deferred;
+      out.reasons[i] = ShapeReason::kProbe;
       continue;
     }
     free[i] = 1;
@@ -641,8 +650,12 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   for (size_t i = 0; i < n; ++i) {
     if (!free[i]) continue;
     previous[i] = 0;
-    const SpecShape prev = Clamp(batch[i].previous, batch[i].max_depth);
-    if (batch[i].previous_ngram) {
+    // A deferred shape whose catch-up has been fed is the decision the hysteresis keeps.
+    const bool deferred = !batch[i].deferred.none() && CatchUpTokens(batch[i], batch[i].deferred) <=
+                                                           options_.ingest_catch_up_tokens;
+    const SpecShape prev =
+        Clamp(deferred ? batch[i].deferred : batch[i].previous, batch[i].max_depth);
+    if (batch[i].previous_ngram && !deferred) {
       // An n-gram proposal's length changes every step: the previous drafter is kept as the
       // deepest cut of this step's proposal no deeper than the previous one.
       for (size_t c = model_nc; c < nc; ++c) {
@@ -834,7 +847,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       // does not matter. Probes taken are kept in the totals, so each next one is judged with
       // the cost of those before it, and at most max_probes_per_step are taken at once, so that
       // a burst of new sequences does not stall one step with all their catch-ups.
-      const SpecShape probe = Clamp(SpecShape{2, 1, 2}, batch[i].max_depth);
+      const SpecShape probe = probe_shape(batch[i].max_depth);
       constexpr double kOptimistic = kProbeGain;
       add_c(t, i, choice[i], -1);
       add(t, i, probe, kOptimistic, +1);

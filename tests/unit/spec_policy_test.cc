@@ -606,17 +606,21 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
     EXPECT_EQ(d.reasons[0], ShapeReason::kCatchUp);
     EXPECT_FALSE(d.deferred[0].none());
     // Fed, it drafts the deferred shape from the next step, with only that step's tokens to
-    // feed, even where a plain row's search would now leave it undrafted (verify's per-token
-    // cost 30 times: no prefill beside the trees to make them cheap).
+    // feed: the decision it keeps.
     fresh.pending = 1;
     fresh.draft_backlog = 1;
     fresh.deferred = d.deferred[0];
-    PolicyOptions dear = o;
-    dear.verify_per_token_s = 30 * o.verify_per_token_s;
-    GoodputPolicy later(dear);
-    const PolicyDecision next = later.Decide(batch);
+    const PolicyDecision next = GoodputPolicy(o).Decide(batch);
     EXPECT_EQ(ShapeString(next.shapes[0]), ShapeString(d.deferred[0]));
     EXPECT_EQ(next.ingest[0], 0);
+    // But judged anew on this decode step: where every token verify scores costs 100 times as
+    // much (no prefill beside the trees to make them look cheap), a shorter chain is drafted.
+    PolicyOptions dear = o;
+    dear.verify_per_token_s = 100 * o.verify_per_token_s;
+    GoodputPolicy later(dear);
+    const PolicyDecision anew = later.Decide(batch);
+    EXPECT_LT(anew.shapes[0].nodes(), d.deferred[0].nodes()) << ShapeString(anew.shapes[0]);
+    EXPECT_EQ(anew.reasons[0], ShapeReason::kPolicy);
     // Not fed (the ingest failed or is late), it is decided as any other.
     fresh.draft_backlog = 100;
     EXPECT_TRUE(later.Decide(batch).shapes[0].none());
