@@ -322,6 +322,20 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
 
 PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   const size_t n = batch.size();
+  // A new sequence whose prompt can be fed beside this verify step drafts nothing in it: any
+  // shape it gets is drafted from the next step, a decode step, and is priced as on that step's
+  // row. Priced beside its own prefill, whose time dwarfs the tokens the step emits, any tree
+  // pays, and the feed it starts is paid for nothing where the pair accepts little.
+  std::vector<PolicySequence> priced;
+  int prefill_tokens = 0;  // of those rows, this step's tokens past one each
+  for (size_t i = 0; i < n; ++i) {
+    const PolicySequence& s = batch[i];
+    if (s.pending <= 1 || !s.drafter_unfed || !s.can_ingest || !s.model_draft || s.fixed) continue;
+    if (priced.empty()) priced.assign(batch.begin(), batch.end());
+    prefill_tokens += s.pending - 1;
+    priced[i].pending = 1;
+  }
+  if (!priced.empty()) batch = priced;
   // The chain a probe drafts, within a depth budget.
   auto probe_shape = [](int max_depth) { return Clamp(SpecShape{2, 1, 2}, max_depth); };
   // The pooled prior: at each depth, the rate of the sequences that have enough samples to
@@ -821,6 +835,7 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // call's own round trip (a one-token draft call's).
   int pending_tokens = 0;
   for (const PolicySequence& s : batch) pending_tokens += s.pending;
+  pending_tokens += prefill_tokens;
   double ingest_room =
       costs_.VerifySeconds(static_cast<int>(n), pending_tokens) - costs_.DraftSeconds(1, 1, 1);
   for (size_t i = 0; i < n; ++i) {

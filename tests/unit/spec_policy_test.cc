@@ -663,6 +663,45 @@ TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
   EXPECT_EQ(policy.Decide(one).ingest[0], 0);
 }
 
+// A new sequence whose prompt can be fed beside verify drafts from its second step, a decode
+// step: its shape is priced on that step's row. Priced beside its own prefill (a step that
+// emits one token in the prefill's time), a draft that accepts one token in a hundred pays,
+// and its prompt would be fed to the drafter for nothing.
+TEST(SpecPolicyTest, ANewSequencesShapeIsPricedOnTheDecodeStepItDraftsOn) {
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 10e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 3e-3;  // every token verify scores costs (a CPU)
+  o.draft_fixed_s = 0.5e-3;
+  o.draft_level_fixed_s = 0.5e-3;
+  o.draft_level_per_token_s = 0.02e-3;
+  o.draft_prefill_token_s = 1e-6;
+  const AcceptanceEstimate low = Acceptance(0.01, o);
+  std::vector<PolicySequence> batch = Batch(1, &low);
+  PolicySequence& fresh = batch[0];
+  fresh.drafter_unfed = true;  // drafted before (no probe due), its draft service restarted
+  fresh.pending = 400;
+  fresh.draft_backlog = 400;
+  // Fed in the draft call, the tree is verified beside the prefill, and it pays there.
+  const PolicyDecision in_call = GoodputPolicy(o).Decide(batch);
+  EXPECT_FALSE(in_call.shapes[0].none());
+  EXPECT_EQ(in_call.ingest[0], 0);
+  // Fed beside verify, it would draft on the next step, where it does not pay: nothing is fed.
+  fresh.can_ingest = true;
+  const PolicyDecision beside = GoodputPolicy(o).Decide(batch);
+  EXPECT_TRUE(beside.shapes[0].none()) << ShapeString(beside.shapes[0]);
+  EXPECT_EQ(beside.ingest[0], 0);
+  EXPECT_TRUE(beside.deferred[0].none());
+  // Where it pays on a decode row, it is fed and drafts from the next step, as before.
+  const AcceptanceEstimate high = Acceptance(0.95, o);
+  fresh.acceptance = &high;
+  o.verify_per_token_s = 0.3e-3;
+  const PolicyDecision good = GoodputPolicy(o).Decide(batch);
+  EXPECT_EQ(good.ingest[0], 1);
+  EXPECT_FALSE(good.deferred[0].none());
+}
+
 // Overlap fan-out (pre-drafted outcome guesses per sequence): every guess the verify step has
 // room for at one stream, one each from two sequences on, and each answer the largest F (up to
 // that) whose pre-draft the cost model predicts to end inside verify.
