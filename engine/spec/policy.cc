@@ -323,14 +323,20 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
 PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   const size_t n = batch.size();
   // A new sequence whose prompt can be fed beside this verify step drafts nothing in it: any
-  // shape it gets is drafted from the next step, a decode step, and is priced as on that step's
-  // row. Priced beside its own prefill, whose time dwarfs the tokens the step emits, any tree
-  // pays, and the feed it starts is paid for nothing where the pair accepts little.
+  // shape it gets is drafted from the next step, a decode step, and where every token verify
+  // scores costs (an unpadded backend: a CPU) it is priced as on that step's row. Priced beside
+  // its own prefill, whose time dwarfs the tokens the step emits, any tree pays, and the feed it
+  // starts is paid for nothing where the pair accepts little. A padded backend keeps the
+  // prefill step's price: there it is what lets a cold policy at a large batch draft its first
+  // steps, and so learn the pair's acceptance.
   std::vector<PolicySequence> priced;
   int prefill_tokens = 0;  // of those rows, this step's tokens past one each
   for (size_t i = 0; i < n; ++i) {
     const PolicySequence& s = batch[i];
-    if (s.pending <= 1 || !s.drafter_unfed || !s.can_ingest || !s.model_draft || s.fixed) continue;
+    if (options_.padded_rows || s.pending <= 1 || !s.drafter_unfed || !s.can_ingest ||
+        !s.model_draft || s.fixed) {
+      continue;
+    }
     if (priced.empty()) priced.assign(batch.begin(), batch.end());
     prefill_tokens += s.pending - 1;
     priced[i].pending = 1;
@@ -468,15 +474,16 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       out.reasons[i] = ShapeReason::kNoBudget;
       continue;
     }
-    // A deferred probe is drafted as it was planned: measuring is its point. Any other deferred
-    // shape stands as the sequence's previous decision (below), judged anew now that this is a
-    // decode step: the step that chose it carried the sequence's prefill, beside which any tree
-    // looks cheap, and kept blindly, a new sequence drafts a 16-node tree where drafting cannot
-    // pay (a batch of 16 on a CPU).
-    if (s.deferred == probe_shape(s.max_depth) &&
-        CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens) {
-      out.shapes[i] = s.deferred;
-      out.reasons[i] = ShapeReason::kProbe;
+    // A deferred probe is drafted as it was planned: measuring is its point. So is any deferred
+    // shape behind a padded backend, chosen on its prefill step's price (above): kept, it lets a
+    // cold policy draft its first steps. Where it was priced on a decode row, it stands as the
+    // sequence's previous decision (below), judged anew with this step's costs and estimates.
+    const bool deferred_due =
+        !s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens;
+    const bool probe = s.deferred == probe_shape(s.max_depth);
+    if (deferred_due && (probe || options_.padded_rows)) {
+      out.shapes[i] = Clamp(s.deferred, s.max_depth);
+      if (probe) out.reasons[i] = ShapeReason::kProbe;
       continue;
     }
     free[i] = 1;

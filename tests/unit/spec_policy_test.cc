@@ -693,6 +693,22 @@ TEST(SpecPolicyTest, ANewSequencesShapeIsPricedOnTheDecodeStepItDraftsOn) {
   EXPECT_TRUE(beside.shapes[0].none()) << ShapeString(beside.shapes[0]);
   EXPECT_EQ(beside.ingest[0], 0);
   EXPECT_TRUE(beside.deferred[0].none());
+  // Behind a padded backend the prefill step's price stands (a cold policy's first drafts at a
+  // large batch), and the deferred shape is drafted as chosen on the next step.
+  PolicyOptions padded = o;
+  padded.padded_rows = true;
+  const PolicyDecision gpu = GoodputPolicy(padded).Decide(batch);
+  EXPECT_EQ(gpu.ingest[0], 1);
+  ASSERT_FALSE(gpu.deferred[0].none());
+  {
+    std::vector<PolicySequence> next = batch;
+    next[0].pending = 1;
+    next[0].draft_backlog = 1;
+    next[0].drafter_unfed = false;
+    next[0].deferred = gpu.deferred[0];
+    EXPECT_EQ(ShapeString(GoodputPolicy(padded).Decide(next).shapes[0]),
+              ShapeString(gpu.deferred[0]));
+  }
   // Where it pays on a decode row, it is fed and drafts from the next step, as before.
   const AcceptanceEstimate high = Acceptance(0.95, o);
   fresh.acceptance = &high;
