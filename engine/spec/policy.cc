@@ -322,26 +322,6 @@ double GoodputPolicy::Goodput(absl::Span<const PolicySequence> batch,
 
 PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   const size_t n = batch.size();
-  // A new sequence whose prompt can be fed beside this verify step drafts nothing in it: any
-  // shape it gets is drafted from the next step, a decode step, and where every token verify
-  // scores costs (an unpadded backend: a CPU) it is priced as on that step's row. Priced beside
-  // its own prefill, whose time dwarfs the tokens the step emits, any tree pays, and the feed it
-  // starts is paid for nothing where the pair accepts little. A padded backend keeps the
-  // prefill step's price: there it is what lets a cold policy at a large batch draft its first
-  // steps, and so learn the pair's acceptance.
-  std::vector<PolicySequence> priced;
-  int prefill_tokens = 0;  // of those rows, this step's tokens past one each
-  for (size_t i = 0; i < n; ++i) {
-    const PolicySequence& s = batch[i];
-    if (options_.padded_rows || s.pending <= 1 || !s.drafter_unfed || !s.can_ingest ||
-        !s.model_draft || s.fixed) {
-      continue;
-    }
-    if (priced.empty()) priced.assign(batch.begin(), batch.end());
-    prefill_tokens += s.pending - 1;
-    priced[i].pending = 1;
-  }
-  if (!priced.empty()) batch = priced;
   // The chain a probe drafts, within a depth budget.
   auto probe_shape = [](int max_depth) { return Clamp(SpecShape{2, 1, 2}, max_depth); };
   // The pooled prior: at each depth, the rate of the sequences that have enough samples to
@@ -475,9 +455,12 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       continue;
     }
     // A deferred probe is drafted as it was planned: measuring is its point. So is any deferred
-    // shape behind a padded backend, chosen on its prefill step's price (above): kept, it lets a
-    // cold policy draft its first steps. Where it was priced on a decode row, it stands as the
-    // sequence's previous decision (below), judged anew with this step's costs and estimates.
+    // shape behind a padded backend: chosen beside the prefill, it is what lets a cold policy at
+    // a large batch draft its first steps and learn the pair's acceptance. Elsewhere (a CPU,
+    // where every token verify scores costs) it stands as the sequence's previous decision
+    // (below), judged anew now that this is a decode step: the step that chose it carried the
+    // sequence's prefill, beside which any tree looks cheap, and kept blindly, new sequences draft
+    // 16-node trees where drafting cannot pay (a batch of 16 on a CPU).
     const bool deferred_due =
         !s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens;
     const bool probe = s.deferred == probe_shape(s.max_depth);
@@ -842,7 +825,6 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   // call's own round trip (a one-token draft call's).
   int pending_tokens = 0;
   for (const PolicySequence& s : batch) pending_tokens += s.pending;
-  pending_tokens += prefill_tokens;
   double ingest_room =
       costs_.VerifySeconds(static_cast<int>(n), pending_tokens) - costs_.DraftSeconds(1, 1, 1);
   for (size_t i = 0; i < n; ++i) {

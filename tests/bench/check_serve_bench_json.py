@@ -18,7 +18,7 @@ def main():
     assert doc["meta"]["title"] == "smoke"
     assert [p["label"] for p in doc["phases"]] == ["c=1", "c=2"], doc["phases"]
     for phase in doc["phases"]:
-        assert set(phase["modes"]) == {"off", "draft_model", "ngram"}, phase["modes"].keys()
+        assert set(phase["modes"]) == {"off", "chain4", "ngram"}, phase["modes"].keys()
         for name, s in phase["modes"].items():
             where = f"{phase['label']} {name}"
             assert s["completed"] == 4 and s["errors"] == 0, (where, s)
@@ -35,16 +35,16 @@ def main():
             # Each request's first step is a prefill step, counted apart from the decode steps.
             assert s["steps"].get("verify_prefill_steps", 0) >= 1, (where, s["steps"])
             assert s["steps"].get("router_verify_prefill_calls", 0) >= 1, (where, s["steps"])
-        off, dm = phase["modes"]["off"], phase["modes"]["draft_model"]
+        off, dm = phase["modes"]["off"], phase["modes"]["chain4"]
         assert off["spec_steps"] == 0 and off["target_only_steps"] > 0, off
         assert off["tau"] is None and off["ratio_to_off"] == 1.0, off
-        # The draft model proposes on every step of this pair: some accepted, tau in [1, 5].
+        # The draft model proposes the explicit chain (the policy would judge this pair's drafts
+        # not worth their cost) on every step but the first: some accepted, tau in [1, 5].
         assert dm["spec_steps"] > 0 and dm["draft_tokens"] > 0, dm
         assert 1.0 <= dm["tau"] <= 5.0 and 0.0 <= dm["acceptance_rate"] <= 1.0, dm
         assert dm["speculation_used"] == ["draft_model"], dm["speculation_used"]
-        # Each request's first draft call feeds its prompt (a prefill step). Decode draft steps
-        # follow only where the policy keeps drafting, which this low-agreement pair may not do
-        # under load.
+        # Each request's prompt is fed to the drafter in a call of its own beside verify's
+        # prefill (a draft prefill step); its drafts follow from the second step.
         assert dm["steps"].get("draft_prefill_steps", 0) >= 1, dm["steps"]
         assert dm["steps"].get("router_draft_prefill_calls", 0) >= 1, dm["steps"]
     lossless = doc["lossless"]

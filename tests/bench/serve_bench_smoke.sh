@@ -12,6 +12,7 @@ PLOT=()
 if "$PYTHON" -c 'import matplotlib' 2>/dev/null; then PLOT=(--plot "$WORK/out.png"); fi
 bench/serve_cluster.sh --cpu --bin "$BUILD/bin" --target-model "$WORK/target" \
   --draft-model "$WORK/draft" --concurrency 1,2 --num-requests 4 --warmup 1 \
-  --max-new-tokens 12 --speculation off,draft_model,ngram --check-lossless --quiet \
+  --max-new-tokens 12 --speculation off,chain4=draft_model:depth=4,top_k=1,nodes=4,ngram \
+  --check-lossless --quiet \
   --json "$WORK/out.json" "${PLOT[@]}" --meta title=smoke
 "$PYTHON" tests/bench/check_serve_bench_json.py "$WORK/out.json" ${PLOT[@]:+"$WORK/out.png"}
