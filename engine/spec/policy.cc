@@ -454,13 +454,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
       out.reasons[i] = ShapeReason::kNoBudget;
       continue;
     }
-    // A deferred probe is drafted as it was planned: measuring is its point. So is any deferred
-    // shape behind a padded backend: chosen beside the prefill, it is what lets a cold policy at
-    // a large batch draft its first steps and learn the pair's acceptance. Elsewhere (a CPU,
-    // where every token verify scores costs) it stands as the sequence's previous decision
-    // (below), judged anew now that this is a decode step: the step that chose it carried the
-    // sequence's prefill, beside which any tree looks cheap, and kept blindly, new sequences draft
-    // 16-node trees where drafting cannot pay (a batch of 16 on a CPU).
+    // A deferred shape (PolicySequence::deferred) that is a probe, or behind a padded backend,
+    // is drafted as planned; elsewhere it is the previous decision (below), judged anew: kept
+    // blindly on a CPU, new sequences drafted 16-node trees where drafting cannot pay.
     const bool deferred_due =
         !s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens;
     const bool probe = s.deferred == probe_shape(s.max_depth);

@@ -413,10 +413,11 @@ struct PolicySequence {
   // PolicyOptions::ingest_catch_up_tokens) and the sequence drafts from the next step.
   bool can_ingest = false;
   // The shape chosen on the step whose catch-up was moved beside verify (PolicyDecision::
-  // deferred), none if there was none: drafted as it is on the first step with no catch-up left.
-  // Only the feed was moved, not the decision; judged anew from a plain row, a new sequence's
-  // first draft loses near break-even to the pooled prior (a prefill step made it cheap), and
-  // a sequence that never drafts never measures its own acceptance to correct it.
+  // deferred), none if there was none. On the first step with no catch-up left it is drafted as
+  // it is where it is a probe or the verify backend is padded: there the prefill step that chose
+  // it is what lets a cold policy draft at a large batch, and a sequence that never drafts never
+  // measures its own acceptance. Elsewhere it is the previous decision the hysteresis keeps,
+  // judged anew on that decode step (chosen beside a prefill, any tree looks cheap on a CPU).
   SpecShape deferred;
   // `auto`'s second drafter: n-gram lookup over the sequence's own history, which costs no draft
   // time (microseconds in the caller). ngram_depth: the length of this step's proposal, a

@@ -633,6 +633,7 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
   };
   int fixed_plain_steps = 0;
   for (int clients : {1, 3, 8}) {
+    const double busy_before = DraftBusySteps(c->router_metrics);
     std::vector<std::thread> threads;
     std::atomic<size_t> next{0};
     for (int t = 0; t < clients; ++t) {
@@ -652,6 +653,10 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
       });
     }
     for (auto& t : threads) t.join();
+    // Where a late pre-draft held the draft stream (overlap on a loaded host), a short request
+    // may have had every step without a tree: then only the pass as a whole must have drafted.
+    const bool busy = DraftBusySteps(c->router_metrics) > busy_before;
+    uint64_t pass_steps = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
       SCOPED_TRACE(absl::StrCat(prompts[i], " with ", clients, " clients"));
       for (const Result* r : {&off[i], &greedy[i], &seeded_off[i], &seeded[i], &fixed[i]}) {
@@ -666,8 +671,10 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
       // (with overlap) those where a late pre-draft held the draft stream, counted below.
       fixed_plain_steps +=
           std::max(0, static_cast<int>(fixed[i].last.speculation().target_only_steps()) - 2);
-      EXPECT_GT(fixed[i].last.speculation().steps(), 0u);
+      pass_steps += fixed[i].last.speculation().steps();
+      if (!busy) EXPECT_GT(fixed[i].last.speculation().steps(), 0u);
     }
+    EXPECT_GT(pass_steps, 0u) << clients << " clients";
   }
   const int port = c->router_metrics;
   EXPECT_LE(fixed_plain_steps, DraftBusySteps(port));
