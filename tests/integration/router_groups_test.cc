@@ -194,6 +194,10 @@ class Groups {
         }
       }
     }
+    // Placement reads each draft service's load from its GetInfo (polled every 250 ms by
+    // default) and counts a service only once that has answered: its stream can be up first,
+    // when the first poll came before the service listened. Two polls later every one has.
+    if (shape.drafts > 1) absl::SleepFor(absl::Milliseconds(600));
     return g;
   }
 
