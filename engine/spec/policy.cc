@@ -402,6 +402,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
   out.deferred.assign(n, SpecShape());
   out.ngram.assign(n, 0);
   std::vector<char> free(n, 0);
+  // Its deferred shape's catch-up has been fed: the shape is drafted now, or kept as the
+  // previous decision (below).
+  std::vector<char> deferred_due(n, 0);
   std::vector<SpecShape> candidates = {SpecShape()};
   candidates.insert(candidates.end(), options_.candidates.begin(), options_.candidates.end());
   // The model drafter's candidates are [0, model_nc); past them, where some sequence has an
@@ -457,10 +460,10 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     // A deferred shape (PolicySequence::deferred) that is a probe, or behind a padded backend,
     // is drafted as planned; elsewhere it is the previous decision (below), judged anew: kept
     // blindly on a CPU, new sequences drafted 16-node trees where drafting cannot pay.
-    const bool deferred_due =
+    deferred_due[i] =
         !s.deferred.none() && CatchUpTokens(s, s.deferred) <= options_.ingest_catch_up_tokens;
     const bool probe = s.deferred == probe_shape(s.max_depth);
-    if (deferred_due && (probe || options_.padded_rows)) {
+    if (deferred_due[i] && (probe || options_.padded_rows)) {
       out.shapes[i] = Clamp(s.deferred, s.max_depth);
       if (probe) out.reasons[i] = ShapeReason::kProbe;
       continue;
@@ -651,11 +654,9 @@ PolicyDecision GoodputPolicy::Decide(absl::Span<const PolicySequence> batch) {
     if (!free[i]) continue;
     previous[i] = 0;
     // A deferred shape whose catch-up has been fed is the decision the hysteresis keeps.
-    const bool deferred = !batch[i].deferred.none() && CatchUpTokens(batch[i], batch[i].deferred) <=
-                                                           options_.ingest_catch_up_tokens;
     const SpecShape prev =
-        Clamp(deferred ? batch[i].deferred : batch[i].previous, batch[i].max_depth);
-    if (batch[i].previous_ngram && !deferred) {
+        Clamp(deferred_due[i] ? batch[i].deferred : batch[i].previous, batch[i].max_depth);
+    if (batch[i].previous_ngram && !deferred_due[i]) {
       // An n-gram proposal's length changes every step: the previous drafter is kept as the
       // deepest cut of this step's proposal no deeper than the previous one.
       for (size_t c = model_nc; c < nc; ++c) {
