@@ -41,6 +41,21 @@ inline PolicyOptions GpuLikeCosts() {
   return o;
 }
 
+// CPU-like costs, not measured: every token verify scores costs (a fixed part, then linear),
+// a draft level and a catch-up token as the reference draft on one core.
+inline PolicyOptions CpuLikeCosts() {
+  PolicyOptions o;
+  o.measure_costs = false;
+  o.verify_fixed_s = 10e-3;
+  o.verify_per_row_s = 0;
+  o.verify_per_token_s = 0.3e-3;
+  o.draft_fixed_s = 0.5e-3;
+  o.draft_level_fixed_s = 0.5e-3;
+  o.draft_level_per_token_s = 0.02e-3;
+  o.draft_prefill_token_s = 80e-6;
+  return o;
+}
+
 }  // namespace specd::testutil
 
 #endif  // SPECD_TESTS_TESTUTIL_POLICY_FIXTURES_H_

@@ -15,6 +15,7 @@ namespace specd {
 namespace {
 
 using testutil::Acceptance;
+using testutil::CpuLikeCosts;
 using testutil::GpuLikeCosts;
 
 std::vector<PolicySequence> Batch(size_t n, const AcceptanceEstimate* acceptance) {
@@ -512,15 +513,7 @@ TEST(SpecPolicyTest, CatchUpIsChargedAndMeasured) {
 // fed there, as long as the feeds fit in the verify step, and it drafts from the next step with
 // nothing to feed; at one row nobody else waits, and nothing is moved.
 TEST(SpecPolicyTest, ALongCatchUpIsFedBesideVerifyNotBeforeTheBatchsDrafts) {
-  PolicyOptions o;
-  o.measure_costs = false;
-  o.verify_fixed_s = 10e-3;
-  o.verify_per_row_s = 0;
-  o.verify_per_token_s = 0.3e-3;
-  o.draft_fixed_s = 0.5e-3;
-  o.draft_level_fixed_s = 0.5e-3;
-  o.draft_level_per_token_s = 0.02e-3;
-  o.draft_prefill_token_s = 80e-6;  // the reference draft on one core
+  const PolicyOptions o = CpuLikeCosts();
   const AcceptanceEstimate a = Acceptance(0.9, o);
   std::vector<PolicySequence> batch = Batch(16, &a);
   for (PolicySequence& s : batch) s.draft_backlog = 150;
@@ -575,15 +568,7 @@ TEST(SpecPolicyTest, ALongCatchUpIsFedBesideVerifyNotBeforeTheBatchsDrafts) {
 // there, beside the prefill the first token waits for anyway, and the sequence drafts from its
 // second step with nothing left to feed.
 TEST(SpecPolicyTest, ANewSequencesPromptIsFedBesideTheVerifyPrefill) {
-  PolicyOptions o;
-  o.measure_costs = false;
-  o.verify_fixed_s = 10e-3;
-  o.verify_per_row_s = 0;
-  o.verify_per_token_s = 0.3e-3;
-  o.draft_fixed_s = 0.5e-3;
-  o.draft_level_fixed_s = 0.5e-3;
-  o.draft_level_per_token_s = 0.02e-3;
-  o.draft_prefill_token_s = 80e-6;
+  const PolicyOptions o = CpuLikeCosts();
   const AcceptanceEstimate a = Acceptance(0.9, o);
   for (size_t rows : {1, 4}) {
     SCOPED_TRACE(rows);
