@@ -232,6 +232,46 @@ inline std::vector<std::string> Prompts(int n) {
   return out;
 }
 
+// Each of `prompts` from `clients` threads at once, greedy and sampled (`temperature`, `top_k`
+// unless 0, `seed`),
+// with speculation off and with `mode`: every request succeeds and `mode`'s greedy tokens and
+// text equal off's, its seeded tokens seeded off's.
+inline void ExpectGreedyAndSeededMatchOff(Cluster& c, const std::vector<std::string>& prompts,
+                                          int tokens, int clients, v1::Speculation mode,
+                                          float temperature, int top_k, uint64_t seed) {
+  std::vector<Result> off(prompts.size()), greedy(prompts.size()), seeded_off(prompts.size()),
+      seeded(prompts.size());
+  auto sampled = [&](const std::string& prompt, v1::Speculation speculation) {
+    v1::GenerateRequest r = Greedy(prompt, tokens, speculation);
+    r.set_temperature(temperature);
+    if (top_k > 0) r.set_top_k(top_k);
+    r.set_seed(seed);
+    return r;
+  };
+  std::vector<std::thread> threads;
+  std::atomic<size_t> next{0};
+  for (int t = 0; t < clients; ++t) {
+    threads.emplace_back([&] {
+      for (size_t i; (i = next++) < prompts.size();) {
+        off[i] = c.Generate(Greedy(prompts[i], tokens, v1::SPECULATION_OFF));
+        greedy[i] = c.Generate(Greedy(prompts[i], tokens, mode));
+        seeded_off[i] = c.Generate(sampled(prompts[i], v1::SPECULATION_OFF));
+        seeded[i] = c.Generate(sampled(prompts[i], mode));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat(prompts[i], " with ", clients, " clients"));
+    for (const Result* r : {&off[i], &greedy[i], &seeded_off[i], &seeded[i]}) {
+      ASSERT_TRUE(r->status.ok()) << r->status.error_message();
+    }
+    EXPECT_EQ(greedy[i].tokens, off[i].tokens);
+    EXPECT_EQ(greedy[i].text, off[i].text);
+    EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
+  }
+}
+
 // Target-only greedy decoding in this process, straight on the engine.
 inline std::vector<int32_t> EngineGreedy(Backend* target, const std::vector<int32_t>& prompt, int n,
                                          SeqId seq) {

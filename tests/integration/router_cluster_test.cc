@@ -702,44 +702,6 @@ TEST(RouterClusterTest, GoodputPolicyKeepsGreedyAndSeededOutputIdentical) {
   std::printf("catch_up steps %.0f, ingested tokens %.0f\n", catch_up, ingested);
 }
 
-// Each of `prompts` from `clients` threads at once, greedy and sampled (`temperature`, `seed`),
-// with speculation off and with `mode`: every request succeeds and `mode`'s greedy tokens and
-// text equal off's, its seeded tokens seeded off's.
-void ExpectGreedyAndSeededMatchOff(Cluster& c, const std::vector<std::string>& prompts, int tokens,
-                                   int clients, v1::Speculation mode, float temperature,
-                                   uint64_t seed) {
-  std::vector<Result> off(prompts.size()), greedy(prompts.size()), seeded_off(prompts.size()),
-      seeded(prompts.size());
-  auto sampled = [&](const std::string& prompt, v1::Speculation speculation) {
-    v1::GenerateRequest r = Greedy(prompt, tokens, speculation);
-    r.set_temperature(temperature);
-    r.set_seed(seed);
-    return r;
-  };
-  std::vector<std::thread> threads;
-  std::atomic<size_t> next{0};
-  for (int t = 0; t < clients; ++t) {
-    threads.emplace_back([&] {
-      for (size_t i; (i = next++) < prompts.size();) {
-        off[i] = c.Generate(Greedy(prompts[i], tokens, v1::SPECULATION_OFF));
-        greedy[i] = c.Generate(Greedy(prompts[i], tokens, mode));
-        seeded_off[i] = c.Generate(sampled(prompts[i], v1::SPECULATION_OFF));
-        seeded[i] = c.Generate(sampled(prompts[i], mode));
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    SCOPED_TRACE(absl::StrCat(prompts[i], " with ", clients, " clients"));
-    for (const Result* r : {&off[i], &greedy[i], &seeded_off[i], &seeded[i]}) {
-      ASSERT_TRUE(r->status.ok()) << r->status.error_message();
-    }
-    EXPECT_EQ(greedy[i].tokens, off[i].tokens);
-    EXPECT_EQ(greedy[i].text, off[i].text);
-    EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
-  }
-}
-
 // Under auto the goodput policy drafts each sequence, step by step, with the draft model, with
 // the router's n-gram proposal (prompts that repeat themselves, and the random target's loops,
 // give matches) or not at all. With 1 and 4 clients greedy output equals off's and seeded
@@ -763,7 +725,7 @@ TEST(RouterClusterTest, AutoSwitchingBetweenNgramAndTheDraftModelIsIdenticalToOf
   };
   for (int clients : {1, 4}) {
     ExpectGreedyAndSeededMatchOff(*c, prompts, /*tokens=*/48, clients, v1::SPECULATION_AUTO,
-                                  /*temperature=*/0.7f, /*seed=*/5);
+                                  /*temperature=*/0.7f, /*top_k=*/0, /*seed=*/5);
   }
   auto steps = [&](const char* reason) {
     double sum = 0;
@@ -840,7 +802,7 @@ TEST(RouterClusterTest, IngestOnlyStepsKeepOutputsIdentical) {
   std::unique_ptr<Cluster> c = Cluster::Start(options);
   ASSERT_NE(c, nullptr);
   ExpectGreedyAndSeededMatchOff(*c, Prompts(16), /*tokens=*/24, /*clients=*/8, v1::SPECULATION_AUTO,
-                                /*temperature=*/0.8f, /*seed=*/11);
+                                /*temperature=*/0.8f, /*top_k=*/0, /*seed=*/11);
   const int port = c->router_metrics;
   const double policy_off = Cluster::Metric(port, "specd_spec_steps_total",
                                             {{"tree_size", "0"}, {"reason", "policy_off"}});

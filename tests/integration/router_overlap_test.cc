@@ -45,39 +45,9 @@ double PreDraftOutcomes(int port, const char* result) {
 // the target's), greedy and seeded outputs stay those of target-only decoding, alone and
 // batched, and the metrics count hits, misses and how each miss was served.
 void ExpectOverlapLossless(Cluster* c, int clients, bool expect_hits) {
-  const std::vector<std::string> prompts = Prompts(12);
-  const int kTokens = 40;
-  std::vector<Result> off(prompts.size()), on(prompts.size()), seeded_off(prompts.size()),
-      seeded(prompts.size());
-  auto sampled = [](const std::string& prompt, v1::Speculation speculation) {
-    v1::GenerateRequest r = Greedy(prompt, kTokens, speculation);
-    r.set_temperature(0.8f);
-    r.set_top_k(30);
-    r.set_seed(11);
-    return r;
-  };
-  std::vector<std::thread> threads;
-  std::atomic<size_t> next{0};
-  for (int t = 0; t < clients; ++t) {
-    threads.emplace_back([&] {
-      for (size_t i; (i = next++) < prompts.size();) {
-        off[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_OFF));
-        on[i] = c->Generate(Greedy(prompts[i], kTokens, v1::SPECULATION_DRAFT_MODEL));
-        seeded_off[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_OFF));
-        seeded[i] = c->Generate(sampled(prompts[i], v1::SPECULATION_DRAFT_MODEL));
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    SCOPED_TRACE(absl::StrCat(prompts[i], " with ", clients, " clients"));
-    for (const Result* r : {&off[i], &on[i], &seeded_off[i], &seeded[i]}) {
-      ASSERT_TRUE(r->status.ok()) << r->status.error_message();
-    }
-    EXPECT_EQ(on[i].tokens, off[i].tokens);
-    EXPECT_EQ(on[i].text, off[i].text);
-    EXPECT_EQ(seeded[i].tokens, seeded_off[i].tokens);
-  }
+  ExpectGreedyAndSeededMatchOff(*c, Prompts(12), /*tokens=*/40, clients,
+                                v1::SPECULATION_DRAFT_MODEL, /*temperature=*/0.8f, /*top_k=*/30,
+                                /*seed=*/11);
   const int port = c->router_metrics;
   const double hits = PreDraftOutcomes(port, "hit");
   // A late pre-draft (one that outlasted the router's wait) is served as a miss.
